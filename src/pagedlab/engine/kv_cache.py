@@ -1,0 +1,169 @@
+"""The KV cache's block pool: allocation, block tables, ref counts and prefix caching.
+
+Prefix caching: each full block is named by a chain hash of (parent block's hash, its token
+ids). A block found under that name is reused only if its stored tokens are equal too. Freed
+blocks keep their name until the pool hands them out again, least recently used first, so a
+prefix stays reusable for as long as memory allows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedlab.engine.request import Request
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b((parent_hash or b"") + data, digest_size=16).digest()
+
+
+class KVCacheManager:
+    """Hands out fixed-size blocks of KV slots to requests."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first (the eviction order).
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding a prefix of ``request``'s tokens (hashes are recorded on it).
+
+        The last token is never taken from the cache: at least one token must be computed so the
+        request gets logits to sample from.
+        """
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+            return []
+        tokens = request.all_token_ids
+        num_full = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range(num_full):
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block(parent, block_tokens)
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            hits.append(block_id)
+            parent = block_hash
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Give ``request`` room for ``num_new_tokens`` more tokens; False (nothing changed) if the
+        pool is too small. ``cached_blocks`` (for a request that holds no block yet) are the prefix
+        hits from ``find_cached_prefix``, taken before any new block; passing it, even empty,
+        counts the lookup in ``stats``."""
+        is_first_allocation = cached_blocks is not None
+        cached_blocks = cached_blocks or []
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(cached_blocks)
+        num_cached_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - num_cached_free:
+            return False
+        if is_first_allocation:
+            self.stats.queried_tokens += request.num_tokens
+            self.stats.hit_tokens += num_cached_tokens
+        for block_id in cached_blocks:
+            self._take(block_id)
+        request.block_ids.extend(cached_blocks)
+        if cached_blocks:
+            request.num_computed_tokens += num_cached_tokens
+            request.num_cached_prompt_tokens = num_cached_tokens
+        for _ in range(max(num_new_blocks, 0)):
+            block_id = next(iter(self.free_blocks))
+            self._take(block_id)
+            self._evict(block_id)
+            request.block_ids.append(block_id)
+        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the tail goes first so shared prefixes are evicted last."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        request.block_ids.clear()
+        request.block_hashes.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; blocks in use stay valid but are no longer shared."""
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached_blocks.clear()
+        self.stats = PrefixCacheStats()
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Name the request's blocks that ``num_tokens`` known tokens fill completely."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block(parent, block_tokens)
+            request.block_hashes.append(block_hash)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is None:
+                block.block_hash = block_hash
+                block.token_ids = block_tokens
+                self.cached_blocks.setdefault(block_hash, block.block_id)

@@ -1,0 +1,91 @@
+"""The state of one sequence as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedlab.outputs import PositionLogprobs, RequestMetrics
+from pagedlab.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: a prompt plus the tokens generated so far.
+
+    ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
+    the scheduler runs ``num_tokens - num_computed_tokens`` more (a whole prompt, a chunk of it,
+    or the one newly sampled token). Preemption frees the blocks and sets it back to 0, so the
+    prompt and the output so far are recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    index: int = 0  # which of the parent's n completions this is
+    parent_id: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        params = self.sampling_params
+        if params.logprobs is not None:
+            self.logprobs = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,1 @@
+"""Model building blocks; each loads its own weights through ``weight_loader``."""

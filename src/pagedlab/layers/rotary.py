@@ -1,0 +1,52 @@
+"""Rotary position embedding (NeoX layout: the two halves of each head are rotated together).
+
+Inverse frequencies come from transformers' own RoPE initialisers, so every scaling type the
+model config names (llama3, linear, yarn, ...) matches the reference implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_POSITION_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type in _POSITION_DEPENDENT:
+        raise ValueError(f"rope_type={rope_type!r} is not supported: its frequencies depend on the "
+                         "sequence length; supported: default, linear, llama3, yarn")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type={rope_type!r} is unknown; supported: default, linear, llama3, yarn")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """``q``/``k`` are ``[num_tokens, heads, head_dim]``; returns them rotated."""
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,84 @@
+"""What generation returns: vLLM's RequestOutput / CompletionOutput records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its rank in the distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One entry per position: token id -> Logprob (the top-N plus the chosen token).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled completion of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt, in vLLM's shape."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam."""
+
+    tokens: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

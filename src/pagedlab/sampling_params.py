@@ -1,0 +1,118 @@
+"""Sampling parameters, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+def _check(cond: bool, name: str, value, allowed: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s).
+
+    ``temperature=0`` means greedy. ``seed`` gives the request its own random generator, so
+    the same seed gives the same tokens whether the request runs alone or among others.
+    ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
+    generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first.
+    Log-probabilities are those of the raw model distribution, before penalties and temperature.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+               "an integer >= 0 (0 or -1 means all tokens)")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "an integer >= 1 or None")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+               "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 0), name, value,
+                   "None or an integer >= 0")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "a non-empty string or a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's names): the score of a finished beam is
+    ``cumulative_logprob / num_generated_tokens ** length_penalty``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", self.beam_width,
+               "an integer >= 1")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "an integer >= 1")
+        _check(self.temperature == 0.0, "temperature", self.temperature, "0 (beam search is deterministic)")
