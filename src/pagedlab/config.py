@@ -104,7 +104,14 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
 
 
 def model_max_len(hf_config) -> int:
-    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """Positions the model supports; a Mistral-style sliding window caps it, since attention
+    here is always full (within the window the two are the same)."""
+    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", getattr(hf_config, "model_type", "") == "mistral")
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:

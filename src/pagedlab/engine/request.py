@@ -31,7 +31,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None

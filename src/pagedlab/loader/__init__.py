@@ -1,0 +1,72 @@
+"""Find a model (HF directory, GGUF file, embedded name), build it and fill its weights."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedlab.loader.dummy import init_dummy_weights
+from pagedlab.loader.gguf import EMBEDDED_MODELS, convert_gguf, embedded_model_path
+from pagedlab.loader.safetensors import iterate_safetensors
+from pagedlab.models.registry import build_model
+
+
+@dataclass
+class ModelSource:
+    """Where the weights come from: ``path`` is an HF-layout directory (config.json, ...)."""
+
+    name: str  # what the user asked for
+    path: Path
+    load_format: str  # "safetensors" | "dummy"
+    original_file: Path | None = None  # the GGUF file, for a converted one
+
+
+def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
+    original = None
+    if model in EMBEDDED_MODELS:
+        original = embedded_model_path(model)
+        path = convert_gguf(original)
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"model {model!r} does not exist: give a local HF directory (config.json + *.safetensors), "
+                f"a .gguf file, or one of the embedded models {sorted(EMBEDDED_MODELS)}")
+        if path.is_file():
+            if path.suffix != ".gguf" and load_format != "gguf":
+                raise ValueError(f"model {model!r} is a file but not a .gguf file; give a directory or a GGUF file")
+            original, path = path, convert_gguf(path)
+        elif load_format == "gguf":
+            raise ValueError(f"load_format='gguf' needs a .gguf file, but {model!r} is a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    return ModelSource(model, path, "dummy" if load_format == "dummy" else "safetensors", original)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
+               max_position: int, seed: int = 0) -> torch.nn.Module:
+    """Build the model straight on ``device`` in ``dtype`` and load (or randomise) its weights."""
+    with _default_dtype(dtype), torch.device(device):
+        model = build_model(hf_config, max_position)
+    if source.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        loaded = model.load_weights(iterate_safetensors(source.path))
+        missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"the checkpoint in {source.path} lacks weights for: {shown}")
+    return model.eval()

@@ -1,0 +1,300 @@
+"""The engine core: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+Shared by the offline ``LLM`` and the online server. Loading happens once; the plan (KV cache,
+scheduler) can be rebuilt without touching the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedlab.config import (EngineConfig, cpu_kv_cache_bytes, model_max_len, resolve_device, resolve_dtype,
+                             resolve_max_model_len, resolve_max_num_batched_tokens)
+from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedlab.engine.kv_cache import KVCacheManager
+from pagedlab.engine.model_runner import ModelRunner, PromptLogprobsChunk, StepOutput
+from pagedlab.engine.request import Request
+from pagedlab.engine.scheduler import Scheduler
+from pagedlab.layers.attention import get_attention_backend
+from pagedlab.layers.sampler import TopLogprobs
+from pagedlab.loader import load_model, resolve_model_source
+from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedlab.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ParentRequest:
+    """A user request: its ``n`` completions run as separate sequences sharing the prompt."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+def load_tokenizer(path, trust_remote_code: bool = False):
+    """The tokenizer in ``path``, or None for a directory that holds only weights/config."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
+        return None
+
+
+class LLMEngine:
+    """Owns the model, the KV cache and the scheduler; ``step()`` advances every request."""
+
+    def __init__(self, config: EngineConfig, attention_backend: str = "auto"):
+        from transformers import AutoConfig, GenerationConfig
+
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.source = resolve_model_source(config.model, config.load_format)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(str(self.source.path),
+                                                        trust_remote_code=config.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.source.path, config.trust_remote_code)
+        try:
+            generation_config = GenerationConfig.from_pretrained(str(self.source.path))
+        except OSError:
+            generation_config = None
+        self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
+        if self.device.type == "cpu":
+            torch.manual_seed(config.seed)
+        self.model = load_model(self.source, self.hf_config, self.dtype, self.device,
+                                model_max_len(self.hf_config), config.seed)
+        self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, config.block_size,
+                                  get_attention_backend(attention_backend, self.device), config.seed)
+        self._parents: dict[str, _ParentRequest] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.scheduler: Scheduler | None = None
+        self.kv_cache: KVCacheManager | None = None
+        self.build_plan()
+
+    # ---- planning -------------------------------------------------------------------------
+    def build_plan(self) -> None:
+        """(Re)create the KV cache and the scheduler from ``self.config``; the weights stay."""
+        if self.scheduler is not None and self.scheduler.num_unfinished:
+            raise RuntimeError("cannot re-plan while requests are unfinished")
+        cfg = self.config
+        self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
+        self.runner.block_size = cfg.block_size
+        self.runner.free_kv_cache()
+        num_blocks = self._num_kv_blocks()
+        min_blocks = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than one "
+                f"max_model_len ({self.max_model_len}) sequence needs ({min_blocks}); raise "
+                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.runner.bytes_per_block
+        # Never more than every sequence slot at full length could use.
+        ceiling = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        if cfg.kv_cache_memory_bytes is not None:
+            return min(cfg.kv_cache_memory_bytes // per_block, ceiling)
+        if self.device.type == "cpu":
+            return min(cpu_kv_cache_bytes(cfg) // per_block, ceiling)
+        blocks = self.runner.profile_gpu_kv_blocks(self.max_num_batched_tokens, self.max_model_len,
+                                                   cfg.gpu_memory_utilization)
+        return min(blocks, ceiling)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request; bad input raises ValueError and leaves the engine unchanged."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.detokenize and self.tokenizer is None and (params.stop or params.logprobs is not None):
+            raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
+                             "use stop_token_ids or detokenize=False")
+        arrival_time = arrival_time or time.time()
+        children = []
+        for index in range(params.n):
+            child = Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids),
+                            params, eos_token_ids=self.eos_token_ids, prompt=prompt, index=index,
+                            parent_id=request_id, arrival_time=arrival_time)
+            if params.seed is not None:
+                child.generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            if params.detokenize and self.tokenizer is not None:
+                self._detokenizers[child.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, params.skip_special_tokens)
+            children.append(child)
+        self._parents[request_id] = _ParentRequest(request_id, prompt, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "prompts must be shorter than max_model_len so at least one token can be generated")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be integers in [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            if not child.is_finished:
+                self._finish(child, "abort")
+        return self._make_output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- the step loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; return the current output of every request that changed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty():
+            return []
+        result = self.runner.execute(batch)
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+        self._record_prompt_logprobs(batch.requests, result.prompt_logprobs)
+        self._append_tokens(result)
+        outputs = []
+        for parent_id in dict.fromkeys(r.parent_id for r in batch.requests + batch.preempted):
+            parent = self._parents.get(parent_id)
+            if parent is not None:
+                outputs.append(self._make_output(parent))
+        return outputs
+
+    def _append_tokens(self, result: StepOutput) -> None:
+        now = time.time()
+        for row, (request, token) in enumerate(zip(result.sampled_requests, result.sampled_token_ids)):
+            request.append_token(token)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generated_tokens = request.num_output_tokens
+            if request.logprobs is not None:
+                request.logprobs.append(self._position_logprobs(result.logprobs, row, token,
+                                                                request.sampling_params.logprobs))
+                request.cumulative_logprob += float(result.logprobs.token_logprob[row])
+            new_text = ""
+            detok = self._detokenizers.get(request.request_id)
+            if detok is not None:
+                new_text = detok.append(token)
+                request.text = detok.text
+            self._check_stop(request, token, len(new_text))
+
+    def _check_stop(self, request: Request, token: int, new_text_len: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return self._finish(request, "stop")
+            if token in params.stop_token_ids:
+                return self._finish(request, "stop", stop_reason=token)
+            if params.stop and new_text_len:
+                hit = find_stop_string(request.text, new_text_len, params.stop)
+                if hit is not None:
+                    stop, idx = hit
+                    request.text = request.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+                    return self._finish(request, "stop", stop_reason=stop)
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return self._finish(request, "length")
+        if request.num_tokens >= self.max_model_len:
+            return self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.metrics.finished_time = time.time()
+        self.scheduler.finish(request)
+        self._detokenizers.pop(request.request_id, None)
+
+    def _record_prompt_logprobs(self, requests: list[Request], chunks: dict[str, PromptLogprobsChunk]) -> None:
+        for request in requests:
+            chunk = chunks.get(request.request_id)
+            if chunk is None:
+                continue
+            num = request.sampling_params.prompt_logprobs
+            for j, token in enumerate(chunk.token_ids):
+                request.prompt_logprobs[chunk.start + j] = self._position_logprobs(chunk.logprobs, j, token, num)
+
+    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int) -> PositionLogprobs:
+        entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
+        for rank, (tid, lp) in enumerate(zip(top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()), 1):
+            entries.setdefault(tid, (lp, rank))
+        return {tid: Logprob(lp, rank, self._decode_token(tid)) for tid, (lp, rank) in entries.items()}
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, parent: _ParentRequest) -> RequestOutput:
+        finished = parent.finished
+        if finished:
+            del self._parents[parent.request_id]
+        first = parent.children[0]
+        completions = [
+            CompletionOutput(
+                index=c.index, text=c.text, token_ids=c.output_token_ids,
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for c in parent.children]
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            outputs=completions, finished=finished, metrics=first.metrics,
+            num_cached_tokens=first.num_cached_prompt_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Drop every request, the KV cache and the weights."""
+        self._parents.clear()
+        self._detokenizers.clear()
+        self.scheduler = None
+        self.kv_cache = None
+        self.runner.free_kv_cache()
+        self.runner.model = None
+        self.model = None
+
+
+def _eos_token_ids(hf_config, generation_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (generation_config, hf_config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,226 @@
+"""Turns a ScheduledBatch into flat tensors, runs the model over the paged KV cache, samples.
+
+Owns the weights, the KV cache tensors and the sampler. Logits are computed only for the
+positions that sample, plus every prompt position of requests that asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedlab.engine.request import Request
+from pagedlab.engine.scheduler import ScheduledBatch
+from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
+from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs for positions ``start..start+len`` of one request (of the token at each)."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: TopLogprobs  # CPU tensors
+
+
+@dataclass
+class StepOutput:
+    """What one forward pass produced, on the host: one sampled token per sampling request."""
+
+    sampled_requests: list[Request]
+    sampled_token_ids: list[int]
+    logprobs: TopLogprobs | None  # rows follow sampled_requests; CPU tensors
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
+                 block_size: int, backend: AttentionBackend, seed: int = 0):
+        self.model = model
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = backend
+        self.vocab_size = hf_config.vocab_size
+        attn = model.attention_layers()[0]
+        self.num_layers = len(model.attention_layers())
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+
+    # ---- KV cache -------------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``; each layer gets views."""
+        self.free_kv_cache()
+        self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def free_kv_cache(self) -> None:
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int, gpu_memory_utilization: float) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU after a forward pass over
+        ``num_tokens`` tokens (the largest step) has shown the activations' peak."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        seq_len = min(num_tokens, max_model_len)
+        num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self.allocate_kv_cache(num_seqs * blocks_per_seq)
+        block_tables = torch.arange(num_seqs * blocks_per_seq, device=self.device,
+                                    dtype=torch.int32).view(num_seqs, blocks_per_seq)
+        lens = [seq_len] * num_seqs
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        slot_mapping = (block_tables[:, :, None] * self.block_size
+                        + torch.arange(self.block_size, device=self.device, dtype=torch.int32)).flatten(1)
+        slot_mapping = slot_mapping[:, :seq_len].flatten().long()
+        metadata = self._metadata(slot_mapping, lens, lens, block_tables)
+        with torch.inference_mode(), forward_context(metadata, self.backend):
+            hidden = self.model(torch.zeros_like(positions), positions)
+            self.model.compute_logits(hidden[-min(num_seqs * 256, len(hidden)):])
+        torch.cuda.synchronize(self.device)
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
+        self.free_kv_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        available = total * gpu_memory_utilization - used_by_others - peak
+        logger.info("KV cache: %.2f GiB available after a %d-token profile (peak %.2f GiB)",
+                    available / 2**30, num_tokens, peak / 2**30)
+        return int(available // self.bytes_per_block)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables) -> AttentionMetadata:
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=block_tables,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # flat token index of each sampling request's last token
+        prompt_rows: list[int] = []  # flat token indices whose prompt logprobs are wanted
+        prompt_chunks: dict[str, tuple[int, int, int]] = {}  # request -> (first prompt row, count, start)
+        sampled: list[Request] = []
+        bs = self.block_size
+        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = request.num_computed_tokens
+            offset = len(input_ids)
+            input_ids.extend(request.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            seq_lens.append(start + n)
+            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
+                count = min(start + n, request.num_prompt_tokens - 1) - start
+                prompt_chunks[request.request_id] = (len(prompt_rows), count, start)
+                prompt_rows.extend(range(offset, offset + count))
+            if batch.samples(i):
+                sampled.append(request)
+                sample_rows.append(offset + n - 1)
+        max_blocks = max(len(r.block_ids) for r in batch.requests)
+        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests],
+                                    dtype=torch.int32, device=self.device)
+        metadata = self._metadata(torch.tensor(slots, dtype=torch.int64, device=self.device),
+                                  batch.num_new_tokens, seq_lens, block_tables)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with forward_context(metadata, self.backend):
+            hidden = self.model(ids, pos)
+        rows = sample_rows + prompt_rows
+        if not rows:
+            return StepOutput([], [], None, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], batch, prompt_chunks)
+        if not sampled:
+            return StepOutput([], [], None, prompt_logprobs)
+        out = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+        token_ids = out.token_ids.tolist()
+        logprobs = _to_cpu(out.logprobs) if out.logprobs is not None else None
+        return StepOutput(sampled, token_ids, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
+        result = {}
+        by_id = {r.request_id: r for r in batch.requests}
+        for request_id, (first, count, start) in prompt_rows.items():
+            request = by_id[request_id]
+            targets = request.prompt_token_ids[start + 1:start + 1 + count]
+            logprobs = logits[first:first + count].log_softmax(-1)
+            top = gather_logprobs(logprobs, torch.tensor(targets, device=self.device),
+                                  request.sampling_params.prompt_logprobs)
+            result[request_id] = PromptLogprobsChunk(start + 1, targets, _to_cpu(top))
+        return result
+
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        dev = self.device
+
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        greedy = [p.greedy for p in params]
+        meta = SamplingMetadata(
+            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            greedy=column(greedy, torch.bool),
+            top_k=column([p.top_k or self.vocab_size for p in params], torch.int64)
+            if any(p.top_k for p in params) else None,
+            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
+            min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
+            generators=[r.generator for r in requests],
+            all_greedy=all(greedy),
+        )
+        if any(p.has_penalties for p in params):
+            meta.presence_penalty = column([p.presence_penalty for p in params])
+            meta.frequency_penalty = column([p.frequency_penalty for p in params])
+            meta.repetition_penalty = column([p.repetition_penalty for p in params])
+            meta.output_token_ids = self._padded([r.output_token_ids for r in requests])
+            meta.prompt_token_ids = self._padded([r.prompt_token_ids for r in requests])
+        banned = []
+        for row, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if ids:
+                    banned.append((row, ids))
+        meta.banned_token_ids = banned or None
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([r + [self.vocab_size] * (width - len(r)) for r in rows],
+                            dtype=torch.int64, device=self.device)
+
+
+def _to_cpu(top: TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(top.token_logprob.cpu(), top.token_rank.cpu(), top.top_ids.cpu(), top.top_logprobs.cpu())

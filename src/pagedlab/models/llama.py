@@ -1,0 +1,162 @@
+"""The Llama decoder family: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+They differ only in two switches, so one implementation serves them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedlab.layers.activation import SiluAndMul
+from pagedlab.layers.attention import Attention
+from pagedlab.layers.embedding import LMHead, VocabEmbedding
+from pagedlab.layers.linear import Linear
+from pagedlab.layers.norm import RMSNorm
+from pagedlab.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = getattr(hf_config, "mlp_bias", False)
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported: only 'silu' is")
+        self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+        super().__init__()
+        self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm, max_position)
+        self.mlp = DecoderMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, qkv_bias, qk_norm, max_position) for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over flat varlen batches (``input_ids``/``positions``: ``[num_tokens]``)."""
+
+    # checkpoint name -> (our fused parameter, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config, max_position: int, qkv_bias: bool = False, qk_norm: bool = False):
+        super().__init__()
+        self.config = hf_config
+        qkv_bias = qkv_bias or getattr(hf_config, "attention_bias", False)
+        self.model = DecoderModel(hf_config, qkv_bias, qk_norm, max_position)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters; returns the names of the parameters set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard_id = None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.packed_modules:
+                fused, shard_id = self.packed_modules[parts[-2]]
+                parts[-2] = fused
+            target = ".".join(parts)
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is not None:
+                    loader(param, tensor, shard_id)
+                elif param.shape != tensor.shape:
+                    raise ValueError(f"weight shape {tuple(tensor.shape)} does not match the expected "
+                                     f"{tuple(param.shape)}")
+                else:
+                    param.data.copy_(tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,34 @@
+"""Which model class (and which switches) serves a checkpoint, by ``architectures``/``model_type``."""
+
+from __future__ import annotations
+
+
+from pagedlab.models.llama import LlamaForCausalLM
+
+# architecture -> (class, keyword switches)
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": (LlamaForCausalLM, {}),
+    "MistralForCausalLM": (LlamaForCausalLM, {}),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def resolve_architecture(hf_config) -> str:
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in MODEL_REGISTRY:
+            return arch
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"architecture {getattr(hf_config, 'architectures', None)} (model_type={model_type!r}) is not "
+        f"supported; supported architectures: {sorted(MODEL_REGISTRY)}")
+
+
+def build_model(hf_config, max_position: int):
+    """An uninitialised model of the checkpoint's architecture (weights still to be loaded)."""
+    model_cls, switches = MODEL_REGISTRY[resolve_architecture(hf_config)]
+    return model_cls(hf_config, max_position, **switches)
