@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pagedlab.config import EngineConfig
-from pagedlab.engine.engine import LLMEngine
+from pagedlab.config import PLAN_FIELDS, EngineConfig
+from pagedlab.engine.engine import EngineStats, LLMEngine
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 
@@ -162,6 +162,35 @@ class LLM:
             for rid in ids:  # an interrupted run leaves nothing behind in the engine
                 engine.abort_request(rid)
         return results
+
+    def benchmark(self, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512, output_len: int = 128,
+                  num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
+                  repeats: int = 1, **kwargs):
+        """Throughput, latency percentiles, memory and GPU telemetry on random prompts, with the
+        provenance manifest; see ``pagedlab.lab.bench.BenchmarkResult``."""
+        from pagedlab.lab.bench import run_benchmark
+
+        return run_benchmark(self, batch_size=batch_size, input_len=input_len, output_len=output_len,
+                             num_prompts=num_prompts, use_beam_search=use_beam_search, warmup=warmup,
+                             repeats=repeats, **kwargs)
+
+    def set_model_args(self, **kwargs) -> None:
+        """Change plan-level settings (block_size, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, enable_chunked_prefill, enforce_eager, gpu_memory_utilization,
+        kv_cache_memory_bytes, max_model_len) for the next call, keeping the loaded weights."""
+        weight_level = {"model", "tokenizer", "dtype", "quantization", "tensor_parallel_size", "load_format",
+                        "trust_remote_code", "device", "seed"}
+        for key in kwargs:
+            if key in weight_level:
+                raise ValueError(f"{key!r} changes the weights, which set_model_args keeps: build a new LLM "
+                                 f"for a different {key}")
+            if key not in PLAN_FIELDS:
+                raise ValueError(f"unknown model arg {key!r}; set_model_args accepts {list(PLAN_FIELDS)}")
+        self.llm_engine.update_plan(**kwargs)
+
+    def get_stats(self) -> EngineStats:
+        """Memory and counters: KV blocks (used, peak), prefix-cache hits, tokens computed."""
+        return self.llm_engine.get_stats()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -6,6 +6,7 @@ scheduler) can be rebuilt without touching the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,41 @@ from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, Reques
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and memory figures of the engine, for benchmarks, metrics and the lab."""
+
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    peak_kv_blocks_used: int
+    kv_tokens_at_peak: int  # tokens held in the cache when the block peak was reached
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # prompt and recomputed tokens run through the model
+    generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def fragmentation_at_peak(self) -> float:
+        """Share of the token slots allocated at the peak that held no token."""
+        slots = self.peak_kv_blocks_used * self.block_size
+        return 1.0 - self.kv_tokens_at_peak / slots if slots else 0.0
 
 
 @dataclass
@@ -87,6 +123,19 @@ class LLMEngine:
         self.kv_cache: KVCacheManager | None = None
         self.build_plan()
 
+    def update_plan(self, **changes) -> None:
+        """Change plan-level settings (see ``config.PLAN_FIELDS``) and rebuild the KV cache and
+        scheduler; the weights stay where they are. On error the previous plan is restored."""
+        previous = self.config
+        self.config = dataclasses.replace(previous, **changes)
+        try:
+            self.config.validate()
+            self.build_plan()
+        except Exception:
+            self.config = previous
+            self.build_plan()
+            raise
+
     # ---- planning -------------------------------------------------------------------------
     def build_plan(self) -> None:
         """(Re)create the KV cache and the scheduler from ``self.config``; the weights stay."""
@@ -108,6 +157,25 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the peak and token counters (the prefix cache keeps its contents)."""
+        self._peak_blocks = self._tokens_at_peak = self._num_preemptions = 0
+        self._prompt_tokens = self._generation_tokens = 0
+        self.kv_cache.stats.queried_tokens = self.kv_cache.stats.hit_tokens = 0
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache
+        return EngineStats(
+            num_kv_blocks=kv.num_blocks, block_size=kv.block_size,
+            kv_cache_bytes=self.runner.kv_cache.numel() * self.runner.kv_cache.element_size(),
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks, peak_kv_blocks_used=self._peak_blocks,
+            kv_tokens_at_peak=self._tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
+            prefix_cache_hit_tokens=kv.stats.hit_tokens, num_preemptions=self._num_preemptions,
+            prompt_tokens_computed=self._prompt_tokens, generation_tokens=self._generation_tokens)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -183,6 +251,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
+        self._record_batch_stats(batch)
         result = self.runner.execute(batch)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
@@ -194,6 +263,16 @@ class LLMEngine:
             if parent is not None:
                 outputs.append(self._make_output(parent))
         return outputs
+
+    def _record_batch_stats(self, batch) -> None:
+        used = self.kv_cache.num_blocks - self.kv_cache.num_free_blocks
+        if used > self._peak_blocks:
+            self._peak_blocks = used
+            self._tokens_at_peak = sum(r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens))
+        self._num_preemptions += len(batch.preempted)
+        self._generation_tokens += sum(1 for i in range(len(batch.requests)) if batch.samples(i))
+        self._prompt_tokens += batch.total_tokens - sum(
+            1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= r.num_prompt_tokens)
 
     def _append_tokens(self, result: StepOutput) -> None:
         now = time.time()
