@@ -197,9 +197,8 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.detokenize and self.tokenizer is None and (params.stop or params.logprobs is not None):
-            raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
-                             "use stop_token_ids or detokenize=False")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; use stop_token_ids")
         arrival_time = arrival_time or time.time()
         children = []
         for index in range(params.n):

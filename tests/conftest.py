@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny random HF models built on the fly, and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("PAGEDLAB_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "pagedlab"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+KV_BYTES = 16 << 20  # keeps CPU tests small
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: str
+    hf_model: torch.nn.Module
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.1, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif arch == "llama3":
+        cfg = transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    else:
+        raise KeyError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_tiny_model(directory: Path, arch: str, seed: int = 0, **overrides) -> TinyModel:
+    import transformers
+
+    cfg = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(directory)
+    return TinyModel(arch, str(directory), model)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Builds each tiny architecture once per session: ``tiny_models("qwen3")``."""
+    cache: dict[str, TinyModel] = {}
+
+    def get(arch: str) -> TinyModel:
+        if arch not in cache:
+            cache[arch] = build_tiny_model(tmp_path_factory.mktemp(arch), arch)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> TinyModel:
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct, converted once to a cached safetensors directory."""
+    from pagedlab.loader import resolve_model_source
+
+    return str(resolve_model_source("smollm2-135m-instruct").path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    return model, tokenizer
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (no padding involved)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             **kwargs)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(count: int, vocab: int = 1000, min_len: int = 3, max_len: int = 60, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

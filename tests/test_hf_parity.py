@@ -1,0 +1,160 @@
+"""Greedy output, logprobs and beam search against HF transformers in float32 on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import KV_BYTES, hf_greedy, random_prompts
+from pagedlab import LLM, BeamSearchParams, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def hf_reference(model, prompts, max_new_tokens):
+    return [hf_greedy(model, p, max_new_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_greedy_matches_hf_on_tiny_models(tiny_models, arch):
+    tiny = tiny_models(arch)
+    prompts = random_prompts(6, max_len=80, seed=1)
+    expected = hf_reference(tiny.hf_model, prompts, GREEDY.max_tokens)
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for o, p in zip(outs, prompts):
+        assert o.prompt_token_ids == p
+        assert o.outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts():
+    """Prompts that share long prefixes (so prefix caching hits) plus unrelated ones."""
+    base = random_prompts(1, min_len=70, max_len=70, seed=7)[0]
+    others = random_prompts(4, max_len=90, seed=8)
+    return [base[:n] + extra for n, extra in zip([70, 40, 65, 17], [[5, 6], [7], [8, 9, 10], []])] + others
+
+
+@pytest.fixture(scope="module")
+def hf_expected(tiny_llama, shared_prefix_prompts):
+    return hf_reference(tiny_llama.hf_model, shared_prefix_prompts, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(enable_prefix_caching=False),
+    dict(enable_prefix_caching=True),
+    dict(max_num_batched_tokens=16),  # chunked prefill of every prompt, mixed with decodes
+    dict(max_num_batched_tokens=7, block_size=32),
+    dict(max_model_len=128, num_blocks=10),  # preemption
+    dict(block_size=16),
+    dict(block_size=32),
+    dict(block_size=64),
+    dict(max_num_seqs=3),
+], ids=["no-prefix-cache", "prefix-cache", "chunked-16", "chunked-7-bs32", "preemption", "bs16", "bs32",
+        "bs64", "max-seqs-3"])
+def test_engine_variants_give_hf_tokens(tiny_llama, shared_prefix_prompts, hf_expected, engine_args):
+    args = dict(engine_args)
+    num_blocks = args.pop("num_blocks", None)
+    # 10 blocks of 16 tokens are far fewer than the batch needs, so requests get preempted.
+    kv_bytes = KV_BYTES if num_blocks is None else num_blocks * _bytes_per_block(tiny_llama)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=kv_bytes, **args) as llm:
+        outs = llm.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == hf_expected
+    if engine_args.get("enable_prefix_caching"):
+        assert stats.prefix_cache_hit_tokens > 0
+        assert any(o.num_cached_tokens > 0 for o in outs)
+    if engine_args.get("enable_prefix_caching") is False:
+        assert stats.prefix_cache_hit_tokens == 0
+    if num_blocks is not None:
+        assert stats.num_preemptions > 0
+    assert stats.kv_blocks_used == 0  # nothing leaked
+
+
+def _bytes_per_block(tiny, block_size=16):
+    cfg = tiny.hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
+
+
+def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama):
+    prompts = random_prompts(3, min_len=5, max_len=30, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=9) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    model = tiny_llama.hf_model
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
+        total = 0.0
+        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
+            assert abs(position[token].logprob - ref[token].item()) < 1e-4
+            assert position[token].rank == int((ref > ref[token]).sum()) + 1
+            top = ref.topk(5)
+            for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+                assert abs(position[tid].logprob - lp) < 1e-4
+            total += ref[token].item()
+        assert abs(completion.cumulative_logprob - total) < 1e-3
+        # prompt logprobs: teacher-forced over the prompt
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            assert abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+            top = ref[pos - 1].topk(3)
+            assert set(top.indices.tolist()) <= set(entry)
+
+
+def test_beam_search_matches_hf(tiny_models):
+    tiny = tiny_models("qwen2")
+    prompts = random_prompts(2, min_len=4, max_len=12, seed=11)
+    width, steps = 4, 8
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = tiny.hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                         max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                         early_stopping=False, length_penalty=1.0, output_scores=True,
+                                         return_dict_in_generate=True)
+        ours = [seq.tokens[len(prompt):] for seq in out.sequences]
+        theirs = [row[len(prompt):].tolist() for row in ref.sequences]
+        assert ours == theirs
+        for seq, score in zip(out.sequences, ref.sequences_scores.tolist()):
+            assert abs(seq.score - score) < 1e-4
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_mixed_batch_matches_hf(smollm2_dir, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea,",
+        "Q: What is 12 times 7?\nA:",
+        "List three primary colors:",
+        "Translate to French: Good morning, my friend.",
+        "The mitochondria is",
+        "import numpy as np\n\n# compute the mean of an array\n",
+        "Why is the sky blue? Explain briefly in one paragraph for a curious ten year old child who asks",
+        "Hi",
+        "In 1969, the first humans",
+        "A haiku about autumn:\n",
+    ]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    max_tokens = 20
+    expected = [hf_greedy(model, p, max_tokens) for p in prompts]
+    with LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+             max_num_batched_tokens=64) as llm:
+        outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for o, ids in zip(outs, expected):
+        assert o.outputs[0].text == tokenizer.decode(ids, skip_special_tokens=True)
