@@ -1,0 +1,131 @@
+"""Bad input gets a clear error naming the value, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import KV_BYTES, hf_greedy
+from pagedlab import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_model_len=64) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=9, max_tokens=4), "min_tokens"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}=.* must be"):
+        SamplingParams(**kwargs)
+
+
+def test_too_long_prompt_is_rejected_and_engine_keeps_serving(llm, tiny_llama):
+    with pytest.raises(ValueError, match=r"prompt has 64 tokens, but max_model_len is 64"):
+        llm.generate([[5] * 10, [5] * 64], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, [5, 6, 7], 5)
+
+
+def test_out_of_vocab_and_empty_prompts(llm):
+    with pytest.raises(ValueError, match=r"token id 5000 is out of range"):
+        llm.generate([[1, 5000]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[1, 2]], [GREEDY, GREEDY], use_tqdm=False)
+
+
+def test_text_prompt_without_tokenizer(llm):
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        llm.generate("hello", GREEDY, use_tqdm=False)
+
+
+def test_max_tokens_past_max_model_len_finishes_with_length(llm):
+    out = llm.generate([[3] * 60], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match=r"model '/no/such/model' does not exist"):
+        LLM("/no/such/model")
+
+
+def test_unknown_architecture(tiny_llama, tmp_path):
+    shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"not supported; supported architectures: \['LlamaForCausalLM'"):
+        LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
+
+
+def test_truncated_safetensors_names_the_file(tiny_llama, tmp_path):
+    shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"weight file {weights} is corrupt or truncated"):
+        LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
+
+
+def test_missing_weights_are_listed(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"lacks weights for: model.layers.1.mlp.down_proj.weight"):
+        LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=24), "block_size=24 is invalid"),
+    (dict(max_model_len=100000), "max_model_len=100000 is invalid: the model supports at most 512"),
+    (dict(dtype="float8"), "dtype='float8' is invalid"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid"),
+    (dict(kv_cache_memory_bytes=1024), "fewer than one max_model_len"),
+])
+def test_invalid_engine_args(tiny_llama, kwargs, message):
+    args = dict(kv_cache_memory_bytes=KV_BYTES) | kwargs
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama.path, **args)
+
+
+def test_set_model_args_keeps_weights_and_rejects_bad_keys(llm):
+    weights = {n: p for n, p in llm.llm_engine.model.named_parameters()}
+    before = llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.set_model_args(block_size=32, max_num_seqs=4)
+    assert llm.get_stats().block_size == 32
+    assert all(p is weights[n] for n, p in llm.llm_engine.model.named_parameters())
+    assert llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+    with pytest.raises(ValueError, match="'dtype' changes the weights"):
+        llm.set_model_args(dtype="float16")
+    with pytest.raises(ValueError, match="unknown model arg 'blok_size'"):
+        llm.set_model_args(blok_size=16)
+    with pytest.raises(ValueError, match="block_size=20 is invalid"):
+        llm.set_model_args(block_size=20)
+    assert llm.get_stats().block_size == 32  # the failed change left the plan as it was
+    llm.set_model_args(block_size=16, max_num_seqs=256)

@@ -1,0 +1,119 @@
+"""KVCacheManager invariants and prefix caching, alone and under a real engine workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import KV_BYTES, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine import kv_cache as kv_module
+from pagedlab.engine.kv_cache import KVCacheManager
+from pagedlab.engine.request import Request
+
+
+def make_request(tokens, rid="r"):
+    return Request(rid, list(tokens), SamplingParams())
+
+
+def admit(kv: KVCacheManager, request: Request) -> int:
+    """Allocate a whole prompt the way the scheduler does; returns the cached token count."""
+    cached = kv.find_cached_prefix(request)
+    assert kv.allocate_slots(request, request.num_tokens - len(cached) * kv.block_size, cached)
+    return len(cached) * kv.block_size
+
+
+def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
+    refs = [0] * kv.num_blocks
+    for r in live:
+        for b in r.block_ids:
+            refs[b] += 1
+    assert [b.ref_count for b in kv.blocks] == refs
+    assert all(b.ref_count >= 0 for b in kv.blocks)
+    assert set(kv.free_blocks) == {b.block_id for b in kv.blocks if b.ref_count == 0}
+    for block_hash, block_id in kv.cached_blocks.items():
+        assert kv.blocks[block_id].block_hash == block_hash
+
+
+def test_prefix_hit_shares_blocks_and_counts():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(range(10), "a")
+    assert admit(kv, a) == 0
+    b = make_request(list(range(8)) + [99, 98, 97], "b")
+    assert admit(kv, b) == 8
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert kv.blocks[a.block_ids[0]].ref_count == 2
+    assert kv.stats.hit_tokens == 8 and kv.stats.queried_tokens == 21
+    check_invariants(kv, [a, b])
+    kv.free(a)
+    kv.free(b)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == 8
+
+
+def test_last_token_is_never_taken_from_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(range(8), "a")
+    admit(kv, a)
+    b = make_request(range(8), "b")
+    assert admit(kv, b) == 4  # the second block holds b's last token, so it is computed again
+
+
+def test_hash_collision_is_caught_by_token_check(monkeypatch):
+    monkeypatch.setattr(kv_module, "hash_block", lambda parent, tokens: b"same")
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    admit(kv, make_request([1, 2, 3, 4, 5], "a"))
+    assert admit(kv, make_request([9, 9, 9, 9, 5], "b")) == 0
+
+
+def test_freed_prefix_survives_until_evicted_least_recently_used_first():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request(range(9), "a")  # 3 blocks, 2 full
+    admit(kv, a)
+    kv.free(a)
+    again = make_request(range(9), "a2")
+    assert admit(kv, again) == 8  # reused after free
+    kv.free(again)
+    # Fill the pool with unrelated tokens: the cached prefix is evicted, tail block first.
+    filler = make_request(range(100, 123), "f")
+    assert admit(kv, filler) == 0
+    check_invariants(kv, [filler])
+    kv.free(filler)
+    assert admit(kv, make_request(range(9), "a3")) == 0
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request(range(8), "a")
+    admit(kv, a)
+    b = make_request(range(50, 60), "b")
+    before = (kv.num_free_blocks, list(b.block_ids), b.num_computed_tokens)
+    assert not kv.allocate_slots(b, 10, [])
+    assert (kv.num_free_blocks, list(b.block_ids), b.num_computed_tokens) == before
+    check_invariants(kv, [a])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_engine_workload_leaks_nothing(tiny_llama, block_size):
+    prompts = random_prompts(24, max_len=120, seed=60)
+    prompts += [prompts[0][:50] + p for p in random_prompts(8, max_len=20, seed=61)]  # shared prefixes
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i % 30, ignore_eos=True) for i in range(32)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES // 8, block_size=block_size,
+             max_num_batched_tokens=64, max_num_seqs=12) as llm:
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            kv = engine.kv_cache
+            check_invariants(kv, engine.scheduler.running)
+            assert len(engine.scheduler.running) <= 12
+        stats = llm.get_stats()
+    assert len(finished) == 32
+    assert [len(finished[str(i)].outputs[0].token_ids) for i in range(32)] == [sp.max_tokens for sp in params]
+    assert stats.kv_blocks_used == 0
+    assert stats.prefix_cache_hit_tokens >= 8 * (50 // block_size) * block_size
+    assert 0 < stats.peak_kv_blocks_used <= stats.num_kv_blocks
+    assert 0.0 <= stats.fragmentation_at_peak < 1.0
