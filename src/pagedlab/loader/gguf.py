@@ -54,8 +54,12 @@ def convert_gguf(gguf_path: Path) -> Path:
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {gguf_path} needs the package {module!r}: "
                              "pip install 'pagedlab[gguf]'")
+    import sys
+
     import torch
     from safetensors.torch import save_file
+
+    print(f"pagedlab: converting {gguf_path.name} to safetensors once, into {target}", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name

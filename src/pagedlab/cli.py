@@ -1,0 +1,157 @@
+"""The ``pagedlab`` command line: generate, chat, and the lab's and server's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pagedlab.loader.gguf import DEFAULT_MODEL
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine arguments every command that loads a model takes (vLLM's flag names)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"HF directory, .gguf file or embedded model name (default: {DEFAULT_MODEL})")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ("model", "tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
+             "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+             "enable_chunked_prefill", "enforce_eager", "load_format", "device", "attention_backend")
+    return {n: getattr(args, n) for n in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedlab import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedlab import LLM
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("error: give --prompt TEXT (repeatable) or prompts on standard input, one per line",
+              file=sys.stderr)
+        return 2
+    params = sampling_params(args)
+    with LLM(**engine_kwargs(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        if args.json:
+            m = out.metrics
+            print(json.dumps({
+                "prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                "prompt_token_ids": out.prompt_token_ids, "finish_reason": completion.finish_reason,
+                "time_to_first_token_s": m.time_to_first_token,
+                "latency_s": m.finished_time - m.arrival_time}))
+        else:
+            print(f"### {prompt}\n{completion.text}\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat: each reply streams to the terminal as it is generated."""
+    from pagedlab import LLM
+
+    params = sampling_params(args)
+    with LLM(**engine_kwargs(args)) as llm:
+        tokenizer = llm.get_tokenizer()
+        if tokenizer is None or tokenizer.chat_template is None:
+            print(f"error: model {args.model!r} has no chat template", file=sys.stderr)
+            return 2
+        engine = llm.llm_engine
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        interactive = sys.stdin.isatty()
+        turn = 0
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("/exit", "/quit"):
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line.strip()})
+            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            request_id = f"chat-{turn}"
+            turn += 1
+            engine.add_request(request_id, ids, params, prompt=text)
+            shown = ""
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    print(reply[len(shown):], end="", flush=True)
+                    shown = reply
+            print()
+            history.append({"role": "assistant", "content": shown})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedlab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts (the embedded model by default)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for several (else read stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with streamed replies")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: say what and why, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
