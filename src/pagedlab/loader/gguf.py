@@ -53,7 +53,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {gguf_path} needs the package {module!r}: "
-                             "pip install 'pagedlab[gguf]'")
+                             f"pip install {module}")
     import sys
 
     import torch
