@@ -284,7 +284,8 @@ class LLMEngine:
             metrics.num_generated_tokens = request.num_output_tokens
             if request.logprobs is not None:
                 request.logprobs.append(self._position_logprobs(result.logprobs, row, token,
-                                                                request.sampling_params.logprobs))
+                                                                request.sampling_params.logprobs,
+                                                                request.sampling_params.detokenize))
                 request.cumulative_logprob += float(result.logprobs.token_logprob[row])
             new_text = ""
             detok = self._detokenizers.get(request.request_id)
@@ -322,18 +323,18 @@ class LLMEngine:
             chunk = chunks.get(request.request_id)
             if chunk is None:
                 continue
-            num = request.sampling_params.prompt_logprobs
+            params = request.sampling_params
             for j, token in enumerate(chunk.token_ids):
-                request.prompt_logprobs[chunk.start + j] = self._position_logprobs(chunk.logprobs, j, token, num)
+                request.prompt_logprobs[chunk.start + j] = self._position_logprobs(
+                    chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
 
-    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int) -> PositionLogprobs:
+    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool) -> PositionLogprobs:
         entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
         for rank, (tid, lp) in enumerate(zip(top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()), 1):
             entries.setdefault(tid, (lp, rank))
-        return {tid: Logprob(lp, rank, self._decode_token(tid)) for tid, (lp, rank) in entries.items()}
-
-    def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        decode = decode and self.tokenizer is not None
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
+                for tid, (lp, rank) in entries.items()}
 
     def _make_output(self, parent: _ParentRequest) -> RequestOutput:
         finished = parent.finished

@@ -1,0 +1,50 @@
+"""The LLM entry point: prompt forms, output order and metrics, stats, prefix-cache reset, close()."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from conftest import KV_BYTES, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+
+
+def test_prompt_forms_order_and_metrics(tiny_llama):
+    prompts = random_prompts(5, max_len=40, seed=70)
+    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(5)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        single = llm.generate(prompts[2], params[2], use_tqdm=False)
+        as_dict = llm.generate({"prompt_token_ids": prompts[2]}, params[2], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 4, 5, 6, 7]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert single[0].outputs[0].token_ids == as_dict[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompts[2], 5, eos_token_id=None)
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert m.num_generated_tokens == len(o.outputs[0].token_ids)
+        assert o.finished and o.outputs[0].finish_reason == "length"
+
+
+def test_reset_prefix_cache_forgets_prefixes(tiny_llama):
+    prompt = random_prompts(1, min_len=50, max_len=50, seed=71)[0]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        llm.generate([prompt], params, use_tqdm=False)
+        hit = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert hit.num_cached_tokens == 48
+        llm.reset_prefix_cache()
+        miss = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert miss.num_cached_tokens == 0
+    assert miss.outputs[0].token_ids == hit.outputs[0].token_ids
+
+
+def test_close_releases_weights_and_cache(tiny_llama):
+    llm = LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES)
+    model_ref = weakref.ref(llm.llm_engine.model)
+    cache_ref = weakref.ref(llm.llm_engine.runner.kv_cache)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    gc.collect()
+    assert model_ref() is None and cache_ref() is None
