@@ -1,0 +1,346 @@
+"""The provenance manifest attached to every number the lab stores (DESIGN.md §5).
+
+``collect_manifest(llm, sampling_params=..., seeds=...)`` returns a JSON-able dict:
+
+- ``hardware``: CPU model and cores, RAM, GPUs (name, memory, capability, UUID), NVIDIA driver,
+  CUDA and cuDNN versions;
+- ``versions``: Python, pagedlab, torch, triton, transformers, tokenizers, safetensors, numpy;
+- ``model``: name and path, GGUF file if converted, architecture, load format, config hash and
+  weight checksum (SHA-256 of the weight files; cached by path, size and mtime);
+- ``tokenizer``: class, path, checksum of its files, chat template hash;
+- ``engine``: the fully resolved engine config (dtype, device, max_model_len, token budget, KV blocks);
+- ``sampling``, ``seeds``; ``git``: commit and dirty flag of the working directory (and of the
+  pagedlab source tree, when that is a checkout elsewhere); ``env``: variables that change numerics.
+
+``diff_manifests`` names the fields that differ between manifests (the report highlights them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+MANIFEST_SCHEMA = 1
+# Fields that differ between any two runs by nature; never reported as a difference.
+VOLATILE_FIELDS = ("created_at",)
+_PACKAGES = ("pagedlab", "torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "gguf")
+_ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "TRITON_INTERPRET",
+             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                    "chat_template.jinja", "chat_template.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def collect_manifest(llm=None, sampling_params=None, seeds: dict | None = None, extra: dict | None = None,
+                     hash_weights: bool = True) -> dict:
+    """The manifest of the current process, and of ``llm`` (a ``pagedlab.LLM``) when given.
+
+    ``sampling_params``: a SamplingParams / BeamSearchParams, a dict, or a list of them.
+    ``hash_weights=False`` skips hashing the weight files (recorded as ``None``).
+    """
+    manifest: dict = {
+        "schema": MANIFEST_SCHEMA,
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "hardware": hardware_info(),
+        "versions": library_versions(),
+        "git": git_info(Path.cwd()),
+        "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
+    }
+    source_git = _pagedlab_source_git()
+    if source_git is not None and source_git.get("root") != manifest["git"].get("root"):
+        manifest["pagedlab_git"] = source_git
+    if llm is not None:
+        engine = getattr(llm, "llm_engine", llm)
+        manifest["model"] = model_info(engine, hash_weights=hash_weights)
+        manifest["tokenizer"] = tokenizer_info(engine)
+        manifest["engine"] = engine_info(engine)
+    if sampling_params is not None:
+        manifest["sampling"] = _params_dict(sampling_params)
+    seed_info = dict(seeds or {})
+    if llm is not None:
+        seed_info.setdefault("engine", getattr(llm, "llm_engine", llm).config.seed)
+    if sampling_params is not None and "sampling" not in seed_info:
+        found = _sampling_seeds(manifest["sampling"])
+        if found:
+            seed_info["sampling"] = found
+    manifest["seeds"] = seed_info
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+# ---- hardware and software ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def hardware_info() -> dict:
+    info: dict = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "ram_bytes": _ram_total(),
+                  "machine": platform.machine()}
+    try:
+        import torch
+    except ImportError:
+        return info
+    info["cuda"] = torch.version.cuda
+    info["hip"] = getattr(torch.version, "hip", None)
+    gpus = []
+    if torch.cuda.is_available():
+        info["cudnn"] = torch.backends.cudnn.version()
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_bytes": int(p.total_memory),
+                         "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
+                         "uuid": str(getattr(p, "uuid", "")) or None})
+    info["gpus"] = gpus
+    info["driver"] = _nvidia_driver() if gpus else None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_total() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def _nvidia_driver() -> str | None:
+    from pagedlab.lab.monitor import open_nvml
+
+    nvml, _ = open_nvml()
+    if nvml is None:
+        return None
+    try:
+        return nvml.driver
+    finally:
+        nvml.close()
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> dict:
+    versions = {"python": sys.version.split()[0]}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    if versions["pagedlab"] is None:  # running from a source tree (PYTHONPATH=src)
+        import pagedlab
+
+        versions["pagedlab"] = pagedlab.__version__
+    return versions
+
+
+def git_info(path: str | os.PathLike) -> dict:
+    """Commit and dirty flag (tracked files changed) of the git checkout holding ``path``."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        root = git("rev-parse", "--show-toplevel")
+        if root.returncode != 0:
+            return {"commit": None, "dirty": None, "root": None}
+        head = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": (head.stdout.strip() or None) if head.returncode == 0 else None,
+                "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None,
+                "root": root.stdout.strip()}
+    except (OSError, subprocess.SubprocessError):  # no git binary
+        return {"commit": None, "dirty": None, "root": None}
+
+
+def _pagedlab_source_git() -> dict | None:
+    import pagedlab
+
+    info = git_info(Path(pagedlab.__file__).resolve().parent)
+    return info if info["root"] else None
+
+
+# ---- model, tokenizer, engine ---------------------------------------------------------------------
+def model_info(engine, hash_weights: bool = True) -> dict:
+    source = engine.source
+    path = Path(source.path)
+    info = {
+        "name": source.name, "path": str(path.resolve()),
+        "original_file": str(Path(source.original_file).resolve()) if source.original_file else None,
+        "load_format": source.load_format,
+        "architecture": (getattr(engine.hf_config, "architectures", None) or [None])[0],
+        "model_type": getattr(engine.hf_config, "model_type", None),
+        "config_hash": config_hash(path),
+    }
+    if source.load_format == "dummy":
+        info["weight_checksum"] = f"dummy:seed={engine.config.seed}"
+    elif not hash_weights:
+        info["weight_checksum"] = None
+    elif source.original_file:
+        info["weight_checksum"] = files_checksum([Path(source.original_file)])
+    else:
+        info["weight_checksum"] = files_checksum(sorted(p for p in path.iterdir()
+                                                       if p.is_file() and p.suffix in _WEIGHT_SUFFIXES))
+    return info
+
+
+def config_hash(model_dir: Path) -> str | None:
+    """SHA-256 of config.json, canonicalised (key order and whitespace do not count)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return _sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+
+
+def tokenizer_info(engine) -> dict:
+    tok = engine.tokenizer
+    path = Path(engine.config.tokenizer or engine.source.path)
+    if tok is None:
+        return {"class": None, "path": None, "checksum": None, "chat_template_hash": None}
+    files = [path / name for name in _TOKENIZER_FILES if (path / name).is_file()] if path.is_dir() else []
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return {"class": type(tok).__name__, "path": str(path.resolve()) if path.exists() else str(path),
+            "checksum": files_checksum(files) if files else None,
+            "vocab_size": len(tok) if hasattr(tok, "__len__") else None,
+            "chat_template_hash": _sha256(template.encode()) if template else None}
+
+
+def engine_info(engine) -> dict:
+    """The engine config with every "auto"/None resolved to what the engine actually uses."""
+    d = engine.config.to_dict()
+    d.update({
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "max_model_len": engine.max_model_len,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+    })
+    kv = getattr(engine, "kv_cache", None)
+    if kv is not None:
+        d["num_kv_blocks"] = kv.num_blocks
+    runner = getattr(engine, "runner", None)
+    backend = getattr(runner, "backend", None)
+    if backend is not None:
+        d["attention_backend"] = getattr(backend, "name", type(backend).__name__)
+    return d
+
+
+# ---- checksums ------------------------------------------------------------------------------------
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def files_checksum(paths: list[Path]) -> str | None:
+    """SHA-256 over the names and contents of ``paths`` (each file's digest is cached by path,
+    size and mtime, so a 16 GB checkpoint is read once)."""
+    if not paths:
+        return None
+    outer = hashlib.sha256()
+    for p in paths:
+        outer.update(p.name.encode() + b"\0" + _file_digest(Path(p)).encode() + b"\0")
+    return "sha256:" + outer.hexdigest()
+
+
+def _digest_cache_path() -> Path:
+    from pagedlab.loader.gguf import cache_root
+
+    return cache_root() / "lab" / "file-digests.json"
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    cache_file = _digest_cache_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:  # re-read, merge and replace atomically: several processes may hash at once
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        cache[key] = digest
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only cache only costs re-hashing
+    return digest
+
+
+# ---- sampling params and seeds --------------------------------------------------------------------
+def _params_dict(params):
+    if isinstance(params, (list, tuple)):
+        return [_params_dict(p) for p in params]
+    if isinstance(params, dict):
+        return dict(params)
+    if dataclasses.is_dataclass(params):
+        return dataclasses.asdict(params)
+    raise TypeError(f"sampling_params must be SamplingParams, BeamSearchParams, a dict or a list of them, "
+                    f"not {type(params).__name__}")
+
+
+def _sampling_seeds(sampling) -> list:
+    items = sampling if isinstance(sampling, list) else [sampling]
+    return sorted({p["seed"] for p in items if isinstance(p, dict) and p.get("seed") is not None})
+
+
+# ---- comparing manifests --------------------------------------------------------------------------
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are kept as values."""
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def diff_manifests(manifests: list[dict], ignore: tuple[str, ...] = VOLATILE_FIELDS) -> list[str]:
+    """The flattened field names whose values are not the same in every manifest (a field missing
+    from some manifests counts as different), in order of first appearance."""
+    flat = [flatten(m) for m in manifests]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    differ = []
+    for key in keys:
+        if any(key == i or key.startswith(i + ".") for i in ignore):
+            continue
+        values = [json.dumps(f[key], sort_keys=True, default=str) if key in f else None for f in flat]
+        if len(set(values)) > 1:
+            differ.append(key)
+    return differ
