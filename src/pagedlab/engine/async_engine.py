@@ -1,0 +1,442 @@
+"""``AsyncEngine``: online continuous batching over one ``LLMEngine``.
+
+The engine core is not thread-safe, so one background thread owns it: it takes commands (add,
+abort, call) from a thread-safe queue between steps, runs ``step()`` while any request is
+unfinished, and hands each request's cumulative output to that request's asyncio queue. Requests
+join the running batch at the next step; an abort frees the request's KV blocks at once.
+
+    engine = AsyncEngine.from_engine_config(EngineConfig(model="smollm2-135m-instruct"))
+    async for out in engine.generate("Why is the sky blue?", SamplingParams(max_tokens=64)):
+        print(out.outputs[0].text)          # grows token by token
+    engine.shutdown()
+
+The offline ``LLM`` and the server share the engine core: ``AsyncEngine.from_llm(llm)`` wraps
+``llm.llm_engine`` (while the AsyncEngine runs, drive that engine only through it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from pagedlab.config import EngineConfig
+from pagedlab.engine.engine import EngineStats, LLMEngine
+from pagedlab.outputs import RequestOutput
+from pagedlab.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+_IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before checking for shutdown
+_STATS_INTERVAL_S = 0.05  # stats are refreshed at least this often while busy (and at every add/abort/finish)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or failed outside any one request)."""
+
+
+class StatsListener(Protocol):
+    """Receives engine figures from the engine thread (the server's Prometheus metrics do)."""
+
+    def on_stats(self, stats: EngineStats) -> None:
+        """After every step and command batch: the engine's current stats."""
+
+    def on_request_finished(self, output: RequestOutput) -> None:
+        """Once per request, with its final output (finish_reason stop, length or abort)."""
+
+
+class _Stream:
+    """The per-request channel from the engine thread to the asyncio task consuming it."""
+
+    __slots__ = ("request_id", "loop", "queue", "finished")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Thread-safe; False when the consumer's event loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; each is the cumulative ``RequestOutput``.
+
+    Outputs the consumer has not yet read are merged (they are cumulative), so a slow consumer
+    gets bigger steps rather than a growing backlog. Leaving the iteration early (``break``, a
+    cancelled task, a closed HTTP connection) aborts the request and frees its blocks.
+    """
+
+    def __init__(self, engine: "AsyncEngine", stream: _Stream):
+        self._engine = engine
+        self._stream = stream
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        q = self._stream.queue
+        try:
+            item = await q.get()
+            while not isinstance(item, BaseException) and not item.finished and not q.empty():
+                item = q.get_nowait()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def result(self) -> RequestOutput:
+        """Wait for the final output."""
+        final = None
+        async for out in self:
+            final = out
+        return final
+
+    def abort(self) -> None:
+        """Stop the request now (no-op once it finished)."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self):
+        if not self._done:
+            try:
+                self.abort()
+            except Exception:
+                pass
+
+
+class AsyncEngine:
+    """Serve many concurrent requests from one engine core, streaming their outputs.
+
+    Build it with ``AsyncEngine.from_engine_config(config)`` or ``AsyncEngine.from_llm(llm)``
+    (or ``AsyncEngine(llm_engine)``). The engine thread starts at once; ``shutdown()`` stops
+    it and fails every unfinished request with ``EngineDeadError``.
+    """
+
+    def __init__(self, engine: LLMEngine, *, listeners: list[StatsListener] | None = None,
+                 thread_name: str = "pagedlab-engine"):
+        self.engine = engine
+        self.listeners: list[StatsListener] = list(listeners or [])
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._ids = itertools.count()
+        self._stats: EngineStats = engine.get_stats()
+        self._running = True
+        self._error: BaseException | None = None
+        self._num_steps = 0
+        self._stats_dirty = False
+        self._stats_time = 0.0
+        self._thread = threading.Thread(target=self._loop, name=thread_name, daemon=True)
+        self._thread.start()
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "auto", **kwargs) -> "AsyncEngine":
+        """Load a model (as ``LLM`` would) and serve it."""
+        return cls(LLMEngine(config, attention_backend=attention_backend), **kwargs)
+
+    @classmethod
+    def from_llm(cls, llm, **kwargs) -> "AsyncEngine":
+        """Serve an already loaded offline ``LLM``: both share ``llm.llm_engine``. Don't call the
+        ``LLM``'s own methods until ``shutdown()``: the engine core is not thread-safe."""
+        return cls(llm.llm_engine, **kwargs)
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.config.model
+
+    @property
+    def is_running(self) -> bool:
+        return self._running and self._thread.is_alive()
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    def get_stats(self) -> EngineStats:
+        """The engine's stats as of its last step or command (read without blocking the engine)."""
+        return self._stats
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        """Token ids and text of a prompt: a string, a list of ids, or a dict with "prompt"
+        (and optional "add_special_tokens") or "prompt_token_ids"."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            if "prompt" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
+        elif isinstance(prompt, str):
+            text, add_special = prompt, True
+        elif isinstance(prompt, (list, tuple)):
+            return list(prompt), None
+        else:
+            raise ValueError(f"prompt {prompt!r} is invalid: give a string, a list of token ids, or a dict")
+        if self.tokenizer is None:
+            raise ValueError(f"text prompts need a tokenizer, and the model {self.model_name!r} has none: "
+                             "send token ids")
+        return self.tokenizer(text, add_special_tokens=add_special).input_ids, text
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and return its stream. Call from a running event loop.
+
+        Bad input (prompt too long, out-of-vocab ids, parameters the model cannot serve) raises
+        ValueError here, before anything is queued.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead_message())
+        params = params or SamplingParams()
+        token_ids, text = self.encode(prompt)
+        self.engine.validate_prompt(token_ids)  # reads only immutable model limits
+        if params.detokenize and self.tokenizer is None and (params.stop or params.logprobs is not None):
+            raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
+                             "use stop_token_ids")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        stream = _Stream(request_id, asyncio.get_running_loop())
+        self._commands.put(("add", stream, token_ids, params, text, arrival_time or time.time()))
+        return RequestStream(self, stream)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, arrival_time: float | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that changed it; the last one
+        has ``finished=True``. Closing the generator early aborts the request."""
+        stream = self.add_request(prompt, params, request_id, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored)."""
+        if self._running:
+            self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(llm_engine)`` in the engine thread between two steps; returns its Future.
+        The way to touch the engine core safely (e.g. ``reset_prefix_cache``)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            future.set_exception(EngineDeadError(self._dead_message()))
+        else:
+            self._commands.put(("call", fn, future))
+        return future
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def reset_prefix_cache(self) -> None:
+        await self.run_in_engine(lambda e: e.reset_prefix_cache())
+
+    def add_listener(self, listener: StatsListener) -> None:
+        self.listeners.append(listener)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; unfinished requests are aborted and their streams fail."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+        self._running = False
+
+    def close(self) -> None:
+        """Shut down and free the engine's weights and KV cache."""
+        self.shutdown()
+        self.engine.close()
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _dead_message(self) -> str:
+        if self._error is not None:
+            return f"the engine thread stopped after an error: {self._error!r}"
+        return "the engine has been shut down"
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands(block=not self.engine.has_unfinished_requests()):
+                    break
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    self._step()
+                if (self._stats_dirty or not busy
+                        or time.monotonic() - self._stats_time >= _STATS_INTERVAL_S):
+                    self._publish_stats()
+        except BaseException as e:  # a bug outside any request: fail everything, loudly
+            logger.exception("the engine thread failed")
+            self._error = e
+        finally:
+            self._running = False
+            self._fail_all(EngineDeadError(self._dead_message()))
+            self._drain_after_stop()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        self._stats_dirty = True
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._do_add(*cmd[1:])
+            elif kind == "abort":
+                self._do_abort(cmd[1])
+            elif kind == "call":
+                fn, future = cmd[1], cmd[2]
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as e:
+                        future.set_exception(e)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _do_add(self, stream: _Stream, token_ids, params, text, arrival_time) -> None:
+        if stream.request_id in self._streams:
+            stream.put(ValueError(f"request_id {stream.request_id!r} is already in use"))
+            return
+        try:
+            self.engine.add_request(stream.request_id, token_ids, params, prompt=text, arrival_time=arrival_time)
+        except Exception as e:  # ValueError for bad input; the engine is unchanged
+            stream.put(e)
+            return
+        self._streams[stream.request_id] = stream
+
+    def _do_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            stream.put(out)
+            self._notify_finished(out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # A failure inside the forward pass cannot be pinned on one request: fail the ones in
+            # flight (freeing their blocks) and keep serving the next ones.
+            logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
+            error = RuntimeError(f"the engine step failed: {e!r}")
+            for request_id in list(self._streams):
+                stream = self._streams.pop(request_id)
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("could not abort %s", request_id)
+                stream.put(error)
+            return
+        self._num_steps += 1
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # a request someone else added to the shared engine
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._stats_dirty = True
+                self._notify_finished(out)
+            if not stream.put(out) and not out.finished:  # its event loop is gone
+                self._do_abort(out.request_id)
+
+    def _publish_stats(self) -> None:
+        if self.engine.scheduler is None:  # closed
+            return
+        self._stats = stats = self.engine.get_stats()
+        self._stats_dirty, self._stats_time = False, time.monotonic()
+        for listener in self.listeners:
+            try:
+                listener.on_stats(stats)
+            except Exception:
+                logger.exception("stats listener %r failed", listener)
+
+    def _notify_finished(self, out: RequestOutput) -> None:
+        for listener in self.listeners:
+            try:
+                listener.on_request_finished(out)
+            except Exception:
+                logger.exception("stats listener %r failed", listener)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                pass
+            stream.put(error)
+        self._streams.clear()
+        try:
+            self._publish_stats()
+        except Exception:
+            pass
+
+    def _drain_after_stop(self) -> None:
+        """Answer commands that raced with the stop."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                cmd[1].put(EngineDeadError(self._dead_message()))
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(EngineDeadError(self._dead_message()))

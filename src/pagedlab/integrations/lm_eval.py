@@ -1,0 +1,286 @@
+"""The lm-evaluation-harness model ``pagedlab``: evaluate through the offline ``LLM``.
+
+    lm_eval --model pagedlab --model_args pretrained=DIR,dtype=float32 --tasks hellaswag
+
+``pretrained`` is anything ``LLM(model=...)`` takes (an HF directory, a .gguf file, or the
+embedded ``smollm2-135m-instruct``); the other model_args are ``LLM`` engine arguments
+(``dtype``, ``max_model_len``, ``block_size``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
+``max_num_seqs``, ``enable_prefix_caching``, ``seed``, ``load_format``, ``attention_backend`` ...)
+plus lm-eval's own (``max_length``, ``max_gen_toks``, ``add_bos_token``, ``prefix_token_id``,
+``batch_size``, ``device``).
+
+- ``loglikelihood``: context + continuation go in as one prompt with ``prompt_logprobs``; the
+  continuation's log-probability is the sum over its tokens, ``is_greedy`` whether each of them
+  was the most likely token (rank 1).
+- ``loglikelihood_rolling``: lm-eval's disjoint rolling windows, each scored the same way.
+- ``generate_until``: greedy (or sampled, with ``do_sample``/``temperature``/``top_p``/``top_k``)
+  generation with the ``until`` stop strings and ``max_gen_toks``.
+
+Tokenization follows lm-eval's ``hf`` model, so scores match it on the same weights.
+All requests of a call go to the engine together (``batch_size=N`` submits N at a time), and the
+engine's continuous batching schedules them.
+
+Registration: an installed pagedlab declares the entry point ``lm_eval.models: pagedlab``, which
+lm-eval versions with plugin support resolve on their own. Older lm-eval versions (0.4.x)
+have no plugin discovery: run ``python -m pagedlab.integrations.lm_eval --model pagedlab ...``
+(lm-eval's CLI with this model registered), or ``import pagedlab.integrations.lm_eval`` before
+``lm_eval.simple_evaluate(model="pagedlab", ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from pagedlab.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_ARGS = ("tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
+                "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                "enable_chunked_prefill", "enforce_eager", "load_format", "trust_remote_code",
+                "tensor_parallel_size", "quantization", "attention_backend")
+_SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens", "ignore_eos")
+# lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine
+_IGNORED_ARGS = ("max_batch_size", "parallelize", "trust_remote_code_tokenizer", "revision", "use_fast_tokenizer")
+
+
+def _has_bos_prefix(text: str, bos: str | None) -> bool:
+    return bool(bos) and text.startswith(bos)
+
+
+@register_model("pagedlab")
+class PagedLabLM(TemplateLM):
+    """lm-eval ``LM`` over ``pagedlab.LLM``."""
+
+    def __init__(self, pretrained: str = "smollm2-135m-instruct", *, max_length: int | None = None,
+                 max_gen_toks: int = 256, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
+                 batch_size: int | str | None = "auto", device: str | None = None, use_tqdm: bool = True,
+                 chat_template_args: dict | None = None, llm=None, **kwargs: Any):
+        super().__init__()
+        from pagedlab.llm import LLM
+
+        for key in _IGNORED_ARGS:
+            kwargs.pop(key, None)
+        engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_ARGS}
+        if kwargs:
+            raise ValueError(f"unknown model_args {sorted(kwargs)} for --model pagedlab: it takes pretrained, "
+                             f"{', '.join(_ENGINE_ARGS)}, max_length, max_gen_toks, add_bos_token, "
+                             "prefix_token_id, batch_size, device")
+        if device is not None:
+            engine_kwargs["device"] = device
+        if llm is None:
+            llm = LLM(model=str(pretrained), **engine_kwargs)
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.tokenizer = self.engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"--model pagedlab needs a tokenizer, and {pretrained!r} has none: pass tokenizer=DIR")
+        self.pretrained = str(pretrained)
+        self._max_length = int(max_length) if max_length else None
+        if self._max_length is not None and self._max_length > self.engine.max_model_len:
+            raise ValueError(f"max_length={self._max_length} exceeds the engine's max_model_len "
+                             f"({self.engine.max_model_len}): raise max_model_len")
+        self._max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self.batch_size = None if batch_size in (None, "auto") or str(batch_size).startswith("auto") \
+            else int(batch_size)
+        self.use_tqdm = use_tqdm
+        self.chat_template_args = chat_template_args or {}
+        self.seed = int(engine_kwargs.get("seed", 0))
+        self._device = str(self.engine.device)
+        self._rank, self._world_size = 0, 1
+
+    # ---- lm-eval plumbing -----------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        """Tokens one sequence may hold (prompt plus generation)."""
+        return self._max_length or self.engine.max_model_len
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs) -> list[int]:
+        """As lm-eval's ``hf`` model tokenizes: the tokenizer's default special tokens unless told
+        otherwise, and none added to a string that already starts with BOS."""
+        if add_special_tokens is not None:
+            special = {"add_special_tokens": add_special_tokens}
+        elif self.add_bos_token is not None:
+            special = {"add_special_tokens": self.add_bos_token}
+        else:
+            special = {}
+        if add_special_tokens is None and _has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        encoding = self.tokenizer.encode(string, **special)
+        if left_truncate_len:
+            encoding = encoding[-left_truncate_len:]
+        return encoding
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        def render(history):
+            return self.tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt, **self.chat_template_args)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            logger.warning("the chat template failed; retrying without the system message")
+            return render([m for m in chat_history if m["role"] != "system"])
+
+    def get_model_info(self) -> dict:
+        engine = self.engine
+        return {"model_name": self.pretrained, "model_path": str(engine.source.path),
+                "dtype": str(engine.dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
+                "engine_config": engine.config.to_dict()}
+
+    # ---- running requests through the engine ----------------------------------------------
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], desc: str, disable_tqdm: bool):
+        """Outputs in input order; ``batch_size`` requests go to the engine at a time (all by default)."""
+        step = self.batch_size or max(1, len(prompts))
+        show = self.use_tqdm and not disable_tqdm
+        outputs = []
+        progress = None
+        if show and len(prompts) > step:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(prompts), desc=desc)
+        for start in range(0, len(prompts), step):
+            chunk = [{"prompt_token_ids": p} for p in prompts[start:start + step]]
+            outputs.extend(self.llm.generate(chunk, params[start:start + step],
+                                             use_tqdm=show and progress is None))
+            if progress is not None:
+                progress.update(len(chunk))
+        if progress is not None:
+            progress.close()
+        return outputs
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """Score each (context tokens, continuation tokens) pair; the context is cut from the left
+        to fit (the engine needs room for one generated token)."""
+        limit = self.max_length - 1
+        inputs, ctx_lens = [], []
+        for _, context_enc, continuation_enc in requests:
+            tokens = list(context_enc) + list(continuation_enc)
+            if len(tokens) > limit:
+                logger.warning("context + continuation has %d tokens, more than %d: cutting the context",
+                               len(tokens), limit)
+            inputs.append(tokens[-limit:])
+            ctx_lens.append(len(context_enc) - max(0, len(tokens) - limit))
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+        outputs = self._run(inputs, [params] * len(inputs), "Running loglikelihood requests", disable_tqdm)
+        results = []
+        for (cache_key, _, _), tokens, ctx_len, out in zip(requests, inputs, ctx_lens, outputs):
+            total, greedy = 0.0, True
+            for pos in range(max(ctx_len, 1), len(tokens)):
+                entry = out.prompt_logprobs[pos][tokens[pos]]
+                total += entry.logprob
+                greedy = greedy and entry.rank == 1
+            answer = (total, greedy)
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+            results.append(answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (text,) in enumerate(req.args for req in requests):
+            for window in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length - 2, context_len=1)):
+                windows.append((None,) + window)
+                owners.append(i)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for i, (logprob, _) in zip(owners, scores):
+            totals[i] += logprob
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def _sampling_params(self, gen_kwargs: dict, index: int) -> tuple[SamplingParams, list[str], int]:
+        if not isinstance(gen_kwargs, dict):
+            raise ValueError(f"generation kwargs must be a dict, got {gen_kwargs!r}")
+        kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks)
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_gen_toks = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+        do_sample = bool(kwargs.pop("do_sample", False))
+        if not do_sample:
+            kwargs["temperature"] = 0.0
+        params = {k: kwargs.pop(k) for k in list(kwargs) if k in _SAMPLING_ARGS}
+        if params.get("top_k") is None:
+            params.pop("top_k", None)
+        if kwargs:
+            logger.warning("generation kwargs %s mean nothing to pagedlab and are ignored", sorted(kwargs))
+        if do_sample and params.get("seed") is None:
+            params["seed"] = self.seed + index  # reproducible, whatever the batch
+        stops = [s for s in until if s]
+        return SamplingParams(max_tokens=max_gen_toks, stop=stops, **params), until, max_gen_toks
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        prompts, params, untils = [], [], []
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            sp, until, max_gen_toks = self._sampling_params(gen_kwargs, i)
+            # Room for max_gen_toks new tokens: cut the context from the left (as lm-eval's hf model).
+            room = self.max_length - max_gen_toks
+            if room <= 0:
+                raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for the context in max_length "
+                                 f"{self.max_length}")
+            tokens = self.tok_encode(context, left_truncate_len=room)
+            prompts.append(tokens)
+            params.append(sp)
+            untils.append(until)
+        outputs = self._run(prompts, params, "Running generate_until requests", disable_tqdm)
+        results = []
+        for req, out, until in zip(requests, outputs, untils):
+            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            results.append(text)
+        return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """lm-eval's command line with ``--model pagedlab`` available (for lm-eval without plugin discovery)."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

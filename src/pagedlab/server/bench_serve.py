@@ -1,0 +1,484 @@
+"""``pagedlab bench serve``: load-test an OpenAI-compatible server the way ``vllm bench serve`` does.
+
+Requests go out at ``--request-rate`` per second (Poisson arrivals, or gamma with
+``--burstiness``; ``inf`` sends them all at once), at most ``--max-concurrency`` in flight, and
+stream their tokens back. The report and the ``--json`` file use vLLM's names:
+
+- request throughput (req/s), output and total token throughput (tok/s);
+- TTFT: time to the first streamed chunk; TPOT: (latency - TTFT) / (output tokens - 1), per
+  request; ITL: the gaps between streamed chunks; E2EL: request latency, all in ms with mean,
+  median, std and the ``--metric-percentiles`` (default 50, 90, 99).
+
+Prompts are random token ids (``--input-len``, ``--output-len``, ``--random-range-ratio``,
+``--random-prefix-len``: exact lengths, no tokenizer needed; the vocabulary size comes from the
+server's ``/v1/models``), or a ``--dataset`` file: JSON/JSONL records with ``prompt`` (text or
+token ids) or ``prompt_token_ids``, optional ``output_len``/``max_tokens``; ShareGPT files
+(``conversations``) work too. Input and output token counts are the server's ``usage``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+@dataclass
+class RequestSpec:
+    prompt: str | list[int]
+    prompt_len: int | None  # known for token-id prompts
+    output_len: int | None
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every streamed chunk
+    start_time: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+
+
+# ---- prompts ------------------------------------------------------------------------------
+def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, range_ratio: float = 0.0,
+                    prefix_len: int = 0, seed: int = 0) -> list[RequestSpec]:
+    """Random token-id prompts; lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's random
+    dataset), each after a shared random prefix of ``prefix_len`` tokens."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio={range_ratio} is invalid: it must be in [0, 1)")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(math.floor(n * (1 - range_ratio)), math.ceil(n * (1 + range_ratio))))
+
+    specs = []
+    for _ in range(num_prompts):
+        ids = prefix + [rng.randrange(vocab_size) for _ in range(length(input_len))]
+        specs.append(RequestSpec(ids, len(ids), length(output_len)))
+    return specs
+
+
+def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int = 0, shuffle: bool = True
+                 ) -> list[RequestSpec]:
+    """Records from a JSON list or JSONL file (see the module doc)."""
+    text = Path(path).read_text()
+    try:
+        records = json.loads(text)
+        if isinstance(records, dict):
+            records = records.get("data") or records.get("requests") or [records]
+    except json.JSONDecodeError:
+        records = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i} is not valid JSON: {e}") from None
+    specs = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"record {i} of {path} is not an object")
+        out = r.get("output_len", r.get("max_tokens", output_len))
+        if "prompt_token_ids" in r:
+            prompt = r["prompt_token_ids"]
+        elif "prompt" in r:
+            prompt = r["prompt"]
+        elif "conversations" in r:  # ShareGPT: the first human turn
+            turns = [t for t in r["conversations"] if isinstance(t, dict)]
+            if len(turns) < 1:
+                continue
+            prompt = turns[0].get("value", "")
+        else:
+            raise ValueError(f"record {i} of {path} has no 'prompt', 'prompt_token_ids' or 'conversations'")
+        if not prompt:
+            continue
+        ids = isinstance(prompt, list)
+        specs.append(RequestSpec(prompt, len(prompt) if ids else None, int(out) if out is not None else 128))
+    if not specs:
+        raise ValueError(f"{path} holds no usable prompts")
+    if shuffle:
+        random.Random(seed).shuffle(specs)
+    if num_prompts > len(specs):  # cycle through the file
+        specs = [specs[i % len(specs)] for i in range(num_prompts)]
+    return specs[:num_prompts]
+
+
+# ---- one request ----------------------------------------------------------------------------
+def _payload(spec: RequestSpec, model: str, chat: bool, args) -> dict:
+    body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    if chat:
+        if not isinstance(spec.prompt, str):
+            raise ValueError("the chat endpoint needs text prompts: use a text --dataset or /v1/completions")
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["max_completion_tokens"] = spec.output_len
+    else:
+        body["prompt"] = spec.prompt
+        body["max_tokens"] = spec.output_len
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        value = getattr(args, name, None)
+        if value is not None:
+            body[name] = value
+    return body
+
+
+async def send_request(client, url: str, headers: dict, body: dict, chat: bool, prompt_len: int | None
+                       ) -> RequestResult:
+    result = RequestResult(prompt_len=prompt_len or 0)
+    start = time.perf_counter()
+    result.start_time = start
+    last = start
+    chunks = 0
+    usage = None
+    texts = []
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")
+                result.error = f"HTTP {resp.status_code}: {detail[:500]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = json.dumps(chunk["error"])[:500]
+                    return result
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                choices = chunk.get("choices")
+                if choices:
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    result.chunk_times.append(now)
+                    last = now
+                    chunks += 1
+                    c = choices[0]
+                    texts.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+        result.latency = last - start
+        result.generated_text = "".join(texts)
+        if usage is not None:
+            result.output_tokens = int(usage.get("completion_tokens") or 0)
+            result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
+        else:
+            result.output_tokens = chunks
+        if chunks == 0:
+            result.error = "the stream carried no tokens"
+            return result
+        result.success = True
+    except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+# ---- the run --------------------------------------------------------------------------------
+async def _arrivals(count: int, rate: float, burstiness: float, rng: random.Random):
+    """Yield request indices at Poisson (burstiness 1) or gamma-distributed intervals."""
+    for i in range(count):
+        yield i
+        if rate == float("inf") or i == count - 1:
+            continue
+        theta = 1.0 / (rate * burstiness)
+        await asyncio.sleep(rng.gammavariate(burstiness, theta))
+
+
+async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str, endpoint: str = "/v1/completions",
+                        request_rate: float = float("inf"), burstiness: float = 1.0,
+                        max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 1,
+                        seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None
+                        ) -> tuple[list[RequestResult], float]:
+    """Send every request; returns the results (in spec order) and the benchmark duration (s)."""
+    import httpx
+
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness={burstiness} is invalid: it must be > 0")
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate={request_rate} is invalid: it must be > 0 (or inf)")
+    sampling = sampling or argparse.Namespace(ignore_eos=False)
+    url = base_url.rstrip("/") + endpoint
+    chat = endpoint.rstrip("/").endswith("chat/completions")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bodies = [_payload(s, model, chat, sampling) for s in specs]
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+        for i in range(num_warmups):
+            r = await send_request(client, url, headers, bodies[i % len(bodies)], chat, specs[0].prompt_len)
+            if not r.success:
+                raise RuntimeError(f"the warm-up request to {url} failed: {r.error}")
+        progress = None
+        if not disable_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(specs), desc="bench serve", unit="req", dynamic_ncols=True)
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        results: list[RequestResult | None] = [None] * len(specs)
+
+        async def one(i: int) -> None:
+            if semaphore is None:
+                results[i] = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
+            else:
+                async with semaphore:
+                    results[i] = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
+            if progress is not None:
+                progress.update(1)
+
+        rng = random.Random(seed)
+        start = time.perf_counter()
+        tasks = []
+        async for i in _arrivals(len(specs), request_rate, burstiness, rng):
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        if progress is not None:
+            progress.close()
+    return results, duration
+
+
+def _percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), without numpy."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _pword(p: float) -> str:
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
+                    selected=METRICS) -> dict:
+    """vLLM's ``bench serve`` figures, in its key names (times in ms)."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    m: dict = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+    }
+    # Peak output tokens per second and peak requests in flight, over 1 s buckets.
+    if ok:
+        t0 = min(r.start_time for r in ok)
+        buckets: dict[int, int] = {}
+        for r in ok:
+            times = r.chunk_times
+            per_chunk = r.output_tokens / len(times) if times else 0
+            for t in times:
+                buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + per_chunk
+        m["max_output_tokens_per_s"] = max(buckets.values()) if buckets else 0.0
+        events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
+        live = peak = 0
+        for _, d in events:
+            live += d
+            peak = max(peak, live)
+        m["max_concurrent_requests"] = peak
+    for name in selected:
+        values_ms = [x * 1000.0 for x in series[name]]
+        mean = sum(values_ms) / len(values_ms) if values_ms else 0.0
+        m[f"mean_{name}_ms"] = mean
+        m[f"median_{name}_ms"] = _percentile(values_ms, 50)
+        m[f"std_{name}_ms"] = (math.sqrt(sum((x - mean) ** 2 for x in values_ms) / len(values_ms))
+                               if values_ms else 0.0)
+        for p in percentiles:
+            m[f"p{_pword(p)}_{name}_ms"] = _percentile(values_ms, p)
+    m["input_lens"] = [r.prompt_len for r in results]
+    m["output_lens"] = [r.output_tokens for r in results]
+    m["ttfts"] = [r.ttft for r in results]
+    m["itls"] = [r.itl for r in results]
+    m["generated_texts"] = [r.generated_text for r in results]
+    m["errors"] = [r.error for r in results]
+    return m
+
+
+def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concurrency=None,
+                  request_rate=None) -> str:
+    w = 50
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
+
+    def row(label, value, fmt="{:<10.2f}"):
+        lines.append("{:<40} {}".format(label, fmt.format(value) if not isinstance(value, str) else value))
+
+    row("Successful requests:", m["completed"], "{:<10}")
+    row("Failed requests:", m["failed"], "{:<10}")
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency, "{:<10}")
+    if request_rate is not None:
+        row("Request rate configured (RPS):", request_rate, "{:<10.2f}" if request_rate != float("inf") else "{}")
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", m["request_throughput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    if "max_output_tokens_per_s" in m:
+        row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
+        row("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
+    row("Total Token throughput (tok/s):", m["total_token_throughput"])
+    for name in selected:
+        title = METRIC_TITLES[name]
+        lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
+        upper = name.upper()
+        row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"])
+        row(f"Median {upper} (ms):", m[f"median_{name}_ms"])
+        for p in percentiles:
+            row(f"P{_pword(p)} {upper} (ms):", m[f"p{_pword(p)}_{name}_ms"])
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival intervals: 1 = Poisson, < 1 burstier, > 1 steadier")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens per request (default: 128, or the dataset's output_len)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random prompts: lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--random-prefix-len", type=int, default=0, help="random prompts: shared prefix tokens")
+    p.add_argument("--dataset", default=None, help="JSON/JSONL prompts file instead of random prompts")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--temperature", type=float, default=None, help="(default: the server's, 1.0)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent first (default: 1)")
+    p.add_argument("--percentile-metrics", default=",".join(METRICS), help="of ttft,tpot,itl,e2el")
+    p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report (default: 50,90,99)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results (vLLM's keys) here")
+    p.add_argument("--timeout", type=float, default=6 * 3600, help="per-request timeout in seconds")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def _server_model(client_url: str, api_key: str | None) -> tuple[str, dict]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.get(client_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
+    resp.raise_for_status()
+    data = resp.json()["data"]
+    if not data:
+        raise RuntimeError("the server lists no models")
+    return data[0]["id"], data[0]
+
+
+def bench_serve_command(args: argparse.Namespace) -> int:
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
+        base_url = base_url[:-3]
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+        selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+        unknown = [m for m in selected if m not in METRICS]
+        if unknown:
+            raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from {list(METRICS)}")
+        if any(not 0 < p < 100 for p in percentiles):
+            raise ValueError("--metric-percentiles must lie in (0, 100)")
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
+        try:
+            model_id, card = _server_model(base_url, args.api_key)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
+        model = args.model or model_id
+        if args.dataset:
+            specs = load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed)
+        else:
+            vocab = card.get("vocab_size")
+            if not vocab:
+                raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does not "
+                                 "give 'vocab_size': use --dataset")
+            specs = random_requests(args.num_prompts, args.input_len, args.output_len or 128, int(vocab),
+                                    args.random_range_ratio, args.random_prefix_len, args.seed)
+        print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
+              f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
+        results, duration = asyncio.run(run_benchmark(
+            base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
+            burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
+            num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout, disable_tqdm=args.disable_tqdm,
+            sampling=args))
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = compute_metrics(results, duration, percentiles, selected)
+    print(format_report(metrics, percentiles, selected, args.max_concurrency, args.request_rate))
+    failures = [e for e in metrics["errors"] if e]
+    if failures:
+        print(f"{len(failures)} requests failed; first error: {failures[0]}", file=sys.stderr)
+    if args.json:
+        record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
+                  "endpoint": args.endpoint, "model_id": model, "num_prompts": args.num_prompts,
+                  "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+                  "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
+                  "output_len": args.output_len, **metrics}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0 if metrics["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedlab.server.bench_serve",
+                                     description="Benchmark an OpenAI-compatible server (= `pagedlab bench serve`)")
+    add_bench_serve_args(parser)
+    return bench_serve_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["RequestSpec", "RequestResult", "random_requests", "load_dataset", "run_benchmark", "compute_metrics",
+           "format_report", "add_bench_serve_args", "bench_serve_command"]

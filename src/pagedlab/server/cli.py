@@ -1,0 +1,136 @@
+"""Command-line entries of the server: ``pagedlab serve`` and ``pagedlab bench serve``.
+
+The top-level CLI calls ``register(subparsers)`` and ``register_bench(bench_subparsers)``; each
+subcommand sets ``func(args) -> int``. Both also run standalone:
+``python -m pagedlab.server.openai_api ...`` and ``python -m pagedlab.server.bench_serve ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _bool_flag(parser, name: str, default: bool, help: str) -> None:
+    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                        default=default, help=f"{help} (default: {'on' if default else 'off'})")
+
+
+def _bytes(value: str) -> int:
+    """"1073741824", "1GiB", "512MiB", "2G", "100M"."""
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    try:
+        number = float(text[:-1] if scale != 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
+    return int(number * scale)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The ``LLM(...)`` engine arguments, with vLLM's flag names."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"local HF directory, .gguf file, or an embedded model (default: {DEFAULT_MODEL})")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
+                   help="KV cache size, e.g. 4GiB (default: CPU 1 GiB; GPU from --gpu-memory-utilization)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    _bool_flag(g, "enable-prefix-caching", True, "prefix caching")
+    _bool_flag(g, "enable-chunked-prefill", True, "chunked prefill")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pagedlab.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        enforce_eager=args.enforce_eager, load_format=args.load_format, trust_remote_code=args.trust_remote_code,
+        device=args.device)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLAB_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the --model value)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    g.add_argument("--disable-metrics", action="store_true", help="no /metrics endpoint")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    from pagedlab.engine.async_engine import AsyncEngine
+    from pagedlab.server.openai_api import run_server
+
+    chat_template = args.chat_template
+    if chat_template is not None and Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"error: `pagedlab serve` needs FastAPI and uvicorn ({e}): pip install 'pagedlab[server]'",
+              file=sys.stderr)
+        return 2
+    try:
+        engine = AsyncEngine.from_engine_config(engine_config_from_args(args), attention_backend=args.attention_backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [args.model]
+    print(f"pagedlab serve: {names[0]} on http://{args.host}:{args.port}/v1 "
+          f"(max_model_len {engine.max_model_len}, {engine.get_stats().num_kv_blocks} KV blocks)", file=sys.stderr)
+    try:
+        run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
+                   chat_template=chat_template, log_level=args.log_level, enable_metrics=not args.disable_metrics)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``serve`` to the top-level ``pagedlab`` subcommands."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible API server",
+                              description="Serve a model over an OpenAI-compatible HTTP API with streaming, "
+                                          "online continuous batching and Prometheus metrics.")
+    add_serve_args(p)
+    p.set_defaults(func=serve_command)
+
+
+def register_bench(bench_subparsers) -> None:
+    """Add ``serve`` under ``pagedlab bench``."""
+    from pagedlab.server.bench_serve import add_bench_serve_args, bench_serve_command
+
+    p = bench_subparsers.add_parser("serve", help="benchmark a running OpenAI-compatible server",
+                                    description="Send requests to a server at a given rate and report throughput, "
+                                                "TTFT, TPOT, ITL and end-to-end latency, named like "
+                                                "`vllm bench serve`.")
+    add_bench_serve_args(p)
+    p.set_defaults(func=bench_serve_command)

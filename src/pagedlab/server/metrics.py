@@ -1,0 +1,158 @@
+"""Prometheus metrics of a serving engine, named like vLLM's (``vllm:`` becomes ``pagedlab:``).
+
+Gauges are read from the engine's latest stats at scrape time; counters advance with the engine's
+own token counters after every step; latency histograms are observed when a request finishes.
+
+| metric | type | meaning |
+|---|---|---|
+| pagedlab:num_requests_running | gauge | sequences in the running batch |
+| pagedlab:num_requests_waiting | gauge | sequences waiting to be scheduled |
+| pagedlab:kv_cache_usage_perc | gauge | used share of the KV cache blocks (0..1) |
+| pagedlab:kv_cache_blocks_used / _total | gauge | KV cache blocks in use / in the pool |
+| pagedlab:prefix_cache_hit_rate | gauge | prefix-cache hit tokens / queried tokens since the last reset |
+| pagedlab:prefix_cache_queries_total / _hits_total | counter | prompt tokens looked up / found in the prefix cache |
+| pagedlab:prompt_tokens_total | counter | prompt tokens run through the model (prefill, recompute) |
+| pagedlab:generation_tokens_total | counter | tokens generated |
+| pagedlab:num_preemptions_total | counter | sequences preempted (recomputed later) |
+| pagedlab:request_success_total{finished_reason} | counter | requests finished by stop or length |
+| pagedlab:request_aborted_total | counter | requests aborted (client gone, error) |
+| pagedlab:time_to_first_token_seconds | histogram | arrival to first token |
+| pagedlab:time_per_output_token_seconds | histogram | mean gap between output tokens, per request |
+| pagedlab:e2e_request_latency_seconds | histogram | arrival to finish |
+| pagedlab:request_prompt_tokens / _generation_tokens | histogram | tokens per request |
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pagedlab.engine.engine import EngineStats
+from pagedlab.outputs import RequestOutput
+
+PREFIX = "pagedlab:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class ServerMetrics:
+    """The metrics of one engine in their own registry; a ``StatsListener`` of the AsyncEngine.
+
+    ``render()`` returns the Prometheus text exposition and its content type.
+    """
+
+    def __init__(self, model_name: str = "", registry=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._stats: EngineStats | None = None
+        self._last: dict[str, int] = {}
+        self._lock = threading.Lock()
+        labels = ["model_name"]
+        self._labels = {"model_name": model_name}
+
+        def gauge(name, doc, fn):
+            g = Gauge(PREFIX + name, doc, labels, registry=self.registry)
+            g.labels(**self._labels).set_function(lambda: float(fn(self._stats)) if self._stats else 0.0)
+            return g
+
+        gauge("num_requests_running", "Sequences in the running batch.", lambda s: s.num_running)
+        gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda s: s.num_waiting)
+        gauge("kv_cache_usage_perc", "Used share of the KV cache blocks (1 = full).", lambda s: s.kv_cache_usage)
+        gauge("kv_cache_blocks_used", "KV cache blocks in use.", lambda s: s.kv_blocks_used)
+        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", lambda s: s.num_kv_blocks)
+        gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens over queried tokens since the last reset.",
+              lambda s: s.prefix_cache_hit_rate)
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens run through the model (prefill and recompute).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).")
+        self.request_success = counter("request_success", "Requests finished by a stop condition or length.",
+                                       ["finished_reason"])
+        self.request_aborted = counter("request_aborted", "Requests aborted (client disconnected, error).")
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                  self.preemptions, self.request_aborted):
+            c.labels(**self._labels)
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason, **self._labels)
+
+        def histogram(name, doc, buckets):
+            h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return h.labels(**self._labels)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time between output tokens of one request (after the first).", TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.",
+                             E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per request (all n completions).", TOKEN_BUCKETS)
+
+    # ---- StatsListener (called from the engine thread) ------------------------------------
+    def on_stats(self, stats: EngineStats) -> None:
+        with self._lock:
+            self._stats = stats
+            for key, counter in (("prompt_tokens_computed", self.prompt_tokens),
+                                 ("generation_tokens", self.generation_tokens),
+                                 ("prefix_cache_queried_tokens", self.prefix_queries),
+                                 ("prefix_cache_hit_tokens", self.prefix_hits),
+                                 ("num_preemptions", self.preemptions)):
+                value = getattr(stats, key)
+                last = self._last.get(key, 0)
+                if value < last:  # the engine reset its counters (re-plan, reset_stats)
+                    last = 0
+                if value > last:
+                    counter.labels(**self._labels).inc(value - last)
+                self._last[key] = value
+
+    def on_request_finished(self, output: RequestOutput) -> None:
+        reasons = [c.finish_reason for c in output.outputs]
+        if "abort" in reasons:
+            self.request_aborted.labels(**self._labels).inc()
+        else:
+            reason = "length" if "length" in reasons else "stop"
+            self.request_success.labels(finished_reason=reason, **self._labels).inc()
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            n = m.num_generated_tokens
+            if n > 1 and m.last_token_time is not None:
+                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
+        end = m.finished_time or m.last_token_time
+        if end is not None:
+            self.e2e.observe(max(0.0, end - m.arrival_time))
+
+    # ---- exposition -----------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``{"name{labels}": value}`` from a Prometheus text exposition, plus ``{"name": value}``
+    summed over label sets (handy for tests and the benchmark)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
