@@ -47,8 +47,9 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str = "", registry=None):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+        disable_created_metrics()  # no *_created series next to every counter (as vLLM)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._stats: EngineStats | None = None
         self._last: dict[str, int] = {}

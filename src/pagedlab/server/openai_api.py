@@ -562,8 +562,10 @@ class _CompletionContext:
                 text = chosen.decoded_token or ""
                 tokens.append(text)
                 token_logprobs.append(chosen.logprob)
-                top.append({(lp.decoded_token or ""): lp.logprob
-                            for _, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)})
+                entries: dict[str, float] = {}
+                for _, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
+                    entries.setdefault(lp.decoded_token or "", lp.logprob)  # tokens that decode alike: the best
+                top.append(entries)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
