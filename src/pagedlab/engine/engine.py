@@ -154,6 +154,8 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) sequence needs ({min_blocks}); raise "
                 "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks)
+        if self.uses_cuda_graphs:
+            self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.max_model_len)
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
@@ -176,6 +178,12 @@ class LLMEngine:
             kv_tokens_at_peak=self._tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens, num_preemptions=self._num_preemptions,
             prompt_tokens_computed=self._prompt_tokens, generation_tokens=self._generation_tokens)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs unless enforce_eager (the torch backend syncs with the
+        host inside attention, so it always runs eagerly)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.runner.backend.name != "torch"
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
@@ -52,7 +54,27 @@ class ModelRunner:
         self.num_layers = len(model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_cache: torch.Tensor | None = None
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """Host data to the device; on CUDA through pinned memory, without waiting for the copy."""
+        if self.device.type != "cuda":
+            return torch.as_tensor(values, dtype=dtype)
+        host = torch.as_tensor(values, dtype=dtype).pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs over the current KV cache (call again after re-allocating it)."""
+        self.release_cuda_graphs()
+        self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, max_num_seqs, max_model_len,
+                                           self.block_size)
+        self.cuda_graphs.capture()
+
+    def release_cuda_graphs(self) -> None:
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.close()
+            self.cuda_graphs = None
 
     # ---- KV cache -------------------------------------------------------------------------
     @property
@@ -69,6 +91,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def free_kv_cache(self) -> None:
+        self.release_cuda_graphs()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -114,8 +137,8 @@ class ModelRunner:
             starts.append(starts[-1] + n)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            query_start_loc=self._to_device(starts, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=block_tables,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
@@ -124,8 +147,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []  # flat token index of each sampling request's last token
         prompt_rows: list[int] = []  # flat token indices whose prompt logprobs are wanted
@@ -136,9 +159,9 @@ class ModelRunner:
             start = request.num_computed_tokens
             offset = len(input_ids)
             input_ids.extend(request.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            slots.append(np.asarray(request.block_ids)[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 count = min(start + n, request.num_prompt_tokens - 1) - start
@@ -148,18 +171,25 @@ class ModelRunner:
                 sampled.append(request)
                 sample_rows.append(offset + n - 1)
         max_blocks = max(len(r.block_ids) for r in batch.requests)
-        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in batch.requests],
-                                    dtype=torch.int32, device=self.device)
-        metadata = self._metadata(torch.tensor(slots, dtype=torch.int64, device=self.device),
-                                  batch.num_new_tokens, seq_lens, block_tables)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with forward_context(metadata, self.backend):
-            hidden = self.model(ids, pos)
+        table = np.zeros((len(batch.requests), max_blocks), dtype=np.int32)
+        for row, r in enumerate(batch.requests):
+            table[row, :len(r.block_ids)] = r.block_ids
+        ids = self._to_device(input_ids, torch.int64)
+        pos = self._to_device(np.concatenate(positions), torch.int64)
+        slot_mapping = self._to_device(np.concatenate(slots), torch.int64)
+        block_tables = self._to_device(table, torch.int32)
+        decode_only = len(input_ids) == len(batch.requests) and not prompt_rows
+        if decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(input_ids)):
+            hidden = self.cuda_graphs.run(ids, pos, slot_mapping, self._to_device(seq_lens, torch.int32),
+                                          block_tables)
+        else:
+            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables)
+            with forward_context(metadata, self.backend):
+                hidden = self.model(ids, pos)
         rows = sample_rows + prompt_rows
         if not rows:
             return StepOutput([], [], None, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]).float()
         prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], batch, prompt_chunks)
         if not sampled:
             return StepOutput([], [], None, prompt_logprobs)
@@ -175,17 +205,16 @@ class ModelRunner:
             request = by_id[request_id]
             targets = request.prompt_token_ids[start + 1:start + 1 + count]
             logprobs = logits[first:first + count].log_softmax(-1)
-            top = gather_logprobs(logprobs, torch.tensor(targets, device=self.device),
+            top = gather_logprobs(logprobs, self._to_device(targets, torch.int64),
                                   request.sampling_params.prompt_logprobs)
             result[request_id] = PromptLogprobsChunk(start + 1, targets, _to_cpu(top))
         return result
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
-        dev = self.device
 
         def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return self._to_device(values, dtype)
 
         greedy = [p.greedy for p in params]
         meta = SamplingMetadata(
@@ -218,8 +247,7 @@ class ModelRunner:
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
-        return torch.tensor([r + [self.vocab_size] * (width - len(r)) for r in rows],
-                            dtype=torch.int64, device=self.device)
+        return self._to_device([r + [self.vocab_size] * (width - len(r)) for r in rows], torch.int64)
 
 
 def _to_cpu(top: TopLogprobs) -> TopLogprobs:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlab.layers.fusion import fused
+
 _POSITION_DEPENDENT = ("dynamic", "longrope")
 
 
@@ -42,11 +44,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """``q``/``k`` are ``[num_tokens, heads, head_dim]``; returns them rotated."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rotary(q, k, positions, cos_cache, sin_cache):
+    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)
+    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+_apply_rotary = fused(apply_rotary)
