@@ -191,6 +191,8 @@ class GPUMonitor:
         self._nvml, self.no_gpu_reason = open_nvml()
         if self._nvml is None:
             _report_no_gpu(self.no_gpu_reason)
+        self.backend = "nvml" if self._nvml is not None else "cpu"
+        self.driver_version = self._nvml.driver if self._nvml is not None else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -200,15 +202,8 @@ class GPUMonitor:
 
             psutil.cpu_percent(interval=None)
 
-    @property
-    def backend(self) -> str:
-        return "nvml" if self._nvml is not None else "cpu"
-
-    @property
-    def driver_version(self) -> str | None:
-        return self._nvml.driver if self._nvml is not None else None
-
     def sample_once(self) -> list[dict]:
+        """Take one sample of every GPU and of the host now (and keep it)."""
         now = time.time()
         batch = self._nvml.sample(now) if self._nvml is not None else []
         batch.append(host_sample(now))

@@ -128,7 +128,8 @@ def _tables(sa):
              sa.Column("name", sa.String(255), nullable=False, unique=True),
              sa.Column("spec", json_t),
              sa.Column("created_at", ts, nullable=False),
-             sa.Column("updated_at", ts, nullable=False))
+             sa.Column("updated_at", ts, nullable=False),
+             sqlite_autoincrement=True)
     sa.Table("runs", md,
              sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
              sa.Column("experiment_id", sa.Integer, sa.ForeignKey("experiments.id", ondelete="CASCADE"),
@@ -147,7 +148,8 @@ def _tables(sa):
              sa.Column("host", sa.String(255)),
              sa.Column("started_at", ts),
              sa.Column("finished_at", ts),
-             sa.Column("duration_s", sa.Float))
+             sa.Column("duration_s", sa.Float),
+             sqlite_autoincrement=True)  # run ids are never reused, even after a delete
     sa.Table("outputs", md,
              sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
              sa.Column("run_id", sa.Integer, sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False,

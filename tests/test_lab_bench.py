@@ -1,0 +1,123 @@
+"""LLM.benchmark / run_benchmark: numbers that are positive and consistent with what was generated."""
+
+import json
+
+import pytest
+
+from pagedlab import LLM
+from pagedlab.lab.bench import BenchmarkResult, latency_stats, random_prompts
+from pagedlab.lab.testing import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("bench") / "tiny", tokenizer=False)
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory_bytes=4 << 20) as llm:
+        yield llm
+
+
+def test_benchmark_counts_latencies_and_memory(llm):
+    result = llm.benchmark(batch_size=[2, 4], input_len=12, output_len=5, warmup=1, repeats=2)
+    assert [(r.batch_size, r.repeat) for r in result.runs] == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    stats_block = llm.get_stats().block_size
+    for r in result.runs:
+        # every generated token is counted once, and the engine agrees (its counters were reset per run)
+        assert r.num_prompts == r.batch_size
+        assert r.output_tokens == r.num_prompts * 5 == r.engine_generation_tokens
+        assert r.prompt_tokens == r.num_prompts * 12
+        assert r.elapsed_s > 0
+        assert r.output_throughput == pytest.approx(r.output_tokens / r.elapsed_s)
+        assert r.total_throughput == pytest.approx((r.prompt_tokens + r.output_tokens) / r.elapsed_s)
+        assert r.requests_per_s == pytest.approx(r.num_prompts / r.elapsed_s)
+        lat = r.latency
+        for kind in ("ttft", "tpot", "itl", "e2e"):
+            p50, p90, p99 = (lat[f"{kind}_p{p}_ms"] for p in (50, 90, 99))
+            assert 0 < p50 <= p90 <= p99
+        assert lat["ttft_p50_ms"] <= lat["e2e_p50_ms"]
+        assert lat["e2e_p99_ms"] <= r.elapsed_s * 1000 + 1
+        m = r.memory
+        assert m["weight_bytes"] > 0 and m["kv_cache_bytes"] > 0
+        assert 0 < m["kv_peak_used_bytes"] <= m["kv_cache_bytes"]
+        # all prompts fit at once: the peak holds every prompt and all but the last output token
+        assert m["kv_tokens_at_peak"] <= m["kv_peak_blocks"] * stats_block
+        assert 0 <= m["fragmentation_at_peak"] < 1
+        assert m["memory_used_bytes"] > 0 and m["memory_total_bytes"] >= m["memory_used_bytes"]
+        assert r.telemetry["backend"] in ("cpu", "nvml") and r.telemetry["num_samples"] >= 2
+        assert r.prefix_cache_hit_rate == 0.0  # random prompts, cache reset before each run
+    # the table and the seed's one-line summary
+    text = str(result)
+    assert "Throughput:" in text and "Memory usage:" in text and "tokens/s" in text
+    assert text.count("\n") >= 4
+
+
+def test_benchmark_itl_count_matches_tokens(llm):
+    """ITL has (tokens - 1) gaps per request: with one prompt its mean equals TPOT."""
+    result = llm.benchmark(batch_size=1, input_len=8, output_len=6, warmup=0)
+    lat = result.runs[0].latency
+    assert lat["itl_mean_ms"] == pytest.approx(lat["tpot_mean_ms"])
+    assert result.runs[0].output_tokens == 6
+
+
+def test_benchmark_save_load_dataframe_and_manifest(llm, tmp_path):
+    result = llm.benchmark(batch_size=[1, 2], input_len=8, output_len=3, warmup=0)
+    path = result.save(tmp_path / "out" / "bench.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "pagedlab.benchmark"
+    m = data["manifest"]
+    for key in ("hardware", "versions", "model", "tokenizer", "engine", "sampling", "seeds", "git"):
+        assert key in m
+    assert m["model"]["weight_checksum"].startswith("sha256:")
+    assert m["engine"]["dtype"] == "float32" and m["engine"]["device"] == "cpu"
+    assert m["sampling"]["max_tokens"] == 3 and m["sampling"]["ignore_eos"] is True
+    loaded = BenchmarkResult.load(path)
+    assert [r.output_tokens for r in loaded.runs] == [r.output_tokens for r in result.runs]
+    df = result.to_dataframe()
+    assert list(df["batch_size"]) == [1, 2]
+    assert list(df["output_tokens"]) == [3, 6]
+    assert {"ttft_p99_ms", "kv_peak_used_bytes", "host_max_rss_bytes"} <= set(df.columns)
+    with pytest.raises(ValueError, match="not a pagedlab benchmark"):
+        (tmp_path / "x.json").write_text("{}")
+        BenchmarkResult.load(tmp_path / "x.json")
+
+
+def test_benchmark_num_prompts_caps_concurrency_and_restores_plan(llm):
+    before = llm.llm_engine.config.max_num_seqs
+    result = llm.benchmark(batch_size=2, input_len=8, output_len=4, num_prompts=5, warmup=0)
+    run = result.runs[0]
+    assert run.max_num_seqs == 2 and run.num_prompts == 5
+    assert run.output_tokens == 20 == run.engine_generation_tokens
+    # never more than two sequences' blocks at once: two 12-token sequences fit in 2 blocks of 16
+    assert run.memory["kv_peak_blocks"] <= 2
+    assert result.manifest["engine"]["max_num_seqs"] == 2
+    assert llm.llm_engine.config.max_num_seqs == before
+
+
+def test_benchmark_beam_search(llm):
+    result = llm.benchmark(batch_size=2, input_len=6, output_len=3, use_beam_search=True, beam_width=2, warmup=0)
+    run = result.runs[0]
+    assert run.use_beam_search and run.output_tokens == 2 * 3
+    assert run.engine_generation_tokens > run.output_tokens  # every beam's candidates were sampled
+    assert result.manifest["sampling"]["beam_width"] == 2
+
+
+def test_benchmark_rejects_bad_arguments(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.benchmark(batch_size=1, input_len=500, output_len=100)
+    with pytest.raises(ValueError, match="batch_size"):
+        llm.benchmark(batch_size=[0])
+    with pytest.raises(ValueError, match="repeats"):
+        llm.benchmark(batch_size=1, input_len=4, output_len=2, repeats=0)
+
+
+def test_random_prompts_avoid_eos_and_are_reproducible(llm):
+    a = random_prompts(llm, 3, 50, [0, 1])
+    assert a == random_prompts(llm, 3, 50, [0, 1]) and a != random_prompts(llm, 3, 50, [0, 2])
+    eos = set(llm.llm_engine.eos_token_ids)
+    assert all(len(p) == 50 and not eos & set(p) for p in a)
+
+
+def test_latency_stats():
+    s = latency_stats([0.001, 0.002, 0.003, 0.004], "x")
+    assert s["x_p50_ms"] == pytest.approx(2.5) and s["x_mean_ms"] == pytest.approx(2.5)
+    assert s["x_p99_ms"] == pytest.approx(3.97)
+    assert latency_stats([], "y") == {"y_p50_ms": None, "y_p90_ms": None, "y_p99_ms": None, "y_mean_ms": None}

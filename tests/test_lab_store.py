@@ -1,0 +1,220 @@
+"""The results store, on SQLite always and on PostgreSQL when PAGEDLAB_TEST_POSTGRES_URL is set
+(CI: export PAGEDLAB_TEST_POSTGRES_URL=$(.ci/start-postgres.sh))."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("sqlalchemy")
+pd = pytest.importorskip("pandas")
+
+from pagedlab.lab import cli as lab_cli  # noqa: E402
+from pagedlab.lab.store import ResultStore, RunRecord, load_results, resolve_url  # noqa: E402
+
+POSTGRES_URL = os.environ.get("PAGEDLAB_TEST_POSTGRES_URL")
+BACKENDS = ["sqlite"] + (["postgresql"] if POSTGRES_URL else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'results.db'}"
+    store = ResultStore(POSTGRES_URL)  # start from empty tables
+    store.metadata.drop_all(store.engine)
+    store.close()
+    return POSTGRES_URL
+
+
+def _record(key, experiment="exp", n_outputs=3, **metrics):
+    return RunRecord(
+        experiment=experiment, run_key=key, model="/models/tiny",
+        params={"model": "/models/tiny", "engine.block_size": 16, "sampling.temperature": 0.5, "varied": ["x"]},
+        metrics={"bleu": 12.5, "output_throughput": 100.0, **metrics},
+        manifest={"host": {"hostname": "h1"}, "versions": {"torch": "2.11"}},
+        telemetry={"backend": "cpu", "num_samples": 2}, telemetry_samples=[{"t": 1.0, "kind": "cpu"}],
+        outputs=[{"prompt": f"p{i}", "text": f"out {i}", "token_ids": list(range(i + 1)), "reference": ["r"],
+                  "finish_reason": "length", "ttft_ms": 1.5} for i in range(n_outputs)],
+        repeat=1, seed=42)
+
+
+def test_record_and_read_back(url):
+    with ResultStore(url) as store:
+        rid = store.record_run(_record("k1", weird=float("nan")))
+        run = store.get_run(rid, samples=True)
+        assert run["status"] == "finished" and run["experiment"] == "exp" and run["seed"] == 42
+        assert run["params"]["engine.block_size"] == 16
+        assert run["metrics"] == {"bleu": 12.5, "output_throughput": 100.0, "weird": None}  # NaN is not JSON
+        assert run["manifest"]["versions"]["torch"] == "2.11" and run["host"] == "h1"
+        assert run["telemetry_samples"] == [{"t": 1.0, "kind": "cpu"}]
+        outs = run["outputs"]
+        assert [o["idx"] for o in outs] == [0, 1, 2] and outs[2]["token_ids"] == [0, 1, 2]
+        assert outs[2]["num_tokens"] == 3 and outs[0]["extra"] == {"ttft_ms": 1.5}
+        assert store.finished_keys("exp") == {"k1"} and store.finished_keys("other") == set()
+        exps = store.experiments()
+        assert [(e["name"], e["runs"]) for e in exps] == [("exp", {"finished": 1})]
+        with pytest.raises(KeyError, match="run 999"):
+            store.get_run(999)
+
+
+def test_finished_runs_are_stored_once_and_failures_replaced(url):
+    with ResultStore(url) as store:
+        failed = store.record_run(RunRecord("exp", "k", {}, {}, {}, status="failed", error="OOM"))
+        again = store.record_run(RunRecord("exp", "k", {}, {}, {}, status="failed", error="OOM 2"))
+        assert [r["error"] for r in store.runs(status="failed")] == ["OOM 2"] and again != failed
+        ok = store.record_run(_record("k"))
+        dup = store.record_run(_record("k", bleu=99.0))
+        assert dup == ok
+        runs = store.runs()
+        assert len(runs) == 1 and runs[0]["status"] == "finished" and runs[0]["metrics"]["bleu"] == 12.5
+        assert len(store.outputs(ok)) == 3
+
+
+def test_load_results_dataframe(url):
+    with ResultStore(url) as store:
+        for i in range(3):
+            store.record_run(_record(f"k{i}", bleu=float(i)))
+        store.record_run(_record("other", experiment="exp2"))
+        store.record_run(RunRecord("exp", "bad", {}, {}, {}, status="failed", error="boom"))
+    df = load_results(url)
+    assert len(df) == 4 and set(df["status"]) == {"finished"}
+    assert list(df.columns[:3]) == ["run_id", "experiment", "run_key"]
+    assert {"engine.block_size", "sampling.temperature", "bleu", "output_throughput"} <= set(df.columns)
+    mine = load_results(url, experiment="exp")
+    assert sorted(mine["bleu"]) == [0.0, 1.0, 2.0] and set(mine["engine.block_size"]) == {16}
+    everything = load_results(url, status=None, manifest=True)
+    assert len(everything) == 5 and "manifest.versions.torch" in everything.columns
+    assert everything.loc[everything["status"] == "failed", "error"].iloc[0] == "boom"
+
+
+def test_export_formats(url, tmp_path):
+    with ResultStore(url) as store:
+        for i in range(2):
+            store.record_run(_record(f"k{i}", bleu=float(i)))
+        assert store.export(tmp_path / "r.csv") == 2
+        assert store.export(tmp_path / "r.jsonl", outputs=True) == 2
+        pytest.importorskip("pyarrow")
+        assert store.export(tmp_path / "r.parquet", manifest=True) == 2
+        with pytest.raises(ValueError, match="csv, jsonl or parquet"):
+            store.export(tmp_path / "r.xlsx")
+    csv = pd.read_csv(tmp_path / "r.csv")
+    assert sorted(csv["bleu"]) == [0.0, 1.0] and json.loads(csv["varied"][0]) == ["x"]
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["params"]["engine.block_size"] == 16
+    assert len(lines[0]["outputs"]) == 3 and lines[0]["manifest"]["host"]["hostname"] == "h1"
+    parquet = pd.read_parquet(tmp_path / "r.parquet")
+    assert len(parquet) == 2 and parquet["manifest.versions.torch"].tolist() == ["2.11", "2.11"]
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from pagedlab.lab.store import ResultStore, RunRecord
+    url, tag, n, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    store = ResultStore(url)
+    keys = [f"{tag}-{i}" for i in range(n)] + [f"shared-{i}" for i in range(shared)]
+    for key in keys:
+        store.record_run(RunRecord("concurrent", key, {"writer": tag}, {"value": 1.0}, {"w": tag},
+                                   outputs=[{"prompt": key, "text": str(j), "token_ids": [j] * 50} for j in range(4)]))
+    print("done", len(keys))
+""")
+
+
+def test_two_processes_writing_at_once(url, tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    ResultStore(url).close()  # tables exist before the race (creating them concurrently is tested below)
+    procs = [subprocess.Popen([sys.executable, str(script), url, tag, "25", "10"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for tag in ("a", "b")]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert "done 35" in out
+    with ResultStore(url) as store:
+        runs = store.runs(experiment="concurrent")
+        keys = [r["run_key"] for r in runs]
+        assert len(keys) == len(set(keys)) == 60  # 25 + 25 own runs, the 10 shared ones once
+        for r in runs:
+            outs = store.outputs(r["run_id"])
+            assert [o["prompt"] for o in outs] == [r["run_key"]] * 4 and all(len(o["token_ids"]) == 50 for o in outs)
+        if store.is_sqlite:
+            with store.engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+
+
+def test_two_processes_creating_the_schema_at_once(url, tmp_path):
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    procs = [subprocess.Popen([sys.executable, str(script), url, tag, "3", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for tag in ("a", "b", "c")]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert len(load_results(url)) == 9
+
+
+_CRASHER = textwrap.dedent("""
+    import sys
+    from pagedlab.lab.store import ResultStore, RunRecord
+    store = ResultStore(sys.argv[1])
+    for i in range(3):
+        store.record_run(RunRecord("crash", f"run-{i}", {}, {"i": i}, {},
+                                   outputs=[{"prompt": "p", "text": "t", "token_ids": [1]}] * 5))
+""")
+
+
+def test_sigkill_in_the_middle_of_a_write_leaves_no_partial_run(url, tmp_path):
+    script = tmp_path / "crasher.py"
+    script.write_text(_CRASHER)
+    env = dict(os.environ, PAGEDLAB_FAULT="store.mid_write:2")  # killed after inserting run 2, before commit
+    proc = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with ResultStore(url) as store:
+        runs = store.runs(status=None)
+        assert [(r["run_key"], r["status"]) for r in runs] == [("run-0", "finished")]
+        assert len(store.outputs(runs[0]["run_id"])) == 5
+        with store.engine.connect() as conn:
+            assert conn.execute(store.sa.select(store.sa.func.count()).select_from(store.t_out)).scalar() == 5
+    proc = subprocess.run([sys.executable, str(script), url], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(load_results(url)["run_key"]) == ["run-0", "run-1", "run-2"]
+
+
+def test_results_cli(url, tmp_path, capsys):
+    with ResultStore(url) as store:
+        rid = store.record_run(_record("k0"))
+        store.record_run(RunRecord("exp", "bad", {"varied": []}, {}, {}, status="failed", error="CUDA OOM\ntrace"))
+    parser = argparse.ArgumentParser()
+    lab_cli.register(parser.add_subparsers())
+
+    def run(*argv):
+        args = parser.parse_args(list(argv))
+        return args.func(args)
+
+    assert run("results", "list", "--db", url) == 0
+    out = capsys.readouterr().out
+    assert "finished" in out and "failed" in out and "bleu=12.5" in out and "CUDA OOM" in out and "tiny" in out
+    assert run("results", "list", "--db", url, "--status", "failed", "--json") == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["status"] for r in rows] == ["failed"]
+    assert run("results", "show", str(rid), "--db", url, "--outputs", "2") == 0
+    out = capsys.readouterr().out
+    assert "engine.block_size = 16" in out and "outputs (first 2 of 3)" in out and "'out 1'" in out
+    assert run("results", "show", str(rid), "--db", url, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][2]["text"] == "out 2"
+    assert run("results", "show", "12345", "--db", url) == 2
+    assert "run 12345 is not in" in capsys.readouterr().err
+    target = tmp_path / "all.jsonl"
+    assert run("results", "export", "--db", url, "--format", "jsonl", "--out", str(target), "--status", "all") == 0
+    assert len(target.read_text().splitlines()) == 2
+
+
+def test_bad_urls_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="nosuchdb"):
+        ResultStore("nosuchdb://x/y")
+    assert resolve_url(tmp_path / "a.db") == f"sqlite:///{tmp_path / 'a.db'}"
+    assert resolve_url("postgresql://u@h/db") == "postgresql://u@h/db"
