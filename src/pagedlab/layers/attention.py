@@ -109,3 +109,36 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping)
         return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels: the GPU path (on CPU they run only under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from pagedlab.kernels import paged_attention, kv_write
+
+        self._write_kv = kv_write.write_kv_triton
+        self._attend = paged_attention.paged_attention_triton
+        self._choose_split_kv_size = paged_attention.choose_split_kv_size
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, metadata, scale):
+        split_kv_size = self._choose_split_kv_size(metadata.seq_lens.shape[0], k_cache.shape[2],
+                                                   metadata.max_query_len, metadata.max_seq_len)
+        return self._attend(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                            metadata.block_tables, scale, max_query_len=metadata.max_query_len,
+                            max_seq_len=metadata.max_seq_len, split_kv_size=split_kv_size)
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+if _triton_installed():
+    ATTENTION_BACKENDS["triton"] = TritonAttentionBackend

@@ -1,0 +1,251 @@
+"""Triton kernels over the paged KV cache: varlen paged attention, its split-KV reduce, the KV write.
+
+The public entry points are ``paged_attention_triton`` (paged_attention.py) and
+``write_kv_triton`` (kv_write.py). This module is imported only when one of them first runs:
+the package must import without triton, and triton decides at decoration time whether a kernel
+is compiled or interpreted (``TRITON_INTERPRET=1``), so importing late lets that choice follow
+the environment of the first call.
+
+Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``, head_dim
+contiguous.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                 k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+                 offs_d, dim_valid, qk_scale,
+                 stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_DIM: tl.constexpr,
+                 MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. MASKED=False is for tiles every row sees in full."""
+    key_pos = tile_start + tl.arange(0, TILE_N)
+    if MASKED:
+        key_valid = key_pos < key_end
+        block_ids = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+    else:
+        block_ids = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE)
+    slot_in_block = key_pos % BLOCK_SIZE
+    # int64: block_id * stride overflows int32 for caches above 2**31 elements per layer
+    token_offset_k = block_ids.to(tl.int64) * stride_k_block + slot_in_block * stride_k_token
+    token_offset_v = block_ids.to(tl.int64) * stride_v_block + slot_in_block * stride_v_token
+    k_ptrs = k_cache_ptr + k_head_offset + token_offset_k[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + v_head_offset + token_offset_v[:, None] + offs_d[None, :]
+    # Slots past the sequence may hold anything (NaN included): keep them out of the loads,
+    # since 0 * NaN in P @ V would poison the row.
+    kv_mask = None
+    if MASKED:
+        kv_mask = key_valid[:, None]
+        if PAD_DIM:
+            kv_mask = kv_mask & dim_valid[None, :]
+    elif PAD_DIM:
+        kv_mask = dim_valid[None, :]
+    if kv_mask is None:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        visible = (key_pos[None, :] <= context_len + query_pos[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    # Max and exponent in log2 units (qk_scale carries log2(e)); the scale folds into one FMA.
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+    if MASKED:
+        # A row that has seen no key yet keeps max -inf; exp2(-inf - -inf) would be NaN.
+        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    alpha = tl.math.exp2(row_max - new_max)
+    p = tl.math.exp2(scores * qk_scale - new_max[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
+def paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+        partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        num_seqs, qk_scale, split_kv_size,
+        stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+        stride_k_block, stride_k_token, stride_k_head,
+        stride_v_block, stride_v_token, stride_v_head,
+        stride_block_table,
+        stride_pacc_token, stride_pacc_head, stride_pacc_segment,
+        stride_pstat_token, stride_pstat_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
+    KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
+
+    Without split the program writes the normalized output; with split it covers keys
+    [segment * split_kv_size, (segment + 1) * split_kv_size) and writes fp32 partials
+    (unnormalized acc, running max in log2 units, running sum) for the reduce kernel.
+    """
+    q_block_global = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+
+    # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i (an upper bound on
+    # the blocks before it, so the grid needs no host sync): ours is the last start <= q_block_global.
+    # Counting starts a chunk at a time costs one memory round trip per chunk, where a binary
+    # search costs log2(num_seqs) dependent ones: it matters for short prefills.
+    num_starts_before = tl.zeros([], dtype=tl.int32)
+    for chunk_start in range(0, num_seqs, SEQ_CHUNK):
+        seq_ids = chunk_start + tl.arange(0, SEQ_CHUNK)
+        starts = tl.load(query_start_loc_ptr + seq_ids, mask=seq_ids < num_seqs, other=2**30)
+        num_starts_before += tl.sum((starts // BLOCK_Q + seq_ids <= q_block_global).to(tl.int32), 0)
+    seq_idx = num_starts_before - 1
+
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = offs_d < HEAD_DIM
+    query_pos = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (query_pos < query_len)
+    token = q_start + query_pos
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys [0, all_rows_end) are visible to every row; the last row sees [0, key_end).
+    first_pos = q_block * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, query_len) - 1
+    key_end = context_len + last_pos + 1
+    all_rows_end = ((context_len + first_pos + 1) // TILE_N) * TILE_N
+    key_start = 0
+    if USE_SPLIT:
+        key_start = segment * split_kv_size
+        key_end = tl.minimum(key_end, key_start + split_kv_size)
+    full_end = tl.minimum(all_rows_end, key_end)
+    masked_start = tl.maximum(all_rows_end, key_start)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    block_table_row_ptr = block_tables_ptr + seq_idx * stride_block_table
+    k_head_offset = kv_head * stride_k_head
+    v_head_offset = kv_head * stride_v_head
+    PAD_DIM: tl.constexpr = HEAD_DIM != HEAD_DIM_PADDED
+
+    for tile_start in range(key_start, full_end, TILE_N):
+        acc, row_sum, row_max = _attend_tile(
+            acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+            k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+            offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+            BLOCK_SIZE, TILE_N, PAD_DIM, False, UPCAST, DOT_PRECISION)
+    for tile_start in range(masked_start, key_end, TILE_N):
+        acc, row_sum, row_max = _attend_tile(
+            acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+            k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+            offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+            BLOCK_SIZE, TILE_N, PAD_DIM, True, UPCAST, DOT_PRECISION)
+
+    if USE_SPLIT:
+        # int64: scratch for many tokens x segments can pass 2**31 elements
+        token = token.to(tl.int64)
+        stat_offset = token * stride_pstat_token + head * stride_pstat_head + segment
+        tl.store(partial_max_ptr + stat_offset, tl.where(row_sum > 0, row_max, float("-inf")), mask=row_valid)
+        tl.store(partial_sum_ptr + stat_offset, row_sum, mask=row_valid)
+        # A segment past the visible keys has nothing to add; the reduce skips it by its max.
+        if key_start < key_end:
+            acc_ptrs = (partial_acc_ptr + token[:, None] * stride_pacc_token + head[:, None] * stride_pacc_head
+                        + segment * stride_pacc_segment + offs_d[None, :])
+            tl.store(acc_ptrs, acc, mask=row_valid[:, None])
+    else:
+        out = acc / row_sum[:, None]
+        out_ptrs = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def split_kv_reduce_kernel(
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, num_seqs, num_segments,
+        stride_out_token, stride_out_head,
+        stride_pacc_token, stride_pacc_head, stride_pacc_segment,
+        stride_pstat_token, stride_pstat_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr):
+    """Program (token, head): merge the per-segment partials of one output row."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding rows past the last sequence own no partials
+    offs_s = tl.arange(0, SEGMENT_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = offs_d < HEAD_DIM
+    stat_base = token.to(tl.int64) * stride_pstat_token + head * stride_pstat_head
+    acc_base = token.to(tl.int64) * stride_pacc_token + head * stride_pacc_head
+
+    acc = tl.zeros([HEAD_DIM_PADDED], dtype=tl.float32)
+    total_sum = tl.zeros([], dtype=tl.float32)
+    total_max = tl.full([], float("-inf"), dtype=tl.float32)
+    for chunk_start in range(0, num_segments, SEGMENT_CHUNK):
+        seg = chunk_start + offs_s
+        seg_max = tl.load(partial_max_ptr + stat_base + seg, mask=seg < num_segments, other=float("-inf"))
+        seg_sum = tl.load(partial_sum_ptr + stat_base + seg, mask=seg < num_segments, other=0.0)
+        # Empty segments (max -inf) never wrote their acc: do not read it.
+        has_keys = seg_max > float("-inf")
+        seg_acc = tl.load(partial_acc_ptr + acc_base + seg[:, None] * stride_pacc_segment + offs_d[None, :],
+                          mask=has_keys[:, None] & dim_valid[None, :], other=0.0)
+        new_max = tl.maximum(total_max, tl.max(seg_max, 0))
+        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.math.exp2(total_max - new_max)
+        weight = tl.math.exp2(seg_max - new_max)
+        total_sum = total_sum * alpha + tl.sum(weight * seg_sum, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * seg_acc, 0)
+        total_max = new_max
+    out = acc / total_sum
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+@triton.jit
+def write_kv_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+        stride_kc_block, stride_kc_token, stride_kc_head,
+        stride_vc_block, stride_vc_token, stride_vc_head,
+        NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PADDED: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program (token): copy all KV heads of one token into its cache slot; slot < 0 skips."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    slot_in_block = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, NUM_KV_HEADS_PADDED)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    key = tl.load(key_ptr + token * stride_key_token + offs_h[:, None] * stride_key_head + offs_d[None, :],
+                  mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head + offs_d[None, :],
+                    mask=mask)
+    k_dst = k_cache_ptr + block * stride_kc_block + slot_in_block * stride_kc_token
+    v_dst = v_cache_ptr + block * stride_vc_block + slot_in_block * stride_vc_token
+    tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :],
+             key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + offs_h[:, None] * stride_vc_head + offs_d[None, :],
+             value.to(v_cache_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,296 @@
+"""Triton kernels against their torch references.
+
+On a machine without CUDA the kernels run under the Triton interpreter at small sizes. Triton
+decides compiled-or-interpreted when a kernel is decorated, so TRITON_INTERPRET is set here at
+collection, before pagedlab imports its kernel module (it does so lazily, at first use). The
+``gpu`` tests run the same checks at real sizes in bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Built earlier without the interpreter (e.g. by another test module)? Rebuild it.
+    if "pagedlab.kernels.triton_kernels" in sys.modules:
+        importlib.reload(sys.modules["pagedlab.kernels.triton_kernels"])
+
+pytest.importorskip("triton")
+
+from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton  # noqa: E402
+from pagedlab.kernels.paged_attention import (  # noqa: E402
+    SPLIT_KV_MIN_PROGRAMS,
+    SPLIT_KV_SIZE,
+    allocate_split_kv_scratch,
+    choose_split_kv_size,
+    paged_attention_torch,
+    paged_attention_triton,
+)
+from pagedlab.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _generator(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, gen, device=DEVICE, extra_blocks=3):
+    """A paged batch: ``seqs`` is [(context_len, query_len)]; blocks are shuffled over the pool.
+
+    Every cache slot no sequence owns (spare blocks, the tail of last blocks) holds NaN, and
+    unused block-table entries point at a NaN block, so reading past a sequence shows up.
+    """
+    seq_lens = [c + q for c, q in seqs]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    order = torch.randperm(num_blocks, generator=gen)
+    nan_block = int(order[-1])
+    block_tables = torch.full((len(seqs), max(blocks_per_seq) + 2), nan_block, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    used = 0
+    for i, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
+        block_tables[i, :n] = order[used:used + n]
+        used += n
+        slots = (block_tables[i, :n].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+        keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        write_kv_torch(keys, values, k_cache, v_cache, slots)
+    query_lens = torch.tensor([q for _, q in seqs])
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(query_start_loc[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, query_start_loc=query_start_loc,
+                   seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables)
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def check_attention(batch, max_query_len, max_seq_len=None, split_kv_size=None, **kwargs):
+    scale = batch["q"].shape[-1] ** -0.5
+    expected = paged_attention_torch(**batch, scale=scale)
+    got = paged_attention_triton(**batch, scale=scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                 split_kv_size=split_kv_size, **kwargs)
+    num_tokens = int(batch["query_start_loc"][-1])
+    tol = TOLERANCE[batch["q"].dtype]
+    torch.testing.assert_close(got[:num_tokens].float(), expected[:num_tokens].float(), atol=tol, rtol=tol)
+    return got
+
+
+# (context_len, query_len) per sequence; lengths cross 16/32/64-token block boundaries.
+SCENARIOS = {
+    "prefill": [(0, 70), (0, 1), (0, 33)],
+    "prefix_hit": [(64, 9), (32, 40)],
+    "chunked_prefill": [(48, 24), (100, 30)],
+    "decode": [(0, 1), (15, 1), (16, 1), (63, 1), (64, 1), (129, 1)],
+    "mixed": [(0, 20), (77, 1), (30, 17), (10, 0), (5, 1)],
+}
+
+# (block_size, head_dim, group, dtype): every block size, head dim 64/128 plus padded 32/80/96,
+# GQA 1/2/3/4/8, both test dtypes.
+CONFIGS = [
+    (16, 64, 1, torch.float32),
+    (16, 128, 4, torch.float16),
+    (32, 64, 2, torch.float16),
+    (32, 128, 8, torch.float32),
+    (64, 96, 4, torch.float16),
+    (64, 64, 8, torch.float16),
+    (16, 32, 2, torch.float32),
+    (32, 80, 3, torch.float32),
+]
+
+
+def _config_id(config):
+    block_size, head_dim, group, dtype = config
+    return f"bs{block_size}-d{head_dim}-g{group}-{str(dtype).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_paged_attention_matches_reference(scenario, config):
+    block_size, head_dim, group, dtype = config
+    seqs = SCENARIOS[scenario]
+    batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator(scenario, config))
+    check_attention(batch, max_query_len=max(q for _, q in seqs))
+
+
+@pytest.mark.parametrize("config", CONFIGS[:6], ids=_config_id)
+def test_decode_split_kv_matches_reference(config):
+    block_size, head_dim, group, dtype = config
+    seqs = [(200, 1), (15, 1), (64, 1), (127, 1)]
+    batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator("split", config))
+    check_attention(batch, max_query_len=1, max_seq_len=201, split_kv_size=64)
+
+
+def test_split_kv_general_batch_and_reused_buffers():
+    # Split-KV is only chosen for decode, but it is correct for any batch; exercise prefix hits,
+    # an empty sequence, an oversized preallocated scratch, a preallocated output and the
+    # default max_seq_len bound.
+    seqs = [(70, 12), (0, 1), (9, 0), (130, 1)]
+    batch = make_batch(seqs, 2, 4, 64, 32, torch.float32, _generator("split-general"))
+    num_tokens, num_heads, head_dim = batch["q"].shape
+    scratch = allocate_split_kv_scratch(num_tokens + 5, num_heads, head_dim, 512, 128, DEVICE)
+    out = torch.full_like(batch["q"], 7.0)
+    got = check_attention(batch, max_query_len=12, max_seq_len=131, split_kv_size=128, scratch=scratch, out=out)
+    assert got is out
+    check_attention(batch, max_query_len=12, split_kv_size=64)
+
+
+def test_padding_rows_untouched_and_upper_bound_hints():
+    # CUDA-graph style: q padded past the last sequence, loose max_query_len / max_seq_len bounds.
+    seqs = [(40, 1), (3, 1)]
+    batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, _generator("padding"))
+    batch["q"] = torch.cat([batch["q"], torch.zeros_like(batch["q"][:3])])
+    for split in (None, 64):
+        out = torch.full_like(batch["q"], 7.0)
+        check_attention(batch, max_query_len=5, max_seq_len=300, split_kv_size=split, out=out)
+        assert torch.all(out[2:] == 7.0)
+
+
+def test_sequence_search_over_several_chunks(monkeypatch):
+    # Programs find their sequence scanning query_start_loc a chunk at a time; use tiny chunks.
+    import pagedlab.kernels.paged_attention as paged_attention
+
+    monkeypatch.setattr(paged_attention, "SEQUENCE_SEARCH_CHUNK", 2)
+    seqs = SCENARIOS["mixed"] + SCENARIOS["decode"]
+    batch = make_batch(seqs, 1, 4, 64, 16, torch.float32, _generator("search"))
+    check_attention(batch, max_query_len=20)
+    check_attention(batch, max_query_len=20, split_kv_size=64)
+
+
+def test_choose_split_kv_size():
+    assert choose_split_kv_size(1, 8, 1, 4096) == SPLIT_KV_SIZE
+    assert choose_split_kv_size(4, 8, 1) == SPLIT_KV_SIZE
+    assert choose_split_kv_size(SPLIT_KV_MIN_PROGRAMS // 8, 8, 1, 4096) is None  # grid already full
+    assert choose_split_kv_size(1, 8, 7, 4096) is None  # not a decode-only batch
+    assert choose_split_kv_size(1, 8, 1, SPLIT_KV_SIZE) is None  # one segment would hold it all
+    assert choose_split_kv_size(1, 8, 1, 4096, split_kv_size=64) == 64
+
+
+def test_bad_split_size_is_rejected():
+    batch = make_batch([(10, 1)], 1, 1, 64, 16, torch.float32, _generator("bad"))
+    with pytest.raises(ValueError, match="split_kv_size=48"):
+        paged_attention_triton(**batch, scale=0.125, max_query_len=1, split_kv_size=48)
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,dtype", [
+    (16, 2, 64, torch.float32),
+    (32, 3, 96, torch.float16),
+    (64, 8, 128, torch.bfloat16),
+])
+def test_write_kv_matches_reference(block_size, num_kv_heads, head_dim, dtype):
+    gen = _generator("kv", block_size, num_kv_heads, head_dim)
+    num_blocks, num_tokens = 6, 23
+    # key/value as strided slices of one fused tensor. float32 sources test the cast on the way,
+    # except into bf16: the interpreter truncates float32 -> bf16 where torch rounds.
+    source_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(DEVICE, source_dtype)
+    key, value = fused[:, :num_kv_heads], fused[:, 2 * num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[0, 5, 6, 22]] = -1
+    slot_mapping = slots.to(DEVICE)
+    initial = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    k_ref, v_ref, k_got, v_got = initial.clone(), -initial, initial.clone(), -initial
+    write_kv_torch(key, value, k_ref, v_ref, slot_mapping)
+    write_kv_triton(key, value, k_got, v_got, slot_mapping)
+    assert torch.equal(k_got, k_ref)
+    assert torch.equal(v_got, v_ref)
+
+
+def test_triton_backend_matches_torch_backend():
+    assert "triton" in ATTENTION_BACKENDS
+    triton_backend = get_attention_backend("triton", torch.device(DEVICE))
+    torch_backend = get_attention_backend("torch", torch.device(DEVICE))
+    gen = _generator("backend")
+    seqs = [(16, 1), (0, 9), (33, 1)]
+    batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, gen)
+    # The step's new tokens are the last query_len positions of each sequence: rewrite them.
+    slots = []
+    for i, (context_len, query_len) in enumerate(seqs):
+        for pos in range(context_len, context_len + query_len):
+            slots.append(int(batch["block_tables"][i, pos // 16]) * 16 + pos % 16)
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    key = torch.randn(len(slots), 2, 64, generator=gen).to(DEVICE)
+    value = torch.randn(len(slots), 2, 64, generator=gen).to(DEVICE)
+    metadata = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=batch["query_start_loc"],
+                                 seq_lens=batch["seq_lens"], block_tables=batch["block_tables"],
+                                 max_query_len=9, max_seq_len=34)
+    outputs = []
+    for backend in (torch_backend, triton_backend):
+        k_cache, v_cache = batch["k_cache"].clone(), batch["v_cache"].clone()
+        backend.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        outputs.append(backend.attend(batch["q"], k_cache, v_cache, metadata, 0.125))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- real sizes on the GPU (bf16)
+
+REAL = dict(num_kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16)
+
+
+def _real_batch(seqs, block_size, name):
+    return make_batch(seqs, REAL["num_kv_heads"], REAL["group"], REAL["head_dim"], block_size, REAL["dtype"],
+                      _generator(name, block_size), device="cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_prefill_256x512(block_size):
+    check_attention(_real_batch([(0, 512)] * 256, block_size, "gpu-prefill"), max_query_len=512)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_decode_256x576(block_size):
+    batch = _real_batch([(575, 1)] * 256, block_size, "gpu-decode")
+    assert choose_split_kv_size(256, REAL["num_kv_heads"], 1, 576) is None
+    check_attention(batch, max_query_len=1, max_seq_len=576)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch_size", [1, 4, 15])
+def test_gpu_decode_split_kv(batch_size):
+    seqs = [(4000 + 997 * i, 1) for i in range(batch_size)]
+    max_seq_len = max(c + q for c, q in seqs)
+    split = choose_split_kv_size(batch_size, REAL["num_kv_heads"], 1, max_seq_len)
+    assert split == SPLIT_KV_SIZE
+    batch = _real_batch(seqs, 16, f"gpu-split-{batch_size}")
+    check_attention(batch, max_query_len=1, max_seq_len=max_seq_len, split_kv_size=split)
+    check_attention(batch, max_query_len=1, max_seq_len=max_seq_len)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mixed_chunked_prefill_prefix_and_decode():
+    seqs = [(6144, 2048), (2048, 64), (0, 300)] + [(100 + 37 * i, 1) for i in range(64)]
+    check_attention(_real_batch(seqs, 32, "gpu-mixed"), max_query_len=2048)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_write_kv():
+    gen = _generator("gpu-kv")
+    num_tokens, num_blocks, block_size = 4096, 1024, 16
+    key = torch.randn(num_tokens, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+    value = torch.randn(num_tokens, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1
+    slot_mapping = slots.to("cuda")
+    k_ref = torch.zeros(num_blocks, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_ref, k_got, v_got = k_ref.clone(), k_ref.clone(), k_ref.clone()
+    write_kv_torch(key, value, k_ref, v_ref, slot_mapping)
+    write_kv_triton(key, value, k_got, v_got, slot_mapping)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
