@@ -188,9 +188,14 @@ def _apply_overrides(data, overrides: list[str], filename: str):
         if not sep or not key.strip():
             raise ExperimentError(f"--set {item!r} is invalid: write KEY=VALUE, e.g. engine.device=cpu")
         value = yaml.safe_load(raw) if raw.strip() else None
-        parts = key.strip().split(".")
-        if parts[0] in ("grid", "runs") or (parts[0] in SECTIONS and len(parts) == 2) or (
-                len(parts) == 1 and parts[0] in TOP_LEVEL_KEYS):
+        key = key.strip()
+        if key.startswith("grid.") and len(key) > 5:  # grid.engine.block_size=[16, 32]
+            if not isinstance(data.setdefault("grid", {}), dict):
+                raise ExperimentError(f"--set {item!r}: grid is not a mapping in {filename}")
+            data["grid"][key[5:]] = value
+            continue
+        parts = key.split(".")
+        if (parts[0] in SECTIONS and len(parts) == 2) or (len(parts) == 1 and parts[0] in TOP_LEVEL_KEYS):
             target = data
             for p in parts[:-1]:
                 target = target.setdefault(p, {})
@@ -199,7 +204,8 @@ def _apply_overrides(data, overrides: list[str], filename: str):
             target[parts[-1]] = value
         else:
             raise ExperimentError(f"--set {item!r}: unknown key {key!r}; give a top-level key "
-                                  f"({', '.join(TOP_LEVEL_KEYS)}) or section.field, e.g. engine.block_size")
+                                  f"({', '.join(TOP_LEVEL_KEYS)}), section.field such as engine.block_size, "
+                                  "or grid.section.field")
     return data
 
 
@@ -922,7 +928,7 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
     finally:
         store.close()
     report.elapsed_s = time.perf_counter() - t_start
-    _log(format_summary(report), quiet)
+    _log(format_summary(report), quiet and report.ok)  # failures are reported even when quiet
     return report
 
 
