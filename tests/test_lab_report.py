@@ -1,0 +1,139 @@
+"""``pagedlab report``: PNG plots and a self-contained HTML page, checked in headless Chromium
+(Debian's chromium; .ci/install-chromium.sh installs it, the browser test skips without it)."""
+
+import argparse
+import base64
+import copy
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("sqlalchemy")
+pytest.importorskip("yaml")
+
+from pagedlab.lab import cli as lab_cli  # noqa: E402
+from pagedlab.lab.experiments import load_experiment, run_experiment  # noqa: E402
+from pagedlab.lab.report import build_report  # noqa: E402
+from pagedlab.lab.store import ResultStore, RunRecord  # noqa: E402
+from pagedlab.lab.testing import make_tiny_model  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """A database with a benchmark sweep (two batch sizes x two repeats), a QA experiment with
+    quality metrics, and one copied run whose manifest says another torch version."""
+    root = tmp_path_factory.mktemp("report")
+    model = make_tiny_model(root / "tiny")
+    url = f"sqlite:///{root / 'results.db'}"
+    (root / "bench.yaml").write_text(textwrap.dedent(f"""
+        name: bench
+        model: {model}
+        engine: {{device: cpu, kv_cache_memory_bytes: 4194304}}
+        benchmark: {{input_len: 8, output_len: 3, warmup: 0}}
+        grid: {{benchmark.batch_size: [1, 2]}}
+        repeats: 2
+        monitor: {{interval: 0.05}}
+        """))
+    (root / "qa.yaml").write_text(textwrap.dedent(f"""
+        name: qa
+        model: {model}
+        engine: {{device: cpu, kv_cache_memory_bytes: 4194304}}
+        sampling: {{max_tokens: 4, temperature: 0.9}}
+        dataset:
+          prompts:
+            - {{prompt: the quick brown, reference: fox jumps}}
+            - {{prompt: two plus two is, reference: four}}
+        grid: {{engine.block_size: [16, 32]}}
+        repeats: 2
+        metrics: [exact_match, bleu, chrf, output_length, throughput, latency, memory]
+        """))
+    for name in ("bench", "qa"):
+        assert run_experiment(load_experiment(root / f"{name}.yaml"), db=url, quiet=True).ok
+    with ResultStore(url) as store:
+        run = store.runs(experiment="qa")[0]
+        manifest = copy.deepcopy(run["manifest"])
+        manifest["versions"]["torch"] = "9.99.0"
+        store.record_run(RunRecord("qa", "qa:other-torch", run["params"], run["metrics"], manifest,
+                                   repeat=run["repeat"], seed=run["seed"], model=run["model"]))
+    return url
+
+
+def test_report_files(db, tmp_path):
+    page = build_report(db, tmp_path / "rep")
+    html = page.read_text()
+    pngs = sorted(p.name for p in (tmp_path / "rep").glob("*.png"))
+    assert pngs == ["latency.png", "memory.png", "quality.png", "seed_spread.png", "throughput_vs_batch.png"]
+    for name in pngs:
+        data = (tmp_path / "rep" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC)
+        # the page embeds the same image, so it is self-contained
+        assert base64.b64encode(data).decode() in html
+    assert not re.search(r'(src|href)="(https?:)?//', html)  # nothing fetched from the network
+    assert html.count('<img src="data:image/png;base64,') == 5
+    # the tables: 9 runs (4 benchmark + 4 qa + the copy), the torch version highlighted as differing
+    runs_table = re.search(r'<table id="runs-table">.*?</table>', html, re.S).group(0)
+    assert runs_table.count("<tr>") == 1 + 9
+    diff = re.search(r'<table id="manifest-diff-table">.*?</table>', html, re.S).group(0)
+    assert '<th class="diff">versions.torch</th>' in diff
+    assert '<td class="diff changed">9.99.0</td>' in diff
+    assert 'id="manifest-shared-table"' in html and "versions.python" in html
+    summary = re.search(r'<table id="summary-table">.*?</table>', html, re.S).group(0)
+    assert "batch_size=1" in summary and "block_size=32" in summary and "bleu" in summary
+
+
+def test_report_filters_and_errors(db, tmp_path, capsys):
+    page = build_report(db, tmp_path / "only-bench", experiments=["bench"])
+    assert not (tmp_path / "only-bench" / "quality.png").exists()  # the benchmark has no quality metrics
+    assert "throughput_vs_batch.png" in page.read_text()
+    with pytest.raises(ValueError, match="no finished runs of experiment"):
+        build_report(db, tmp_path / "none", experiments=["missing"])
+    parser = argparse.ArgumentParser()
+    lab_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["report", "--db", db, "--out", str(tmp_path / "cli"), "--title", "My sweep"])
+    assert args.func(args) == 0
+    assert "<title>My sweep</title>" in (tmp_path / "cli" / "index.html").read_text()
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    args = parser.parse_args(["report", "--db", empty, "--out", str(tmp_path / "x")])
+    assert args.func(args) == 2 and "nothing to report" in capsys.readouterr().err
+
+
+def _render_in_chromium(page: Path) -> str:
+    """The page's DOM after it loaded (and its script counted the loaded images)."""
+    profile = tempfile.mkdtemp(prefix="pagedlab-chromium-")
+    try:
+        out = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--virtual-time-budget=10000", "--dump-dom", page.as_uri()],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ, HOME=profile))
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (.ci/install-chromium.sh)")
+def test_report_in_headless_chromium(db, tmp_path):
+    page = build_report(db, tmp_path / "rep")
+    dom = _render_in_chromium(page)
+    # every plot decoded (the page's load handler counts images with a natural width)
+    assert re.search(r'<body[^>]*data-images-loaded="5/5"', dom), dom[:500]
+    for table in ("summary-table", "runs-table", "manifest-diff-table", "manifest-shared-table"):
+        assert f'<table id="{table}">' in dom
+    assert re.search(r'<table id="runs-table">.*?</table>', dom, re.S).group(0).count("<tr>") == 10
+    # and the check can fail: a corrupted plot is counted as not loaded
+    html = page.read_text()
+    first = re.search(r'data:image/png;base64,([A-Za-z0-9+/=]{40})', html).group(1)
+    broken = tmp_path / "rep" / "broken.html"
+    broken.write_text(html.replace(first, "A" * 40, 1))
+    assert re.search(r'<body[^>]*data-images-loaded="4/5"', _render_in_chromium(broken))
