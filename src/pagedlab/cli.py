@@ -120,6 +120,44 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.append({"role": "assistant", "content": shown})
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedlab import workloads
+
+    defaults = argparse.ArgumentParser()
+    add_engine_args(defaults)
+    defaults = engine_kwargs(defaults.parse_args([]))
+    changed = {k: v for k, v in engine_kwargs(args).items() if k != "model" and v != defaults[k]}
+    results = workloads.run_bench(
+        args.workload, args.batch_size, args.input_len, args.output_len, args.num_prompts, args.backend,
+        model=args.model, shape=args.shape, repeats=args.repeats, engine_args=changed)
+    if args.json:
+        workloads.write_json(args.json, results, " ".join(sys.argv))
+    return 0
+
+
+def _add_bench_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, workload, sizes in (("throughput", "W-seed", [1, 16, 64, 256]), ("latency", "W-lat", [1])):
+        p = bench_sub.add_parser(name, help=f"{name} of a DESIGN.md workload (default {workload}) on dummy weights")
+        add_engine_args(p)
+        p.set_defaults(model=None)
+        p.add_argument("--workload", default=workload,
+                       choices=["W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom"])
+        p.add_argument("--shape", default=None, help="llama3-8b or qwen3-0.6b (default: the workload's)")
+        p.add_argument("--batch-size", type=int, nargs="+", default=sizes)
+        p.add_argument("--input-len", type=int, default=512)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--num-prompts", type=int, default=None)
+        p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
+        p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
+        p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
+        p.set_defaults(func=cmd_bench)
+    from pagedlab.server.cli import register_bench
+
+    register_bench(bench_sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.set_defaults(func=cmd_chat)
+
+    _add_bench_commands(sub)
+    from pagedlab.lab.cli import register as register_lab
+    from pagedlab.server.cli import register as register_server
+
+    register_lab(sub)
+    register_server(sub)
     return parser
 
 

@@ -16,29 +16,39 @@ import torch.nn.functional as F
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference implementation: one masked SDPA per sequence, computed in float32."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
+    """Reference implementation in float32: every single-token (decode) sequence in one batched
+    masked SDPA, every other sequence in its own causal SDPA."""
+    num_heads = q.shape[1]
+    block_size = k_cache.shape[1]
+    group = num_heads // k_cache.shape[2]
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    if decode:
+        rows = torch.tensor(decode, device=q.device)
+        num_blocks = -(-max(lens[i] for i in decode) // block_size)
+        tables = block_tables[rows, :num_blocks].long()
+        mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[rows][:, None]
+        # Slots past a sequence's end hold stale data (maybe NaN): zero them, not just mask them.
+        keep = mask[:, :, None, None]
+        k = k_cache[tables].flatten(1, 2).where(keep, 0).transpose(1, 2).float().repeat_interleave(group, dim=1)
+        v = v_cache[tables].flatten(1, 2).where(keep, 0).transpose(1, 2).float().repeat_interleave(group, dim=1)
+        tokens = query_start_loc[rows].long()
+        o = F.scaled_dot_product_attention(q[tokens].unsqueeze(2).float(), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=scale)
+        out[tokens] = o.squeeze(2).to(q.dtype)
+    for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         query_len = end - start
-        if query_len == 0:
+        if query_len <= 1:
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        key_pos = torch.arange(seq_len, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        qi = q[start:end].transpose(0, 1).float()
-        ki = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        vi = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
-        out[start:end] = oi.transpose(0, 1).to(q.dtype)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
 

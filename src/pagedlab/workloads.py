@@ -1,0 +1,390 @@
+"""The fixed benchmark workloads of DESIGN.md §4, pagedlab and its HF transformers peer in one run.
+
+``pagedlab bench throughput|latency`` and ``benchmarks/`` call ``run_workload``. Every row carries
+output and total tok/s, TTFT and TPOT P50/P99, peak GPU memory, and the measured time over the
+physical floor (weights and live KV read once per decode step at the copy bandwidth, prefill
+FLOPs at the matmul peak).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# H200 figures measured on our machine (DESIGN.md §3): device copy bandwidth and bf16 matmul peak.
+H200_BANDWIDTH = 4.25e12
+H200_BF16_FLOPS = 809e12
+
+
+def model_shape(name: str):
+    """A transformers config of a benchmark shape, for dummy weights."""
+    import transformers
+
+    if name == "llama3-8b":
+        return transformers.LlamaConfig(
+            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, dtype="bfloat16",
+            architectures=["LlamaForCausalLM"])
+    if name == "qwen3-0.6b":
+        return transformers.Qwen3Config(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
+            architectures=["Qwen3ForCausalLM"])
+    raise ValueError(f"shape {name!r} is unknown; known shapes: llama3-8b, qwen3-0.6b")
+
+
+def shape_dir(name: str) -> str:
+    """A directory holding only config.json for the shape (prompts are then token ids)."""
+    path = Path(tempfile.gettempdir()) / "pagedlab-shapes" / name
+    if not (path / "config.json").is_file():
+        model_shape(name).save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class Workload:
+    """Requests of one benchmark: prompt token ids, output lengths and sampling temperature."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float = 0.0
+    engine_args: dict = field(default_factory=dict)
+
+
+def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lengths[:count]]
+
+
+def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 512, output_len: int = 128,
+                  num_prompts: int | None = None) -> Workload:
+    """W-seed / W-lat (random ids, fixed lengths), W-nano (uniform [100, 1024], seed 0), W-prefix
+    (a shared 2,048-token prefix + 64 unique tokens), W-long (4 x 32,768), or "custom"."""
+    if name in ("W-seed", "W-lat", "custom"):
+        n = num_prompts or batch_size
+        return Workload(name, random_prompts(n, [input_len] * n, vocab), [output_len] * n)
+    if name == "W-nano":
+        g = torch.Generator().manual_seed(0)
+        n = num_prompts or 256
+        in_lens = torch.randint(100, 1025, (n,), generator=g).tolist()
+        out_lens = torch.randint(100, 1025, (n,), generator=g).tolist()
+        return Workload(name, random_prompts(n, in_lens, vocab), out_lens, temperature=0.6)
+    if name == "W-prefix":
+        n = num_prompts or 256
+        prefix = random_prompts(1, [2048], vocab, seed=1)[0]
+        return Workload(name, [prefix + p for p in random_prompts(n, [64] * n, vocab, seed=2)], [64] * n)
+    if name == "W-long":
+        n = num_prompts or 4
+        return Workload(name, random_prompts(n, [32768] * n, vocab), [128] * n,
+                        engine_args={"max_num_batched_tokens": 2048})
+    raise ValueError(f"workload {name!r} is unknown; known: W-seed, W-nano, W-lat, W-prefix, W-long, custom")
+
+
+def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
+                   cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH, flops: float = H200_BF16_FLOPS) -> float:
+    """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
+    every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer)."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    layer_params = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
+    kv_bytes_per_token = 2 * c.num_hidden_layers * kv * dtype_bytes
+    attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
+    computed = [n - cached_prefix if i else n for i, n in enumerate(prompt_lens)]
+    prefill = sum(2 * matmul_params * n + attn_flops_per_pair * n * n / 2 for n in computed) / flops
+    decode = 0.0
+    for step in range(1, max(output_lens)):
+        live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        read = matmul_params * dtype_bytes + kv_bytes_per_token * sum(live)
+        work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
+        decode += max(read / bandwidth, work / flops)
+    return prefill + decode
+
+
+@dataclass
+class WorkloadResult:
+    workload: str
+    backend: str
+    label: str
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p99_ms: float | None
+    peak_memory_gib: float | None
+    floor_s: float | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def over_floor(self) -> float | None:
+        return self.elapsed_s / self.floor_s if self.floor_s else None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, over_floor=self.over_floor)
+        return d
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    p = percentile(values, q)
+    return None if p is None else p * 1000
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def run_pagedlab(llm, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
+    """Submit every request at once and drive the engine step by step, timing each token."""
+    from pagedlab import SamplingParams
+
+    engine = llm.llm_engine
+    llm.reset_prefix_cache()
+    engine.reset_stats()
+    _sync()
+    _reset_peak()
+    times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True,
+                                seed=i if workload.temperature else None, detokenize=False)
+        engine.add_request(f"bench-{i}", prompt, params)
+        times[f"bench-{i}"] = []
+    produced = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            stamps = times[out.request_id]
+            if len(out.outputs[0].token_ids) > len(stamps):
+                stamps.append(now)
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    _sync()
+    elapsed = time.perf_counter() - start
+    ttft = [s[0] - start for s in times.values()]
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in times.values() if len(s) > 1]
+    itl = [b - a for s in times.values() for a, b in zip(s, s[1:])]
+    stats = engine.get_stats()
+    return WorkloadResult(
+        workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)), produced,
+        elapsed, _ms(ttft, 50), _ms(ttft, 99), _ms(tpot, 50), _ms(tpot, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99),
+               "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
+               "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
+               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
+               "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
+
+
+def load_hf_peer(hf_config, dtype: torch.dtype = torch.bfloat16):
+    """HF transformers model of the same shape with random weights, on the GPU, sdpa attention."""
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def run_hf_generate(model, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
+    """HF static-batch ``generate`` (prompts of equal length, so no padding), greedy, per-step timing."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            _sync()
+            stamps.append(time.perf_counter())
+            return scores
+
+    lengths = {len(p) for p in workload.prompts}
+    if len(lengths) != 1:
+        raise ValueError("HF static generate needs prompts of one length; use generate_batch for mixed lengths")
+    out_len = max(workload.output_lens)
+    ids = torch.tensor(workload.prompts, device=model.device)
+    _sync()
+    _reset_peak()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                             do_sample=False, logits_processor=LogitsProcessorList([StepClock()]),
+                             pad_token_id=0)
+    _sync()
+    elapsed = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    ttft = stamps[0] - start
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    tpot = statistics.fmean(itl) if itl else None
+    return WorkloadResult(
+        workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000, ttft * 1000,
+        None if tpot is None else tpot * 1000, _ms(itl, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": _ms(itl, 50)})
+
+
+def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int, floor: float | None) -> WorkloadResult:
+    """HF continuous batching (``generate_batch``, paged|sdpa) with a fixed output length."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=workload.temperature > 0,
+                              temperature=workload.temperature or None, eos_token_id=None, pad_token_id=0)
+    _sync()
+    _reset_peak()
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=workload.prompts, generation_config=config, progress_bar=False)
+    _sync()
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.generated_tokens) for o in outputs.values())
+    return WorkloadResult(workload.name, "hf-generate_batch", label, len(workload.prompts),
+                          sum(map(len, workload.prompts)), produced, elapsed, None, None, None, None, _peak_gib(), floor)
+
+
+def environment() -> dict:
+    import transformers
+
+    info = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "gpu": None, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    import pagedlab
+
+    info["pagedlab"] = pagedlab.__version__
+    return info
+
+
+def format_row(r: WorkloadResult) -> str:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total {r.total_tok_s:9.1f} tok/s  "
+            f"TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms  TPOT p50/p99 {f(r.tpot_p50_ms, '.2f')}/"
+            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s = "
+            f"{f(r.over_floor, '.2f')}x floor")
+
+
+def write_json(path: str, results: list[WorkloadResult], command: str) -> None:
+    Path(path).write_text(json.dumps({"environment": environment(), "command": command,
+                                      "results": [r.to_dict() for r in results]}, indent=2))
+
+
+DEFAULT_SHAPES = {"W-seed": "llama3-8b", "W-lat": "llama3-8b", "W-long": "llama3-8b", "W-nano": "qwen3-0.6b",
+                  "W-prefix": "qwen3-0.6b", "custom": "llama3-8b"}
+
+
+def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output_len: int,
+              num_prompts: int | None, backends: list[str], model: str | None = None, shape: str | None = None,
+              repeats: int = 1, engine_args: dict | None = None, progress=print) -> list[WorkloadResult]:
+    """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row."""
+    from transformers import AutoConfig
+
+    from pagedlab import LLM
+
+    unknown = set(backends) - {"pagedlab", "hf"}
+    if unknown:
+        raise ValueError(f"backend {sorted(unknown)} is unknown; choose from pagedlab, hf")
+    if model is None:
+        model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
+        engine_args = {"load_format": "dummy", **(engine_args or {})}
+    hf_config = AutoConfig.from_pretrained(model)
+    vocab = hf_config.vocab_size
+    sizes = batch_sizes if workload_name in ("W-seed", "W-lat", "custom") else [None]
+    workloads = [make_workload(workload_name, vocab, bs or 1, input_len, output_len, num_prompts) for bs in sizes]
+    longest = max(len(p) + o for w in workloads for p, o in zip(w.prompts, w.output_lens))
+    args = {"dtype": "bfloat16", "max_model_len": -(-longest // 64) * 64,
+            "max_num_seqs": max(256, max(len(w.prompts) for w in workloads))}
+    args.update(workloads[0].engine_args)
+    args.update(engine_args or {})
+    results: list[WorkloadResult] = []
+    if "pagedlab" in backends:
+        with LLM(model, **args) as llm:
+            llm.generate([w.prompts[0][:64] for w in workloads[:1]] * 2, use_tqdm=False)  # warm-up
+            for w in workloads:
+                for variant, changes, cached in _variants(workload_name):
+                    if changes:
+                        llm.set_model_args(**changes)
+                    floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
+                                           cached_prefix=cached)
+                    for r in range(repeats):
+                        label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
+                        results.append(run_pagedlab(llm, w, label, floor))
+                        progress(format_row(results[-1]))
+    if "hf" in backends:
+        peer = load_hf_peer(hf_config)
+        for w in workloads:
+            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens)
+            for r in range(repeats):
+                label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
+                if workload_name == "W-nano":
+                    fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
+                    floor = physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                    results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
+                elif workload_name == "W-prefix":
+                    break  # the peer of W-prefix is pagedlab with prefix caching off
+                else:
+                    results.append(run_hf_generate(peer, w, label, floor))
+                progress(format_row(results[-1]))
+        del peer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def _variants(workload_name: str) -> list[tuple[str, dict, int]]:
+    """(label, set_model_args changes, cached prefix tokens for the floor) to run per workload."""
+    if workload_name == "W-prefix":
+        return [("prefix-cache on", {"enable_prefix_caching": True}, 2048),
+                ("prefix-cache off", {"enable_prefix_caching": False}, 0)]
+    if workload_name == "W-long":
+        return [("block_size=16", {"block_size": 16}, 0), ("block_size=64", {"block_size": 64}, 0)]
+    return [("", {}, 0)]

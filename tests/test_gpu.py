@@ -1,0 +1,76 @@
+"""GPU checks (``pytest -m gpu`` on a CUDA machine): Triton backend + CUDA graphs against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+KV = 256 << 20
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
+    tiny = tiny_models(arch)
+    prompts = random_prompts(8, max_len=80, seed=1)
+    expected = [hf_greedy(tiny.hf_model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
+        assert llm.llm_engine.runner.backend.name == "triton"
+        assert llm.llm_engine.uses_cuda_graphs
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_give_the_eager_tokens(tiny_models, dtype):
+    tiny = tiny_models("qwen3")
+    prompts = random_prompts(37, max_len=60, seed=2)  # 37 pads up to the 48 graph
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV, enforce_eager=True) as llm:
+        eager = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV) as llm:
+        graphed = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(37)]
+        twice = [_tokens(llm.generate(prompts, sampled, use_tqdm=False)) for _ in range(2)]
+    assert graphed == eager
+    assert twice[0] == twice[1]
+
+
+def test_triton_backend_matches_torch_backend_on_gpu(tiny_llama):
+    prompts = random_prompts(12, max_len=120, seed=3)
+    args = dict(dtype="float32", device="cuda", kv_cache_memory_bytes=KV, max_num_batched_tokens=64)
+    with LLM(tiny_llama.path, attention_backend="torch", **args) as llm:
+        reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(tiny_llama.path, attention_backend="triton", **args) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+
+def test_bfloat16_teacher_forced_agreement_with_hf_float32(tiny_llama, capsys):
+    """bf16 drifts from float32: report top-1 agreement and the largest logprob gap."""
+    prompts = random_prompts(6, min_len=30, max_len=60, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with LLM(tiny_llama.path, dtype="bfloat16", device="cuda", kv_cache_memory_bytes=KV) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    agree = total = 0
+    worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+        for pos in range(1, len(prompt)):
+            entry = out.prompt_logprobs[pos]
+            worst = max(worst, abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()))
+            ours_top = next(t for t, lp in entry.items() if lp.rank == 1)
+            agree += ours_top == int(ref[pos - 1].argmax())
+            total += 1
+    with capsys.disabled():
+        print(f"\nbf16 vs HF fp32 teacher-forced: top-1 agreement {agree / total:.4f}, max |dlogprob| {worst:.4f}")
+    assert agree / total > 0.9
+    assert worst < 0.5

@@ -1,0 +1,46 @@
+"""Benchmark workloads: definitions, the physical floor, and a pagedlab-vs-HF run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedlab import workloads
+from pagedlab.cli import main
+
+
+def test_floor_matches_design_figures():
+    llama = workloads.model_shape("llama3-8b")
+    assert workloads.physical_floor(llama, [512] * 256, [128] * 256) == pytest.approx(3.3, rel=0.1)
+    assert workloads.physical_floor(llama, [512], [129]) / 128 == pytest.approx(3.55e-3, rel=0.05)
+    nano = workloads.make_workload("W-nano", 151936)
+    qwen = workloads.model_shape("qwen3-0.6b")
+    rate = sum(nano.output_lens) / workloads.physical_floor(qwen, list(map(len, nano.prompts)), nano.output_lens)
+    assert rate == pytest.approx(35000, rel=0.1)
+
+
+def test_workloads_are_deterministic_and_shaped():
+    a, b = workloads.make_workload("W-nano", 1000), workloads.make_workload("W-nano", 1000)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert len(a.prompts) == 256 and all(100 <= len(p) <= 1024 for p in a.prompts)
+    prefix = workloads.make_workload("W-prefix", 1000, num_prompts=3)
+    assert [p[:2048] for p in prefix.prompts] == [prefix.prompts[0][:2048]] * 3
+    assert {len(p) for p in prefix.prompts} == {2048 + 64}
+
+
+def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom", "--batch-size", "2", "3",
+               "--input-len", "12", "--output-len", "5", "--backend", "pagedlab", "hf", "--json", str(out),
+               "--kv-cache-memory-bytes", str(16 << 20), "--dtype", "float32"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["environment"]["torch"]
+    rows = report["results"]
+    assert [(r["backend"], r["num_requests"]) for r in rows] == [("pagedlab", 2), ("pagedlab", 3), ("hf", 2), ("hf", 3)]
+    for r in rows:
+        assert r["output_tokens"] == 5 * r["num_requests"]
+        assert r["input_tokens"] == 12 * r["num_requests"]
+        assert r["output_tok_s"] > 0 and r["over_floor"] > 1
+        assert r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0
