@@ -14,7 +14,9 @@ plus lm-eval's own (``max_length``, ``max_gen_toks``, ``add_bos_token``, ``prefi
   was the most likely token (rank 1).
 - ``loglikelihood_rolling``: lm-eval's disjoint rolling windows, each scored the same way.
 - ``generate_until``: greedy (or sampled, with ``do_sample``/``temperature``/``top_p``/``top_k``)
-  generation with the ``until`` stop strings and ``max_gen_toks``.
+  generation with the ``until`` stop strings and ``max_gen_toks``. A sampled request without a
+  ``seed`` gets one from ``seed`` (the model arg) and its own content, so it samples the same in
+  any batch, task mix or order.
 
 Tokenization follows lm-eval's ``hf`` model, so scores match it on the same weights.
 All requests of a call go to the engine together (``batch_size=N`` submits N at a time), and the
@@ -30,6 +32,7 @@ have no plugin discovery: run ``python -m pagedlab.integrations.lm_eval --model 
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
@@ -228,7 +231,7 @@ class PagedLabLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
-    def _sampling_params(self, gen_kwargs: dict, index: int) -> tuple[SamplingParams, list[str], int]:
+    def _sampling_params(self, gen_kwargs: dict, seed_key: int) -> tuple[SamplingParams, list[str], int]:
         if not isinstance(gen_kwargs, dict):
             raise ValueError(f"generation kwargs must be a dict, got {gen_kwargs!r}")
         kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks)
@@ -244,15 +247,21 @@ class PagedLabLM(TemplateLM):
         if kwargs:
             logger.warning("generation kwargs %s mean nothing to pagedlab and are ignored", sorted(kwargs))
         if do_sample and params.get("seed") is None:
-            params["seed"] = self.seed + index  # reproducible, whatever the batch
+            params["seed"] = (self.seed + seed_key) % (1 << 63)
         stops = [s for s in until if s]
         return SamplingParams(max_tokens=max_gen_toks, stop=stops, **params), until, max_gen_toks
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         prompts, params, untils = [], [], []
-        for i, req in enumerate(requests):
+        seen: dict[int, int] = {}
+        for req in requests:
             context, gen_kwargs = req.args
-            sp, until, max_gen_toks = self._sampling_params(gen_kwargs, i)
+            # A sampled request's seed comes from its content (and how many identical requests came
+            # before it), so it samples the same whatever the batch, task mix or order.
+            key = zlib.crc32(repr((context, sorted(gen_kwargs.items()) if isinstance(gen_kwargs, dict)
+                                   else gen_kwargs)).encode())
+            seen[key] = seen.get(key, -1) + 1
+            sp, until, max_gen_toks = self._sampling_params(gen_kwargs, key + (seen[key] << 32))
             # Room for max_gen_toks new tokens: cut the context from the left (as lm-eval's hf model).
             room = self.max_length - max_gen_toks
             if room <= 0:
@@ -265,7 +274,9 @@ class PagedLabLM(TemplateLM):
         outputs = self._run(prompts, params, "Running generate_until requests", disable_tqdm)
         results = []
         for req, out, until in zip(requests, outputs, untils):
-            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            # Decode the tokens at once, as lm-eval's hf model does (a trailing partial character
+            # becomes U+FFFD there), then cut at the first stop sequence.
+            text = postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
             self.cache_hook.add_partial("generate_until", req.args, text)
             results.append(text)
         return results
