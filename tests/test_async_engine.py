@@ -259,3 +259,32 @@ def test_from_engine_config_and_shutdown(model_dir):
     with pytest.raises(EngineDeadError):
         engine.call(lambda e: None).result(1)
     engine.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
+    engine, expected, _, _ = offline
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_execute(batch)
+
+    runner.execute = flaky
+    try:
+        async def main():
+            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS[:3]),
+                                           return_exceptions=True)
+            return results
+
+        results = run(main())
+    finally:
+        runner.execute = real_execute
+    assert all(isinstance(r, RuntimeError) and "injected failure" in str(r) for r in results)
+    _wait_idle(engine)
+    out = run(collect(engine, PROMPTS[0], GREEDY))[-1]
+    assert out.outputs[0].token_ids == expected[PROMPTS[0]].token_ids

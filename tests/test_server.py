@@ -430,3 +430,57 @@ def test_bench_serve_reports_unreachable_server(capsys):
 
     assert main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm"]) == 2
     assert "could not reach" in capsys.readouterr().err
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def test_serve_command_end_to_end(served, tmp_path):
+    """`python -m pagedlab.server.openai_api` (= `pagedlab serve`): engine args, API key, a chat
+    template file, and a clean exit on Ctrl-C."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    model_dir = served["engine"].engine.source.path
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedlab.server.openai_api", "--model", str(model_dir), "--port", str(port),
+           "--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "32", "--max-num-seqs", "8",
+           "--api-key", KEY, "--served-model-name", "m1", "m2", "--chat-template", str(template),
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        models = client.models.list().data
+        assert [m.id for m in models] == ["m1", "m2"] and models[0].max_model_len == 256
+        r = client.chat.completions.create(model="m2", messages=CHATS[0], max_tokens=4, temperature=0)
+        assert r.usage.prompt_tokens == len(served["tokenizer"]("Why is the sky blue?\n",
+                                                                add_special_tokens=False).input_ids)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="m1", prompt=[5] * 300, max_tokens=1)
+        stats = parse_metrics(httpx.get(url + "/metrics").text)
+        assert stats["pagedlab:kv_cache_blocks_total"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, proc.stderr.read()[-2000:]
