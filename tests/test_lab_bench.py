@@ -121,3 +121,21 @@ def test_latency_stats():
     assert s["x_p50_ms"] == pytest.approx(2.5) and s["x_mean_ms"] == pytest.approx(2.5)
     assert s["x_p99_ms"] == pytest.approx(3.97)
     assert latency_stats([], "y") == {"y_p50_ms": None, "y_p90_ms": None, "y_p99_ms": None, "y_mean_ms": None}
+
+
+def test_benchmark_to_store(llm, tmp_path):
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab import load_results
+    from pagedlab.lab.store import ResultStore
+
+    result = llm.benchmark(batch_size=[1, 2], input_len=6, output_len=2, warmup=0)
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    ids = result.to_store(url, experiment="seed-table")
+    df = load_results(url, experiment="seed-table")
+    assert list(df["run_id"]) == ids and list(df["benchmark.batch_size"]) == [1, 2]
+    assert list(df["output_tokens"]) == [2, 4] and (df["output_throughput"] > 0).all()
+    with ResultStore(url) as store:
+        run = store.get_run(ids[1])
+    assert run["params"]["varied"] == ["benchmark.batch_size"]
+    assert run["manifest"]["model"]["weight_checksum"] == result.manifest["model"]["weight_checksum"]
+    assert run["telemetry"]["num_samples"] >= 2

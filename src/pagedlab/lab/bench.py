@@ -165,7 +165,8 @@ class BenchmarkResult:
                 params = {"model": model.get("name"), "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
                           "benchmark.batch_size": run.batch_size, "benchmark.input_len": run.input_len,
                           "benchmark.output_len": run.output_len, "benchmark.num_prompts": run.num_prompts,
-                          "benchmark.use_beam_search": run.use_beam_search}
+                          "benchmark.use_beam_search": run.use_beam_search,
+                          "varied": ["benchmark.batch_size"] if len(self.settings["batch_size"]) > 1 else []}
                 key = f"{experiment}:{uuid.uuid4().hex}"
                 rid = store.record_run(RunRecord(
                     experiment=experiment, run_key=key, params=params, metrics=run.metrics(),
