@@ -144,6 +144,19 @@ def test_grid_runs_repeats_and_seeds(workdir):
     assert expand_runs(load_experiment(spec.path))[0].run_key != runs[0].run_key
 
 
+def test_experiment_from_python_data(workdir):
+    from pagedlab.lab.experiments import experiment_from_dict
+
+    spec = experiment_from_dict({"name": "py", "model": "model", "engine": {"device": "cpu"},
+                                 "dataset": {"prompts": ["a b", [1, 2, 3]]}, "grid": {"sampling.temperature": [0, 1]}},
+                                base_dir=workdir)
+    runs = expand_runs(spec)
+    assert len(runs) == 2 and runs[0].dataset.items[1].prompt_token_ids == [1, 2, 3]
+    assert runs[0].config["model"] == str((workdir / "model").resolve())
+    with pytest.raises(ExperimentError, match="metrics: must be a list"):
+        experiment_from_dict({"name": "py", "model": "model", "dataset": {"prompts": ["x"]}, "metrics": "bleu"}, workdir)
+
+
 def test_explicit_seeds_and_overrides(workdir):
     spec = load_experiment(write(workdir, BASE + "seeds: [11, 22]\n"), ["sampling.max_tokens=2", "name=renamed"])
     runs = expand_runs(spec)
@@ -323,7 +336,7 @@ def test_cli_dry_run_and_errors(workdir, capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "experiment qa: 2 run(s), 2 pending, 1 model group(s)" in out and "block_size=32" in out
-    assert not ResultStore(str(db)).runs()  # nothing executed
+    assert not db.exists()  # nothing executed, no database created
     bad = write(workdir, BASE + "metrics: [blue]\n", "bad.yaml")
     args = parser.parse_args(["run", str(bad), "--db", str(db)])
     assert args.func(args) == 2

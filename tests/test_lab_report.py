@@ -104,6 +104,9 @@ def test_report_filters_and_errors(db, tmp_path, capsys):
     assert "<title>My sweep</title>" in (tmp_path / "cli" / "index.html").read_text()
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
     args = parser.parse_args(["report", "--db", empty, "--out", str(tmp_path / "x")])
+    assert args.func(args) == 2 and "there is no results database at" in capsys.readouterr().err
+    assert not (tmp_path / "empty.db").exists()  # a read-only command creates no database
+    ResultStore(empty).close()
     assert args.func(args) == 2 and "nothing to report" in capsys.readouterr().err
 
 

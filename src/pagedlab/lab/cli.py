@@ -130,7 +130,7 @@ def cmd_results_list(args) -> int:
     from pagedlab.lab.store import ResultStore
 
     try:
-        with ResultStore(args.db) as store:
+        with ResultStore(args.db, create=False) as store:
             runs = store.runs(experiment=args.experiment, status=_status(args.status), manifest=False)
     except _errors() as e:
         return _fail(e)
@@ -159,7 +159,7 @@ def cmd_results_show(args) -> int:
     from pagedlab.lab.store import ResultStore
 
     try:
-        with ResultStore(args.db) as store:
+        with ResultStore(args.db, create=False) as store:
             run = store.get_run(args.run_id, outputs=True)
     except _errors() as e:
         return _fail(e)
@@ -188,7 +188,8 @@ def cmd_results_show(args) -> int:
         print(f"  hardware: {hw.get('cpu')} x{hw.get('cpu_count')}, GPUs: {gpus}, driver {hw.get('driver')}, "
               f"CUDA {hw.get('cuda')}")
         print("  versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v))
-        print(f"  model: {model.get('path')}  config {model.get('config_hash')}  weights {model.get('weight_checksum')}")
+        print(f"  model: {model.get('path')}  config {model.get('config_hash')}  "
+              f"weights {model.get('weight_checksum')}")
         print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template {tok.get('chat_template_hash')}")
         print(f"  git: {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}  seeds: {m.get('seeds')}")
     tel = run.get("telemetry") or {}
@@ -213,7 +214,7 @@ def cmd_results_export(args) -> int:
     fmt = args.format or (Path(args.out).suffix.lstrip(".") if args.out else "csv")
     out = args.out or f"results.{fmt}"
     try:
-        with ResultStore(args.db) as store:
+        with ResultStore(args.db, create=False) as store:
             n = store.export(out, fmt=fmt, experiment=args.experiment, status=_status(args.status),
                              outputs=args.outputs, manifest=args.manifest)
     except _errors() as e:

@@ -142,7 +142,7 @@ class ExperimentSpec:
 
     @property
     def filename(self) -> str:
-        return str(self.path) if self.path else "<experiment>"
+        return str(self.path) if self.path and self.path.name != "<dict>" else "<experiment>"
 
     def where(self, *path) -> str:
         """``file:line: key.path`` for error messages (the nearest enclosing key with a line)."""
@@ -280,12 +280,6 @@ def validate_experiment(data, lines: dict, path: Path) -> ExperimentSpec:
     if has_bench and "batch_size" not in data["benchmark"] and "benchmark.batch_size" not in (data.get("grid") or {}):
         raise ExperimentError(f"{err('benchmark')}: batch_size is missing (one integer per run; sweep it with "
                               "grid: {benchmark.batch_size: [4, 8, 16]})")
-    if has_bench and ("max_num_seqs" in spec.base["engine"] or "engine.max_num_seqs" in (data.get("grid") or {})
-                      or any("engine.max_num_seqs" in r or "max_num_seqs" in (r.get("engine") or {})
-                             for r in data.get("runs") or [] if isinstance(r, dict))):
-        raise ExperimentError(f"{err('engine', 'max_num_seqs') if 'max_num_seqs' in spec.base['engine'] else err('grid')}"
-                              ": a benchmark run sets max_num_seqs to its batch_size; sweep benchmark.batch_size "
-                              "(with benchmark.num_prompts for more requests than fit at once) instead")
     if has_dataset:
         ds = spec.base["dataset"]
         if ("path" in ds) == ("prompts" in ds):
@@ -518,6 +512,10 @@ def expand_runs(spec: ExperimentSpec) -> list[ResolvedRun]:
             else:
                 dataset = None
                 _check_benchmark(config["benchmark"], lambda name: where("benchmark", name))
+                if "max_num_seqs" in engine:
+                    raise ExperimentError(f"{where('engine', 'max_num_seqs')}: a benchmark run sets max_num_seqs to "
+                                          "its batch_size; sweep benchmark.batch_size (with benchmark.num_prompts "
+                                          "for more requests than fit at once) instead")
                 if config["sampling"]:
                     raise ExperimentError(f"{spec.where('sampling')}: a benchmark workload samples with "
                                           "benchmark.temperature (ignore_eos, fixed output_len); remove sampling")
@@ -894,8 +892,10 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
     if dry_run:
         done: set[str] = set()
         try:
-            with ResultStore(db) as store:
+            with ResultStore(db, create=False) as store:
                 done = store.finished_keys(spec.name)
+        except FileNotFoundError:
+            pass  # no database yet: every run is pending
         except Exception as e:  # a dry run still shows the plan without a database
             _log(f"(results database not readable: {e})", quiet)
         print(format_plan(spec, runs, done))
@@ -939,7 +939,8 @@ def _run_group(spec, group_runs, store, report, quiet, bar, llm_factory) -> None
     group_runs = sorted(group_runs, key=lambda r: json.dumps(r.plan_args, sort_keys=True, default=str))
     first = group_runs[0]
     engine_kwargs = dict(first.config["engine"])
-    label = f"{Path(first.config['model']).name} ({', '.join(f'{k}={v}' for k, v in engine_kwargs.items() if k in WEIGHT_LEVEL_KEYS) or 'defaults'})"
+    weight_args = ", ".join(f"{k}={v}" for k, v in engine_kwargs.items() if k in WEIGHT_LEVEL_KEYS)
+    label = f"{Path(first.config['model']).name} ({weight_args or 'defaults'})"
     _log(f"loading {label} for {len(group_runs)} run(s)", quiet)
     t0 = time.perf_counter()
     try:
@@ -956,7 +957,7 @@ def _run_group(spec, group_runs, store, report, quiet, bar, llm_factory) -> None
     report.model_loads.append({"group": label, "seconds": time.perf_counter() - t0})
     try:
         for run in group_runs:
-            if run.run_key in store.finished_keys(spec.name):  # another process finished it meanwhile
+            if store.is_finished(run.run_key):  # another process finished it meanwhile
                 report.skipped += 1
                 if bar is not None:
                     bar.update(1)

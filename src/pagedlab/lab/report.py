@@ -52,7 +52,7 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
     """Write the plots and ``index.html`` into ``out_dir``; returns the page's path."""
     from pagedlab.lab.store import ResultStore
 
-    with ResultStore(db) as store:
+    with ResultStore(db, create=False) as store:
         runs = [r for r in store.runs(status="finished", manifest=True)
                 if not experiments or r["experiment"] in experiments]
         url = store._safe_url()
@@ -204,8 +204,9 @@ def _plot_latency(runs) -> Plot | None:
         return None
     groups = _groups(runs)
     names = list(groups)
-    fig, axes = _figure(width=5.0 * min(2, len(kinds)), height=max(3.2, 0.5 * len(names) + 1.8) * ((len(kinds) + 1) // 2),
-                        ncols=min(2, len(kinds)), nrows=(len(kinds) + 1) // 2)
+    nrows = (len(kinds) + 1) // 2
+    fig, axes = _figure(width=5.0 * min(2, len(kinds)), height=max(3.2, 0.5 * len(names) + 1.8) * nrows,
+                        ncols=min(2, len(kinds)), nrows=nrows)
     colors = {50: "#4C72B0", 90: "#DD8452", 99: "#C44E52"}
     for ax in axes.flat[len(kinds):]:
         ax.set_visible(False)
@@ -308,7 +309,8 @@ def _plot_quality(runs) -> Plot | None:
 
 # ---- HTML -----------------------------------------------------------------------------------------
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1400px;padding:0 1rem;color:#222}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1400px;padding:0 1rem;
+     color:#222}
 h1{margin-bottom:.2rem} h2{margin-top:2.2rem;border-bottom:1px solid #ddd;padding-bottom:.2rem}
 .meta{color:#666;font-size:.9rem}
 table{border-collapse:collapse;font-size:.82rem;margin:.6rem 0;display:block;overflow-x:auto;max-width:100%}
@@ -369,7 +371,7 @@ def _summary_table(runs) -> str:
     groups = _groups(runs)
     metrics = [m for m in _SUMMARY_METRICS if _vals(runs, m)]
     rows = []
-    for g, members in groups.items():
+    for members in groups.values():
         row = [members[0]["experiment"], members[0]["model_label"], members[0]["config"], len(members)]
         for m in metrics:
             mean, std = _mean_std(_vals(members, m))
@@ -419,7 +421,8 @@ def _manifest_tables(runs) -> tuple[str, int]:
                    if k not in differ and not any(k == i or k.startswith(i + ".") for i in ignore)]
     shared_rows = [[k, flat[0].get(k)] for k in shared_keys]
     shared_html = _table(["field", "value (same in every run)"], shared_rows, "manifest-shared-table")
-    return diff_html + f"<details><summary>{len(shared_keys)} fields shared by every run</summary>{shared_html}</details>", len(differ)
+    shared = f"<details><summary>{len(shared_keys)} fields shared by every run</summary>{shared_html}</details>"
+    return diff_html + shared, len(differ)
 
 
 def _render_html(runs, plots, url, failed, title) -> str:
@@ -430,13 +433,15 @@ def _render_html(runs, plots, url, failed, title) -> str:
         f'<figure><img src="data:image/png;base64,{base64.b64encode(p.png).decode()}" alt="{_e(p.title)}" '
         f'data-file="{_e(p.filename)}"><figcaption><b>{_e(p.title)}.</b> {_e(p.caption)} '
         f'(<a href="{_e(p.filename)}">{_e(p.filename)}</a>)</figcaption></figure>' for p in plots)
+    failed_note = f"; {failed} failed run(s) not shown" if failed else ""
     exp_list = ", ".join(f"{_e(e)} ({sum(r['experiment'] == e for r in runs)} runs)" for e in experiments)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(title)}</title><style>{_CSS}</style><script>{_CHECK_JS}</script></head>
 <body>
 <h1>{_e(title)}</h1>
-<p class="meta">Generated {_e(now)} from <code>{_e(url)}</code>: {len(runs)} finished run(s) of {exp_list}{f"; {failed} failed run(s) not shown" if failed else ""}.</p>
+<p class="meta">Generated {_e(now)} from <code>{_e(url)}</code>: {len(runs)} finished run(s) of
+{exp_list}{failed_note}.</p>
 <h2 id="summary">Summary</h2>
 <p class="meta">One row per configuration (the swept parameters); mean ± standard deviation over repeats.</p>
 {_summary_table(runs)}
@@ -445,7 +450,8 @@ def _render_html(runs, plots, url, failed, title) -> str:
 <h2 id="runs">Runs</h2>
 {_runs_table(runs)}
 <h2 id="manifests">Manifests</h2>
-<p class="meta">{ndiff} manifest field(s) differ between runs (highlighted; the darker cells differ from the first run).</p>
+<p class="meta">{ndiff} manifest field(s) differ between runs (highlighted; the darker cells differ from the
+first run).</p>
 {manifest_html}
 </body></html>
 """

@@ -167,9 +167,10 @@ def _tables(sa):
 
 
 class ResultStore:
-    """A results database at ``url`` (see ``resolve_url``); tables are created on first use."""
+    """A results database at ``url`` (see ``resolve_url``); tables are created on first use.
+    ``create=False`` refuses to create a SQLite file that does not exist (for read-only commands)."""
 
-    def __init__(self, url: str | os.PathLike | None = None, echo: bool = False):
+    def __init__(self, url: str | os.PathLike | None = None, echo: bool = False, create: bool = True):
         sa = _require_sqlalchemy()
         self.sa = sa
         self.url = resolve_url(url)
@@ -183,6 +184,8 @@ class ResultStore:
         if self.is_sqlite:
             db = parsed.database
             if db and db != ":memory:" and not db.startswith("file:"):
+                if not create and not Path(db).expanduser().exists():
+                    raise FileNotFoundError(f"there is no results database at {db} (give --db URL)")
                 Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
             kwargs["connect_args"] = {"timeout": 120}
         else:
@@ -294,6 +297,12 @@ class ResultStore:
                  "updated_at": _iso(e["updated_at"]), "runs": tally.get(e["id"], {})} for e in exps]
 
     # ---- runs -----------------------------------------------------------------------------------
+    def is_finished(self, run_key: str) -> bool:
+        r = self.t_runs
+        with self.engine.connect() as conn:
+            return conn.execute(self.sa.select(r.c.id).where(r.c.run_key == run_key, r.c.status == "finished")
+                                ).first() is not None
+
     def finished_keys(self, experiment: str | None = None) -> set[str]:
         sa, r, e = self.sa, self.t_runs, self.t_exp
         q = sa.select(r.c.run_key).where(r.c.status == "finished")
@@ -327,11 +336,9 @@ class ResultStore:
                 if existing is not None:
                     if existing.status == "finished":
                         return existing.id
-                    if rec.status == "failed":  # keep one failure row per key: the latest
-                        conn.execute(r.delete().where(r.c.id == existing.id))
-                    else:
-                        conn.execute(self.t_out.delete().where(self.t_out.c.run_id == existing.id))
-                        conn.execute(r.delete().where(r.c.id == existing.id))
+                    # a failed attempt: replaced by this one (one row per run key)
+                    conn.execute(self.t_out.delete().where(self.t_out.c.run_id == existing.id))
+                    conn.execute(r.delete().where(r.c.id == existing.id))
                 values["experiment_id"] = self._ensure_experiment(conn, rec.experiment, None)
                 run_id = conn.execute(r.insert().values(**values)).inserted_primary_key[0]
                 if outputs:
@@ -492,5 +499,5 @@ def load_results(url: str | os.PathLike | None = None, experiment: str | None = 
     """``pandas.DataFrame`` with one row per run of the database at ``url``: run_id, experiment,
     run_key, status, model, repeat, seed, times, then the params (``engine.block_size``,
     ``sampling.temperature``, ...) and metrics (``bleu``, ``output_throughput``, ...) as columns."""
-    with ResultStore(url) as store:
+    with ResultStore(url, create=False) as store:
         return store.dataframe(experiment=experiment, status=status, manifest=manifest)
