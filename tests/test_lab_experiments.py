@@ -346,7 +346,8 @@ def test_cli_dry_run_and_errors(workdir, capsys):
 
 # ---- crash safety ----------------------------------------------------------------------------------
 def _kill_experiment(workdir, db, env_extra=None, wait_for_runs=None):
-    spec = write(workdir, BASE.replace("max_tokens: 4", "max_tokens: 6") +
+    # 12 runs, long enough (12 tokens each) that a kill after the second one lands mid-experiment
+    spec = write(workdir, BASE.replace("max_tokens: 4", "max_tokens: 12") +
                  "grid:\n  engine.block_size: [16, 32, 48]\n  sampling.temperature: [0.5, 0.9]\nrepeats: 2\n"
                  "monitor: false\n", "kill.yaml")
     env = dict(os.environ, **(env_extra or {}))
@@ -373,6 +374,7 @@ def _check_complete_runs(db):
             assert run["status"] == "finished"
             outs = store.outputs(run["run_id"])
             assert len(outs) == 3 and run["metrics"]["output_tokens"] == sum(len(o["token_ids"]) for o in outs)
+            assert run["manifest"]["experiment"]["run_key"] == run["run_key"]
         with store.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
             total = conn.execute(store.sa.select(store.sa.func.count()).select_from(store.t_out)).scalar()

@@ -934,6 +934,7 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
 
 def _run_group(spec, group_runs, store, report, quiet, bar, llm_factory) -> None:
     from pagedlab.config import PLAN_FIELDS
+    from pagedlab.lab.store import RunRecord
 
     # Order runs so consecutive ones share plan settings (fewer re-plans); stable otherwise.
     group_runs = sorted(group_runs, key=lambda r: json.dumps(r.plan_args, sort_keys=True, default=str))
@@ -985,8 +986,6 @@ def _run_group(spec, group_runs, store, report, quiet, bar, llm_factory) -> None
                 if bar is not None:
                     bar.update(1)
                 continue
-            from pagedlab.lab.store import RunRecord
-
             run_id = store.record_run(RunRecord(
                 experiment=spec.name, run_key=run.run_key, params=run.params(), metrics=metrics, manifest=manifest,
                 telemetry=telemetry, telemetry_samples=samples, outputs=outputs if spec.store_outputs else [],
