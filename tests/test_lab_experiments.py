@@ -4,6 +4,7 @@ end to end with weights loaded once, resuming, failures that fail alone, and kil
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,7 +223,9 @@ def test_pipeline_end_to_end_loads_weights_once(workdir, model_dir):
             assert m["output_tokens"] == sum(len(o["token_ids"]) for o in outs)
             assert m["max_output_tokens"] <= 4 and m["elapsed_s"] > 0 and m["output_throughput"] > 0
             hyps = [o["text"] for o in outs]
-            exact = sum(o["text"].strip() in o["reference"] for o in outs) / 3
+            norm = lambda s: " ".join(w for w in re.sub(r"[^\w\s]", "", s.lower()).split()  # noqa: E731
+                                      if w not in ("a", "an", "the"))
+            exact = sum(norm(o["text"]) in {norm(r) for r in o["reference"]} for o in outs) / 3
             assert m["exact_match"] == pytest.approx(exact)
             refs = [[o["reference"][0] for o in outs], [o["reference"][1] if len(o["reference"]) > 1 else None
                                                         for o in outs]]
@@ -406,3 +409,23 @@ def test_kill_9_while_writing_a_run(workdir):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert len(_check_complete_runs(db)) == 12
+
+
+def test_text_metrics_on_known_outputs():
+    from types import SimpleNamespace
+
+    from pagedlab.lab.experiments import METRICS, DatasetItem, RunResult
+
+    def out(text, n):
+        return SimpleNamespace(outputs=[SimpleNamespace(text=text, token_ids=[1] * n, finish_reason="stop")],
+                               prompt_token_ids=[1, 2], metrics=None)
+
+    items = [DatasetItem("q1", None, ["Pacific Ocean"]), DatasetItem("q2", None, ["4", "Four"]),
+             DatasetItem("q3", None, ["Paris"]), DatasetItem("q4", None, None)]
+    res = RunResult([out("The Pacific ocean.", 4), out(" four", 1), out("Lyon", 1), out("x", 2)], items, 2.0, None)
+    assert METRICS["exact_match"].fn(res) == {"exact_match": pytest.approx(2 / 3)}  # q4 has no reference
+    assert METRICS["chrf"].fn(res)["chrf"] > 0
+    lengths = METRICS["output_length"].fn(res)
+    assert lengths["output_tokens"] == 8 and lengths["max_output_tokens"] == 4 and lengths["finished_by_length"] == 0
+    tput = METRICS["throughput"].fn(res)
+    assert tput["output_throughput"] == 4.0 and tput["prompt_tokens"] == 8 and tput["requests_per_s"] == 2.0

@@ -770,8 +770,17 @@ def _references(res: RunResult) -> tuple[list[str], list[list[str | None]]]:
     return hyps, streams
 
 
+def normalize_answer(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    import string
+
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
 def _exact_match(res: RunResult) -> dict:
-    scored = [(h.strip() in {r.strip() for r in it.reference}) for h, it in zip(res.texts, res.items) if it.reference]
+    scored = [normalize_answer(h) in {normalize_answer(r) for r in it.reference}
+              for h, it in zip(res.texts, res.items) if it.reference]
     return {"exact_match": sum(scored) / len(scored) if scored else None}
 
 
@@ -837,7 +846,7 @@ def _memory(res: RunResult) -> dict:
 
 METRICS: dict[str, Metric] = {
     "exact_match": Metric(_exact_match, needs_references=True,
-                          doc="share of outputs equal to a reference (whitespace-stripped)"),
+                          doc="share of outputs equal to a reference after SQuAD normalization"),
     "bleu": Metric(_bleu, needs_references=True, doc="corpus BLEU (sacrebleu)"),
     "chrf": Metric(_chrf, needs_references=True, doc="corpus chrF (sacrebleu)"),
     "output_length": Metric(_output_length, doc="output tokens: total, mean, min, max; share cut by max_tokens"),
