@@ -155,7 +155,8 @@ def test_experiment_from_python_data(workdir):
     assert len(runs) == 2 and runs[0].dataset.items[1].prompt_token_ids == [1, 2, 3]
     assert runs[0].config["model"] == str((workdir / "model").resolve())
     with pytest.raises(ExperimentError, match="metrics: must be a list"):
-        experiment_from_dict({"name": "py", "model": "model", "dataset": {"prompts": ["x"]}, "metrics": "bleu"}, workdir)
+        experiment_from_dict({"name": "py", "model": "model", "dataset": {"prompts": ["x"]}, "metrics": "bleu"},
+                             workdir)
 
 
 def test_explicit_seeds_and_overrides(workdir):
