@@ -29,19 +29,25 @@ def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_give_the_eager_tokens(tiny_models, dtype):
+# float32: 37 requests pad up to the 48 graph. bf16: 32, a captured size, so eager and graph run
+# the same matmul shapes (cuBLAS picks kernels by shape, and bf16 greedy on a random model has
+# near-ties that any reordering flips).
+@pytest.mark.parametrize("dtype, num_prompts", [("float32", 37), ("bfloat16", 32)])
+def test_cuda_graphs_give_the_eager_tokens(tiny_models, dtype, num_prompts):
     tiny = tiny_models("qwen3")
-    prompts = random_prompts(37, max_len=60, seed=2)  # 37 pads up to the 48 graph
+    prompts = random_prompts(num_prompts, max_len=60, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV, enforce_eager=True) as llm:
         eager = _tokens(llm.generate(prompts, params, use_tqdm=False))
     with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV) as llm:
         graphed = _tokens(llm.generate(prompts, params, use_tqdm=False))
-        sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(37)]
-        twice = [_tokens(llm.generate(prompts, sampled, use_tqdm=False)) for _ in range(2)]
-    assert graphed == eager
-    assert twice[0] == twice[1]
+        sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(num_prompts)]
+        twice = []
+        for _ in range(2):  # a prefix-cache hit would change the prefill's shapes, hence bf16 rounding
+            llm.reset_prefix_cache()
+            twice.append(_tokens(llm.generate(prompts, sampled, use_tqdm=False)))
+    assert graphed == eager, "CUDA-graph decode differs from eager decode"
+    assert twice[0] == twice[1], "seeded sampling is not reproducible"
 
 
 def test_triton_backend_matches_torch_backend_on_gpu(tiny_llama):

@@ -145,6 +145,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         self.runner.block_size = cfg.block_size
+        self.runner.max_model_len = self.max_model_len
         self.runner.free_kv_cache()
         num_blocks = self._num_kv_blocks()
         min_blocks = -(-self.max_model_len // cfg.block_size)

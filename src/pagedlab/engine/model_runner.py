@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedlab.config import model_max_len
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
@@ -54,6 +55,9 @@ class ModelRunner:
         self.num_layers = len(model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_cache: torch.Tensor | None = None
+        # Upper bound on sequence length the attention kernels are told, for eager steps and
+        # captured graphs alike, so both choose the same split-KV layout.
+        self.max_model_len = model_max_len(hf_config)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
 
@@ -141,7 +145,7 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=block_tables,
             max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            max_seq_len=self.max_model_len,
         )
 
     @torch.inference_mode()

@@ -36,8 +36,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
-        positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.float)  # on the model's device
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
