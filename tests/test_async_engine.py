@@ -57,8 +57,11 @@ def test_streams_token_by_token_and_matches_offline(offline):
     want = expected[PROMPTS[0]]
     assert final.outputs[0].token_ids == want.token_ids
     assert final.outputs[0].text == want.text
-    # Alone in the engine, every step adds exactly one token (the consumer keeps up).
-    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(want.token_ids) + 1))
+    # Alone in the engine, every step adds one token; outputs the consumer had not read yet are
+    # merged (they are cumulative), which a loaded machine may cause now and then.
+    counts = [len(o.outputs[0].token_ids) for o in outs]
+    assert counts == sorted(set(counts)) and counts[-1] == len(want.token_ids)
+    assert sum(b - a == 1 for a, b in zip([0] + counts, counts)) >= len(counts) // 2
     texts = [o.outputs[0].text for o in outs]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
 

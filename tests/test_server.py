@@ -182,10 +182,14 @@ def test_stop_strings_stream_and_not(served, client):
 def test_streaming_completion_and_chat(served, client):
     want = served["expected"]["texts"][6]
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS_64[6], max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
-    assert sum(1 for c in chunks if c.choices) == len(want.token_ids)  # one chunk per token
+    # Token by token (a chunk per step; steps a slow reader missed arrive merged).
+    sizes = [len(c.choices[0].token_ids) for c in chunks if c.choices]
+    assert sum(sizes, 0) == len(want.token_ids) and sizes.count(1) >= len(sizes) // 2 and len(sizes) > 1
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == want.token_ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
 
     want = served["expected"]["chats"][1]
@@ -406,7 +410,7 @@ def test_bench_serve_random_prompts(served, tmp_path):
                 "mean_itl_ms", "p90_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "std_ttft_ms", "duration"):
         assert isinstance(result[key], (int, float)) and result[key] >= 0, key
     assert result["p99_e2el_ms"] >= result["p50_e2el_ms"] >= result["mean_ttft_ms"] * 0
-    assert all(len(itl) == 5 for itl in result["itls"])  # one chunk per token
+    assert all(1 <= len(itl) <= 5 for itl in result["itls"])  # gaps between the (up to 6) chunks
 
 
 def test_bench_serve_dataset_chat_with_rate_and_concurrency(served, tmp_path, capsys):

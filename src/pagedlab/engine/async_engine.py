@@ -367,8 +367,9 @@ class AsyncEngine:
             return
         out = self.engine.abort_request(request_id)
         if out is not None:
-            stream.put(out)
+            self._publish_stats()
             self._notify_finished(out)
+            stream.put(out)
 
     def _step(self) -> None:
         try:
@@ -387,13 +388,14 @@ class AsyncEngine:
                 stream.put(error)
             return
         self._num_steps += 1
+        if any(out.finished for out in outputs):
+            self._publish_stats()  # so a caller who sees its request finish also sees its blocks freed
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # a request someone else added to the shared engine
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                self._stats_dirty = True
                 self._notify_finished(out)
             if not stream.put(out) and not out.finished:  # its event loop is gone
                 self._do_abort(out.request_id)
