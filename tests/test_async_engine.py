@@ -272,22 +272,25 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
 
     def flaky(batch):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 2:
             raise RuntimeError("injected failure")
         return real_execute(batch)
 
-    runner.execute = flaky
-    try:
-        async def main():
-            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS[:3]),
-                                           return_exceptions=True)
-            return results
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        gate = threading.Event()
+        engine.call(lambda e: gate.wait(10))  # hold the engine thread so the three arrive together
+        streams = [engine.add_request(p, params) for p in PROMPTS[:3]]
+        runner.execute = flaky
+        gate.set()
+        return await asyncio.gather(*(s.result() for s in streams), return_exceptions=True)
 
+    try:
         results = run(main())
     finally:
         runner.execute = real_execute
-    assert all(isinstance(r, RuntimeError) and "injected failure" in str(r) for r in results)
+    assert calls["n"] >= 2
+    assert all(isinstance(r, RuntimeError) and "injected failure" in str(r) for r in results), results
     _wait_idle(engine)
     out = run(collect(engine, PROMPTS[0], GREEDY))[-1]
     assert out.outputs[0].token_ids == expected[PROMPTS[0]].token_ids
