@@ -129,7 +129,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     changed = {k: v for k, v in engine_kwargs(args).items() if k != "model" and v != defaults[k]}
     results = workloads.run_bench(
         args.workload, args.batch_size, args.input_len, args.output_len, args.num_prompts, args.backend,
-        model=args.model, shape=args.shape, repeats=args.repeats, engine_args=changed)
+        model=args.model, shape=args.shape, repeats=args.repeats, engine_args=changed,
+        latency=args.bench_command == "latency")
     if args.json:
         workloads.write_json(args.json, results, " ".join(sys.argv))
     return 0

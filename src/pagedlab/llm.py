@@ -151,7 +151,7 @@ class LLM:
             for rid, (token_ids, text), p in zip(ids, encoded, params):
                 engine.add_request(rid, token_ids, p, prompt=text)
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(stream=False):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if progress is not None:

@@ -179,8 +179,10 @@ def _peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def run_pagedlab(llm, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
-    """Submit every request at once and drive the engine step by step, timing each token."""
+def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
+                 per_token_times: bool = False) -> WorkloadResult:
+    """Submit every request at once and drive the engine to the end. TTFT and TPOT come from each
+    request's metrics; ``per_token_times`` also stamps every token (for ITL), at some host cost."""
     from pagedlab import SamplingParams
 
     engine = llm.llm_engine
@@ -188,32 +190,33 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None) -> Wo
     engine.reset_stats()
     _sync()
     _reset_peak()
-    times: dict[str, list[float]] = {}
+    stamps: dict[str, list[float]] = {}
+    finished = []
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
         params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True,
                                 seed=i if workload.temperature else None, detokenize=False)
         engine.add_request(f"bench-{i}", prompt, params)
-        times[f"bench-{i}"] = []
-    produced = 0
+        stamps[f"bench-{i}"] = []
     while engine.has_unfinished_requests():
-        outputs = engine.step()
+        outputs = engine.step(stream=per_token_times)
         now = time.perf_counter()
         for out in outputs:
-            stamps = times[out.request_id]
-            if len(out.outputs[0].token_ids) > len(stamps):
-                stamps.append(now)
+            if per_token_times and len(out.outputs[0].token_ids) > len(stamps[out.request_id]):
+                stamps[out.request_id].append(now)
             if out.finished:
-                produced += len(out.outputs[0].token_ids)
+                finished.append(out)
     _sync()
     elapsed = time.perf_counter() - start
-    ttft = [s[0] - start for s in times.values()]
-    tpot = [(s[-1] - s[0]) / (len(s) - 1) for s in times.values() if len(s) > 1]
-    itl = [b - a for s in times.values() for a, b in zip(s, s[1:])]
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in finished]
+    tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in finished if len(o.outputs[0].token_ids) > 1]
+    itl = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
     stats = engine.get_stats()
     return WorkloadResult(
-        workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)), produced,
-        elapsed, _ms(ttft, 50), _ms(ttft, 99), _ms(tpot, 50), _ms(tpot, 99), _peak_gib(), floor,
+        workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)),
+        sum(len(o.outputs[0].token_ids) for o in finished), elapsed, _ms(ttft, 50), _ms(ttft, 99),
+        _ms(tpot, 50), _ms(tpot, 99), _peak_gib(), floor,
         extra={"itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
@@ -324,11 +327,13 @@ DEFAULT_SHAPES = {"W-seed": "llama3-8b", "W-lat": "llama3-8b", "W-long": "llama3
 
 def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output_len: int,
               num_prompts: int | None, backends: list[str], model: str | None = None, shape: str | None = None,
-              repeats: int = 1, engine_args: dict | None = None, progress=print) -> list[WorkloadResult]:
-    """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row."""
+              repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
+              progress=print) -> list[WorkloadResult]:
+    """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
+    ``latency`` stamps every token too (ITL percentiles)."""
     from transformers import AutoConfig
 
-    from pagedlab import LLM
+    from pagedlab import LLM, SamplingParams
 
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
@@ -348,7 +353,8 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     results: list[WorkloadResult] = []
     if "pagedlab" in backends:
         with LLM(model, **args) as llm:
-            llm.generate([w.prompts[0][:64] for w in workloads[:1]] * 2, use_tqdm=False)  # warm-up
+            warm = workloads[0]  # warm-up on the workload's own shapes: compiles kernels before timing
+            llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
             for w in workloads:
                 for variant, changes, cached in _variants(workload_name):
                     if changes:
@@ -357,7 +363,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
                                            cached_prefix=cached)
                     for r in range(repeats):
                         label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
-                        results.append(run_pagedlab(llm, w, label, floor))
+                        results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
                         progress(format_row(results[-1]))
     if "hf" in backends:
         peer = load_hf_peer(hf_config)

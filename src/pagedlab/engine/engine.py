@@ -254,8 +254,9 @@ class LLMEngine:
         return len(self._parents)
 
     # ---- the step loop --------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one forward pass; return the current output of every request that changed."""
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """Run one forward pass; return the current output of every request that changed, or with
+        ``stream=False`` only of those that finished (cheaper when nobody watches tokens arrive)."""
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
@@ -268,7 +269,7 @@ class LLMEngine:
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in batch.requests + batch.preempted):
             parent = self._parents.get(parent_id)
-            if parent is not None:
+            if parent is not None and (stream or parent.finished):
                 outputs.append(self._make_output(parent))
         return outputs
 

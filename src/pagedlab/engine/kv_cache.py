@@ -94,6 +94,10 @@ class KVCacheManager:
         hits from ``find_cached_prefix``, taken before any new block; passing it, even empty,
         counts the lookup in ``stats``."""
         is_first_allocation = cached_blocks is not None
+        total = request.num_computed_tokens + num_new_tokens
+        if (not is_first_allocation and total <= len(request.block_ids) * self.block_size
+                and (not self.enable_prefix_caching or total // self.block_size <= len(request.block_hashes))):
+            return True  # the common decode step: room in the last block, no block newly full
         cached_blocks = cached_blocks or []
         num_cached_tokens = len(cached_blocks) * self.block_size
         total = request.num_computed_tokens + num_cached_tokens + num_new_tokens

@@ -151,8 +151,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []  # flat token index of each sampling request's last token
         prompt_rows: list[int] = []  # flat token indices whose prompt logprobs are wanted
@@ -162,11 +162,16 @@ class ModelRunner:
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             offset = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(request.block_ids)[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
+            if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
+                input_ids.append(request.all_token_ids[start])
+                positions.append(start)
+                slots.append(request.block_ids[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(request.all_token_ids[start:start + n])
+                pos = np.arange(start, start + n)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 count = min(start + n, request.num_prompt_tokens - 1) - start
                 prompt_chunks[request.request_id] = (len(prompt_rows), count, start)
@@ -179,8 +184,8 @@ class ModelRunner:
         for row, r in enumerate(batch.requests):
             table[row, :len(r.block_ids)] = r.block_ids
         ids = self._to_device(input_ids, torch.int64)
-        pos = self._to_device(np.concatenate(positions), torch.int64)
-        slot_mapping = self._to_device(np.concatenate(slots), torch.int64)
+        pos = self._to_device(positions, torch.int64)
+        slot_mapping = self._to_device(slots, torch.int64)
         block_tables = self._to_device(table, torch.int32)
         decode_only = len(input_ids) == len(batch.requests) and not prompt_rows
         if decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(input_ids)):
