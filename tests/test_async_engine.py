@@ -7,11 +7,11 @@ import threading
 import time
 
 import pytest
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError
-from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Why is the sky blue?", "The quick brown fox", "Paged attention stores", "hello world, how are",

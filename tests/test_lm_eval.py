@@ -20,7 +20,7 @@ pytest.importorskip("lm_eval")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_server_support import TINY_KV_BYTES, build_tiny_chat_model  # noqa: E402
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 TASKS = ["pagedlab_mc", "pagedlab_ppl", "pagedlab_gen", "pagedlab_gen_sampled"]
 

@@ -19,11 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from pagedlab import LLM, SamplingParams  # noqa: E402
-from pagedlab.engine.async_engine import AsyncEngine  # noqa: E402
-from pagedlab.server.metrics import parse_metrics  # noqa: E402
-from pagedlab.server.openai_api import ServerThread, build_app  # noqa: E402
-from test_server_support import TINY_KV_BYTES, build_tiny_chat_model  # noqa: E402
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.server.metrics import parse_metrics
+from pagedlab.server.openai_api import ServerThread, build_app
 
 MODEL = "tiny"
 KEY = "sk-test-key"

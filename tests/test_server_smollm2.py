@@ -14,9 +14,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from pagedlab import LLM, SamplingParams  # noqa: E402
-from pagedlab.engine.async_engine import AsyncEngine  # noqa: E402
-from pagedlab.server.openai_api import ServerThread, build_app  # noqa: E402
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.server.openai_api import ServerThread, build_app
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24

@@ -82,7 +82,7 @@ class RequestStream:
     cancelled task, a closed HTTP connection) aborts the request and frees its blocks.
     """
 
-    def __init__(self, engine: "AsyncEngine", stream: _Stream):
+    def __init__(self, engine: AsyncEngine, stream: _Stream):
         self._engine = engine
         self._stream = stream
         self._done = False
@@ -95,7 +95,7 @@ class RequestStream:
     def finished(self) -> bool:
         return self._done
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -166,12 +166,12 @@ class AsyncEngine:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "auto", **kwargs) -> "AsyncEngine":
+    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "auto", **kwargs) -> AsyncEngine:
         """Load a model (as ``LLM`` would) and serve it."""
         return cls(LLMEngine(config, attention_backend=attention_backend), **kwargs)
 
     @classmethod
-    def from_llm(cls, llm, **kwargs) -> "AsyncEngine":
+    def from_llm(cls, llm, **kwargs) -> AsyncEngine:
         """Serve an already loaded offline ``LLM``: both share ``llm.llm_engine``. Don't call the
         ``LLM``'s own methods until ``shutdown()``: the engine core is not thread-safe."""
         return cls(llm.llm_engine, **kwargs)
@@ -292,7 +292,7 @@ class AsyncEngine:
         self.shutdown()
         self.engine.close()
 
-    def __enter__(self) -> "AsyncEngine":
+    def __enter__(self) -> AsyncEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -193,7 +193,7 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
             result.error = "the stream carried no tokens"
             return result
         result.success = True
-    except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
+    except Exception as e:  # every failure is recorded; the run goes on
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -337,7 +337,7 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
 
     def row(label, value, fmt="{:<10.2f}"):
-        lines.append("{:<40} {}".format(label, fmt.format(value) if not isinstance(value, str) else value))
+        lines.append(f"{label:<40} {fmt.format(value) if not isinstance(value, str) else value}")
 
     row("Successful requests:", m["completed"], "{:<10}")
     row("Failed requests:", m["failed"], "{:<10}")
@@ -429,7 +429,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             raise ValueError("--num-prompts must be >= 1")
         try:
             model_id, card = _server_model(base_url, args.api_key)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
         model = args.model or model_id
         if args.dataset:

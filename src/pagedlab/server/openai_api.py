@@ -14,7 +14,7 @@ away mid-request has its request aborted and its KV blocks freed.
 or ``pagedlab serve --model DIR`` / ``python -m pagedlab.server.openai_api --model DIR``.
 """
 
-
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations at runtime.
 import asyncio
 import contextlib
 import hmac
@@ -233,7 +233,7 @@ async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
+        except Exception as e:  # handed to the consumer
             queue.put_nowait((i, e))
         finally:
             queue.put_nowait((i, done))
@@ -747,8 +747,6 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               shutdown_engine: bool = False):
     """The FastAPI app serving ``engine``. ``metrics`` is a ``ServerMetrics`` (made here when
     ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down."""
-    import contextlib
-
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
