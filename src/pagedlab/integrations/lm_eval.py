@@ -35,9 +35,9 @@ import logging
 import zlib
 from typing import Any
 
+import lm_eval.models  # noqa: F401 - lm-eval's own models first: it fills an empty registry only
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from pagedlab.sampling_params import SamplingParams
@@ -232,13 +232,31 @@ class PagedLabLM(TemplateLM):
         return totals
 
     def _sampling_params(self, gen_kwargs: dict, seed_key: int) -> tuple[SamplingParams, list[str], int]:
+        """lm-eval's generation kwargs as SamplingParams, with lm-eval's rules: ``until`` plus the
+        EOS text; ``max_gen_toks`` (or max_new_tokens / max_tokens / max_completion_tokens);
+        greedy unless ``do_sample`` (or, with no ``do_sample``, a temperature above 0)."""
         if not isinstance(gen_kwargs, dict):
             raise ValueError(f"generation kwargs must be a dict, got {gen_kwargs!r}")
-        kwargs = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=self.max_gen_toks)
+        kwargs = dict(gen_kwargs)
+        until = kwargs.pop("until", None)
+        if isinstance(until, str):
+            until = [until]
+        elif until is None:
+            until = []
+        elif not isinstance(until, (list, tuple)):
+            raise ValueError(f"'until' must be a string or a list of strings, got {until!r}")
+        until = list(until)
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-        max_gen_toks = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-        do_sample = bool(kwargs.pop("do_sample", False))
+        if eos and eos not in until:
+            until.append(eos)
+        max_gen_toks = self.max_gen_toks
+        for alias in ("max_completion_tokens", "max_tokens", "max_new_tokens", "max_gen_toks"):  # last wins
+            value = kwargs.pop(alias, None)
+            if value is not None:
+                max_gen_toks = int(value)
+        do_sample = kwargs.pop("do_sample", None)
+        if do_sample is None:
+            do_sample = float(kwargs.get("temperature") or 0.0) > 0.0
         if not do_sample:
             kwargs["temperature"] = 0.0
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in _SAMPLING_ARGS}
@@ -276,7 +294,10 @@ class PagedLabLM(TemplateLM):
         for req, out, until in zip(requests, outputs, untils):
             # Decode the tokens at once, as lm-eval's hf model does (a trailing partial character
             # becomes U+FFFD there), then cut at the first stop sequence.
-            text = postprocess_generated_text(self.tok_decode(out.outputs[0].token_ids), until, None)
+            text = self.tok_decode(out.outputs[0].token_ids)
+            for stop in until:
+                if stop:
+                    text = text.split(stop)[0]
             self.cache_hook.add_partial("generate_until", req.args, text)
             results.append(text)
         return results
