@@ -294,3 +294,24 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
     _wait_idle(engine)
     out = run(collect(engine, PROMPTS[0], GREEDY))[-1]
     assert out.outputs[0].token_ids == expected[PROMPTS[0]].token_ids
+
+
+def test_final_only_requests(offline):
+    """stream=False: only the final output is wanted; mixed with a streaming request, both right."""
+    engine, expected, _, _ = offline
+
+    async def main():
+        quiet = [engine.add_request(p, GREEDY, stream=False) for p in PROMPTS[:3]]
+        outs = [[o async for o in s] for s in quiet]
+        mixed_quiet = engine.add_request(PROMPTS[3], GREEDY, stream=False)
+        loud = await collect(engine, PROMPTS[4], GREEDY)
+        return outs, await mixed_quiet.result(), loud
+
+    outs, mixed_quiet, loud = run(main())
+    for prompt, got in zip(PROMPTS[:3], outs):
+        assert len(got) == 1 and got[0].finished
+        assert got[0].outputs[0].token_ids == expected[prompt].token_ids
+        assert got[0].outputs[0].text == expected[prompt].text
+    assert mixed_quiet.outputs[0].token_ids == expected[PROMPTS[3]].token_ids
+    assert len(loud) > 1 and loud[-1].outputs[0].token_ids == expected[PROMPTS[4]].token_ids
+    assert engine._num_token_streams == 0

@@ -57,13 +57,13 @@ class StatsListener(Protocol):
 class _Stream:
     """The per-request channel from the engine thread to the asyncio task consuming it."""
 
-    __slots__ = ("request_id", "loop", "queue", "finished")
+    __slots__ = ("loop", "queue", "request_id", "tokens")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tokens: bool = True):
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
+        self.tokens = tokens  # wants every step's output, not just the final one
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Thread-safe; False when the consumer's event loop is gone."""
@@ -154,6 +154,7 @@ class AsyncEngine:
         self.listeners: list[StatsListener] = list(listeners or [])
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._num_token_streams = 0  # of them, those that want every step's output
         self._ids = itertools.count()
         self._stats: EngineStats = engine.get_stats()
         self._running = True
@@ -223,11 +224,13 @@ class AsyncEngine:
         return self.tokenizer(text, add_special_tokens=add_special).input_ids, text
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    stream: bool = True) -> RequestStream:
         """Queue a request and return its stream. Call from a running event loop.
 
         Bad input (prompt too long, out-of-vocab ids, parameters the model cannot serve) raises
-        ValueError here, before anything is queued.
+        ValueError here, before anything is queued. ``stream=False`` says only the final output is
+        wanted: while no request wants more, the engine skips building per-step outputs.
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
@@ -239,9 +242,9 @@ class AsyncEngine:
                              "use stop_token_ids")
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        stream = _Stream(request_id, asyncio.get_running_loop())
-        self._commands.put(("add", stream, token_ids, params, text, arrival_time or time.time()))
-        return RequestStream(self, stream)
+        channel = _Stream(request_id, asyncio.get_running_loop(), tokens=stream)
+        self._commands.put(("add", channel, token_ids, params, text, arrival_time or time.time()))
+        return RequestStream(self, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, arrival_time: float | None = None
@@ -360,9 +363,16 @@ class AsyncEngine:
             stream.put(e)
             return
         self._streams[stream.request_id] = stream
+        self._num_token_streams += stream.tokens
+
+    def _remove(self, request_id: str) -> _Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._num_token_streams -= stream.tokens
+        return stream
 
     def _do_abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self._remove(request_id)
         if stream is None:
             return
         out = self.engine.abort_request(request_id)
@@ -373,14 +383,14 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(stream=self._num_token_streams > 0)
         except Exception as e:
             # A failure inside the forward pass cannot be pinned on one request: fail the ones in
             # flight (freeing their blocks) and keep serving the next ones.
             logger.exception("engine step failed; aborting the %d requests in flight", len(self._streams))
             error = RuntimeError(f"the engine step failed: {e!r}")
             for request_id in list(self._streams):
-                stream = self._streams.pop(request_id)
+                stream = self._remove(request_id)
                 try:
                     self.engine.abort_request(request_id)
                 except Exception:
@@ -395,7 +405,7 @@ class AsyncEngine:
             if stream is None:  # a request someone else added to the shared engine
                 continue
             if out.finished:
-                del self._streams[out.request_id]
+                self._remove(out.request_id)
                 self._notify_finished(out)
             if not stream.put(out) and not out.finished:  # its event loop is gone
                 self._do_abort(out.request_id)
@@ -426,6 +436,7 @@ class AsyncEngine:
                 pass
             stream.put(error)
         self._streams.clear()
+        self._num_token_streams = 0
         try:
             self._publish_stats()
         except Exception:

@@ -334,14 +334,15 @@ class OpenAIServer:
                               "send prompts as token ids")
         return tokenizer
 
-    def _add(self, prompts: Sequence[_Prompt], params: SamplingParams, request_id: str) -> list[RequestStream]:
+    def _add(self, prompts: Sequence[_Prompt], params: SamplingParams, request_id: str, stream: bool
+             ) -> list[RequestStream]:
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.add_request({"prompt_token_ids": p.token_ids, "prompt": p.text}, params,
-                                                       request_id=rid, arrival_time=arrival))
+                                                       request_id=rid, arrival_time=arrival, stream=stream))
         except ValueError as e:
             for s in streams:
                 s.abort()
@@ -416,7 +417,7 @@ class OpenAIServer:
                     p.text = tokenizer.decode(p.token_ids) if tokenizer is not None else ""
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = self._add(prompts, params, request_id)
+        streams = self._add(prompts, params, request_id, stream)
         ctx = _CompletionContext(self, request_id, created, model, prompts, params, echo, return_token_ids)
         if stream:
             return self._stream_events(ctx.stream(streams, include_usage))
@@ -484,7 +485,7 @@ class OpenAIServer:
         self._validate_prompt(prompt, max_tokens, param="messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        streams = self._add([prompt], params, request_id)
+        streams = self._add([prompt], params, request_id, stream)
         ctx = _ChatContext(self, request_id, created, model, prompt, params, top_logprobs or 0,
                            b.get("return_token_ids", bool, False))
         if stream:
