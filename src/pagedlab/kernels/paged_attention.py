@@ -9,45 +9,77 @@ Query ``j`` of a sequence with context ``c = seq_len - query_len`` sees keys ``0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Reference implementation in float32: every single-token (decode) sequence in one batched
-    masked SDPA, every other sequence in its own causal SDPA."""
-    num_heads = q.shape[1]
-    block_size = k_cache.shape[1]
-    group = num_heads // k_cache.shape[2]
-    out = torch.empty_like(q)
+@dataclass
+class TorchAttentionPlan:
+    """What ``paged_attention_torch`` derives from the batch layout alone; every layer of a step
+    shares it, so a model runner builds it once per step."""
+
+    decode_tokens: torch.Tensor | None  # query rows of the single-token sequences (None: all rows)
+    decode_slots: torch.Tensor | None  # [seqs, keys] cache slots to read (past the end: slot of key 0)
+    decode_bias: torch.Tensor | None  # [seqs, 1, 1, keys] additive mask: 0 for the sequence's keys, -inf after
+    sequences: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, blocks, causal mask)
+
+
+def plan_torch_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                         block_size: int) -> TorchAttentionPlan:
+    device = block_tables.device
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+    tokens = slots = bias = None
     if decode:
-        rows = torch.tensor(decode, device=q.device)
+        rows = torch.tensor(decode, device=device)
         num_blocks = -(-max(lens[i] for i in decode) // block_size)
         tables = block_tables[rows, :num_blocks].long()
-        mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[rows][:, None]
-        # Slots past a sequence's end hold stale data (maybe NaN): zero them, not just mask them.
-        keep = mask[:, :, None, None]
-        k = k_cache[tables].flatten(1, 2).where(keep, 0).transpose(1, 2).float().repeat_interleave(group, dim=1)
-        v = v_cache[tables].flatten(1, 2).where(keep, 0).transpose(1, 2).float().repeat_interleave(group, dim=1)
-        tokens = query_start_loc[rows].long()
-        o = F.scaled_dot_product_attention(q[tokens].unsqueeze(2).float(), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=scale)
-        out[tokens] = o.squeeze(2).to(q.dtype)
+        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < seq_lens[rows][:, None]
+        slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+        # Slots past a sequence's end hold stale data, maybe NaN, which a mask cannot cancel
+        # (0 * NaN): read the sequence's first key there instead, then mask it out.
+        slots = torch.where(mask, slots, slots[:, :1])
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))[:, None, None, :]
+        if len(decode) < starts[-1]:
+            tokens = query_start_loc[rows].long()
+    sequences = []
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
-        query_len = end - start
-        if query_len <= 1:
-            continue
-        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        if end - start > 1:
+            blocks = block_tables[i, :-(-seq_len // block_size)].long()
+            query_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
+            causal = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            sequences.append((start, end, blocks, causal))
+    return TorchAttentionPlan(tokens, slots, bias, sequences)
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                          block_tables: torch.Tensor, scale: float,
+                          plan: TorchAttentionPlan | None = None) -> torch.Tensor:
+    """Reference implementation in float32: every single-token (decode) sequence in one batched
+    masked SDPA, every other sequence in its own causal SDPA."""
+    if plan is None:
+        plan = plan_torch_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1])
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    if plan.decode_slots is not None:
+        k = k_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2).float()  # [seqs, kv_heads, keys, d]
+        v = v_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2).float()
+        rows = plan.decode_tokens
+        # The query heads sharing a KV head stand in the "query" axis: GQA without copying K/V.
+        qd = (q[:k.shape[0]] if rows is None else q[rows]).float().unflatten(1, (k.shape[1], group))
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_bias, scale=scale).flatten(1, 2)
+        if rows is None and o.shape[0] == q.shape[0]:
+            return o.to(q.dtype)
+        out[rows if rows is not None else slice(0, o.shape[0])] = o.to(q.dtype)
+    for start, end, blocks, causal in plan.sequences:
+        seq_len = causal.shape[1]
         k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
         v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=causal, scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 

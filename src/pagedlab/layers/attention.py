@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedlab.kernels.kv_write import write_kv_torch
-from pagedlab.kernels.paged_attention import paged_attention_torch
+from pagedlab.kernels.paged_attention import paged_attention_torch, plan_torch_attention
 
 
 @dataclass
@@ -23,7 +23,8 @@ class AttentionMetadata:
 
     ``slot_mapping[t]``: cache slot for token t (-1: skip); ``query_start_loc``: ``[num_seqs+1]``
     offsets of each sequence's tokens; ``seq_lens``: tokens each sequence has after the step;
-    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids.
+    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``backend_plan`` holds what
+    a backend derives from the layout once per step, for all layers.
     """
 
     slot_mapping: torch.Tensor
@@ -32,6 +33,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    backend_plan: object | None = None
 
 
 class AttentionBackend:
@@ -55,8 +57,11 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, metadata, scale):
+        if metadata.backend_plan is None:
+            metadata.backend_plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens,
+                                                         metadata.block_tables, k_cache.shape[1])
         return paged_attention_torch(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                                     metadata.block_tables, scale)
+                                     metadata.block_tables, scale, plan=metadata.backend_plan)
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}

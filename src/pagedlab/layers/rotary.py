@@ -33,6 +33,8 @@ def rope_inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, fl
 
 
 class RotaryEmbedding(nn.Module):
+    """One per model: cos/sin tables for every position, gathered once per step for all layers."""
+
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
@@ -42,9 +44,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """``q``/``k`` are ``[num_tokens, heads, head_dim]``; returns them rotated."""
-        return _apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for ``positions``, shaped ``[num_tokens, 1, head_dim]`` to broadcast over heads."""
+        return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,10 +54,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def apply_rotary(q, k, positions, cos_cache, sin_cache):
-    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)
-    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate ``q``/``k`` (``[num_tokens, heads, head_dim]``) by the positions' angles."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-_apply_rotary = fused(apply_rotary)
+apply_rotary_fused = fused(apply_rotary)

@@ -15,7 +15,7 @@ from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import LMHead, VocabEmbedding
 from pagedlab.layers.linear import Linear
 from pagedlab.layers.norm import RMSNorm
-from pagedlab.layers.rotary import RotaryEmbedding
+from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused
 
 
 def head_dim_of(hf_config) -> int:
@@ -23,7 +23,7 @@ def head_dim_of(hf_config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
@@ -36,10 +36,9 @@ class DecoderAttention(nn.Module):
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -47,7 +46,7 @@ class DecoderAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary_fused(q, k, *rope)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -69,20 +68,20 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm, max_position)
+        self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm)
         self.mlp = DecoderMLP(hf_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, rope, hidden, residual):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -91,15 +90,17 @@ class DecoderModel(nn.Module):
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, qkv_bias, qk_norm, max_position) for _ in range(hf_config.num_hidden_layers))
+            DecoderLayer(hf_config, qkv_bias, qk_norm) for _ in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
