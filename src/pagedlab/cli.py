@@ -9,33 +9,60 @@ import sys
 from pagedlab.loader.gguf import DEFAULT_MODEL
 
 
+def _bool_flag(parser, name: str, default: bool, help: str) -> None:
+    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                        default=default, help=f"{help} (default: {'on' if default else 'off'})")
+
+
+def parse_bytes(value: str) -> int:
+    """"1073741824", "1GiB", "512MiB", "2G", "100M"."""
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    try:
+        number = float(text[:-1] if scale != 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
+    return int(number * scale)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine arguments every command that loads a model takes (vLLM's flag names)."""
+    """The ``LLM(...)`` engine arguments every model-loading command takes, with vLLM's flag names."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"HF directory, .gguf file or embedded model name (default: {DEFAULT_MODEL})")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+                   help=f"local HF directory, .gguf file, or an embedded model (default: {DEFAULT_MODEL})")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
-    g.add_argument("--device", default="auto")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="KV cache size, e.g. 4GiB (default: CPU 1 GiB; GPU from --gpu-memory-utilization)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default: 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    _bool_flag(g, "enable-prefix-caching", True, "prefix caching")
+    _bool_flag(g, "enable-chunked-prefill", True, "chunked prefill")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
+    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
 
 
+_ENGINE_ARG_NAMES = ("model", "tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
+                     "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                     "enable_chunked_prefill", "enforce_eager", "load_format", "trust_remote_code", "device")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("model", "tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
-             "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-             "enable_chunked_prefill", "enforce_eager", "load_format", "device", "attention_backend")
-    return {n: getattr(args, n) for n in names}
+    """``LLM(**engine_kwargs(args))``."""
+    return {n: getattr(args, n) for n in _ENGINE_ARG_NAMES + ("attention_backend",)}
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from pagedlab.config import EngineConfig
+
+    return EngineConfig(**{n: getattr(args, n) for n in _ENGINE_ARG_NAMES})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

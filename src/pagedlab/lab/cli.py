@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from pagedlab.lab.report import short_label
+
 _DB_HELP = "results database: a SQLAlchemy URL or a SQLite file path (default: $PAGEDLAB_DB or sqlite:///results.db)"
 
 
@@ -108,14 +110,6 @@ def _status(value: str) -> str | None:
     return None if value == "all" else value
 
 
-def _short(v) -> str:
-    if isinstance(v, str) and "/" in v:
-        return Path(v).name
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
@@ -145,11 +139,11 @@ def cmd_results_list(args) -> int:
     rows = []
     for r in runs:
         params = r["params"]
-        varied = ", ".join(f"{k}={_short(params.get(k))}" for k in params.get("varied", []))
-        metrics = ", ".join(f"{k}={_short(r['metrics'][k])}" for k in _HEADLINE if r["metrics"].get(k) is not None)
+        varied = ", ".join(f"{k}={short_label(params.get(k))}" for k in params.get("varied", []))
+        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE if r["metrics"].get(k) is not None)
         if r["status"] == "failed":
             metrics = (r["error"] or "").splitlines()[0][:80]
-        rows.append([str(r["run_id"]), r["experiment"], r["status"], _short(r["model"] or ""), varied or "-",
+        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""), varied or "-",
                      str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
     print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"], rows))
     return 0
@@ -170,7 +164,7 @@ def cmd_results_show(args) -> int:
         return 0
     print(f"run {run['run_id']}  experiment {run['experiment']}  status {run['status']}")
     print(f"model {run['model']}  repeat {run['repeat']}  seed {run['seed']}  host {run['host']}")
-    print(f"started {run['started_at']}  finished {run['finished_at']}  ({_short(run['duration_s'])} s)")
+    print(f"started {run['started_at']}  finished {run['finished_at']}  ({short_label(run['duration_s'])} s)")
     print(f"run key {run['run_key']}")
     if run["error"]:
         print("\nerror:\n" + run["error"])
@@ -179,7 +173,7 @@ def cmd_results_show(args) -> int:
         print(f"  {k} = {v}")
     print("\nmetrics:")
     for k, v in sorted(run["metrics"].items()):
-        print(f"  {k} = {_short(v)}")
+        print(f"  {k} = {short_label(v)}")
     m = run.get("manifest") or {}
     if m:
         print("\nmanifest:")
@@ -195,7 +189,7 @@ def cmd_results_show(args) -> int:
     tel = run.get("telemetry") or {}
     if tel:
         print(f"\ntelemetry ({tel.get('backend')}, {tel.get('num_samples')} samples): "
-              + ", ".join(f"{k}={_short(v)}" for k, v in tel.items()
+              + ", ".join(f"{k}={short_label(v)}" for k, v in tel.items()
                           if k not in ("backend", "num_samples", "gpus", "cpu") and v is not None))
     outputs = run.get("outputs") or []
     if outputs and args.outputs > 0:

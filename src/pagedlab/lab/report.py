@@ -73,7 +73,8 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
 
 
 # ---- run labels -----------------------------------------------------------------------------------
-def _short(v) -> str:
+def short_label(v) -> str:
+    """A compact label for a run parameter: a path's last part, a float to 4 digits."""
     if isinstance(v, str) and "/" in v:
         return Path(v).name
     if isinstance(v, float):
@@ -90,9 +91,9 @@ def _label_runs(runs: list[dict]) -> None:
     for r in runs:
         p = r["params"]
         dtype = p.get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
-        r["model_label"] = _short(r["model"] or p.get("model") or "?") + (f" ({dtype})" if len(dtypes) > 1 else "")
+        r["model_label"] = short_label(r["model"] or p.get("model") or "?") + (f" ({dtype})" if len(dtypes) > 1 else "")
         varied = [k for k in p.get("varied", []) if k not in ("sampling.seed", "benchmark.seed")]
-        r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={_short(p.get(k))}" for k in varied) or "base"
+        r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={short_label(p.get(k))}" for k in varied) or "base"
         r["group"] = (f"{r['experiment']}: " if multi_exp else "") + r["config"]
         if p.get("benchmark.batch_size") is not None:
             r["batch"] = p["benchmark.batch_size"]
@@ -167,7 +168,7 @@ def _plot_throughput(runs) -> Plot | None:
         for r in with_batch:
             others = [k for k in r["params"].get("varied", []) if k not in (
                 "benchmark.batch_size", "engine.max_num_seqs", "sampling.seed", "benchmark.seed", "model")]
-            extra = ", ".join(f"{k.split('.', 1)[-1]}={_short(r['params'].get(k))}" for k in others)
+            extra = ", ".join(f"{k.split('.', 1)[-1]}={short_label(r['params'].get(k))}" for k in others)
             name = r["model_label"] + (f" [{extra}]" if extra else "") + (f" ({r['experiment']})" if multi_exp else "")
             lines[name][r["batch"]].append(r["metrics"]["output_throughput"])
         for name, points in lines.items():

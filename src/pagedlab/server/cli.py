@@ -13,60 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def _bool_flag(parser, name: str, default: bool, help: str) -> None:
-    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
-                        default=default, help=f"{help} (default: {'on' if default else 'off'})")
-
-
-def _bytes(value: str) -> int:
-    """"1073741824", "1GiB", "512MiB", "2G", "100M"."""
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
-    try:
-        number = float(text[:-1] if scale != 1 else text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
-    return int(number * scale)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The ``LLM(...)`` engine arguments, with vLLM's flag names."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"local HF directory, .gguf file, or an embedded model (default: {DEFAULT_MODEL})")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None,
-                   help="KV cache size, e.g. 4GiB (default: CPU 1 GiB; GPU from --gpu-memory-utilization)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    _bool_flag(g, "enable-prefix-caching", True, "prefix caching")
-    _bool_flag(g, "enable-chunked-prefill", True, "chunked prefill")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from pagedlab.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
-        max_model_len=args.max_model_len, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        enforce_eager=args.enforce_eager, load_format=args.load_format, trust_remote_code=args.trust_remote_code,
-        device=args.device)
+from pagedlab.cli import add_engine_args, engine_config_from_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,51 @@
+"""Loading: sharded safetensors, GGUF files (converted once, then cached), dummy weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import KV_BYTES, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.loader.gguf import embedded_model_path, gguf_cache_dir
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def test_sharded_safetensors_load_like_one_file(tiny_models, tmp_path):
+    tiny = tiny_models("qwen3")
+    tiny.hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 3
+    prompts = random_prompts(3, seed=80)
+    with LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(tiny.hf_model, p, 12) for p in prompts]
+
+
+def test_dummy_weights_need_only_config(tiny_llama, tmp_path):
+    (tmp_path / "config.json").write_text((Path(tiny_llama.path) / "config.json").read_text())
+    with LLM(str(tmp_path), load_format="dummy", kv_cache_memory_bytes=KV_BYTES, seed=3) as llm:
+        first = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.get_tokenizer() is None
+    with LLM(str(tmp_path), load_format="dummy", kv_cache_memory_bytes=KV_BYTES, seed=3) as llm:
+        assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+@pytest.mark.slow
+def test_gguf_file_path_is_converted_once_with_its_tokenizer(smollm2_dir, smollm2_hf, monkeypatch):
+    import transformers
+
+    model, tokenizer = smollm2_hf
+    gguf = embedded_model_path("smollm2-135m-instruct")
+    assert gguf_cache_dir(gguf).is_dir()  # the smollm2_dir fixture converted it already
+
+    def no_second_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF file was dequantized again instead of read from the cache")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_second_conversion)
+    with LLM(str(gguf), kv_cache_memory_bytes=32 << 20, max_model_len=512) as llm:
+        assert llm.get_tokenizer().chat_template == tokenizer.chat_template
+        out = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(model, tokenizer("The capital of France is").input_ids, 12)
