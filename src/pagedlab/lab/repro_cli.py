@@ -1,0 +1,171 @@
+"""``pagedlab repro check``: run the reproducibility checks of ``pagedlab.lab.repro`` on a model.
+
+``register(subparsers)`` adds ``repro`` (with its ``check`` subcommand) to the ``pagedlab``
+command line. Exit codes: 0 every check ran (with ``--strict``: and every verdict is "same"),
+1 with ``--strict`` some check differs, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
+
+_DB_HELP = "store each check's result with its manifest in this results database (SQLAlchemy URL or SQLite path)"
+
+
+def _checks(value: str) -> list[str]:
+    names = [c.strip() for c in value.split(",") if c.strip()]
+    if names == ["all"]:
+        return list(ALL_CHECKS)
+    bad = [c for c in names if c not in ALL_CHECKS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--checks {value!r}: unknown {bad or 'empty list'}; "
+                                         f"choose from {','.join(ALL_CHECKS)} or all")
+    return names
+
+
+def register(subparsers) -> None:
+    """Add ``repro check`` to an argparse subparsers object."""
+    from pagedlab.cli import add_engine_args
+
+    p = subparsers.add_parser("repro", help="reproducibility checks: batch invariance, seeds, precision, "
+                                            "tokenizer drift, padding masks, HF parity")
+    sub = p.add_subparsers(dest="repro_command", metavar="{check}")
+    sub.required = True
+    c = sub.add_parser("check", help="run the checks on a model and print a verdict for each",
+                       description="Each check prints SAME or DIFFERS with its numbers; see docs/repro.md.")
+    add_engine_args(c)
+    c.add_argument("--prompts", default=None,
+                   help="prompt file: one text prompt per line, or .jsonl/.json with 'prompt' (or "
+                        "'prompt_token_ids') and optional 'reference' (default: 8 built-in prompts)")
+    c.add_argument("--checks", type=_checks, default=list(ALL_CHECKS),
+                   help=f"comma-separated subset of {','.join(ALL_CHECKS)} (default: all)")
+    c.add_argument("--db", default=None, help=_DB_HELP)
+    c.add_argument("--out", default=None, help="write every result (numbers and details) to this JSON file")
+    c.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
+    c.add_argument("--num-seeds", type=int, default=5, help="seeds for the seeds check (default: 5)")
+    c.add_argument("--temperature", type=float, default=0.8, help="seeds check temperature (default: 0.8)")
+    c.add_argument("--top-p", type=float, default=0.95, help="seeds check top_p (default: 0.95)")
+    c.add_argument("--seed-max-tokens", type=int, default=32, help="seeds check tokens per prompt (default: 32)")
+    c.add_argument("--seed-threshold", type=float, default=0.05,
+                   help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
+    c.add_argument("--dtypes", default="float32,bfloat16,float16",
+                   help="precision check dtypes, the first is the reference (default: float32,bfloat16,float16)")
+    c.add_argument("--kl-threshold", type=float, default=1e-3, help="precision: mean KL above this differs")
+    c.add_argument("--top-k", type=int, default=20, help="logprobs per position for KL / parity (default: 20)")
+    c.add_argument("--tokenizer-b", default=None,
+                   help="tokenizer check: the second tokenizer (path); the first is --tokenizer or the model's")
+    c.add_argument("--hf-dtype", default="float32", help="hf check: HF transformers dtype (default: float32)")
+    c.add_argument("--padding-mask", choices=("correct", "ones"), default="correct",
+                   help="padding check: the attention mask given to HF ('ones' reproduces the common bug)")
+    c.add_argument("--logprob-tolerance", type=float, default=1e-3,
+                   help="batch/padding/hf: a |Δ logprob| above this differs (default: 1e-3)")
+    c.add_argument("--strict", action="store_true", help="exit 1 when any check differs")
+    c.set_defaults(func=cmd_repro_check)
+
+
+def cmd_repro_check(args: argparse.Namespace) -> int:
+    from pagedlab import LLM, SamplingParams
+    from pagedlab.cli import engine_kwargs
+    from pagedlab.lab import repro
+
+    checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
+    if args.prompts:
+        prompts, references = repro.load_prompts(args.prompts)
+    else:
+        prompts, references = list(DEFAULT_PROMPTS), None
+    if "tokenizer" in checks and not args.tokenizer_b:
+        print("error: the tokenizer check needs --tokenizer-b PATH (the tokenizer to compare with)", file=sys.stderr)
+        return 2
+    store = None
+    if args.db:
+        from pagedlab.lab.store import ResultStore
+
+        store = ResultStore(args.db)
+    kwargs = engine_kwargs(args)
+    results = []
+
+    def done(result, llm=None):
+        print(result.format(), flush=True)
+        if store is not None:
+            run_id = repro.store_result(result, None, llm=llm, model=args.model, store=store)
+            print(f"    stored as run {run_id} in {store.url}", flush=True)
+        results.append(result)
+
+    try:
+        main_checks = [c for c in checks if c in ("batch", "seeds", "tokenizer", "hf")]
+        if main_checks:
+            with LLM(**kwargs) as llm:
+                if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
+                    raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
+                for name in main_checks:
+                    t0 = time.perf_counter()
+                    if name == "batch":
+                        r = repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
+                                                    logprob_tolerance=args.logprob_tolerance)
+                    elif name == "seeds":
+                        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                max_tokens=args.seed_max_tokens, logprobs=0)
+                        r = repro.seed_sensitivity(llm, prompts, params, seeds=range(args.num_seeds),
+                                                   references=references, threshold=args.seed_threshold)
+                    elif name == "tokenizer":
+                        tok_a = args.tokenizer or str(llm.llm_engine.source.path)
+                        r = repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
+                                                  max_tokens=args.max_tokens)
+                    else:
+                        r = repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k,
+                                            hf_dtype=args.hf_dtype, logprob_tolerance=args.logprob_tolerance)
+                    r.details["seconds"] = time.perf_counter() - t0
+                    done(r, llm)
+        if "precision" in checks:
+            dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+            if len(dtypes) < 2:
+                raise ValueError(f"--dtypes {args.dtypes!r}: give at least two dtypes (the first is the reference)")
+            r = repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
+                                      kl_threshold=args.kl_threshold, engine_args=kwargs)
+            done(r)
+        if "padding" in checks:
+            from pagedlab.loader import resolve_model_source
+
+            hf_prompts = prompts
+            if any(isinstance(p, str) for p in prompts) and args.tokenizer:
+                import transformers
+
+                tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+                hf_prompts = [tok(p).input_ids if isinstance(p, str) else p for p in prompts]
+            r = repro.padding_check(str(resolve_model_source(args.model).path), hf_prompts,
+                                    max_tokens=args.max_tokens, attention_mask=args.padding_mask,
+                                    logprob_tolerance=args.logprob_tolerance)
+            done(r)
+    finally:
+        if store is not None:
+            store.close()
+    differing = [r.check for r in results if not r.same]
+    print(f"\n{len(results)} checks: " + ", ".join(f"{r.check} {r.verdict}" for r in results))
+    if args.out:
+        from pagedlab.lab.store import jsonable
+
+        Path(args.out).write_text(json.dumps({"model": args.model, "checks": [jsonable(r.to_dict()) for r in results]},
+                                             indent=2))
+        print(f"wrote {args.out}")
+    return 1 if (args.strict and differing) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedlab")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
