@@ -198,10 +198,13 @@ def test_bad_model_args(setup):
         PagedLabLM(pretrained=setup["model"], kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64, max_length=100)
 
 
-def test_cli_entry_runs_lm_eval(setup, tmp_path):
-    """`python -m pagedlab.integrations.lm_eval --model pagedlab ...` (lm-eval's CLI, model registered)."""
+@pytest.mark.parametrize("entry", [["pagedlab.integrations.lm_eval"], ["pagedlab.cli", "eval"]],
+                         ids=["module", "pagedlab-eval"])
+def test_cli_entry_runs_lm_eval(setup, tmp_path, entry):
+    """`pagedlab eval run --model pagedlab ...` and `python -m pagedlab.integrations.lm_eval run ...`
+    (lm-eval's CLI with the model registered)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "pagedlab.integrations.lm_eval", "run", "--model", "pagedlab", "--model_args",
+    cmd = [sys.executable, "-m", *entry, "run", "--model", "pagedlab", "--model_args",
            f"pretrained={setup['model']},dtype=float32,kv_cache_memory_bytes={TINY_KV_BYTES}",
            "--tasks", "pagedlab_mc", "--include_path", setup["tasks"], "--device", "cpu", "--output_path", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,

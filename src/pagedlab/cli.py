@@ -163,6 +163,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pagedlab.integrations.lm_eval import main as lm_eval_main
+
+    lm_eval_main(args.lm_eval_args)
+    return 0
+
+
 def _add_bench_commands(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -206,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     _add_bench_commands(sub)
+    ev = sub.add_parser("eval", help="lm-evaluation-harness with the pagedlab model registered",
+                        description="Runs lm-eval's own command line (`lm_eval run ...`) with `--model pagedlab` "
+                                    "available, e.g. pagedlab eval run --model pagedlab --model_args "
+                                    "pretrained=DIR,dtype=float32 --tasks TASK")
+    ev.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments")
+    ev.set_defaults(func=cmd_eval)
     from pagedlab.lab.cli import register as register_lab
     from pagedlab.server.cli import register as register_server
 
