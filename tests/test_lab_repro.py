@@ -1,0 +1,214 @@
+"""pagedlab.lab.repro: each check reports the identical case as "same" and a deliberately
+perturbed case (batch-dependent logits, sampling noise, another dtype, a tokenizer with one merge
+removed, an all-ones attention mask with left padding) as "differs"."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import KV_BYTES
+from pagedlab import LLM, SamplingParams
+from pagedlab.lab import repro
+from test_server_support import build_tiny_chat_model
+
+PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
+           "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("repro_chat"))
+
+
+@pytest.fixture(scope="module")
+def chat_llm(chat_dir):
+    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def merge_removed_dir(chat_dir, tmp_path_factory):
+    """The same model with a tokenizer that lacks its first (most frequent) BPE merge."""
+    out = tmp_path_factory.mktemp("repro_chat_b") / "m"
+    shutil.copytree(chat_dir, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    tok["model"]["merges"].pop(0)
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    return str(out)
+
+
+# ---- batch --------------------------------------------------------------------------------------------
+def test_batch_consistency_same(chat_llm):
+    before = chat_llm.llm_engine.config
+    r = repro.batch_consistency(chat_llm, PROMPTS, max_tokens=8)
+    assert r.verdict == "same", r.format()
+    assert r.metrics["max_prompts_differing"] == 0 and r.metrics["first_divergence"] is None
+    assert set(r.details) == {"full_batch", "shuffled", "prefix_cache_on", "prefix_cache_off", "chunked_prefill",
+                              "no_chunked_prefill"}
+    assert chat_llm.llm_engine.config == before  # the plan is restored
+
+
+def test_batch_consistency_detects_batch_dependent_logits(chat_llm, monkeypatch):
+    model = chat_llm.llm_engine.runner.model
+    original = model.compute_logits
+    noise = torch.randn(len(chat_llm.get_tokenizer()), generator=torch.Generator().manual_seed(0))
+
+    def batch_dependent(hidden):  # logits shift with the number of rows: a batch-variance bug
+        logits = original(hidden)
+        return logits + 3.0 * (hidden.shape[0] - 1) * noise[: logits.shape[-1]].to(logits.dtype)
+
+    monkeypatch.setattr(model, "compute_logits", batch_dependent)
+    r = repro.batch_consistency(chat_llm, PROMPTS, max_tokens=8, variants=["full_batch", "shuffled"])
+    assert r.verdict == "differs", r.format()
+    assert r.metrics["full_batch.prompts_differing"] > 0
+    assert r.metrics["first_divergence"] is not None
+
+
+def test_first_divergence():
+    assert repro.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert repro.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert repro.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+# ---- seeds -------------------------------------------------------------------------------------------
+def test_seed_sensitivity_greedy_is_same_sampling_differs(chat_llm):
+    greedy = repro.seed_sensitivity(chat_llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0),
+                                    seeds=range(3))
+    assert greedy.verdict == "same", greedy.format()
+    assert greedy.metrics["mean_token_logprob.std"] < 1e-6  # prefix-cache hits may move the last bits
+    hot = repro.seed_sensitivity(chat_llm, PROMPTS, SamplingParams(temperature=1.5, max_tokens=12, logprobs=0),
+                                 seeds=range(3), threshold=0.01)
+    assert hot.verdict == "differs", hot.format()
+    assert "mean_token_logprob" in hot.details["flagged"]
+    st = hot.details["stats"]["mean_token_logprob"]
+    assert st["ci95_low"] < st["mean"] < st["ci95_high"] and st["min"] <= st["mean"] <= st["max"] and st["std"] > 0
+
+
+def test_summarize_numbers():
+    s = repro.summarize([1.0, 2.0, 3.0])
+    assert s["mean"] == 2.0 and s["std"] == 1.0 and s["min"] == 1.0 and s["max"] == 3.0
+    assert s["ci95_high"] - s["mean"] == pytest.approx(4.303 / math.sqrt(3), rel=1e-3)
+
+
+# ---- precision ---------------------------------------------------------------------------------------
+def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
+    args = dict(kv_cache_memory_bytes=KV_BYTES, device="cpu")
+    same = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "float32"), max_tokens=8, engine_args=args)
+    assert same.verdict == "same", same.format()
+    assert same.metrics["float32#1.mean_kl"] < 1e-9 and same.metrics["float32#1.top1_agreement"] == 1.0
+    drift = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), max_tokens=8, engine_args=args)
+    assert drift.verdict == "differs", drift.format()
+    assert drift.metrics["bfloat16.mean_kl"] > 1e-3
+
+
+def test_topk_kl_equals_exact_kl_with_full_vocab_and_bounds_it_below():
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.log_softmax(torch.randn(50, generator=g), -1), torch.log_softmax(torch.randn(50, generator=g), -1)
+    exact = float((p.exp() * (p - q)).sum())
+    full = repro.topk_kl(dict(enumerate(p.tolist())), dict(enumerate(q.tolist())))
+    assert full == pytest.approx(exact, rel=1e-6)
+    top = lambda lp, k: {int(i): lp[i].item() for i in lp.topk(k).indices}  # noqa: E731
+    approx = repro.topk_kl(top(p, 10), top(q, 10))
+    assert 0 <= approx < 2 * exact
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------
+def test_tokenizer_drift_same_tokenizer_same(chat_dir, chat_llm):
+    r = repro.tokenizer_drift(chat_dir, chat_dir, PROMPTS, llm=chat_llm, max_tokens=8)
+    assert r.verdict == "same", r.format()
+    assert r.metrics["fraction_tokenized_differently"] == 0 and r.metrics["output_exact_match"] == 1.0
+
+
+def test_tokenizer_drift_detects_removed_merge(chat_dir, merge_removed_dir, chat_llm):
+    refs = ["fox", "blue", "blocks", "four", "fine"]
+    r = repro.tokenizer_drift(chat_dir, merge_removed_dir, PROMPTS, llm=chat_llm, references=refs, max_tokens=8)
+    assert r.verdict == "differs", r.format()
+    assert r.metrics["fraction_tokenized_differently"] > 0
+    ex = r.details["examples"][0]
+    assert ex["a_ids"] != ex["b_ids"] and ex["a_tokens"] and ex["b_tokens"]
+    assert {"bleu_a", "bleu_b", "bleu_delta", "exact_match_a", "exact_match_b"} <= set(r.metrics)
+
+
+# ---- padding -----------------------------------------------------------------------------------------
+def test_padding_correct_mask_same_broken_mask_differs(chat_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    ok = repro.padding_check(hf, PROMPTS, max_tokens=8)
+    assert ok.verdict == "same", ok.format()
+    assert ok.metrics["padded_prompts"] > 0
+    broken = repro.padding_check(hf, PROMPTS, max_tokens=8, attention_mask="ones")
+    assert broken.verdict == "differs", broken.format()
+    assert broken.metrics["prompts_differing"] > 0 or broken.metrics["max_logprob_diff"] > 1e-3
+
+
+# ---- HF parity ---------------------------------------------------------------------------------------
+def test_hf_parity_same_weights_same_other_dtype_differs(chat_llm):
+    r = repro.hf_parity(chat_llm, PROMPTS, max_tokens=8)
+    assert r.verdict == "same", r.format()
+    assert r.metrics["greedy_match_rate"] == 1.0 and r.metrics["top1_agreement"] == 1.0
+    assert r.metrics["max_abs_logprob_diff"] < 1e-3
+    bf = repro.hf_parity(chat_llm, PROMPTS, max_tokens=8, hf_dtype="bfloat16")
+    assert bf.verdict == "differs", bf.format()
+    assert bf.metrics["max_abs_logprob_diff"] > 1e-3
+
+
+# ---- storing and the CLI -----------------------------------------------------------------------------
+def test_store_result_with_manifest(chat_llm, tmp_path):
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab.store import ResultStore
+
+    r = repro.CheckResult("batch", "differs", "x", {"max_logprob_diff": 0.5, "first_divergence": None},
+                          {"k": [1]}, {"max_tokens": 4})
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    run_id = repro.store_result(r, url, llm=chat_llm)
+    with ResultStore(url) as store:
+        run = store.get_run(run_id)
+    assert run["experiment"] == "repro"
+    assert run["metrics"]["differs"] == 1 and run["metrics"]["max_logprob_diff"] == 0.5
+    assert run["params"]["repro.check"] == "batch" and run["params"]["repro.verdict"] == "differs"
+    assert run["manifest"]["repro"]["details"] == {"k": [1]} and "versions" in run["manifest"]
+    assert run["manifest"]["engine"]["dtype"] == "float32"
+
+
+def test_cli_repro_check(chat_dir, merge_removed_dir, tmp_path, capsys):
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab.repro_cli import main
+    from pagedlab.lab.store import ResultStore
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]))
+    db, out = tmp_path / "r.db", tmp_path / "report.json"
+    rc = main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+               "--prompts", str(prompts), "--checks", "batch,tokenizer", "--tokenizer-b", merge_removed_dir,
+               "--max-tokens", "4", "--db", str(db), "--out", str(out), "--strict"])
+    text = capsys.readouterr().out
+    assert rc == 1  # --strict: the tokenizer check differs
+    assert "[batch] SAME" in text and "[tokenizer] DIFFERS" in text
+    report = json.loads(out.read_text())
+    assert [c["check"] for c in report["checks"]] == ["batch", "tokenizer"]
+    with ResultStore(f"sqlite:///{db}") as store:
+        assert len(store.runs(experiment="repro")) == 2
+    with pytest.raises(SystemExit):
+        main(["repro", "check", "--model", chat_dir, "--checks", "nope"])
+
+
+# ---- SmolLM2 -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_hf_parity_and_padding(smollm2_dir, smollm2_hf):
+    hf, tok = smollm2_hf
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "2 + 2 ="]
+    with LLM(smollm2_dir, dtype="float32", max_model_len=256, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        r = repro.hf_parity(llm, prompts, hf_model=hf, max_tokens=6, k=5)
+        assert r.verdict == "same", r.format()
+        b = repro.batch_consistency(llm, prompts, max_tokens=6, variants=["full_batch", "chunked_prefill"])
+        assert b.verdict == "same", b.format()
+    ids = [tok(p).input_ids for p in prompts]
+    assert repro.padding_check(hf, ids, max_tokens=6).verdict == "same"
+    assert repro.padding_check(hf, ids, max_tokens=6, attention_mask="ones").verdict == "differs"
