@@ -59,6 +59,7 @@ class ModelRunner:
         # captured graphs alike, so both choose the same split-KV layout.
         self.max_model_len = model_max_len(hf_config)
         self.cuda_graphs: CudaGraphRunner | None = None
+        self._profiled_peaks: dict[tuple[int, int], int] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -103,12 +104,25 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int, gpu_memory_utilization: float) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU after a forward pass over
-        ``num_tokens`` tokens (the largest step) has shown the activations' peak."""
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU next to the weights and the
+        activations' peak of the largest step (``num_tokens`` tokens)."""
+        key = (num_tokens, min(num_tokens, max_model_len))
+        if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
+            self._profiled_peaks[key] = self._profile_peak_memory(*key)
+        peak = self._profiled_peaks[key]
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        available = total * gpu_memory_utilization - used_by_others - peak
+        logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens)",
+                    available / 2**30, peak / 2**30, num_tokens)
+        return int(available // self.bytes_per_block)
+
+    def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> int:
+        """Bytes allocated at the peak of a forward over ``num_tokens`` tokens, KV cache excluded."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        seq_len = min(num_tokens, max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
         self.allocate_kv_cache(num_seqs * blocks_per_seq)
@@ -127,12 +141,7 @@ class ModelRunner:
         kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
         self.free_kv_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        available = total * gpu_memory_utilization - used_by_others - peak
-        logger.info("KV cache: %.2f GiB available after a %d-token profile (peak %.2f GiB)",
-                    available / 2**30, num_tokens, peak / 2**30)
-        return int(available // self.bytes_per_block)
+        return peak
 
     # ---- one step -------------------------------------------------------------------------
     def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables) -> AttentionMetadata:
