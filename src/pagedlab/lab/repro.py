@@ -619,6 +619,8 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
     else:
         summary = (f"left-padded batch ({padded} of {len(ids)} prompts padded) gives the one-at-a-time tokens; "
                    f"max |Δ logprob| {cmp['max_logprob_diff']:.3g} <= {logprob_tolerance:g}")
+        if not padded:
+            summary += " (no prompt needed padding, so nothing was tested: give prompts of different lengths)"
     return CheckResult("padding", _verdict(differs), summary, metrics,
                        {"single": single_tokens, "batched": batch_tokens},
                        {"attention_mask": attention_mask, "max_tokens": max_tokens, "dtype": dtype,
