@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import KV_BYTES
+from test_server_support import build_tiny_chat_model
+
 from pagedlab import LLM, SamplingParams
 from pagedlab.lab import repro
-from test_server_support import build_tiny_chat_model
 
 PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
            "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
@@ -97,7 +97,7 @@ def test_summarize_numbers():
 
 # ---- precision ---------------------------------------------------------------------------------------
 def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
-    args = dict(kv_cache_memory_bytes=KV_BYTES, device="cpu")
+    args = {"kv_cache_memory_bytes": KV_BYTES, "device": "cpu"}
     same = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "float32"), max_tokens=8, engine_args=args)
     assert same.verdict == "same", same.format()
     assert same.metrics["float32#1.mean_kl"] < 1e-9 and same.metrics["float32#1.top1_agreement"] == 1.0
@@ -112,7 +112,7 @@ def test_topk_kl_equals_exact_kl_with_full_vocab_and_bounds_it_below():
     exact = float((p.exp() * (p - q)).sum())
     full = repro.topk_kl(dict(enumerate(p.tolist())), dict(enumerate(q.tolist())))
     assert full == pytest.approx(exact, rel=1e-6)
-    top = lambda lp, k: {int(i): lp[i].item() for i in lp.topk(k).indices}  # noqa: E731
+    top = lambda lp, k: {int(i): lp[i].item() for i in lp.topk(k).indices}
     approx = repro.topk_kl(top(p, 10), top(q, 10))
     assert 0 <= approx < 2 * exact
 

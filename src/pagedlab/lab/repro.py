@@ -28,9 +28,10 @@ import json
 import math
 import random
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -582,8 +583,8 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
         if pad_token_id is None:
             pad_token_id = min(_eos_ids(hf) or {0})
     eos = _eos_ids(hf)
-    gen = dict(max_new_tokens=max_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
-               pad_token_id=pad_token_id)
+    gen = {"max_new_tokens": max_tokens, "do_sample": False, "output_scores": True,
+           "return_dict_in_generate": True, "pad_token_id": pad_token_id}
 
     def chosen(scores, seqs, row):
         return [torch.log_softmax(s[row].float(), -1)[t].item() for s, t in zip(scores, seqs)]
