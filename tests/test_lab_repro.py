@@ -199,6 +199,24 @@ def test_cli_repro_check(chat_dir, merge_removed_dir, tmp_path, capsys):
         main(["repro", "check", "--model", chat_dir, "--checks", "nope"])
 
 
+def test_cli_repro_other_checks(chat_dir, tmp_path, capsys):
+    from pagedlab.lab.repro_cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]))
+    out = tmp_path / "report.json"
+    rc = main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+               "--prompts", str(prompts), "--checks", "seeds,precision,padding,hf", "--max-tokens", "4",
+               "--num-seeds", "2", "--sampling", '{"temperature": 0.0, "max_tokens": 4, "logprobs": 0}',
+               "--dtypes", "float32,float32", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for check in ("seeds", "precision", "padding", "hf"):
+        assert f"[{check}] SAME" in text, text
+    assert len(json.loads(out.read_text())["checks"]) == 4
+    assert main(["repro", "check", "--model", chat_dir, "--checks", "seeds", "--sampling", "{oops"]) == 2
+
+
 # ---- SmolLM2 -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_hf_parity_and_padding(smollm2_dir, smollm2_hf):

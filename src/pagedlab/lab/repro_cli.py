@@ -51,6 +51,9 @@ def register(subparsers) -> None:
     c.add_argument("--num-seeds", type=int, default=5, help="seeds for the seeds check (default: 5)")
     c.add_argument("--temperature", type=float, default=0.8, help="seeds check temperature (default: 0.8)")
     c.add_argument("--top-p", type=float, default=0.95, help="seeds check top_p (default: 0.95)")
+    c.add_argument("--sampling", default=None, metavar="JSON",
+                   help='seeds check: the experiment\'s SamplingParams as JSON, e.g. \'{"temperature": 0.7, '
+                        '"top_p": 0.9, "max_tokens": 64}\' (overrides --temperature/--top-p/--seed-max-tokens)')
     c.add_argument("--seed-max-tokens", type=int, default=32, help="seeds check tokens per prompt (default: 32)")
     c.add_argument("--seed-threshold", type=float, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
@@ -69,6 +72,24 @@ def register(subparsers) -> None:
     c.set_defaults(func=cmd_repro_check)
 
 
+def _seed_params(args, SamplingParams):
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
+              "logprobs": 0}
+    if args.sampling:
+        try:
+            extra = json.loads(args.sampling)
+        except ValueError as e:
+            raise ValueError(f"--sampling {args.sampling!r} is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError(f"--sampling {args.sampling!r} must be a JSON object of SamplingParams fields")
+        fields.update(extra)
+    fields.pop("seed", None)
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:
+        raise ValueError(f"--sampling {args.sampling!r}: {e}") from None
+
+
 def cmd_repro_check(args: argparse.Namespace) -> int:
     from pagedlab import LLM, SamplingParams
     from pagedlab.cli import engine_kwargs
@@ -82,6 +103,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
     if "tokenizer" in checks and not args.tokenizer_b:
         print("error: the tokenizer check needs --tokenizer-b PATH (the tokenizer to compare with)", file=sys.stderr)
         return 2
+    seed_params = _seed_params(args, SamplingParams) if "seeds" in checks else None  # bad JSON fails early
     store = None
     if args.db:
         from pagedlab.lab.store import ResultStore
@@ -109,9 +131,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
                         r = repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
                                                     logprob_tolerance=args.logprob_tolerance)
                     elif name == "seeds":
-                        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                                max_tokens=args.seed_max_tokens, logprobs=0)
-                        r = repro.seed_sensitivity(llm, prompts, params, seeds=range(args.num_seeds),
+                        r = repro.seed_sensitivity(llm, prompts, seed_params, seeds=range(args.num_seeds),
                                                    references=references, threshold=args.seed_threshold)
                     elif name == "tokenizer":
                         tok_a = args.tokenizer or str(llm.llm_engine.source.path)
