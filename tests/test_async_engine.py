@@ -302,7 +302,9 @@ def test_final_only_requests(offline):
 
     async def main():
         quiet = [engine.add_request(p, GREEDY, stream=False) for p in PROMPTS[:3]]
-        outs = [[o async for o in s] for s in quiet]
+        outs = []
+        for stream in quiet:  # (an async comprehension inside a list comprehension needs Python 3.11)
+            outs.append([o async for o in stream])
         mixed_quiet = engine.add_request(PROMPTS[3], GREEDY, stream=False)
         loud = await collect(engine, PROMPTS[4], GREEDY)
         return outs, await mixed_quiet.result(), loud
