@@ -83,7 +83,7 @@ class LLM:
         width = params.beam_width
         live = [[BeamSearchSequence(tokens=list(ids))] for ids, _ in encoded]
         done: list[list[BeamSearchSequence]] = [[] for _ in encoded]
-        for step in range(params.max_tokens):
+        for _ in range(params.max_tokens):
             flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
             if not flat:
                 break
