@@ -175,6 +175,11 @@ def test_store_result_with_manifest(chat_llm, tmp_path):
     assert run["params"]["repro.check"] == "batch" and run["params"]["repro.verdict"] == "differs"
     assert run["manifest"]["repro"]["details"] == {"k": [1]} and "versions" in run["manifest"]
     assert run["manifest"]["engine"]["dtype"] == "float32"
+    # a check that loads the model itself (precision, padding) still records the model's checksums
+    run_id = repro.store_result(r, url, model=chat_llm.llm_engine.config.model)
+    with ResultStore(url) as store:
+        model = store.get_run(run_id)["manifest"]["model"]
+    assert model["config_hash"].startswith("sha256:") and model["weight_checksum"].startswith("sha256:")
 
 
 def test_cli_repro_check(chat_dir, merge_removed_dir, tmp_path, capsys):

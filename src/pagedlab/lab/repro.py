@@ -402,6 +402,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
     engine_args = {k_: v for k_, v in (engine_args or {}).items() if k_ not in ("model", "dtype")}
     engine_args.setdefault("kv_cache_memory_bytes", 64 << 20)
     runs: list = []
+    engines: list = []
     ref_seqs = None
     for dtype in dtypes:
         with LLM(model, dtype=dtype, **engine_args) as llm:
@@ -411,6 +412,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
             if ref_seqs is None:
                 ref_seqs = [p + t for p, t in zip(ids, tokens)]
             tf = teacher_forced(llm, ref_seqs, k)
+            engines.append(_engine_info(llm))
         runs.append((tokens, tf))
     ref_dtype = dtypes[0]
     ref_tokens, ref_tf = runs[0]
@@ -446,9 +448,19 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
                             for n in differing)
     else:
         summary = f"{', '.join(dtypes[1:])} match {ref_dtype}: same greedy outputs, mean KL <= {kl_threshold:g}"
+    details["engines"] = engines
     return CheckResult("precision", _verdict(bool(differing)), summary, metrics, details,
                        {"dtypes": list(dtypes), "max_tokens": max_tokens, "k": k, "kl_threshold": kl_threshold,
                         "kl_method": "coarse top-k KL (see topk_kl)"})
+
+
+def _engine_info(llm) -> dict:
+    try:
+        from pagedlab.lab.manifest import engine_info
+
+        return engine_info(llm.llm_engine)
+    except Exception as e:  # noqa: BLE001  (provenance must not break a check)
+        return {"error": str(e)}
 
 
 # ---- 4. tokenizer drift ------------------------------------------------------------------------------
@@ -679,6 +691,25 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
                         "logprob_tolerance": logprob_tolerance})
 
 
+def _model_manifest(model: str) -> dict:
+    """Model path, config hash and weight checksum without loading the model (for the checks that
+    load it themselves: precision, padding)."""
+    from pagedlab.lab.manifest import _WEIGHT_SUFFIXES, config_hash, files_checksum
+    from pagedlab.loader import resolve_model_source
+
+    try:
+        source = resolve_model_source(str(model))
+    except Exception as e:  # noqa: BLE001  (recorded, not raised)
+        return {"name": str(model), "error": str(e)}
+    path = Path(source.path)
+    original = getattr(source, "original_file", None)
+    weights = [Path(original)] if original else sorted(
+        p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES) if path.is_dir() else []
+    return {"name": str(model), "path": str(path.resolve()), "config_hash": config_hash(path),
+            "original_file": str(original) if original else None,
+            "weight_checksum": files_checksum(weights) if weights else None}
+
+
 # ---- storing ----------------------------------------------------------------------------------------
 def store_result(result: CheckResult, url, llm=None, model: str | None = None, store=None,
                  experiment: str = "repro") -> int:
@@ -695,6 +726,8 @@ def store_result(result: CheckResult, url, llm=None, model: str | None = None, s
                                 hash_weights=True)
     if model is None and llm is not None:
         model = str(llm.llm_engine.config.model)
+    if llm is None and model is not None:
+        manifest["model"] = _model_manifest(model)
     params = {"repro.check": result.check, "repro.verdict": result.verdict}
     params.update({f"repro.{k}": v for k, v in result.params.items()})
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) or v is None}
