@@ -535,7 +535,7 @@ def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_P
 
 
 # ---- HF helpers --------------------------------------------------------------------------------------
-def _hf_model(model, dtype: str = "float32"):
+def _hf_model(model, dtype: str = "float32", device=None):
     """A loaded HF model as it is, or one loaded from a pagedlab model name/path (GGUF/embedded
     models through their converted directory)."""
     if not isinstance(model, (str, Path)):
@@ -546,8 +546,11 @@ def _hf_model(model, dtype: str = "float32"):
     from pagedlab.loader import resolve_model_source
 
     path = resolve_model_source(str(model)).path
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return hf.to(device)
 
 
 def _hf_tokenize(model, prompts: Sequence) -> list[list[int]]:
@@ -587,6 +590,7 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
     if attention_mask not in ("correct", "ones"):
         raise ValueError(f"attention_mask={attention_mask!r} is invalid: 'correct' or 'ones'")
     hf = _hf_model(model, dtype)
+    dev = next(hf.parameters()).device
     ids = _hf_tokenize(hf, prompts)
     if pad_token_id is None:
         pad_token_id = hf.generation_config.pad_token_id
@@ -604,13 +608,14 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
     single_tokens, single_lps = [], []
     with torch.no_grad():
         for p in ids:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **gen)
+            out = hf.generate(torch.tensor([p], device=dev),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev), **gen)
             toks = out.sequences[0, len(p):].tolist()
             single_tokens.append(_trim_eos(toks, eos))
             single_lps.append(chosen(out.scores, toks, 0))
         width = max(len(p) for p in ids)
-        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in ids])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+        input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in ids], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=dev)
         if attention_mask == "ones":
             mask = torch.ones_like(mask)
         out = hf.generate(input_ids, attention_mask=mask, **gen)
@@ -649,13 +654,16 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     each position's actual next token and pagedlab's top-``k``, and top-1 agreement."""
     import torch
 
-    hf = _hf_model(hf_model if hf_model is not None else llm.llm_engine.source.path, hf_dtype)
+    hf = _hf_model(hf_model if hf_model is not None else llm.llm_engine.source.path, hf_dtype,
+                   device=llm.llm_engine.device)
+    dev = next(hf.parameters()).device
     ids = _encode_all(llm, prompts)
     eos = _eos_ids(hf)
     hf_tokens = []
     with torch.no_grad():
         for p in ids:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            out = hf.generate(torch.tensor([p], device=dev),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
                               max_new_tokens=max_tokens, do_sample=False,
                               pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
             hf_tokens.append(_trim_eos(out[0, len(p):].tolist(), eos))
@@ -668,7 +676,7 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     max_d, agree, total = 0.0, 0, 0
     with torch.no_grad():
         for seq, positions in zip(seqs, tf):
-            logits = hf(torch.tensor([seq])).logits[0].float()
+            logits = hf(torch.tensor([seq], device=dev)).logits[0].float()
             lsm = torch.log_softmax(logits, -1)
             for i, d in enumerate(positions):  # position i predicts seq[i + 1]
                 row = lsm[i]
