@@ -235,3 +235,32 @@ def test_smollm2_hf_parity_and_padding(smollm2_dir, smollm2_hf):
     assert repro.padding_check(hf, ids, max_tokens=4).verdict == "same"
     broken = repro.padding_check(hf, ids, max_tokens=4, attention_mask="ones")
     assert broken.verdict == "differs", broken.format()
+
+
+@pytest.mark.slow
+def test_smollm2_batch_seeds_precision_tokenizer(smollm2_dir, tmp_path):
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    args = {"kv_cache_memory_bytes": KV_BYTES, "device": "cpu", "max_model_len": 128}
+    with LLM(smollm2_dir, dtype="float32", **args) as llm:
+        batch = repro.batch_consistency(llm, prompts, max_tokens=6)
+        assert batch.verdict == "same", batch.format()
+        greedy = repro.seed_sensitivity(llm, prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=0),
+                                        seeds=range(2))
+        assert greedy.verdict == "same", greedy.format()
+        hot = repro.seed_sensitivity(llm, prompts, SamplingParams(temperature=1.5, max_tokens=6, logprobs=0),
+                                     seeds=range(3), threshold=0.01)
+        assert hot.verdict == "differs", hot.format()
+        broken = tmp_path / "tok"
+        shutil.copytree(smollm2_dir, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+        tok = json.loads((broken / "tokenizer.json").read_text())
+        tok["model"]["merges"].pop(0)  # "Ġ t": a merge almost every English text uses
+        (broken / "tokenizer.json").write_text(json.dumps(tok))
+        assert repro.tokenizer_drift(smollm2_dir, smollm2_dir, prompts, llm=llm, max_tokens=6).verdict == "same"
+        drift = repro.tokenizer_drift(smollm2_dir, str(broken), prompts, llm=llm, max_tokens=6)
+        assert drift.verdict == "differs", drift.format()
+    same = repro.precision_drift(smollm2_dir, prompts[:2], dtypes=("float32", "float32"), max_tokens=4,
+                                 engine_args=args)
+    assert same.verdict == "same", same.format()
+    drift = repro.precision_drift(smollm2_dir, prompts[:2], dtypes=("float32", "bfloat16"), max_tokens=4,
+                                  engine_args=args)
+    assert drift.verdict == "differs", drift.format()

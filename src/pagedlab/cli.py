@@ -220,9 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments")
     ev.set_defaults(func=cmd_eval)
     from pagedlab.lab.cli import register as register_lab
+    from pagedlab.lab.repro_cli import register as register_repro
     from pagedlab.server.cli import register as register_server
 
     register_lab(sub)
+    register_repro(sub)
     register_server(sub)
     return parser
 
