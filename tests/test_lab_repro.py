@@ -222,6 +222,23 @@ def test_cli_repro_other_checks(chat_dir, tmp_path, capsys):
     assert main(["repro", "check", "--model", chat_dir, "--checks", "seeds", "--sampling", "{oops"]) == 2
 
 
+def test_cli_seeds_check_takes_an_experiments_sampling_params(chat_dir, tmp_path, capsys):
+    from pagedlab.lab.repro_cli import main
+
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(f"name: hot\nmodel: {chat_dir}\nsampling: {{temperature: 1.5, max_tokens: 6}}\n"
+                          "dataset:\n  prompts: [{prompt: hello}]\nmetrics: [output_length]\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]))
+    args = ["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+            "--prompts", str(prompts), "--checks", "seeds", "--num-seeds", "3", "--seed-threshold", "0.01",
+            "--experiment", str(experiment)]
+    assert main(args) == 0
+    assert "[seeds] DIFFERS" in capsys.readouterr().out
+    assert main(args + ["--sampling", '{"temperature": 0.0}']) == 0
+    assert "[seeds] SAME" in capsys.readouterr().out
+
+
 # ---- SmolLM2 -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_hf_parity_and_padding(smollm2_dir, smollm2_hf):

@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     c.add_argument("--sampling", default=None, metavar="JSON",
                    help='seeds check: the experiment\'s SamplingParams as JSON, e.g. \'{"temperature": 0.7, '
                         '"top_p": 0.9, "max_tokens": 64}\' (overrides --temperature/--top-p/--seed-max-tokens)')
+    c.add_argument("--experiment", default=None, metavar="YAML",
+                   help="seeds check: take the sampling params of this experiment file (its sampling: "
+                        "section; --sampling overrides single fields)")
     c.add_argument("--seed-max-tokens", type=int, default=32, help="seeds check tokens per prompt (default: 32)")
     c.add_argument("--seed-threshold", type=float, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
@@ -75,6 +78,10 @@ def register(subparsers) -> None:
 def _seed_params(args, SamplingParams):
     fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
               "logprobs": 0}
+    if args.experiment:
+        from pagedlab.lab.experiments import load_experiment
+
+        fields.update(load_experiment(args.experiment).base.get("sampling") or {})
     if args.sampling:
         try:
             extra = json.loads(args.sampling)
