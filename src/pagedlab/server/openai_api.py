@@ -634,29 +634,20 @@ class _CompletionContext:
             chunks.append(self._chunk([self._choice(i * n + c.index, delta, logprobs, finish, c, prompt, new_ids)]))
         return chunks
 
-    async def stream(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    def stream(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+        return _sse_events(self._stream_chunks(streams, include_usage), f"streamed completion {self.request_id}")
+
+    async def _stream_chunks(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[list[dict]]:
         states = [[_ChoiceState() for _ in range(self.params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
-        try:
-            async with contextlib.aclosing(_merge(streams)) as merged:
-                async for i, out in merged:
-                    if out.finished:
-                        finals[i] = out
-                    chunks = self._chunks(i, out, states[i])
-                    if all(f is not None for f in finals):  # the last output: usage goes with it
-                        usage = _usage(self.prompts, finals)
-                        if include_usage:
-                            chunks.append(self._chunk([], usage))
-                        elif chunks:
-                            chunks[-1]["usage"] = usage
-                    for chunk in chunks:
-                        yield _sse(chunk)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.warning("streamed completion %s failed: %r", self.request_id, e)
-            yield _stream_error_event(e)
-        yield "data: [DONE]\n\n"
+        async with contextlib.aclosing(_merge(streams)) as merged:
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+                chunks = self._chunks(i, out, states[i])
+                if all(f is not None for f in finals):  # the last output: usage goes with it
+                    _attach_usage(chunks, _usage(self.prompts, finals), include_usage, self._chunk)
+                yield chunks
 
 
 class _ChatContext:
@@ -720,26 +711,41 @@ class _ChatContext:
             chunks.append(self._chunk([choice]))
         return chunks
 
-    async def stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+    def stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        return _sse_events(self._stream_chunks(stream, include_usage), f"streamed chat completion {self.request_id}")
+
+    async def _stream_chunks(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[list[dict]]:
         states = [_ChoiceState() for _ in range(self.params.n)]
-        try:
-            async with contextlib.aclosing(_merge([stream])) as merged:
-                async for _, out in merged:
-                    chunks = self._chunks(out, states)
-                    if out.finished:
-                        usage = _usage([self.prompt], [out])
-                        if include_usage:
-                            chunks.append(self._chunk([], usage))
-                        elif chunks:
-                            chunks[-1]["usage"] = usage
-                    for chunk in chunks:
-                        yield _sse(chunk)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.warning("streamed chat completion %s failed: %r", self.request_id, e)
-            yield _stream_error_event(e)
-        yield "data: [DONE]\n\n"
+        async with contextlib.aclosing(_merge([stream])) as merged:
+            async for _, out in merged:
+                chunks = self._chunks(out, states)
+                if out.finished:
+                    _attach_usage(chunks, _usage([self.prompt], [out]), include_usage, self._chunk)
+                yield chunks
+
+
+def _attach_usage(chunks: list[dict], usage: dict, include_usage: bool, make_chunk) -> None:
+    """OpenAI's rule: with ``stream_options.include_usage`` a final chunk with no choices carries
+    the usage; otherwise the last chunk does."""
+    if include_usage:
+        chunks.append(make_chunk([], usage))
+    elif chunks:
+        chunks[-1]["usage"] = usage
+
+
+async def _sse_events(chunk_lists: AsyncIterator[list[dict]], description: str) -> AsyncIterator[str]:
+    """Server-sent events of each chunk; a failure becomes an error event; always ends with [DONE]."""
+    try:
+        async with contextlib.aclosing(chunk_lists) as chunk_lists:
+            async for chunks in chunk_lists:
+                for chunk in chunks:
+                    yield _sse(chunk)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        logger.warning("%s failed: %r", description, e)
+        yield _stream_error_event(e)
+    yield "data: [DONE]\n\n"
 
 
 # ---- FastAPI wiring ---------------------------------------------------------------------------
