@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 
@@ -48,3 +50,6 @@ def test_close_releases_weights_and_cache(tiny_llama):
     llm.close()
     gc.collect()
     assert model_ref() is None and cache_ref() is None
+    with pytest.raises(ValueError, match="this LLM was closed"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+    llm.close()  # closing twice is harmless

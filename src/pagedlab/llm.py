@@ -38,8 +38,15 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
             load_format=load_format, trust_remote_code=trust_remote_code, device=device,
             tensor_parallel_size=tensor_parallel_size, quantization=quantization)
-        self.llm_engine = LLMEngine(config, attention_backend=attention_backend)
+        self._engine: LLMEngine | None = LLMEngine(config, attention_backend=attention_backend)
         self._request_counter = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine core (vLLM's name); a closed LLM says so instead of failing deep inside."""
+        if self._engine is None:
+            raise ValueError("this LLM was closed: build a new LLM to generate again")
+        return self._engine
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -201,10 +208,10 @@ class LLM:
 
     def close(self) -> None:
         """Free the weights, the KV cache and every request."""
-        if self.llm_engine is not None:
-            device = self.llm_engine.device
-            self.llm_engine.close()
-            self.llm_engine = None
+        if self._engine is not None:
+            device = self._engine.device
+            self._engine.close()
+            self._engine = None
             import gc
 
             gc.collect()
