@@ -605,11 +605,7 @@ class _CompletionContext:
                 "choices": choices, "usage": _usage(self.prompts, outputs)}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
-                 "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
+        return _stream_chunk(self, "text_completion", choices, usage)
 
     def _chunks(self, i: int, out: RequestOutput, states: list[_ChoiceState]) -> list[dict]:
         prompt, n = self.prompts[i], self.params.n
@@ -684,11 +680,7 @@ class _ChatContext:
                 "choices": choices, "usage": _usage([self.prompt], [out])}
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.model, "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return chunk
+        return _stream_chunk(self, "chat.completion.chunk", choices, usage)
 
     def _chunks(self, out: RequestOutput, states: list[_ChoiceState]) -> list[dict]:
         chunks = []
@@ -722,6 +714,14 @@ class _ChatContext:
                 if out.finished:
                     _attach_usage(chunks, _usage([self.prompt], [out]), include_usage, self._chunk)
                 yield chunks
+
+
+def _stream_chunk(ctx, object_name: str, choices: list[dict], usage: dict | None) -> dict:
+    chunk = {"id": ctx.request_id, "object": object_name, "created": ctx.created, "model": ctx.model,
+             "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
 
 
 def _attach_usage(chunks: list[dict], usage: dict, include_usage: bool, make_chunk) -> None:
