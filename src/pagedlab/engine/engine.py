@@ -111,8 +111,6 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
-        if self.device.type == "cpu":
-            torch.manual_seed(config.seed)
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device,
                                 model_max_len(self.hf_config), config.seed)
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, config.block_size,

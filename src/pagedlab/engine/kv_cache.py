@@ -66,7 +66,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks already holding a prefix of ``request``'s tokens (hashes are recorded on it).
+        """Blocks already holding a prefix of ``request``'s tokens, for a request holding no block.
+        The hits' hashes are recorded on it, so allocation does not hash those blocks again.
 
         The last token is never taken from the cache: at least one token must be computed so the
         request gets logits to sample from.
@@ -76,15 +77,16 @@ class KVCacheManager:
         tokens = request.all_token_ids
         num_full = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        hashes: list[bytes] = []
         for i in range(num_full):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(parent, block_tokens)
+            block_hash = hash_block(hashes[-1] if hashes else None, block_tokens)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
             hits.append(block_id)
-            parent = block_hash
+            hashes.append(block_hash)
+        request.block_hashes = hashes
         return hits
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
