@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and DESIGN.md §4 workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|seed|nano|prefix|long ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|seed|lat|nano|prefix|long|serve ...   (results under $OUT, default ./bench_out)
+# "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
+# into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 bench() { python3 -m pagedlab.cli bench "$@"; }
@@ -15,6 +17,20 @@ for part in "$@"; do
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;
     prefix) bench throughput --workload W-prefix --json "$OUT/w_prefix.json" ;;
     long)  bench throughput --workload W-long --json "$OUT/w_long.json" ;;
+    serve) model=$(python3 -c "from pagedlab.workloads import shape_dir; print(shape_dir('llama3-8b'))")
+           python3 -m pagedlab.cli serve --model "$model" --load-format dummy --dtype bfloat16 \
+               --max-model-len 2048 --port 8000 > "$OUT/serve_log.txt" 2>&1 &
+           server=$!
+           until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')" 2>/dev/null; do
+             kill -0 $server 2>/dev/null || { tail -20 "$OUT/serve_log.txt"; exit 1; }; sleep 2
+           done
+           # rate:prompts, so each rate runs for tens of seconds
+           for pair in 1:40 4:100 16:200 inf:256; do
+             python3 -m pagedlab.cli bench serve --base-url http://127.0.0.1:8000 --num-prompts "${pair#*:}" \
+                 --request-rate "${pair%%:*}" --input-len 512 --output-len 128 --ignore-eos --temperature 0 \
+                 --seed 0 --disable-tqdm --json "$OUT/serve_rate_${pair%%:*}.json"
+           done
+           kill $server ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
