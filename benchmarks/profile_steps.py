@@ -38,7 +38,7 @@ def run_steps(engine, workload):
     """Drive the engine over the workload; per step: (kind, wall seconds)."""
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
         engine.add_request(f"p{i}", prompt, SamplingParams(temperature=workload.temperature, max_tokens=out_len,
-                                                           ignore_eos=True, seed=i, detokenize=False))
+                                                           ignore_eos=True, detokenize=False))
     steps = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()

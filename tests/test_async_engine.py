@@ -267,28 +267,28 @@ def test_from_engine_config_and_shutdown(model_dir):
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
     engine, expected, _, _ = offline
     runner = engine.engine.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(batch, previous=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return real_execute(batch)
+        return real_launch(batch, previous)
 
     async def main():
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         gate = threading.Event()
         engine.call(lambda e: gate.wait(10))  # hold the engine thread so the three arrive together
         streams = [engine.add_request(p, params) for p in PROMPTS[:3]]
-        runner.execute = flaky
+        runner.launch = flaky
         gate.set()
         return await asyncio.gather(*(s.result() for s in streams), return_exceptions=True)
 
     try:
         results = run(main())
     finally:
-        runner.execute = real_execute
+        runner.launch = real_launch
     assert calls["n"] >= 2
     assert all(isinstance(r, RuntimeError) and "injected failure" in str(r) for r in results), results
     _wait_idle(engine)

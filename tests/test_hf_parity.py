@@ -51,8 +51,12 @@ def hf_expected(tiny_llama, shared_prefix_prompts):
     dict(block_size=32),
     dict(block_size=64),
     dict(max_num_seqs=3),
+    dict(async_scheduling=True, enable_prefix_caching=True),
+    dict(async_scheduling=True, max_num_batched_tokens=16),
+    dict(async_scheduling=True, max_model_len=128, num_blocks=10),
+    dict(async_scheduling=True, max_num_seqs=3, block_size=32),
 ], ids=["no-prefix-cache", "prefix-cache", "chunked-16", "chunked-7-bs32", "preemption", "bs16", "bs32",
-        "bs64", "max-seqs-3"])
+        "bs64", "max-seqs-3", "async-prefix-cache", "async-chunked-16", "async-preemption", "async-max-seqs-3"])
 def test_engine_variants_give_hf_tokens(tiny_llama, shared_prefix_prompts, hf_expected, engine_args):
     args = dict(engine_args)
     num_blocks = args.pop("num_blocks", None)

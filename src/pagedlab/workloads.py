@@ -194,8 +194,10 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
     finished = []
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        # No per-request seed: like vLLM's benchmarks, sampled rows draw from the engine's seeded
+        # generator in one batched call instead of one call per request.
         params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True,
-                                seed=i if workload.temperature else None, detokenize=False)
+                                detokenize=False)
         engine.add_request(f"bench-{i}", prompt, params)
         stamps[f"bench-{i}"] = []
     while engine.has_unfinished_requests():

@@ -2,6 +2,12 @@
 
 Shared by the offline ``LLM`` and the online server. Loading happens once; the plan (KV cache,
 scheduler) can be rebuilt without touching the weights.
+
+With ``async_scheduling`` (the default on CUDA) a step is launched before the previous one is
+read back: the host schedules and prepares step N+1 while the GPU runs step N, and the ids
+sampled in step N reach step N+1 on the device. A request that stops in step N has computed one
+token in step N+1 for nothing; requests with penalties, which read every earlier token on the
+host, make the loop wait for each step instead.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pagedlab.config import (EngineConfig, cpu_kv_cache_bytes, model_max_len, re
                              resolve_max_model_len, resolve_max_num_batched_tokens)
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedlab.engine.kv_cache import KVCacheManager
-from pagedlab.engine.model_runner import ModelRunner, PromptLogprobsChunk, StepOutput
+from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, PromptLogprobsChunk, StepOutput
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import Scheduler
 from pagedlab.layers.attention import get_attention_backend
@@ -117,6 +123,8 @@ class LLMEngine:
                                   get_attention_backend(attention_backend, self.device), config.seed)
         self._parents: dict[str, _ParentRequest] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight: LaunchedStep | None = None  # launched, not yet read back
+        self._num_penalized_requests = 0  # unfinished requests whose sampling reads earlier tokens
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
         self.build_plan()
@@ -137,11 +145,13 @@ class LLMEngine:
     # ---- planning -------------------------------------------------------------------------
     def build_plan(self) -> None:
         """(Re)create the KV cache and the scheduler from ``self.config``; the weights stay."""
+        self._finish_in_flight()
         if self.scheduler is not None and self.scheduler.num_unfinished:
             raise RuntimeError("cannot re-plan while requests are unfinished")
         cfg = self.config
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
+        self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
         self.runner.block_size = cfg.block_size
         self.runner.max_model_len = self.max_model_len
         self.runner.free_kv_cache()
@@ -218,6 +228,8 @@ class LLMEngine:
                 self._detokenizers[child.request_id] = IncrementalDetokenizer(
                     self.tokenizer, params.skip_special_tokens)
             children.append(child)
+        if params.has_penalties:
+            self._num_penalized_requests += len(children)
         self._parents[request_id] = _ParentRequest(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -245,6 +257,8 @@ class LLMEngine:
         return self._make_output(parent)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is unfinished (a launched step whose requests have all finished
+        since is read back and dropped by the next ``step()``, re-plan or close)."""
         return bool(self._parents)
 
     @property
@@ -253,23 +267,53 @@ class LLMEngine:
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self, stream: bool = True) -> list[RequestOutput]:
-        """Run one forward pass; return the current output of every request that changed, or with
+        """Launch one forward pass and read back the one before it (with asynchronous scheduling)
+        or this one; return the current output of every request that changed, or with
         ``stream=False`` only of those that finished (cheaper when nobody watches tokens arrive)."""
+        changed: list[Request] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._num_penalized_requests:
+            changed += self._read_back(previous)  # penalties need every earlier token on the host
+            previous = None
         batch = self.scheduler.schedule()
-        if batch.is_empty():
-            return []
-        self._record_batch_stats(batch)
-        result = self.runner.execute(batch)
-        for request, n in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += n
-        self._record_prompt_logprobs(batch.requests, result.prompt_logprobs)
-        self._append_tokens(result)
+        if not batch.is_empty():
+            self._record_batch_stats(batch)
+            try:
+                launched = self.runner.launch(batch, previous)
+            except BaseException:
+                self._in_flight = previous  # nothing of this step happened; the next one reads it back
+                raise
+            for request, n in zip(batch.requests, batch.num_new_tokens):
+                request.num_computed_tokens += n
+            for request in launched.sampled_requests:
+                request.num_pending_tokens += 1
+            changed += batch.preempted
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                changed += self._read_back(launched)
+        if previous is not None:
+            changed += self._read_back(previous)
         outputs = []
-        for parent_id in dict.fromkeys(r.parent_id for r in batch.requests + batch.preempted):
+        for parent_id in dict.fromkeys(r.parent_id for r in changed):
             parent = self._parents.get(parent_id)
             if parent is not None and (stream or parent.finished):
                 outputs.append(self._make_output(parent))
         return outputs
+
+    def _read_back(self, step: LaunchedStep) -> list[Request]:
+        """Wait for a launched step and apply its tokens; returns the requests it ran."""
+        result = step.result()
+        for request in result.sampled_requests:
+            request.num_pending_tokens -= 1
+        self._record_prompt_logprobs(step.batch.requests, result.prompt_logprobs)
+        self._append_tokens(result)
+        return step.batch.requests
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._read_back(step)
 
     def _record_batch_stats(self, batch) -> None:
         used = self.kv_cache.num_blocks - self.kv_cache.num_free_blocks
@@ -277,14 +321,16 @@ class LLMEngine:
             self._peak_blocks = used
             self._tokens_at_peak = sum(r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens))
         self._num_preemptions += len(batch.preempted)
-        self._generation_tokens += sum(1 for i in range(len(batch.requests)) if batch.samples(i))
         self._prompt_tokens += batch.total_tokens - sum(
             1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= r.num_prompt_tokens)
 
     def _append_tokens(self, result: StepOutput) -> None:
         now = time.time()
         for row, (request, token) in enumerate(zip(result.sampled_requests, result.sampled_token_ids)):
+            if request.is_finished:  # stopped (or aborted) while this step was in flight
+                continue
             request.append_token(token)
+            self._generation_tokens += 1
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
@@ -323,6 +369,8 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.metrics.finished_time = time.time()
+        if request.sampling_params.has_penalties:
+            self._num_penalized_requests -= 1
         self.scheduler.finish(request)
         self._detokenizers.pop(request.request_id, None)
 
@@ -367,6 +415,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Drop every request, the KV cache and the weights."""
+        self._finish_in_flight()
         self._parents.clear()
         self._detokenizers.clear()
         self.scheduler = None

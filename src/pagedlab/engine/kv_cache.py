@@ -125,7 +125,10 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; the tail goes first so shared prefixes are evicted last."""
+        """Release the request's blocks; the tail goes first so shared prefixes are evicted last.
+        Full blocks whose keys and values are computed are named first, so a finished or
+        preempted sequence can be found again as a prefix."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -2,6 +2,10 @@
 
 Owns the weights, the KV cache tensors and the sampler. Logits are computed only for the
 positions that sample, plus every prompt position of requests that asked for prompt logprobs.
+
+``launch`` queues a step's work and returns without waiting for the GPU: the sampled ids stay on
+the device (the next step may read its pending input ids from there) and are copied to pinned
+host memory behind an event that ``LaunchedStep.result`` waits for.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ class StepOutput:
     sampled_token_ids: list[int]
     logprobs: TopLogprobs | None  # rows follow sampled_requests; CPU tensors
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; ``result()`` waits for it and reads it back."""
+
+    batch: ScheduledBatch
+    sampled_requests: list[Request]
+    sampled_token_ids: torch.Tensor | None  # on the device, for the next step's pending inputs
+    host_token_ids: torch.Tensor | None  # filled by an asynchronous copy on CUDA
+    logprobs: TopLogprobs | None  # host tensors, likewise
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
+    done: torch.cuda.Event | None  # recorded after the copies; None where work is synchronous
+
+    def sample_rows(self) -> dict[Request, int]:
+        return {request: row for row, request in enumerate(self.sampled_requests)}
+
+    def result(self) -> StepOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        token_ids = self.host_token_ids.tolist() if self.host_token_ids is not None else []
+        return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -157,9 +183,26 @@ class ModelRunner:
             max_seq_len=self.max_model_len,
         )
 
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Device data to the host; on CUDA an asynchronous copy into pinned memory, valid once the
+        step's ``done`` event has passed."""
+        if self.device.type != "cuda":
+            return tensor.cpu()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _top_to_host(self, top: TopLogprobs) -> TopLogprobs:
+        return TopLogprobs(*(self._to_host(t) for t in (top.token_logprob, top.token_rank, top.top_ids,
+                                                         top.top_logprobs)))
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward pass and sampling. A request whose input token is still pending
+        takes it from ``previous``'s sampled ids on the device, without a round trip to the host."""
         input_ids: list[int] = []
+        pending_rows: list[int] = []  # flat token index whose id comes from ``previous``
+        pending_sources: list[int] = []  # its row in ``previous``'s sampled ids
+        previous_rows = previous.sample_rows() if previous is not None else None
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
@@ -173,7 +216,12 @@ class ModelRunner:
             offset = len(input_ids)
             seq_lens.append(start + n)
             if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
-                input_ids.append(request.all_token_ids[start])
+                if start < request.num_tokens:
+                    input_ids.append(request.all_token_ids[start])
+                else:  # sampled by the step still in flight
+                    pending_rows.append(offset)
+                    pending_sources.append(previous_rows[request])
+                    input_ids.append(0)
                 positions.append(start)
                 slots.append(request.block_ids[start // bs] * bs + start % bs)
             else:
@@ -193,6 +241,9 @@ class ModelRunner:
         for row, r in enumerate(batch.requests):
             table[row, :len(r.block_ids)] = r.block_ids
         ids = self._to_device(input_ids, torch.int64)
+        if pending_rows:
+            ids[self._to_device(pending_rows, torch.int64)] = \
+                previous.sampled_token_ids[self._to_device(pending_sources, torch.int64)]
         pos = self._to_device(positions, torch.int64)
         slot_mapping = self._to_device(slots, torch.int64)
         block_tables = self._to_device(table, torch.int32)
@@ -204,17 +255,20 @@ class ModelRunner:
             metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables)
             with forward_context(metadata, self.backend):
                 hidden = self.model(ids, pos)
+        step = LaunchedStep(batch, sampled, None, None, None, {}, None)
         rows = sample_rows + prompt_rows
-        if not rows:
-            return StepOutput([], [], None, {})
-        logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]).float()
-        prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], batch, prompt_chunks)
-        if not sampled:
-            return StepOutput([], [], None, prompt_logprobs)
-        out = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
-        token_ids = out.token_ids.tolist()
-        logprobs = _to_cpu(out.logprobs) if out.logprobs is not None else None
-        return StepOutput(sampled, token_ids, logprobs, prompt_logprobs)
+        if rows:
+            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]).float()
+            step.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], batch, prompt_chunks)
+        if sampled:
+            out = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+            step.sampled_token_ids = out.token_ids
+            step.host_token_ids = self._to_host(out.token_ids)
+            step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
 
     def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
         result = {}
@@ -225,7 +279,7 @@ class ModelRunner:
             logprobs = logits[first:first + count].log_softmax(-1)
             top = gather_logprobs(logprobs, self._to_device(targets, torch.int64),
                                   request.sampling_params.prompt_logprobs)
-            result[request_id] = PromptLogprobsChunk(start + 1, targets, _to_cpu(top))
+            result[request_id] = PromptLogprobsChunk(start + 1, targets, self._top_to_host(top))
         return result
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
@@ -254,7 +308,7 @@ class ModelRunner:
         banned = []
         for row, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:
                     banned.append((row, ids))
@@ -267,6 +321,3 @@ class ModelRunner:
         width = max(1, max(len(r) for r in rows))
         return self._to_device([r + [self.vocab_size] * (width - len(r)) for r in rows], torch.int64)
 
-
-def _to_cpu(top: TopLogprobs) -> TopLogprobs:
-    return TopLogprobs(top.token_logprob.cpu(), top.token_rank.cpu(), top.top_ids.cpu(), top.top_logprobs.cpu())

@@ -23,9 +23,13 @@ class Request:
     """One sequence: a prompt plus the tokens generated so far.
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
-    the scheduler runs ``num_tokens - num_computed_tokens`` more (a whole prompt, a chunk of it,
-    or the one newly sampled token). Preemption frees the blocks and sets it back to 0, so the
-    prompt and the output so far are recomputed.
+    the scheduler runs ``num_tokens_with_pending - num_computed_tokens`` more (a whole prompt, a
+    chunk of it, or the one newly sampled token). Preemption frees the blocks and sets it back to
+    0, so the prompt and the output so far are recomputed.
+
+    ``num_pending_tokens`` counts tokens sampled on the device but not yet read back (the
+    asynchronous step loop schedules the next step before they arrive); ``all_token_ids`` holds
+    only tokens the host knows.
     """
 
     request_id: str
@@ -40,6 +44,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
@@ -70,6 +75,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def output_limit_reached(self) -> bool:
+        """Every token ``max_tokens`` allows is sampled (the last ones perhaps not yet read back)."""
+        limit = self.sampling_params.max_tokens
+        return limit is not None and self.num_output_tokens + self.num_pending_tokens >= limit
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,5 +1,9 @@
 """Which tokens of which requests run in the next step.
 
+With asynchronous steps, a request whose last token is still pending on the device is
+scheduled like any decode: the model runner takes that input id from the previous step's
+device tensor. A request that has sampled all its ``max_tokens`` waits for them to be read back.
+
 One step has one token budget (``max_num_batched_tokens``) shared by decodes and prefill
 chunks. Running requests are served first, in arrival order; when the pool has no block for
 one, the most recently arrived running request is preempted (its blocks freed, to be
@@ -20,7 +24,8 @@ from pagedlab.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledBatch:
     """The work of one step: ``num_new_tokens[i]`` tokens of ``requests[i]`` starting at its
-    ``num_computed_tokens``. A request samples when the step reaches its last known token."""
+    ``num_computed_tokens``. A request samples when the step reaches its last token (known or
+    still pending on the device)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -35,7 +40,7 @@ class ScheduledBatch:
 
     def samples(self, i: int) -> bool:
         request = self.requests[i]
-        return request.num_computed_tokens + self.num_new_tokens[i] == request.num_tokens
+        return request.num_computed_tokens + self.num_new_tokens[i] == request.num_tokens_with_pending
 
 
 class Scheduler:
@@ -72,7 +77,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.output_limit_reached:  # finishes once its pending tokens are read back
+                i += 1
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
