@@ -8,6 +8,10 @@ the environment of the first call.
 
 Cache layout (one layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``, head_dim
 contiguous.
+
+Integer arguments that change from step to step (sequence counts, the block table's width) are
+not specialized: Triton would otherwise compile a new variant whenever one of them turns
+divisible by 16 or equal to 1, a stall of about a second in the middle of a run.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
     return acc, row_sum, new_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
@@ -180,7 +184,7 @@ def paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def split_kv_reduce_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, num_seqs, num_segments,
         stride_out_token, stride_out_head,
