@@ -117,3 +117,17 @@ def test_engine_workload_leaks_nothing(tiny_llama, block_size):
     assert stats.prefix_cache_hit_tokens >= 8 * (50 // block_size) * block_size
     assert 0 < stats.peak_kv_blocks_used <= stats.num_kv_blocks
     assert 0.0 <= stats.fragmentation_at_peak < 1.0
+
+
+def test_fragmentation_counts_shared_prefix_blocks_once(tiny_llama):
+    """4 prompts = one 32-token prefix (2 shared blocks of 16) + 5 own tokens (1 own block each):
+    6 blocks = 96 slots at the peak, 32 + 4 * 5 = 52 of them filled."""
+    prefix = random_prompts(1, min_len=32, max_len=32, seed=70)[0]
+    prompts = [prefix + tail for tail in random_prompts(4, min_len=5, max_len=5, seed=71)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, block_size=16) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 32
+    assert stats.peak_kv_blocks_used == 6
+    assert stats.kv_tokens_at_peak == 52
+    assert stats.fragmentation_at_peak == pytest.approx(1 - 52 / 96)

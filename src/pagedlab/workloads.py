@@ -355,12 +355,16 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     results: list[WorkloadResult] = []
     if "pagedlab" in backends:
         with LLM(model, **args) as llm:
-            warm = workloads[0]  # warm-up on the workload's own shapes: compiles kernels before timing
-            llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            warm = workloads[0]
             for w in workloads:
                 for variant, changes, cached in _variants(workload_name):
-                    if changes:
-                        llm.set_model_args(**changes)
+                    if changes or w is warm:
+                        if changes:
+                            llm.set_model_args(**changes)
+                        # warm-up on the workload's own shapes (and this plan's block size):
+                        # compiles kernels before timing
+                        llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True),
+                                     use_tqdm=False)
                     floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
                                            cached_prefix=cached)
                     for r in range(repeats):

@@ -47,7 +47,7 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     peak_kv_blocks_used: int
-    kv_tokens_at_peak: int  # tokens held in the cache when the block peak was reached
+    kv_tokens_at_peak: int  # filled token slots when the block peak was reached (shared ones once)
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions: int
@@ -319,7 +319,12 @@ class LLMEngine:
         used = self.kv_cache.num_blocks - self.kv_cache.num_free_blocks
         if used > self._peak_blocks:
             self._peak_blocks = used
-            self._tokens_at_peak = sum(r.num_computed_tokens + n for r, n in zip(batch.requests, batch.num_new_tokens))
+            # Empty slots sit only in each sequence's last block (shared prefix blocks are full),
+            # so counting them per sequence stays right when blocks are shared.
+            held = {r: r.num_computed_tokens for r in self.scheduler.running}
+            held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
+            empty = sum(len(r.block_ids) * self.kv_cache.block_size - tokens for r, tokens in held.items())
+            self._tokens_at_peak = used * self.kv_cache.block_size - empty
         self._num_preemptions += len(batch.preempted)
         self._prompt_tokens += batch.total_tokens - sum(
             1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= r.num_prompt_tokens)
