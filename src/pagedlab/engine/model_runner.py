@@ -305,14 +305,18 @@ class ModelRunner:
             meta.repetition_penalty = column([p.repetition_penalty for p in params])
             meta.output_token_ids = self._padded([r.output_token_ids for r in requests])
             meta.prompt_token_ids = self._padded([r.prompt_token_ids for r in requests])
-        banned = []
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
         for row, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if ids:
-                    banned.append((row, ids))
-        meta.banned_token_ids = banned or None
+                    banned_rows.extend([row] * len(ids))
+                    banned_ids.extend(ids)
+        if banned_rows:  # device index tensors: indexing with host lists would wait for the GPU
+            meta.banned_token_ids = (self._to_device(banned_rows, torch.int64),
+                                     self._to_device(banned_ids, torch.int64))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
         return meta

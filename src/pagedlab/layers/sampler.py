@@ -29,7 +29,7 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None  # [N, L] int64 padded with vocab_size
     prompt_token_ids: torch.Tensor | None = None  # [N, P] int64 padded with vocab_size
-    banned_token_ids: list[tuple[int, list[int]]] | None = None  # (row, ids) masked by min_tokens
+    banned_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) masked by min_tokens
     max_num_logprobs: int | None = None
 
 
@@ -116,9 +116,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
-        if meta.banned_token_ids:
-            for row, ids in meta.banned_token_ids:
-                logits[row, ids] = float("-inf")
+        if meta.banned_token_ids is not None:
+            logits[meta.banned_token_ids] = float("-inf")
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
         token_ids = logits.argmax(dim=-1)
