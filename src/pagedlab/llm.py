@@ -38,8 +38,8 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, load_format=load_format, trust_remote_code=trust_remote_code, device=device,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization)
+            async_scheduling=async_scheduling, load_format=load_format, trust_remote_code=trust_remote_code,
+            device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization)
         self._engine: LLMEngine | None = LLMEngine(config, attention_backend=attention_backend)
         self._request_counter = itertools.count()
 
