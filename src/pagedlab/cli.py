@@ -45,6 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare each step while the GPU runs the one before (default: on CUDA)")
+    _bool_flag(g, "enable-cascade-attention", True, "attending a decode batch's shared prefix once")
     g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -53,8 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_ARG_NAMES = ("model", "tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
                      "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                     "enable_chunked_prefill", "enforce_eager", "async_scheduling", "load_format", "trust_remote_code",
-                     "device")
+                     "enable_chunked_prefill", "enforce_eager", "async_scheduling", "enable_cascade_attention",
+                     "load_format", "trust_remote_code", "device")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -20,6 +20,7 @@ from pagedlab.config import model_max_len
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
+from pagedlab.kernels.paged_attention import cascade_prefix_len
 from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
 from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
 
@@ -84,6 +85,7 @@ class ModelRunner:
         # Upper bound on sequence length the attention kernels are told, for eager steps and
         # captured graphs alike, so both choose the same split-KV layout.
         self.max_model_len = model_max_len(hf_config)
+        self.cascade_attention = True  # decode batches attend a shared prefix once (if the backend can)
         self.cuda_graphs: CudaGraphRunner | None = None
         self._profiled_peaks: dict[tuple[int, int], int] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
@@ -170,7 +172,8 @@ class ModelRunner:
         return peak
 
     # ---- one step -------------------------------------------------------------------------
-    def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables) -> AttentionMetadata:
+    def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables,
+                  common_prefix_len: int = 0) -> AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -180,7 +183,9 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=block_tables,
             max_query_len=max(query_lens),
-            max_seq_len=self.max_model_len,
+            # cascade steps never share a layout with a graph: their true longest sequence sizes them
+            max_seq_len=max(seq_lens) if common_prefix_len else self.max_model_len,
+            common_prefix_len=common_prefix_len,
         )
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -248,11 +253,15 @@ class ModelRunner:
         slot_mapping = self._to_device(slots, torch.int64)
         block_tables = self._to_device(table, torch.int32)
         decode_only = len(input_ids) == len(batch.requests) and not prompt_rows
-        if decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(input_ids)):
+        common_prefix_len = 0
+        if decode_only and self.cascade_attention and self.backend.shares_prefixes:
+            common_prefix_len = cascade_prefix_len(table, seq_lens, bs)
+        if (decode_only and not common_prefix_len and self.cuda_graphs is not None
+                and self.cuda_graphs.can_run(len(input_ids))):
             hidden = self.cuda_graphs.run(ids, pos, slot_mapping, self._to_device(seq_lens, torch.int32),
                                           block_tables)
         else:
-            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables)
+            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables, common_prefix_len)
             with forward_context(metadata, self.backend):
                 hidden = self.model(ids, pos)
         step = LaunchedStep(batch, sampled, None, None, None, {}, None)

@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_ARGS = ("tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
                 "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                "enable_chunked_prefill", "enforce_eager", "async_scheduling", "load_format", "trust_remote_code",
-                "tensor_parallel_size", "quantization", "attention_backend")
+                "enable_chunked_prefill", "enforce_eager", "async_scheduling", "enable_cascade_attention",
+                "load_format", "trust_remote_code", "tensor_parallel_size", "quantization", "attention_backend")
 _SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "ignore_eos")
 # lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine

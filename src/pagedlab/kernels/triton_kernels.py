@@ -80,7 +80,7 @@ def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        num_seqs, qk_scale, split_kv_size,
+        num_seqs, qk_scale, split_kv_size, partial_segment_offset,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head,
         stride_k_block, stride_k_token, stride_k_head,
         stride_v_block, stride_v_token, stride_v_head,
@@ -96,7 +96,9 @@ def paged_attention_kernel(
 
     Without split the program writes the normalized output; with split it covers keys
     [segment * split_kv_size, (segment + 1) * split_kv_size) and writes fp32 partials
-    (unnormalized acc, running max in log2 units, running sum) for the reduce kernel.
+    (unnormalized acc, running max in log2 units, running sum) for the reduce kernel, as partial
+    segment ``segment + partial_segment_offset`` (cascade attention puts two launches' segments
+    side by side).
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,13 +172,13 @@ def paged_attention_kernel(
     if USE_SPLIT:
         # int64: scratch for many tokens x segments can pass 2**31 elements
         token = token.to(tl.int64)
-        stat_offset = token * stride_pstat_token + head * stride_pstat_head + segment
+        stat_offset = token * stride_pstat_token + head * stride_pstat_head + segment + partial_segment_offset
         tl.store(partial_max_ptr + stat_offset, tl.where(row_sum > 0, row_max, float("-inf")), mask=row_valid)
         tl.store(partial_sum_ptr + stat_offset, row_sum, mask=row_valid)
         # A segment past the visible keys has nothing to add; the reduce skips it by its max.
         if key_start < key_end:
             acc_ptrs = (partial_acc_ptr + token[:, None] * stride_pacc_token + head[:, None] * stride_pacc_head
-                        + segment * stride_pacc_segment + offs_d[None, :])
+                        + (segment + partial_segment_offset) * stride_pacc_segment + offs_d[None, :])
             tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     else:
         out = acc / row_sum[:, None]
