@@ -31,14 +31,14 @@ from pagedlab.kernels.paged_attention import (  # noqa: E402
     CASCADE_MIN_SHARED_KEYS,
     SPLIT_KV_MIN_PROGRAMS,
     SPLIT_KV_SIZE,
+    TILE_N,
+    CascadeBuffers,
     allocate_split_kv_scratch,
     cascade_attention_triton,
     cascade_prefix_len,
-    cascade_segment_size,
     choose_split_kv_size,
     paged_attention_torch,
     paged_attention_triton,
-    plan_cascade_attention,
 )
 from pagedlab.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend  # noqa: E402
 
@@ -245,56 +245,60 @@ def share_prefix(batch, prefix_blocks: int) -> None:
     batch["block_tables"][1:, :prefix_blocks] = batch["block_tables"][0, :prefix_blocks]
 
 
-def check_cascade(batch, prefix_len):
+def check_cascade(batch, prefix_len, buffers=None):
+    """Cascade attention against the reference; ``buffers`` (reused across calls) as a graph does."""
     scale = batch["q"].shape[-1] ** -0.5
     num_heads, head_dim = batch["q"].shape[1:]
-    block_size = batch["k_cache"].shape[1]
-    max_seq_len = int(batch["seq_lens"].max())
-    plan = plan_cascade_attention(batch["seq_lens"], batch["block_tables"], prefix_len, max_seq_len, num_heads,
-                                  head_dim, block_size)
+    if buffers is None:
+        buffers = CascadeBuffers.allocate(batch["q"].shape[0], num_heads, head_dim, batch["q"].device)
+    buffers.set_prefix_len(prefix_len)
     expected = paged_attention_torch(**batch, scale=scale)
-    got = cascade_attention_triton(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"], plan,
-                                   scale)
+    got = cascade_attention_triton(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                                   batch["seq_lens"], batch["block_tables"], buffers, scale,
+                                   max_seq_len=int(batch["seq_lens"].max()) + 50)
     tol = TOLERANCE[batch["q"].dtype]
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[5]], ids=_config_id)
 def test_cascade_attention_matches_reference(config):
-    """Decode over a shared prefix of one or two segments plus own keys that cross blocks."""
+    """Decode over a shared prefix of 64 or 192 keys plus own keys that cross blocks; the same
+    buffers serve each prefix length and also no prefix at all (a graph replays them so)."""
     block_size, head_dim, group, dtype = config
-    segment = cascade_segment_size(block_size)
-    for prefix_len in (segment, 2 * segment):
-        own = [1, 2, 17, 63, 64, 65, 130, 300, 5, 33, 16, 1, 90, 7, 48, 250, 3]
-        seqs = [(prefix_len + n - 1, 1) for n in own]
+    own = [1, 2, 17, 63, 64, 65, 130, 300, 5, 33, 16, 1, 90, 7, 48, 250, 3]
+    buffers = None
+    for prefix_len in (3 * TILE_N, TILE_N, 0):
+        shared_blocks = -(-max(prefix_len, 1) // block_size)  # whole blocks, past the prefix if need be
+        seqs = [(shared_blocks * block_size + n - 1, 1) for n in own]
         batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator("cascade", config, prefix_len))
-        share_prefix(batch, prefix_len // block_size)
-        check_cascade(batch, prefix_len)
+        share_prefix(batch, shared_blocks)
+        if buffers is None:
+            buffers = CascadeBuffers.allocate(len(own), 2 * group, head_dim, DEVICE)
+        check_cascade(batch, prefix_len, buffers)
 
 
-def test_cascade_prefix_len_finds_whole_shared_segments():
-    block_size, segment = 16, cascade_segment_size(16)
-    num_seqs = max(CASCADE_MIN_SEQS, -(-CASCADE_MIN_SHARED_KEYS // segment))  # one shared segment pays
-    blocks = 3 * segment // block_size  # 3 segments of shared blocks, then each sequence's own
+def test_cascade_prefix_len_finds_the_shared_tiles():
+    block_size = 16
+    num_seqs = max(CASCADE_MIN_SEQS, -(-CASCADE_MIN_SHARED_KEYS // TILE_N))  # one shared tile pays
+    blocks = 3 * TILE_N // block_size + 1  # 3 tiles and one more block of shared keys
     shared = np.arange(blocks, dtype=np.int32)
     table = np.stack([np.concatenate([shared, 1000 + 10 * i + np.arange(10, dtype=np.int32)])
                       for i in range(num_seqs)])
     long = [blocks * block_size + 100] * num_seqs
-    assert cascade_prefix_len(table, long, block_size) == 3 * segment
+    assert cascade_prefix_len(table, long, block_size) == 3 * TILE_N  # rounded down to whole tiles
     # the shortest sequence must keep its own last key out of the prefix
-    assert cascade_prefix_len(table, long[:-1] + [3 * segment], block_size) == 2 * segment
+    assert cascade_prefix_len(table, long[:-1] + [2 * TILE_N], block_size) == TILE_N
     diverged = table.copy()
-    diverged[5, segment // block_size + 3] = 999  # one sequence differs inside the second segment
-    assert cascade_prefix_len(diverged, long, block_size) == segment
-    half = num_seqs // 2  # one segment shared by half as many sequences does not pay
+    diverged[5, TILE_N // block_size + 1] = 999  # one sequence differs inside the second tile
+    assert cascade_prefix_len(diverged, long, block_size) == TILE_N
+    half = num_seqs // 2  # one tile shared by half as many sequences does not pay
     assert cascade_prefix_len(diverged[:half], long[:half], block_size) == 0
     diverged[7, 0] = 998  # ... and one from the start
     assert cascade_prefix_len(diverged, long, block_size) == 0
     assert cascade_prefix_len(table[:CASCADE_MIN_SEQS - 1], long[:CASCADE_MIN_SEQS - 1], block_size) == 0
-    assert cascade_segment_size(64) == 256 and cascade_segment_size(48) == 768
+    buffers = CascadeBuffers.allocate(4, 2, 64, DEVICE)
     with pytest.raises(ValueError, match="prefix_len=100"):
-        plan_cascade_attention(torch.ones(2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), 100, 300,
-                               4, 64, 16)
+        buffers.set_prefix_len(100)
 
 
 def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
@@ -310,7 +314,7 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     calls = []
     real = paged_attention.cascade_attention_triton
     monkeypatch.setattr(paged_attention, "cascade_attention_triton",
-                        lambda *a, **k: calls.append(a[4].prefix_len) or real(*a, **k))
+                        lambda *a, **k: calls.append(int(a[6].prefix_len)) or real(*a, **k))
     prefix = random_prompts(1, min_len=260, max_len=260, seed=80)[0]
     prompts = [prefix + tail for tail in random_prompts(16, min_len=1, max_len=6, seed=81)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -321,7 +325,7 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
                  enable_cascade_attention=cascade) as llm:
             outputs[cascade] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if cascade:
-            assert calls and set(calls) == {256}, calls
+            assert calls and set(calls) == {256}, calls  # 260 shared tokens: 4 whole tiles
             calls.clear()
     assert not calls
     assert outputs[True] == expected
@@ -384,6 +388,7 @@ def test_gpu_cascade_decode_256_sequences_over_a_2048_key_prefix(block_size):
     table = batch["block_tables"].cpu().numpy()
     assert cascade_prefix_len(table, batch["seq_lens"].tolist(), block_size) == 2048
     check_cascade(batch, 2048)
+    check_cascade(batch, 1024)  # a shorter prefix than shared is right too
 
 
 @pytest.mark.gpu

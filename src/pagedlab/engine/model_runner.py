@@ -20,7 +20,7 @@ from pagedlab.config import model_max_len
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
-from pagedlab.kernels.paged_attention import cascade_prefix_len
+from pagedlab.kernels.paged_attention import CascadeBuffers, cascade_prefix_len
 from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
 from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
 
@@ -80,7 +80,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         attn = model.attention_layers()[0]
         self.num_layers = len(model.attention_layers())
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.kv_cache: torch.Tensor | None = None
         # Upper bound on sequence length the attention kernels are told, for eager steps and
         # captured graphs alike, so both choose the same split-KV layout.
@@ -101,7 +101,7 @@ class ModelRunner:
         """Capture decode graphs over the current KV cache (call again after re-allocating it)."""
         self.release_cuda_graphs()
         self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, max_num_seqs, max_model_len,
-                                           self.block_size)
+                                           self.block_size, self.cascade_attention and self.backend.shares_prefixes)
         self.cuda_graphs.capture()
 
     def release_cuda_graphs(self) -> None:
@@ -173,7 +173,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables,
-                  common_prefix_len: int = 0) -> AttentionMetadata:
+                  cascade_prefix: int = 0) -> AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -183,10 +183,14 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=block_tables,
             max_query_len=max(query_lens),
-            # cascade steps never share a layout with a graph: their true longest sequence sizes them
-            max_seq_len=max(seq_lens) if common_prefix_len else self.max_model_len,
-            common_prefix_len=common_prefix_len,
+            max_seq_len=self.max_model_len,
+            cascade=self._cascade_buffers(len(seq_lens), cascade_prefix) if cascade_prefix else None,
         )
+
+    def _cascade_buffers(self, num_rows: int, prefix_len: int) -> CascadeBuffers:
+        buffers = CascadeBuffers.allocate(num_rows, self.num_heads, self.head_dim, self.device)
+        buffers.set_prefix_len(prefix_len)
+        return buffers
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Device data to the host; on CUDA an asynchronous copy into pinned memory, valid once the
@@ -253,15 +257,14 @@ class ModelRunner:
         slot_mapping = self._to_device(slots, torch.int64)
         block_tables = self._to_device(table, torch.int32)
         decode_only = len(input_ids) == len(batch.requests) and not prompt_rows
-        common_prefix_len = 0
+        shared = 0  # keys all sequences hold in the same blocks, for cascade attention
         if decode_only and self.cascade_attention and self.backend.shares_prefixes:
-            common_prefix_len = cascade_prefix_len(table, seq_lens, bs)
-        if (decode_only and not common_prefix_len and self.cuda_graphs is not None
-                and self.cuda_graphs.can_run(len(input_ids))):
+            shared = cascade_prefix_len(table, seq_lens, bs)
+        if decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(input_ids)):
             hidden = self.cuda_graphs.run(ids, pos, slot_mapping, self._to_device(seq_lens, torch.int32),
-                                          block_tables)
+                                          block_tables, shared)
         else:
-            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables, common_prefix_len)
+            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables, shared)
             with forward_context(metadata, self.backend):
                 hidden = self.model(ids, pos)
         step = LaunchedStep(batch, sampled, None, None, None, {}, None)

@@ -9,7 +9,6 @@ Query ``j`` of a sequence with context ``c = seq_len - query_len`` sees keys ``0
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -244,9 +243,11 @@ class _AttentionKernels:
                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
     def attend(self, target, query_start_loc, seq_lens, block_tables, max_query_len: int,
-               split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0) -> None:
+               split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
+               prefix_only: bool = False, key_offset: torch.Tensor | None = None) -> None:
         """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
-        partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum)."""
+        partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
+        ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
         block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group)
         num_seqs = seq_lens.shape[0]
         grid = (self.q.shape[0] // block_q + num_seqs, self.num_kv_heads) + ((num_segments,) if split_kv_size else ())
@@ -261,10 +262,11 @@ class _AttentionKernels:
             partial_strides = (0, 0, 0, 0, 0)
         self.triton_kernels.paged_attention_kernel[grid](
             q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
-            query_start_loc, seq_lens, block_tables, num_seqs, self.qk_scale, split_kv_size, segment_offset,
+            query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
+            num_seqs, self.qk_scale, split_kv_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, USE_SPLIT=bool(split_kv_size),
-            BLOCK_Q=block_q, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, **self.common)
+            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, **self.common)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch
@@ -277,80 +279,72 @@ class _AttentionKernels:
 
 # Cascade attention: in a decode batch whose sequences start with the same cache blocks (a shared
 # system prompt or few-shot prefix, found by the prefix cache), the shared keys are attended once
-# for all sequences' queries together instead of once per sequence; each sequence then attends
-# its own keys, and the split-KV reduce merges the two softmax partials. It pays when the shared
-# keys times the sequences are many, since the step runs eagerly (outside CUDA graphs).
+# for all queries together instead of once per sequence, each sequence's own keys after them,
+# and the split-KV reduce merges the two softmax partials. The shared length lives in device
+# memory (CascadeBuffers), so decode CUDA graphs capture the cascade form once per batch size and
+# replay it for any prefix.
 CASCADE_MIN_SEQS = 16
-CASCADE_MIN_SHARED_KEYS = 1 << 18  # sequences x shared prefix keys
-
-
-def cascade_segment_size(block_size: int) -> int:
-    """The shared prefix is cut into segments of this many keys: whole blocks and whole tiles."""
-    return math.lcm(SPLIT_KV_SIZE, block_size)
+CASCADE_MIN_SHARED_KEYS = 1 << 17  # sequences x shared prefix keys
 
 
 def cascade_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
-    """Keys at the start of every sequence of a decode batch held in the same blocks, in whole
-    cascade segments; 0 where cascade attention would not pay (see ``CASCADE_MIN_*``)."""
+    """Keys at the start of every sequence of a decode batch held in the same blocks, rounded down
+    to whole key tiles; 0 where cascade attention would not pay (see ``CASCADE_MIN_*``)."""
     num_seqs = len(seq_lens)
     if num_seqs < CASCADE_MIN_SEQS:
         return 0
     limit = (min(seq_lens) - 1) // block_size  # each query keeps at least its own key
     same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
     common_blocks = limit if same.all() else int(same.argmin())
-    segment = cascade_segment_size(block_size)
-    prefix_len = common_blocks * block_size // segment * segment
+    prefix_len = common_blocks * block_size // TILE_N * TILE_N
     return prefix_len if prefix_len * num_seqs >= CASCADE_MIN_SHARED_KEYS else 0
 
 
 @dataclass
-class CascadePlan:
-    """The two launches of one cascade step, shared by every layer (built once per step)."""
+class CascadeBuffers:
+    """A cascade step's shared length and softmax partials, on the device, for ``num_rows`` query
+    rows (a CUDA graph keeps one per captured size and sets the length before each replay)."""
 
-    prefix_len: int
-    prefix_query_start_loc: torch.Tensor  # [0, num_seqs]: every query as one sequence
-    prefix_seq_lens: torch.Tensor  # [prefix_len + num_seqs]: each query sees the whole prefix
-    prefix_block_table: torch.Tensor  # [1, prefix blocks]
-    suffix_seq_lens: torch.Tensor  # keys after the prefix, per sequence
-    suffix_block_tables: torch.Tensor  # the block tables past the prefix (a view)
-    prefix_segments: int
-    suffix_segments: int
-    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    prefix_len: torch.Tensor  # [1] int32: the shared keys P (a multiple of TILE_N; 0: none)
+    prefix_seq_len: torch.Tensor  # [1] int32: P + num_rows, so every row sees all P keys
+    prefix_query_start_loc: torch.Tensor  # [0, num_rows]: every query row as one sequence
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # 2 partials per row: prefix, own keys
 
+    @classmethod
+    def allocate(cls, num_rows: int, num_heads: int, head_dim: int, device) -> CascadeBuffers:
+        shape = (num_rows, num_heads, 2)
+        scratch = (torch.zeros(*shape, _padded_head_dim(head_dim), dtype=torch.float32, device=device),
+                   torch.zeros(shape, dtype=torch.float32, device=device),
+                   torch.zeros(shape, dtype=torch.float32, device=device))
+        # built on the device (no host copies, which would wait for the GPU)
+        return cls(torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.full((1,), num_rows, dtype=torch.int32, device=device),
+                   torch.arange(2, dtype=torch.int32, device=device) * num_rows, scratch)
 
-def plan_cascade_attention(seq_lens: torch.Tensor, block_tables: torch.Tensor, prefix_len: int, max_seq_len: int,
-                           num_heads: int, head_dim: int, block_size: int) -> CascadePlan:
-    segment = cascade_segment_size(block_size)
-    if prefix_len <= 0 or prefix_len % segment:
-        raise ValueError(f"prefix_len={prefix_len} must be a positive multiple of {segment} "
-                         "(see cascade_prefix_len)")
-    num_seqs, device = seq_lens.shape[0], seq_lens.device
-    prefix_segments = prefix_len // segment
-    suffix_segments = -(-(max_seq_len - prefix_len) // SPLIT_KV_SIZE)
-    num_segments = prefix_segments + suffix_segments
-    shape = (num_seqs, num_heads, num_segments)
-    scratch = (torch.empty(*shape, _padded_head_dim(head_dim), dtype=torch.float32, device=device),
-               torch.empty(shape, dtype=torch.float32, device=device),
-               torch.empty(shape, dtype=torch.float32, device=device))
-    return CascadePlan(
-        prefix_len, torch.tensor([0, num_seqs], dtype=torch.int32, device=device),
-        torch.tensor([prefix_len + num_seqs], dtype=torch.int32, device=device),
-        block_tables[:1, :prefix_len // block_size], seq_lens - prefix_len, block_tables[:, prefix_len // block_size:],
-        prefix_segments, suffix_segments, scratch)
+    def set_prefix_len(self, prefix_len: int) -> None:
+        """Stream-ordered fills: no host sync."""
+        if prefix_len % TILE_N:
+            raise ValueError(f"prefix_len={prefix_len} must be a multiple of {TILE_N} (see cascade_prefix_len)")
+        self.prefix_len.fill_(prefix_len)
+        self.prefix_seq_len.fill_(prefix_len + self.scratch[0].shape[0])
 
 
 def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             query_start_loc: torch.Tensor, plan: CascadePlan, scale: float) -> torch.Tensor:
-    """Decode attention (query i is sequence i's last token) over a batch whose first
-    ``plan.prefix_len`` keys are the same blocks; the same result as ``paged_attention_torch``."""
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                             buffers: CascadeBuffers, scale: float, max_seq_len: int) -> torch.Tensor:
+    """Decode attention (query row i is sequence i's last token; rows past the sequences are
+    padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
+    row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds
+    every sequence, as a host int."""
     kernels = _AttentionKernels(q, k_cache, v_cache, scale)
-    num_seqs = plan.suffix_seq_lens.shape[0]
-    if q.shape[0] != num_seqs:
-        raise ValueError(f"cascade attention is for decode batches: {q.shape[0]} queries for {num_seqs} sequences")
-    kernels.attend(plan.scratch, plan.prefix_query_start_loc, plan.prefix_seq_lens, plan.prefix_block_table,
-                   num_seqs, cascade_segment_size(k_cache.shape[1]), plan.prefix_segments)
-    kernels.attend(plan.scratch, query_start_loc, plan.suffix_seq_lens, plan.suffix_block_tables, 1,
-                   SPLIT_KV_SIZE, plan.suffix_segments, segment_offset=plan.prefix_segments)
+    num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
+    if buffers.scratch[0].shape[0] != num_rows:
+        raise ValueError(f"cascade buffers for {buffers.scratch[0].shape[0]} rows given {num_rows} query rows")
+    span = -(-max_seq_len // TILE_N) * TILE_N  # one segment holds every key
+    kernels.attend(buffers.scratch, buffers.prefix_query_start_loc, buffers.prefix_seq_len, block_tables[:1],
+                   num_rows, span, 1, prefix_only=True)
+    kernels.attend(buffers.scratch, query_start_loc, seq_lens, block_tables, 1, span, 1, segment_offset=1,
+                   key_offset=buffers.prefix_len)
     out = torch.empty_like(q)
-    kernels.reduce(out, plan.scratch, query_start_loc, num_seqs, plan.prefix_segments + plan.suffix_segments)
+    kernels.reduce(out, buffers.scratch, query_start_loc, num_seqs, 2)
     return out

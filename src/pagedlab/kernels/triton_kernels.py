@@ -79,7 +79,7 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_offset_ptr,
         num_seqs, qk_scale, split_kv_size, partial_segment_offset,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head,
         stride_k_block, stride_k_token, stride_k_head,
@@ -90,7 +90,8 @@ def paged_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -99,6 +100,11 @@ def paged_attention_kernel(
     (unnormalized acc, running max in log2 units, running sum) for the reduce kernel, as partial
     segment ``segment + partial_segment_offset`` (cascade attention puts two launches' segments
     side by side).
+
+    Cascade attention's two launches read their bounds from device memory, so a CUDA graph can
+    replay them for any shared prefix: PREFIX_ONLY stops every row at its sequence's context
+    (the shared prefix, seen whole by every query), KEY_OFFSET starts every row at the key
+    ``*key_offset_ptr`` (a multiple of TILE_N: the keys after the prefix).
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,6 +151,10 @@ def paged_attention_kernel(
     if USE_SPLIT:
         key_start = segment * split_kv_size
         key_end = tl.minimum(key_end, key_start + split_kv_size)
+    if PREFIX_ONLY:
+        key_end = tl.minimum(key_end, context_len)
+    if KEY_OFFSET:
+        key_start = tl.maximum(key_start, tl.load(key_offset_ptr))
     full_end = tl.minimum(all_rows_end, key_end)
     masked_start = tl.maximum(all_rows_end, key_start)
 

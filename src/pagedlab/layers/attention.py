@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedlab.kernels.kv_write import write_kv_torch
-from pagedlab.kernels.paged_attention import paged_attention_torch, plan_torch_attention
+from pagedlab.kernels.paged_attention import CascadeBuffers, paged_attention_torch, plan_torch_attention
 
 
 @dataclass
@@ -23,9 +23,9 @@ class AttentionMetadata:
 
     ``slot_mapping[t]``: cache slot for token t (-1: skip); ``query_start_loc``: ``[num_seqs+1]``
     offsets of each sequence's tokens; ``seq_lens``: tokens each sequence has after the step;
-    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``common_prefix_len``: in a
-    decode batch, keys every sequence holds in the same blocks (0: none to exploit); a backend
-    with ``shares_prefixes`` attends them once for all sequences (cascade attention).
+    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``cascade``: set for a
+    decode batch whose sequences hold their first keys in the same blocks; a backend with
+    ``shares_prefixes`` attends those once for all sequences (cascade attention).
     ``backend_plan`` holds what a backend derives from the layout once per step, for all layers.
     """
 
@@ -35,7 +35,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    common_prefix_len: int = 0
+    cascade: CascadeBuffers | None = None
     backend_plan: object | None = None
 
 
@@ -43,7 +43,7 @@ class AttentionBackend:
     """How a step writes new keys/values and attends over the paged cache."""
 
     name = "abstract"
-    shares_prefixes = False  # attends a batch's common prefix once (AttentionMetadata.common_prefix_len)
+    shares_prefixes = False  # attends a decode batch's common prefix once (AttentionMetadata.cascade)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -137,13 +137,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(self, q, k_cache, v_cache, metadata, scale):
         kernels = self._kernels
-        if metadata.common_prefix_len:
-            if metadata.backend_plan is None:
-                metadata.backend_plan = kernels.plan_cascade_attention(
-                    metadata.seq_lens, metadata.block_tables, metadata.common_prefix_len, metadata.max_seq_len,
-                    q.shape[1], q.shape[2], k_cache.shape[1])
-            return kernels.cascade_attention_triton(q, k_cache, v_cache, metadata.query_start_loc,
-                                                    metadata.backend_plan, scale)
+        if metadata.cascade is not None:
+            return kernels.cascade_attention_triton(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                                    metadata.block_tables, metadata.cascade, scale,
+                                                    metadata.max_seq_len)
         split_kv_size = kernels.choose_split_kv_size(metadata.seq_lens.shape[0], k_cache.shape[2],
                                                      metadata.max_query_len, metadata.max_seq_len)
         return kernels.paged_attention_triton(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
