@@ -80,3 +80,23 @@ def test_bfloat16_teacher_forced_agreement_with_hf_float32(tiny_llama, capsys):
         print(f"\nbf16 vs HF fp32 teacher-forced: top-1 agreement {agree / total:.4f}, max |dlogprob| {worst:.4f}")
     assert agree / total > 0.9
     assert worst < 0.5
+
+
+def test_cascade_graphs_give_hf_tokens(tiny_models, monkeypatch):
+    """20 prompts share a cached 200-token prefix: decode replays the cascade graphs (threshold
+    lowered for a tiny model) and greedy float32 tokens stay HF's."""
+    from pagedlab.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CASCADE_MIN_SHARED_KEYS", 0)
+    tiny = tiny_models("qwen3")
+    prefix = random_prompts(1, min_len=200, max_len=200, seed=5)[0]
+    prompts = [prefix + tail for tail in random_prompts(20, min_len=1, max_len=8, seed=6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
+    with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
+        graphs = llm.llm_engine.runner.cuda_graphs
+        shared, real_run = [], graphs.run
+        graphs.run = lambda *args: shared.append(args[5]) or real_run(*args)
+        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert 192 in shared, f"no decode step replayed a cascade graph over the shared tiles: {set(shared)}"
+    assert got == expected

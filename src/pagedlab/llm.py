@@ -22,9 +22,8 @@ class LLM:
     profiling pass. ``attention_backend`` is "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     ``async_scheduling`` (default: on CUDA) prepares each step while the GPU runs the one before.
     ``enable_cascade_attention`` lets a decode batch whose sequences share a long cached prefix
-    read that prefix once for all of them (Triton backend; such steps run outside CUDA graphs, and
-    a row's keys are then summed in another order than alone: turn it off for bitwise batch
-    invariance).
+    read that prefix once for all of them (Triton backend, in the decode CUDA graphs too; a row's
+    keys are then summed in another order than alone: turn it off for bitwise batch invariance).
     Use it as a context manager to free every byte it took on exit.
     """
 
