@@ -330,6 +330,24 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     assert not calls
     assert outputs[True] == expected
     assert outputs[False] == expected
+def test_tiny_model_end_to_end_triton_equals_torch(tiny_llama):
+    """The whole engine on the Triton backend (interpreted here): prefills, chunked prefills,
+    prefix-cache hits and decodes give the torch backend's greedy tokens, which are HF's."""
+    from conftest import hf_greedy, random_prompts
+
+    from pagedlab import LLM, SamplingParams
+
+    prefix = random_prompts(1, min_len=40, max_len=40, seed=90)[0]
+    prompts = [prefix + tail for tail in random_prompts(3, max_len=20, seed=91)] + random_prompts(3, seed=92)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        with LLM(tiny_llama.path, attention_backend=backend, kv_cache_memory_bytes=16 << 20,
+                 max_num_batched_tokens=32) as llm:
+            tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.get_stats().prefix_cache_hit_tokens > 0
+    assert tokens["triton"] == tokens["torch"]
+    assert tokens["torch"] == [hf_greedy(tiny_llama.hf_model, p, 6, eos_token_id=None) for p in prompts]
 
 
 # ---------------------------------------------------------------- real sizes on the GPU (bf16)
