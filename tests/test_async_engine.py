@@ -23,10 +23,11 @@ def model_dir(tmp_path_factory):
     return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
 
 
-@pytest.fixture(scope="module")
-def offline(model_dir):
-    """Offline results first, then the same engine core served by an AsyncEngine."""
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync-steps", "async-steps"])
+def offline(model_dir, request):
+    """Offline results first, then the same engine core served by an AsyncEngine; with the
+    synchronous and the asynchronous step loop (the GPU default)."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=request.param)
     expected = {p: o.outputs[0] for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
     long = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]

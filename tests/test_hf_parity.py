@@ -116,11 +116,12 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama):
             assert set(top.indices.tolist()) <= set(entry)
 
 
-def test_beam_search_matches_hf(tiny_models):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_beam_search_matches_hf(tiny_models, async_scheduling):
     tiny = tiny_models("qwen2")
     prompts = random_prompts(2, min_len=4, max_len=12, seed=11)
     width, steps = 4, 8
-    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, async_scheduling=async_scheduling) as llm:
         outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():

@@ -37,10 +37,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 LONG = {"max_tokens": 480, "ignore_eos": True, "temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync-steps", "async-steps"])
+def served(tmp_path_factory, request):
+    """A live server; with the synchronous and the asynchronous step loop (the GPU default)."""
     model_dir = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=request.param)
     tokenizer = llm.get_tokenizer()
     expected = {
         "texts": [o.outputs[0] for o in llm.generate(PROMPTS_64, GREEDY, use_tqdm=False)],

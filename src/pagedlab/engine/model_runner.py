@@ -11,7 +11,7 @@ host memory behind an event that ``LaunchedStep.result`` waits for.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,11 +52,11 @@ class LaunchedStep:
 
     batch: ScheduledBatch
     sampled_requests: list[Request]
-    sampled_token_ids: torch.Tensor | None  # on the device, for the next step's pending inputs
-    host_token_ids: torch.Tensor | None  # filled by an asynchronous copy on CUDA
-    logprobs: TopLogprobs | None  # host tensors, likewise
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-    done: torch.cuda.Event | None  # recorded after the copies; None where work is synchronous
+    sampled_token_ids: torch.Tensor | None = None  # on the device, for the next step's pending inputs
+    host_token_ids: torch.Tensor | None = None  # filled by an asynchronous copy on CUDA
+    logprobs: TopLogprobs | None = None  # host tensors, likewise
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    done: torch.cuda.Event | None = None  # recorded after the copies; None where work is synchronous
 
     def sample_rows(self) -> dict[Request, int]:
         return {request: row for row, request in enumerate(self.sampled_requests)}
@@ -267,7 +267,7 @@ class ModelRunner:
             metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables, shared)
             with forward_context(metadata, self.backend):
                 hidden = self.model(ids, pos)
-        step = LaunchedStep(batch, sampled, None, None, None, {}, None)
+        step = LaunchedStep(batch, sampled)
         rows = sample_rows + prompt_rows
         if rows:
             logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]).float()

@@ -238,6 +238,7 @@ def engine_info(engine) -> dict:
         "device": str(engine.device),
         "max_model_len": engine.max_model_len,
         "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "async_scheduling": engine.async_scheduling,
     })
     kv = getattr(engine, "kv_cache", None)
     if kv is not None:
