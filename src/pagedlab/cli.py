@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -52,21 +53,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
 
 
-_ENGINE_ARG_NAMES = ("model", "tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
-                     "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                     "enable_chunked_prefill", "enforce_eager", "async_scheduling", "enable_cascade_attention",
-                     "load_format", "trust_remote_code", "device")
+def _engine_config_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_engine_args`` gave flags, from parsed ``args``."""
+    from pagedlab.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """``LLM(**engine_kwargs(args))``."""
-    return {n: getattr(args, n) for n in _ENGINE_ARG_NAMES + ("attention_backend",)}
+    return {**_engine_config_args(args), "attention_backend": args.attention_backend}
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from pagedlab.config import EngineConfig
 
-    return EngineConfig(**{n: getattr(args, n) for n in _ENGINE_ARG_NAMES})
+    return EngineConfig(**_engine_config_args(args))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

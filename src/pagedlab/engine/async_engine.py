@@ -415,16 +415,15 @@ class AsyncEngine:
             return
         self._stats = stats = self.engine.get_stats()
         self._stats_dirty, self._stats_time = False, time.monotonic()
-        for listener in self.listeners:
-            try:
-                listener.on_stats(stats)
-            except Exception:
-                logger.exception("stats listener %r failed", listener)
+        self._call_listeners("on_stats", stats)
 
     def _notify_finished(self, out: RequestOutput) -> None:
+        self._call_listeners("on_request_finished", out)
+
+    def _call_listeners(self, method: str, value) -> None:
         for listener in self.listeners:
             try:
-                listener.on_request_finished(out)
+                getattr(listener, method)(value)
             except Exception:
                 logger.exception("stats listener %r failed", listener)
 

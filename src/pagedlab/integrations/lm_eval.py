@@ -31,6 +31,7 @@ have no plugin discovery: run ``python -m pagedlab.integrations.lm_eval --model 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from typing import Any
@@ -40,14 +41,14 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from pagedlab.config import EngineConfig
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_ENGINE_ARGS = ("tokenizer", "dtype", "seed", "max_model_len", "block_size", "gpu_memory_utilization",
-                "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                "enable_chunked_prefill", "enforce_eager", "async_scheduling", "enable_cascade_attention",
-                "load_format", "trust_remote_code", "tensor_parallel_size", "quantization", "attention_backend")
+# LLM's engine arguments: the EngineConfig fields (pretrained names the model; device is lm-eval's)
+_ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                     if f.name not in ("model", "device")) + ("attention_backend",)
 _SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "ignore_eos")
 # lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine
