@@ -248,9 +248,8 @@ def share_prefix(batch, prefix_blocks: int) -> None:
 def check_cascade(batch, prefix_len, buffers=None):
     """Cascade attention against the reference; ``buffers`` (reused across calls) as a graph does."""
     scale = batch["q"].shape[-1] ** -0.5
-    num_heads, head_dim = batch["q"].shape[1:]
     if buffers is None:
-        buffers = CascadeBuffers.allocate(batch["q"].shape[0], num_heads, head_dim, batch["q"].device)
+        buffers = CascadeBuffers.allocate(batch["q"].shape[0], batch["q"].device)
     buffers.set_prefix_len(prefix_len)
     expected = paged_attention_torch(**batch, scale=scale)
     got = cascade_attention_triton(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
@@ -262,18 +261,19 @@ def check_cascade(batch, prefix_len, buffers=None):
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[5]], ids=_config_id)
 def test_cascade_attention_matches_reference(config):
-    """Decode over a shared prefix of 64 or 192 keys plus own keys that cross blocks; the same
-    buffers serve each prefix length and also no prefix at all (a graph replays them so)."""
+    """Decode over a shared prefix of 64, 192 or 320 keys (the last over two prefix segments) plus
+    own keys that cross blocks; the same buffers serve each prefix length and also no prefix at
+    all (a graph replays them so)."""
     block_size, head_dim, group, dtype = config
     own = [1, 2, 17, 63, 64, 65, 130, 300, 5, 33, 16, 1, 90, 7, 48, 250, 3]
     buffers = None
-    for prefix_len in (3 * TILE_N, TILE_N, 0):
+    for prefix_len in (5 * TILE_N, 3 * TILE_N, TILE_N, 0):
         shared_blocks = -(-max(prefix_len, 1) // block_size)  # whole blocks, past the prefix if need be
         seqs = [(shared_blocks * block_size + n - 1, 1) for n in own]
         batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator("cascade", config, prefix_len))
         share_prefix(batch, shared_blocks)
         if buffers is None:
-            buffers = CascadeBuffers.allocate(len(own), 2 * group, head_dim, DEVICE)
+            buffers = CascadeBuffers.allocate(len(own), DEVICE)
         check_cascade(batch, prefix_len, buffers)
 
 
@@ -296,7 +296,7 @@ def test_cascade_prefix_len_finds_the_shared_tiles():
     diverged[7, 0] = 998  # ... and one from the start
     assert cascade_prefix_len(diverged, long, block_size) == 0
     assert cascade_prefix_len(table[:CASCADE_MIN_SEQS - 1], long[:CASCADE_MIN_SEQS - 1], block_size) == 0
-    buffers = CascadeBuffers.allocate(4, 2, 64, DEVICE)
+    buffers = CascadeBuffers.allocate(4, DEVICE)
     with pytest.raises(ValueError, match="prefix_len=100"):
         buffers.set_prefix_len(100)
 

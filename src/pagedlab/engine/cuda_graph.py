@@ -45,8 +45,7 @@ class CudaGraphRunner:
         # size -> graph and its output; key (size, True) for the cascade form
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
-        attn = model.attention_layers()[0]
-        self.cascade_buffers = {size: CascadeBuffers.allocate(size, attn.num_heads, attn.head_dim, device)
+        self.cascade_buffers = {size: CascadeBuffers.allocate(size, device)
                                 for size in self.sizes if cascade and size >= CASCADE_MIN_SEQS}
 
     def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:

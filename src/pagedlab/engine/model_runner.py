@@ -80,7 +80,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         attn = model.attention_layers()[0]
         self.num_layers = len(model.attention_layers())
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_cache: torch.Tensor | None = None
         # Upper bound on sequence length the attention kernels are told, for eager steps and
         # captured graphs alike, so both choose the same split-KV layout.
@@ -188,7 +188,7 @@ class ModelRunner:
         )
 
     def _cascade_buffers(self, num_rows: int, prefix_len: int) -> CascadeBuffers:
-        buffers = CascadeBuffers.allocate(num_rows, self.num_heads, self.head_dim, self.device)
+        buffers = CascadeBuffers.allocate(num_rows, self.device)
         buffers.set_prefix_len(prefix_len)
         return buffers
 

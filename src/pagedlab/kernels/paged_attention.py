@@ -285,6 +285,7 @@ class _AttentionKernels:
 # replay it for any prefix.
 CASCADE_MIN_SEQS = 16
 CASCADE_MIN_SHARED_KEYS = 1 << 17  # sequences x shared prefix keys
+CASCADE_MAX_PREFIX_SEGMENTS = 32
 
 
 def cascade_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
@@ -302,31 +303,34 @@ def cascade_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size
 
 @dataclass
 class CascadeBuffers:
-    """A cascade step's shared length and softmax partials, on the device, for ``num_rows`` query
-    rows (a CUDA graph keeps one per captured size and sets the length before each replay)."""
+    """A cascade step's shared length, on the device, for ``num_rows`` query rows (a CUDA graph
+    keeps one per captured size and sets the length before each replay)."""
 
     prefix_len: torch.Tensor  # [1] int32: the shared keys P (a multiple of TILE_N; 0: none)
     prefix_seq_len: torch.Tensor  # [1] int32: P + num_rows, so every row sees all P keys
     prefix_query_start_loc: torch.Tensor  # [0, num_rows]: every query row as one sequence
-    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # 2 partials per row: prefix, own keys
+    num_rows: int
 
     @classmethod
-    def allocate(cls, num_rows: int, num_heads: int, head_dim: int, device) -> CascadeBuffers:
-        shape = (num_rows, num_heads, 2)
-        scratch = (torch.zeros(*shape, _padded_head_dim(head_dim), dtype=torch.float32, device=device),
-                   torch.zeros(shape, dtype=torch.float32, device=device),
-                   torch.zeros(shape, dtype=torch.float32, device=device))
+    def allocate(cls, num_rows: int, device) -> CascadeBuffers:
         # built on the device (no host copies, which would wait for the GPU)
         return cls(torch.zeros(1, dtype=torch.int32, device=device),
                    torch.full((1,), num_rows, dtype=torch.int32, device=device),
-                   torch.arange(2, dtype=torch.int32, device=device) * num_rows, scratch)
+                   torch.arange(2, dtype=torch.int32, device=device) * num_rows, num_rows)
 
     def set_prefix_len(self, prefix_len: int) -> None:
         """Stream-ordered fills: no host sync."""
         if prefix_len % TILE_N:
             raise ValueError(f"prefix_len={prefix_len} must be a multiple of {TILE_N} (see cascade_prefix_len)")
         self.prefix_len.fill_(prefix_len)
-        self.prefix_seq_len.fill_(prefix_len + self.scratch[0].shape[0])
+        self.prefix_seq_len.fill_(prefix_len + self.num_rows)
+
+
+def cascade_prefix_split(max_seq_len: int) -> int:
+    """Keys per segment of the prefix launch: ``SPLIT_KV_SIZE``, or more so that a prefix of up
+    to ``max_seq_len`` keys has at most ``CASCADE_MAX_PREFIX_SEGMENTS`` segments."""
+    per_segment = -(-max_seq_len // CASCADE_MAX_PREFIX_SEGMENTS)
+    return max(SPLIT_KV_SIZE, -(-per_segment // TILE_N) * TILE_N)
 
 
 def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -335,16 +339,24 @@ def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """Decode attention (query row i is sequence i's last token; rows past the sequences are
     padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
     row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds
-    every sequence, as a host int."""
+    every sequence, as a host int.
+
+    The prefix launch runs all query rows against the shared keys, split into segments of
+    ``cascade_prefix_split(max_seq_len)`` keys so that a long prefix spreads over the GPU; the
+    own-keys launch adds one partial per row; the split-KV reduce merges them."""
     kernels = _AttentionKernels(q, k_cache, v_cache, scale)
     num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
-    if buffers.scratch[0].shape[0] != num_rows:
-        raise ValueError(f"cascade buffers for {buffers.scratch[0].shape[0]} rows given {num_rows} query rows")
-    span = -(-max_seq_len // TILE_N) * TILE_N  # one segment holds every key
-    kernels.attend(buffers.scratch, buffers.prefix_query_start_loc, buffers.prefix_seq_len, block_tables[:1],
-                   num_rows, span, 1, prefix_only=True)
-    kernels.attend(buffers.scratch, query_start_loc, seq_lens, block_tables, 1, span, 1, segment_offset=1,
-                   key_offset=buffers.prefix_len)
+    if buffers.num_rows != num_rows:
+        raise ValueError(f"cascade buffers for {buffers.num_rows} rows given {num_rows} query rows")
+    split = cascade_prefix_split(max_seq_len)
+    num_prefix_segments = -(-max_seq_len // split)
+    span = num_prefix_segments * split  # one segment holds every own key
+    scratch = allocate_split_kv_scratch(num_rows, q.shape[1], q.shape[2], (num_prefix_segments + 1) * split,
+                                        split, q.device)
+    kernels.attend(scratch, buffers.prefix_query_start_loc, buffers.prefix_seq_len, block_tables[:1],
+                   num_rows, split, num_prefix_segments, prefix_only=True)
+    kernels.attend(scratch, query_start_loc, seq_lens, block_tables, 1, span, 1,
+                   segment_offset=num_prefix_segments, key_offset=buffers.prefix_len)
     out = torch.empty_like(q)
-    kernels.reduce(out, buffers.scratch, query_start_loc, num_seqs, 2)
+    kernels.reduce(out, scratch, query_start_loc, num_seqs, num_prefix_segments + 1)
     return out
