@@ -100,3 +100,27 @@ def test_cascade_graphs_give_hf_tokens(tiny_models, monkeypatch):
         got = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert 192 in shared, f"no decode step replayed a cascade graph over the shared tiles: {set(shared)}"
     assert got == expected
+
+
+def test_pinned_staging_copies_every_value_across_steps_and_growth():
+    """Inputs staged by alternate steps through reused pinned buffers arrive intact, also when a
+    step outgrows its buffer, and the staged host tensors are pinned (else the copy would block)."""
+    from pagedlab.engine.model_runner import PinnedStaging
+
+    staging = PinnedStaging(torch.device("cuda"), nbytes=256)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        staging.begin_step()
+        values = [(torch.randint(0, 1 << 40, (16 + 40 * step,), generator=gen).tolist(), torch.int64),
+                  (torch.randint(0, 1000, (3, 5), generator=gen).tolist(), torch.int32),
+                  (torch.rand(7, generator=gen).tolist(), torch.float32),
+                  ((torch.rand(9, generator=gen) > 0.5).tolist(), torch.bool)]
+        staged = [staging.to_device(v, dtype) for v, dtype in values]
+        done = torch.cuda.Event()
+        done.record()
+        staging.end_step(done)
+        for (v, dtype), got in zip(values, staged):
+            assert got.device.type == "cuda"
+            assert torch.equal(got.cpu(), torch.tensor(v, dtype=dtype))
+    buffer = staging._buffers[0]
+    assert buffer.numel() > 256 and buffer[64:128].view(torch.int64).is_pinned()

@@ -68,6 +68,46 @@ class LaunchedStep:
         return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+class PinnedStaging:
+    """Host-to-device copies through two reused pinned buffers, used by alternate steps. Pinning
+    a fresh tensor for every input cost ~0.1 ms each, over 1 ms per decode step. A buffer is
+    written again only after the event of the step that last used it has passed."""
+
+    def __init__(self, device: torch.device, nbytes: int = 1 << 22):
+        self.device = device
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._released: list[torch.cuda.Event | None] = [None, None]
+        self._current = 0
+        self._offset = 0
+
+    def begin_step(self) -> None:
+        self._current ^= 1
+        event = self._released[self._current]
+        if event is not None:
+            event.synchronize()
+        self._offset = 0
+
+    def end_step(self, event: torch.cuda.Event) -> None:
+        """``event`` is recorded after every copy queued since ``begin_step``."""
+        self._released[self._current] = event
+
+    def to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        array = np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
+        start = -(-self._offset // 64) * 64
+        buffer = self._buffers[self._current]
+        if start + array.nbytes > buffer.numel():
+            torch.cuda.current_stream(self.device).synchronize()  # copies queued from the old buffer
+            buffer = torch.empty(max(2 * buffer.numel(), array.nbytes), dtype=torch.uint8, pin_memory=True)
+            self._buffers[self._current], start = buffer, 0
+        self._offset = start + array.nbytes
+        host = buffer[start:self._offset].view(dtype).view(array.shape)
+        host.numpy()[...] = array
+        return host.to(self.device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
                  block_size: int, backend: AttentionBackend, seed: int = 0):
@@ -89,13 +129,38 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self._profiled_peaks: dict[tuple[int, int], int] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.staging = PinnedStaging(device) if device.type == "cuda" else None
+        # the last step's block table and each request's (row, block count) in it
+        self._block_table = np.zeros((0, 0), dtype=np.int32)
+        self._block_table_rows: dict[Request, tuple[int, int]] = {}
 
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         """Host data to the device; on CUDA through pinned memory, without waiting for the copy."""
-        if self.device.type != "cuda":
+        if self.staging is None:
             return torch.as_tensor(values, dtype=dtype)
-        host = torch.as_tensor(values, dtype=dtype).pin_memory()
-        return host.to(self.device, non_blocking=True)
+        return self.staging.to_device(values, dtype)
+
+    def _build_block_table(self, requests: list[Request]) -> np.ndarray:
+        """``[num_seqs, max_blocks]`` block ids. A request's ids only grow while it stays scheduled
+        (a preempted one misses at least one step first), so a row whose request and block count
+        match the last step's is copied from it: refilling every row from Python lists cost
+        ~0.7 ms per step at 256 sequences of 2k tokens."""
+        counts = [len(r.block_ids) for r in requests]
+        table = np.zeros((len(requests), max(counts)), dtype=np.int32)
+        previous, previous_rows = self._block_table, self._block_table_rows
+        kept_rows, kept_sources = [], []
+        for row, (request, count) in enumerate(zip(requests, counts)):
+            source = previous_rows.get(request)
+            if source is not None and source[1] == count:
+                kept_rows.append(row)
+                kept_sources.append(source[0])
+            else:
+                table[row, :count] = request.block_ids
+        width = min(table.shape[1], previous.shape[1])
+        table[kept_rows, :width] = previous[kept_sources, :width]
+        self._block_table = table
+        self._block_table_rows = {request: (row, count) for row, (request, count) in enumerate(zip(requests, counts))}
+        return table
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs over the current KV cache (call again after re-allocating it)."""
@@ -125,6 +190,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.release_cuda_graphs()
+        self._block_table_rows.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
         self.kv_cache = None
@@ -208,6 +274,8 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling. A request whose input token is still pending
         takes it from ``previous``'s sampled ids on the device, without a round trip to the host."""
+        if self.staging is not None:
+            self.staging.begin_step()
         input_ids: list[int] = []
         pending_rows: list[int] = []  # flat token index whose id comes from ``previous``
         pending_sources: list[int] = []  # its row in ``previous``'s sampled ids
@@ -245,10 +313,7 @@ class ModelRunner:
             if batch.samples(i):
                 sampled.append(request)
                 sample_rows.append(offset + n - 1)
-        max_blocks = max(len(r.block_ids) for r in batch.requests)
-        table = np.zeros((len(batch.requests), max_blocks), dtype=np.int32)
-        for row, r in enumerate(batch.requests):
-            table[row, :len(r.block_ids)] = r.block_ids
+        table = self._build_block_table(batch.requests)
         ids = self._to_device(input_ids, torch.int64)
         if pending_rows:
             ids[self._to_device(pending_rows, torch.int64)] = \
@@ -280,6 +345,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
+            self.staging.end_step(step.done)
         return step
 
     def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
