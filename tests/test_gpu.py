@@ -80,3 +80,47 @@ def test_bfloat16_teacher_forced_agreement_with_hf_float32(tiny_llama, capsys):
         print(f"\nbf16 vs HF fp32 teacher-forced: top-1 agreement {agree / total:.4f}, max |dlogprob| {worst:.4f}")
     assert agree / total > 0.9
     assert worst < 0.5
+
+
+def test_cascade_graphs_give_hf_tokens(tiny_models, monkeypatch):
+    """20 prompts share a cached 200-token prefix: decode replays the cascade graphs (threshold
+    lowered for a tiny model) and greedy float32 tokens stay HF's."""
+    from pagedlab.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CASCADE_MIN_SHARED_KEYS", 0)
+    tiny = tiny_models("qwen3")
+    prefix = random_prompts(1, min_len=200, max_len=200, seed=5)[0]
+    prompts = [prefix + tail for tail in random_prompts(20, min_len=1, max_len=8, seed=6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    expected = [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
+    with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
+        graphs = llm.llm_engine.runner.cuda_graphs
+        shared, real_run = [], graphs.run
+        graphs.run = lambda *args: shared.append(args[5]) or real_run(*args)
+        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert 192 in shared, f"no decode step replayed a cascade graph over the shared tiles: {set(shared)}"
+    assert got == expected
+
+
+def test_pinned_staging_copies_every_value_across_steps_and_growth():
+    """Inputs staged by alternate steps through reused pinned buffers arrive intact, also when a
+    step outgrows its buffer, and the staged host tensors are pinned (else the copy would block)."""
+    from pagedlab.engine.model_runner import PinnedStaging
+
+    staging = PinnedStaging(torch.device("cuda"), nbytes=256)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        staging.begin_step()
+        values = [(torch.randint(0, 1 << 40, (16 + 40 * step,), generator=gen).tolist(), torch.int64),
+                  (torch.randint(0, 1000, (3, 5), generator=gen).tolist(), torch.int32),
+                  (torch.rand(7, generator=gen).tolist(), torch.float32),
+                  ((torch.rand(9, generator=gen) > 0.5).tolist(), torch.bool)]
+        staged = [staging.to_device(v, dtype) for v, dtype in values]
+        done = torch.cuda.Event()
+        done.record()
+        staging.end_step(done)
+        for (v, dtype), got in zip(values, staged):
+            assert got.device.type == "cuda"
+            assert torch.equal(got.cpu(), torch.tensor(v, dtype=dtype))
+    buffer = staging._buffers[0]
+    assert buffer.numel() > 256 and buffer[64:128].view(torch.int64).is_pinned()

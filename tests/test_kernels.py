@@ -13,6 +13,7 @@ import os
 import sys
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,9 +27,15 @@ pytest.importorskip("triton")
 
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton  # noqa: E402
 from pagedlab.kernels.paged_attention import (  # noqa: E402
+    CASCADE_MIN_SEQS,
+    CASCADE_MIN_SHARED_KEYS,
     SPLIT_KV_MIN_PROGRAMS,
     SPLIT_KV_SIZE,
+    TILE_N,
+    CascadeBuffers,
     allocate_split_kv_scratch,
+    cascade_attention_triton,
+    cascade_prefix_len,
     choose_split_kv_size,
     paged_attention_torch,
     paged_attention_triton,
@@ -233,6 +240,96 @@ def test_triton_backend_matches_torch_backend():
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
 
 
+def share_prefix(batch, prefix_blocks: int) -> None:
+    """Point every sequence's first ``prefix_blocks`` table entries at sequence 0's blocks."""
+    batch["block_tables"][1:, :prefix_blocks] = batch["block_tables"][0, :prefix_blocks]
+
+
+def check_cascade(batch, prefix_len, buffers=None):
+    """Cascade attention against the reference; ``buffers`` (reused across calls) as a graph does."""
+    scale = batch["q"].shape[-1] ** -0.5
+    if buffers is None:
+        buffers = CascadeBuffers.allocate(batch["q"].shape[0], batch["q"].device)
+    buffers.set_prefix_len(prefix_len)
+    expected = paged_attention_torch(**batch, scale=scale)
+    got = cascade_attention_triton(batch["q"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                                   batch["seq_lens"], batch["block_tables"], buffers, scale,
+                                   max_seq_len=int(batch["seq_lens"].max()) + 50)
+    tol = TOLERANCE[batch["q"].dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[5]], ids=_config_id)
+def test_cascade_attention_matches_reference(config):
+    """Decode over a shared prefix of 64, 192 or 320 keys (the last over two prefix segments) plus
+    own keys that cross blocks; the same buffers serve each prefix length and also no prefix at
+    all (a graph replays them so)."""
+    block_size, head_dim, group, dtype = config
+    own = [1, 2, 17, 63, 64, 65, 130, 300, 5, 33, 16, 1, 90, 7, 48, 250, 3]
+    buffers = None
+    for prefix_len in (5 * TILE_N, 3 * TILE_N, TILE_N, 0):
+        shared_blocks = -(-max(prefix_len, 1) // block_size)  # whole blocks, past the prefix if need be
+        seqs = [(shared_blocks * block_size + n - 1, 1) for n in own]
+        batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator("cascade", config, prefix_len))
+        share_prefix(batch, shared_blocks)
+        if buffers is None:
+            buffers = CascadeBuffers.allocate(len(own), DEVICE)
+        check_cascade(batch, prefix_len, buffers)
+
+
+def test_cascade_prefix_len_finds_the_shared_tiles():
+    block_size = 16
+    num_seqs = max(CASCADE_MIN_SEQS, -(-CASCADE_MIN_SHARED_KEYS // TILE_N))  # one shared tile pays
+    blocks = 3 * TILE_N // block_size + 1  # 3 tiles and one more block of shared keys
+    shared = np.arange(blocks, dtype=np.int32)
+    table = np.stack([np.concatenate([shared, 1000 + 10 * i + np.arange(10, dtype=np.int32)])
+                      for i in range(num_seqs)])
+    long = [blocks * block_size + 100] * num_seqs
+    assert cascade_prefix_len(table, long, block_size) == 3 * TILE_N  # rounded down to whole tiles
+    # the shortest sequence must keep its own last key out of the prefix
+    assert cascade_prefix_len(table, long[:-1] + [2 * TILE_N], block_size) == TILE_N
+    diverged = table.copy()
+    diverged[5, TILE_N // block_size + 1] = 999  # one sequence differs inside the second tile
+    assert cascade_prefix_len(diverged, long, block_size) == TILE_N
+    half = num_seqs // 2  # one tile shared by half as many sequences does not pay
+    assert cascade_prefix_len(diverged[:half], long[:half], block_size) == 0
+    diverged[7, 0] = 998  # ... and one from the start
+    assert cascade_prefix_len(diverged, long, block_size) == 0
+    assert cascade_prefix_len(table[:CASCADE_MIN_SEQS - 1], long[:CASCADE_MIN_SEQS - 1], block_size) == 0
+    buffers = CascadeBuffers.allocate(4, DEVICE)
+    with pytest.raises(ValueError, match="prefix_len=100"):
+        buffers.set_prefix_len(100)
+
+
+def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
+    """A tiny model on the Triton backend: 16 prompts share a cached 256-token prefix, so decode
+    steps take the cascade path (its threshold lowered to fit the interpreter); greedy tokens are
+    HF's, and the same with cascade attention off."""
+    from conftest import hf_greedy, random_prompts
+
+    from pagedlab import LLM, SamplingParams
+    from pagedlab.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CASCADE_MIN_SHARED_KEYS", 0)
+    calls = []
+    real = paged_attention.cascade_attention_triton
+    monkeypatch.setattr(paged_attention, "cascade_attention_triton",
+                        lambda *a, **k: calls.append(int(a[6].prefix_len)) or real(*a, **k))
+    prefix = random_prompts(1, min_len=260, max_len=260, seed=80)[0]
+    prompts = [prefix + tail for tail in random_prompts(16, min_len=1, max_len=6, seed=81)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    expected = [hf_greedy(tiny_llama.hf_model, p, 3, eos_token_id=None) for p in prompts]
+    outputs = {}
+    for cascade in (True, False):
+        with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=16 << 20,
+                 enable_cascade_attention=cascade) as llm:
+            outputs[cascade] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if cascade:
+            assert calls and set(calls) == {256}, calls  # 260 shared tokens: 4 whole tiles
+            calls.clear()
+    assert not calls
+    assert outputs[True] == expected
+    assert outputs[False] == expected
 def test_tiny_model_end_to_end_triton_equals_torch(tiny_llama):
     """The whole engine on the Triton backend (interpreted here): prefills, chunked prefills,
     prefix-cache hits and decodes give the torch backend's greedy tokens, which are HF's."""
@@ -297,6 +394,19 @@ def test_gpu_decode_split_kv(batch_size):
 def test_gpu_mixed_chunked_prefill_prefix_and_decode():
     seqs = [(6144, 2048), (2048, 64), (0, 300)] + [(100 + 37 * i, 1) for i in range(64)]
     check_attention(_real_batch(seqs, 32, "gpu-mixed"), max_query_len=2048)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_cascade_decode_256_sequences_over_a_2048_key_prefix(block_size):
+    seqs = [(2048 + 64 + i % 64, 1) for i in range(256)]
+    batch = _real_batch(seqs, block_size, "gpu-cascade")
+    share_prefix(batch, 2048 // block_size)
+    table = batch["block_tables"].cpu().numpy()
+    assert cascade_prefix_len(table, batch["seq_lens"].tolist(), block_size) == 2048
+    check_cascade(batch, 2048)
+    check_cascade(batch, 1024)  # a shorter prefix than shared is right too
 
 
 @pytest.mark.gpu

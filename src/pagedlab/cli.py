@@ -46,6 +46,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="prepare each step while the GPU runs the one before (default: on CUDA)")
+    _bool_flag(g, "enable-cascade-attention", True, "attending a decode batch's shared prefix once")
     g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
     g.add_argument("--trust-remote-code", action="store_true")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -19,7 +19,7 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 PLAN_FIELDS = (
     "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
     "enable_chunked_prefill", "enforce_eager", "gpu_memory_utilization", "kv_cache_memory_bytes",
-    "max_model_len", "async_scheduling",
+    "max_model_len", "async_scheduling", "enable_cascade_attention",
 )
 
 
@@ -41,6 +41,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
+    enable_cascade_attention: bool = True
     load_format: str = "auto"
     trust_remote_code: bool = False
     device: str = "auto"

@@ -21,6 +21,9 @@ class LLM:
     ``kv_cache_memory_bytes`` (default 1 GiB); on a GPU, ``gpu_memory_utilization`` of it after a
     profiling pass. ``attention_backend`` is "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     ``async_scheduling`` (default: on CUDA) prepares each step while the GPU runs the one before.
+    ``enable_cascade_attention`` lets a decode batch whose sequences share a long cached prefix
+    read that prefix once for all of them (Triton backend, in the decode CUDA graphs too; a row's
+    keys are then summed in another order than alone: turn it off for bitwise batch invariance).
     Use it as a context manager to free every byte it took on exit.
     """
 
@@ -29,7 +32,8 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False,
-                 async_scheduling: bool | None = None, load_format: str = "auto",
+                 async_scheduling: bool | None = None, enable_cascade_attention: bool = True,
+                 load_format: str = "auto",
                  trust_remote_code: bool = False, device: str = "auto", tensor_parallel_size: int = 1,
                  quantization: str | None = None, attention_backend: str = "auto"):
         config = EngineConfig(
@@ -38,8 +42,9 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, load_format=load_format, trust_remote_code=trust_remote_code,
-            device=device, tensor_parallel_size=tensor_parallel_size, quantization=quantization)
+            async_scheduling=async_scheduling, enable_cascade_attention=enable_cascade_attention,
+            load_format=load_format, trust_remote_code=trust_remote_code, device=device,
+            tensor_parallel_size=tensor_parallel_size, quantization=quantization)
         self._engine: LLMEngine | None = LLMEngine(config, attention_backend=attention_backend)
         self._request_counter = itertools.count()
 

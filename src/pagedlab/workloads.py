@@ -97,7 +97,10 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH, flops: float = H200_BF16_FLOPS) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
-    every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer)."""
+    every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
+
+    ``cached_prefix``: every prompt after the first starts with that many tokens of the first,
+    found in the prefix cache: they are not computed again, and their KV is held, so read, once."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
@@ -105,12 +108,15 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
     kv_bytes_per_token = 2 * c.num_hidden_layers * kv * dtype_bytes
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
-    computed = [n - cached_prefix if i else n for i, n in enumerate(prompt_lens)]
-    prefill = sum(2 * matmul_params * n + attn_flops_per_pair * n * n / 2 for n in computed) / flops
+    cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
+    # a chunk of n new tokens after c cached ones attends n * c + n^2 / 2 (query, key) pairs
+    prefill = sum(2 * matmul_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
+                  for n, c in zip(prompt_lens, cached)) / flops
     decode = 0.0
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
-        read = matmul_params * dtype_bytes + kv_bytes_per_token * sum(live)
+        held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
+        read = matmul_params * dtype_bytes + kv_bytes_per_token * held
         work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
         decode += max(read / bandwidth, work / flops)
     return prefill + decode

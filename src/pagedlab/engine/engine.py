@@ -154,6 +154,7 @@ class LLMEngine:
         self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
         self.runner.block_size = cfg.block_size
         self.runner.max_model_len = self.max_model_len
+        self.runner.cascade_attention = cfg.enable_cascade_attention
         self.runner.free_kv_cache()
         num_blocks = self._num_kv_blocks()
         min_blocks = -(-self.max_model_len // cfg.block_size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -170,59 +171,32 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
     ``query_start_loc[-1]`` (padding) are left untouched.
     """
-    from pagedlab.kernels import triton_kernels
-
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    num_seqs = seq_lens.shape[0]
-    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q head_dim {head_dim} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
-                         "must agree: caches are [num_blocks, block_size, num_kv_heads, head_dim]")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q dtype {q.dtype} and cache dtypes {k_cache.dtype}/{v_cache.dtype} must match")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if block_size % 16:
-        raise ValueError(f"block_size={block_size} must be a multiple of 16")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q, k_cache and v_cache need a contiguous head_dim")
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale)
     if out is None:
         out = torch.empty_like(q)
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    head_dim_padded = _padded_head_dim(head_dim)
     if max_query_len is None:
         max_query_len = num_tokens
     if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * block_size
-    block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, group)
-    num_q_blocks = num_tokens // block_q + num_seqs
-    # The interpreter's tl.dot is wrong for bf16; fp32 caches want exact fp32 products, not tf32.
-    upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    dot_precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    qk_scale = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
-
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, GROUP=group, BLOCK_Q=block_q,
-                  BLOCK_M=block_m, TILE_N=TILE_N, BLOCK_SIZE=block_size, UPCAST=upcast,
-                  DOT_PRECISION=dot_precision, SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK,
-                  num_warps=num_warps, num_stages=num_stages)
-    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
-
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
     if split_kv_size is None:
-        triton_kernels.paged_attention_kernel[(num_q_blocks, num_kv_heads)](
-            q, k_cache, v_cache, out, out, out, out,
-            query_start_loc, seq_lens, block_tables, num_seqs, qk_scale, 0,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-            block_tables.stride(0), 0, 0, 0, 0, 0, USE_SPLIT=False, **common)
+        kernels.attend(out, query_start_loc, seq_lens, block_tables, max_query_len)
         return out
 
     if split_kv_size <= 0 or split_kv_size % TILE_N:
         raise ValueError(f"split_kv_size={split_kv_size} must be a positive multiple of {TILE_N}")
     num_segments = -(-max_seq_len // split_kv_size)
     if scratch is None:
-        scratch = allocate_split_kv_scratch(num_tokens, num_heads, head_dim, max_seq_len, split_kv_size, q.device)
+        scratch = allocate_split_kv_scratch(num_tokens, q.shape[1], q.shape[2], max_seq_len, split_kv_size, q.device)
+    _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
+    kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size, num_segments)
+    kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
+    return out
+
+
+def _check_scratch(scratch, num_tokens: int, num_heads: int, num_segments: int, head_dim_padded: int) -> None:
     partial_acc, partial_max, partial_sum = scratch
     if (partial_acc.shape[0] < num_tokens or partial_acc.shape[1] != num_heads
             or partial_acc.shape[2] < num_segments or partial_acc.shape[3] != head_dim_padded):
@@ -233,15 +207,156 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or partial_acc.stride(-1) != 1):
         raise ValueError("scratch (acc, max, sum) must come from allocate_split_kv_scratch: max and sum shaped "
                          "like acc's first three dims, with equal strides and contiguous last dims")
-    pacc_strides = (partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2))
-    pstat_strides = (partial_max.stride(0), partial_max.stride(1))
-    triton_kernels.paged_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
-        q, k_cache, v_cache, out, partial_acc, partial_max, partial_sum,
-        query_start_loc, seq_lens, block_tables, num_seqs, qk_scale, split_kv_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-        block_tables.stride(0), *pacc_strides, *pstat_strides, USE_SPLIT=True, **common)
-    triton_kernels.split_kv_reduce_kernel[(num_tokens, num_heads)](
-        out, partial_acc, partial_max, partial_sum, query_start_loc, num_seqs, num_segments,
-        out.stride(0), out.stride(1), *pacc_strides, *pstat_strides,
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, SEGMENT_CHUNK=16, num_warps=4)
+
+
+class _AttentionKernels:
+    """Launches of the attention and reduce kernels for one (q, cache) pair, checked once."""
+
+    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+        from pagedlab.kernels import triton_kernels
+
+        self.triton_kernels = triton_kernels
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+        if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+            raise ValueError(f"q head_dim {head_dim} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+                             "must agree: caches are [num_blocks, block_size, num_kv_heads, head_dim]")
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"q dtype {q.dtype} and cache dtypes {k_cache.dtype}/{v_cache.dtype} must match")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if block_size % 16:
+            raise ValueError(f"block_size={block_size} must be a multiple of 16")
+        if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("q, k_cache and v_cache need a contiguous head_dim")
+        self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
+        self.num_kv_heads, self.group = num_kv_heads, num_heads // num_kv_heads
+        self.head_dim, self.head_dim_padded = head_dim, _padded_head_dim(head_dim)
+        # The interpreter's tl.dot is wrong for bf16; fp32 caches want exact fp32 products, not tf32.
+        upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+        self.common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=self.head_dim_padded, GROUP=self.group,
+                           TILE_N=TILE_N, BLOCK_SIZE=block_size, UPCAST=upcast,
+                           DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+                           SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK)
+        self.qk_scale = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
+        self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+    def attend(self, target, query_start_loc, seq_lens, block_tables, max_query_len: int,
+               split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
+               prefix_only: bool = False, key_offset: torch.Tensor | None = None) -> None:
+        """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
+        partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
+        ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
+        block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group)
+        num_seqs = seq_lens.shape[0]
+        grid = (self.q.shape[0] // block_q + num_seqs, self.num_kv_heads) + ((num_segments,) if split_kv_size else ())
+        q = self.q
+        if split_kv_size:
+            partial_acc, partial_max, partial_sum = target
+            out = q  # unused by the split variant
+            partial_strides = (partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
+                               partial_max.stride(0), partial_max.stride(1))
+        else:
+            out = partial_acc = partial_max = partial_sum = target
+            partial_strides = (0, 0, 0, 0, 0)
+        self.triton_kernels.paged_attention_kernel[grid](
+            q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
+            query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
+            num_seqs, self.qk_scale, split_kv_size, segment_offset,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
+            block_tables.stride(0), *partial_strides, USE_SPLIT=bool(split_kv_size),
+            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, **self.common)
+
+    def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
+        partial_acc, partial_max, partial_sum = scratch
+        self.triton_kernels.split_kv_reduce_kernel[(out.shape[0], out.shape[1])](
+            out, partial_acc, partial_max, partial_sum, query_start_loc, num_seqs, num_segments,
+            out.stride(0), out.stride(1), partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
+            partial_max.stride(0), partial_max.stride(1),
+            HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, SEGMENT_CHUNK=16, num_warps=4)
+
+
+# Cascade attention: in a decode batch whose sequences start with the same cache blocks (a shared
+# system prompt or few-shot prefix, found by the prefix cache), the shared keys are attended once
+# for all queries together instead of once per sequence, each sequence's own keys after them,
+# and the split-KV reduce merges the two softmax partials. The shared length lives in device
+# memory (CascadeBuffers), so decode CUDA graphs capture the cascade form once per batch size and
+# replay it for any prefix.
+CASCADE_MIN_SEQS = 16
+CASCADE_MIN_SHARED_KEYS = 1 << 17  # sequences x shared prefix keys
+CASCADE_MAX_PREFIX_SEGMENTS = 32
+
+
+def cascade_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
+    """Keys at the start of every sequence of a decode batch held in the same blocks, rounded down
+    to whole key tiles; 0 where cascade attention would not pay (see ``CASCADE_MIN_*``)."""
+    num_seqs = len(seq_lens)
+    if num_seqs < CASCADE_MIN_SEQS:
+        return 0
+    limit = (min(seq_lens) - 1) // block_size  # each query keeps at least its own key
+    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
+    common_blocks = limit if same.all() else int(same.argmin())
+    prefix_len = common_blocks * block_size // TILE_N * TILE_N
+    return prefix_len if prefix_len * num_seqs >= CASCADE_MIN_SHARED_KEYS else 0
+
+
+@dataclass
+class CascadeBuffers:
+    """A cascade step's shared length, on the device, for ``num_rows`` query rows (a CUDA graph
+    keeps one per captured size and sets the length before each replay)."""
+
+    prefix_len: torch.Tensor  # [1] int32: the shared keys P (a multiple of TILE_N; 0: none)
+    prefix_seq_len: torch.Tensor  # [1] int32: P + num_rows, so every row sees all P keys
+    prefix_query_start_loc: torch.Tensor  # [0, num_rows]: every query row as one sequence
+    num_rows: int
+
+    @classmethod
+    def allocate(cls, num_rows: int, device) -> CascadeBuffers:
+        # built on the device (no host copies, which would wait for the GPU)
+        return cls(torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.full((1,), num_rows, dtype=torch.int32, device=device),
+                   torch.arange(2, dtype=torch.int32, device=device) * num_rows, num_rows)
+
+    def set_prefix_len(self, prefix_len: int) -> None:
+        """Stream-ordered fills: no host sync."""
+        if prefix_len % TILE_N:
+            raise ValueError(f"prefix_len={prefix_len} must be a multiple of {TILE_N} (see cascade_prefix_len)")
+        self.prefix_len.fill_(prefix_len)
+        self.prefix_seq_len.fill_(prefix_len + self.num_rows)
+
+
+def cascade_prefix_split(max_seq_len: int) -> int:
+    """Keys per segment of the prefix launch: ``SPLIT_KV_SIZE``, or more so that a prefix of up
+    to ``max_seq_len`` keys has at most ``CASCADE_MAX_PREFIX_SEGMENTS`` segments."""
+    per_segment = -(-max_seq_len // CASCADE_MAX_PREFIX_SEGMENTS)
+    return max(SPLIT_KV_SIZE, -(-per_segment // TILE_N) * TILE_N)
+
+
+def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                             buffers: CascadeBuffers, scale: float, max_seq_len: int) -> torch.Tensor:
+    """Decode attention (query row i is sequence i's last token; rows past the sequences are
+    padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
+    row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds
+    every sequence, as a host int.
+
+    The prefix launch runs all query rows against the shared keys, split into segments of
+    ``cascade_prefix_split(max_seq_len)`` keys so that a long prefix spreads over the GPU; the
+    own-keys launch adds one partial per row; the split-KV reduce merges them."""
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale)
+    num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
+    if buffers.num_rows != num_rows:
+        raise ValueError(f"cascade buffers for {buffers.num_rows} rows given {num_rows} query rows")
+    split = cascade_prefix_split(max_seq_len)
+    num_prefix_segments = -(-max_seq_len // split)
+    span = num_prefix_segments * split  # one segment holds every own key
+    scratch = allocate_split_kv_scratch(num_rows, q.shape[1], q.shape[2], (num_prefix_segments + 1) * split,
+                                        split, q.device)
+    kernels.attend(scratch, buffers.prefix_query_start_loc, buffers.prefix_seq_len, block_tables[:1],
+                   num_rows, split, num_prefix_segments, prefix_only=True)
+    kernels.attend(scratch, query_start_loc, seq_lens, block_tables, 1, span, 1,
+                   segment_offset=num_prefix_segments, key_offset=buffers.prefix_len)
+    out = torch.empty_like(q)
+    kernels.reduce(out, scratch, query_start_loc, num_seqs, num_prefix_segments + 1)
     return out

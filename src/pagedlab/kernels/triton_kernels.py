@@ -79,8 +79,8 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        num_seqs, qk_scale, split_kv_size,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_offset_ptr,
+        num_seqs, qk_scale, split_kv_size, partial_segment_offset,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head,
         stride_k_block, stride_k_token, stride_k_head,
         stride_v_block, stride_v_token, stride_v_head,
@@ -90,13 +90,21 @@ def paged_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
     Without split the program writes the normalized output; with split it covers keys
     [segment * split_kv_size, (segment + 1) * split_kv_size) and writes fp32 partials
-    (unnormalized acc, running max in log2 units, running sum) for the reduce kernel.
+    (unnormalized acc, running max in log2 units, running sum) for the reduce kernel, as partial
+    segment ``segment + partial_segment_offset`` (cascade attention puts two launches' segments
+    side by side).
+
+    Cascade attention's two launches read their bounds from device memory, so a CUDA graph can
+    replay them for any shared prefix: PREFIX_ONLY stops every row at its sequence's context
+    (the shared prefix, seen whole by every query), KEY_OFFSET starts every row at the key
+    ``*key_offset_ptr`` (a multiple of TILE_N: the keys after the prefix).
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,6 +151,10 @@ def paged_attention_kernel(
     if USE_SPLIT:
         key_start = segment * split_kv_size
         key_end = tl.minimum(key_end, key_start + split_kv_size)
+    if PREFIX_ONLY:
+        key_end = tl.minimum(key_end, context_len)
+    if KEY_OFFSET:
+        key_start = tl.maximum(key_start, tl.load(key_offset_ptr))
     full_end = tl.minimum(all_rows_end, key_end)
     masked_start = tl.maximum(all_rows_end, key_start)
 
@@ -170,13 +182,13 @@ def paged_attention_kernel(
     if USE_SPLIT:
         # int64: scratch for many tokens x segments can pass 2**31 elements
         token = token.to(tl.int64)
-        stat_offset = token * stride_pstat_token + head * stride_pstat_head + segment
+        stat_offset = token * stride_pstat_token + head * stride_pstat_head + segment + partial_segment_offset
         tl.store(partial_max_ptr + stat_offset, tl.where(row_sum > 0, row_max, float("-inf")), mask=row_valid)
         tl.store(partial_sum_ptr + stat_offset, row_sum, mask=row_valid)
         # A segment past the visible keys has nothing to add; the reduce skips it by its max.
         if key_start < key_end:
             acc_ptrs = (partial_acc_ptr + token[:, None] * stride_pacc_token + head[:, None] * stride_pacc_head
-                        + segment * stride_pacc_segment + offs_d[None, :])
+                        + (segment + partial_segment_offset) * stride_pacc_segment + offs_d[None, :])
             tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     else:
         out = acc / row_sum[:, None]

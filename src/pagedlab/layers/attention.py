@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedlab.kernels.kv_write import write_kv_torch
-from pagedlab.kernels.paged_attention import paged_attention_torch, plan_torch_attention
+from pagedlab.kernels.paged_attention import CascadeBuffers, paged_attention_torch, plan_torch_attention
 
 
 @dataclass
@@ -23,8 +23,10 @@ class AttentionMetadata:
 
     ``slot_mapping[t]``: cache slot for token t (-1: skip); ``query_start_loc``: ``[num_seqs+1]``
     offsets of each sequence's tokens; ``seq_lens``: tokens each sequence has after the step;
-    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``backend_plan`` holds what
-    a backend derives from the layout once per step, for all layers.
+    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``cascade``: set for a
+    decode batch whose sequences hold their first keys in the same blocks; a backend with
+    ``shares_prefixes`` attends those once for all sequences (cascade attention).
+    ``backend_plan`` holds what a backend derives from the layout once per step, for all layers.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +35,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    cascade: CascadeBuffers | None = None
     backend_plan: object | None = None
 
 
@@ -40,6 +43,7 @@ class AttentionBackend:
     """How a step writes new keys/values and attends over the paged cache."""
 
     name = "abstract"
+    shares_prefixes = False  # attends a decode batch's common prefix once (AttentionMetadata.cascade)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -120,21 +124,26 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton kernels: the GPU path (on CPU they run only under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+    shares_prefixes = True
 
     def __init__(self):
         from pagedlab.kernels import paged_attention, kv_write
 
         self._write_kv = kv_write.write_kv_triton
-        self._attend = paged_attention.paged_attention_triton
-        self._choose_split_kv_size = paged_attention.choose_split_kv_size
+        self._kernels = paged_attention
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, metadata, scale):
-        split_kv_size = self._choose_split_kv_size(metadata.seq_lens.shape[0], k_cache.shape[2],
-                                                   metadata.max_query_len, metadata.max_seq_len)
-        return self._attend(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+        kernels = self._kernels
+        if metadata.cascade is not None:
+            return kernels.cascade_attention_triton(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                                    metadata.block_tables, metadata.cascade, scale,
+                                                    metadata.max_seq_len)
+        split_kv_size = kernels.choose_split_kv_size(metadata.seq_lens.shape[0], k_cache.shape[2],
+                                                     metadata.max_query_len, metadata.max_seq_len)
+        return kernels.paged_attention_triton(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
                             metadata.block_tables, scale, max_query_len=metadata.max_query_len,
                             max_seq_len=metadata.max_seq_len, split_kv_size=split_kv_size)
 
