@@ -15,7 +15,7 @@ for part in "$@"; do
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;
-    prefix) bench throughput --workload W-prefix --json "$OUT/w_prefix.json" ;;
+    prefix) bench throughput --workload W-prefix --repeats 3 --json "$OUT/w_prefix.json" ;;
     long)  bench throughput --workload W-long --json "$OUT/w_long.json" ;;
     serve) model=$(python3 -c "from pagedlab.workloads import shape_dir; print(shape_dir('llama3-8b'))")
            python3 -m pagedlab.cli serve --model "$model" --load-format dummy --dtype bfloat16 \
