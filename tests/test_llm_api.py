@@ -53,3 +53,14 @@ def test_close_releases_weights_and_cache(tiny_llama):
     with pytest.raises(ValueError, match="this LLM was closed"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
     llm.close()  # closing twice is harmless
+
+
+def test_engine_heap_is_frozen_until_close(tiny_llama):
+    """What the engine builds is moved out of the garbage collector's sight (full collections
+    walked it and stalled steps) and given back on close(), so reference cycles are still freed."""
+    llm = LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES)
+    model = llm.llm_engine.model
+    assert gc.get_freeze_count() > 0
+    assert not any(o is model for o in gc.get_objects())
+    llm.close()
+    assert any(o is model for o in gc.get_objects())

@@ -12,7 +12,9 @@ host, make the loop wait for each step instead.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -170,6 +172,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
         self.reset_stats()
+        _freeze_heap()
 
     def reset_stats(self) -> None:
         """Zero the peak and token counters (the prefix cache keeps its contents)."""
@@ -429,6 +432,18 @@ class LLMEngine:
         self.runner.free_kv_cache()
         self.runner.model = None
         self.model = None
+        gc.unfreeze()  # what this engine held may sit in reference cycles: let the collector see it
+
+
+def _freeze_heap() -> None:
+    """Move every object that exists now (weights, captured graphs, compiled code, transformers'
+    modules: millions of objects that live as long as the engine) out of the collector's sight:
+    a full collection walked them all and stalled a step by 0.16-0.45 s on the H200 host (a
+    W-prefix run takes 0.5 s). ``close()`` and interpreter exit unfreeze, so nothing leaks."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 def _eos_token_ids(hf_config, generation_config, tokenizer) -> tuple[int, ...]:
