@@ -76,6 +76,22 @@ def tiny_llama(tiny_models) -> TinyModel:
     return tiny_models("llama")
 
 
+SMOLLM2_TEXTS = [  # a mixed batch of short and longer prompts: prose, code, Q&A
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "Q: What is 12 times 7?\nA:",
+    "List three primary colors:",
+    "Translate to French: Good morning, my friend.",
+    "The mitochondria is",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "Why is the sky blue? Explain briefly in one paragraph for a curious ten year old child who asks",
+    "Hi",
+    "In 1969, the first humans",
+    "A haiku about autumn:\n",
+]
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """The embedded SmolLM2-135M-Instruct, converted once to a cached safetensors directory."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import SMOLLM2_TEXTS, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -124,3 +124,16 @@ def test_pinned_staging_copies_every_value_across_steps_and_growth():
             assert torch.equal(got.cpu(), torch.tensor(v, dtype=dtype))
     buffer = staging._buffers[0]
     assert buffer.numel() > 256 and buffer[64:128].view(torch.int64).is_pinned()
+
+
+def test_smollm2_float32_greedy_on_gpu_matches_hf(smollm2_dir, smollm2_hf):
+    """The embedded SmolLM2-135M-Instruct (a GGUF dequantized to float32) through the Triton
+    kernels and CUDA graphs, mixed batch: HF transformers float32 greedy tokens and text."""
+    model, tokenizer = smollm2_hf
+    prompts = [tokenizer(t).input_ids for t in SMOLLM2_TEXTS]
+    expected = [hf_greedy(model, p, 20) for p in prompts]
+    with LLM("smollm2-135m-instruct", dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
+        assert llm.llm_engine.runner.backend.name == "triton" and llm.llm_engine.uses_cuda_graphs
+        outs = llm.generate(SMOLLM2_TEXTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.outputs[0].text for o in outs] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import KV_BYTES, hf_greedy, random_prompts
+from conftest import KV_BYTES, SMOLLM2_TEXTS, hf_greedy, random_prompts
 from pagedlab import LLM, BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -139,20 +139,7 @@ def test_beam_search_matches_hf(tiny_models, async_scheduling):
 @pytest.mark.slow
 def test_smollm2_greedy_mixed_batch_matches_hf(smollm2_dir, smollm2_hf):
     model, tokenizer = smollm2_hf
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a small village by the sea,",
-        "Q: What is 12 times 7?\nA:",
-        "List three primary colors:",
-        "Translate to French: Good morning, my friend.",
-        "The mitochondria is",
-        "import numpy as np\n\n# compute the mean of an array\n",
-        "Why is the sky blue? Explain briefly in one paragraph for a curious ten year old child who asks",
-        "Hi",
-        "In 1969, the first humans",
-        "A haiku about autumn:\n",
-    ]
+    texts = SMOLLM2_TEXTS
     prompts = [tokenizer(t).input_ids for t in texts]
     max_tokens = 20
     expected = [hf_greedy(model, p, max_tokens) for p in prompts]
