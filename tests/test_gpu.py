@@ -132,7 +132,8 @@ def test_smollm2_float32_greedy_on_gpu_matches_hf(smollm2_dir, smollm2_hf):
     model, tokenizer = smollm2_hf
     prompts = [tokenizer(t).input_ids for t in SMOLLM2_TEXTS]
     expected = [hf_greedy(model, p, 20) for p in prompts]
-    with LLM("smollm2-135m-instruct", dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
+    with LLM("smollm2-135m-instruct", dtype="float32", device="cuda", kv_cache_memory_bytes=KV,
+             max_model_len=1024) as llm:
         assert llm.llm_engine.runner.backend.name == "triton" and llm.llm_engine.uses_cuda_graphs
         outs = llm.generate(SMOLLM2_TEXTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
