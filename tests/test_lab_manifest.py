@@ -46,6 +46,7 @@ def test_manifest_fields(model_dir):
     assert eng["dtype"] == "float32" and eng["device"] == "cpu" and eng["max_model_len"] == 512
     assert eng["max_num_batched_tokens"] > 0 and eng["num_kv_blocks"] > 0 and eng["block_size"] == 16
     assert eng["async_scheduling"] is False  # None resolved: off on the CPU
+    assert eng["enable_cascade_attention"] is False  # asked for (the default), but the torch backend has none
     assert m["sampling"]["temperature"] == 0.5
     assert m["seeds"] == {"engine": 7, "sampling": [3]}
     json.dumps(m)  # JSON-able as is

@@ -266,7 +266,8 @@ class _AttentionKernels:
             num_seqs, self.qk_scale, split_kv_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, USE_SPLIT=bool(split_kv_size),
-            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages, **self.common)
+            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m,
+            num_warps=num_warps, num_stages=num_stages, **self.common)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch

@@ -247,6 +247,9 @@ def engine_info(engine) -> dict:
     backend = getattr(runner, "backend", None)
     if backend is not None:
         d["attention_backend"] = getattr(backend, "name", type(backend).__name__)
+        # cascade attention changes a row's summation order; only a backend that shares prefixes runs it
+        d["enable_cascade_attention"] = (bool(d.get("enable_cascade_attention"))
+                                         and getattr(backend, "shares_prefixes", False))
     return d
 
 
