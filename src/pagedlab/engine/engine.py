@@ -167,7 +167,7 @@ class LLMEngine:
                 "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks)
         if self.uses_cuda_graphs:
-            self.runner.capture_cuda_graphs(cfg.max_num_seqs, self.max_model_len)
+            self.runner.capture_cuda_graphs(cfg.max_num_seqs)
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)

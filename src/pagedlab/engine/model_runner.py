@@ -162,10 +162,10 @@ class ModelRunner:
         self._block_table_rows = {request: (row, count) for row, (request, count) in enumerate(zip(requests, counts))}
         return table
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs over the current KV cache (call again after re-allocating it)."""
         self.release_cuda_graphs()
-        self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, max_num_seqs, max_model_len,
+        self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, max_num_seqs, self.max_model_len,
                                            self.block_size, self.cascade_attention and self.backend.shares_prefixes)
         self.cuda_graphs.capture()
 
