@@ -1,54 +1,70 @@
-"""Engine configuration: what the user asked for, validated and resolved against the model."""
+"""Engine configuration: the one place engine settings and their defaults are written.
+
+``EngineConfig`` is what ``LLM(...)``, the CLI flags (``pagedlab.cli.engine_args``), the server,
+the lm-eval model and the lab's YAML ``engine:`` section all derive from. Each field's metadata
+says whether it changes only the plan (KV cache, scheduling, graphs: ``set_model_args`` can
+change it without reloading weights) and gives its help text.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+DTYPE_NAMES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
-_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
-# Settings that change only the plan (KV cache, scheduling, graphs); the rest need new weights.
-PLAN_FIELDS = (
-    "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-    "enable_chunked_prefill", "enforce_eager", "gpu_memory_utilization", "kv_cache_memory_bytes",
-    "max_model_len", "async_scheduling", "enable_cascade_attention",
-)
+
+def _setting(default, help: str, plan: bool = False):
+    return field(default=default, metadata={"help": help, "plan": plan})
 
 
 @dataclass
 class EngineConfig:
-    """Every engine argument of ``LLM(...)``; ``resolve`` fills the ``None``/"auto" ones."""
+    """Every engine argument of ``LLM(...)``, with vLLM's names and defaults; the engine resolves
+    the ``None``/"auto" ones against the model and the device."""
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str | torch.dtype = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on for CUDA, off on the CPU
-    enable_cascade_attention: bool = True
-    load_format: str = "auto"
-    trust_remote_code: bool = False
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    quantization: str | None = None
+    model: str = _setting(DEFAULT_MODEL, "local HF directory, .gguf file, or an embedded model")
+    tokenizer: str | None = _setting(None, "tokenizer directory (default: the model's)")
+    dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
+                                                "on a GPU, float32 on the CPU)")
+    seed: int = _setting(0, "seed of the engine's sampler and of dummy weights")
+    max_model_len: int | None = _setting(None, "context length (default: the model's)", plan=True)
+    block_size: int = _setting(16, "KV cache block size in tokens, a multiple of 16", plan=True)
+    gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory the engine may use", plan=True)
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "KV cache size, e.g. 4GiB (default: 1 GiB on the CPU; on a GPU from gpu_memory_utilization)",
+        plan=True)
+    max_num_seqs: int = _setting(256, "most sequences in one step", plan=True)
+    max_num_batched_tokens: int | None = _setting(
+        None, "token budget of one step (default: 8192, or max_model_len without chunked prefill)", plan=True)
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
+    enforce_eager: bool = _setting(False, "no CUDA graphs", plan=True)
+    async_scheduling: bool | None = _setting(
+        None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU)",
+        plan=True)
+    enable_cascade_attention: bool = _setting(
+        True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)
+    load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
+    trust_remote_code: bool = _setting(False, "let transformers run the model directory's own code")
+    device: str = _setting("auto", "auto, cpu, cuda or cuda:N")
+    attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
+    tensor_parallel_size: int = _setting(1, "GPUs to shard the model over (only 1 for now)")
+    quantization: str | None = _setting(None, "quantized weight format (none supported yet)")
 
     def validate(self) -> None:
+        """Raise ValueError naming the first invalid setting and what it may be."""
+
         def bad(name, allowed):
             raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {name} must be {allowed}")
 
@@ -64,14 +80,16 @@ class EngineConfig:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
-        if self.load_format not in _LOAD_FORMATS:
-            bad("load_format", f"one of {_LOAD_FORMATS}")
+        if self.load_format not in LOAD_FORMATS:
+            bad("load_format", f"one of {LOAD_FORMATS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
         if self.tensor_parallel_size != 1:
             bad("tensor_parallel_size", "1 (tensor parallelism is not available yet)")
         if self.quantization is not None:
             bad("quantization", "None (quantized weights are not supported yet)")
-        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
-            bad("dtype", f"'auto' or one of {sorted(_DTYPES)}")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
 
@@ -79,6 +97,21 @@ class EngineConfig:
         d = dataclasses.asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """``EngineConfig(**kwargs)``, but an unknown name is a ValueError listing the known ones."""
+        unknown = sorted(set(kwargs) - set(ENGINE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown engine argument {unknown[0]!r}: the engine takes {list(ENGINE_FIELDS)}")
+        return cls(**kwargs)
+
+
+ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
+# Settings that change only the plan (KV cache, scheduling, graphs); the rest need new weights.
+PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.metadata["plan"])
+WEIGHT_FIELDS: tuple[str, ...] = tuple(name for name in ENGINE_FIELDS if name not in PLAN_FIELDS)
+ENGINE_DEFAULTS: dict = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -94,12 +127,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        return _DTYPES[dtype]
+        return getattr(torch, DTYPE_NAMES[dtype])
     if device.type == "cpu":
         return torch.float32
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype)
+        config_dtype = getattr(torch, DTYPE_NAMES[config_dtype]) if config_dtype in DTYPE_NAMES else None
     if config_dtype in (None, torch.float32):
         return torch.bfloat16
     return config_dtype

@@ -2,50 +2,37 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Sequence
 
-from pagedlab.config import PLAN_FIELDS, EngineConfig
+from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
 from pagedlab.engine.engine import EngineStats, LLMEngine
+from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
-
-PromptType = str | list[int] | dict
 
 
 class LLM:
     """Load a model once and generate over many prompts with continuous batching.
 
     ``model`` is a local HF directory (config.json, *.safetensors, tokenizer files), a .gguf file,
-    or the embedded ``"smollm2-135m-instruct"``. On the CPU the KV cache takes
+    or the embedded ``"smollm2-135m-instruct"``. Every other keyword is an engine setting of
+    ``pagedlab.config.EngineConfig``, with vLLM's names and defaults (``dtype``, ``seed``,
+    ``max_model_len``, ``block_size``, ``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``enforce_eager``, ``async_scheduling``,
+    ``enable_cascade_attention``, ``load_format``, ``device``, ``attention_backend``, ...); an
+    unknown one is a ValueError listing them. On the CPU the KV cache takes
     ``kv_cache_memory_bytes`` (default 1 GiB); on a GPU, ``gpu_memory_utilization`` of it after a
-    profiling pass. ``attention_backend`` is "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
-    ``async_scheduling`` (default: on CUDA) prepares each step while the GPU runs the one before.
-    ``enable_cascade_attention`` lets a decode batch whose sequences share a long cached prefix
-    read that prefix once for all of them (Triton backend, in the decode CUDA graphs too; a row's
-    keys are then summed in another order than alone: turn it off for bitwise batch invariance).
+    profiling pass. Cascade attention (a decode batch reads its shared cached prefix once) sums a
+    row's keys in another order than alone: turn it off for bitwise batch invariance.
     Use it as a context manager to free every byte it took on exit.
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, dtype: str = "auto", seed: int = 0,
-                 max_model_len: int | None = None, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
-                 async_scheduling: bool | None = None, enable_cascade_attention: bool = True,
-                 load_format: str = "auto",
-                 trust_remote_code: bool = False, device: str = "auto", tensor_parallel_size: int = 1,
-                 quantization: str | None = None, attention_backend: str = "auto"):
-        config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, enable_cascade_attention=enable_cascade_attention,
-            load_format=load_format, trust_remote_code=trust_remote_code, device=device,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization)
-        self._engine: LLMEngine | None = LLMEngine(config, attention_backend=attention_backend)
+    def __init__(self, model: str, **engine_args):
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self._engine: LLMEngine | None = LLMEngine(config)
         self._request_counter = itertools.count()
 
     @property
@@ -63,11 +50,11 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        for token_ids, _ in encoded:
-            self.llm_engine.validate_prompt(token_ids)
+        for prompt in encoded:
+            self.llm_engine.validate_prompt(prompt.token_ids)
         return self._run(encoded, params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -75,13 +62,10 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
-        tokenizer = self._require_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "add_special_tokens": False})
+        engine = self.llm_engine
+        prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -90,18 +74,18 @@ class LLM:
         (one engine pass, prefix caching reusing the beams' shared KV) and keeps the best
         ``beam_width``; a beam that ends in EOS among the best is set aside as finished.
         """
-        encoded = [self._encode(p) for p in _as_prompt_list(prompts)]
+        encoded = [self._encode(p).token_ids for p in as_prompt_list(prompts)]
         eos = set(self.llm_engine.eos_token_ids) | set(params.stop_token_ids)
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width,
                                      detokenize=False, ignore_eos=True)
         width = params.beam_width
-        live = [[BeamSearchSequence(tokens=list(ids))] for ids, _ in encoded]
+        live = [[BeamSearchSequence(tokens=list(ids))] for ids in encoded]
         done: list[list[BeamSearchSequence]] = [[] for _ in encoded]
         for _ in range(params.max_tokens):
             flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
             if not flat:
                 break
-            outputs = self._run([(beam.tokens, None) for _, beam in flat], [step_params] * len(flat), use_tqdm)
+            outputs = self._run([EncodedPrompt(beam.tokens) for _, beam in flat], [step_params] * len(flat), use_tqdm)
             candidates: list[list[BeamSearchSequence]] = [[] for _ in encoded]
             for (i, beam), out in zip(flat, outputs):
                 for token, lp in out.outputs[0].logprobs[0].items():
@@ -118,11 +102,11 @@ class LLM:
                             done[i].append(cand)
                     elif len(live[i]) < width:
                         live[i].append(cand)
-                if len(done[i]) >= width and _score(live[i][0], params, len(encoded[i][0])) <= min(
-                        _score(b, params, len(encoded[i][0])) for b in done[i]):
+                if len(done[i]) >= width and _score(live[i][0], params, len(encoded[i])) <= min(
+                        _score(b, params, len(encoded[i])) for b in done[i]):
                     live[i] = []
         results = []
-        for i, (ids, _) in enumerate(encoded):
+        for i, ids in enumerate(encoded):
             for beam in live[i]:
                 beam.finish_reason = "length"
             beams = done[i] + live[i]
@@ -135,26 +119,10 @@ class LLM:
         return results
 
     # ---- helpers --------------------------------------------------------------------------
-    def _encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
-        elif isinstance(prompt, str):
-            text, add_special = prompt, True
-        else:
-            return list(prompt), None
-        tokenizer = self._require_tokenizer("text prompts")
-        return tokenizer(text, add_special_tokens=add_special).input_ids, text
+    def _encode(self, prompt: PromptType) -> EncodedPrompt:
+        return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model)
 
-    def _require_tokenizer(self, what: str):
-        tokenizer = self.llm_engine.tokenizer
-        if tokenizer is None:
-            raise ValueError(f"{what} need a tokenizer, and the model {self.llm_engine.config.model!r} has none: "
-                             "pass prompts as token-id lists, or tokenizer=PATH")
-        return tokenizer
-
-    def _run(self, encoded: list[tuple[list[int], str | None]], params: list[SamplingParams],
+    def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in encoded]
@@ -162,8 +130,8 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(ids)
         progress = _progress(len(ids), use_tqdm)
         try:
-            for rid, (token_ids, text), p in zip(ids, encoded, params):
-                engine.add_request(rid, token_ids, p, prompt=text)
+            for rid, prompt, p in zip(ids, encoded, params):
+                engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text)
             while engine.has_unfinished_requests():
                 for out in engine.step(stream=False):
                     if out.finished and out.request_id in order:
@@ -189,13 +157,11 @@ class LLM:
                              repeats=repeats, **kwargs)
 
     def set_model_args(self, **kwargs) -> None:
-        """Change plan-level settings (block_size, max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, enable_chunked_prefill, enforce_eager, gpu_memory_utilization,
-        kv_cache_memory_bytes, max_model_len) for the next call, keeping the loaded weights."""
-        weight_level = {"model", "tokenizer", "dtype", "quantization", "tensor_parallel_size", "load_format",
-                        "trust_remote_code", "device", "seed"}
+        """Change plan-level settings (``pagedlab.config.PLAN_FIELDS``: block_size, max_num_seqs,
+        max_num_batched_tokens, enable_prefix_caching, ...) for the next call, keeping the loaded
+        weights; a weight-level or unknown name is a ValueError."""
         for key in kwargs:
-            if key in weight_level:
+            if key in WEIGHT_FIELDS:
                 raise ValueError(f"{key!r} changes the weights, which set_model_args keeps: build a new LLM "
                                  f"for a different {key}")
             if key not in PLAN_FIELDS:
@@ -219,15 +185,13 @@ class LLM:
             device = self._engine.device
             self._engine.close()
             self._engine = None
-            import gc
-
             gc.collect()
             if device.type == "cuda":
                 import torch
 
                 torch.cuda.empty_cache()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -236,19 +200,6 @@ class LLM:
 
 def _score(beam: BeamSearchSequence, params: BeamSearchParams, prompt_len: int) -> float:
     return beam.cum_logprob / max(1, len(beam.tokens) - prompt_len) ** params.length_penalty
-
-
-def _as_prompt_list(prompts) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    for p in prompts:
-        if not isinstance(p, (str, dict, list, tuple)):
-            raise ValueError(f"prompt {p!r} is invalid: a prompt is a string, a list of token ids, or a dict "
-                             "with 'prompt' or 'prompt_token_ids'")
-    return prompts
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

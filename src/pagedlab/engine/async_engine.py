@@ -167,9 +167,9 @@ class AsyncEngine:
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, attention_backend: str = "auto", **kwargs) -> AsyncEngine:
+    def from_engine_config(cls, config: EngineConfig, **kwargs) -> AsyncEngine:
         """Load a model (as ``LLM`` would) and serve it."""
-        return cls(LLMEngine(config, attention_backend=attention_backend), **kwargs)
+        return cls(LLMEngine(config), **kwargs)
 
     @classmethod
     def from_llm(cls, llm, **kwargs) -> AsyncEngine:

@@ -99,7 +99,7 @@ def load_tokenizer(path, trust_remote_code: bool = False):
 class LLMEngine:
     """Owns the model, the KV cache and the scheduler; ``step()`` advances every request."""
 
-    def __init__(self, config: EngineConfig, attention_backend: str = "auto"):
+    def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, GenerationConfig
 
         config.validate()
@@ -122,7 +122,7 @@ class LLMEngine:
         self.model = load_model(self.source, self.hf_config, self.dtype, self.device,
                                 model_max_len(self.hf_config), config.seed)
         self.runner = ModelRunner(self.model, self.hf_config, self.device, self.dtype, config.block_size,
-                                  get_attention_backend(attention_backend, self.device), config.seed)
+                                  get_attention_backend(config.attention_backend, self.device), config.seed)
         self._parents: dict[str, _ParentRequest] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back

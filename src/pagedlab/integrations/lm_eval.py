@@ -41,14 +41,13 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from pagedlab.config import EngineConfig
+from pagedlab.config import ENGINE_FIELDS
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # LLM's engine arguments: the EngineConfig fields (pretrained names the model; device is lm-eval's)
-_ENGINE_ARGS = tuple(f.name for f in dataclasses.fields(EngineConfig)
-                     if f.name not in ("model", "device")) + ("attention_backend",)
+_ENGINE_ARGS = tuple(name for name in ENGINE_FIELDS if name not in ("model", "device"))
 _SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "ignore_eos")
 # lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine

@@ -31,7 +31,7 @@ def _checks(value: str) -> list[str]:
 
 def register(subparsers) -> None:
     """Add ``repro check`` to an argparse subparsers object."""
-    from pagedlab.cli import add_engine_args
+    from pagedlab.cli.engine_args import add_engine_args
 
     p = subparsers.add_parser("repro", help="reproducibility checks: batch invariance, seeds, precision, "
                                             "tokenizer drift, padding masks, HF parity")
@@ -99,7 +99,7 @@ def _seed_params(args, SamplingParams):
 
 def cmd_repro_check(args: argparse.Namespace) -> int:
     from pagedlab import LLM, SamplingParams
-    from pagedlab.cli import engine_kwargs
+    from pagedlab.cli.engine_args import engine_kwargs
     from pagedlab.lab import repro
 
     checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)

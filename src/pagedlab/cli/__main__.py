@@ -1,0 +1,5 @@
+import sys
+
+from pagedlab.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""The house rules of the source tree, checked: files under 600 lines, functions under 60 (Triton
+kernels aside), imports inside functions only for heavy or optional dependencies (and a
+command's own modules in the CLI), and no import cycles between pagedlab's modules."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 60
+# Third-party modules a function may import where it runs: heavy ones (start-up time) and the
+# optional extras (lab, server, eval), which the engine and `pagedlab bench` must run without.
+LAZY_THIRD_PARTY = {
+    "torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "accelerate", "huggingface_hub",
+    "numpy", "pandas", "matplotlib", "seaborn", "yaml", "sqlalchemy", "pynvml", "sacrebleu", "rich", "tqdm",
+    "psutil", "pyarrow", "fastapi", "uvicorn", "starlette", "pydantic", "httpx", "prometheus_client",
+    "openai", "lm_eval", "jinja2", "ray", "scipy",
+}
+# pagedlab modules imported lazily outside the CLI, and why.
+LAZY_INTERNAL = {
+    "pagedlab.lab.bench": "LLM.benchmark: the engine must not import the lab when it loads",
+    "pagedlab.kernels.paged_attention": "the Triton backend: triton is optional on the CPU",
+    "pagedlab.kernels.kv_write": "the Triton backend: triton is optional on the CPU",
+    "pagedlab.kernels.triton_kernels": "the Triton kernels themselves: triton is optional on the CPU",
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_cli(path: Path) -> bool:
+    return path.name == "cli.py" or path.parent.name == "cli"
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:
+    """Absolute module names an import statement loads (``from a import b`` is ``a.b`` when that
+    is a module, else ``a``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.rsplit(".", node.level)[0] if not MODULES[module].name == "__init__.py" else module
+        if node.level > 1:
+            package = package.rsplit(".", node.level - 1)[0]
+        base = f"{package}.{base}" if base else package
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+
+
+def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module loads (``if TYPE_CHECKING:`` blocks excluded)."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, (ast.If, ast.Try)):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            found += [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_file_and_function_length(module):
+    path = MODULES[module]
+    source = path.read_text()
+    assert source.count("\n") <= MAX_FILE_LINES, f"{path} has over {MAX_FILE_LINES} lines: split it along its seams"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue  # Triton kernels
+            length = node.end_lineno - node.lineno + 1
+            assert length <= MAX_FUNCTION_LINES, f"{path}:{node.lineno} {node.name}() has {length} lines"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_inside_functions_are_only_heavy_or_optional(module):
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    top = set(map(id, _top_level_imports(tree)))
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in top:
+            continue
+        if isinstance(node, ast.ImportFrom) and "TYPE_CHECKING" in ast.unparse(node):
+            continue
+        for name in _imported_names(node, module):
+            root = name.split(".")[0]
+            if root == "pagedlab":
+                ok = _is_cli(path) or name in LAZY_INTERNAL
+            else:
+                ok = root in LAZY_THIRD_PARTY or root not in sys.stdlib_module_names and root != "pagedlab"
+            assert ok, (f"{path}:{node.lineno} imports {name} inside a function: import it at the top "
+                        "(only heavy or optional dependencies, and a command's modules in the CLI, load lazily)")
+
+
+def test_no_import_cycles():
+    graph = {}
+    for module, path in MODULES.items():
+        imports = _top_level_imports(ast.parse(path.read_text()))
+        graph[module] = {n for node in imports for n in _imported_names(node, module) if n in MODULES}
+        # importing a.b.c runs a and a.b first
+        graph[module] |= {p for n in set(graph[module]) for p in _parents(n) if p in MODULES and p != module}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1 and not module.startswith(target + "."):
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
