@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,6 +114,40 @@ ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Engine
 PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.metadata["plan"])
 WEIGHT_FIELDS: tuple[str, ...] = tuple(name for name in ENGINE_FIELDS if name not in PLAN_FIELDS)
 ENGINE_DEFAULTS: dict = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a loaded engine resolved its settings to: the public view the lab, the server and
+    the manifest read (``LLM.get_engine_info()``), instead of the engine's internals."""
+
+    config: EngineConfig  # as given (after the last set_model_args)
+    model_name: str  # what the user asked for
+    model_path: Path  # the HF-layout directory the weights and config.json come from
+    original_file: Path | None  # the GGUF file a converted model came from
+    load_format: str  # "safetensors" or "dummy", resolved from "auto"/"gguf"
+    hf_config: Any  # transformers' PretrainedConfig
+    tokenizer: Any  # the transformers tokenizer, or None for a model without one
+    tokenizer_path: Path | None
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    max_num_batched_tokens: int
+    async_scheduling: bool
+    attention_backend: str  # "torch" or "triton"
+    cascade_attention: bool  # asked for, and the backend can run it
+    cuda_graphs: bool  # decode steps replay CUDA graphs
+    num_kv_blocks: int
+
+    def resolved_settings(self) -> dict:
+        """The engine settings with every "auto"/None replaced by what the engine uses."""
+        settings = self.config.to_dict()
+        settings.update(
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+            async_scheduling=self.async_scheduling, attention_backend=self.attention_backend,
+            enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks)
+        return settings
 
 
 def resolve_device(device: str) -> torch.device:

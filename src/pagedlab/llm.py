@@ -6,8 +6,9 @@ import gc
 import itertools
 from collections.abc import Sequence
 
-from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
-from pagedlab.engine.engine import EngineStats, LLMEngine
+from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
+from pagedlab.engine.engine import LLMEngine
+from pagedlab.outputs import EngineStats
 from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
@@ -171,6 +172,11 @@ class LLM:
     def get_stats(self) -> EngineStats:
         """Memory and counters: KV blocks (used, peak), prefix-cache hits, tokens computed."""
         return self.llm_engine.get_stats()
+
+    def get_engine_info(self) -> EngineInfo:
+        """The resolved settings (dtype, device, max_model_len, attention backend, ...) and the
+        model's identity (path, load format, HF config, tokenizer)."""
+        return self.llm_engine.info
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -82,3 +82,38 @@ class BeamSearchOutput:
     """The beams of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EngineStats:
+    """Counters and memory figures of the engine, for benchmarks, metrics and the lab."""
+
+    num_kv_blocks: int
+    block_size: int
+    kv_cache_bytes: int
+    weight_bytes: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    peak_kv_blocks_used: int
+    kv_tokens_at_peak: int  # filled token slots when the block peak was reached (shared ones once)
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    prompt_tokens_computed: int  # prompt and recomputed tokens run through the model
+    generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def fragmentation_at_peak(self) -> float:
+        """Share of the token slots allocated at the peak that held no token."""
+        slots = self.peak_kv_blocks_used * self.block_size
+        return 1.0 - self.kv_tokens_at_peak / slots if slots else 0.0

@@ -28,7 +28,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedlab.config import EngineConfig
-from pagedlab.engine.engine import EngineStats, LLMEngine
+from pagedlab.engine.engine import LLMEngine
+from pagedlab.outputs import EngineStats
 from pagedlab.outputs import RequestOutput
 from pagedlab.sampling_params import SamplingParams
 

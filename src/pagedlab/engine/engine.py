@@ -18,10 +18,11 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pagedlab.config import (EngineConfig, cpu_kv_cache_bytes, model_max_len, resolve_device, resolve_dtype,
+from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, model_max_len, resolve_device, resolve_dtype,
                              resolve_max_model_len, resolve_max_num_batched_tokens)
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedlab.engine.kv_cache import KVCacheManager
@@ -31,45 +32,10 @@ from pagedlab.engine.scheduler import Scheduler
 from pagedlab.layers.attention import get_attention_backend
 from pagedlab.layers.sampler import TopLogprobs
 from pagedlab.loader import load_model, resolve_model_source
-from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedlab.outputs import CompletionOutput, EngineStats, Logprob, PositionLogprobs, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters and memory figures of the engine, for benchmarks, metrics and the lab."""
-
-    num_kv_blocks: int
-    block_size: int
-    kv_cache_bytes: int
-    weight_bytes: int
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    peak_kv_blocks_used: int
-    kv_tokens_at_peak: int  # filled token slots when the block peak was reached (shared ones once)
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
-    prompt_tokens_computed: int  # prompt and recomputed tokens run through the model
-    generation_tokens: int
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / q if q else 0.0
-
-    @property
-    def fragmentation_at_peak(self) -> float:
-        """Share of the token slots allocated at the peak that held no token."""
-        slots = self.peak_kv_blocks_used * self.block_size
-        return 1.0 - self.kv_tokens_at_peak / slots if slots else 0.0
 
 
 @dataclass
@@ -191,6 +157,21 @@ class LLMEngine:
             kv_tokens_at_peak=self._tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens, num_preemptions=self._num_preemptions,
             prompt_tokens_computed=self._prompt_tokens, generation_tokens=self._generation_tokens)
+
+    @property
+    def info(self) -> EngineInfo:
+        """The resolved settings and the model's identity (see ``EngineInfo``)."""
+        backend = self.runner.backend
+        return EngineInfo(
+            config=self.config, model_name=self.source.name, model_path=self.source.path,
+            original_file=self.source.original_file, load_format=self.source.load_format,
+            hf_config=self.hf_config, tokenizer=self.tokenizer,
+            tokenizer_path=Path(self.config.tokenizer or self.source.path) if self.tokenizer is not None else None,
+            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
+            attention_backend=backend.name,
+            cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
+            cuda_graphs=self.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks)
 
     @property
     def uses_cuda_graphs(self) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 
-from pagedlab.engine.engine import EngineStats
+from pagedlab.outputs import EngineStats
 from pagedlab.outputs import RequestOutput
 
 PREFIX = "pagedlab:"
