@@ -24,7 +24,7 @@ def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
     prompts = random_prompts(8, max_len=80, seed=1)
     expected = [hf_greedy(tiny.hf_model, p, GREEDY.max_tokens) for p in prompts]
     with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
-        assert llm.llm_engine.runner.backend.name == "triton"
+        assert llm.get_engine_info().attention_backend == "triton"
         assert llm.llm_engine.uses_cuda_graphs
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
@@ -85,18 +85,24 @@ def test_bfloat16_teacher_forced_agreement_with_hf_float32(tiny_llama, capsys):
 def test_cascade_graphs_give_hf_tokens(tiny_models, monkeypatch):
     """20 prompts share a cached 200-token prefix: decode replays the cascade graphs (threshold
     lowered for a tiny model) and greedy float32 tokens stay HF's."""
-    from pagedlab.kernels import paged_attention
+    from pagedlab.layers.attention import triton_backend
 
-    monkeypatch.setattr(paged_attention, "CASCADE_MIN_SHARED_KEYS", 0)
+    monkeypatch.setattr(triton_backend, "CASCADE_MIN_SHARED_KEYS", 0)
     tiny = tiny_models("qwen3")
     prefix = random_prompts(1, min_len=200, max_len=200, seed=5)[0]
     prompts = [prefix + tail for tail in random_prompts(20, min_len=1, max_len=8, seed=6)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
     with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
-        graphs = llm.llm_engine.runner.cuda_graphs
-        shared, real_run = [], graphs.run
-        graphs.run = lambda *args: shared.append(args[5]) or real_run(*args)
+        backend = llm.llm_engine.runner.backend
+        shared, select = [], backend.select_graph_form
+
+        def recording_select(layout, plans):
+            form = select(layout, plans)
+            shared.append(int(plans[form].prefix_len) if form == "cascade" else 0)
+            return form
+
+        backend.select_graph_form = recording_select
         got = _tokens(llm.generate(prompts, params, use_tqdm=False))
     assert 192 in shared, f"no decode step replayed a cascade graph over the shared tiles: {set(shared)}"
     assert got == expected
@@ -134,7 +140,7 @@ def test_smollm2_float32_greedy_on_gpu_matches_hf(smollm2_dir, smollm2_hf):
     expected = [hf_greedy(model, p, 20) for p in prompts]
     with LLM("smollm2-135m-instruct", dtype="float32", device="cuda", kv_cache_memory_bytes=KV,
              max_model_len=1024) as llm:
-        assert llm.llm_engine.runner.backend.name == "triton" and llm.llm_engine.uses_cuda_graphs
+        assert llm.get_engine_info().attention_backend == "triton" and llm.get_engine_info().cuda_graphs
         outs = llm.generate(SMOLLM2_TEXTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.outputs[0].text for o in outs] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]

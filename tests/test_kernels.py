@@ -27,20 +27,22 @@ pytest.importorskip("triton")
 
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton  # noqa: E402
 from pagedlab.kernels.paged_attention import (  # noqa: E402
-    CASCADE_MIN_SEQS,
-    CASCADE_MIN_SHARED_KEYS,
     SPLIT_KV_MIN_PROGRAMS,
     SPLIT_KV_SIZE,
     TILE_N,
     CascadeBuffers,
     allocate_split_kv_scratch,
     cascade_attention_triton,
-    cascade_prefix_len,
     choose_split_kv_size,
     paged_attention_torch,
     paged_attention_triton,
 )
-from pagedlab.layers.attention import ATTENTION_BACKENDS, AttentionMetadata, get_attention_backend  # noqa: E402
+from pagedlab.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from pagedlab.layers.attention.triton_backend import (  # noqa: E402
+    CASCADE_MIN_SEQS,
+    CASCADE_MIN_SHARED_KEYS,
+    cascade_prefix_len,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -215,7 +217,6 @@ def test_write_kv_matches_reference(block_size, num_kv_heads, head_dim, dtype):
 
 
 def test_triton_backend_matches_torch_backend():
-    assert "triton" in ATTENTION_BACKENDS
     triton_backend = get_attention_backend("triton", torch.device(DEVICE))
     torch_backend = get_attention_backend("torch", torch.device(DEVICE))
     gen = _generator("backend")
@@ -309,8 +310,9 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
 
     from pagedlab import LLM, SamplingParams
     from pagedlab.kernels import paged_attention
+    from pagedlab.layers.attention import triton_backend
 
-    monkeypatch.setattr(paged_attention, "CASCADE_MIN_SHARED_KEYS", 0)
+    monkeypatch.setattr(triton_backend, "CASCADE_MIN_SHARED_KEYS", 0)
     calls = []
     real = paged_attention.cascade_attention_triton
     monkeypatch.setattr(paged_attention, "cascade_attention_triton",

@@ -7,7 +7,7 @@ import pytest
 from conftest import KV_BYTES, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import kv_cache as kv_module
-from pagedlab.engine.kv_cache import KVCacheManager
+from pagedlab.engine.kv_cache import KVCacheManager, PrefixHit
 from pagedlab.engine.request import Request
 
 
@@ -17,9 +17,11 @@ def make_request(tokens, rid="r"):
 
 def admit(kv: KVCacheManager, request: Request) -> int:
     """Allocate a whole prompt the way the scheduler does; returns the cached token count."""
-    cached = kv.find_cached_prefix(request)
-    assert kv.allocate_slots(request, request.num_tokens - len(cached) * kv.block_size, cached)
-    return len(cached) * kv.block_size
+    hit = kv.find_cached_prefix(request)
+    cached = hit.num_tokens(kv.block_size)
+    assert kv.allocate_slots(request, request.num_tokens - cached, hit)
+    request.num_computed_tokens += cached
+    return cached
 
 
 def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
@@ -87,7 +89,7 @@ def test_allocation_failure_changes_nothing():
     admit(kv, a)
     b = make_request(range(50, 60), "b")
     before = (kv.num_free_blocks, list(b.block_ids), b.num_computed_tokens)
-    assert not kv.allocate_slots(b, 10, [])
+    assert not kv.allocate_slots(b, 10, PrefixHit())
     assert (kv.num_free_blocks, list(b.block_ids), b.num_computed_tokens) == before
     check_invariants(kv, [a])
 

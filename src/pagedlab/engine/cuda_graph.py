@@ -1,12 +1,12 @@
-"""CUDA graphs for decode steps: one captured forward per padded batch size.
+"""CUDA graphs for decode steps: one captured forward per padded batch size and attention form.
 
 A decode step of B sequences replays the graph of the smallest captured size >= B. Its inputs
 are copied into static buffers; padding rows write no KV (slot -1) and attend over one key of
 block 0, and their outputs are ignored. The LM head and the sampler run outside the graph.
 
-With cascade attention, each size from ``CASCADE_MIN_SEQS`` up is captured a second time in the
-cascade form; a step whose sequences share a prefix sets its length in that graph's device
-buffer and replays it.
+Each size is captured in every form the attention backend names for it (the Triton backend: a
+plain form and, from 16 sequences up, a cascade form); before a replay the backend picks the
+form for the batch and updates that form's persistent plan (e.g. the shared prefix's length).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import bisect
 
 import torch
 
-from pagedlab.kernels.paged_attention import CASCADE_MIN_SEQS, CascadeBuffers
-from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
+from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout, forward_context
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -29,7 +28,7 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, block_size: int, cascade: bool = False):
+                 max_num_seqs: int, max_model_len: int, block_size: int, allow_cascade: bool = True):
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
@@ -42,44 +41,42 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
-        # size -> graph and its output; key (size, True) for the cascade form
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
-        self.cascade_buffers = {size: CascadeBuffers.allocate(size, device)
-                                for size in self.sizes if cascade and size >= CASCADE_MIN_SEQS}
+        # size -> form -> the backend's persistent plan; (size, form) -> graph and its output
+        self.plans = {size: {form: backend.graph_plan(form, size, device)
+                             for form in backend.graph_forms(size, allow_cascade)} for size in self.sizes}
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], torch.Tensor] = {}
 
-    def _metadata(self, size: int, cascade: bool) -> AttentionMetadata:
+    def _metadata(self, size: int, form: str) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=self.max_model_len,
-            cascade=self.cascade_buffers[size] if cascade else None)
+            max_query_len=1, max_seq_len=self.max_model_len, plan=self.plans[size][form])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size (and cascade form), largest first, into one shared memory pool."""
+        """Capture every size in each of its forms, largest first, into one shared memory pool."""
         pool = None
         for size in reversed(self.sizes):
-            for cascade in (False, True) if size in self.cascade_buffers else (False,):
+            for form in self.plans[size]:
                 graph = torch.cuda.CUDAGraph()
-                with forward_context(self._metadata(size, cascade), self.backend):
+                with forward_context(self._metadata(size, form), self.backend):
                     self.model(self.input_ids[:size], self.positions[:size])  # warm-up: compiles kernels
                     torch.cuda.synchronize()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[size, cascade] = self.model(self.input_ids[:size], self.positions[:size])
+                        self.outputs[size, form] = self.model(self.input_ids[:size], self.positions[:size])
                 if pool is None:
                     pool = graph.pool()
-                self.graphs[size, cascade] = graph
+                self.graphs[size, form] = graph
         torch.cuda.synchronize()
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, shared_prefix_len: int = 0) -> torch.Tensor:
-        """Replay the graph for this decode batch; returns hidden states ``[num_seqs, hidden]``.
-        ``shared_prefix_len`` > 0 (keys every sequence holds in the same blocks, a multiple of
-        the key tile) replays the cascade form where one was captured."""
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """Replay the graph for this decode batch (``layout`` is its host description, from which
+        the backend picks the form); returns hidden states ``[num_seqs, hidden]``."""
         n = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -90,11 +87,9 @@ class CudaGraphRunner:
         self.seq_lens[n:size].fill_(1)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.block_tables[n:size].zero_()
-        cascade = bool(shared_prefix_len) and size in self.cascade_buffers
-        if cascade:
-            self.cascade_buffers[size].set_prefix_len(shared_prefix_len)
-        self.graphs[size, cascade].replay()
-        return self.outputs[size, cascade][:n]
+        form = self.backend.select_graph_form(layout, self.plans[size])
+        self.graphs[size, form].replay()
+        return self.outputs[size, form][:n]
 
     def close(self) -> None:
         self.graphs.clear()

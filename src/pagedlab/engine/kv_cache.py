@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,17 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class PrefixHit:
+    """A prefix-cache lookup's result: cached blocks holding a request's first tokens."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.block_ids) * block_size
 
 
 def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
@@ -65,63 +76,56 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks already holding a prefix of ``request``'s tokens, for a request holding no block.
-        The hits' hashes are recorded on it, so allocation does not hash those blocks again.
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """Blocks already holding a prefix of ``request``'s tokens (for a request holding no
+        block), and their hashes; nothing changes until ``allocate_slots`` takes them.
 
         The last token is never taken from the cache: at least one token must be computed so the
         request gets logits to sample from.
         """
+        hit = PrefixHit()
         if not self.enable_prefix_caching or request.wants_prompt_logprobs:
-            return []
+            return hit
         tokens = request.all_token_ids
-        num_full = (len(tokens) - 1) // self.block_size
-        hits: list[int] = []
-        hashes: list[bytes] = []
-        for i in range(num_full):
+        for i in range((len(tokens) - 1) // self.block_size):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(hashes[-1] if hashes else None, block_tokens)
+            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else None, block_tokens)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
-            hits.append(block_id)
-            hashes.append(block_hash)
-        request.block_hashes = hashes
-        return hits
+            hit.block_ids.append(block_id)
+            hit.block_hashes.append(block_hash)
+        return hit
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | None = None) -> bool:
-        """Give ``request`` room for ``num_new_tokens`` more tokens; False (nothing changed) if the
-        pool is too small. ``cached_blocks`` (for a request that holds no block yet) are the prefix
-        hits from ``find_cached_prefix``, taken before any new block; passing it, even empty,
-        counts the lookup in ``stats``."""
-        is_first_allocation = cached_blocks is not None
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones;
+        False (nothing changed) if the pool is too small. ``prefix_hit`` (for a request that holds
+        no block yet) is what ``find_cached_prefix`` found: its blocks come first, and the new
+        tokens follow them; passing it, even empty, counts the lookup in ``stats``."""
+        is_first_allocation = prefix_hit is not None
         total = request.num_computed_tokens + num_new_tokens
         if (not is_first_allocation and total <= len(request.block_ids) * self.block_size
                 and (not self.enable_prefix_caching or total // self.block_size <= len(request.block_hashes))):
             return True  # the common decode step: room in the last block, no block newly full
-        cached_blocks = cached_blocks or []
-        num_cached_tokens = len(cached_blocks) * self.block_size
-        total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(cached_blocks)
-        num_cached_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        hit = prefix_hit or PrefixHit()
+        total += hit.num_tokens(self.block_size)
+        num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - len(hit.block_ids)
+        num_cached_free = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_cached_free:
             return False
         if is_first_allocation:
             self.stats.queried_tokens += request.num_tokens
-            self.stats.hit_tokens += num_cached_tokens
-        for block_id in cached_blocks:
+            self.stats.hit_tokens += hit.num_tokens(self.block_size)
+        for block_id in hit.block_ids:
             self._take(block_id)
-        request.block_ids.extend(cached_blocks)
-        if cached_blocks:
-            request.num_computed_tokens += num_cached_tokens
-            request.num_cached_prompt_tokens = num_cached_tokens
+        request.block_ids.extend(hit.block_ids)
+        request.block_hashes.extend(hit.block_hashes)
         for _ in range(max(num_new_blocks, 0)):
             block_id = next(iter(self.free_blocks))
             self._take(block_id)
             self._evict(block_id)
             request.block_ids.append(block_id)
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        self._cache_full_blocks(request, total)
         return True
 
     def free(self, request: Request) -> None:

@@ -1,6 +1,7 @@
 """Turns a ScheduledBatch into flat tensors, runs the model over the paged KV cache, samples.
 
-Owns the weights, the KV cache tensors and the sampler. Logits are computed only for the
+Owns the weights, the KV cache tensors, the decode CUDA graphs and the sampler; the engine gives
+it a plan (``configure``) and one batch per step (``launch``). Logits are computed only for the
 positions that sample, plus every prompt position of requests that asked for prompt logprobs.
 
 ``launch`` queues a step's work and returns without waiting for the GPU: the sampled ids stay on
@@ -16,15 +17,48 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedlab.config import model_max_len
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
-from pagedlab.kernels.paged_attention import CascadeBuffers, cascade_prefix_len
-from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, forward_context
-from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
+from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
+from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout, forward_context
+from pagedlab.layers.sampler import Sampler, TopLogprobs, gather_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerPlan:
+    """What the engine's plan asks of the runner: the KV cache's shape and size, and graphs."""
+
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the largest step, for the GPU memory profile
+    kv_cache_memory_bytes: int | None  # None: what gpu_memory_utilization leaves after a profile
+    gpu_memory_utilization: float
+    cascade_attention: bool  # decode batches attend a shared prefix once (if the backend can)
+    cuda_graphs: bool  # decode steps replay CUDA graphs (if the backend supports them)
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host, flat over its tokens."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)  # token index whose id the previous step sampled
+    pending_sources: list[int] = field(default_factory=list)  # its row in that step's sampled ids
+    sample_rows: list[int] = field(default_factory=list)  # token index of each sampling request's last token
+    sampled: list[Request] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
+    prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.seq_lens) and not self.prompt_rows
 
 
 @dataclass
@@ -68,77 +102,79 @@ class LaunchedStep:
         return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
-
-
-class PinnedStaging:
-    """Host-to-device copies through two reused pinned buffers, used by alternate steps. Pinning
-    a fresh tensor for every input cost ~0.1 ms each, over 1 ms per decode step. A buffer is
-    written again only after the event of the step that last used it has passed."""
-
-    def __init__(self, device: torch.device, nbytes: int = 1 << 22):
-        self.device = device
-        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self._released: list[torch.cuda.Event | None] = [None, None]
-        self._current = 0
-        self._offset = 0
-
-    def begin_step(self) -> None:
-        self._current ^= 1
-        event = self._released[self._current]
-        if event is not None:
-            event.synchronize()
-        self._offset = 0
-
-    def end_step(self, event: torch.cuda.Event) -> None:
-        """``event`` is recorded after every copy queued since ``begin_step``."""
-        self._released[self._current] = event
-
-    def to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        array = np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
-        start = -(-self._offset // 64) * 64
-        buffer = self._buffers[self._current]
-        if start + array.nbytes > buffer.numel():
-            torch.cuda.current_stream(self.device).synchronize()  # copies queued from the old buffer
-            buffer = torch.empty(max(2 * buffer.numel(), array.nbytes), dtype=torch.uint8, pin_memory=True)
-            self._buffers[self._current], start = buffer, 0
-        self._offset = start + array.nbytes
-        host = buffer[start:self._offset].view(dtype).view(array.shape)
-        host.numpy()[...] = array
-        return host.to(self.device, non_blocking=True)
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
-                 block_size: int, backend: AttentionBackend, seed: int = 0):
+                 backend: AttentionBackend, seed: int = 0):
         self.model = model
-        self.hf_config = hf_config
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
         self.backend = backend
         self.vocab_size = hf_config.vocab_size
         attn = model.attention_layers()[0]
         self.num_layers = len(model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.plan: RunnerPlan | None = None
         self.kv_cache: torch.Tensor | None = None
-        # Upper bound on sequence length the attention kernels are told, for eager steps and
-        # captured graphs alike, so both choose the same split-KV layout.
-        self.max_model_len = model_max_len(hf_config)
-        self.cascade_attention = True  # decode batches attend a shared prefix once (if the backend can)
         self.cuda_graphs: CudaGraphRunner | None = None
         self._profiled_peaks: dict[tuple[int, int], int] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
-        self.staging = PinnedStaging(device) if device.type == "cuda" else None
+        self.to_device = HostToDevice(device)
         # the last step's block table and each request's (row, block count) in it
         self._block_table = np.zeros((0, 0), dtype=np.int32)
         self._block_table_rows: dict[Request, tuple[int, int]] = {}
 
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """Host data to the device; on CUDA through pinned memory, without waiting for the copy."""
-        if self.staging is None:
-            return torch.as_tensor(values, dtype=dtype)
-        return self.staging.to_device(values, dtype)
+    def configure(self, plan: RunnerPlan) -> int:
+        """Take a new plan: size and allocate the KV cache, capture the decode graphs. Returns
+        the number of KV blocks; a cache too small for one ``max_model_len`` sequence is a
+        ValueError."""
+        self.free_kv_cache()
+        self.plan = plan
+        num_blocks = self._num_kv_blocks(plan)
+        min_blocks = -(-plan.max_model_len // plan.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {plan.block_size} tokens, fewer than one "
+                f"max_model_len ({plan.max_model_len}) sequence needs ({min_blocks}); raise "
+                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+        self.allocate_kv_cache(num_blocks)
+        if self.uses_cuda_graphs:
+            self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, plan.max_num_seqs,
+                                               plan.max_model_len, plan.block_size, plan.cascade_attention)
+            self.cuda_graphs.capture()
+        return num_blocks
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: asked for, and the backend can be captured (the torch
+        backend syncs with the host inside attention, so it always runs eagerly)."""
+        return self.plan is not None and self.plan.cuda_graphs and self.backend.supports_cuda_graphs
+
+    @property
+    def block_size(self) -> int:
+        return self.plan.block_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None else 0
+
+    def _num_kv_blocks(self, plan: RunnerPlan) -> int:
+        per_block = self.bytes_per_block
+        # Never more than every sequence slot at full length could use.
+        ceiling = plan.max_num_seqs * -(-plan.max_model_len // plan.block_size) + 1
+        if plan.kv_cache_memory_bytes is not None:
+            return min(plan.kv_cache_memory_bytes // per_block, ceiling)
+        blocks = self.profile_gpu_kv_blocks(plan.max_num_batched_tokens, plan.max_model_len,
+                                            plan.gpu_memory_utilization)
+        return min(blocks, ceiling)
+
+    def close(self) -> None:
+        """Free the KV cache, the graphs and the weights."""
+        self.free_kv_cache()
+        self.model = None
 
     def _build_block_table(self, requests: list[Request]) -> np.ndarray:
         """``[num_seqs, max_blocks]`` block ids. A request's ids only grow while it stays scheduled
@@ -162,18 +198,6 @@ class ModelRunner:
         self._block_table_rows = {request: (row, count) for row, (request, count) in enumerate(zip(requests, counts))}
         return table
 
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode graphs over the current KV cache (call again after re-allocating it)."""
-        self.release_cuda_graphs()
-        self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, max_num_seqs, self.max_model_len,
-                                           self.block_size, self.cascade_attention and self.backend.shares_prefixes)
-        self.cuda_graphs.capture()
-
-    def release_cuda_graphs(self) -> None:
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.close()
-            self.cuda_graphs = None
-
     # ---- KV cache -------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
@@ -189,7 +213,9 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def free_kv_cache(self) -> None:
-        self.release_cuda_graphs()
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.close()
+            self.cuda_graphs = None
         self._block_table_rows.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
@@ -227,7 +253,8 @@ class ModelRunner:
         slot_mapping = (block_tables[:, :, None] * self.block_size
                         + torch.arange(self.block_size, device=self.device, dtype=torch.int32)).flatten(1)
         slot_mapping = slot_mapping[:, :seq_len].flatten().long()
-        metadata = self._metadata(slot_mapping, lens, lens, block_tables)
+        layout = BatchLayout(lens, lens, block_tables.cpu().numpy(), self.block_size, self.plan.max_model_len, False)
+        metadata = self._metadata(slot_mapping, layout, block_tables)
         with torch.inference_mode(), forward_context(metadata, self.backend):
             hidden = self.model(torch.zeros_like(positions), positions)
             self.model.compute_logits(hidden[-min(num_seqs * 256, len(hidden)):])
@@ -238,25 +265,17 @@ class ModelRunner:
         return peak
 
     # ---- one step -------------------------------------------------------------------------
-    def _metadata(self, slot_mapping, query_lens: list[int], seq_lens: list[int], block_tables,
-                  cascade_prefix: int = 0) -> AttentionMetadata:
+    def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout, block_tables: torch.Tensor) -> AttentionMetadata:
+        """The step's device-side description, planned by the backend."""
         starts = [0]
-        for n in query_lens:
+        for n in layout.query_lens:
             starts.append(starts[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=self._to_device(starts, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=block_tables,
-            max_query_len=max(query_lens),
-            max_seq_len=self.max_model_len,
-            cascade=self._cascade_buffers(len(seq_lens), cascade_prefix) if cascade_prefix else None,
-        )
-
-    def _cascade_buffers(self, num_rows: int, prefix_len: int) -> CascadeBuffers:
-        buffers = CascadeBuffers.allocate(num_rows, self.device)
-        buffers.set_prefix_len(prefix_len)
-        return buffers
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=self.to_device(starts, torch.int32),
+            seq_lens=self.to_device(layout.seq_lens, torch.int32), block_tables=block_tables,
+            max_query_len=max(layout.query_lens), max_seq_len=layout.max_seq_len)
+        self.backend.plan(metadata, layout)
+        return metadata
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Device data to the host; on CUDA an asynchronous copy into pinned memory, valid once the
@@ -274,79 +293,74 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling. A request whose input token is still pending
         takes it from ``previous``'s sampled ids on the device, without a round trip to the host."""
-        if self.staging is not None:
-            self.staging.begin_step()
-        input_ids: list[int] = []
-        pending_rows: list[int] = []  # flat token index whose id comes from ``previous``
-        pending_sources: list[int] = []  # its row in ``previous``'s sampled ids
-        previous_rows = previous.sample_rows() if previous is not None else None
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flat token index of each sampling request's last token
-        prompt_rows: list[int] = []  # flat token indices whose prompt logprobs are wanted
-        prompt_chunks: dict[str, tuple[int, int, int]] = {}  # request -> (first prompt row, count, start)
-        sampled: list[Request] = []
-        bs = self.block_size
-        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            offset = len(input_ids)
-            seq_lens.append(start + n)
-            if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
-                if start < request.num_tokens:
-                    input_ids.append(request.all_token_ids[start])
-                else:  # sampled by the step still in flight
-                    pending_rows.append(offset)
-                    pending_sources.append(previous_rows[request])
-                    input_ids.append(0)
-                positions.append(start)
-                slots.append(request.block_ids[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(request.all_token_ids[start:start + n])
-                pos = np.arange(start, start + n)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
-            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
-                count = min(start + n, request.num_prompt_tokens - 1) - start
-                prompt_chunks[request.request_id] = (len(prompt_rows), count, start)
-                prompt_rows.extend(range(offset, offset + count))
-            if batch.samples(i):
-                sampled.append(request)
-                sample_rows.append(offset + n - 1)
-        table = self._build_block_table(batch.requests)
-        ids = self._to_device(input_ids, torch.int64)
-        if pending_rows:
-            ids[self._to_device(pending_rows, torch.int64)] = \
-                previous.sampled_token_ids[self._to_device(pending_sources, torch.int64)]
-        pos = self._to_device(positions, torch.int64)
-        slot_mapping = self._to_device(slots, torch.int64)
-        block_tables = self._to_device(table, torch.int32)
-        decode_only = len(input_ids) == len(batch.requests) and not prompt_rows
-        shared = 0  # keys all sequences hold in the same blocks, for cascade attention
-        if decode_only and self.cascade_attention and self.backend.shares_prefixes:
-            shared = cascade_prefix_len(table, seq_lens, bs)
-        if decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(input_ids)):
-            hidden = self.cuda_graphs.run(ids, pos, slot_mapping, self._to_device(seq_lens, torch.int32),
-                                          block_tables, shared)
-        else:
-            metadata = self._metadata(slot_mapping, batch.num_new_tokens, seq_lens, block_tables, shared)
-            with forward_context(metadata, self.backend):
-                hidden = self.model(ids, pos)
-        step = LaunchedStep(batch, sampled)
-        rows = sample_rows + prompt_rows
+        self.to_device.begin_step()
+        inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
+        hidden = self._forward(batch, inputs, previous)
+        step = LaunchedStep(batch, inputs.sampled)
+        rows = inputs.sample_rows + inputs.prompt_rows
         if rows:
-            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)]).float()
-            step.prompt_logprobs = self._prompt_logprobs(logits[len(sample_rows):], batch, prompt_chunks)
-        if sampled:
-            out = self.sampler(logits[:len(sample_rows)], self._sampling_metadata(sampled))
+            logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)]).float()
+            step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
+                                                         inputs.prompt_chunks)
+        if inputs.sampled:
+            out = self.sampler(logits[:len(inputs.sample_rows)],
+                               build_sampling_metadata(inputs.sampled, self.to_device, self.vocab_size))
             step.sampled_token_ids = out.token_ids
             step.host_token_ids = self._to_host(out.token_ids)
             step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
-            self.staging.end_step(step.done)
+            self.to_device.end_step(step.done)
         return step
+
+    def _prepare_inputs(self, batch: ScheduledBatch, previous_rows: dict[Request, int]) -> StepInputs:
+        inputs = StepInputs()
+        bs = self.block_size
+        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = request.num_computed_tokens
+            offset = len(inputs.input_ids)
+            inputs.seq_lens.append(start + n)
+            if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
+                if start < request.num_tokens:
+                    inputs.input_ids.append(request.all_token_ids[start])
+                else:  # sampled by the step still in flight
+                    inputs.pending_rows.append(offset)
+                    inputs.pending_sources.append(previous_rows[request])
+                    inputs.input_ids.append(0)
+                inputs.positions.append(start)
+                inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
+            else:
+                inputs.input_ids.extend(request.all_token_ids[start:start + n])
+                pos = np.arange(start, start + n)
+                inputs.positions.extend(pos.tolist())
+                inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
+            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
+                count = min(start + n, request.num_prompt_tokens - 1) - start
+                inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
+                inputs.prompt_rows.extend(range(offset, offset + count))
+            if batch.samples(i):
+                inputs.sampled.append(request)
+                inputs.sample_rows.append(offset + n - 1)
+        return inputs
+
+    def _forward(self, batch: ScheduledBatch, inputs: StepInputs, previous: LaunchedStep | None) -> torch.Tensor:
+        """The model over the step's tokens: a decode batch replays a CUDA graph where one fits."""
+        table = self._build_block_table(batch.requests)
+        ids = self.to_device(inputs.input_ids, torch.int64)
+        if inputs.pending_rows:
+            ids[self.to_device(inputs.pending_rows, torch.int64)] = \
+                previous.sampled_token_ids[self.to_device(inputs.pending_sources, torch.int64)]
+        positions = self.to_device(inputs.positions, torch.int64)
+        slot_mapping = self.to_device(inputs.slots, torch.int64)
+        block_tables = self.to_device(table, torch.int32)
+        layout = BatchLayout(batch.num_new_tokens, inputs.seq_lens, table, self.block_size, self.plan.max_model_len,
+                             self.plan.cascade_attention)
+        if inputs.decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids)):
+            return self.cuda_graphs.run(ids, positions, slot_mapping, self.to_device(inputs.seq_lens, torch.int32),
+                                        block_tables, layout)
+        with forward_context(self._metadata(slot_mapping, layout, block_tables), self.backend):
+            return self.model(ids, positions)
 
     def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
         result = {}
@@ -355,51 +369,7 @@ class ModelRunner:
             request = by_id[request_id]
             targets = request.prompt_token_ids[start + 1:start + 1 + count]
             logprobs = logits[first:first + count].log_softmax(-1)
-            top = gather_logprobs(logprobs, self._to_device(targets, torch.int64),
+            top = gather_logprobs(logprobs, self.to_device(targets, torch.int64),
                                   request.sampling_params.prompt_logprobs)
             result[request_id] = PromptLogprobsChunk(start + 1, targets, self._top_to_host(top))
         return result
-
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
-        params = [r.sampling_params for r in requests]
-
-        def column(values, dtype=torch.float32):
-            return self._to_device(values, dtype)
-
-        greedy = [p.greedy for p in params]
-        meta = SamplingMetadata(
-            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            greedy=column(greedy, torch.bool),
-            top_k=column([p.top_k or self.vocab_size for p in params], torch.int64)
-            if any(p.top_k for p in params) else None,
-            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
-            min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
-            generators=[r.generator for r in requests],
-            all_greedy=all(greedy),
-        )
-        if any(p.has_penalties for p in params):
-            meta.presence_penalty = column([p.presence_penalty for p in params])
-            meta.frequency_penalty = column([p.frequency_penalty for p in params])
-            meta.repetition_penalty = column([p.repetition_penalty for p in params])
-            meta.output_token_ids = self._padded([r.output_token_ids for r in requests])
-            meta.prompt_token_ids = self._padded([r.prompt_token_ids for r in requests])
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        for row, r in enumerate(requests):
-            p = r.sampling_params
-            if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if ids:
-                    banned_rows.extend([row] * len(ids))
-                    banned_ids.extend(ids)
-        if banned_rows:  # device index tensors: indexing with host lists would wait for the GPU
-            meta.banned_token_ids = (self._to_device(banned_rows, torch.int64),
-                                     self._to_device(banned_ids, torch.int64))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        meta.max_num_logprobs = max(wanted) if wanted else None
-        return meta
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        return self._to_device([r + [self.vocab_size] * (width - len(r)) for r in rows], torch.int64)
-

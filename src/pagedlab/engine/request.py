@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedlab.outputs import PositionLogprobs, RequestMetrics
+from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
 
 
@@ -20,7 +20,10 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence: a prompt plus the tokens generated so far.
+    """One sequence as the scheduler sees it: a prompt plus the tokens generated so far.
+
+    The scheduler changes every field of it (the KV cache manager only its ``block_ids`` and
+    ``block_hashes``); text, logprobs and outputs live in the output processor.
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
     the scheduler runs ``num_tokens_with_pending - num_computed_tokens`` more (a whole prompt, a
@@ -36,10 +39,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    prompt: str | None = None
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
+    generator: torch.Generator | None = None  # per-request seed
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
@@ -49,24 +52,13 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
-
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        params = self.sampling_params
-        if params.logprobs is not None:
-            self.logprobs = []
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,7 +92,4 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None
-
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
+        return self.sampling_params.prompt_logprobs is not None

@@ -1,14 +1,18 @@
-"""Which tokens of which requests run in the next step.
+"""Which tokens of which requests run in the next step, and every change of a request's state.
 
-With asynchronous steps, a request whose last token is still pending on the device is
-scheduled like any decode: the model runner takes that input id from the previous step's
-device tensor. A request that has sampled all its ``max_tokens`` waits for them to be read back.
+The scheduler owns the request lifecycle: admission, preemption, the tokens computed when a step
+is launched, the tokens appended when it is read back, the stop checks, finishing and freeing
+(the KV cache manager owns the blocks; the output processor owns text and logprobs).
 
 One step has one token budget (``max_num_batched_tokens``) shared by decodes and prefill
 chunks. Running requests are served first, in arrival order; when the pool has no block for
 one, the most recently arrived running request is preempted (its blocks freed, to be
 recomputed later). Waiting requests are then admitted first-come first-served while budget,
 sequence slots and blocks last; with chunked prefill a prompt may take several steps.
+
+With asynchronous steps, a request whose last token is still pending on the device is
+scheduled like any decode: the model runner takes that input id from the previous step's
+device tensor. A request that has sampled all its ``max_tokens`` waits for them to be read back.
 """
 
 from __future__ import annotations
@@ -43,34 +47,57 @@ class ScheduledBatch:
         return request.num_computed_tokens + self.num_new_tokens[i] == request.num_tokens_with_pending
 
 
+@dataclass
+class SchedulerStats:
+    """Counters since the last reset: the KV block peak and the tokens run."""
+
+    peak_blocks: int = 0
+    tokens_at_peak: int = 0  # filled token slots when the block peak was reached (shared ones once)
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt and recomputed tokens run through the model
+    generation_tokens: int = 0
+
+
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True):
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self._num_needing_host_tokens = 0  # unfinished requests whose sampling reads earlier tokens
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Some unfinished request samples with penalties, which read every earlier token on the
+        host: each step must be read back before the next is scheduled."""
+        return self._num_needing_host_tokens > 0
+
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if request.sampling_params.has_penalties:
+            self._num_needing_host_tokens += 1
         self.waiting.append(request)
 
+    # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(batch, budget)
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         now = time.time()
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+        self._record_batch(batch)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -97,16 +124,20 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv_cache.find_cached_prefix(request)
-            num_new = request.num_tokens - len(cached) * self.kv_cache.block_size
+            hit = self.kv_cache.find_cached_prefix(request)
+            num_cached = hit.num_tokens(self.kv_cache.block_size)
+            num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv_cache.allocate_slots(request, num_new, cached):
+            if not self.kv_cache.allocate_slots(request, num_new, hit):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens += num_cached
+            if num_cached:
+                request.num_cached_prompt_tokens = num_cached
             self.running.append(request)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
@@ -118,12 +149,81 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
 
-    def finish(self, request: Request) -> None:
-        """Take a finished (or aborted) request out and free its blocks."""
+    def _record_batch(self, batch: ScheduledBatch) -> None:
+        kv = self.kv_cache
+        used = kv.num_blocks - kv.num_free_blocks
+        if used > self.stats.peak_blocks:
+            self.stats.peak_blocks = used
+            # Empty slots sit only in each sequence's last block (shared prefix blocks are full),
+            # so counting them per sequence stays right when blocks are shared.
+            held = {r: r.num_computed_tokens for r in self.running}
+            held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
+            empty = sum(len(r.block_ids) * kv.block_size - tokens for r, tokens in held.items())
+            self.stats.tokens_at_peak = used * kv.block_size - empty
+        self.stats.prompt_tokens += batch.total_tokens - sum(
+            1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= r.num_prompt_tokens)
+
+    # ---- after a step ---------------------------------------------------------------------
+    def update_after_launch(self, batch: ScheduledBatch) -> list[Request]:
+        """The step's tokens are computing: count them, and the sampled token of each request
+        that reaches its end as pending. Returns the requests that sample, in batch order."""
+        sampled = [r for i, r in enumerate(batch.requests) if batch.samples(i)]
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += n
+        for request in sampled:
+            request.num_pending_tokens += 1
+        return sampled
+
+    def update_from_output(self, sampled_requests: list[Request], token_ids: list[int]) -> list[int]:
+        """Append the tokens a step sampled (one per request) and finish the requests they stop
+        (EOS, a stop token id, ``max_tokens``, ``max_model_len``). Returns the rows whose token was
+        appended: a request that finished while the step was in flight gets none."""
+        appended = []
+        now = time.time()
+        for row, (request, token) in enumerate(zip(sampled_requests, token_ids)):
+            request.num_pending_tokens -= 1
+            if request.is_finished:
+                continue
+            request.all_token_ids.append(token)
+            self.stats.generation_tokens += 1
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generated_tokens = request.num_output_tokens
+            appended.append(row)
+            self._check_stop(request, token)
+        return appended
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return self.finish_request(request, "stop")
+            if token in params.stop_token_ids:
+                return self.finish_request(request, "stop", stop_reason=token)
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return self.finish_request(request, "length")
+        if request.num_tokens >= self.max_model_len:
+            return self.finish_request(request, "length")
+        return None
+
+    def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish a request (stopped, at its length limit, or aborted): take it out of the queues
+        and free its blocks. A stop string found in its text overrides a "length" finish."""
+        if request.is_finished:
+            if reason == "stop" and request.finish_reason == "length":
+                request.finish_reason, request.stop_reason = reason, stop_reason
+            return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        request.metrics.finished_time = time.time()
+        if request.sampling_params.has_penalties:
+            self._num_needing_host_tokens -= 1
         self.kv_cache.free(request)

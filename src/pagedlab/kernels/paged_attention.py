@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -286,22 +285,8 @@ class _AttentionKernels:
 # keys, Qwen3-0.6B shape) decode steps went from 12.8 to 4.2 ms, with the model runner's input
 # staging of the same change. The shared length lives in device memory (CascadeBuffers), so
 # decode CUDA graphs capture the cascade form once per batch size and replay it for any prefix.
-CASCADE_MIN_SEQS = 16
-CASCADE_MIN_SHARED_KEYS = 1 << 17  # sequences x shared prefix keys
+# When it pays to run it is the Triton backend's planner's call (layers/attention/triton_backend.py).
 CASCADE_MAX_PREFIX_SEGMENTS = 32
-
-
-def cascade_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
-    """Keys at the start of every sequence of a decode batch held in the same blocks, rounded down
-    to whole key tiles; 0 where cascade attention would not pay (see ``CASCADE_MIN_*``)."""
-    num_seqs = len(seq_lens)
-    if num_seqs < CASCADE_MIN_SEQS:
-        return 0
-    limit = (min(seq_lens) - 1) // block_size  # each query keeps at least its own key
-    same = (block_tables[:, :limit] == block_tables[0, :limit]).all(axis=0)
-    common_blocks = limit if same.all() else int(same.argmin())
-    prefix_len = common_blocks * block_size // TILE_N * TILE_N
-    return prefix_len if prefix_len * num_seqs >= CASCADE_MIN_SHARED_KEYS else 0
 
 
 @dataclass
@@ -324,7 +309,7 @@ class CascadeBuffers:
     def set_prefix_len(self, prefix_len: int) -> None:
         """Stream-ordered fills: no host sync."""
         if prefix_len % TILE_N:
-            raise ValueError(f"prefix_len={prefix_len} must be a multiple of {TILE_N} (see cascade_prefix_len)")
+            raise ValueError(f"prefix_len={prefix_len} must be a multiple of the key tile, {TILE_N}")
         self.prefix_len.fill_(prefix_len)
         self.prefix_seq_len.fill_(prefix_len + self.num_rows)
 

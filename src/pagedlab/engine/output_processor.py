@@ -1,0 +1,175 @@
+"""What users get back: text, logprob records and ``RequestOutput``s, built from what the
+scheduler's requests hold and what each step read back.
+
+Each user request (``n`` completions of one prompt) is a parent with ``n`` child requests. The
+output processor keeps each child's text (detokenized incrementally), logprobs and prompt
+logprobs, finds stop strings (the scheduler then finishes those requests), and turns a parent's
+state into a ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagedlab.engine.model_runner import PromptLogprobsChunk, StepOutput
+from pagedlab.engine.request import Request
+from pagedlab.layers.sampler import TopLogprobs
+from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+
+
+@dataclass
+class CompletionState:
+    """The user-facing part of one child request."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    completions: list[CompletionState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.completions)
+
+
+@dataclass
+class StopStringHit:
+    request: Request
+    stop: str
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._parents: dict[str, ParentState] = {}
+        self._completions: dict[str, CompletionState] = {}  # by child request id
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def children(self, request_id: str) -> list[Request]:
+        parent = self._parents.get(request_id)
+        return [c.request for c in parent.completions] if parent is not None else []
+
+    def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        parent = ParentState(request_id, prompt)
+        for child in children:
+            params = child.sampling_params
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                           if params.detokenize and self.tokenizer is not None else None)
+            state = CompletionState(child, detokenizer)
+            if params.logprobs is not None:
+                state.logprobs = []
+            if params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None] * child.num_prompt_tokens
+            parent.completions.append(state)
+            self._completions[child.request_id] = state
+        self._parents[request_id] = parent
+
+    # ---- after a step ---------------------------------------------------------------------
+    def process(self, requests: list[Request], output: StepOutput, appended_rows: list[int]) -> list[StopStringHit]:
+        """Record a read-back step: prompt logprobs of ``requests``' chunks, and for each row
+        of ``output`` whose token the scheduler appended, its logprobs and text. Returns the stop
+        strings the new text completed; the text is already cut there."""
+        self._record_prompt_logprobs(requests, output.prompt_logprobs)
+        hits = []
+        for row in appended_rows:
+            request, token = output.sampled_requests[row], output.sampled_token_ids[row]
+            state = self._completions[request.request_id]
+            if state.logprobs is not None:
+                params = request.sampling_params
+                state.logprobs.append(self._position_logprobs(output.logprobs, row, token, params.logprobs,
+                                                              params.detokenize))
+                state.cumulative_logprob += float(output.logprobs.token_logprob[row])
+            if state.detokenizer is not None:
+                stop = self._append_text(state, token)
+                if stop is not None:
+                    hits.append(StopStringHit(request, stop))
+        return hits
+
+    def _append_text(self, state: CompletionState, token: int) -> str | None:
+        """Detokenize one token; the stop string it completes (cutting the text), if any. EOS and
+        stop token ids, which the scheduler has already acted on, take precedence."""
+        new_text = state.detokenizer.append(token)
+        state.text = state.detokenizer.text
+        request, params = state.request, state.request.sampling_params
+        if (not params.stop or not new_text or request.num_output_tokens < params.min_tokens
+                or request.finish_reason == "stop"):
+            return None
+        hit = find_stop_string(state.text, len(new_text), params.stop)
+        if hit is None:
+            return None
+        stop, idx = hit
+        state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
+        return stop
+
+    def _record_prompt_logprobs(self, requests: list[Request], chunks: dict[str, PromptLogprobsChunk]) -> None:
+        for request in requests:
+            chunk = chunks.get(request.request_id)
+            if chunk is None:
+                continue
+            params = request.sampling_params
+            records = self._completions[request.request_id].prompt_logprobs
+            for j, token in enumerate(chunk.token_ids):
+                records[chunk.start + j] = self._position_logprobs(chunk.logprobs, j, token, params.prompt_logprobs,
+                                                                   params.detokenize)
+
+    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool) -> PositionLogprobs:
+        entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
+        top_ids, top_logprobs = top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()
+        for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
+            entries.setdefault(tid, (lp, rank))
+        decode = decode and self.tokenizer is not None
+        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
+                for tid, (lp, rank) in entries.items()}
+
+    # ---- outputs --------------------------------------------------------------------------
+    def make_outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
+        """The current output of each parent of ``changed`` (with ``finished_only``, only of those
+        that finished); a finished parent is forgotten once its output is built."""
+        outputs = []
+        for parent_id in dict.fromkeys(r.parent_id for r in changed):
+            parent = self._parents.get(parent_id)
+            if parent is not None and (parent.finished or not finished_only):
+                outputs.append(self.make_output(parent_id))
+        return outputs
+
+    def make_output(self, request_id: str) -> RequestOutput:
+        parent = self._parents[request_id]
+        finished = parent.finished
+        if finished:
+            del self._parents[request_id]
+            for state in parent.completions:
+                self._completions.pop(state.request.request_id, None)
+        first = parent.completions[0]
+        return RequestOutput(
+            request_id=request_id, prompt=parent.prompt, prompt_token_ids=first.request.prompt_token_ids,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            outputs=[_completion_output(state) for state in parent.completions], finished=finished,
+            metrics=first.request.metrics, num_cached_tokens=first.request.num_cached_prompt_tokens)
+
+    def clear(self) -> None:
+        self._parents.clear()
+        self._completions.clear()
+
+
+def _completion_output(state: CompletionState) -> CompletionOutput:
+    request = state.request
+    return CompletionOutput(
+        index=request.index, text=state.text, token_ids=request.output_token_ids,
+        cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        finish_reason=request.finish_reason, stop_reason=request.stop_reason)

@@ -1,0 +1,128 @@
+"""Attention over the paged KV cache: the layer, the backends' common interface, and the one
+forward context that feeds them (``pagedlab.layers.attention`` re-exports these).
+
+The model runner describes a step's batch twice: as host values in a ``BatchLayout`` (what a
+backend plans from: cascade attention, split-KV) and as device tensors in ``AttentionMetadata``.
+It asks the backend to ``plan`` the step, then runs the model inside ``forward_context(...)``;
+every ``Attention`` layer reads the metadata from there, writes the step's new keys and values
+into its cache and attends through the backend. CUDA graphs capture a backend's ``graph_forms``
+once per batch size and let it ``select_graph_form`` before each replay.
+
+Backends: ``torch_backend`` (plain PyTorch, the definition of correct, runs anywhere) and
+``triton_backend`` (the GPU path), each beside its kernels' torch reference in ``kernels/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass
+class BatchLayout:
+    """A step's batch as host values: sequence ``i`` runs ``query_lens[i]`` new tokens and holds
+    ``seq_lens[i]`` after the step, in the blocks of ``block_table[i]``."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table: np.ndarray  # [num_seqs, max_blocks] int32
+    block_size: int
+    max_seq_len: int  # bound on every sequence (the model's max_model_len), the same for graphs
+    allow_cascade: bool = True  # the engine's enable_cascade_attention
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+@dataclass
+class AttentionMetadata:
+    """A step's batch as flat varlen tensors (all on the model's device).
+
+    ``slot_mapping[t]``: cache slot for token t (-1: skip); ``query_start_loc``: ``[num_seqs+1]``
+    offsets of each sequence's tokens; ``seq_lens``: tokens each sequence has after the step;
+    ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``plan`` holds what the
+    backend decided for the step (its ``plan`` or ``graph_plan``), shared by all layers.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    plan: object | None = None
+
+
+class AttentionBackend:
+    """How a step writes new keys/values and attends over the paged cache, and what it decides
+    per batch."""
+
+    name = "abstract"
+    shares_prefixes = False  # can attend a decode batch's common prefix once (cascade attention)
+    supports_cuda_graphs = False
+
+    def plan(self, metadata: AttentionMetadata, layout: BatchLayout) -> None:
+        """Decide the step's layout-dependent choices once for all layers (``metadata.plan``)."""
+
+    def graph_forms(self, num_seqs: int, allow_cascade: bool) -> tuple[str, ...]:
+        """The variants a decode CUDA graph of ``num_seqs`` sequences is captured in."""
+        return ("plain",)
+
+    def graph_plan(self, form: str, num_seqs: int, device: torch.device) -> object | None:
+        """The persistent plan a graph of that form captures (device buffers it reads)."""
+        return None
+
+    def select_graph_form(self, layout: BatchLayout, plans: dict[str, object | None]) -> str:
+        """Which captured form replays this decode batch; updates that form's plan for it."""
+        return "plain"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    backend: AttentionBackend
+
+
+_FORWARD_CONTEXT: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(metadata: AttentionMetadata, backend: AttentionBackend):
+    global _FORWARD_CONTEXT
+    previous, _FORWARD_CONTEXT = _FORWARD_CONTEXT, ForwardContext(metadata, backend)
+    try:
+        yield
+    finally:
+        _FORWARD_CONTEXT = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _FORWARD_CONTEXT is None:
+        raise RuntimeError("Attention layers run only inside forward_context(...) set by the model runner")
+    return _FORWARD_CONTEXT
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer; its ``k_cache``/``v_cache`` are views the runner assigns."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q``: ``[tokens, heads, head_dim]``; ``k``/``v``: ``[tokens, kv_heads, head_dim]``."""
+        ctx = get_forward_context()
+        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping)
+        return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale)

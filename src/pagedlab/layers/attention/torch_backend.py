@@ -1,0 +1,28 @@
+"""The plain-PyTorch attention backend: runs anywhere, the definition of correct. Its plan (the
+decode rows' slots and masks, each prefill's causal mask) is built once per step from the
+metadata and shared by every layer."""
+
+from __future__ import annotations
+
+from pagedlab.kernels.kv_write import write_kv_torch
+from pagedlab.kernels.paged_attention import paged_attention_torch, plan_torch_attention
+from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, metadata: AttentionMetadata, layout: BatchLayout) -> None:
+        metadata.plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                                             layout.block_size)
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, metadata, scale):
+        plan = metadata.plan
+        if plan is None:  # metadata built without a planner (kernel tests)
+            plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                                        k_cache.shape[1])
+        return paged_attention_torch(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
+                                     metadata.block_tables, scale, plan=plan)
