@@ -1,0 +1,186 @@
+"""The scheduler alone, driven with fake model outputs: token budget, FCFS admission, preemption
+and recompute, prefix hits, max_num_seqs, stop checks and abort in every state."""
+
+from __future__ import annotations
+
+from pagedlab import SamplingParams
+from pagedlab.engine.kv_cache import KVCacheManager
+from pagedlab.engine.request import Request, RequestStatus
+from pagedlab.engine.scheduler import ScheduledBatch, Scheduler
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=256, chunked=True,
+                   prefix_caching=True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked)
+
+
+def make_request(rid: str, num_prompt: int, first_token: int = 100, **params) -> Request:
+    params = {"max_tokens": 50, "ignore_eos": False, **params}
+    return Request(rid, list(range(first_token, first_token + num_prompt)), SamplingParams(**params),
+                   eos_token_ids=(EOS,))
+
+
+def run(scheduler: Scheduler, token: int = 7, tokens: dict[str, int] | None = None) -> ScheduledBatch:
+    """One step: schedule, launch (fake), read back ``token`` (or ``tokens[request_id]``)."""
+    batch = scheduler.schedule()
+    sampled = scheduler.update_after_launch(batch)
+    scheduler.update_from_output(sampled, [(tokens or {}).get(r.request_id, token) for r in sampled])
+    return batch
+
+
+def scheduled(batch: ScheduledBatch) -> dict[str, int]:
+    return {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)}
+
+
+def test_budget_goes_to_decodes_first_then_chunks_of_waiting_prompts():
+    s = make_scheduler(budget=16)
+    a, b = make_request("a", 10), make_request("b", 30, first_token=300)
+    s.add_request(a)
+    assert scheduled(run(s)) == {"a": 10}  # whole prompt, samples its first token
+    s.add_request(b)
+    batch = run(s)
+    assert scheduled(batch) == {"a": 1, "b": 15}  # one decode token, the rest of the budget to b's chunk
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 0  # b's chunk does not sample
+    assert b.num_computed_tokens == 15
+    assert scheduled(run(s)) == {"a": 1, "b": 15}  # b's prompt completes (30 = 15 + 15) and samples
+    assert b.num_output_tokens == 1
+    assert scheduled(run(s)) == {"a": 1, "b": 1}
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_that_holds_it():
+    s = make_scheduler(budget=16, chunked=False)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 8, first_token=300))
+    assert scheduled(run(s)) == {"a": 10}  # b (8) does not fit in the 6 left, and is not split
+    assert scheduled(run(s)) == {"a": 1, "b": 8}
+
+
+def test_admission_is_first_come_first_served():
+    s = make_scheduler(budget=64)
+    for i in range(5):
+        s.add_request(make_request(f"r{i}", 4 + i, first_token=100 * (i + 1)))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["r0", "r1", "r2", "r3", "r4"]
+    assert all(r.status == RequestStatus.RUNNING for r in batch.requests)
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    s = make_scheduler(max_num_seqs=3, budget=200)
+    requests = [make_request(f"r{i}", 5, first_token=100 * (i + 1)) for i in range(5)]
+    for r in requests:
+        s.add_request(r)
+    assert set(scheduled(run(s))) == {"r0", "r1", "r2"}
+    assert len(s.running) == 3 and [r.request_id for r in s.waiting] == ["r3", "r4"]
+    s.finish_request(requests[1], "abort")
+    assert set(scheduled(run(s))) == {"r0", "r2", "r3"}
+
+
+def test_preemption_takes_the_latest_arrival_and_it_recomputes_everything():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, prefix_caching=False)
+    a, b = make_request("a", 8), make_request("b", 7, first_token=300)
+    s.add_request(a)
+    s.add_request(b)
+    assert scheduled(run(s)) == {"a": 8, "b": 7}  # 2 + 2 blocks, each sampled one token
+    run(s)  # a computes its 9th token (a third block), b its 8th
+    run(s)  # b computes its 9th token: a third block, and the pool is full
+    assert s.kv_cache.num_free_blocks == 0
+    assert run(s).preempted == [] and run(s).preempted == []  # room left in both last blocks
+    batch = run(s)  # a's 13th token needs a fourth block: b, the latest arrival, is preempted
+    assert [r.request_id for r in batch.preempted] == ["b"]
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.num_preemptions == 1 and s.stats.num_preemptions == 1
+    assert scheduled(batch) == {"a": 1}  # no admission in a step that preempted
+    b_tokens = b.num_tokens  # its prompt and the outputs so far
+    s.finish_request(a, "abort")
+    assert scheduled(run(s)) == {"b": b_tokens}  # recomputed whole, then it samples again
+    assert b_tokens == 7 + 5 and b.num_computed_tokens == b_tokens and b.num_output_tokens == 6
+
+
+def test_prefix_hit_skips_the_cached_blocks():
+    s = make_scheduler(block_size=4, budget=64)
+    a = make_request("a", 12)
+    s.add_request(a)
+    run(s)
+    b = Request("b", list(range(100, 110)) + [999], SamplingParams(max_tokens=5), eos_token_ids=(EOS,))
+    s.add_request(b)
+    batch = run(s)
+    assert scheduled(batch)["b"] == 11 - 8  # two full blocks (8 tokens) of a's prompt are reused
+    assert b.num_cached_prompt_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    assert s.kv_cache.stats.hit_tokens == 8
+
+
+def test_stop_checks_finish_and_free():
+    s = make_scheduler(budget=64)
+    eos, stop_id = make_request("eos", 5), make_request("stop_id", 5, first_token=200, stop_token_ids=[9])
+    late = make_request("min", 5, first_token=300, min_tokens=2)
+    length = make_request("length", 5, first_token=400, max_tokens=2)
+    for r in (eos, stop_id, late, length):
+        s.add_request(r)
+    run(s, tokens={"eos": EOS, "stop_id": 9, "min": EOS, "length": 7})
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert (stop_id.finish_reason, stop_id.stop_reason) == ("stop", 9)
+    assert not late.is_finished  # EOS before min_tokens does not stop it
+    assert not length.is_finished
+    run(s, tokens={"min": EOS, "length": 7})
+    assert late.finish_reason == "stop" and length.finish_reason == "length"
+    assert s.num_unfinished == 0 and s.kv_cache.num_free_blocks == s.kv_cache.num_blocks
+
+
+def test_max_model_len_finishes_with_length():
+    s = make_scheduler(budget=64, max_model_len=8)
+    r = make_request("r", 6, max_tokens=None)
+    s.add_request(r)
+    run(s)
+    run(s)
+    assert r.finish_reason == "length" and r.num_tokens == 8
+
+
+def test_a_stop_string_overrides_a_length_finish_but_not_a_stop_token():
+    s = make_scheduler(budget=64)
+    length, eos = make_request("length", 5, max_tokens=1), make_request("eos", 5, first_token=200)
+    s.add_request(length)
+    s.add_request(eos)
+    run(s, tokens={"eos": EOS})
+    s.finish_request(length, "stop", stop_reason="###")
+    s.finish_request(eos, "stop", stop_reason="###")
+    assert (length.finish_reason, length.stop_reason) == ("stop", "###")
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+
+
+def test_abort_in_every_state_frees_everything():
+    s = make_scheduler(num_blocks=16, block_size=4, budget=8)
+    waiting, prefilling, decoding = make_request("w", 4), make_request("p", 20, 200), make_request("d", 4, 300)
+    s.add_request(decoding)
+    run(s)
+    s.add_request(prefilling)
+    s.add_request(waiting)
+    batch = s.schedule()  # d decodes, p takes a chunk, w still waits (budget spent)
+    assert scheduled(batch) == {"d": 1, "p": 7} and waiting.status == RequestStatus.WAITING
+    sampled = s.update_after_launch(batch)  # launched: d's token is pending on the device
+    assert decoding.num_pending_tokens == 1
+    for request in (waiting, prefilling, decoding):
+        s.finish_request(request, "abort")
+        assert request.is_finished and request.finish_reason == "abort" and request.block_ids == []
+    appended = s.update_from_output(sampled, [7] * len(sampled))  # the in-flight step is read back
+    assert appended == [] and decoding.num_pending_tokens == 0 and decoding.num_output_tokens == 1
+    assert s.num_unfinished == 0 and s.kv_cache.num_free_blocks == 16
+    assert s.schedule().is_empty()
+
+
+def test_a_request_that_sampled_its_last_token_waits_for_it():
+    """With a step in flight, a request whose max_tokens are all sampled is not scheduled again."""
+    s = make_scheduler(budget=64)
+    r = make_request("r", 5, max_tokens=2)
+    s.add_request(r)
+    first = s.schedule()
+    s.update_after_launch(first)  # samples token 1 (pending)
+    second = s.schedule()
+    assert scheduled(second) == {"r": 1}  # decodes on the pending token
+    sampled = s.update_after_launch(second)  # samples token 2 (pending): the limit
+    assert s.schedule().is_empty()
+    s.update_from_output([r], [7])
+    s.update_from_output(sampled, [8])
+    assert r.finish_reason == "length" and r.output_token_ids == [7, 8]
