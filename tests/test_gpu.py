@@ -25,7 +25,7 @@ def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
     expected = [hf_greedy(tiny.hf_model, p, GREEDY.max_tokens) for p in prompts]
     with LLM(tiny.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV) as llm:
         assert llm.get_engine_info().attention_backend == "triton"
-        assert llm.llm_engine.uses_cuda_graphs
+        assert llm.get_engine_info().cuda_graphs
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 

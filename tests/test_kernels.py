@@ -25,8 +25,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton  # noqa: E402
-from pagedlab.kernels.paged_attention import (  # noqa: E402
+from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton
+from pagedlab.kernels.paged_attention import (
     SPLIT_KV_MIN_PROGRAMS,
     SPLIT_KV_SIZE,
     TILE_N,
@@ -37,8 +37,8 @@ from pagedlab.kernels.paged_attention import (  # noqa: E402
     paged_attention_torch,
     paged_attention_triton,
 )
-from pagedlab.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from pagedlab.layers.attention.triton_backend import (  # noqa: E402
+from pagedlab.layers.attention import AttentionMetadata, get_attention_backend
+from pagedlab.layers.attention.triton_backend import (
     CASCADE_MIN_SEQS,
     CASCADE_MIN_SHARED_KEYS,
     cascade_prefix_len,
@@ -307,7 +307,6 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     steps take the cascade path (its threshold lowered to fit the interpreter); greedy tokens are
     HF's, and the same with cascade attention off."""
     from conftest import hf_greedy, random_prompts
-
     from pagedlab import LLM, SamplingParams
     from pagedlab.kernels import paged_attention
     from pagedlab.layers.attention import triton_backend
@@ -336,7 +335,6 @@ def test_tiny_model_end_to_end_triton_equals_torch(tiny_llama):
     """The whole engine on the Triton backend (interpreted here): prefills, chunked prefills,
     prefix-cache hits and decodes give the torch backend's greedy tokens, which are HF's."""
     from conftest import hf_greedy, random_prompts
-
     from pagedlab import LLM, SamplingParams
 
     prefix = random_prompts(1, min_len=40, max_len=40, seed=90)[0]

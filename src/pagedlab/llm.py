@@ -8,9 +8,8 @@ from collections.abc import Sequence
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
-from pagedlab.outputs import EngineStats
 from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
-from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -31,8 +31,8 @@ have no plugin discovery: run ``python -m pagedlab.integrations.lm_eval --model 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import sys
 import zlib
 from typing import Any
 
@@ -42,6 +42,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from pagedlab.config import ENGINE_FIELDS
+from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,6 @@ class PagedLabLM(TemplateLM):
                  batch_size: int | str | None = "auto", device: str | None = None, use_tqdm: bool = True,
                  chat_template_args: dict | None = None, llm=None, **kwargs: Any):
         super().__init__()
-        from pagedlab.llm import LLM
-
         for key in _IGNORED_ARGS:
             kwargs.pop(key, None)
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_ARGS}
@@ -305,8 +304,6 @@ class PagedLabLM(TemplateLM):
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's command line with ``--model pagedlab`` available (for lm-eval without plugin discovery)."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:

