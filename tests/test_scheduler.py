@@ -152,7 +152,8 @@ def test_a_stop_string_overrides_a_length_finish_but_not_a_stop_token():
 
 def test_abort_in_every_state_frees_everything():
     s = make_scheduler(num_blocks=16, block_size=4, budget=8)
-    waiting, prefilling, decoding = make_request("w", 4), make_request("p", 20, 200), make_request("d", 4, 300)
+    waiting, prefilling, decoding = (make_request("w", 4), make_request("p", 20, 200),
+                                     make_request("d", 4, 300))
     s.add_request(decoding)
     run(s)
     s.add_request(prefilling)

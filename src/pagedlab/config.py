@@ -105,7 +105,8 @@ class EngineConfig:
         """``EngineConfig(**kwargs)``, but an unknown name is a ValueError listing the known ones."""
         unknown = sorted(set(kwargs) - set(ENGINE_FIELDS))
         if unknown:
-            raise ValueError(f"unknown engine argument {unknown[0]!r}: the engine takes {list(ENGINE_FIELDS)}")
+            raise ValueError(f"unknown engine argument {unknown[0]!r}: the engine takes "
+                             f"{list(ENGINE_FIELDS)}")
         return cls(**kwargs)
 
 

@@ -36,15 +36,16 @@ def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
         if "prompt_token_ids" in prompt:
             return EncodedPrompt(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
         if "prompt" not in prompt:
-            raise ValueError(f"prompt {prompt!r} is invalid: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            raise ValueError(f"prompt {prompt!r} is invalid: a dict prompt needs 'prompt' or "
+                             "'prompt_token_ids'")
         text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
     elif isinstance(prompt, str):
         text, add_special = prompt, True
     elif isinstance(prompt, (list, tuple)):
         return EncodedPrompt(list(prompt))
     else:
-        raise ValueError(f"prompt {prompt!r} is invalid: a prompt is a string, a list of token ids, or a dict "
-                         "with 'prompt' or 'prompt_token_ids'")
+        raise ValueError(f"prompt {prompt!r} is invalid: a prompt is a string, a list of token ids, or a "
+                         "dict with 'prompt' or 'prompt_token_ids'")
     tokenizer = require_tokenizer(tokenizer, "text prompts", model)
     return EncodedPrompt(tokenizer(text, add_special_tokens=add_special).input_ids, text)
 

@@ -85,7 +85,8 @@ class LLM:
             flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
             if not flat:
                 break
-            outputs = self._run([EncodedPrompt(beam.tokens) for _, beam in flat], [step_params] * len(flat), use_tqdm)
+            beams = [EncodedPrompt(beam.tokens) for _, beam in flat]
+            outputs = self._run(beams, [step_params] * len(flat), use_tqdm)
             candidates: list[list[BeamSearchSequence]] = [[] for _ in encoded]
             for (i, beam), out in zip(flat, outputs):
                 for token, lp in out.outputs[0].logprobs[0].items():
@@ -145,9 +146,9 @@ class LLM:
                 engine.abort_request(rid)
         return results
 
-    def benchmark(self, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512, output_len: int = 128,
-                  num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
-                  repeats: int = 1, **kwargs):
+    def benchmark(self, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
+                  output_len: int = 128, num_prompts: int | None = None, use_beam_search: bool = False,
+                  warmup: int = 1, repeats: int = 1, **kwargs):
         """Throughput, latency percentiles, memory and GPU telemetry on random prompts, with the
         provenance manifest; see ``pagedlab.lab.bench.BenchmarkResult``."""
         from pagedlab.lab.bench import run_benchmark

@@ -21,7 +21,8 @@ def parse_bytes(value: str) -> int:
     try:
         number = float(text[:-1] if scale != 1 else text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
     return int(number * scale)
 
 

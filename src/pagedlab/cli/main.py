@@ -27,7 +27,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     with LLM(**engine_kwargs(args)) as llm:
         if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=not args.quiet)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     for prompt, out in zip(prompts, outputs):
@@ -106,7 +107,8 @@ def _add_bench_commands(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for name, workload, sizes in (("throughput", "W-seed", [1, 16, 64, 256]), ("latency", "W-lat", [1])):
-        p = bench_sub.add_parser(name, help=f"{name} of a DESIGN.md workload (default {workload}) on dummy weights")
+        p = bench_sub.add_parser(
+            name, help=f"{name} of a DESIGN.md workload (default {workload}) on dummy weights")
         add_engine_args(p)
         p.set_defaults(model=None)
         p.add_argument("--workload", default=workload,
@@ -146,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench_commands(sub)
     ev = sub.add_parser("eval", help="lm-evaluation-harness with the pagedlab model registered",
-                        description="Runs lm-eval's own command line (`lm_eval run ...`) with `--model pagedlab` "
-                                    "available, e.g. pagedlab eval run --model pagedlab --model_args "
+                        description="Runs lm-eval's own command line (`lm_eval run ...`) with "
+                                    "`--model pagedlab` available, e.g. pagedlab eval run --model pagedlab "
+                                    "--model_args "
                                     "pretrained=DIR,dtype=float32 --tasks TASK")
     ev.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments")
     ev.set_defaults(func=cmd_eval)

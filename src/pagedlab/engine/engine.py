@@ -79,8 +79,8 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
-        model = load_model(self.source, self.hf_config, self.dtype, self.device, model_max_len(self.hf_config),
-                           config.seed)
+        model = load_model(self.source, self.hf_config, self.dtype, self.device,
+                           model_max_len(self.hf_config), config.seed)
         self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype,
                                   get_attention_backend(config.attention_backend, self.device), config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -111,7 +111,8 @@ class LLMEngine:
         cfg = self.config
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
-        self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
+                                 else cfg.async_scheduling)
         num_blocks = self.runner.configure(RunnerPlan(
             block_size=cfg.block_size, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -153,7 +154,8 @@ class LLMEngine:
             config=self.config, model_name=self.source.name, model_path=self.source.path,
             original_file=self.source.original_file, load_format=self.source.load_format,
             hf_config=self.hf_config, tokenizer=self.tokenizer,
-            tokenizer_path=Path(self.config.tokenizer or self.source.path) if self.tokenizer is not None else None,
+            tokenizer_path=(Path(self.config.tokenizer or self.source.path) if self.tokenizer is not None
+                            else None),
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,
@@ -168,11 +170,13 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; use stop_token_ids")
+            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; "
+                             "use stop_token_ids")
         arrival_time = arrival_time or time.time()
         children = [
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
-                    eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id, arrival_time=arrival_time,
+                    eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id,
+                    arrival_time=arrival_time,
                     generator=torch.Generator(device=self.device).manual_seed(params.seed + index)
                     if params.seed is not None else None)
             for index in range(params.n)]
@@ -190,7 +194,8 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be integers in [0, {vocab})")
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range: "
+                             f"ids must be integers in [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""

@@ -97,15 +97,16 @@ class KVCacheManager:
             hit.block_hashes.append(block_hash)
         return hit
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       prefix_hit: PrefixHit | None = None) -> bool:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens after its computed ones;
         False (nothing changed) if the pool is too small. ``prefix_hit`` (for a request that holds
         no block yet) is what ``find_cached_prefix`` found: its blocks come first, and the new
         tokens follow them; passing it, even empty, counts the lookup in ``stats``."""
         is_first_allocation = prefix_hit is not None
         total = request.num_computed_tokens + num_new_tokens
-        if (not is_first_allocation and total <= len(request.block_ids) * self.block_size
-                and (not self.enable_prefix_caching or total // self.block_size <= len(request.block_hashes))):
+        if not is_first_allocation and total <= len(request.block_ids) * self.block_size and (
+                not self.enable_prefix_caching or total // self.block_size <= len(request.block_hashes)):
             return True  # the common decode step: room in the last block, no block newly full
         hit = prefix_hit or PrefixHit()
         total += hit.num_tokens(self.block_size)

@@ -195,7 +195,8 @@ class ModelRunner:
         width = min(table.shape[1], previous.shape[1])
         table[kept_rows, :width] = previous[kept_sources, :width]
         self._block_table = table
-        self._block_table_rows = {request: (row, count) for row, (request, count) in enumerate(zip(requests, counts))}
+        self._block_table_rows = {request: (row, count)
+                                  for row, (request, count) in enumerate(zip(requests, counts))}
         return table
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -223,7 +224,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int, gpu_memory_utilization: float) -> int:
+    def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int,
+                              gpu_memory_utilization: float) -> int:
         """Blocks that fit in ``gpu_memory_utilization`` of the GPU next to the weights and the
         activations' peak of the largest step (``num_tokens`` tokens)."""
         key = (num_tokens, min(num_tokens, max_model_len))
@@ -253,7 +255,8 @@ class ModelRunner:
         slot_mapping = (block_tables[:, :, None] * self.block_size
                         + torch.arange(self.block_size, device=self.device, dtype=torch.int32)).flatten(1)
         slot_mapping = slot_mapping[:, :seq_len].flatten().long()
-        layout = BatchLayout(lens, lens, block_tables.cpu().numpy(), self.block_size, self.plan.max_model_len, False)
+        layout = BatchLayout(lens, lens, block_tables.cpu().numpy(), self.block_size, self.plan.max_model_len,
+                             allow_cascade=False)
         metadata = self._metadata(slot_mapping, layout, block_tables)
         with torch.inference_mode(), forward_context(metadata, self.backend):
             hidden = self.model(torch.zeros_like(positions), positions)
@@ -265,7 +268,8 @@ class ModelRunner:
         return peak
 
     # ---- one step -------------------------------------------------------------------------
-    def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout, block_tables: torch.Tensor) -> AttentionMetadata:
+    def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout,
+                  block_tables: torch.Tensor) -> AttentionMetadata:
         """The step's device-side description, planned by the backend."""
         starts = [0]
         for n in layout.query_lens:
@@ -344,7 +348,8 @@ class ModelRunner:
                 inputs.sample_rows.append(offset + n - 1)
         return inputs
 
-    def _forward(self, batch: ScheduledBatch, inputs: StepInputs, previous: LaunchedStep | None) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, inputs: StepInputs,
+                 previous: LaunchedStep | None) -> torch.Tensor:
         """The model over the step's tokens: a decode batch replays a CUDA graph where one fits."""
         table = self._build_block_table(batch.requests)
         ids = self.to_device(inputs.input_ids, torch.int64)
@@ -354,11 +359,12 @@ class ModelRunner:
         positions = self.to_device(inputs.positions, torch.int64)
         slot_mapping = self.to_device(inputs.slots, torch.int64)
         block_tables = self.to_device(table, torch.int32)
-        layout = BatchLayout(batch.num_new_tokens, inputs.seq_lens, table, self.block_size, self.plan.max_model_len,
-                             self.plan.cascade_attention)
-        if inputs.decode_only and self.cuda_graphs is not None and self.cuda_graphs.can_run(len(inputs.input_ids)):
-            return self.cuda_graphs.run(ids, positions, slot_mapping, self.to_device(inputs.seq_lens, torch.int32),
-                                        block_tables, layout)
+        layout = BatchLayout(batch.num_new_tokens, inputs.seq_lens, table, self.block_size,
+                             self.plan.max_model_len, self.plan.cascade_attention)
+        graphs = self.cuda_graphs
+        if inputs.decode_only and graphs is not None and graphs.can_run(len(inputs.input_ids)):
+            seq_lens = self.to_device(inputs.seq_lens, torch.int32)
+            return graphs.run(ids, positions, slot_mapping, seq_lens, block_tables, layout)
         with forward_context(self._metadata(slot_mapping, layout, block_tables), self.backend):
             return self.model(ids, positions)
 

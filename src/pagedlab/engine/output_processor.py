@@ -80,7 +80,8 @@ class OutputProcessor:
         self._parents[request_id] = parent
 
     # ---- after a step ---------------------------------------------------------------------
-    def process(self, requests: list[Request], output: StepOutput, appended_rows: list[int]) -> list[StopStringHit]:
+    def process(self, requests: list[Request], output: StepOutput,
+                appended_rows: list[int]) -> list[StopStringHit]:
         """Record a read-back step: prompt logprobs of ``requests``' chunks, and for each row
         of ``output`` whose token the scheduler appended, its logprobs and text. Returns the stop
         strings the new text completed; the text is already cut there."""
@@ -91,8 +92,8 @@ class OutputProcessor:
             state = self._completions[request.request_id]
             if state.logprobs is not None:
                 params = request.sampling_params
-                state.logprobs.append(self._position_logprobs(output.logprobs, row, token, params.logprobs,
-                                                              params.detokenize))
+                state.logprobs.append(
+                    self._position_logprobs(output.logprobs, row, token, params.logprobs, params.detokenize))
                 state.cumulative_logprob += float(output.logprobs.token_logprob[row])
             if state.detokenizer is not None:
                 stop = self._append_text(state, token)
@@ -116,7 +117,8 @@ class OutputProcessor:
         state.text = state.text[:idx + (len(stop) if params.include_stop_str_in_output else 0)]
         return stop
 
-    def _record_prompt_logprobs(self, requests: list[Request], chunks: dict[str, PromptLogprobsChunk]) -> None:
+    def _record_prompt_logprobs(self, requests: list[Request],
+                                chunks: dict[str, PromptLogprobsChunk]) -> None:
         for request in requests:
             chunk = chunks.get(request.request_id)
             if chunk is None:
@@ -124,10 +126,11 @@ class OutputProcessor:
             params = request.sampling_params
             records = self._completions[request.request_id].prompt_logprobs
             for j, token in enumerate(chunk.token_ids):
-                records[chunk.start + j] = self._position_logprobs(chunk.logprobs, j, token, params.prompt_logprobs,
-                                                                   params.detokenize)
+                records[chunk.start + j] = self._position_logprobs(
+                    chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
 
-    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool) -> PositionLogprobs:
+    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int,
+                           decode: bool) -> PositionLogprobs:
         entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
         top_ids, top_logprobs = top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()
         for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):

@@ -162,8 +162,8 @@ class Scheduler:
             held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
             empty = sum(len(r.block_ids) * kv.block_size - tokens for r, tokens in held.items())
             self.stats.tokens_at_peak = used * kv.block_size - empty
-        self.stats.prompt_tokens += batch.total_tokens - sum(
-            1 for r, n in zip(batch.requests, batch.num_new_tokens) if r.num_computed_tokens >= r.num_prompt_tokens)
+        decodes = sum(1 for r in batch.requests if r.num_computed_tokens >= r.num_prompt_tokens)
+        self.stats.prompt_tokens += batch.total_tokens - decodes
 
     # ---- after a step ---------------------------------------------------------------------
     def update_after_launch(self, batch: ScheduledBatch) -> list[Request]:

@@ -9,7 +9,8 @@ import torch
 from pagedlab.engine.request import Request
 from pagedlab.layers.sampler import SamplingMetadata
 
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+                 torch.bool: np.bool_}
 
 
 class PinnedStaging:
@@ -71,7 +72,8 @@ class HostToDevice:
         return self.staging.to_device(values, dtype)
 
 
-def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vocab_size: int) -> SamplingMetadata:
+def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
+                            vocab_size: int) -> SamplingMetadata:
     """The sampler's settings for one row per request (temperature, top-k/p, min-p, generators,
     penalties with the token history, and the ids that ``min_tokens`` bans)."""
     params = [r.sampling_params for r in requests]
@@ -83,7 +85,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     meta = SamplingMetadata(
         temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
         greedy=column(greedy, torch.bool),
-        top_k=column([p.top_k or vocab_size for p in params], torch.int64) if any(p.top_k for p in params) else None,
+        top_k=(column([p.top_k or vocab_size for p in params], torch.int64)
+               if any(p.top_k for p in params) else None),
         top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
         min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
         generators=[r.generator for r in requests],
@@ -101,7 +104,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     return meta
 
 
-def _min_tokens_bans(requests: list[Request], to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _min_tokens_bans(requests: list[Request],
+                     to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that rows below their ``min_tokens`` may not sample: EOS and stop ids."""
     banned_rows: list[int] = []
     banned_ids: list[int] = []

@@ -109,7 +109,8 @@ def forward_context(metadata: AttentionMetadata, backend: AttentionBackend):
 
 def get_forward_context() -> ForwardContext:
     if _FORWARD_CONTEXT is None:
-        raise RuntimeError("Attention layers run only inside forward_context(...) set by the model runner")
+        raise RuntimeError("Attention layers run only inside forward_context(...), which the model runner "
+                           "sets")
     return _FORWARD_CONTEXT
 
 
@@ -118,7 +119,8 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

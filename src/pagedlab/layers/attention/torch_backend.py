@@ -13,8 +13,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, metadata: AttentionMetadata, layout: BatchLayout) -> None:
-        metadata.plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                                             layout.block_size)
+        metadata.plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens,
+                                             metadata.block_tables, layout.block_size)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping)

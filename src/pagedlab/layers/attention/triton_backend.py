@@ -81,4 +81,5 @@ class TritonAttentionBackend(AttentionBackend):
                                                              metadata.max_query_len, metadata.max_seq_len)
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
-            max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len, split_kv_size=split_kv_size)
+            max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+            split_kv_size=split_kv_size)
