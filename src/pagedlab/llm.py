@@ -173,6 +173,11 @@ class LLM:
         """Memory and counters: KV blocks (used, peak), prefix-cache hits, tokens computed."""
         return self.llm_engine.get_stats()
 
+    def reset_stats(self) -> None:
+        """Zero the counters ``get_stats`` reports (KV block peak, tokens run, preemptions, prefix
+        cache hits); the prefix cache keeps its contents. Benchmarks call it before each run."""
+        self.llm_engine.reset_stats()
+
     def get_engine_info(self) -> EngineInfo:
         """The resolved settings (dtype, device, max_model_len, attention backend, ...) and the
         model's identity (path, load format, HF config, tokenizer)."""
