@@ -61,10 +61,12 @@ def main() -> None:
             assert produced == NEW_TOKENS * len(PROMPTS)
     ours, theirs = (NEW_TOKENS * len(PROMPTS) / best[k] for k in ("pagedlab", "hf"))
     print(json.dumps({
-        "workload": "SmolLM2-135M-Instruct fp32, 16 prompts x 64 new tokens, greedy, best of %d" % args.repeats,
+        "workload": f"SmolLM2-135M-Instruct fp32, 16 prompts x 64 new tokens, greedy, "
+                    f"best of {args.repeats}",
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "pagedlab_tok_s": round(ours, 1), "hf_generate_tok_s": round(theirs, 1), "ratio": round(ours / theirs, 2),
+        "pagedlab_tok_s": round(ours, 1), "hf_generate_tok_s": round(theirs, 1),
+        "ratio": round(ours / theirs, 2),
     }, indent=2))
 
 

@@ -37,8 +37,9 @@ def kernel_table(prof, steps: int, top: int) -> list[tuple[str, float, int]]:
 def run_steps(engine, workload):
     """Drive the engine over the workload; per step: (kind, wall seconds)."""
     for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=workload.temperature, max_tokens=out_len,
-                                                           ignore_eos=True, detokenize=False))
+        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=workload.temperature,
+                                                           max_tokens=out_len, ignore_eos=True,
+                                                           detokenize=False))
     steps = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -80,7 +81,8 @@ def main() -> None:
             report[f"total_s_{run}_run"] = time.perf_counter() - start
             llm.reset_prefix_cache()
             slowest = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:5]
-            report[f"slowest_steps_{run}_run"] = [(i, steps[i][0], round(steps[i][1] * 1e3, 1)) for i in slowest]
+            report[f"slowest_steps_{run}_run"] = [(i, steps[i][0], round(steps[i][1] * 1e3, 1))
+                                                  for i in slowest]
         for kind in ("prefill", "decode"):
             times = [t for k, t in steps if k == kind]
             report[kind] = {"steps": len(times), "wall_s": sum(times),
@@ -92,7 +94,8 @@ def main() -> None:
             steps = run_steps(engine, workload)
             torch.cuda.synchronize()
         llm.reset_prefix_cache()
-        gpu_total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        gpu_total = sum(e.device_time for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA)
         report["gpu_kernel_s_total"] = gpu_total / 1e6
         report["kernels_per_run"] = kernel_table(prof, 1, args.top)
         print(json.dumps({k: report[k] for k in ("gpu_kernel_s_total",)}, indent=1))

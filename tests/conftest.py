@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-os.environ.setdefault("PAGEDLAB_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "pagedlab"))
+os.environ.setdefault("PAGEDLAB_CACHE_DIR",
+                      str(Path(__file__).resolve().parent.parent / ".cache" / "pagedlab"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Subprocesses (the CLI, killed experiments) run this checkout's source too, whatever is installed.
 _SRC = str(Path(__file__).resolve().parent.parent / "src")
-os.environ["PYTHONPATH"] = os.pathsep.join([_SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 KV_BYTES = 16 << 20  # keeps CPU tests small
 

@@ -29,13 +29,14 @@ def test_mixed_sampling_is_the_same_with_and_without_running_ahead(tiny_llama):
         SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=20, seed=12, n=3, max_tokens=9, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[greedy[4]], ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[greedy[4]], min_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[greedy[4]], min_tokens=8,
+                       ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2),
         SamplingParams(temperature=0.7, seed=13, max_tokens=1, logprobs=0),
         SamplingParams(temperature=0.5, min_p=0.1, seed=14, max_tokens=25, ignore_eos=True),
     ] + [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i) for i in range(4)]
-    sync, sync_stats = _generate(tiny_llama.path, prompts, params, async_scheduling=False,
-                                 max_num_batched_tokens=64)
+    sync, _sync_stats = _generate(tiny_llama.path, prompts, params, async_scheduling=False,
+                                  max_num_batched_tokens=64)
     ahead, ahead_stats = _generate(tiny_llama.path, prompts, params, async_scheduling=True,
                                    max_num_batched_tokens=64)
     assert _summary(ahead) == _summary(sync)
@@ -117,7 +118,8 @@ def test_penalties_wait_for_every_token(tiny_llama):
     assert _summary(ahead) == _summary(sync)
     expected = hf_greedy(tiny_llama.hf_model, prompts[0], 16, eos_token_id=None, repetition_penalty=1.5)
     plain_ahead, _ = _generate(tiny_llama.path, prompts[:1],
-                               SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.5, ignore_eos=True),
+                               SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.5,
+                                              ignore_eos=True),
                                async_scheduling=True)
     assert plain_ahead[0].outputs[0].token_ids == expected
 

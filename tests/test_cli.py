@@ -18,7 +18,8 @@ SMALL = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "512"]
 
 
 def run(args, stdin=None):
-    return subprocess.run(CLI + args, input=stdin, capture_output=True, text=True, timeout=300, env=os.environ)
+    return subprocess.run(CLI + args, input=stdin, capture_output=True, text=True, timeout=300,
+                          env=os.environ)
 
 
 def test_generate_json_matches_hf(smollm2_dir, smollm2_hf):

@@ -77,7 +77,8 @@ def test_bfloat16_teacher_forced_agreement_with_hf_float32(tiny_llama, capsys):
             agree += ours_top == int(ref[pos - 1].argmax())
             total += 1
     with capsys.disabled():
-        print(f"\nbf16 vs HF fp32 teacher-forced: top-1 agreement {agree / total:.4f}, max |dlogprob| {worst:.4f}")
+        print(f"\nbf16 vs HF fp32 teacher-forced: top-1 agreement {agree / total:.4f}, "
+              f"max |dlogprob| {worst:.4f}")
     assert agree / total > 0.9
     assert worst < 0.5
 
@@ -143,4 +144,5 @@ def test_smollm2_float32_greedy_on_gpu_matches_hf(smollm2_dir, smollm2_hf):
         assert llm.get_engine_info().attention_backend == "triton" and llm.get_engine_info().cuda_graphs
         outs = llm.generate(SMOLLM2_TEXTS, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert [o.outputs[0].text for o in outs] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    assert [o.outputs[0].text for o in outs] == [tokenizer.decode(ids, skip_special_tokens=True)
+                                                 for ids in expected]

@@ -56,7 +56,8 @@ def hf_expected(tiny_llama, shared_prefix_prompts):
     dict(async_scheduling=True, max_model_len=128, num_blocks=10),
     dict(async_scheduling=True, max_num_seqs=3, block_size=32),
 ], ids=["no-prefix-cache", "prefix-cache", "chunked-16", "chunked-7-bs32", "preemption", "bs16", "bs32",
-        "bs64", "max-seqs-3", "async-prefix-cache", "async-chunked-16", "async-preemption", "async-max-seqs-3"])
+        "bs64", "max-seqs-3", "async-prefix-cache", "async-chunked-16", "async-preemption",
+        "async-max-seqs-3"])
 def test_engine_variants_give_hf_tokens(tiny_llama, shared_prefix_prompts, hf_expected, engine_args):
     args = dict(engine_args)
     num_blocks = args.pop("num_blocks", None)
@@ -91,8 +92,8 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama):
     for prompt, out in zip(prompts, outs):
         completion = out.outputs[0]
         with torch.no_grad():
-            gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
         assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
         total = 0.0
         for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
@@ -165,7 +166,8 @@ def test_block_table_rows_kept_between_steps_equal_a_fresh_build(tiny_llama, sha
         kept_rows = []
 
         def checked_build(requests):
-            kept_rows.append(sum(runner._block_table_rows.get(r, (0, -1))[1] == len(r.block_ids) for r in requests))
+            kept_rows.append(sum(runner._block_table_rows.get(r, (0, -1))[1] == len(r.block_ids)
+                                 for r in requests))
             table = build(requests)
             fresh = np.zeros((len(requests), max(len(r.block_ids) for r in requests)), dtype=np.int32)
             for row, r in enumerate(requests):

@@ -73,7 +73,8 @@ def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, gen, devi
     for i, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
         block_tables[i, :n] = order[used:used + n]
         used += n
-        slots = (block_tables[i, :n].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
+        slots = ((block_tables[i, :n].long()[:, None] * block_size + torch.arange(block_size))
+                 .flatten()[:seq_len])
         keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         values = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         write_kv_torch(keys, values, k_cache, v_cache, slots)
@@ -150,7 +151,8 @@ def test_split_kv_general_batch_and_reused_buffers():
     num_tokens, num_heads, head_dim = batch["q"].shape
     scratch = allocate_split_kv_scratch(num_tokens + 5, num_heads, head_dim, 512, 128, DEVICE)
     out = torch.full_like(batch["q"], 7.0)
-    got = check_attention(batch, max_query_len=12, max_seq_len=131, split_kv_size=128, scratch=scratch, out=out)
+    got = check_attention(batch, max_query_len=12, max_seq_len=131, split_kv_size=128, scratch=scratch,
+                          out=out)
     assert got is out
     check_attention(batch, max_query_len=12, split_kv_size=64)
 
@@ -271,7 +273,8 @@ def test_cascade_attention_matches_reference(config):
     for prefix_len in (5 * TILE_N, 3 * TILE_N, TILE_N, 0):
         shared_blocks = -(-max(prefix_len, 1) // block_size)  # whole blocks, past the prefix if need be
         seqs = [(shared_blocks * block_size + n - 1, 1) for n in own]
-        batch = make_batch(seqs, 2, group, head_dim, block_size, dtype, _generator("cascade", config, prefix_len))
+        batch = make_batch(seqs, 2, group, head_dim, block_size, dtype,
+                           _generator("cascade", config, prefix_len))
         share_prefix(batch, shared_blocks)
         if buffers is None:
             buffers = CascadeBuffers.allocate(len(own), DEVICE)

@@ -98,7 +98,8 @@ def test_allocation_failure_changes_nothing():
 def test_engine_workload_leaks_nothing(tiny_llama, block_size):
     prompts = random_prompts(24, max_len=120, seed=60)
     prompts += [prompts[0][:50] + p for p in random_prompts(8, max_len=20, seed=61)]  # shared prefixes
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i % 30, ignore_eos=True) for i in range(32)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i % 30, ignore_eos=True)
+              for i in range(32)]
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES // 8, block_size=block_size,
              max_num_batched_tokens=64, max_num_seqs=12) as llm:
         engine = llm.llm_engine

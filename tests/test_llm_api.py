@@ -24,7 +24,8 @@ def test_prompt_forms_order_and_metrics(tiny_llama):
     assert outs[2].outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompts[2], 5, eos_token_id=None)
     for o in outs:
         m = o.metrics
-        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert (m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+                <= m.finished_time)
         assert m.num_generated_tokens == len(o.outputs[0].token_ids)
         assert o.finished and o.outputs[0].finish_reason == "length"
 

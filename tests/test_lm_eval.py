@@ -50,12 +50,14 @@ def setup(tmp_path_factory):
                     "A server streams", "Question: what is", "The lazy dog"]
         outs = llm.generate(contexts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
         context, greedy = next((c, o.outputs[0].text) for c, o in zip(contexts, outs)
-                               if tok(c + o.outputs[0].text).input_ids == tok(c).input_ids + o.outputs[0].token_ids)
+                               if tok(c + o.outputs[0].text).input_ids
+                               == tok(c).input_ids + o.outputs[0].token_ids)
     mc = [
         {"question": "Why is the sky blue?", "choices": [" light", " dog", " four"], "answer": 0},
         {"question": "Question: what is two plus two?\nAnswer:", "choices": [" four", " fox"], "answer": 0},
         {"question": context, "choices": [greedy, " block", " fox"], "answer": 2},
-        {"question": "", "choices": ["Paged attention", "A server"], "answer": 0},  # empty context: prefix token
+        # empty context: prefix token
+        {"question": "", "choices": ["Paged attention", "A server"], "answer": 0},
     ]
     ppl = [{"text": "The quick brown fox jumps over the lazy dog."},
            {"text": "A server streams tokens to many clients at once, one step at a time. " * 3}]
@@ -195,7 +197,8 @@ def test_bad_model_args(setup):
     with pytest.raises(ValueError, match="unknown model_args"):
         PagedLabLM(pretrained=setup["model"], not_an_arg=1)
     with pytest.raises(ValueError, match="max_length"):
-        PagedLabLM(pretrained=setup["model"], kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64, max_length=100)
+        PagedLabLM(pretrained=setup["model"], kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
+                   max_length=100)
 
 
 @pytest.mark.parametrize("entry", [["pagedlab.integrations.lm_eval"], ["pagedlab.cli", "eval"]],
@@ -206,7 +209,8 @@ def test_cli_entry_runs_lm_eval(setup, tmp_path, entry):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", *entry, "run", "--model", "pagedlab", "--model_args",
            f"pretrained={setup['model']},dtype=float32,kv_cache_memory_bytes={TINY_KV_BYTES}",
-           "--tasks", "pagedlab_mc", "--include_path", setup["tasks"], "--device", "cpu", "--output_path", str(out)]
+           "--tasks", "pagedlab_mc", "--include_path", setup["tasks"], "--device", "cpu",
+           "--output_path", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

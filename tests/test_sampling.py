@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
@@ -123,7 +124,8 @@ def test_seeded_request_is_batch_invariant(tiny_llama):
                     for i in range(32)]
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
         alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
-        batch = llm.generate(others[:10] + [target] + others[10:], other_params[:10] + [params] + other_params[10:],
+        batch = llm.generate(others[:10] + [target] + others[10:],
+                             other_params[:10] + [params] + other_params[10:],
                              use_tqdm=False)[10].outputs[0].token_ids
         reseeded = llm.generate([target], params.clone(seed=4321), use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batch
@@ -148,10 +150,12 @@ def test_min_tokens_and_stop_token_ids(tiny_llama):
     greedy = hf_greedy(tiny_llama.hf_model, prompt, 12, eos_token_id=None)
     stop_token = greedy[2]
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
-        stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
-                                                        ignore_eos=True), use_tqdm=False)[0].outputs[0]
-        held = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
-                                                     min_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        stopped = llm.generate([prompt],
+                               SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
+                                              ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        held = llm.generate([prompt],
+                            SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
+                                           min_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == greedy[:3]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_token)
     assert len(held.token_ids) >= 6
@@ -168,15 +172,16 @@ def test_stop_strings_on_smollm2(smollm2_dir, smollm2_hf):
         cut = llm.generate(text, SamplingParams(temperature=0, max_tokens=20, stop=[stop, "zzz-never"]),
                            use_tqdm=False)[0].outputs[0]
         kept = llm.generate(text, SamplingParams(temperature=0, max_tokens=20, stop=stop,
-                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+                                                 include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
         chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0]
     idx = full.text.index(stop)
     assert (cut.text, cut.finish_reason, cut.stop_reason) == (full.text[:idx], "stop", stop)
     assert kept.text == full.text[:idx + len(stop)]
     assert full.text == tokenizer.decode(full.token_ids, skip_special_tokens=True)
-    expected_ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
-                                                           add_generation_prompt=True),
+    expected_ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                           tokenize=False, add_generation_prompt=True),
                              add_special_tokens=False).input_ids
     assert chat.prompt_token_ids == expected_ids
     assert chat.outputs[0].text

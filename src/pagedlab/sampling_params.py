@@ -57,7 +57,8 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
+               "in [-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")

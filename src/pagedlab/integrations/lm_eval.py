@@ -52,7 +52,8 @@ _ENGINE_ARGS = tuple(name for name in ENGINE_FIELDS if name not in ("model", "de
 _SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "ignore_eos")
 # lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine
-_IGNORED_ARGS = ("max_batch_size", "parallelize", "trust_remote_code_tokenizer", "revision", "use_fast_tokenizer")
+_IGNORED_ARGS = ("max_batch_size", "parallelize", "trust_remote_code_tokenizer", "revision",
+                 "use_fast_tokenizer")
 
 
 def _has_bos_prefix(text: str, bos: str | None) -> bool:
@@ -64,17 +65,18 @@ class PagedLabLM(TemplateLM):
     """lm-eval ``LM`` over ``pagedlab.LLM``."""
 
     def __init__(self, pretrained: str = "smollm2-135m-instruct", *, max_length: int | None = None,
-                 max_gen_toks: int = 256, add_bos_token: bool | None = None, prefix_token_id: int | None = None,
-                 batch_size: int | str | None = "auto", device: str | None = None, use_tqdm: bool = True,
+                 max_gen_toks: int = 256, add_bos_token: bool | None = None,
+                 prefix_token_id: int | None = None, batch_size: int | str | None = "auto",
+                 device: str | None = None, use_tqdm: bool = True,
                  chat_template_args: dict | None = None, llm=None, **kwargs: Any):
         super().__init__()
         for key in _IGNORED_ARGS:
             kwargs.pop(key, None)
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_ARGS}
         if kwargs:
-            raise ValueError(f"unknown model_args {sorted(kwargs)} for --model pagedlab: it takes pretrained, "
-                             f"{', '.join(_ENGINE_ARGS)}, max_length, max_gen_toks, add_bos_token, "
-                             "prefix_token_id, batch_size, device")
+            raise ValueError(f"unknown model_args {sorted(kwargs)} for --model pagedlab: it takes "
+                             f"pretrained, {', '.join(_ENGINE_ARGS)}, max_length, max_gen_toks, "
+                             "add_bos_token, prefix_token_id, batch_size, device")
         if device is not None:
             engine_kwargs["device"] = device
         if llm is None:
@@ -83,7 +85,8 @@ class PagedLabLM(TemplateLM):
         self.engine = llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         if self.tokenizer is None:
-            raise ValueError(f"--model pagedlab needs a tokenizer, and {pretrained!r} has none: pass tokenizer=DIR")
+            raise ValueError(f"--model pagedlab needs a tokenizer, and {pretrained!r} has none: "
+                             "pass tokenizer=DIR")
         self.pretrained = str(pretrained)
         self._max_length = int(max_length) if max_length else None
         if self._max_length is not None and self._max_length > self.engine.max_model_len:
@@ -126,8 +129,8 @@ class PagedLabLM(TemplateLM):
     def tokenizer_name(self) -> str:
         return self.tokenizer.name_or_path.replace("/", "__")
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   left_truncate_len: int | None = None, **kwargs) -> list[int]:
         """As lm-eval's ``hf`` model tokenizes: the tokenizer's default special tokens unless told
         otherwise, and none added to a string that already starts with BOS."""
         if add_special_tokens is not None:
@@ -136,7 +139,8 @@ class PagedLabLM(TemplateLM):
             special = {"add_special_tokens": self.add_bos_token}
         else:
             special = {}
-        if add_special_tokens is None and _has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+        if (add_special_tokens is None
+                and _has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id))):
             special["add_special_tokens"] = False
         encoding = self.tokenizer.encode(string, **special)
         if left_truncate_len:
@@ -146,7 +150,8 @@ class PagedLabLM(TemplateLM):
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, chat_history: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
         import jinja2
 
         def render(history):
@@ -187,7 +192,8 @@ class PagedLabLM(TemplateLM):
             progress.close()
         return outputs
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
         """Score each (context tokens, continuation tokens) pair; the context is cut from the left
         to fit (the engine needs room for one generated token)."""
         limit = self.max_length - 1

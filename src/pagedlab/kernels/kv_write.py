@@ -34,7 +34,8 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("key, value, k_cache and v_cache need a contiguous head_dim")
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape:
-        raise ValueError(f"key {tuple(key.shape)} does not fit caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
+        raise ValueError(f"key {tuple(key.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
                          "([num_blocks, block_size, num_kv_heads, head_dim])")
     triton_kernels.write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,

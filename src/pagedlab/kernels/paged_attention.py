@@ -22,7 +22,7 @@ class TorchAttentionPlan:
 
     decode_tokens: torch.Tensor | None  # query rows of the single-token sequences (None: all rows)
     decode_slots: torch.Tensor | None  # [seqs, keys] cache slots to read (past the end: slot of key 0)
-    decode_bias: torch.Tensor | None  # [seqs, 1, 1, keys] additive mask: 0 for the sequence's keys, -inf after
+    decode_bias: torch.Tensor | None  # [seqs, 1, 1, keys] additive mask: 0 on the sequence's keys, else -inf
     sequences: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, blocks, causal mask)
 
 
@@ -79,7 +79,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         seq_len = causal.shape[1]
         k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
         v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=causal, scale=scale)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=causal,
+                                           scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -126,7 +127,8 @@ def allocate_split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, ma
     """
     num_segments = -(-max_seq_len // split_kv_size)
     head_dim_padded = _padded_head_dim(head_dim)
-    acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_padded, dtype=torch.float32, device=device)
+    acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_padded, dtype=torch.float32,
+                      device=device)
     row_max = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=device)
     row_sum = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=device)
     return acc, row_max, row_sum
@@ -188,9 +190,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"split_kv_size={split_kv_size} must be a positive multiple of {TILE_N}")
     num_segments = -(-max_seq_len // split_kv_size)
     if scratch is None:
-        scratch = allocate_split_kv_scratch(num_tokens, q.shape[1], q.shape[2], max_seq_len, split_kv_size, q.device)
+        scratch = allocate_split_kv_scratch(num_tokens, q.shape[1], q.shape[2], max_seq_len, split_kv_size,
+                                            q.device)
     _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
-    kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size, num_segments)
+    kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size,
+                   num_segments)
     kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
     return out
 
@@ -204,8 +208,8 @@ def _check_scratch(scratch, num_tokens: int, num_heads: int, num_segments: int, 
     if (partial_max.shape != partial_acc.shape[:3] or partial_sum.shape != partial_acc.shape[:3]
             or partial_max.stride() != partial_sum.stride() or partial_max.stride(-1) != 1
             or partial_acc.stride(-1) != 1):
-        raise ValueError("scratch (acc, max, sum) must come from allocate_split_kv_scratch: max and sum shaped "
-                         "like acc's first three dims, with equal strides and contiguous last dims")
+        raise ValueError("scratch (acc, max, sum) must come from allocate_split_kv_scratch: max and sum "
+                         "shaped like acc's first three dims, with equal strides and contiguous last dims")
 
 
 class _AttentionKernels:
@@ -215,11 +219,11 @@ class _AttentionKernels:
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
-        num_tokens, num_heads, head_dim = q.shape
+        _num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-            raise ValueError(f"q head_dim {head_dim} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} "
-                             "must agree: caches are [num_blocks, block_size, num_kv_heads, head_dim]")
+            raise ValueError(f"q head_dim {head_dim} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
+                             " must agree: caches are [num_blocks, block_size, num_kv_heads, head_dim]")
         if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
             raise ValueError(f"q dtype {q.dtype} and cache dtypes {k_cache.dtype}/{v_cache.dtype} must match")
         if num_heads % num_kv_heads:
@@ -249,7 +253,8 @@ class _AttentionKernels:
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
         block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group)
         num_seqs = seq_lens.shape[0]
-        grid = (self.q.shape[0] // block_q + num_seqs, self.num_kv_heads) + ((num_segments,) if split_kv_size else ())
+        grid = ((self.q.shape[0] // block_q + num_seqs, self.num_kv_heads)
+                + ((num_segments,) if split_kv_size else ()))
         q = self.q
         if split_kv_size:
             partial_acc, partial_max, partial_sum = target
@@ -322,8 +327,9 @@ def cascade_prefix_split(max_seq_len: int) -> int:
 
 
 def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                             buffers: CascadeBuffers, scale: float, max_seq_len: int) -> torch.Tensor:
+                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                             block_tables: torch.Tensor, buffers: CascadeBuffers, scale: float,
+                             max_seq_len: int) -> torch.Tensor:
     """Decode attention (query row i is sequence i's last token; rows past the sequences are
     padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
     row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds

@@ -187,18 +187,21 @@ def paged_attention_kernel(
         tl.store(partial_sum_ptr + stat_offset, row_sum, mask=row_valid)
         # A segment past the visible keys has nothing to add; the reduce skips it by its max.
         if key_start < key_end:
-            acc_ptrs = (partial_acc_ptr + token[:, None] * stride_pacc_token + head[:, None] * stride_pacc_head
+            acc_ptrs = (partial_acc_ptr + token[:, None] * stride_pacc_token
+                        + head[:, None] * stride_pacc_head
                         + (segment + partial_segment_offset) * stride_pacc_segment + offs_d[None, :])
             tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     else:
         out = acc / row_sum[:, None]
-        out_ptrs = out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :]
+        out_ptrs = (out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head
+                    + offs_d[None, :])
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def split_kv_reduce_kernel(
-        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, num_seqs, num_segments,
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
+        num_seqs, num_segments,
         stride_out_token, stride_out_head,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
@@ -257,8 +260,8 @@ def write_kv_kernel(
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     key = tl.load(key_ptr + token * stride_key_token + offs_h[:, None] * stride_key_head + offs_d[None, :],
                   mask=mask)
-    value = tl.load(value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head + offs_d[None, :],
-                    mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head
+                    + offs_d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_kc_block + slot_in_block * stride_kc_token
     v_dst = v_cache_ptr + block * stride_vc_block + slot_in_block * stride_vc_token
     tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :],

@@ -30,7 +30,8 @@ class Linear(nn.Module):
             offset = sum(self.output_sizes[:shard_id])
             target = param.data.narrow(0, offset, self.output_sizes[shard_id])
         if target.shape != loaded.shape:
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not match the expected {tuple(target.shape)}")
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not match the expected "
+                             f"{tuple(target.shape)}")
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

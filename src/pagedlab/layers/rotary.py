@@ -46,7 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for ``positions``, shaped ``[num_tokens, 1, head_dim]`` to broadcast over heads."""
-        return self.cos_cache[positions].to(dtype).unsqueeze(1), self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return (self.cos_cache[positions].to(dtype).unsqueeze(1),
+                self.sin_cache[positions].to(dtype).unsqueeze(1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

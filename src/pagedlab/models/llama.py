@@ -6,6 +6,7 @@ They differ only in two switches, so one implementation serves them all.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -109,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over flat varlen batches (``input_ids``/``positions``: ``[num_tokens]``)."""
 
     # checkpoint name -> (our fused parameter, shard index)
-    packed_modules = {
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
