@@ -112,7 +112,7 @@ def test_cascade_graphs_give_hf_tokens(tiny_models, monkeypatch):
 def test_pinned_staging_copies_every_value_across_steps_and_growth():
     """Inputs staged by alternate steps through reused pinned buffers arrive intact, also when a
     step outgrows its buffer, and the staged host tensors are pinned (else the copy would block)."""
-    from pagedlab.engine.model_runner import PinnedStaging
+    from pagedlab.engine.step_inputs import PinnedStaging
 
     staging = PinnedStaging(torch.device("cuda"), nbytes=256)
     gen = torch.Generator().manual_seed(0)
