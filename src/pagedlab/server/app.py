@@ -92,6 +92,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
 
 # ---- errors -------------------------------------------------------------------------------------
 def json_response(body: BaseModel, status_code: int = 200) -> Response:
+    """``body`` serialized by pydantic (one pass, no intermediate dict)."""
     return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
@@ -135,6 +136,7 @@ class APIKeyMiddleware:
 # ---- endpoints ----------------------------------------------------------------------------------
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
+    """200 while the engine thread runs, else 503."""
     if not raw_request.app.state.engine.is_running:
         error = ErrorInfo(message="the engine is not running", type="server_error", code="engine_dead")
         return json_response(ErrorResponse(error=error), 503)
@@ -143,16 +145,19 @@ async def health(raw_request: Request) -> Response:
 
 @router.get("/ping")
 async def ping(raw_request: Request) -> Response:
+    """The same as ``/health``."""
     return await health(raw_request)
 
 
 @router.get("/version")
 async def version() -> dict:
+    """pagedlab's version."""
     return {"version": __version__}
 
 
 @router.get("/metrics")
 async def prometheus_metrics(raw_request: Request) -> Response:
+    """The Prometheus text exposition of the server's metrics."""
     metrics = raw_request.app.state.metrics
     if metrics is None:
         raise APIError(404, "metrics are disabled on this server", code="not_found")
@@ -162,6 +167,7 @@ async def prometheus_metrics(raw_request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
+    """The served model names, each with the model's root, max_model_len and vocabulary size."""
     state = raw_request.app.state
     info = state.engine.info
     return json_response(ModelList(data=[
@@ -172,6 +178,7 @@ async def list_models(raw_request: Request) -> Response:
 
 @router.post("/v1/completions")
 async def create_completion(raw_request: Request) -> Response:
+    """OpenAI's text completions (``CompletionRequest``)."""
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
     request = parse_request(CompletionRequest, await _json_body(raw_request))
     return await _respond(raw_request, lambda disconnected: serving.create_completion(request, disconnected))
@@ -179,6 +186,7 @@ async def create_completion(raw_request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw_request: Request) -> Response:
+    """OpenAI's chat completions (``ChatCompletionRequest``)."""
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     request = parse_request(ChatCompletionRequest, await _json_body(raw_request))
     return await _respond(raw_request,

@@ -35,6 +35,8 @@ _MAX_QUOTED_VALUE = 80  # an error message quotes at most this much of the bad v
 
 # ---- errors -------------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
+    """The inside of an error body: what went wrong, its kind, the field at fault, a machine code."""
+
     message: str
     type: str
     param: str | None = None
@@ -57,6 +59,7 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
 
     def response(self) -> ErrorResponse:
+        """The body to answer with."""
         return ErrorResponse(error=self.info)
 
 
@@ -141,6 +144,8 @@ class OpenAIRequest(BaseModel):
 
 
 class StreamOptions(OpenAIRequest):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage and no choices."""
+
     include_usage: bool = False
 
 
@@ -258,6 +263,8 @@ class CompletionRequest(SamplingRequest):
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 class TextContentPart(OpenAIRequest):
+    """A text part of a message's content (the only kind this server takes)."""
+
     type: Literal["text"]
     text: str
 
@@ -358,10 +365,14 @@ class OpenAIResponse(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens the prefix cache already held."""
+
     cached_tokens: int
 
 
 class UsageInfo(OpenAIResponse):
+    """Token counts of a request: its prompts and everything it generated."""
+
     omitted_when_none = frozenset({"prompt_tokens_details"})
 
     prompt_tokens: int
@@ -400,6 +411,8 @@ class CompletionResponseChoice(OpenAIResponse):
 
 
 class CompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/completions`` response."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -409,6 +422,8 @@ class CompletionResponse(BaseModel):
 
 
 class CompletionStreamResponse(OpenAIResponse):
+    """A chunk of a streamed completion; the usage rides on the last one."""
+
     omitted_when_none = frozenset({"usage"})
 
     id: str
@@ -420,25 +435,35 @@ class CompletionStreamResponse(OpenAIResponse):
 
 
 class ChatCompletionTopLogprob(BaseModel):
+    """One alternative token at a position, with its UTF-8 bytes."""
+
     token: str
     logprob: float
     bytes: list[int]
 
 
 class ChatCompletionLogprob(ChatCompletionTopLogprob):
+    """The chosen token at a position and the most likely alternatives."""
+
     top_logprobs: list[ChatCompletionTopLogprob]
 
 
 class ChatCompletionLogprobs(BaseModel):
+    """A chat choice's logprobs, one entry per generated token."""
+
     content: list[ChatCompletionLogprob]
 
 
 class ChatMessage(BaseModel):
+    """The assistant's message of a chat choice."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
+    """A choice of a chat completion."""
+
     omitted_when_none = frozenset({"token_ids"})
 
     index: int
@@ -450,6 +475,8 @@ class ChatCompletionResponseChoice(OpenAIResponse):
 
 
 class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/chat/completions`` response."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -468,6 +495,8 @@ class DeltaMessage(OpenAIResponse):
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):
+    """A chat choice's new part in a stream chunk."""
+
     omitted_when_none = frozenset({"token_ids"})
 
     index: int
@@ -479,6 +508,8 @@ class ChatCompletionResponseStreamChoice(OpenAIResponse):
 
 
 class ChatCompletionStreamResponse(OpenAIResponse):
+    """A chunk of a streamed chat completion; the usage rides on the last one."""
+
     omitted_when_none = frozenset({"usage"})
 
     id: str
@@ -491,6 +522,8 @@ class ChatCompletionStreamResponse(OpenAIResponse):
 
 # ---- /v1/models ---------------------------------------------------------------------------------
 class ModelCard(BaseModel):
+    """One served model name in ``/v1/models``, with vLLM's extra fields."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -502,5 +535,7 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """The body of ``/v1/models``."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]

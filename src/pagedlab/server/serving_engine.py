@@ -50,6 +50,7 @@ class OpenAIServing:
 
     # ---- checks ---------------------------------------------------------------------------
     def check_engine(self) -> None:
+        """A 503 unless the engine thread runs."""
         if not self.engine.is_running:
             raise engine_dead("the engine is not running")
 
@@ -72,6 +73,7 @@ class OpenAIServing:
 
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: PromptType, param: str) -> EncodedPrompt:
+        """``prompt``'s token ids and text (``pagedlab.inputs``); a 400 naming ``param`` if it cannot be."""
         try:
             return encode_prompt(prompt, self.engine.tokenizer, self.served_model_names[0])
         except ValueError as e:
