@@ -499,3 +499,28 @@ def test_serve_command_end_to_end(served, tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+# ---- a model without a tokenizer (the GPU serving benchmark's dummy shapes) ----------------------
+def test_model_without_tokenizer_takes_token_ids(tiny_llama):
+    llm = LLM(tiny_llama.path, kv_cache_memory_bytes=TINY_KV_BYTES)
+    assert llm.get_tokenizer() is None
+    want = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine, served_model_names=[MODEL], enable_metrics=False)) as srv:
+            url = srv.url + "/v1/completions"
+            r = httpx.post(url, json={"prompt": [5, 6, 7], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                      "return_token_ids": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+            err = _error(httpx.post(url, json={"prompt": "text"}, timeout=60), 400)
+            assert "need a tokenizer" in err["message"] and err["param"] == "prompt"
+            err = _error(httpx.post(url, json={"prompt": [5], "stop": "x"}, timeout=60), 400)
+            assert "need a tokenizer" in err["message"]
+            chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHATS[0]}, timeout=60)
+            err = _error(chat, 400)
+            assert "chat completions need a tokenizer" in err["message"]
+    finally:
+        engine.shutdown()
+        llm.close()
