@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
 import pytest
-from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["Why is the sky blue?", "The quick brown fox", "Paged attention stores", "hello world, how are",
@@ -64,7 +65,7 @@ def test_streams_token_by_token_and_matches_offline(offline):
     assert counts == sorted(set(counts)) and counts[-1] == len(want.token_ids)
     assert sum(b - a == 1 for a, b in zip([0] + counts, counts)) >= len(counts) // 2
     texts = [o.outputs[0].text for o in outs]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
 
 
 def test_concurrent_requests_match_offline(offline):
@@ -188,6 +189,22 @@ def test_cancelled_task_aborts(offline):
     _wait_idle(engine)
 
 
+def test_public_surface_for_the_server(offline, model_dir):
+    """What the server reads: the engine's info, its limits, and prompt checks without queueing."""
+    engine, _, _, _ = offline
+    info = engine.info
+    assert str(info.model_path) == model_dir and info.max_model_len == engine.max_model_len
+    assert info.tokenizer is engine.tokenizer and engine.model_name == model_dir
+    engine.validate_prompt([5, 6, 7])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.validate_prompt([5] * engine.max_model_len)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.validate_prompt([1, info.hf_config.vocab_size])
+    with pytest.raises(ValueError, match="empty"):
+        engine.validate_prompt([])
+    assert engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
+
+
 def test_bad_requests_fail_alone(offline):
     engine, expected, _, _ = offline
 
@@ -245,7 +262,8 @@ def test_listener_sees_stats_and_finished_requests(offline):
 
 
 def test_from_engine_config_and_shutdown(model_dir):
-    engine = AsyncEngine.from_engine_config(EngineConfig(model=model_dir, kv_cache_memory_bytes=TINY_KV_BYTES))
+    engine = AsyncEngine.from_engine_config(EngineConfig(model=model_dir,
+                                                         kv_cache_memory_bytes=TINY_KV_BYTES))
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
     async def main():

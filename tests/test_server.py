@@ -13,18 +13,18 @@ import time
 
 import pytest
 
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
-
-from pagedlab import LLM, SamplingParams
-from pagedlab.engine.async_engine import AsyncEngine
-from pagedlab.server.metrics import parse_metrics
-from pagedlab.server.openai_api import ServerThread, build_app
+from pagedlab.server.app import ServerThread, build_app  # noqa: E402  (needs the optional packages above)
+from pagedlab.server.metrics import parse_metrics  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test-key"
@@ -48,7 +48,8 @@ def served(tmp_path_factory, request):
         "chats": [o.outputs[0] for o in llm.chat(CHATS, GREEDY, use_tqdm=False)],
         "logprobs": llm.generate(PROMPTS_64[0], GREEDY.clone(logprobs=2), use_tqdm=False)[0].outputs[0],
         "seeded": [c.token_ids for c in llm.generate(
-            PROMPTS_64[1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8), use_tqdm=False)[0].outputs],
+            PROMPTS_64[1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8),
+            use_tqdm=False)[0].outputs],
     }
     engine = AsyncEngine.from_llm(llm)
     app = build_app(engine, served_model_names=[MODEL])
@@ -119,7 +120,8 @@ def test_completion_logprobs_and_echo(served, client):
                                   logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(want.token_ids)
-    assert lp.token_logprobs == pytest.approx([pos[t].logprob for pos, t in zip(want.logprobs, want.token_ids)])
+    assert lp.token_logprobs == pytest.approx([pos[t].logprob
+                                               for pos, t in zip(want.logprobs, want.token_ids)])
     assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
     assert all(max(top.values()) >= chosen - 1e-6 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
     r = client.completions.create(model=MODEL, prompt=PROMPTS_64[0], max_tokens=4, temperature=0, echo=True,
@@ -132,8 +134,8 @@ def test_completion_logprobs_and_echo(served, client):
 
 
 def test_completion_seed_and_n(served, client):
-    r = client.completions.create(model=MODEL, prompt=PROMPTS_64[1], max_tokens=8, temperature=1.0, seed=3, n=2,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(model=MODEL, prompt=PROMPTS_64[1], max_tokens=8, temperature=1.0, seed=3,
+                                  n=2, extra_body={"return_token_ids": True})
     assert [c.token_ids for c in r.choices] == served["expected"]["seeded"]
 
 
@@ -147,15 +149,16 @@ def test_chat_matches_offline(served, client):
         assert r.usage.completion_tokens == len(want.token_ids)
     # max_completion_tokens wins over max_tokens; n > 1; text parts
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Why is the sky blue?"}]}],
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Why is the sky blue?"}]}],
         max_tokens=50, max_completion_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [c.message.content for c in r.choices] == [served["expected"]["chats"][0].text] * 2
     assert r.usage.completion_tokens == 2 * len(served["expected"]["chats"][0].token_ids)
 
 
 def test_chat_logprobs(served, client):
-    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=6, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
     for entry in content:
@@ -172,7 +175,8 @@ def test_stop_strings_stream_and_not(served, client):
     stop = want[4:6]
     assert stop and stop in want
     cut = want[:want.index(stop)]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS_64[5], max_tokens=MAX_TOKENS, temperature=0, stop=stop)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS_64[5], max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=stop)
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPTS_64[5], max_tokens=MAX_TOKENS, temperature=0, stop=[stop], stream=True)
@@ -183,8 +187,9 @@ def test_stop_strings_stream_and_not(served, client):
 # ---- streaming ------------------------------------------------------------------------------------
 def test_streaming_completion_and_chat(served, client):
     want = served["expected"]["texts"][6]
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS_64[6], max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS_64[6], max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
                                             extra_body={"return_token_ids": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -204,8 +209,8 @@ def test_streaming_completion_and_chat(served, client):
 
 
 def test_streaming_n_and_logprobs(served, client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=5, temperature=0, n=2,
-                                                 logprobs=True, top_logprobs=1, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=5, temperature=0,
+                                                 n=2, logprobs=True, top_logprobs=1, stream=True))
     text = {0: "", 1: ""}
     lps = {0: 0, 1: 0}
     for c in chunks:
@@ -221,7 +226,8 @@ def test_64_concurrent_streams_match_offline(served):
     want = served["expected"]["texts"]
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
 
         async def one(prompt):
             stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
@@ -328,8 +334,8 @@ def test_unknown_model_and_path(served, client):
 def test_api_key(served):
     url = served["keyed_url"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        err = _error(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers),
-                     401)
+        body = {"model": MODEL, "prompt": "hi"}
+        err = _error(httpx.post(url + "/v1/completions", json=body, headers=headers), 401)
         assert err["code"] == "invalid_api_key"
     _error(httpx.get(url + "/v1/models"), 401)
     with pytest.raises(openai.AuthenticationError):
@@ -344,22 +350,23 @@ def test_api_key(served):
 def test_disconnect_mid_stream_aborts_and_frees_blocks(served):
     before = wait_idle(served)
     body = {"model": MODEL, "prompt": PROMPTS_64[7], "stream": True, **LONG}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", served["url"] + "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            got = 0
-            for line in lines:
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    got += 1
-                    if got == 3:
-                        break
-            during = metrics(served)
-            assert during["pagedlab:num_requests_running"] == 1
-            assert during["pagedlab:kv_cache_blocks_used"] > 0
+    with httpx.Client(timeout=30) as http, http.stream("POST", served["url"] + "/v1/completions",
+                                                       json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got += 1
+                if got == 3:
+                    break
+        during = metrics(served)
+        assert during["pagedlab:num_requests_running"] == 1
+        assert during["pagedlab:kv_cache_blocks_used"] > 0
     after = wait_idle(served)  # closing the connection aborted the request and freed its blocks
     assert after["pagedlab:request_aborted_total"] == before["pagedlab:request_aborted_total"] + 1
-    assert after["pagedlab:generation_tokens_total"] - before["pagedlab:generation_tokens_total"] < LONG["max_tokens"]
+    generated = after["pagedlab:generation_tokens_total"] - before["pagedlab:generation_tokens_total"]
+    assert generated < LONG["max_tokens"]
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts(served):
@@ -420,7 +427,8 @@ def test_bench_serve_dataset_chat_with_rate_and_concurrency(served, tmp_path, ca
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p, "output_len": 4}) for p in PROMPTS_64[:6]))
-    assert main(["--base-url", served["url"] + "/v1", "--endpoint", "/v1/chat/completions", "--dataset", str(data),
+    assert main(["--base-url", served["url"] + "/v1", "--endpoint", "/v1/chat/completions",
+                 "--dataset", str(data),
                  "--num-prompts", "6", "--request-rate", "200", "--max-concurrency", "2", "--disable-tqdm",
                  "--temperature", "0", "--ignore-eos", "--metric-percentiles", "50,99"]) == 0
     report = capsys.readouterr().out
@@ -448,14 +456,15 @@ def test_serve_command_end_to_end(served, tmp_path):
     import subprocess
     import sys
 
-    model_dir = served["engine"].engine.source.path
+    model_dir = served["engine"].info.model_path
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pagedlab.server.openai_api", "--model", str(model_dir), "--port", str(port),
-           "--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "32", "--max-num-seqs", "8",
+           "--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", "32",
+           "--max-num-seqs", "8",
            "--api-key", KEY, "--served-model-name", "m1", "m2", "--chat-template", str(template),
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -490,3 +499,28 @@ def test_serve_command_end_to_end(served, tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, proc.stderr.read()[-2000:]
+
+
+# ---- a model without a tokenizer (the GPU serving benchmark's dummy shapes) ----------------------
+def test_model_without_tokenizer_takes_token_ids(tiny_llama):
+    llm = LLM(tiny_llama.path, kv_cache_memory_bytes=TINY_KV_BYTES)
+    assert llm.get_tokenizer() is None
+    want = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine, served_model_names=[MODEL], enable_metrics=False)) as srv:
+            url = srv.url + "/v1/completions"
+            r = httpx.post(url, json={"prompt": [5, 6, 7], "max_tokens": MAX_TOKENS, "temperature": 0,
+                                      "return_token_ids": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want
+            err = _error(httpx.post(url, json={"prompt": "text"}, timeout=60), 400)
+            assert "need a tokenizer" in err["message"] and err["param"] == "prompt"
+            err = _error(httpx.post(url, json={"prompt": [5], "stop": "x"}, timeout=60), 400)
+            assert "need a tokenizer" in err["message"]
+            chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": CHATS[0]}, timeout=60)
+            err = _error(chat, 400)
+            assert "chat completions need a tokenizer" in err["message"]
+    finally:
+        engine.shutdown()
+        llm.close()

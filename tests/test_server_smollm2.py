@@ -10,13 +10,14 @@ import asyncio
 
 import pytest
 
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from pagedlab import LLM, SamplingParams
-from pagedlab.engine.async_engine import AsyncEngine
-from pagedlab.server.openai_api import ServerThread, build_app
+from pagedlab.server.app import ServerThread, build_app  # noqa: E402  (needs the optional packages above)
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 24
@@ -43,7 +44,8 @@ def served():
 def test_chat_matches_offline_chat(served):
     client = served["client"]
     for conversation, want in zip(CHATS, served["expected"]["chats"]):
-        r = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS, temperature=0)
+        r = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=MAX_TOKENS,
+                                           temperature=0)
         assert r.choices[0].message.content == want.text
         assert r.choices[0].finish_reason == want.finish_reason
         assert r.usage.completion_tokens == len(want.token_ids)
@@ -54,19 +56,22 @@ def test_streamed_chat_equals_full_response(served):
     client = served["client"]
     want = served["expected"]["chats"][1]
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
 def test_concurrent_streamed_completions_match_offline(served):
     async def main():
-        client = openai.AsyncOpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0,
+                                    timeout=120)
 
         async def one(prompt):
             text = ""
-            async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                               temperature=0, stream=True):
+            chunks = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                     temperature=0, stream=True)
+            async for chunk in chunks:
                 text += "".join(c.text for c in chunk.choices)
             return text
 
@@ -81,11 +86,12 @@ def test_concurrent_streamed_completions_match_offline(served):
 
 def test_logprobs_and_stop(served):
     client = served["client"]
-    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=8, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    r = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == 8 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)
     want = served["expected"]["texts"][0].text
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=["."])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=["."])
     assert r.choices[0].text == want.split(".")[0]

@@ -49,8 +49,8 @@ def build_tiny_chat_model(directory: Path, seed: int = 0, max_position_embedding
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     vocab = tok.get_vocab_size()
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=max_position_embeddings, initializer_range=0.2,
                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)

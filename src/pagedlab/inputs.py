@@ -61,10 +61,10 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTyp
 
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
-                add_generation_prompt: bool = True, model: str = "") -> dict:
+                add_generation_prompt: bool = True, model: str = "", **template_kwargs) -> dict:
     """A conversation rendered through the chat template, as a prompt that adds no special tokens
-    (the template already holds them)."""
+    (the template already holds them). ``template_kwargs`` are extra variables for the template."""
     tokenizer = require_tokenizer(tokenizer, "chat conversations", model)
     text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
     return {"prompt": text, "add_special_tokens": False}

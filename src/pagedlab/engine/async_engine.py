@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -27,15 +28,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from pagedlab.config import EngineConfig
+from pagedlab.config import EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
-from pagedlab.outputs import EngineStats
-from pagedlab.outputs import RequestOutput
+from pagedlab.inputs import PromptType, encode_prompt
+from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict
 
 _IDLE_WAIT_S = 0.5  # how long the idle loop blocks on the command queue before checking for shutdown
 _STATS_INTERVAL_S = 0.05  # stats are refreshed at least this often while busy (and at every add/abort/finish)
@@ -135,10 +134,8 @@ class RequestStream:
 
     def __del__(self):
         if not self._done:
-            try:
+            with contextlib.suppress(Exception):
                 self.abort()
-            except Exception:
-                pass
 
 
 class AsyncEngine:
@@ -181,6 +178,7 @@ class AsyncEngine:
     # ---- properties -----------------------------------------------------------------------
     @property
     def tokenizer(self):
+        """The model's transformers tokenizer, or None for a model without one."""
         return self.engine.tokenizer
 
     @property
@@ -189,7 +187,13 @@ class AsyncEngine:
 
     @property
     def model_name(self) -> str:
+        """The model as it was asked for (``EngineConfig.model``)."""
         return self.engine.config.model
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine resolved its settings to and the model's identity (``LLMEngine.info``)."""
+        return self.engine.info
 
     @property
     def is_running(self) -> bool:
@@ -204,25 +208,10 @@ class AsyncEngine:
         return self._stats
 
     # ---- requests -------------------------------------------------------------------------
-    def encode(self, prompt: PromptType) -> tuple[list[int], str | None]:
-        """Token ids and text of a prompt: a string, a list of ids, or a dict with "prompt"
-        (and optional "add_special_tokens") or "prompt_token_ids"."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
-            if "prompt" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-            text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
-        elif isinstance(prompt, str):
-            text, add_special = prompt, True
-        elif isinstance(prompt, (list, tuple)):
-            return list(prompt), None
-        else:
-            raise ValueError(f"prompt {prompt!r} is invalid: give a string, a list of token ids, or a dict")
-        if self.tokenizer is None:
-            raise ValueError(f"text prompts need a tokenizer, and the model {self.model_name!r} has none: "
-                             "send token ids")
-        return self.tokenizer(text, add_special_tokens=add_special).input_ids, text
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """ValueError unless the model can take this prompt (not empty, shorter than
+        max_model_len, ids in the vocabulary). Safe from any thread: it reads only model limits."""
+        self.engine.validate_prompt(prompt_token_ids)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -236,15 +225,16 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
         params = params or SamplingParams()
-        token_ids, text = self.encode(prompt)
-        self.engine.validate_prompt(token_ids)  # reads only immutable model limits
+        encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
+        self.validate_prompt(encoded.token_ids)
         if params.detokenize and self.tokenizer is None and (params.stop or params.logprobs is not None):
             raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
                              "use stop_token_ids")
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         channel = _Stream(request_id, asyncio.get_running_loop(), tokens=stream)
-        self._commands.put(("add", channel, token_ids, params, text, arrival_time or time.time()))
+        self._commands.put(("add", channel, encoded.token_ids, params, encoded.text,
+                            arrival_time or time.time()))
         return RequestStream(self, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -359,7 +349,8 @@ class AsyncEngine:
             stream.put(ValueError(f"request_id {stream.request_id!r} is already in use"))
             return
         try:
-            self.engine.add_request(stream.request_id, token_ids, params, prompt=text, arrival_time=arrival_time)
+            self.engine.add_request(stream.request_id, token_ids, params, prompt=text,
+                                    arrival_time=arrival_time)
         except Exception as e:  # ValueError for bad input; the engine is unchanged
             stream.put(e)
             return
@@ -430,17 +421,13 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            try:
+            with contextlib.suppress(Exception):
                 self.engine.abort_request(request_id)
-            except Exception:
-                pass
             stream.put(error)
         self._streams.clear()
         self._num_token_streams = 0
-        try:
+        with contextlib.suppress(Exception):
             self._publish_stats()
-        except Exception:
-            pass
 
     def _drain_after_stop(self) -> None:
         """Answer commands that raced with the stop."""

@@ -32,9 +32,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(levelname)s %(name)s: %(message)s")
     from pagedlab.engine.async_engine import AsyncEngine
-    from pagedlab.server.openai_api import run_server
+    from pagedlab.server.app import run_server
 
     chat_template = args.chat_template
     if chat_template is not None and Path(chat_template).is_file():
@@ -53,10 +54,12 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     names = args.served_model_name or [args.model]
     print(f"pagedlab serve: {names[0]} on http://{args.host}:{args.port}/v1 "
-          f"(max_model_len {engine.max_model_len}, {engine.get_stats().num_kv_blocks} KV blocks)", file=sys.stderr)
+          f"(max_model_len {engine.max_model_len}, {engine.get_stats().num_kv_blocks} KV blocks)",
+          file=sys.stderr)
     try:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
-                   chat_template=chat_template, log_level=args.log_level, enable_metrics=not args.disable_metrics)
+                   chat_template=chat_template, log_level=args.log_level,
+                   enable_metrics=not args.disable_metrics)
     finally:
         engine.shutdown()
     return 0
@@ -76,8 +79,8 @@ def register_bench(bench_subparsers) -> None:
     from pagedlab.server.bench_serve import add_bench_serve_args, bench_serve_command
 
     p = bench_subparsers.add_parser("serve", help="benchmark a running OpenAI-compatible server",
-                                    description="Send requests to a server at a given rate and report throughput, "
-                                                "TTFT, TPOT, ITL and end-to-end latency, named like "
-                                                "`vllm bench serve`.")
+                                    description="Send requests to a server at a given rate and report "
+                                                "throughput, TTFT, TPOT, ITL and end-to-end latency, named "
+                                                "like `vllm bench serve`.")
     add_bench_serve_args(p)
     p.set_defaults(func=bench_serve_command)

@@ -10,7 +10,7 @@ own token counters after every step; latency histograms are observed when a requ
 | pagedlab:kv_cache_usage_perc | gauge | used share of the KV cache blocks (0..1) |
 | pagedlab:kv_cache_blocks_used / _total | gauge | KV cache blocks in use / in the pool |
 | pagedlab:prefix_cache_hit_rate | gauge | prefix-cache hit tokens / queried tokens since the last reset |
-| pagedlab:prefix_cache_queries_total / _hits_total | counter | prompt tokens looked up / found in the prefix cache |
+| pagedlab:prefix_cache_queries_total / _hits_total | counter | prompt tokens looked up / found in the cache |
 | pagedlab:prompt_tokens_total | counter | prompt tokens run through the model (prefill, recompute) |
 | pagedlab:generation_tokens_total | counter | tokens generated |
 | pagedlab:num_preemptions_total | counter | sequences preempted (recomputed later) |
@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import threading
 
-from pagedlab.outputs import EngineStats
-from pagedlab.outputs import RequestOutput
+from pagedlab.outputs import EngineStats, RequestOutput
 
 PREFIX = "pagedlab:"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
@@ -64,7 +63,8 @@ class ServerMetrics:
 
         gauge("num_requests_running", "Sequences in the running batch.", lambda s: s.num_running)
         gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda s: s.num_waiting)
-        gauge("kv_cache_usage_perc", "Used share of the KV cache blocks (1 = full).", lambda s: s.kv_cache_usage)
+        gauge("kv_cache_usage_perc", "Used share of the KV cache blocks (1 = full).",
+              lambda s: s.kv_cache_usage)
         gauge("kv_cache_blocks_used", "KV cache blocks in use.", lambda s: s.kv_blocks_used)
         gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", lambda s: s.num_kv_blocks)
         gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens over queried tokens since the last reset.",
@@ -73,7 +73,8 @@ class ServerMetrics:
         def counter(name, doc, extra=()):
             return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens run through the model (prefill and recompute).")
+        self.prompt_tokens = counter("prompt_tokens",
+                                     "Prompt tokens run through the model (prefill and recompute).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -91,14 +92,18 @@ class ServerMetrics:
             h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
             return h.labels(**self._labels)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
+                              TTFT_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time between output tokens of one request (after the first).", TPOT_BUCKETS)
+                              "Mean time between output tokens of one request (after the first).",
+                              TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the end of the request.",
                              E2E_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Generated tokens per request (all n completions).", TOKEN_BUCKETS)
+                                                   "Generated tokens per request (all n completions).",
+                                                   TOKEN_BUCKETS)
 
     # ---- StatsListener (called from the engine thread) ------------------------------------
     def on_stats(self, stats: EngineStats) -> None:

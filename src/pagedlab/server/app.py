@@ -1,0 +1,312 @@
+"""An OpenAI-compatible HTTP server over ``AsyncEngine`` (FastAPI + uvicorn).
+
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``. Requests join the running batch as they
+arrive (online continuous batching) and stream token by token with ``"stream": true``. Errors use
+OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters, malformed
+JSON and prompts longer than the model allows, 401 for a missing or wrong API key, 404 for an
+unknown model; a failed request fails alone and the server keeps serving. A client that goes
+away mid-request has its request aborted and its KV blocks freed.
+
+    app = build_app(AsyncEngine.from_engine_config(EngineConfig(model=DIR)))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+or ``pagedlab serve --model DIR`` / ``python -m pagedlab.server.openai_api --model DIR``.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the endpoints' annotations at runtime.
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedlab import __version__
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.server.metrics import ServerMetrics
+from pagedlab.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    bad_request,
+    parse_request,
+)
+from pagedlab.server.serving_chat import OpenAIServingChat
+from pagedlab.server.serving_completion import OpenAIServingCompletion
+from pagedlab.server.serving_engine import ClientGone, EventStream
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None,
+              api_key: str | None = None, chat_template: str | None = None,
+              metrics: ServerMetrics | None = None, enable_metrics: bool = True,
+              shutdown_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
+    was asked for). ``api_key`` guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when
+    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down."""
+    names = list(served_model_names or [engine.model_name])
+    if metrics is None and enable_metrics:
+        metrics = ServerMetrics(model_name=names[0])
+    if metrics is not None:
+        engine.add_listener(metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_engine:
+            engine.shutdown()
+
+    app = FastAPI(title="pagedlab OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.served_model_names = names
+    app.state.created = int(time.time())
+    app.state.serving_completion = OpenAIServingCompletion(engine, names)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unhandled_error)
+    app.include_router(router)
+    return app
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def json_response(body: BaseModel, status_code: int = 200) -> Response:
+    """``body`` serialized by pydantic (one pass, no intermediate dict)."""
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+async def _api_error(request: Request, e: APIError) -> Response:
+    return json_response(e.response(), e.status)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    error = ErrorInfo(message=str(e.detail), type=kind, code=e.status_code)
+    return json_response(ErrorResponse(error=error), e.status_code)
+
+
+async def _unhandled_error(request: Request, e: Exception) -> Response:
+    logger.exception("unhandled error on %s", request.url.path)
+    error = ErrorInfo(message=f"internal server error: {e!r}", type="server_error")
+    return json_response(ErrorResponse(error=error), 500)
+
+
+class APIKeyMiddleware:
+    """Answers 401 to a ``/v1`` request without ``Authorization: Bearer <api_key>``; health,
+    metrics and version stay open. Checked before the body is read."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.",
+                             "invalid_request_error", None, "invalid_api_key")
+            await json_response(error.response(), error.status)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, token = (Headers(scope=scope).get("authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key)
+
+
+# ---- endpoints ----------------------------------------------------------------------------------
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    """200 while the engine thread runs, else 503."""
+    if not raw_request.app.state.engine.is_running:
+        error = ErrorInfo(message="the engine is not running", type="server_error", code="engine_dead")
+        return json_response(ErrorResponse(error=error), 503)
+    return Response(status_code=200)
+
+
+@router.get("/ping")
+async def ping(raw_request: Request) -> Response:
+    """The same as ``/health``."""
+    return await health(raw_request)
+
+
+@router.get("/version")
+async def version() -> dict:
+    """pagedlab's version."""
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def prometheus_metrics(raw_request: Request) -> Response:
+    """The Prometheus text exposition of the server's metrics."""
+    metrics = raw_request.app.state.metrics
+    if metrics is None:
+        raise APIError(404, "metrics are disabled on this server", code="not_found")
+    data, content_type = metrics.render()
+    return Response(data, media_type=content_type)
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> Response:
+    """The served model names, each with the model's root, max_model_len and vocabulary size."""
+    state = raw_request.app.state
+    info = state.engine.info
+    return json_response(ModelList(data=[
+        ModelCard(id=name, created=state.created, root=str(info.model_path), max_model_len=info.max_model_len,
+                  vocab_size=int(info.hf_config.vocab_size))
+        for name in state.served_model_names]))
+
+
+@router.post("/v1/completions")
+async def create_completion(raw_request: Request) -> Response:
+    """OpenAI's text completions (``CompletionRequest``)."""
+    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    request = parse_request(CompletionRequest, await _json_body(raw_request))
+    return await _respond(raw_request, lambda disconnected: serving.create_completion(request, disconnected))
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(raw_request: Request) -> Response:
+    """OpenAI's chat completions (``ChatCompletionRequest``)."""
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    request = parse_request(ChatCompletionRequest, await _json_body(raw_request))
+    return await _respond(raw_request,
+                          lambda disconnected: serving.create_chat_completion(request, disconnected))
+
+
+async def _json_body(raw_request: Request) -> dict:
+    """The body as a JSON object, whatever the content type says."""
+    raw = await raw_request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be a JSON "
+                          "object.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The body of your request must be a JSON object.", code="invalid_json")
+    return body
+
+
+async def _respond(raw_request: Request,
+                   handle: Callable[[asyncio.Future], Awaitable[BaseModel | EventStream]]) -> Response:
+    """Run ``handle`` while watching for the client going away; a stream owns the watch from there."""
+    disconnected = asyncio.ensure_future(_disconnect(raw_request))
+    try:
+        result = await handle(disconnected)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    except BaseException:
+        disconnected.cancel()
+        raise
+    if isinstance(result, EventStream):
+        return StreamingResponse(_until_disconnect(result.events, disconnected),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    disconnected.cancel()
+    return json_response(result)
+
+
+async def _disconnect(raw_request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(events: AsyncIterator[str], disconnected: asyncio.Future) -> AsyncIterator[str]:
+    """Pass ``events`` through; stop (aborting the request) as soon as the client disconnects,
+    even while the request is still waiting for its first token."""
+    iterator = events.__aiter__()
+    step = None
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait([step, disconnected], return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        disconnected.cancel()
+        if step is not None and not step.done():
+            step.cancel()  # the event generator sees the cancellation and aborts its requests
+        else:
+            await iterator.aclose()
+
+
+# ---- running ------------------------------------------------------------------------------------
+class ServerThread:
+    """Run an app under uvicorn in a background thread (tests, notebooks, benchmarks).
+
+        with ServerThread(app) as srv:      # port 0: a free port on 127.0.0.1
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="pagedlab-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *,
+               served_model_names: Sequence[str] | None = None, api_key: str | None = None,
+               chat_template: str | None = None, log_level: str = "info",
+               enable_metrics: bool = True) -> None:
+    """Serve until interrupted (Ctrl-C); the engine thread stops with the server."""
+    app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
+                    shutdown_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

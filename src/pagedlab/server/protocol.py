@@ -1,0 +1,541 @@
+"""The OpenAI API's bodies as pydantic models: requests, responses, stream chunks and errors.
+
+Requests validate strictly, as the API is typed: ``"yes"`` is no boolean and ``"10"`` no integer,
+but an integral float is an integer (``"n": 2.0``) and ``null`` means the field's default.
+Unknown fields are ignored, as OpenAI's and vLLM's servers do. ``parse_request`` turns a
+validation error into a 400 ``APIError`` whose ``param`` names the field and whose message says
+what the field takes. Ranges that ``SamplingParams`` checks (temperature, top_p, penalties, ...)
+are checked there once, by ``to_sampling_params``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from pagedlab import SamplingParams
+from pagedlab.inputs import as_prompt_list
+
+MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+_MAX_QUOTED_VALUE = 80  # an error message quotes at most this much of the bad value (prompts can be long)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    """The inside of an error body: what went wrong, its kind, the field at fault, a machine code."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> ErrorResponse:
+        """The body to answer with."""
+        return ErrorResponse(error=self.info)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def engine_dead(message: str) -> APIError:
+    """A 503: the engine thread is not running."""
+    return APIError(503, message, "server_error", None, "engine_dead")
+
+
+def param_of(error: ValueError) -> str | None:
+    """SamplingParams' and the engine's errors start with "name=value is invalid"; that name is the param."""
+    head = str(error).split("=", 1)[0]
+    return head if head.isidentifier() else None
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(request_type: type[RequestT], body: dict) -> RequestT:
+    """``body`` validated as ``request_type``; the first error is raised as a 400 naming its field."""
+    try:
+        return request_type.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        param = _param(error["loc"]) or None
+        raise bad_request(_error_message(error, param), param=param) from None
+
+
+def _param(loc: tuple) -> str:
+    """A validation error's location as OpenAI names params: ``messages[0].content``."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else f".{part}" if name else part
+    return name
+
+
+def _error_message(error: dict, param: str | None) -> str:
+    if error["type"] == "missing":
+        return f"'{param}' is required"
+    if error["type"] == "value_error":  # our own validators: their message is whole
+        return str(error["ctx"]["error"])
+    message = error["msg"]
+    value = repr(error["input"])
+    if len(value) > _MAX_QUOTED_VALUE:
+        value = value[:_MAX_QUOTED_VALUE] + "..."
+    return f"{value} is not valid for '{param}': {message[0].lower()}{message[1:]}"
+
+
+# ---- request field types ------------------------------------------------------------------------
+def _integral_float(value: Any) -> Any:
+    """JSON has one number type: 2.0 is the integer 2; 2.5 stays an error."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[int, BeforeValidator(_integral_float)]
+
+
+def _expecting(what: str) -> WrapValidator:
+    """One error saying what the field takes, instead of one per member of its union type."""
+    def validate(value: Any, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_type", "expected {what}", {"what": what}) from None
+
+    return WrapValidator(validate)
+
+
+class OpenAIRequest(BaseModel):
+    """A request body: strict types, unknown fields ignored, ``null`` meaning the default."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(OpenAIRequest):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage and no choices."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIRequest):
+    """The fields both endpoints share: OpenAI's sampling parameters and vLLM's extensions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Integer = Field(1, ge=1)
+    best_of: Integer | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Integer | None = None
+    stop: Annotated[str | list[str], _expecting("a string or an array of strings")] = Field(
+        default_factory=list)
+    logit_bias: dict | None = None
+    # vLLM's extensions
+    top_k: Integer = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: Integer = 0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[int], _expecting("an array of token ids")] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions, info: ValidationInfo) -> StreamOptions:
+        if not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int, info: ValidationInfo) -> int:
+        n = info.data.get("n", 1)
+        if value != n:
+            raise ValueError(f"best_of={value} is not supported: leave it out or set it equal to n ({n})")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict) -> dict:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether the client asked for a usage chunk at the end of the stream."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, seed=self.seed, stop=[s for s in stop if s],
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens)
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+PROMPT_FORMS = ("a string, an array of strings, an array of token ids or an array of token-id arrays, "
+                "and not empty")
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Annotated[str | list[int] | list[str | list[int]], _expecting(PROMPT_FORMS)]
+    max_tokens: Integer = Field(16, ge=1)
+    echo: bool = False
+    logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list) -> str | list:
+        if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
+            raise ValueError(f"'prompt' must be {PROMPT_FORMS}")
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str) -> str:
+        raise ValueError("suffix is not supported by this server")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts, one per text or token-id list (a flat list of ids is one prompt)."""
+        return as_prompt_list(self.prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The request's SamplingParams; ``echo`` with ``logprobs`` asks for the prompt's logprobs too.
+        A value SamplingParams rejects is a 400 naming the field."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+class TextContentPart(OpenAIRequest):
+    """A text part of a message's content (the only kind this server takes)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionMessageParam(BaseModel):
+    """One message of a conversation; fields besides ``role`` and ``content`` go to the template
+    as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: Annotated[str | list[TextContentPart] | None,
+                       _expecting("a string or an array of text parts: only text parts (type 'text') are "
+                                  "supported")] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _has_role(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("role"), str):
+            raise ValueError("a message must be an object with a 'role' string")
+        return data
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    max_tokens: Integer | None = Field(None, ge=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+    functions: list | None = None
+    # vLLM's extensions
+    chat_template: str | None = None
+    chat_template_kwargs: dict = Field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict) -> dict:
+        if value.get("type", "text") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported: only 'text'")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list, info: ValidationInfo) -> list:
+        if value:
+            raise ValueError(f"{info.field_name} are not supported by this server")
+        return value
+
+    @property
+    def completion_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else None (up to max_model_len)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them, content as one string."""
+        return [{**message.model_dump(exclude={"content"}), "content": message.text()}
+                for message in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The request's SamplingParams (``logprobs: true`` is ``top_logprobs`` alternatives, default 0).
+        A value SamplingParams rejects is a 400 naming the field."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(self.completion_limit, logprobs)
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class OpenAIResponse(BaseModel):
+    """A response body. The fields in ``omitted_when_none`` are left out while None: OpenAI's
+    bodies lack them then (``usage`` on all but the last chunk, vLLM's ``token_ids`` unless asked)."""
+
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict:
+        data = handler(self)
+        for name in self.omitted_when_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: prompt tokens the prefix cache already held."""
+
+    cached_tokens: int
+
+
+class UsageInfo(OpenAIResponse):
+    """Token counts of a request: its prompts and everything it generated."""
+
+    omitted_when_none = frozenset({"prompt_tokens_details"})
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: per token its text, logprob, top alternatives and text offset."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    def __add__(self, later: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            tokens=self.tokens + later.tokens, token_logprobs=self.token_logprobs + later.token_logprobs,
+            top_logprobs=self.top_logprobs + later.top_logprobs,
+            text_offset=self.text_offset + later.text_offset)
+
+
+class CompletionResponseChoice(OpenAIResponse):
+    """A choice of a completion, or its new part in a stream chunk."""
+
+    omitted_when_none = frozenset({"token_ids", "prompt_token_ids"})
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/completions`` response."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIResponse):
+    """A chunk of a streamed completion; the usage rides on the last one."""
+
+    omitted_when_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionTopLogprob(BaseModel):
+    """One alternative token at a position, with its UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatCompletionLogprob(ChatCompletionTopLogprob):
+    """The chosen token at a position and the most likely alternatives."""
+
+    top_logprobs: list[ChatCompletionTopLogprob]
+
+
+class ChatCompletionLogprobs(BaseModel):
+    """A chat choice's logprobs, one entry per generated token."""
+
+    content: list[ChatCompletionLogprob]
+
+
+class ChatMessage(BaseModel):
+    """The assistant's message of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionResponseChoice(OpenAIResponse):
+    """A choice of a chat completion."""
+
+    omitted_when_none = frozenset({"token_ids"})
+
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed ``/v1/chat/completions`` response."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIResponse):
+    """A chat choice's new text; ``role`` only on its first chunk."""
+
+    omitted_when_none = frozenset({"role"})
+
+    role: Literal["assistant"] | None = None
+    content: str
+
+
+class ChatCompletionResponseStreamChoice(OpenAIResponse):
+    """A chat choice's new part in a stream chunk."""
+
+    omitted_when_none = frozenset({"token_ids"})
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIResponse):
+    """A chunk of a streamed chat completion; the usage rides on the last one."""
+
+    omitted_when_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/models ---------------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    """One served model name in ``/v1/models``, with vLLM's extra fields."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedlab"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    """The body of ``/v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

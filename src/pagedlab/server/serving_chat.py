@@ -1,0 +1,157 @@
+"""``POST /v1/chat/completions``: the conversation through the chat template, full responses and
+server-sent-event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from pagedlab import RequestOutput, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine, RequestStream
+from pagedlab.inputs import EncodedPrompt, chat_prompt
+from pagedlab.outputs import PositionLogprobs
+from pagedlab.server.protocol import (
+    ChatCompletionLogprob,
+    ChatCompletionLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatCompletionTopLogprob,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    bad_request,
+)
+from pagedlab.server.serving_engine import (
+    EventStream,
+    OpenAIServing,
+    StreamedChoice,
+    attach_usage,
+    merge_streams,
+    sse_events,
+    stop_holdback,
+    usage_info,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Serves chat completions. ``chat_template`` (Jinja) replaces the tokenizer's template; a
+    request's own ``chat_template`` wins over both."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
+                 chat_template: str | None = None):
+        super().__init__(engine, served_model_names)
+        self.chat_template = chat_template
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     disconnected: asyncio.Future | None = None
+                                     ) -> ChatCompletionResponse | EventStream:
+        """The response, or its event stream when ``request.stream``. ``disconnected`` resolves
+        when the client goes away (then the request is aborted)."""
+        self.check_engine()
+        model = self.check_model(request.model)
+        params = request.to_sampling_params()
+        prompt = self.render(request)
+        self.validate_prompt(prompt, params.max_tokens, "messages")
+        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request)
+        streams = self.add_requests([prompt], params, run.request_id, request.stream)
+        if request.stream:
+            return EventStream(sse_events(run.stream_chunks(streams[0], request.include_usage),
+                                          f"streamed chat completion {run.request_id}"))
+        outputs = await self.collect(streams, disconnected)
+        return run.response(outputs[0])
+
+    def render(self, request: ChatCompletionRequest) -> EncodedPrompt:
+        """The conversation rendered through the chat template and tokenized (as ``LLM.chat`` does)."""
+        tokenizer = self.require_tokenizer("chat completions")
+        template = request.chat_template if request.chat_template is not None else self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template: start the server with "
+                              "--chat-template, or use /v1/completions", param="messages")
+        try:
+            prompt = chat_prompt(tokenizer, request.conversation(), template, request.add_generation_prompt,
+                                 self.served_model_names[0], **request.chat_template_kwargs)
+        except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
+            raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+        return self.encode(prompt, "messages")
+
+
+class _ChatRun:
+    """One chat request in flight: what its response or stream chunks are built from."""
+
+    def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
+                 request: ChatCompletionRequest):
+        self.request_id, self.created, self.model = request_id, int(time.time()), model
+        self.prompt, self.params = prompt, params
+        self.top_logprobs = request.top_logprobs or 0
+        self.return_token_ids = request.return_token_ids
+        self.holdback = stop_holdback(params)
+
+    def _logprobs(self, positions: Sequence[PositionLogprobs], token_ids: Sequence[int]
+                  ) -> ChatCompletionLogprobs | None:
+        if self.params.logprobs is None:
+            return None
+        content = []
+        for token, pos in zip(token_ids, positions):
+            chosen = pos[token]
+            ranked = sorted(pos.values(), key=lambda lp: lp.rank)[:self.top_logprobs]
+            content.append(ChatCompletionLogprob(
+                token=chosen.decoded_token or "", logprob=chosen.logprob,
+                bytes=list((chosen.decoded_token or "").encode("utf-8")),
+                top_logprobs=[ChatCompletionTopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
+                                                       bytes=list((lp.decoded_token or "").encode("utf-8")))
+                              for lp in ranked]))
+        return ChatCompletionLogprobs(content=content)
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        choices = []
+        for c in out.outputs:
+            choice = ChatCompletionResponseChoice(
+                index=c.index, message=ChatMessage(content=c.text),
+                logprobs=self._logprobs(c.logprobs or [], c.token_ids), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason)
+            if self.return_token_ids:
+                choice.token_ids = c.token_ids
+            choices.append(choice)
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                      choices=choices, usage=usage_info([self.prompt], [out]))
+
+    def _chunk(self, choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None
+               ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                            choices=choices, usage=usage)
+
+    def _chunks(self, out: RequestOutput, states: list[StreamedChoice]) -> list[ChatCompletionStreamResponse]:
+        """A chunk per choice with something new; a choice's first chunk says the role."""
+        chunks = []
+        for c in out.outputs:
+            state = states[c.index]
+            taken = state.take(c, self.holdback)
+            if taken is None:
+                continue
+            text, new_ids, new_lps, finish = taken
+            delta = DeltaMessage(content=text, role=None if state.started else "assistant")
+            state.started = True
+            choice = ChatCompletionResponseStreamChoice(
+                index=c.index, delta=delta, logprobs=self._logprobs(new_lps or [], new_ids),
+                finish_reason=finish, stop_reason=c.stop_reason if finish else None)
+            if self.return_token_ids:
+                choice.token_ids = new_ids
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    async def stream_chunks(self, stream: RequestStream, include_usage: bool
+                            ) -> AsyncIterator[list[ChatCompletionStreamResponse]]:
+        """The chunks of each engine output as it comes; usage goes with the last."""
+        states = [StreamedChoice() for _ in range(self.params.n)]
+        async with contextlib.aclosing(merge_streams([stream])) as merged:
+            async for _, out in merged:
+                chunks = self._chunks(out, states)
+                if out.finished:
+                    attach_usage(chunks, usage_info([self.prompt], [out]), include_usage, self._chunk)
+                yield chunks

@@ -1,0 +1,259 @@
+"""What the completions and chat endpoints share: the checks every request passes, prompt
+encoding and validation, adding requests to the ``AsyncEngine``, collecting their final outputs,
+and the server-sent-event plumbing of streamed responses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from pydantic import BaseModel
+
+from pagedlab import RequestOutput, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
+from pagedlab.outputs import CompletionOutput
+from pagedlab.server.protocol import (
+    APIError,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    bad_request,
+    engine_dead,
+    param_of,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+class EventStream:
+    """A streamed response: its server-sent events, handed to the web framework."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        self.events = events
+
+
+class OpenAIServing:
+    """The base of the endpoint handlers: one engine, served under ``served_model_names``."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]):
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_engine(self) -> None:
+        """A 503 unless the engine thread runs."""
+        if not self.engine.is_running:
+            raise engine_dead("the engine is not running")
+
+    def check_model(self, model: str | None) -> str:
+        """The served name the response carries; 404 for a model this server does not serve."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                                f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                           "invalid_request_error", "model", "model_not_found")
+        return model
+
+    def require_tokenizer(self, what: str):
+        """The tokenizer, or a 400 saying that ``what`` needs one."""
+        try:
+            return require_tokenizer(self.engine.tokenizer, what, self.served_model_names[0])
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    # ---- prompts --------------------------------------------------------------------------
+    def encode(self, prompt: PromptType, param: str) -> EncodedPrompt:
+        """``prompt``'s token ids and text (``pagedlab.inputs``); a 400 naming ``param`` if it cannot be."""
+        try:
+            return encode_prompt(prompt, self.engine.tokenizer, self.served_model_names[0])
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
+
+    def validate_prompt(self, prompt: EncodedPrompt, max_tokens: int | None, param: str) -> None:
+        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``."""
+        try:
+            self.engine.validate_prompt(prompt.token_ids)
+        except ValueError as e:
+            raise bad_request(str(e), param=param,
+                              code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
+        limit, length = self.engine.max_model_len, len(prompt.token_ids)
+        if max_tokens is not None and length + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{length + max_tokens} tokens ({length} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.", param=param, code="context_length_exceeded")
+
+    # ---- running requests -----------------------------------------------------------------
+    def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
+                     stream: bool) -> list[RequestStream]:
+        """One engine request per prompt (ids ``request_id-i`` when there are several)."""
+        arrival = time.time()
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
+                streams.append(self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival,
+                                                       stream=stream))
+        except (ValueError, EngineDeadError) as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, EngineDeadError):
+                raise engine_dead(str(e)) from None
+            raise bad_request(str(e), param=param_of(e)) from None
+        return streams
+
+    async def collect(self, streams: list[RequestStream], disconnected: asyncio.Future | None
+                      ) -> list[RequestOutput]:
+        """Final outputs of all streams; aborts them all if the client goes away or one fails."""
+        task = asyncio.ensure_future(asyncio.gather(*(s.result() for s in streams)))
+        try:
+            if disconnected is not None:
+                await asyncio.wait([task, disconnected], return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    raise ClientGone()
+            return await task
+        except EngineDeadError as e:
+            raise engine_dead(str(e)) from None
+        except (APIError, ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.exception("request failed")
+            raise APIError(500, f"the request failed: {e}", "server_error") from None
+        finally:
+            if not task.done():
+                task.cancel()
+            for s in streams:
+                s.abort()
+
+
+def usage_info(prompts: Sequence[EncodedPrompt], outputs: Sequence[RequestOutput | None]) -> UsageInfo:
+    """Token counts of a request's prompts and the completions generated so far."""
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs if o is not None)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)
+
+
+# ---- streaming ----------------------------------------------------------------------------------
+class StreamedChoice:
+    """What one choice has sent so far. Text is held back by (longest stop string - 1)
+    characters until the choice finishes, so a stop string is never half-sent."""
+
+    __slots__ = ("done", "sent_text", "sent_tokens", "started")
+
+    def __init__(self):
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.started = False
+        self.done = False
+
+    def take(self, c: CompletionOutput, holdback: int):
+        """(text delta, new token ids, their logprobs, finish_reason), or None when nothing is new."""
+        if self.done:
+            return None
+        finished = c.finish_reason is not None
+        text = c.text
+        end = len(text) if finished else max(self.sent_text, len(text) - holdback)
+        delta = text[self.sent_text:end] if end > self.sent_text else ""
+        self.sent_text = max(self.sent_text, end)
+        new_ids = c.token_ids[self.sent_tokens:]
+        new_lps = c.logprobs[self.sent_tokens:] if c.logprobs is not None else None
+        self.sent_tokens = len(c.token_ids)
+        if not delta and not new_ids and not finished:
+            return None
+        self.done = finished
+        return delta, new_ids, new_lps, c.finish_reason
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    """How many characters a stream holds back so no stop string is half-sent."""
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several request streams as they come: (stream index, output). Leaving early
+    aborts them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def attach_usage(chunks: list, usage: UsageInfo, include_usage: bool,
+                 make_chunk: Callable[..., BaseModel]) -> None:
+    """OpenAI's rule: with ``stream_options.include_usage`` a final chunk with no choices carries
+    the usage; otherwise the last chunk does."""
+    if include_usage:
+        chunks.append(make_chunk([], usage))
+    elif chunks:
+        chunks[-1].usage = usage
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def sse_events(chunk_lists: AsyncIterator[list[BaseModel]], description: str) -> AsyncIterator[str]:
+    """Server-sent events of each chunk; a failure becomes an error event; always ends with [DONE]."""
+    try:
+        async with contextlib.aclosing(chunk_lists) as chunk_lists:
+            async for chunks in chunk_lists:
+                for chunk in chunks:
+                    yield _sse(chunk)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        logger.warning("%s failed: %r", description, e)
+        yield _sse(_error_event(e))
+    yield "data: [DONE]\n\n"
+
+
+def _error_event(e: Exception) -> ErrorResponse:
+    if isinstance(e, APIError):
+        return e.response()
+    return ErrorResponse(error=ErrorInfo(message=f"the request failed: {e}", type="server_error",
+                                         code="engine_dead" if isinstance(e, EngineDeadError) else None))

@@ -1,0 +1,179 @@
+"""The server's request and response bodies (``pagedlab.server.protocol``), without a server:
+validation errors are OpenAI-shaped 400s naming the field, ``to_sampling_params`` maps every
+field, and response bodies leave out what OpenAI's leave out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from pagedlab import SamplingParams
+from pagedlab.server.protocol import (
+    MAX_LOGPROBS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+    parse_request,
+)
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _error(request_type, body: dict) -> APIError:
+    """The APIError a body raises, whether pydantic or SamplingParams finds the fault."""
+    with pytest.raises(APIError) as e:
+        parse_request(request_type, body).to_sampling_params()
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": "hi", "temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "in (0, 1]"),
+    ({"prompt": "hi", "n": 0}, "n", "0 is not valid for 'n': input should be greater than or equal to 1"),
+    ({"prompt": "hi", "n": 2.5}, "n", "input should be a valid integer"),
+    ({"prompt": "hi", "max_tokens": "x"}, "max_tokens",
+     "'x' is not valid for 'max_tokens': input should be a valid integer"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs", "less than or equal to 20"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ({"prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    ({"prompt": "hi", "echo": 1}, "echo", "valid boolean"),
+    ({"prompt": "hi", "stop": 3}, "stop", "expected a string or an array of strings"),
+    ({"prompt": "hi", "stop_token_ids": [1, "2"]}, "stop_token_ids", "expected an array of token ids"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "set it equal to n (1)"),
+    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+     "only be set when stream is true"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "y"}},
+     "stream_options.include_usage", "valid boolean"),
+    ({"prompt": "hi", "min_tokens": 20}, "min_tokens", "<= max_tokens (16)"),
+    ({}, "prompt", "'prompt' is required"),
+    ({"prompt": []}, "prompt", "not empty"),
+    ({"prompt": [[1], []]}, "prompt", "not empty"),
+    ({"prompt": [1, "a"]}, "prompt", "expected a string, an array of strings"),
+    ({"prompt": [True]}, "prompt", "expected a string"),
+])
+def test_bad_completion_bodies(body, param, says):
+    error = _error(CompletionRequest, body).response().model_dump()
+    assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+    assert says in error["error"]["message"]
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({}, "messages", "'messages' is required"),
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": "hi"}, "messages", "valid list"),
+    ({"messages": [{"content": "no role"}]}, "messages[0]", "'role'"),
+    ({"messages": [*CHAT, "hi"]}, "messages[1]", "'role'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "only text parts"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "a string or an array of text parts"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
+    ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
+    ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
+])
+def test_bad_chat_bodies(body, param, says):
+    error = _error(ChatCompletionRequest, body)
+    assert error.info.param == param and says in error.info.message
+
+
+def test_lenient_where_openai_is():
+    """Integral floats are integers, null is the default, unknown fields are ignored."""
+    body = {"prompt": "hi", "n": 2.0, "max_tokens": 8.0, "temperature": None, "user": "someone",
+            "no_such_field": [1, 2]}
+    request = parse_request(CompletionRequest, body)
+    assert (request.n, request.max_tokens, request.temperature) == (2, 8, 1.0)
+    assert isinstance(request.n, int)
+    assert request.to_sampling_params() == SamplingParams(n=2, max_tokens=8)
+    assert parse_request(CompletionRequest, {"prompt": "hi", "temperature": 0}).temperature == 0.0
+
+
+def test_completion_to_sampling_params_maps_every_field():
+    body = {"prompt": "hi", "n": 2, "best_of": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
+            "presence_penalty": 0.3, "frequency_penalty": -0.4, "repetition_penalty": 1.2, "seed": 11,
+            "stop": ["a", "", "bc"], "stop_token_ids": [3, 4], "ignore_eos": True, "max_tokens": 40,
+            "min_tokens": 5, "logprobs": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
+            "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
+                          frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
+                          stop_token_ids=[3, 4], ignore_eos=True, max_tokens=40, min_tokens=5, logprobs=3,
+                          prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
+                          spaces_between_special_tokens=False)
+    default = SamplingParams()
+    unmapped = [f.name for f in dataclasses.fields(SamplingParams)
+                if getattr(want, f.name) == getattr(default, f.name) and f.name != "detokenize"]
+    assert unmapped == []  # the body sets every field away from its default
+    assert parse_request(CompletionRequest, body).to_sampling_params() == want
+    # echo with logprobs asks for the prompt's logprobs too, at least as many
+    echoed = parse_request(CompletionRequest, {**body, "echo": True, "prompt_logprobs": None})
+    assert echoed.to_sampling_params() == dataclasses.replace(want, prompt_logprobs=3)
+    assert parse_request(CompletionRequest, {"prompt": "hi", "stop": "x"}).to_sampling_params().stop == ["x"]
+    assert parse_request(CompletionRequest, {"prompt": "hi", "stop": ""}).to_sampling_params().stop == []
+    assert parse_request(CompletionRequest, {"prompt": "hi", "top_k": -1}).to_sampling_params().top_k == 0
+
+
+def test_chat_to_sampling_params():
+    body = {"messages": CHAT, "n": 3, "temperature": 0.7, "top_p": 0.8, "seed": 5, "stop": "x",
+            "max_tokens": 50, "max_completion_tokens": 12, "logprobs": True, "top_logprobs": 4,
+            "min_tokens": 2, "top_k": 9, "repetition_penalty": 1.1, "ignore_eos": True}
+    want = SamplingParams(n=3, temperature=0.7, top_p=0.8, seed=5, stop=["x"], max_tokens=12, logprobs=4,
+                          min_tokens=2, top_k=9, repetition_penalty=1.1, ignore_eos=True)
+    assert parse_request(ChatCompletionRequest, body).to_sampling_params() == want
+    plain = parse_request(ChatCompletionRequest, {"messages": CHAT, "max_tokens": 50, "logprobs": True})
+    assert plain.to_sampling_params() == SamplingParams(max_tokens=50, logprobs=0)
+    unlimited = parse_request(ChatCompletionRequest, {"messages": CHAT}).to_sampling_params()
+    assert unlimited.max_tokens is None and unlimited.logprobs is None
+
+
+def test_prompt_forms_and_conversation():
+    assert parse_request(CompletionRequest, {"prompt": "a"}).prompt_list() == ["a"]
+    assert parse_request(CompletionRequest, {"prompt": [1, 2]}).prompt_list() == [[1, 2]]
+    assert parse_request(CompletionRequest, {"prompt": ["a", [1, 2]]}).prompt_list() == ["a", [1, 2]]
+    assert parse_request(CompletionRequest, {"prompt": [[1], [2, 3]]}).prompt_list() == [[1], [2, 3]]
+    request = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "system", "content": None, "name": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]})
+    assert request.conversation() == [{"role": "system", "name": "rules", "content": ""},
+                                      {"role": "user", "content": "one\ntwo"}]
+
+
+def test_response_bodies_leave_out_what_openai_leaves_out():
+    choice = CompletionResponseChoice(index=0, text="x")
+    assert choice.model_dump() == {"index": 0, "text": "x", "logprobs": None, "finish_reason": None,
+                                   "stop_reason": None}
+    choice.token_ids, choice.prompt_token_ids = [5], [1, 2]
+    assert choice.model_dump()["token_ids"] == [5] and choice.model_dump()["prompt_token_ids"] == [1, 2]
+    chunk = CompletionStreamResponse(id="c", created=1, model="m", choices=[choice])
+    assert "usage" not in chunk.model_dump() and chunk.model_dump()["object"] == "text_completion"
+    chunk.usage = UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3)
+    assert chunk.model_dump()["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    cached = UsageInfo(prompt_tokens=2, completion_tokens=1, total_tokens=3,
+                       prompt_tokens_details=PromptTokensDetails(cached_tokens=2))
+    assert '"prompt_tokens_details":{"cached_tokens":2}' in cached.model_dump_json()
+    assert DeltaMessage(content="a").model_dump() == {"content": "a"}
+    assert DeltaMessage(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
+    error = APIError(404, "no such model", param="model", code="model_not_found").response()
+    assert error.model_dump() == {"error": {"message": "no such model", "type": "invalid_request_error",
+                                            "param": "model", "code": "model_not_found"}}
+
+
+def test_error_messages_quote_long_values_shortly():
+    error = _error(CompletionRequest, {"prompt": "hi", "stop_token_ids": "x" * 10_000}).info
+    assert error.param == "stop_token_ids" and len(error.message) < 200
+    assert "... is not valid for 'stop_token_ids': expected an array of token ids" in error.message
