@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pagedlab.stats import percentile_ms
+
 # H200 figures measured on our machine (DESIGN.md §3): device copy bandwidth and bf16 matmul peak.
 H200_BANDWIDTH = 4.25e12
 H200_BF16_FLOPS = 809e12
@@ -157,20 +159,6 @@ class WorkloadResult:
         return d
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def _ms(values: list[float], q: float) -> float | None:
-    p = percentile(values, q)
-    return None if p is None else p * 1000
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -223,9 +211,9 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
     stats = engine.get_stats()
     return WorkloadResult(
         workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)),
-        sum(len(o.outputs[0].token_ids) for o in finished), elapsed, _ms(ttft, 50), _ms(ttft, 99),
-        _ms(tpot, 50), _ms(tpot, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99),
+        sum(len(o.outputs[0].token_ids) for o in finished), elapsed, percentile_ms(ttft, 50), percentile_ms(ttft, 99),
+        percentile_ms(tpot, 50), percentile_ms(tpot, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
                "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
@@ -274,8 +262,8 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
     tpot = statistics.fmean(itl) if itl else None
     return WorkloadResult(
         workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000, ttft * 1000,
-        None if tpot is None else tpot * 1000, _ms(itl, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": _ms(itl, 50)})
+        None if tpot is None else tpot * 1000, percentile_ms(itl, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": percentile_ms(itl, 50)})
 
 
 def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int, floor: float | None) -> WorkloadResult:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from pagedlab.stats import describe, percentile_label
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
@@ -261,20 +263,6 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str, 
     return results, duration
 
 
-def _percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default), without numpy."""
-    if not values:
-        return 0.0
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _pword(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
-
-
 def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
                     selected=METRICS) -> dict:
     """vLLM's ``bench serve`` figures, in its key names (times in ms)."""
@@ -314,14 +302,11 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles=(
             peak = max(peak, live)
         m["max_concurrent_requests"] = peak
     for name in selected:
-        values_ms = [x * 1000.0 for x in series[name]]
-        mean = sum(values_ms) / len(values_ms) if values_ms else 0.0
-        m[f"mean_{name}_ms"] = mean
-        m[f"median_{name}_ms"] = _percentile(values_ms, 50)
-        m[f"std_{name}_ms"] = (math.sqrt(sum((x - mean) ** 2 for x in values_ms) / len(values_ms))
-                               if values_ms else 0.0)
+        described = describe([x * 1000.0 for x in series[name]], percentiles)
+        for stat in ("mean", "median", "std"):
+            m[f"{stat}_{name}_ms"] = described[stat]
         for p in percentiles:
-            m[f"p{_pword(p)}_{name}_ms"] = _percentile(values_ms, p)
+            m[f"p{percentile_label(p)}_{name}_ms"] = described[percentile_label(p)]
     m["input_lens"] = [r.prompt_len for r in results]
     m["output_lens"] = [r.output_tokens for r in results]
     m["ttfts"] = [r.ttft for r in results]
@@ -361,7 +346,7 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
         row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:
-            row(f"P{_pword(p)} {upper} (ms):", m[f"p{_pword(p)}_{name}_ms"])
+            row(f"P{percentile_label(p)} {upper} (ms):", m[f"p{percentile_label(p)}_{name}_ms"])
     lines.append("=" * w)
     return "\n".join(lines)
 
