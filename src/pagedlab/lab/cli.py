@@ -81,7 +81,7 @@ def register(subparsers) -> None:
 
 
 def _errors():
-    from pagedlab.lab.experiments import ExperimentError
+    from pagedlab.lab.schema import ExperimentError
 
     return (ExperimentError, ValueError, ImportError, KeyError, FileNotFoundError)
 
@@ -93,7 +93,8 @@ def _fail(e: BaseException) -> int:
 
 
 def cmd_run(args) -> int:
-    from pagedlab.lab.experiments import load_experiment, run_experiment
+    from pagedlab.lab.runner import run_experiment
+    from pagedlab.lab.spec import load_experiment
 
     try:
         spec = load_experiment(args.experiment, args.overrides)

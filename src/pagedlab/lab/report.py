@@ -55,7 +55,7 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
     with ResultStore(db, create=False) as store:
         runs = [r for r in store.runs(status="finished", manifest=True)
                 if not experiments or r["experiment"] in experiments]
-        url = store._safe_url()
+        url = store.safe_url()
         failed = len(store.runs(status="failed", manifest=False))
     if not runs:
         which = f" of experiment(s) {', '.join(experiments)}" if experiments else ""

@@ -193,7 +193,7 @@ class ResultStore:
         try:
             self.engine = sa.create_engine(self.url, **kwargs)
         except Exception as e:  # e.g. a missing driver such as psycopg2
-            raise ValueError(f"cannot open the results database {self._safe_url()}: {e}") from None
+            raise ValueError(f"cannot open the results database {self.safe_url()}: {e}") from None
         if self.is_sqlite:
             self._setup_sqlite()
         self.metadata = _tables(sa)
@@ -203,7 +203,8 @@ class ResultStore:
         self.t_out = self.metadata.tables["outputs"]
         self._init_schema()
 
-    def _safe_url(self) -> str:
+    def safe_url(self) -> str:
+        """The database URL with its password hidden, for messages."""
         try:
             return self.sa.engine.make_url(self.url).render_as_string(hide_password=True)
         except Exception:
@@ -249,10 +250,10 @@ class ResultStore:
                 if version is None:
                     conn.execute(self.t_meta.insert().values(key="schema_version", value=str(SCHEMA_VERSION)))
                 elif int(version) > SCHEMA_VERSION:
-                    raise ValueError(f"the results database {self._safe_url()} has schema version {version}, "
+                    raise ValueError(f"the results database {self.safe_url()} has schema version {version}, "
                                      f"newer than this pagedlab's {SCHEMA_VERSION}: upgrade pagedlab")
         except sa.exc.OperationalError as e:
-            raise ValueError(f"cannot open the results database {self._safe_url()}: {e.orig}") from None
+            raise ValueError(f"cannot open the results database {self.safe_url()}: {e.orig}") from None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -385,7 +386,7 @@ class ResultStore:
     def get_run(self, run_id: int, outputs: bool = True, samples: bool = False) -> dict:
         found = self.runs(run_ids=[run_id])
         if not found:
-            raise KeyError(f"run {run_id} is not in {self._safe_url()}")
+            raise KeyError(f"run {run_id} is not in {self.safe_url()}")
         run = found[0]
         if outputs:
             run["outputs"] = self.outputs(run_id)
