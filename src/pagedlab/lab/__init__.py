@@ -17,7 +17,7 @@ _EXPORTS = {
     "diff_manifests": "pagedlab.lab.manifest",
     "GPUMonitor": "pagedlab.lab.monitor",
     "ExperimentError": "pagedlab.lab.schema",
-    "ExperimentSpec": "pagedlab.lab.spec",
+    "ExperimentSpec": "pagedlab.lab.schema",
     "load_experiment": "pagedlab.lab.spec",
     "expand_runs": "pagedlab.lab.runs",
     "run_experiment": "pagedlab.lab.runner",
@@ -25,7 +25,7 @@ _EXPORTS = {
     "build_report": "pagedlab.lab.report",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ the results database.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -28,6 +29,7 @@ from pagedlab.lab.monitor import GPUMonitor
 from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 from pagedlab.stats import latency_stats
+
 
 @dataclass
 class BenchmarkRun:
@@ -136,7 +138,7 @@ class BenchmarkResult:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "BenchmarkResult":
+    def load(cls, path: str | Path) -> BenchmarkResult:
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "pagedlab.benchmark":
             raise ValueError(f"{path} is not a pagedlab benchmark result (no kind: pagedlab.benchmark)")
@@ -423,7 +425,7 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     else:
         ttft = [tt[0] - t.arrival for tt in t.token_times if tt]
         tpot = [(tt[-1] - tt[0]) / (len(tt) - 1) for tt in t.token_times if len(tt) > 1]
-        itl = [b - a for tt in t.token_times for a, b in zip(tt, tt[1:])]
+        itl = [b - a for tt in t.token_times for a, b in itertools.pairwise(tt)]
         e2e = [tt[-1] - t.arrival for tt in t.token_times if tt]
         latency = {**latency_stats(ttft, "ttft"), **latency_stats(tpot, "tpot"), **latency_stats(itl, "itl"),
                    **latency_stats(e2e, "e2e")}

@@ -212,7 +212,7 @@ class GPUMonitor:
                 self.samples.extend(batch)
         return batch
 
-    def start(self) -> "GPUMonitor":
+    def start(self) -> GPUMonitor:
         if self._thread is not None:
             raise RuntimeError("this GPUMonitor is already running")
         self._stop.clear()
@@ -242,7 +242,7 @@ class GPUMonitor:
             self._nvml.close()
             self._nvml = None
 
-    def __enter__(self) -> "GPUMonitor":
+    def __enter__(self) -> GPUMonitor:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -25,7 +25,7 @@ from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import RunResult, compute_metrics
 from pagedlab.lab.monitor import GPUMonitor
 from pagedlab.lab.runs import ResolvedRun, expand_runs, format_plan
-from pagedlab.lab.spec import ExperimentSpec
+from pagedlab.lab.schema import ExperimentSpec
 from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams

@@ -10,16 +10,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
 from pagedlab.lab.datasets import Dataset, load_dataset
 from pagedlab.lab.metrics import METRICS
-from pagedlab.lab.schema import SECTIONS, ExperimentError
+from pagedlab.lab.schema import SECTIONS, ExperimentError, ExperimentSpec
 from pagedlab.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedlab.lab.spec import ExperimentSpec
 
 # ``where(section, key)`` gives ``file:line: key.path`` of the line that set a resolved setting
 # (the grid entry, the explicit run or the section).

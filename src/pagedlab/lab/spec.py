@@ -10,57 +10,13 @@ engine and sampling config and loads the datasets.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedlab.lab import schema
 from pagedlab.lab.metrics import DEFAULT_METRICS, METRICS
 from pagedlab.lab.runs import expand_runs
-from pagedlab.lab.schema import ExperimentError
+from pagedlab.lab.schema import ExperimentError, ExperimentSpec
 from pagedlab.loader.gguf import EMBEDDED_MODELS
-
-
-@dataclass
-class ExperimentSpec:
-    """A validated experiment. ``base`` holds the resolved sections: model (str), engine, sampling,
-    dataset or benchmark (dicts); ``grid`` maps dotted keys to value lists; ``runs`` is a list of
-    {dotted key: value} overrides."""
-
-    name: str
-    base: dict
-    grid: dict[str, list] = field(default_factory=dict)
-    runs: list[dict] = field(default_factory=list)
-    repeats: int = 1
-    seeds: list[int] | None = None
-    metrics: list[str] = field(default_factory=list)
-    monitor_interval: float | None = 1.0
-    store_outputs: bool = True
-    description: str | None = None
-    path: Path | None = None
-    lines: dict[tuple, int] = field(default_factory=dict, repr=False)
-
-    @property
-    def workload(self) -> str:
-        return "benchmark" if self.base.get("benchmark") is not None else "dataset"
-
-    @property
-    def filename(self) -> str:
-        return str(self.path) if self.path and self.path.name != "<dict>" else "<experiment>"
-
-    def where(self, *path) -> str:
-        """``file:line: key.path`` for error messages (the nearest enclosing key with a line)."""
-        p = tuple(path)
-        while p and p not in self.lines:
-            p = p[:-1]
-        line = self.lines.get(p)
-        loc = f"{self.filename}:{line}" if line else self.filename
-        return f"{loc}: {schema.dotted(tuple(path))}" if path else loc
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "description": self.description, **self.base, "grid": self.grid,
-                "runs": self.runs, "repeats": self.repeats, "seeds": self.seeds, "metrics": self.metrics,
-                "monitor": {"interval": self.monitor_interval} if self.monitor_interval else False,
-                "store_outputs": self.store_outputs, "file": str(self.path) if self.path else None}
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:

@@ -258,7 +258,7 @@ class ResultStore:
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "ResultStore":
+    def __enter__(self) -> ResultStore:
         return self
 
     def __exit__(self, *exc) -> None:
