@@ -14,11 +14,19 @@ from pathlib import Path
 
 from pagedlab.lab.report import short_label
 
-_DB_HELP = "results database: a SQLAlchemy URL or a SQLite file path (default: $PAGEDLAB_DB or sqlite:///results.db)"
+_DB_HELP = ("results database: a SQLAlchemy URL or a SQLite file path "
+            "(default: $PAGEDLAB_DB or sqlite:///results.db)")
 
 
 def register(subparsers) -> None:
     """Add ``run``, ``results``, ``monitor`` and ``report`` to an argparse subparsers object."""
+    _register_run(subparsers)
+    _register_results(subparsers)
+    _register_monitor(subparsers)
+    _register_report(subparsers)
+
+
+def _register_run(subparsers) -> None:
     p = subparsers.add_parser("run", help="run an experiment from a YAML file (resumable, weights loaded once "
                                           "per model group)",
                               description="Run the pending runs of an experiment and store each one, with its "
@@ -31,6 +39,8 @@ def register(subparsers) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or per-run lines")
     p.set_defaults(func=cmd_run)
 
+
+def _register_results(subparsers) -> None:
     p = subparsers.add_parser("results", help="list, show or export stored runs")
     sub = p.add_subparsers(dest="results_command", metavar="{list,show,export}")
     sub.required = True
@@ -57,6 +67,8 @@ def register(subparsers) -> None:
     q.add_argument("--manifest", action="store_true", help="csv/parquet: add the manifest.* columns")
     q.set_defaults(func=cmd_results_export)
 
+
+def _register_monitor(subparsers) -> None:
     p = subparsers.add_parser("monitor", help="log GPU telemetry (NVML) as gpustat-like lines",
                               description="Print one line per GPU (and one for the host) every INTERVAL "
                                           "seconds and append it to --log. Without an NVIDIA GPU it says so "
@@ -68,6 +80,8 @@ def register(subparsers) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="only write to --log")
     p.set_defaults(func=cmd_monitor)
 
+
+def _register_report(subparsers) -> None:
     p = subparsers.add_parser("report", help="PNG plots and one self-contained HTML page from the results",
                               description="Plots (throughput vs batch size per model, latency percentiles, "
                                           "memory, spread over seeds, quality metrics) and an HTML page with "

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pagedlab.lab.manifest import diff_manifests, flatten
+from pagedlab.lab.store import ResultStore
+
 # Manifest fields that differ for every run by nature; not shown as differences.
 _UNINTERESTING = ("created_at", "experiment.run_key", "host.hostname_pid")
 _QUALITY = ("exact_match", "bleu", "chrf")
@@ -50,8 +53,6 @@ class Plot:
 def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | None = None,
                  title: str | None = None) -> Path:
     """Write the plots and ``index.html`` into ``out_dir``; returns the page's path."""
-    from pagedlab.lab.store import ResultStore
-
     with ResultStore(db, create=False) as store:
         runs = [r for r in store.runs(status="finished", manifest=True)
                 if not experiments or r["experiment"] in experiments]
@@ -397,8 +398,6 @@ def _runs_table(runs) -> str:
 
 
 def _manifest_tables(runs) -> tuple[str, int]:
-    from pagedlab.lab.manifest import diff_manifests, flatten
-
     manifests = [r.get("manifest") or {} for r in runs]
     ignore = ("created_at", "experiment.run_key")
     differ = diff_manifests(manifests, ignore=ignore)

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pagedlab.lab.manifest import flatten
+
 DEFAULT_URL = "sqlite:///results.db"
 SCHEMA_VERSION = 1
 _BASE_COLUMNS = ("run_id", "experiment", "run_key", "status", "model", "repeat", "seed", "started_at",
@@ -421,8 +423,6 @@ class ResultStore:
         """One row per run: the base columns, then one column per param (dotted names such as
         ``engine.block_size``), then one per metric; ``manifest=True`` adds ``manifest.*`` columns."""
         import pandas as pd
-
-        from pagedlab.lab.manifest import flatten
 
         rows = []
         for run in self.runs(experiment=experiment, status=status, manifest=manifest):
