@@ -127,7 +127,8 @@ class BenchmarkResult:
 
     # ---- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings, "manifest": self.manifest,
+        return {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings,
+                "manifest": self.manifest,
                 "runs": [dataclasses.asdict(r) for r in self.runs], "summary": self.summary()}
 
     def save(self, path: str | Path) -> Path:
@@ -152,7 +153,8 @@ class BenchmarkResult:
             store.ensure_experiment(experiment, {"benchmark": self.settings})
             model = self.manifest.get("model", {})
             for run in self.runs:
-                params = {"model": model.get("name"), "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
+                params = {"model": model.get("name"),
+                          "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
                           "benchmark.batch_size": run.batch_size, "benchmark.input_len": run.input_len,
                           "benchmark.output_len": run.output_len, "benchmark.num_prompts": run.num_prompts,
                           "benchmark.use_beam_search": run.use_beam_search,
@@ -222,7 +224,8 @@ def format_result(result: BenchmarkResult) -> str:
     for r in result.summary():
         rows.append([
             str(r["batch_size"]), str(r["num_prompts"]),
-            _fmt(r["output_throughput"]) + (f"±{r['output_throughput_std']:.1f}" if r["output_throughput_std"] else ""),
+            _fmt(r["output_throughput"])
+            + (f"±{r['output_throughput_std']:.1f}" if r["output_throughput_std"] else ""),
             _fmt(r["total_throughput"]), _fmt(r["requests_per_s"], "{:.2f}"),
             f"{_fmt(r.get('ttft_p50_ms'))}/{_fmt(r.get('ttft_p99_ms'))}",
             f"{_fmt(r.get('tpot_p50_ms'), '{:.2f}')}/{_fmt(r.get('tpot_p99_ms'), '{:.2f}')}",
@@ -235,8 +238,8 @@ def format_result(result: BenchmarkResult) -> str:
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
     for r in result.summary():
-        lines.append(f"batch {r['batch_size']}: Throughput: {_fmt(r['output_throughput'], '{:.0f}')} tokens/s, "
-                     f"Memory usage: {_fmt(_gb(r['memory_used_bytes']))}/"
+        lines.append(f"batch {r['batch_size']}: Throughput: {_fmt(r['output_throughput'], '{:.0f}')} "
+                     f"tokens/s, Memory usage: {_fmt(_gb(r['memory_used_bytes']))}/"
                      f"{_fmt(_gb(r['memory_total_bytes']), '{:.0f}')}GB")
     return "\n".join(lines)
 
@@ -279,7 +282,8 @@ def _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repe
                          f"max_model_len ({max_len})")
 
 
-def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512, output_len: int = 128,
+def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
+                  output_len: int = 128,
                   num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
                   repeats: int = 1, *, beam_width: int = 4, temperature: float = 0.0, seed: int = 0,
                   detokenize: bool = True, monitor: bool = True, monitor_interval: float = 0.2,
@@ -441,7 +445,8 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     memory = {
         "weight_bytes": stats.weight_bytes, "kv_cache_bytes": stats.kv_cache_bytes,
         "num_kv_blocks": stats.num_kv_blocks, "block_size": stats.block_size,
-        "kv_peak_blocks": stats.peak_kv_blocks_used, "kv_peak_used_bytes": stats.peak_kv_blocks_used * bytes_per_block,
+        "kv_peak_blocks": stats.peak_kv_blocks_used,
+        "kv_peak_used_bytes": stats.peak_kv_blocks_used * bytes_per_block,
         "kv_tokens_at_peak": stats.kv_tokens_at_peak, "fragmentation_at_peak": stats.fragmentation_at_peak,
         "peak_allocated_bytes": t.peak_allocated, "peak_reserved_bytes": t.peak_reserved,
         "nvml_peak_used_bytes": nvml_peak, "memory_used_bytes": used, "memory_total_bytes": total,
@@ -449,11 +454,13 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     gpus = max(1, info.config.tensor_parallel_size)
     elapsed = max(t.elapsed, 1e-9)
     return BenchmarkRun(
-        batch_size=batch_size, repeat=repeat, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+        batch_size=batch_size, repeat=repeat, num_prompts=num_prompts, input_len=input_len,
+        output_len=output_len,
         max_num_seqs=info.config.max_num_seqs, use_beam_search=beam, elapsed_s=t.elapsed,
         prompt_tokens=prompt_tokens, output_tokens=t.output_tokens,
         engine_generation_tokens=stats.generation_tokens,
-        output_throughput=t.output_tokens / elapsed, total_throughput=(prompt_tokens + t.output_tokens) / elapsed,
+        output_throughput=t.output_tokens / elapsed,
+        total_throughput=(prompt_tokens + t.output_tokens) / elapsed,
         output_throughput_per_gpu=t.output_tokens / elapsed / gpus, requests_per_s=num_prompts / elapsed,
-        latency=latency, memory=memory, telemetry=telemetry, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-        num_preemptions=stats.num_preemptions)
+        latency=latency, memory=memory, telemetry=telemetry,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_preemptions=stats.num_preemptions)

@@ -27,10 +27,11 @@ def register(subparsers) -> None:
 
 
 def _register_run(subparsers) -> None:
-    p = subparsers.add_parser("run", help="run an experiment from a YAML file (resumable, weights loaded once "
-                                          "per model group)",
-                              description="Run the pending runs of an experiment and store each one, with its "
-                                          "manifest, in the results database. A rerun skips finished runs.")
+    p = subparsers.add_parser("run", help="run an experiment from a YAML file (resumable, weights loaded "
+                                          "once per model group)",
+                              description="Run the pending runs of an experiment and store each one, with "
+                                          "its manifest, in the results database. A rerun skips finished "
+                                          "runs.")
     p.add_argument("experiment", help="experiment YAML file (schema: docs/lab.md)")
     p.add_argument("--db", default=None, help=_DB_HELP)
     p.add_argument("--dry-run", action="store_true", help="validate and print the runs, execute nothing")
@@ -89,7 +90,8 @@ def _register_report(subparsers) -> None:
                                           "runs highlighted.")
     p.add_argument("--db", default=None, help=_DB_HELP)
     p.add_argument("--out", default="report", help="output directory (default: report/)")
-    p.add_argument("--experiment", "-e", action="append", default=None, help="only this experiment (repeatable)")
+    p.add_argument("--experiment", "-e", action="append", default=None,
+                   help="only this experiment (repeatable)")
     p.add_argument("--title", default=None, help="page title")
     p.set_defaults(func=cmd_report)
 
@@ -116,7 +118,8 @@ def cmd_run(args) -> int:
     except _errors() as e:
         return _fail(e)
     except KeyboardInterrupt:
-        print("interrupted: every finished run is stored; run the same command again to resume", file=sys.stderr)
+        print("interrupted: every finished run is stored; run the same command again to resume",
+              file=sys.stderr)
         return 130
     return 0 if report.ok else 1
 
@@ -132,7 +135,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms", "mean_output_tokens")
+_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms",
+             "mean_output_tokens")
 
 
 def cmd_results_list(args) -> int:
@@ -145,8 +149,8 @@ def cmd_results_list(args) -> int:
         return _fail(e)
     if args.json:
         for r in runs:
-            print(json.dumps({k: r[k] for k in ("run_id", "experiment", "status", "model", "repeat", "seed", "params",
-                                                "metrics", "finished_at", "error")}, default=str))
+            print(json.dumps({k: r[k] for k in ("run_id", "experiment", "status", "model", "repeat", "seed",
+                                                "params", "metrics", "finished_at", "error")}, default=str))
         return 0
     if not runs:
         print("no runs stored" + (f" for experiment {args.experiment!r}" if args.experiment else ""))
@@ -155,12 +159,14 @@ def cmd_results_list(args) -> int:
     for r in runs:
         params = r["params"]
         varied = ", ".join(f"{k}={short_label(params.get(k))}" for k in params.get("varied", []))
-        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE if r["metrics"].get(k) is not None)
+        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE
+                            if r["metrics"].get(k) is not None)
         if r["status"] == "failed":
             metrics = (r["error"] or "").splitlines()[0][:80]
-        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""), varied or "-",
-                     str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
-    print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"], rows))
+        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""),
+                     varied or "-", str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
+    print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"],
+                 rows))
     return 0
 
 
@@ -192,14 +198,16 @@ def cmd_results_show(args) -> int:
     m = run.get("manifest") or {}
     if m:
         print("\nmanifest:")
-        hw, ver, model, tok, git = (m.get(k) or {} for k in ("hardware", "versions", "model", "tokenizer", "git"))
+        hw, ver, model, tok, git = (m.get(k) or {} for k in ("hardware", "versions", "model", "tokenizer",
+                                                             "git"))
         gpus = ", ".join(g["name"] for g in hw.get("gpus") or []) or "none"
         print(f"  hardware: {hw.get('cpu')} x{hw.get('cpu_count')}, GPUs: {gpus}, driver {hw.get('driver')}, "
               f"CUDA {hw.get('cuda')}")
         print("  versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v))
         print(f"  model: {model.get('path')}  config {model.get('config_hash')}  "
               f"weights {model.get('weight_checksum')}")
-        print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template {tok.get('chat_template_hash')}")
+        print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template "
+              f"{tok.get('chat_template_hash')}")
         print(f"  git: {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}  seeds: {m.get('seeds')}")
     tel = run.get("telemetry") or {}
     if tel:
@@ -211,7 +219,8 @@ def cmd_results_show(args) -> int:
         print(f"\noutputs (first {min(args.outputs, len(outputs))} of {len(outputs)}):")
         for o in outputs[:args.outputs]:
             print(f"  [{o['idx']}] prompt: {(o['prompt'] or '')[:200]!r}")
-            print(f"       output ({o['num_tokens']} tokens, {o['finish_reason']}): {(o['text'] or '')[:200]!r}")
+            print(f"       output ({o['num_tokens']} tokens, {o['finish_reason']}): "
+                  f"{(o['text'] or '')[:200]!r}")
             if o["reference"]:
                 print(f"       reference: {o['reference']}")
     return 0
