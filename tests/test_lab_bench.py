@@ -93,7 +93,8 @@ def test_benchmark_num_prompts_caps_concurrency_and_restores_plan(llm):
 
 
 def test_benchmark_beam_search(llm):
-    result = llm.benchmark(batch_size=2, input_len=6, output_len=3, use_beam_search=True, beam_width=2, warmup=0)
+    result = llm.benchmark(batch_size=2, input_len=6, output_len=3, use_beam_search=True, beam_width=2,
+                           warmup=0)
     run = result.runs[0]
     assert run.use_beam_search and run.output_tokens == 2 * 3
     assert run.engine_generation_tokens > run.output_tokens  # every beam's candidates were sampled

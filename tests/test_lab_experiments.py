@@ -17,11 +17,11 @@ pytest.importorskip("yaml")
 pytest.importorskip("sqlalchemy")
 pytest.importorskip("sacrebleu")
 
-from pagedlab import LLM  # noqa: E402
-from pagedlab.lab import cli as lab_cli  # noqa: E402
-from pagedlab.lab.experiments import ExperimentError, expand_runs, load_experiment, run_experiment  # noqa: E402
-from pagedlab.lab.store import ResultStore, load_results  # noqa: E402
-from pagedlab.lab.testing import make_tiny_model  # noqa: E402
+from pagedlab import LLM
+from pagedlab.lab import cli as lab_cli
+from pagedlab.lab.experiments import ExperimentError, expand_runs, load_experiment, run_experiment
+from pagedlab.lab.store import ResultStore, load_results
+from pagedlab.lab.testing import make_tiny_model
 
 QA = [
     {"question": "the quick brown", "answer": "fox"},
@@ -103,11 +103,13 @@ def test_bad_values_cite_the_sweep_line(workdir):
 
 
 def test_other_clear_errors(workdir):
-    assert "template uses field 'q'" in error_of(workdir, BASE.replace("prompt_field: question", "template: '{q}'"))
+    with_template = BASE.replace("prompt_field: question", "template: '{q}'")
+    assert "template uses field 'q'" in error_of(workdir, with_template)
     assert "has no field 'prompt'" in error_of(workdir, BASE.replace("  prompt_field: question\n", ""))
     no_refs = BASE.replace("  reference_field: answer\n", "") + "metrics: [exact_match]\n"
     assert "compare outputs with references, but the dataset has none" in error_of(workdir, no_refs)
-    assert "model 'nowhere' does not exist" in error_of(workdir, BASE.replace("model: model", "model: nowhere"))
+    no_model = BASE.replace("model: model", "model: nowhere")
+    assert "model 'nowhere' does not exist" in error_of(workdir, no_model)
     assert "give one seed per repeat" in error_of(workdir, BASE + "repeats: 2\nseeds: [1, 2, 3]\n")
     assert "the key appears twice" in error_of(workdir, BASE + "repeats: 2\nrepeats: 3\n")
     assert "exactly one workload" in error_of(workdir, BASE + "benchmark: {batch_size: 2}\n")
@@ -117,7 +119,8 @@ def test_other_clear_errors(workdir):
         workdir, bench.replace("metrics: [bleu]\n", "grid: {engine.max_num_seqs: [2, 4]}\n"))
     bad_jsonl = workdir / "data" / "broken.jsonl"
     bad_jsonl.write_text('{"question": "a", "answer": "b"}\n{"question": \n')
-    assert "dataset broken.jsonl:2: not valid JSON" in error_of(workdir, BASE.replace("qa.jsonl", "broken.jsonl"))
+    assert "dataset broken.jsonl:2: not valid JSON" in error_of(workdir,
+                                                                BASE.replace("qa.jsonl", "broken.jsonl"))
 
 
 # ---- expansion -------------------------------------------------------------------------------------
@@ -134,7 +137,8 @@ def test_grid_runs_repeats_and_seeds(workdir):
     runs = expand_runs(spec)
     assert len(runs) == 2 * 4 * 3
     assert {r.seed for r in runs} == {0, 1, 2} and {r.repeat for r in runs} == {0, 1, 2}
-    assert runs[0].overrides == {"engine.max_num_seqs": 2, "engine.block_size": 16, "sampling.temperature": 0.5}
+    assert runs[0].overrides == {"engine.max_num_seqs": 2, "engine.block_size": 16,
+                                 "sampling.temperature": 0.5}
     assert runs[-1].config["sampling"] == {"max_tokens": 4, "temperature": 1.0, "top_k": 5}
     assert len({r.run_key for r in runs}) == len(runs)
     assert len({r.group_key for r in runs}) == 1  # one model load for all 24 runs
@@ -149,18 +153,21 @@ def test_experiment_from_python_data(workdir):
     from pagedlab.lab.experiments import experiment_from_dict
 
     spec = experiment_from_dict({"name": "py", "model": "model", "engine": {"device": "cpu"},
-                                 "dataset": {"prompts": ["a b", [1, 2, 3]]}, "grid": {"sampling.temperature": [0, 1]}},
+                                 "dataset": {"prompts": ["a b", [1, 2, 3]]},
+                                 "grid": {"sampling.temperature": [0, 1]}},
                                 base_dir=workdir)
     runs = expand_runs(spec)
     assert len(runs) == 2 and runs[0].dataset.items[1].prompt_token_ids == [1, 2, 3]
     assert runs[0].config["model"] == str((workdir / "model").resolve())
     with pytest.raises(ExperimentError, match="metrics: must be a list"):
-        experiment_from_dict({"name": "py", "model": "model", "dataset": {"prompts": ["x"]}, "metrics": "bleu"},
+        experiment_from_dict({"name": "py", "model": "model", "dataset": {"prompts": ["x"]},
+                              "metrics": "bleu"},
                              workdir)
 
 
 def test_explicit_seeds_and_overrides(workdir):
-    spec = load_experiment(write(workdir, BASE + "seeds: [11, 22]\n"), ["sampling.max_tokens=2", "name=renamed"])
+    spec = load_experiment(write(workdir, BASE + "seeds: [11, 22]\n"),
+                           ["sampling.max_tokens=2", "name=renamed"])
     runs = expand_runs(spec)
     assert spec.name == "renamed" and [r.seed for r in runs] == [11, 22]
     assert runs[0].sampling_params == {"max_tokens": 2, "temperature": 0.8, "seed": 11}
@@ -377,7 +384,8 @@ def _check_complete_runs(db):
         for run in runs:
             assert run["status"] == "finished"
             outs = store.outputs(run["run_id"])
-            assert len(outs) == 3 and run["metrics"]["output_tokens"] == sum(len(o["token_ids"]) for o in outs)
+            assert len(outs) == 3
+            assert run["metrics"]["output_tokens"] == sum(len(o["token_ids"]) for o in outs)
             assert run["manifest"]["experiment"]["run_key"] == run["run_key"]
         with store.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
@@ -388,7 +396,7 @@ def _check_complete_runs(db):
 
 def test_kill_9_mid_experiment_then_resume(workdir):
     db = f"sqlite:///{workdir / 'k.db'}"
-    spec, cmd, rc = _kill_experiment(workdir, db, wait_for_runs=2)
+    _, cmd, rc = _kill_experiment(workdir, db, wait_for_runs=2)
     assert rc == -signal.SIGKILL
     survivors = _check_complete_runs(db)
     assert 2 <= len(survivors) < 12
@@ -423,10 +431,12 @@ def test_text_metrics_on_known_outputs():
 
     items = [DatasetItem("q1", None, ["Pacific Ocean"]), DatasetItem("q2", None, ["4", "Four"]),
              DatasetItem("q3", None, ["Paris"]), DatasetItem("q4", None, None)]
-    res = RunResult([out("The Pacific ocean.", 4), out(" four", 1), out("Lyon", 1), out("x", 2)], items, 2.0, None)
+    res = RunResult([out("The Pacific ocean.", 4), out(" four", 1), out("Lyon", 1), out("x", 2)], items, 2.0,
+                    None)
     assert METRICS["exact_match"].fn(res) == {"exact_match": pytest.approx(2 / 3)}  # q4 has no reference
     assert METRICS["chrf"].fn(res)["chrf"] > 0
     lengths = METRICS["output_length"].fn(res)
-    assert lengths["output_tokens"] == 8 and lengths["max_output_tokens"] == 4 and lengths["finished_by_length"] == 0
+    assert lengths["output_tokens"] == 8 and lengths["max_output_tokens"] == 4
+    assert lengths["finished_by_length"] == 0
     tput = METRICS["throughput"].fn(res)
     assert tput["output_throughput"] == 4.0 and tput["prompt_tokens"] == 8 and tput["requests_per_s"] == 2.0

@@ -7,7 +7,14 @@ import subprocess
 import pytest
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.lab.manifest import collect_manifest, config_hash, diff_manifests, files_checksum, flatten, git_info
+from pagedlab.lab.manifest import (
+    collect_manifest,
+    config_hash,
+    diff_manifests,
+    files_checksum,
+    flatten,
+    git_info,
+)
 from pagedlab.lab.testing import CHAT_TEMPLATE, make_tiny_model
 
 
@@ -86,19 +93,23 @@ def test_dummy_weights_are_named_by_seed(tmp_path):
 def test_git_commit_and_dirty_flag(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     repo.mkdir()
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    def run(*args):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
     run("init", "-q")
     (repo / "f.txt").write_text("1")
     run("add", "f.txt")
     run("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
     info = git_info(repo)
     assert info == {"commit": head, "dirty": False, "root": str(repo.resolve())}
     (repo / "f.txt").write_text("2")
     assert git_info(repo)["dirty"] is True
     monkeypatch.chdir(repo)
     assert collect_manifest()["git"]["commit"] == head
-    assert git_info(tmp_path / "nowhere" if (tmp_path / "nowhere").mkdir() is None else tmp_path)["commit"] is None
+    outside = tmp_path / "nowhere" if (tmp_path / "nowhere").mkdir() is None else tmp_path
+    assert git_info(outside)["commit"] is None
 
 
 def test_diff_manifests():

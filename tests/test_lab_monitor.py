@@ -97,8 +97,8 @@ def test_cuda_visible_devices_selects_gpus(monkeypatch):
 
 def test_idle_is_not_throttling():
     assert throttle_reason_names(0x1 | 0x40) == ["gpu_idle", "hw_thermal"]
-    samples = [{"t": 0.0, "kind": "gpu", "index": 0, "name": "g", "throttle": ["gpu_idle"], "temperature_c": 30,
-                "sm_clock_mhz": 300, "power_w": 60.0}]
+    samples = [{"t": 0.0, "kind": "gpu", "index": 0, "name": "g", "throttle": ["gpu_idle"],
+                "temperature_c": 30, "sm_clock_mhz": 300, "power_w": 60.0}]
     s = summarize(samples, "nvml")
     assert s["throttled"] is False and s["throttle_reasons"] == ["gpu_idle"] and s["max_temperature_c"] == 30
 

@@ -18,11 +18,11 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("sqlalchemy")
 pytest.importorskip("yaml")
 
-from pagedlab.lab import cli as lab_cli  # noqa: E402
-from pagedlab.lab.experiments import load_experiment, run_experiment  # noqa: E402
-from pagedlab.lab.report import build_report  # noqa: E402
-from pagedlab.lab.store import ResultStore, RunRecord  # noqa: E402
-from pagedlab.lab.testing import make_tiny_model  # noqa: E402
+from pagedlab.lab import cli as lab_cli
+from pagedlab.lab.experiments import load_experiment, run_experiment
+from pagedlab.lab.report import build_report
+from pagedlab.lab.store import ResultStore, RunRecord
+from pagedlab.lab.testing import make_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import KV_BYTES
-from test_server_support import build_tiny_chat_model
 
+from conftest import KV_BYTES
 from pagedlab import LLM, SamplingParams
 from pagedlab.lab import repro
+from test_server_support import build_tiny_chat_model
 
 PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
            "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
@@ -48,8 +48,8 @@ def test_batch_consistency_same(chat_llm):
     r = repro.batch_consistency(chat_llm, PROMPTS, max_tokens=8)
     assert r.verdict == "same", r.format()
     assert r.metrics["max_prompts_differing"] == 0 and r.metrics["first_divergence"] is None
-    assert set(r.details) == {"full_batch", "shuffled", "prefix_cache_on", "prefix_cache_off", "chunked_prefill",
-                              "no_chunked_prefill"}
+    assert set(r.details) == {"full_batch", "shuffled", "prefix_cache_on", "prefix_cache_off",
+                              "chunked_prefill", "no_chunked_prefill"}
     assert chat_llm.llm_engine.config == before  # the plan is restored
 
 
@@ -77,16 +77,19 @@ def test_first_divergence():
 
 # ---- seeds -------------------------------------------------------------------------------------------
 def test_seed_sensitivity_greedy_is_same_sampling_differs(chat_llm):
-    greedy = repro.seed_sensitivity(chat_llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0),
+    greedy = repro.seed_sensitivity(chat_llm, PROMPTS,
+                                    SamplingParams(temperature=0.0, max_tokens=12, logprobs=0),
                                     seeds=range(3))
     assert greedy.verdict == "same", greedy.format()
     assert greedy.metrics["mean_token_logprob.std"] < 1e-6  # prefix-cache hits may move the last bits
-    hot = repro.seed_sensitivity(chat_llm, PROMPTS, SamplingParams(temperature=1.5, max_tokens=12, logprobs=0),
+    hot = repro.seed_sensitivity(chat_llm, PROMPTS,
+                                 SamplingParams(temperature=1.5, max_tokens=12, logprobs=0),
                                  seeds=range(3), threshold=0.01)
     assert hot.verdict == "differs", hot.format()
     assert "mean_token_logprob" in hot.details["flagged"]
     st = hot.details["stats"]["mean_token_logprob"]
-    assert st["ci95_low"] < st["mean"] < st["ci95_high"] and st["min"] <= st["mean"] <= st["max"] and st["std"] > 0
+    assert st["ci95_low"] < st["mean"] < st["ci95_high"]
+    assert st["min"] <= st["mean"] <= st["max"] and st["std"] > 0
 
 
 def test_summarize_numbers():
@@ -98,21 +101,26 @@ def test_summarize_numbers():
 # ---- precision ---------------------------------------------------------------------------------------
 def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
     args = {"kv_cache_memory_bytes": KV_BYTES, "device": "cpu"}
-    same = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "float32"), max_tokens=8, engine_args=args)
+    same = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "float32"), max_tokens=8,
+                                 engine_args=args)
     assert same.verdict == "same", same.format()
     assert same.metrics["float32#1.mean_kl"] < 1e-9 and same.metrics["float32#1.top1_agreement"] == 1.0
-    drift = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), max_tokens=8, engine_args=args)
+    drift = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), max_tokens=8,
+                                  engine_args=args)
     assert drift.verdict == "differs", drift.format()
     assert drift.metrics["bfloat16.mean_kl"] > 1e-3
 
 
 def test_topk_kl_equals_exact_kl_with_full_vocab_and_bounds_it_below():
     g = torch.Generator().manual_seed(0)
-    p, q = torch.log_softmax(torch.randn(50, generator=g), -1), torch.log_softmax(torch.randn(50, generator=g), -1)
+    p = torch.log_softmax(torch.randn(50, generator=g), -1)
+    q = torch.log_softmax(torch.randn(50, generator=g), -1)
     exact = float((p.exp() * (p - q)).sum())
     full = repro.topk_kl(dict(enumerate(p.tolist())), dict(enumerate(q.tolist())))
     assert full == pytest.approx(exact, rel=1e-6)
-    top = lambda lp, k: {int(i): lp[i].item() for i in lp.topk(k).indices}
+    def top(lp, k):
+        return {int(i): lp[i].item() for i in lp.topk(k).indices}
+
     approx = repro.topk_kl(top(p, 10), top(q, 10))
     assert 0 <= approx < 2 * exact
 
@@ -126,7 +134,8 @@ def test_tokenizer_drift_same_tokenizer_same(chat_dir, chat_llm):
 
 def test_tokenizer_drift_detects_removed_merge(chat_dir, merge_removed_dir, chat_llm):
     refs = ["fox", "blue", "blocks", "four", "fine"]
-    r = repro.tokenizer_drift(chat_dir, merge_removed_dir, PROMPTS, llm=chat_llm, references=refs, max_tokens=8)
+    r = repro.tokenizer_drift(chat_dir, merge_removed_dir, PROMPTS, llm=chat_llm, references=refs,
+                              max_tokens=8)
     assert r.verdict == "differs", r.format()
     assert r.metrics["fraction_tokenized_differently"] > 0
     ex = r.details["examples"][0]
@@ -244,7 +253,8 @@ def test_cli_seeds_check_takes_an_experiments_sampling_params(chat_dir, tmp_path
 def test_smollm2_hf_parity_and_padding(smollm2_dir, smollm2_hf):
     hf, tok = smollm2_hf
     prompts = ["The capital of France is a city that", "2 + 2 ="]  # different lengths: one is padded
-    with LLM(smollm2_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+    with LLM(smollm2_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=KV_BYTES,
+             device="cpu") as llm:
         r = repro.hf_parity(llm, prompts, hf_model=hf, max_tokens=4, k=5)
     assert r.verdict == "same", r.format()
     ids = [tok(p).input_ids for p in prompts]
@@ -261,7 +271,8 @@ def test_smollm2_batch_seeds_precision_tokenizer(smollm2_dir, tmp_path):
     with LLM(smollm2_dir, dtype="float32", **args) as llm:
         batch = repro.batch_consistency(llm, prompts, max_tokens=6)
         assert batch.verdict == "same", batch.format()
-        greedy = repro.seed_sensitivity(llm, prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=0),
+        greedy = repro.seed_sensitivity(llm, prompts,
+                                        SamplingParams(temperature=0.0, max_tokens=6, logprobs=0),
                                         seeds=range(2))
         assert greedy.verdict == "same", greedy.format()
         hot = repro.seed_sensitivity(llm, prompts, SamplingParams(temperature=1.5, max_tokens=6, logprobs=0),
@@ -272,7 +283,8 @@ def test_smollm2_batch_seeds_precision_tokenizer(smollm2_dir, tmp_path):
         tok = json.loads((broken / "tokenizer.json").read_text())
         tok["model"]["merges"].pop(0)  # "Ġ t": a merge almost every English text uses
         (broken / "tokenizer.json").write_text(json.dumps(tok))
-        assert repro.tokenizer_drift(smollm2_dir, smollm2_dir, prompts, llm=llm, max_tokens=6).verdict == "same"
+        assert repro.tokenizer_drift(smollm2_dir, smollm2_dir, prompts, llm=llm,
+                                     max_tokens=6).verdict == "same"
         drift = repro.tokenizer_drift(smollm2_dir, str(broken), prompts, llm=llm, max_tokens=6)
         assert drift.verdict == "differs", drift.format()
     same = repro.precision_drift(smollm2_dir, prompts[:2], dtypes=("float32", "float32"), max_tokens=4,

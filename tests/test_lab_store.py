@@ -34,7 +34,8 @@ def url(request, tmp_path):
 def _record(key, experiment="exp", n_outputs=3, **metrics):
     return RunRecord(
         experiment=experiment, run_key=key, model="/models/tiny",
-        params={"model": "/models/tiny", "engine.block_size": 16, "sampling.temperature": 0.5, "varied": ["x"]},
+        params={"model": "/models/tiny", "engine.block_size": 16, "sampling.temperature": 0.5,
+                "varied": ["x"]},
         metrics={"bleu": 12.5, "output_throughput": 100.0, **metrics},
         manifest={"host": {"hostname": "h1"}, "versions": {"torch": "2.11"}},
         telemetry={"backend": "cpu", "num_samples": 2}, telemetry_samples=[{"t": 1.0, "kind": "cpu"}],
@@ -119,7 +120,8 @@ _WRITER = textwrap.dedent("""
     keys = [f"{tag}-{i}" for i in range(n)] + [f"shared-{i}" for i in range(shared)]
     for key in keys:
         store.record_run(RunRecord("concurrent", key, {"writer": tag}, {"value": 1.0}, {"w": tag},
-                                   outputs=[{"prompt": key, "text": str(j), "token_ids": [j] * 50} for j in range(4)]))
+                                   outputs=[{"prompt": key, "text": str(j), "token_ids": [j] * 50}
+                                            for j in range(4)]))
     print("done", len(keys))
 """)
 
@@ -140,7 +142,8 @@ def test_two_processes_writing_at_once(url, tmp_path):
         assert len(keys) == len(set(keys)) == 60  # 25 + 25 own runs, the 10 shared ones once
         for r in runs:
             outs = store.outputs(r["run_id"])
-            assert [o["prompt"] for o in outs] == [r["run_key"]] * 4 and all(len(o["token_ids"]) == 50 for o in outs)
+            assert [o["prompt"] for o in outs] == [r["run_key"]] * 4
+            assert all(len(o["token_ids"]) == 50 for o in outs)
         if store.is_sqlite:
             with store.engine.connect() as conn:
                 assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
@@ -171,7 +174,8 @@ def test_sigkill_in_the_middle_of_a_write_leaves_no_partial_run(url, tmp_path):
     script = tmp_path / "crasher.py"
     script.write_text(_CRASHER)
     env = dict(os.environ, PAGEDLAB_FAULT="store.mid_write:2")  # killed after inserting run 2, before commit
-    proc = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script), url], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     with ResultStore(url) as store:
         runs = store.runs(status=None)
@@ -187,7 +191,8 @@ def test_sigkill_in_the_middle_of_a_write_leaves_no_partial_run(url, tmp_path):
 def test_results_cli(url, tmp_path, capsys):
     with ResultStore(url) as store:
         rid = store.record_run(_record("k0"))
-        store.record_run(RunRecord("exp", "bad", {"varied": []}, {}, {}, status="failed", error="CUDA OOM\ntrace"))
+        store.record_run(RunRecord("exp", "bad", {"varied": []}, {}, {}, status="failed",
+                                   error="CUDA OOM\ntrace"))
     parser = argparse.ArgumentParser()
     lab_cli.register(parser.add_subparsers())
 
@@ -197,7 +202,8 @@ def test_results_cli(url, tmp_path, capsys):
 
     assert run("results", "list", "--db", url) == 0
     out = capsys.readouterr().out
-    assert "finished" in out and "failed" in out and "bleu=12.5" in out and "CUDA OOM" in out and "tiny" in out
+    assert "finished" in out and "failed" in out and "bleu=12.5" in out
+    assert "CUDA OOM" in out and "tiny" in out
     assert run("results", "list", "--db", url, "--status", "failed", "--json") == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["status"] for r in rows] == ["failed"]
@@ -209,7 +215,8 @@ def test_results_cli(url, tmp_path, capsys):
     assert run("results", "show", "12345", "--db", url) == 2
     assert "run 12345 is not in" in capsys.readouterr().err
     target = tmp_path / "all.jsonl"
-    assert run("results", "export", "--db", url, "--format", "jsonl", "--out", str(target), "--status", "all") == 0
+    assert run("results", "export", "--db", url, "--format", "jsonl", "--out", str(target), "--status",
+               "all") == 0
     assert len(target.read_text().splitlines()) == 2
 
 

@@ -16,7 +16,8 @@ def test_floor_matches_design_figures():
     assert workloads.physical_floor(llama, [512], [129]) / 128 == pytest.approx(3.55e-3, rel=0.05)
     nano = workloads.make_workload("W-nano", 151936)
     qwen = workloads.model_shape("qwen3-0.6b")
-    rate = sum(nano.output_lens) / workloads.physical_floor(qwen, list(map(len, nano.prompts)), nano.output_lens)
+    rate = sum(nano.output_lens) / workloads.physical_floor(qwen, list(map(len, nano.prompts)),
+                                                            nano.output_lens)
     assert rate == pytest.approx(35000, rel=0.1)
 
 
@@ -28,7 +29,8 @@ def test_floor_counts_a_cached_prefix_once():
     qwen = workloads.model_shape("qwen3-0.6b")
     w = workloads.make_workload("W-prefix", 151936)
     lens = list(map(len, w.prompts))
-    assert workloads.physical_floor(qwen, lens, w.output_lens, cached_prefix=2048) == pytest.approx(0.1, rel=0.15)
+    assert workloads.physical_floor(qwen, lens, w.output_lens, cached_prefix=2048) == \
+        pytest.approx(0.1, rel=0.15)
     assert workloads.physical_floor(qwen, lens, w.output_lens) == pytest.approx(1.9, rel=0.15)
 
 
@@ -43,14 +45,16 @@ def test_workloads_are_deterministic_and_shaped():
 
 def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom", "--batch-size", "2", "3",
-               "--input-len", "12", "--output-len", "5", "--backend", "pagedlab", "hf", "--json", str(out),
+    rc = main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom",
+               "--batch-size", "2", "3", "--input-len", "12", "--output-len", "5",
+               "--backend", "pagedlab", "hf", "--json", str(out),
                "--kv-cache-memory-bytes", str(16 << 20), "--dtype", "float32"])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["environment"]["torch"]
     rows = report["results"]
-    assert [(r["backend"], r["num_requests"]) for r in rows] == [("pagedlab", 2), ("pagedlab", 3), ("hf", 2), ("hf", 3)]
+    assert [(r["backend"], r["num_requests"]) for r in rows] == [("pagedlab", 2), ("pagedlab", 3), ("hf", 2),
+                                                                 ("hf", 3)]
     for r in rows:
         assert r["output_tokens"] == 5 * r["num_requests"]
         assert r["input_tokens"] == 12 * r["num_requests"]

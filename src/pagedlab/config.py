@@ -139,6 +139,7 @@ class EngineInfo:
     cascade_attention: bool  # asked for, and the backend can run it
     cuda_graphs: bool  # decode steps replay CUDA graphs
     num_kv_blocks: int
+    eos_token_ids: tuple[int, ...] = ()  # the ids that end a sequence (config, generation config, tokenizer)
 
     def resolved_settings(self) -> dict:
         """The engine settings with every "auto"/None replaced by what the engine uses."""

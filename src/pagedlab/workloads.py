@@ -9,6 +9,7 @@ FLOPs at the matmul peak).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import platform
 import statistics
@@ -18,6 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+import pagedlab
+from pagedlab.llm import LLM
+from pagedlab.sampling_params import SamplingParams
+from pagedlab.stats import percentile_ms
 
 # H200 figures measured on our machine (DESIGN.md §3): device copy bandwidth and bf16 matmul peak.
 H200_BANDWIDTH = 4.25e12
@@ -32,7 +38,8 @@ def model_shape(name: str):
         return transformers.LlamaConfig(
             vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
             bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, dtype="bfloat16",
             architectures=["LlamaForCausalLM"])
@@ -95,7 +102,8 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
 
 
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
-                   cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH, flops: float = H200_BF16_FLOPS) -> float:
+                   cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
+                   flops: float = H200_BF16_FLOPS) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
 
@@ -157,20 +165,6 @@ class WorkloadResult:
         return d
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def _ms(values: list[float], q: float) -> float | None:
-    p = percentile(values, q)
-    return None if p is None else p * 1000
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -189,9 +183,7 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
                  per_token_times: bool = False) -> WorkloadResult:
     """Submit every request at once and drive the engine to the end. TTFT and TPOT come from each
     request's metrics; ``per_token_times`` also stamps every token (for ITL), at some host cost."""
-    from pagedlab import SamplingParams
-
-    engine = llm.llm_engine
+    engine = llm.llm_engine  # driven step by step, to stamp each token
     llm.reset_prefix_cache()
     engine.reset_stats()
     _sync()
@@ -219,13 +211,13 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in finished]
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
             for o in finished if len(o.outputs[0].token_ids) > 1]
-    itl = [b - a for s in stamps.values() for a, b in zip(s, s[1:])]
-    stats = engine.get_stats()
+    itl = [b - a for s in stamps.values() for a, b in itertools.pairwise(s)]
+    stats = llm.get_stats()
     return WorkloadResult(
         workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)),
-        sum(len(o.outputs[0].token_ids) for o in finished), elapsed, _ms(ttft, 50), _ms(ttft, 99),
-        _ms(tpot, 50), _ms(tpot, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99),
+        sum(len(o.outputs[0].token_ids) for o in finished), elapsed, percentile_ms(ttft, 50),
+        percentile_ms(ttft, 99), percentile_ms(tpot, 50), percentile_ms(tpot, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
                "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
@@ -238,7 +230,8 @@ def load_hf_peer(hf_config, dtype: torch.dtype = torch.bfloat16):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                              attn_implementation="sdpa")
     return model.eval()
 
 
@@ -256,33 +249,37 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
 
     lengths = {len(p) for p in workload.prompts}
     if len(lengths) != 1:
-        raise ValueError("HF static generate needs prompts of one length; use generate_batch for mixed lengths")
+        raise ValueError("HF static generate needs prompts of one length; use generate_batch for mixed "
+                         "lengths")
     out_len = max(workload.output_lens)
     ids = torch.tensor(workload.prompts, device=model.device)
     _sync()
     _reset_peak()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len,
                              do_sample=False, logits_processor=LogitsProcessorList([StepClock()]),
                              pad_token_id=0)
     _sync()
     elapsed = time.perf_counter() - start
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     ttft = stamps[0] - start
-    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    itl = [b - a for a, b in itertools.pairwise(stamps)]
     tpot = statistics.fmean(itl) if itl else None
     return WorkloadResult(
-        workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000, ttft * 1000,
-        None if tpot is None else tpot * 1000, _ms(itl, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": _ms(itl, 50)})
+        workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000,
+        ttft * 1000, None if tpot is None else tpot * 1000, percentile_ms(itl, 99), _peak_gib(), floor,
+        extra={"itl_p50_ms": percentile_ms(itl, 50)})
 
 
-def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int, floor: float | None) -> WorkloadResult:
+def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int,
+                          floor: float | None) -> WorkloadResult:
     """HF continuous batching (``generate_batch``, paged|sdpa) with a fixed output length."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=workload.temperature > 0,
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
+                              do_sample=workload.temperature > 0,
                               temperature=workload.temperature or None, eos_token_id=None, pad_token_id=0)
     _sync()
     _reset_peak()
@@ -292,13 +289,15 @@ def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int
     elapsed = time.perf_counter() - start
     produced = sum(len(o.generated_tokens) for o in outputs.values())
     return WorkloadResult(workload.name, "hf-generate_batch", label, len(workload.prompts),
-                          sum(map(len, workload.prompts)), produced, elapsed, None, None, None, None, _peak_gib(), floor)
+                          sum(map(len, workload.prompts)), produced, elapsed, None, None, None, None,
+                          _peak_gib(), floor)
 
 
 def environment() -> dict:
     import transformers
 
-    info = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(), "torch": torch.__version__,
+    info = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "gpu": None, "cuda": torch.version.cuda}
     try:
         import triton
@@ -308,8 +307,6 @@ def environment() -> dict:
         info["triton"] = None
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-    import pagedlab
-
     info["pagedlab"] = pagedlab.__version__
     return info
 
@@ -318,7 +315,8 @@ def format_row(r: WorkloadResult) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
 
-    return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total {r.total_tok_s:9.1f} tok/s  "
+    return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total "
+            f"{r.total_tok_s:9.1f} tok/s  "
             f"TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms  TPOT p50/p99 {f(r.tpot_p50_ms, '.2f')}/"
             f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s = "
             f"{f(r.over_floor, '.2f')}x floor")
@@ -334,14 +332,13 @@ DEFAULT_SHAPES = {"W-seed": "llama3-8b", "W-lat": "llama3-8b", "W-long": "llama3
 
 
 def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output_len: int,
-              num_prompts: int | None, backends: list[str], model: str | None = None, shape: str | None = None,
+              num_prompts: int | None, backends: list[str], model: str | None = None,
+              shape: str | None = None,
               repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
               progress=print) -> list[WorkloadResult]:
     """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
     ``latency`` stamps every token too (ITL percentiles)."""
     from transformers import AutoConfig
-
-    from pagedlab import LLM, SamplingParams
 
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
@@ -350,9 +347,10 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
         model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
         engine_args = {"load_format": "dummy", **(engine_args or {})}
     hf_config = AutoConfig.from_pretrained(model)
-    vocab = hf_config.vocab_size
     sizes = batch_sizes if workload_name in ("W-seed", "W-lat", "custom") else [None]
-    workloads = [make_workload(workload_name, vocab, bs or 1, input_len, output_len, num_prompts) for bs in sizes]
+    workloads = [make_workload(workload_name, hf_config.vocab_size, bs or 1, input_len, output_len,
+                               num_prompts)
+                 for bs in sizes]
     longest = max(len(p) + o for w in workloads for p, o in zip(w.prompts, w.output_lens))
     args = {"dtype": "bfloat16", "max_model_len": -(-longest // 64) * 64,
             "max_num_seqs": max(256, max(len(w.prompts) for w in workloads))}
@@ -361,41 +359,51 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     results: list[WorkloadResult] = []
     if "pagedlab" in backends:
         with LLM(model, **args) as llm:
-            warm = workloads[0]
-            for w in workloads:
-                for variant, changes, cached in _variants(workload_name):
-                    if changes or w is warm:
-                        if changes:
-                            llm.set_model_args(**changes)
-                        # warm-up on the workload's own shapes (and this plan's block size):
-                        # compiles kernels before timing
-                        llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True),
-                                     use_tqdm=False)
-                    floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
-                                           cached_prefix=cached)
-                    for r in range(repeats):
-                        label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
-                        results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
-                        progress(format_row(results[-1]))
+            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress)
     if "hf" in backends:
-        peer = load_hf_peer(hf_config)
-        for w in workloads:
-            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens)
-            for r in range(repeats):
-                label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
-                if workload_name == "W-nano":
-                    fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
-                    floor = physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
-                    results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
-                elif workload_name == "W-prefix":
-                    break  # the peer of W-prefix is pagedlab with prefix caching off
-                else:
-                    results.append(run_hf_generate(peer, w, label, floor))
-                progress(format_row(results[-1]))
-        del peer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
     return results
+
+
+def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
+                    latency: bool, results: list[WorkloadResult], progress) -> None:
+    """Every workload under every plan variant of ``workload_name``, warmed up first."""
+    warm = workloads[0]
+    for w in workloads:
+        for variant, changes, cached in _variants(workload_name):
+            if changes or w is warm:
+                if changes:
+                    llm.set_model_args(**changes)
+                # warm-up on the workload's own shapes (and this plan's block size):
+                # compiles kernels before timing
+                llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached)
+            for r in range(repeats):
+                label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
+                results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                progress(format_row(results[-1]))
+
+
+def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats: int,
+              results: list[WorkloadResult], progress) -> None:
+    """Every workload on the HF transformers peer (static batches; generate_batch for W-nano)."""
+    peer = load_hf_peer(hf_config)
+    for w in workloads:
+        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens)
+        for r in range(repeats):
+            label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
+            if workload_name == "W-nano":
+                fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
+                floor = physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
+            elif workload_name == "W-prefix":
+                break  # the peer of W-prefix is pagedlab with prefix caching off
+            else:
+                results.append(run_hf_generate(peer, w, label, floor))
+            progress(format_row(results[-1]))
+    del peer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _variants(workload_name: str) -> list[tuple[str, dict, int]]:

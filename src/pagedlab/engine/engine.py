@@ -160,7 +160,8 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,
             cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
-            cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks)
+            cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
+            eos_token_ids=self.eos_token_ids)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -16,15 +16,16 @@ _EXPORTS = {
     "collect_manifest": "pagedlab.lab.manifest",
     "diff_manifests": "pagedlab.lab.manifest",
     "GPUMonitor": "pagedlab.lab.monitor",
-    "ExperimentError": "pagedlab.lab.experiments",
-    "ExperimentSpec": "pagedlab.lab.experiments",
-    "load_experiment": "pagedlab.lab.experiments",
-    "expand_runs": "pagedlab.lab.experiments",
-    "run_experiment": "pagedlab.lab.experiments",
+    "ExperimentError": "pagedlab.lab.schema",
+    "ExperimentSpec": "pagedlab.lab.schema",
+    "load_experiment": "pagedlab.lab.spec",
+    "expand_runs": "pagedlab.lab.runs",
+    "run_experiment": "pagedlab.lab.runner",
+    "register_metric": "pagedlab.lab.metrics",
     "build_report": "pagedlab.lab.report",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ the results database.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -23,20 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PERCENTILES = (50, 90, 99)
-
-
-def latency_stats(values_s: Sequence[float], prefix: str) -> dict[str, float | None]:
-    """``{prefix}_p50_ms``, ``_p90_ms``, ``_p99_ms`` and ``_mean_ms`` of ``values_s`` (seconds);
-    None when there are no values (e.g. TPOT of one-token outputs)."""
-    import numpy as np
-
-    out: dict[str, float | None] = {}
-    vals = np.asarray([v for v in values_s if v is not None], dtype=float) * 1000.0
-    for p in PERCENTILES:
-        out[f"{prefix}_p{p}_ms"] = float(np.percentile(vals, p)) if vals.size else None
-    out[f"{prefix}_mean_ms"] = float(vals.mean()) if vals.size else None
-    return out
+from pagedlab.lab.manifest import collect_manifest
+from pagedlab.lab.monitor import GPUMonitor
+from pagedlab.lab.store import ResultStore, RunRecord
+from pagedlab.sampling_params import BeamSearchParams, SamplingParams
+from pagedlab.stats import latency_stats
 
 
 @dataclass
@@ -135,7 +127,8 @@ class BenchmarkResult:
 
     # ---- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings, "manifest": self.manifest,
+        return {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings,
+                "manifest": self.manifest,
                 "runs": [dataclasses.asdict(r) for r in self.runs], "summary": self.summary()}
 
     def save(self, path: str | Path) -> Path:
@@ -146,7 +139,7 @@ class BenchmarkResult:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "BenchmarkResult":
+    def load(cls, path: str | Path) -> BenchmarkResult:
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "pagedlab.benchmark":
             raise ValueError(f"{path} is not a pagedlab benchmark result (no kind: pagedlab.benchmark)")
@@ -154,15 +147,14 @@ class BenchmarkResult:
 
     def to_store(self, url: str | None = None, experiment: str = "benchmark") -> list[int]:
         """File every run in the results database (see ``pagedlab.lab.store``); returns the run ids."""
-        from pagedlab.lab.store import ResultStore, RunRecord
-
         store = ResultStore(url)
         ids = []
         try:
             store.ensure_experiment(experiment, {"benchmark": self.settings})
             model = self.manifest.get("model", {})
             for run in self.runs:
-                params = {"model": model.get("name"), "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
+                params = {"model": model.get("name"),
+                          "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
                           "benchmark.batch_size": run.batch_size, "benchmark.input_len": run.input_len,
                           "benchmark.output_len": run.output_len, "benchmark.num_prompts": run.num_prompts,
                           "benchmark.use_beam_search": run.use_beam_search,
@@ -232,7 +224,8 @@ def format_result(result: BenchmarkResult) -> str:
     for r in result.summary():
         rows.append([
             str(r["batch_size"]), str(r["num_prompts"]),
-            _fmt(r["output_throughput"]) + (f"±{r['output_throughput_std']:.1f}" if r["output_throughput_std"] else ""),
+            _fmt(r["output_throughput"])
+            + (f"±{r['output_throughput_std']:.1f}" if r["output_throughput_std"] else ""),
             _fmt(r["total_throughput"]), _fmt(r["requests_per_s"], "{:.2f}"),
             f"{_fmt(r.get('ttft_p50_ms'))}/{_fmt(r.get('ttft_p99_ms'))}",
             f"{_fmt(r.get('tpot_p50_ms'), '{:.2f}')}/{_fmt(r.get('tpot_p99_ms'), '{:.2f}')}",
@@ -245,8 +238,8 @@ def format_result(result: BenchmarkResult) -> str:
     lines.append("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
     for r in result.summary():
-        lines.append(f"batch {r['batch_size']}: Throughput: {_fmt(r['output_throughput'], '{:.0f}')} tokens/s, "
-                     f"Memory usage: {_fmt(_gb(r['memory_used_bytes']))}/"
+        lines.append(f"batch {r['batch_size']}: Throughput: {_fmt(r['output_throughput'], '{:.0f}')} "
+                     f"tokens/s, Memory usage: {_fmt(_gb(r['memory_used_bytes']))}/"
                      f"{_fmt(_gb(r['memory_total_bytes']), '{:.0f}')}GB")
     return "\n".join(lines)
 
@@ -257,11 +250,11 @@ def random_prompts(llm, num: int, length: int, seed) -> list[list[int]]:
     the tokenizer's special tokens."""
     import numpy as np
 
-    engine = llm.llm_engine
-    vocab = int(engine.hf_config.vocab_size)
-    forbidden = set(engine.eos_token_ids)
-    if engine.tokenizer is not None:
-        forbidden.update(getattr(engine.tokenizer, "all_special_ids", []) or [])
+    info = llm.get_engine_info()
+    vocab = int(info.hf_config.vocab_size)
+    forbidden = set(info.eos_token_ids)
+    if info.tokenizer is not None:
+        forbidden.update(getattr(info.tokenizer, "all_special_ids", []) or [])
     allowed = np.setdiff1d(np.arange(vocab), np.fromiter(forbidden, dtype=np.int64, count=len(forbidden)))
     rng = np.random.default_rng(seed)
     return rng.choice(allowed, size=(num, length)).tolist()
@@ -283,13 +276,14 @@ def _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repe
         bad("warmup", warmup, "an integer >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         bad("repeats", repeats, "an integer >= 1")
-    max_len = llm.llm_engine.max_model_len
+    max_len = llm.get_engine_info().max_model_len
     if input_len + output_len > max_len:
         raise ValueError(f"input_len + output_len = {input_len + output_len} is invalid: it must be at most "
                          f"max_model_len ({max_len})")
 
 
-def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512, output_len: int = 128,
+def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
+                  output_len: int = 128,
                   num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
                   repeats: int = 1, *, beam_width: int = 4, temperature: float = 0.0, seed: int = 0,
                   detokenize: bool = True, monitor: bool = True, monitor_interval: float = 0.2,
@@ -304,12 +298,8 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
     """
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats)
-    engine = llm.llm_engine
-    if engine.has_unfinished_requests():
+    if llm.llm_engine.has_unfinished_requests():
         raise RuntimeError("the engine has unfinished requests: benchmark an idle LLM")
-    from pagedlab.lab.manifest import collect_manifest
-    from pagedlab.sampling_params import BeamSearchParams, SamplingParams
-
     if use_beam_search:
         sampling = BeamSearchParams(beam_width=beam_width, max_tokens=output_len, ignore_eos=True)
     else:
@@ -319,14 +309,14 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                 "num_prompts": num_prompts, "use_beam_search": use_beam_search, "beam_width": beam_width,
                 "warmup": warmup, "repeats": repeats, "temperature": temperature, "seed": seed,
                 "detokenize": detokenize, "monitor_interval": monitor_interval if monitor else None}
-    original_max_seqs = engine.config.max_num_seqs
+    original_max_seqs = llm.get_engine_info().config.max_num_seqs
     runs: list[BenchmarkRun] = []
     progress_bar = _progress_bar(len(batch_sizes) * (warmup + repeats), progress)
     try:
         for b in batch_sizes:
             n = num_prompts or b
             wanted = b if (n > b or original_max_seqs < b) else original_max_seqs
-            if engine.config.max_num_seqs != wanted:
+            if llm.get_engine_info().config.max_num_seqs != wanted:
                 llm.set_model_args(max_num_seqs=wanted)
             for phase in range(warmup + repeats):
                 prompts = random_prompts(llm, n, input_len, [seed, b, phase])
@@ -342,7 +332,7 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
     finally:
         if progress_bar is not None:
             progress_bar.close()
-        if engine.config.max_num_seqs != original_max_seqs:
+        if llm.get_engine_info().config.max_num_seqs != original_max_seqs:
             llm.set_model_args(max_num_seqs=original_max_seqs)
     return BenchmarkResult(runs, settings, manifest)
 
@@ -371,18 +361,14 @@ class _Timed:
 def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interval) -> _Timed:
     import torch
 
-    engine = llm.llm_engine
-    cuda = engine.device.type == "cuda"
+    device = llm.get_engine_info().device
+    cuda = device.type == "cuda"
     llm.reset_prefix_cache()
-    engine.reset_stats()
+    llm.llm_engine.reset_stats()
     if cuda:
-        torch.cuda.synchronize(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    mon = None
-    if monitor:
-        from pagedlab.lab.monitor import GPUMonitor
-
-        mon = GPUMonitor(interval=monitor_interval).start()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    mon = GPUMonitor(interval=monitor_interval).start() if monitor else None
     try:
         t0, arrival = time.perf_counter(), time.time()
         if use_beam_search:
@@ -390,10 +376,10 @@ def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interva
             token_times = [[] for _ in prompts]
             output_tokens = sum(len(o.sequences[0].tokens) - len(p) for o, p in zip(outputs, prompts))
         else:
-            token_times = _drive_engine(engine, prompts, sampling, arrival)
+            token_times = _drive_engine(llm.llm_engine, prompts, sampling, arrival)
             output_tokens = sum(len(t) for t in token_times)
         if cuda:
-            torch.cuda.synchronize(engine.device)
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
     finally:
         telemetry = mon.stop() if mon is not None else {}
@@ -401,9 +387,9 @@ def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interva
             mon.close()
     peak_alloc = peak_reserved = total = None
     if cuda:
-        peak_alloc = int(torch.cuda.max_memory_allocated(engine.device))
-        peak_reserved = int(torch.cuda.max_memory_reserved(engine.device))
-        total = int(torch.cuda.mem_get_info(engine.device)[1])
+        peak_alloc = int(torch.cuda.max_memory_allocated(device))
+        peak_reserved = int(torch.cuda.max_memory_reserved(device))
+        total = int(torch.cuda.mem_get_info(device)[1])
     return _Timed(elapsed, token_times, arrival, output_tokens, llm.get_stats(), peak_alloc, peak_reserved,
                   total, telemetry)
 
@@ -433,7 +419,7 @@ def _drive_engine(engine, prompts, params, arrival) -> list[list[float]]:
 
 
 def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output_len, beam) -> BenchmarkRun:
-    engine = llm.llm_engine
+    info = llm.get_engine_info()
     stats = t.stats
     prompt_tokens = num_prompts * input_len
     if beam:
@@ -443,7 +429,7 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     else:
         ttft = [tt[0] - t.arrival for tt in t.token_times if tt]
         tpot = [(tt[-1] - tt[0]) / (len(tt) - 1) for tt in t.token_times if len(tt) > 1]
-        itl = [b - a for tt in t.token_times for a, b in zip(tt, tt[1:])]
+        itl = [b - a for tt in t.token_times for a, b in itertools.pairwise(tt)]
         e2e = [tt[-1] - t.arrival for tt in t.token_times if tt]
         latency = {**latency_stats(ttft, "ttft"), **latency_stats(tpot, "tpot"), **latency_stats(itl, "itl"),
                    **latency_stats(e2e, "e2e")}
@@ -451,7 +437,7 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     telemetry = t.telemetry
     nvml_peak = telemetry.get("max_gpu_memory_used_bytes") if telemetry else None
     host = (telemetry or {}).get("cpu") or {}
-    if engine.device.type == "cuda":
+    if info.device.type == "cuda":
         used = nvml_peak if nvml_peak is not None else t.peak_reserved
         total = t.device_total
     else:
@@ -459,19 +445,22 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
     memory = {
         "weight_bytes": stats.weight_bytes, "kv_cache_bytes": stats.kv_cache_bytes,
         "num_kv_blocks": stats.num_kv_blocks, "block_size": stats.block_size,
-        "kv_peak_blocks": stats.peak_kv_blocks_used, "kv_peak_used_bytes": stats.peak_kv_blocks_used * bytes_per_block,
+        "kv_peak_blocks": stats.peak_kv_blocks_used,
+        "kv_peak_used_bytes": stats.peak_kv_blocks_used * bytes_per_block,
         "kv_tokens_at_peak": stats.kv_tokens_at_peak, "fragmentation_at_peak": stats.fragmentation_at_peak,
         "peak_allocated_bytes": t.peak_allocated, "peak_reserved_bytes": t.peak_reserved,
         "nvml_peak_used_bytes": nvml_peak, "memory_used_bytes": used, "memory_total_bytes": total,
     }
-    gpus = max(1, engine.config.tensor_parallel_size)
+    gpus = max(1, info.config.tensor_parallel_size)
     elapsed = max(t.elapsed, 1e-9)
     return BenchmarkRun(
-        batch_size=batch_size, repeat=repeat, num_prompts=num_prompts, input_len=input_len, output_len=output_len,
-        max_num_seqs=engine.config.max_num_seqs, use_beam_search=beam, elapsed_s=t.elapsed,
+        batch_size=batch_size, repeat=repeat, num_prompts=num_prompts, input_len=input_len,
+        output_len=output_len,
+        max_num_seqs=info.config.max_num_seqs, use_beam_search=beam, elapsed_s=t.elapsed,
         prompt_tokens=prompt_tokens, output_tokens=t.output_tokens,
         engine_generation_tokens=stats.generation_tokens,
-        output_throughput=t.output_tokens / elapsed, total_throughput=(prompt_tokens + t.output_tokens) / elapsed,
+        output_throughput=t.output_tokens / elapsed,
+        total_throughput=(prompt_tokens + t.output_tokens) / elapsed,
         output_throughput_per_gpu=t.output_tokens / elapsed / gpus, requests_per_s=num_prompts / elapsed,
-        latency=latency, memory=memory, telemetry=telemetry, prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-        num_preemptions=stats.num_preemptions)
+        latency=latency, memory=memory, telemetry=telemetry,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate, num_preemptions=stats.num_preemptions)

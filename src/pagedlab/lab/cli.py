@@ -14,15 +14,24 @@ from pathlib import Path
 
 from pagedlab.lab.report import short_label
 
-_DB_HELP = "results database: a SQLAlchemy URL or a SQLite file path (default: $PAGEDLAB_DB or sqlite:///results.db)"
+_DB_HELP = ("results database: a SQLAlchemy URL or a SQLite file path "
+            "(default: $PAGEDLAB_DB or sqlite:///results.db)")
 
 
 def register(subparsers) -> None:
     """Add ``run``, ``results``, ``monitor`` and ``report`` to an argparse subparsers object."""
-    p = subparsers.add_parser("run", help="run an experiment from a YAML file (resumable, weights loaded once "
-                                          "per model group)",
-                              description="Run the pending runs of an experiment and store each one, with its "
-                                          "manifest, in the results database. A rerun skips finished runs.")
+    _register_run(subparsers)
+    _register_results(subparsers)
+    _register_monitor(subparsers)
+    _register_report(subparsers)
+
+
+def _register_run(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run an experiment from a YAML file (resumable, weights loaded "
+                                          "once per model group)",
+                              description="Run the pending runs of an experiment and store each one, with "
+                                          "its manifest, in the results database. A rerun skips finished "
+                                          "runs.")
     p.add_argument("experiment", help="experiment YAML file (schema: docs/lab.md)")
     p.add_argument("--db", default=None, help=_DB_HELP)
     p.add_argument("--dry-run", action="store_true", help="validate and print the runs, execute nothing")
@@ -31,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or per-run lines")
     p.set_defaults(func=cmd_run)
 
+
+def _register_results(subparsers) -> None:
     p = subparsers.add_parser("results", help="list, show or export stored runs")
     sub = p.add_subparsers(dest="results_command", metavar="{list,show,export}")
     sub.required = True
@@ -57,6 +68,8 @@ def register(subparsers) -> None:
     q.add_argument("--manifest", action="store_true", help="csv/parquet: add the manifest.* columns")
     q.set_defaults(func=cmd_results_export)
 
+
+def _register_monitor(subparsers) -> None:
     p = subparsers.add_parser("monitor", help="log GPU telemetry (NVML) as gpustat-like lines",
                               description="Print one line per GPU (and one for the host) every INTERVAL "
                                           "seconds and append it to --log. Without an NVIDIA GPU it says so "
@@ -68,6 +81,8 @@ def register(subparsers) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="only write to --log")
     p.set_defaults(func=cmd_monitor)
 
+
+def _register_report(subparsers) -> None:
     p = subparsers.add_parser("report", help="PNG plots and one self-contained HTML page from the results",
                               description="Plots (throughput vs batch size per model, latency percentiles, "
                                           "memory, spread over seeds, quality metrics) and an HTML page with "
@@ -75,13 +90,14 @@ def register(subparsers) -> None:
                                           "runs highlighted.")
     p.add_argument("--db", default=None, help=_DB_HELP)
     p.add_argument("--out", default="report", help="output directory (default: report/)")
-    p.add_argument("--experiment", "-e", action="append", default=None, help="only this experiment (repeatable)")
+    p.add_argument("--experiment", "-e", action="append", default=None,
+                   help="only this experiment (repeatable)")
     p.add_argument("--title", default=None, help="page title")
     p.set_defaults(func=cmd_report)
 
 
 def _errors():
-    from pagedlab.lab.experiments import ExperimentError
+    from pagedlab.lab.schema import ExperimentError
 
     return (ExperimentError, ValueError, ImportError, KeyError, FileNotFoundError)
 
@@ -93,7 +109,8 @@ def _fail(e: BaseException) -> int:
 
 
 def cmd_run(args) -> int:
-    from pagedlab.lab.experiments import load_experiment, run_experiment
+    from pagedlab.lab.runner import run_experiment
+    from pagedlab.lab.spec import load_experiment
 
     try:
         spec = load_experiment(args.experiment, args.overrides)
@@ -101,7 +118,8 @@ def cmd_run(args) -> int:
     except _errors() as e:
         return _fail(e)
     except KeyboardInterrupt:
-        print("interrupted: every finished run is stored; run the same command again to resume", file=sys.stderr)
+        print("interrupted: every finished run is stored; run the same command again to resume",
+              file=sys.stderr)
         return 130
     return 0 if report.ok else 1
 
@@ -117,7 +135,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms", "mean_output_tokens")
+_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms",
+             "mean_output_tokens")
 
 
 def cmd_results_list(args) -> int:
@@ -130,8 +149,8 @@ def cmd_results_list(args) -> int:
         return _fail(e)
     if args.json:
         for r in runs:
-            print(json.dumps({k: r[k] for k in ("run_id", "experiment", "status", "model", "repeat", "seed", "params",
-                                                "metrics", "finished_at", "error")}, default=str))
+            print(json.dumps({k: r[k] for k in ("run_id", "experiment", "status", "model", "repeat", "seed",
+                                                "params", "metrics", "finished_at", "error")}, default=str))
         return 0
     if not runs:
         print("no runs stored" + (f" for experiment {args.experiment!r}" if args.experiment else ""))
@@ -140,12 +159,14 @@ def cmd_results_list(args) -> int:
     for r in runs:
         params = r["params"]
         varied = ", ".join(f"{k}={short_label(params.get(k))}" for k in params.get("varied", []))
-        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE if r["metrics"].get(k) is not None)
+        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE
+                            if r["metrics"].get(k) is not None)
         if r["status"] == "failed":
             metrics = (r["error"] or "").splitlines()[0][:80]
-        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""), varied or "-",
-                     str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
-    print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"], rows))
+        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""),
+                     varied or "-", str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
+    print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"],
+                 rows))
     return 0
 
 
@@ -177,14 +198,16 @@ def cmd_results_show(args) -> int:
     m = run.get("manifest") or {}
     if m:
         print("\nmanifest:")
-        hw, ver, model, tok, git = (m.get(k) or {} for k in ("hardware", "versions", "model", "tokenizer", "git"))
+        hw, ver, model, tok, git = (m.get(k) or {} for k in ("hardware", "versions", "model", "tokenizer",
+                                                             "git"))
         gpus = ", ".join(g["name"] for g in hw.get("gpus") or []) or "none"
         print(f"  hardware: {hw.get('cpu')} x{hw.get('cpu_count')}, GPUs: {gpus}, driver {hw.get('driver')}, "
               f"CUDA {hw.get('cuda')}")
         print("  versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v))
         print(f"  model: {model.get('path')}  config {model.get('config_hash')}  "
               f"weights {model.get('weight_checksum')}")
-        print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template {tok.get('chat_template_hash')}")
+        print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template "
+              f"{tok.get('chat_template_hash')}")
         print(f"  git: {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}  seeds: {m.get('seeds')}")
     tel = run.get("telemetry") or {}
     if tel:
@@ -196,7 +219,8 @@ def cmd_results_show(args) -> int:
         print(f"\noutputs (first {min(args.outputs, len(outputs))} of {len(outputs)}):")
         for o in outputs[:args.outputs]:
             print(f"  [{o['idx']}] prompt: {(o['prompt'] or '')[:200]!r}")
-            print(f"       output ({o['num_tokens']} tokens, {o['finish_reason']}): {(o['text'] or '')[:200]!r}")
+            print(f"       output ({o['num_tokens']} tokens, {o['finish_reason']}): "
+                  f"{(o['text'] or '')[:200]!r}")
             if o["reference"]:
                 print(f"       reference: {o['reference']}")
     return 0

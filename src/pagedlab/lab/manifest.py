@@ -30,6 +30,11 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+import pagedlab
+from pagedlab.config import EngineInfo
+from pagedlab.lab.monitor import open_nvml
+from pagedlab.loader.gguf import cache_root
+
 MANIFEST_SCHEMA = 1
 # Fields that differ between any two runs by nature; never reported as a difference.
 VOLATILE_FIELDS = ("created_at",)
@@ -39,7 +44,8 @@ _ENV_VARS = ("CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
                     "chat_template.jinja", "chat_template.json")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# The files of a model directory whose bytes are its weights (what the weight checksum covers).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def collect_manifest(llm=None, sampling_params=None, seeds: dict | None = None, extra: dict | None = None,
@@ -52,7 +58,8 @@ def collect_manifest(llm=None, sampling_params=None, seeds: dict | None = None, 
     manifest: dict = {
         "schema": MANIFEST_SCHEMA,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0]},
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                 "python": sys.version.split()[0]},
         "hardware": hardware_info(),
         "versions": library_versions(),
         "git": git_info(Path.cwd()),
@@ -61,16 +68,16 @@ def collect_manifest(llm=None, sampling_params=None, seeds: dict | None = None, 
     source_git = _pagedlab_source_git()
     if source_git is not None and source_git.get("root") != manifest["git"].get("root"):
         manifest["pagedlab_git"] = source_git
-    if llm is not None:
-        engine = getattr(llm, "llm_engine", llm)
-        manifest["model"] = model_info(engine, hash_weights=hash_weights)
-        manifest["tokenizer"] = tokenizer_info(engine)
-        manifest["engine"] = engine_info(engine)
+    info = llm.get_engine_info() if llm is not None else None
+    if info is not None:
+        manifest["model"] = model_info(info, hash_weights=hash_weights)
+        manifest["tokenizer"] = tokenizer_info(info)
+        manifest["engine"] = engine_info(info)
     if sampling_params is not None:
         manifest["sampling"] = _params_dict(sampling_params)
     seed_info = dict(seeds or {})
-    if llm is not None:
-        seed_info.setdefault("engine", getattr(llm, "llm_engine", llm).config.seed)
+    if info is not None:
+        seed_info.setdefault("engine", info.config.seed)
     if sampling_params is not None and "sampling" not in seed_info:
         found = _sampling_seeds(manifest["sampling"])
         if found:
@@ -131,8 +138,6 @@ def _ram_total() -> int | None:
 
 
 def _nvidia_driver() -> str | None:
-    from pagedlab.lab.monitor import open_nvml
-
     nvml, _ = open_nvml()
     if nvml is None:
         return None
@@ -151,8 +156,6 @@ def library_versions() -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = None
     if versions["pagedlab"] is None:  # running from a source tree (PYTHONPATH=src)
-        import pagedlab
-
         versions["pagedlab"] = pagedlab.__version__
     return versions
 
@@ -176,34 +179,41 @@ def git_info(path: str | os.PathLike) -> dict:
 
 
 def _pagedlab_source_git() -> dict | None:
-    import pagedlab
-
     info = git_info(Path(pagedlab.__file__).resolve().parent)
     return info if info["root"] else None
 
 
 # ---- model, tokenizer, engine ---------------------------------------------------------------------
-def model_info(engine, hash_weights: bool = True) -> dict:
-    source = engine.source
-    path = Path(source.path)
-    info = {
-        "name": source.name, "path": str(path.resolve()),
-        "original_file": str(Path(source.original_file).resolve()) if source.original_file else None,
-        "load_format": source.load_format,
-        "architecture": (getattr(engine.hf_config, "architectures", None) or [None])[0],
-        "model_type": getattr(engine.hf_config, "model_type", None),
+def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
+    """The model's identity: name, path, GGUF origin, architecture, config hash, weight checksum."""
+    path = Path(info.model_path)
+    original = info.original_file
+    out = {
+        "name": info.model_name, "path": str(path.resolve()),
+        "original_file": str(Path(original).resolve()) if original else None,
+        "load_format": info.load_format,
+        "architecture": (getattr(info.hf_config, "architectures", None) or [None])[0],
+        "model_type": getattr(info.hf_config, "model_type", None),
         "config_hash": config_hash(path),
     }
-    if source.load_format == "dummy":
-        info["weight_checksum"] = f"dummy:seed={engine.config.seed}"
+    if info.load_format == "dummy":
+        out["weight_checksum"] = f"dummy:seed={info.config.seed}"
     elif not hash_weights:
-        info["weight_checksum"] = None
-    elif source.original_file:
-        info["weight_checksum"] = files_checksum([Path(source.original_file)])
+        out["weight_checksum"] = None
     else:
-        info["weight_checksum"] = files_checksum(sorted(p for p in path.iterdir()
-                                                       if p.is_file() and p.suffix in _WEIGHT_SUFFIXES))
-    return info
+        out["weight_checksum"] = files_checksum(weight_files(path, original))
+    return out
+
+
+def weight_files(model_dir: Path, original_file: Path | None = None) -> list[Path]:
+    """The files holding a model's weights: the GGUF file it was converted from, else the weight
+    files (``WEIGHT_SUFFIXES``) of its directory, sorted."""
+    if original_file:
+        return [Path(original_file)]
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return []
+    return sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
 
 
 def config_hash(model_dir: Path) -> str | None:
@@ -215,11 +225,12 @@ def config_hash(model_dir: Path) -> str | None:
     return _sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
 
 
-def tokenizer_info(engine) -> dict:
-    tok = engine.tokenizer
-    path = Path(engine.config.tokenizer or engine.source.path)
+def tokenizer_info(info: EngineInfo) -> dict:
+    """The tokenizer's class, path, checksum of its files and chat template hash."""
+    tok = info.tokenizer
     if tok is None:
         return {"class": None, "path": None, "checksum": None, "chat_template_hash": None}
+    path = Path(info.tokenizer_path)
     files = [path / name for name in _TOKENIZER_FILES if (path / name).is_file()] if path.is_dir() else []
     template = getattr(tok, "chat_template", None)
     if isinstance(template, dict):
@@ -230,27 +241,9 @@ def tokenizer_info(engine) -> dict:
             "chat_template_hash": _sha256(template.encode()) if template else None}
 
 
-def engine_info(engine) -> dict:
+def engine_info(info: EngineInfo) -> dict:
     """The engine config with every "auto"/None resolved to what the engine actually uses."""
-    d = engine.config.to_dict()
-    d.update({
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "max_model_len": engine.max_model_len,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "async_scheduling": engine.async_scheduling,
-    })
-    kv = getattr(engine, "kv_cache", None)
-    if kv is not None:
-        d["num_kv_blocks"] = kv.num_blocks
-    runner = getattr(engine, "runner", None)
-    backend = getattr(runner, "backend", None)
-    if backend is not None:
-        d["attention_backend"] = getattr(backend, "name", type(backend).__name__)
-        # cascade attention changes a row's summation order; only a backend that shares prefixes runs it
-        d["enable_cascade_attention"] = (bool(d.get("enable_cascade_attention"))
-                                         and getattr(backend, "shares_prefixes", False))
-    return d
+    return info.resolved_settings()
 
 
 # ---- checksums ------------------------------------------------------------------------------------
@@ -270,8 +263,6 @@ def files_checksum(paths: list[Path]) -> str | None:
 
 
 def _digest_cache_path() -> Path:
-    from pagedlab.loader.gguf import cache_root
-
     return cache_root() / "lab" / "file-digests.json"
 
 

@@ -78,19 +78,20 @@ class _Nvml:
         out = []
         for index, name, h in self.devices:
             s = {"t": now, "kind": "gpu", "index": index, "name": name}
-            s["util_gpu"], s["util_mem"] = _try(lambda: _util(nv, h), (None, None))
-            mem = _try(lambda: nv.nvmlDeviceGetMemoryInfo(h))
-            s["mem_used"], s["mem_total"] = (int(mem.used), int(mem.total)) if mem is not None else (None, None)
-            s["temperature_c"] = _try(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
-            s["sm_clock_mhz"] = _try(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
-            s["mem_clock_mhz"] = _try(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))
-            power = _try(lambda: nv.nvmlDeviceGetPowerUsage(h))
+            s["util_gpu"], s["util_mem"] = _try(_util, nv, h, default=(None, None))
+            mem = _try(nv.nvmlDeviceGetMemoryInfo, h)
+            s["mem_used"] = int(mem.used) if mem is not None else None
+            s["mem_total"] = int(mem.total) if mem is not None else None
+            s["temperature_c"] = _try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
+            s["sm_clock_mhz"] = _try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+            s["mem_clock_mhz"] = _try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+            power = _try(nv.nvmlDeviceGetPowerUsage, h)
             s["power_w"] = power / 1000.0 if power is not None else None
-            limit = _try(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
+            limit = _try(nv.nvmlDeviceGetEnforcedPowerLimit, h)
             s["power_limit_w"] = limit / 1000.0 if limit is not None else None
             getter = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
                 nv.nvmlDeviceGetCurrentClocksThrottleReasons
-            mask = _try(lambda: getter(h))
+            mask = _try(getter, h)
             s["throttle"] = throttle_reason_names(int(mask)) if mask is not None else []
             out.append(s)
         return out
@@ -104,11 +105,16 @@ def _util(nv, handle) -> tuple[int, int]:
     return int(u.gpu), int(u.memory)
 
 
-def _try(fn, default=None):
+def _try(fn, *args, default=None):
+    """``fn(*args)``, or ``default`` when NVML raises."""
     try:
-        return fn()
+        return fn(*args)
     except Exception:  # a field this GPU or driver does not support
         return default
+
+
+def _device_uuid(nv, index: int):
+    return nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(index))
 
 
 def _visible_indices(count: int, nv) -> list[int]:
@@ -121,7 +127,7 @@ def _visible_indices(count: int, nv) -> list[int]:
         return [int(v) for v in wanted if int(v) < count]
     by_uuid = {}
     for i in range(count):
-        uuid = _try(lambda: nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i)), "")
+        uuid = _try(_device_uuid, nv, i, default="")
         by_uuid[uuid.decode() if isinstance(uuid, bytes) else uuid] = i
     return [i for v in wanted for uuid, i in by_uuid.items() if uuid and uuid.startswith(v)]
 
@@ -212,7 +218,7 @@ class GPUMonitor:
                 self.samples.extend(batch)
         return batch
 
-    def start(self) -> "GPUMonitor":
+    def start(self) -> GPUMonitor:
         if self._thread is not None:
             raise RuntimeError("this GPUMonitor is already running")
         self._stop.clear()
@@ -242,7 +248,7 @@ class GPUMonitor:
             self._nvml.close()
             self._nvml = None
 
-    def __enter__(self) -> "GPUMonitor":
+    def __enter__(self) -> GPUMonitor:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -357,7 +363,7 @@ def run_monitor(interval: float = 60.0, log: str | None = None, count: int | Non
     if count is not None and count < 1:
         raise ValueError(f"--count {count!r} is invalid: give a number of samples >= 1")
     nvml, reason = open_nvml()
-    log_file = open(log, "a", encoding="utf-8") if log else None
+    log_file = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115 (closed in the finally below)
     ticks = 0
 
     def emit(line: str) -> None:

@@ -28,15 +28,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pagedlab.lab.manifest import diff_manifests, flatten
+from pagedlab.lab.store import ResultStore
+
 # Manifest fields that differ for every run by nature; not shown as differences.
 _UNINTERESTING = ("created_at", "experiment.run_key", "host.hostname_pid")
 _QUALITY = ("exact_match", "bleu", "chrf")
 _SPEED = ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms")
-_SUMMARY_METRICS = ("exact_match", "bleu", "chrf", "mean_output_tokens", "output_throughput", "total_throughput",
-                    "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms",
-                    "kv_peak_used_bytes", "fragmentation_at_peak", "gpu_max_temperature_c", "gpu_mean_power_w")
-_LATENCY_KINDS = (("ttft", "time to first token"), ("tpot", "time per output token"), ("itl", "inter-token latency"),
-                  ("e2e", "end-to-end latency"))
+_SUMMARY_METRICS = ("exact_match", "bleu", "chrf", "mean_output_tokens", "output_throughput",
+                    "total_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                    "itl_p50_ms", "e2e_p50_ms", "kv_peak_used_bytes", "fragmentation_at_peak",
+                    "gpu_max_temperature_c", "gpu_mean_power_w")
+_LATENCY_KINDS = (("ttft", "time to first token"), ("tpot", "time per output token"),
+                  ("itl", "inter-token latency"), ("e2e", "end-to-end latency"))
 
 
 @dataclass
@@ -50,12 +54,10 @@ class Plot:
 def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | None = None,
                  title: str | None = None) -> Path:
     """Write the plots and ``index.html`` into ``out_dir``; returns the page's path."""
-    from pagedlab.lab.store import ResultStore
-
     with ResultStore(db, create=False) as store:
         runs = [r for r in store.runs(status="finished", manifest=True)
                 if not experiments or r["experiment"] in experiments]
-        url = store._safe_url()
+        url = store.safe_url()
         failed = len(store.runs(status="failed", manifest=False))
     if not runs:
         which = f" of experiment(s) {', '.join(experiments)}" if experiments else ""
@@ -63,8 +65,8 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _label_runs(runs)
-    plots = [p for p in (_plot_throughput(runs), _plot_latency(runs), _plot_memory(runs), _plot_seed_spread(runs),
-                         _plot_quality(runs)) if p is not None]
+    plots = [p for p in (_plot_throughput(runs), _plot_latency(runs), _plot_memory(runs),
+                         _plot_seed_spread(runs), _plot_quality(runs)) if p is not None]
     for p in plots:
         (out / p.filename).write_bytes(p.png)
     page = out / "index.html"
@@ -91,7 +93,8 @@ def _label_runs(runs: list[dict]) -> None:
     for r in runs:
         p = r["params"]
         dtype = p.get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
-        r["model_label"] = short_label(r["model"] or p.get("model") or "?") + (f" ({dtype})" if len(dtypes) > 1 else "")
+        r["model_label"] = (short_label(r["model"] or p.get("model") or "?")
+                            + (f" ({dtype})" if len(dtypes) > 1 else ""))
         varied = [k for k in p.get("varied", []) if k not in ("sampling.seed", "benchmark.seed")]
         r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={short_label(p.get(k))}" for k in varied) or "base"
         r["group"] = (f"{r['experiment']}: " if multi_exp else "") + r["config"]
@@ -169,12 +172,14 @@ def _plot_throughput(runs) -> Plot | None:
             others = [k for k in r["params"].get("varied", []) if k not in (
                 "benchmark.batch_size", "engine.max_num_seqs", "sampling.seed", "benchmark.seed", "model")]
             extra = ", ".join(f"{k.split('.', 1)[-1]}={short_label(r['params'].get(k))}" for k in others)
-            name = r["model_label"] + (f" [{extra}]" if extra else "") + (f" ({r['experiment']})" if multi_exp else "")
+            name = (r["model_label"] + (f" [{extra}]" if extra else "")
+                    + (f" ({r['experiment']})" if multi_exp else ""))
             lines[name][r["batch"]].append(r["metrics"]["output_throughput"])
         for name, points in lines.items():
             xs = sorted(points)
             stats = [_mean_std(points[x]) for x in xs]
-            ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3, label=name)
+            ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3,
+                        label=name)
         ax.set_xscale("log", base=2)
         xs_all = sorted({r["batch"] for r in with_batch})
         ax.set_xticks(xs_all, [str(x) for x in xs_all])
@@ -183,19 +188,22 @@ def _plot_throughput(runs) -> Plot | None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         ax.set_title("Throughput vs batch size")
-        caption = "Output tokens per second against batch size, one line per model; bars show the spread over repeats."
+        caption = ("Output tokens per second against batch size, one line per model; bars show the spread "
+                   "over repeats.")
     else:
         groups = _groups(have)
         fig, axes = _figure(height=max(3.0, 0.45 * len(groups) + 1.5))
         ax = axes[0, 0]
         names = list(groups)
         stats = [_mean_std(_vals(groups[g], "output_throughput")) for g in names]
-        ax.barh(range(len(names)), [m for m, _ in stats], xerr=[s for _, s in stats], capsize=3, color="#4C72B0")
+        ax.barh(range(len(names)), [m for m, _ in stats], xerr=[s for _, s in stats], capsize=3,
+                color="#4C72B0")
         ax.set_yticks(range(len(names)), [_wrap(n, 40) for n in names], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("output tokens/s")
         ax.set_title("Throughput per configuration")
-        caption = "Output tokens per second per configuration (no batch-size sweep); bars show the spread over repeats."
+        caption = ("Output tokens per second per configuration (no batch-size sweep); bars show the spread "
+                   "over repeats.")
     return Plot("throughput_vs_batch.png", "Throughput", caption, _png(fig))
 
 
@@ -239,7 +247,8 @@ def _plot_memory(runs) -> Plot | None:
     scale, unit = _bytes_unit(max(max(_vals(runs, k), default=0) for k, _, _ in keys))
     for j, (key, label, color) in enumerate(keys):
         vals = [max(_vals(groups[g], key), default=0) / scale for g in names]
-        ax.barh([i + (j - 1) * height for i in range(len(names))], vals, height=height, label=label, color=color)
+        ax.barh([i + (j - 1) * height for i in range(len(names))], vals, height=height, label=label,
+                color=color)
     for i, g in enumerate(names):
         frag = _vals(groups[g], "fragmentation_at_peak")
         if frag:
@@ -251,8 +260,8 @@ def _plot_memory(runs) -> Plot | None:
     ax.legend(fontsize=8)
     ax.set_title("Memory")
     return Plot("memory.png", "Memory",
-                "Weights, KV cache allocated and KV cache used at the peak, per configuration; 'frag' is the share of "
-                "allocated token slots at the peak that held no token.", _png(fig))
+                "Weights, KV cache allocated and KV cache used at the peak, per configuration; 'frag' is the "
+                "share of allocated token slots at the peak that held no token.", _png(fig))
 
 
 def _bytes_unit(largest: float) -> tuple[float, str]:
@@ -273,7 +282,8 @@ def _plot_seed_spread(runs) -> Plot | None:
     names = list(groups)
     ncols = min(2, len(metrics))
     nrows = (len(metrics) + 1) // 2
-    fig, axes = _figure(width=5.0 * ncols, height=max(3.2, 0.45 * len(names) + 1.6) * nrows, ncols=ncols, nrows=nrows)
+    fig, axes = _figure(width=5.0 * ncols, height=max(3.2, 0.45 * len(names) + 1.6) * nrows, ncols=ncols,
+                        nrows=nrows)
     for ax in axes.flat[len(metrics):]:
         ax.set_visible(False)
     for ax, metric in zip(axes.flat, metrics):
@@ -295,23 +305,24 @@ def _plot_quality(runs) -> Plot | None:
         return None
     groups = _groups(runs)
     names = list(groups)
-    fig, axes = _figure(width=4.0 * len(metrics), height=max(3.0, 0.45 * len(names) + 1.5), ncols=len(metrics))
+    fig, axes = _figure(width=4.0 * len(metrics), height=max(3.0, 0.45 * len(names) + 1.5),
+                        ncols=len(metrics))
     for ax, metric in zip(axes.flat, metrics):
         stats = [_mean_std(_vals(groups[g], metric)) for g in names]
         ax.barh(range(len(names)), [m or 0 for m, _ in stats], xerr=[s or 0 for _, s in stats], capsize=3,
                 color="#55A868")
-        ax.set_yticks(range(len(names)), [_wrap(n) for n in names] if ax is axes.flat[0] else [""] * len(names),
-                      fontsize=7)
+        ax.set_yticks(range(len(names)),
+                      [_wrap(n) for n in names] if ax is axes.flat[0] else [""] * len(names), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(metric, fontsize=10)
-    return Plot("quality.png", "Quality metrics", "Exact match (share), BLEU and chrF per configuration: mean over "
-                "repeats, bars show the spread.", _png(fig))
+    return Plot("quality.png", "Quality metrics", "Exact match (share), BLEU and chrF per configuration: "
+                                                  "mean over repeats, bars show the spread.", _png(fig))
 
 
 # ---- HTML -----------------------------------------------------------------------------------------
 _CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;max-width:1400px;padding:0 1rem;
-     color:#222}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2rem auto;
+     max-width:1400px;padding:0 1rem;color:#222}
 h1{margin-bottom:.2rem} h2{margin-top:2.2rem;border-bottom:1px solid #ddd;padding-bottom:.2rem}
 .meta{color:#666;font-size:.9rem}
 table{border-collapse:collapse;font-size:.82rem;margin:.6rem 0;display:block;overflow-x:auto;max-width:100%}
@@ -319,7 +330,8 @@ th,td{border:1px solid #ddd;padding:.25rem .5rem;text-align:left;vertical-align:
 th{background:#f4f4f6;position:sticky;top:0} td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr:nth-child(even) td{background:#fafafa}
 td.diff,th.diff{background:#fff3b0 !important} td.diff.changed{background:#ffd966 !important;font-weight:600}
-figure{margin:1.2rem 0} figure img{max-width:100%;border:1px solid #eee} figcaption{color:#555;font-size:.85rem}
+figure{margin:1.2rem 0} figure img{max-width:100%;border:1px solid #eee}
+figcaption{color:#555;font-size:.85rem}
 details summary{cursor:pointer;color:#225}
 """
 
@@ -360,10 +372,12 @@ def _truncate(s: str, n: int = 120) -> str:
     return s if len(s) <= n else s[:n - 1] + "…"
 
 
-def _table(header: list[str], rows: list[list], table_id: str, header_classes: list[str] | None = None) -> str:
+def _table(header: list[str], rows: list[list], table_id: str,
+           header_classes: list[str] | None = None) -> str:
     hc = header_classes or [""] * len(header)
     head = "".join(f'<th class="{c}">{_e(h)}</th>' if c else f"<th>{_e(h)}</th>" for h, c in zip(header, hc))
-    body = "".join("<tr>" + "".join(c if isinstance(c, str) and c.startswith("<td") else _cell(c) for c in row)
+    body = "".join("<tr>" + "".join(c if isinstance(c, str) and c.startswith("<td") else _cell(c)
+                                    for c in row)
                    + "</tr>" for row in rows)
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
@@ -387,18 +401,18 @@ def _summary_table(runs) -> str:
 
 def _runs_table(runs) -> str:
     varied = list(dict.fromkeys(k for r in runs for k in r["params"].get("varied", [])))
-    metrics = list(dict.fromkeys(k for r in runs for k in r["metrics"] if k in _SUMMARY_METRICS or k in _QUALITY))
+    metrics = list(dict.fromkeys(k for r in runs for k in r["metrics"]
+                                 if k in _SUMMARY_METRICS or k in _QUALITY))
     rows = []
     for r in runs:
         rows.append([r["run_id"], r["experiment"], r["model_label"], r["repeat"], r["seed"]]
                     + [r["params"].get(k) for k in varied] + [r["metrics"].get(k) for k in metrics]
                     + [(r["finished_at"] or "")[:19]])
-    return _table(["id", "experiment", "model", "repeat", "seed"] + varied + metrics + ["finished"], rows, "runs-table")
+    return _table(["id", "experiment", "model", "repeat", "seed"] + varied + metrics + ["finished"], rows,
+                  "runs-table")
 
 
 def _manifest_tables(runs) -> tuple[str, int]:
-    from pagedlab.lab.manifest import diff_manifests, flatten
-
     manifests = [r.get("manifest") or {} for r in runs]
     ignore = ("created_at", "experiment.run_key")
     differ = diff_manifests(manifests, ignore=ignore)
@@ -417,12 +431,14 @@ def _manifest_tables(runs) -> tuple[str, int]:
         diff_html = _table(["run", "experiment"] + differ, rows, "manifest-diff-table",
                            ["", ""] + ["diff"] * len(differ))
     else:
-        diff_html = '<p id="manifest-no-diff">Every run has the same manifest (apart from its time stamp).</p>'
+        diff_html = ('<p id="manifest-no-diff">Every run has the same manifest (apart from its time stamp).'
+                     '</p>')
     shared_keys = [k for k in dict.fromkeys(k for f in flat for k in f)
                    if k not in differ and not any(k == i or k.startswith(i + ".") for i in ignore)]
     shared_rows = [[k, flat[0].get(k)] for k in shared_keys]
     shared_html = _table(["field", "value (same in every run)"], shared_rows, "manifest-shared-table")
-    shared = f"<details><summary>{len(shared_keys)} fields shared by every run</summary>{shared_html}</details>"
+    shared = (f"<details><summary>{len(shared_keys)} fields shared by every run</summary>{shared_html}"
+              "</details>")
     return diff_html + shared, len(differ)
 
 
@@ -437,7 +453,8 @@ def _render_html(runs, plots, url, failed, title) -> str:
     failed_note = f"; {failed} failed run(s) not shown" if failed else ""
     exp_list = ", ".join(f"{_e(e)} ({sum(r['experiment'] == e for r in runs)} runs)" for e in experiments)
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(title)}</title><style>{_CSS}</style><script>{_CHECK_JS}</script></head>
 <body>
 <h1>{_e(title)}</h1>

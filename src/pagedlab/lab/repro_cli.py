@@ -13,9 +13,17 @@ import sys
 import time
 from pathlib import Path
 
+from pagedlab.cli.engine_args import add_engine_args, engine_kwargs
+from pagedlab.lab import repro
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
+from pagedlab.lab.spec import load_experiment
+from pagedlab.lab.store import ResultStore, jsonable
+from pagedlab.llm import LLM
+from pagedlab.loader import resolve_model_source
+from pagedlab.sampling_params import SamplingParams
 
-_DB_HELP = "store each check's result with its manifest in this results database (SQLAlchemy URL or SQLite path)"
+_DB_HELP = ("store each check's result with its manifest in this results database "
+            "(SQLAlchemy URL or SQLite path)")
 
 
 def _checks(value: str) -> list[str]:
@@ -31,8 +39,6 @@ def _checks(value: str) -> list[str]:
 
 def register(subparsers) -> None:
     """Add ``repro check`` to an argparse subparsers object."""
-    from pagedlab.cli.engine_args import add_engine_args
-
     p = subparsers.add_parser("repro", help="reproducibility checks: batch invariance, seeds, precision, "
                                             "tokenizer drift, padding masks, HF parity")
     sub = p.add_subparsers(dest="repro_command", metavar="{check}")
@@ -53,19 +59,24 @@ def register(subparsers) -> None:
     c.add_argument("--top-p", type=float, default=0.95, help="seeds check top_p (default: 0.95)")
     c.add_argument("--sampling", default=None, metavar="JSON",
                    help='seeds check: the experiment\'s SamplingParams as JSON, e.g. \'{"temperature": 0.7, '
-                        '"top_p": 0.9, "max_tokens": 64}\' (overrides --temperature/--top-p/--seed-max-tokens)')
+                        '"top_p": 0.9, "max_tokens": 64}\' (overrides '
+                        '--temperature/--top-p/--seed-max-tokens)')
     c.add_argument("--experiment", default=None, metavar="YAML",
                    help="seeds check: take the sampling params of this experiment file (its sampling: "
                         "section; --sampling overrides single fields)")
-    c.add_argument("--seed-max-tokens", type=int, default=32, help="seeds check tokens per prompt (default: 32)")
+    c.add_argument("--seed-max-tokens", type=int, default=32,
+                   help="seeds check tokens per prompt (default: 32)")
     c.add_argument("--seed-threshold", type=float, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
     c.add_argument("--dtypes", default="float32,bfloat16,float16",
-                   help="precision check dtypes, the first is the reference (default: float32,bfloat16,float16)")
+                   help="precision check dtypes, the first is the reference (default: "
+                        "float32,bfloat16,float16)")
     c.add_argument("--kl-threshold", type=float, default=1e-3, help="precision: mean KL above this differs")
-    c.add_argument("--top-k", type=int, default=20, help="logprobs per position for KL / parity (default: 20)")
+    c.add_argument("--top-k", type=int, default=20,
+                   help="logprobs per position for KL / parity (default: 20)")
     c.add_argument("--tokenizer-b", default=None,
-                   help="tokenizer check: the second tokenizer (path); the first is --tokenizer or the model's")
+                   help="tokenizer check: the second tokenizer (path); the first is --tokenizer or the "
+                        "model's")
     c.add_argument("--hf-dtype", default="float32", help="hf check: HF transformers dtype (default: float32)")
     c.add_argument("--padding-mask", choices=("correct", "ones"), default="correct",
                    help="padding check: the attention mask given to HF ('ones' reproduces the common bug)")
@@ -75,12 +86,10 @@ def register(subparsers) -> None:
     c.set_defaults(func=cmd_repro_check)
 
 
-def _seed_params(args, SamplingParams):
+def _seed_params(args) -> SamplingParams:
     fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
               "logprobs": 0}
     if args.experiment:
-        from pagedlab.lab.experiments import load_experiment
-
         fields.update(load_experiment(args.experiment).base.get("sampling") or {})
     if args.sampling:
         try:
@@ -98,26 +107,19 @@ def _seed_params(args, SamplingParams):
 
 
 def cmd_repro_check(args: argparse.Namespace) -> int:
-    from pagedlab import LLM, SamplingParams
-    from pagedlab.cli.engine_args import engine_kwargs
-    from pagedlab.lab import repro
-
+    """Run the chosen checks, print each verdict, store and write the results when asked."""
     checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
     if args.prompts:
         prompts, references = repro.load_prompts(args.prompts)
     else:
         prompts, references = list(DEFAULT_PROMPTS), None
     if "tokenizer" in checks and not args.tokenizer_b:
-        print("error: the tokenizer check needs --tokenizer-b PATH (the tokenizer to compare with)", file=sys.stderr)
+        print("error: the tokenizer check needs --tokenizer-b PATH (the tokenizer to compare with)",
+              file=sys.stderr)
         return 2
-    seed_params = _seed_params(args, SamplingParams) if "seeds" in checks else None  # bad JSON fails early
-    store = None
-    if args.db:
-        from pagedlab.lab.store import ResultStore
-
-        store = ResultStore(args.db)
-    kwargs = engine_kwargs(args)
-    results = []
+    seed_params = _seed_params(args) if "seeds" in checks else None  # bad JSON fails early
+    store = ResultStore(args.db) if args.db else None
+    results: list[repro.CheckResult] = []
 
     def done(result, llm=None):
         print(result.format(), flush=True)
@@ -127,60 +129,68 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
         results.append(result)
 
     try:
-        main_checks = [c for c in checks if c in ("batch", "seeds", "tokenizer", "hf")]
-        if main_checks:
-            with LLM(**kwargs) as llm:
-                if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
-                    raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
-                for name in main_checks:
-                    t0 = time.perf_counter()
-                    if name == "batch":
-                        r = repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
-                                                    logprob_tolerance=args.logprob_tolerance)
-                    elif name == "seeds":
-                        r = repro.seed_sensitivity(llm, prompts, seed_params, seeds=range(args.num_seeds),
-                                                   references=references, threshold=args.seed_threshold)
-                    elif name == "tokenizer":
-                        tok_a = args.tokenizer or str(llm.llm_engine.source.path)
-                        r = repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
-                                                  max_tokens=args.max_tokens)
-                    else:
-                        r = repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k,
-                                            hf_dtype=args.hf_dtype, logprob_tolerance=args.logprob_tolerance)
-                    r.details["seconds"] = time.perf_counter() - t0
-                    done(r, llm)
+        _run_llm_checks(args, checks, prompts, references, seed_params, done)
         if "precision" in checks:
-            dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-            if len(dtypes) < 2:
-                raise ValueError(f"--dtypes {args.dtypes!r}: give at least two dtypes (the first is the reference)")
-            r = repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
-                                      kl_threshold=args.kl_threshold, engine_args=kwargs)
-            done(r)
+            done(_precision_check(args, prompts))
         if "padding" in checks:
-            from pagedlab.loader import resolve_model_source
-
-            hf_prompts = prompts
-            if any(isinstance(p, str) for p in prompts) and args.tokenizer:
-                import transformers
-
-                tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-                hf_prompts = [tok(p).input_ids if isinstance(p, str) else p for p in prompts]
-            r = repro.padding_check(str(resolve_model_source(args.model).path), hf_prompts,
-                                    max_tokens=args.max_tokens, attention_mask=args.padding_mask,
-                                    logprob_tolerance=args.logprob_tolerance)
-            done(r)
+            done(_padding_check(args, prompts))
     finally:
         if store is not None:
             store.close()
     differing = [r.check for r in results if not r.same]
     print(f"\n{len(results)} checks: " + ", ".join(f"{r.check} {r.verdict}" for r in results))
     if args.out:
-        from pagedlab.lab.store import jsonable
-
-        Path(args.out).write_text(json.dumps({"model": args.model, "checks": [jsonable(r.to_dict()) for r in results]},
-                                             indent=2))
+        Path(args.out).write_text(json.dumps({"model": args.model,
+                                              "checks": [jsonable(r.to_dict()) for r in results]}, indent=2))
         print(f"wrote {args.out}")
     return 1 if (args.strict and differing) else 0
+
+
+def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, done) -> None:
+    """The checks that share one loaded model (batch, seeds, tokenizer, hf), each passed to ``done``."""
+    main_checks = [c for c in checks if c in ("batch", "seeds", "tokenizer", "hf")]
+    if not main_checks:
+        return
+    with LLM(**engine_kwargs(args)) as llm:
+        if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
+            raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
+        for name in main_checks:
+            t0 = time.perf_counter()
+            if name == "batch":
+                r = repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
+                                            logprob_tolerance=args.logprob_tolerance)
+            elif name == "seeds":
+                r = repro.seed_sensitivity(llm, prompts, seed_params, seeds=range(args.num_seeds),
+                                           references=references, threshold=args.seed_threshold)
+            elif name == "tokenizer":
+                tok_a = args.tokenizer or str(llm.get_engine_info().model_path)
+                r = repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
+                                          max_tokens=args.max_tokens)
+            else:
+                r = repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k,
+                                    hf_dtype=args.hf_dtype, logprob_tolerance=args.logprob_tolerance)
+            r.details["seconds"] = time.perf_counter() - t0
+            done(r, llm)
+
+
+def _precision_check(args, prompts) -> repro.CheckResult:
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if len(dtypes) < 2:
+        raise ValueError(f"--dtypes {args.dtypes!r}: give at least two dtypes (the first is the reference)")
+    return repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
+                                 kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args))
+
+
+def _padding_check(args, prompts) -> repro.CheckResult:
+    hf_prompts = prompts
+    if any(isinstance(p, str) for p in prompts) and args.tokenizer:
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+        hf_prompts = [tok(p).input_ids if isinstance(p, str) else p for p in prompts]
+    return repro.padding_check(str(resolve_model_source(args.model).path), hf_prompts,
+                               max_tokens=args.max_tokens, attention_mask=args.padding_mask,
+                               logprob_tolerance=args.logprob_tolerance)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ that finish the same run store it once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pagedlab.lab.manifest import flatten
+
 DEFAULT_URL = "sqlite:///results.db"
 SCHEMA_VERSION = 1
 _BASE_COLUMNS = ("run_id", "experiment", "run_key", "status", "model", "repeat", "seed", "started_at",
@@ -35,7 +38,8 @@ _BASE_COLUMNS = ("run_id", "experiment", "run_key", "status", "model", "repeat",
 
 
 def resolve_url(url: str | os.PathLike | None) -> str:
-    """A SQLAlchemy URL: ``None`` is $PAGEDLAB_DB or ``sqlite:///results.db``; a plain path is a SQLite file."""
+    """A SQLAlchemy URL: ``None`` is $PAGEDLAB_DB or ``sqlite:///results.db``; a plain path is a
+    SQLite file."""
     if url is None or url == "":
         url = os.environ.get("PAGEDLAB_DB") or DEFAULT_URL
     url = str(url)
@@ -66,7 +70,8 @@ class RunRecord:
     manifest: dict
     telemetry: dict = field(default_factory=dict)
     telemetry_samples: list = field(default_factory=list)
-    outputs: list[dict] = field(default_factory=list)  # prompt, reference, text, token_ids, finish_reason, ...
+    # prompt, reference, text, token_ids, finish_reason, ...
+    outputs: list[dict] = field(default_factory=list)
     repeat: int = 0
     seed: int | None = None
     model: str | None = None
@@ -193,7 +198,7 @@ class ResultStore:
         try:
             self.engine = sa.create_engine(self.url, **kwargs)
         except Exception as e:  # e.g. a missing driver such as psycopg2
-            raise ValueError(f"cannot open the results database {self._safe_url()}: {e}") from None
+            raise ValueError(f"cannot open the results database {self.safe_url()}: {e}") from None
         if self.is_sqlite:
             self._setup_sqlite()
         self.metadata = _tables(sa)
@@ -203,7 +208,8 @@ class ResultStore:
         self.t_out = self.metadata.tables["outputs"]
         self._init_schema()
 
-    def _safe_url(self) -> str:
+    def safe_url(self) -> str:
+        """The database URL with its password hidden, for messages."""
         try:
             return self.sa.engine.make_url(self.url).render_as_string(hide_password=True)
         except Exception:
@@ -219,10 +225,9 @@ class ResultStore:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA busy_timeout = 120000")
             cur.execute("PRAGMA foreign_keys = ON")
-            try:
+            # e.g. a read-only or network file system: the rollback journal still works
+            with contextlib.suppress(Exception):
                 cur.execute("PRAGMA journal_mode = WAL")
-            except Exception:  # e.g. a read-only or network file system: rollback journal still works
-                pass
             cur.execute("PRAGMA synchronous = NORMAL")
             cur.close()
 
@@ -249,15 +254,15 @@ class ResultStore:
                 if version is None:
                     conn.execute(self.t_meta.insert().values(key="schema_version", value=str(SCHEMA_VERSION)))
                 elif int(version) > SCHEMA_VERSION:
-                    raise ValueError(f"the results database {self._safe_url()} has schema version {version}, "
+                    raise ValueError(f"the results database {self.safe_url()} has schema version {version}, "
                                      f"newer than this pagedlab's {SCHEMA_VERSION}: upgrade pagedlab")
         except sa.exc.OperationalError as e:
-            raise ValueError(f"cannot open the results database {self._safe_url()}: {e.orig}") from None
+            raise ValueError(f"cannot open the results database {self.safe_url()}: {e.orig}") from None
 
     def close(self) -> None:
         self.engine.dispose()
 
-    def __enter__(self) -> "ResultStore":
+    def __enter__(self) -> ResultStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -332,7 +337,8 @@ class ResultStore:
         outputs = [self._output_row(i, o) for i, o in enumerate(rec.outputs)]
         try:
             with self._write() as conn, conn.begin():
-                existing = conn.execute(sa.select(r.c.id, r.c.status).where(r.c.run_key == rec.run_key)).first()
+                existing = conn.execute(sa.select(r.c.id,
+                                                  r.c.status).where(r.c.run_key == rec.run_key)).first()
                 if existing is not None:
                     if existing.status == "finished":
                         return existing.id
@@ -358,7 +364,8 @@ class ResultStore:
         token_ids = o.get("token_ids")
         return {"idx": o.get("idx", i), "prompt": o.get("prompt"), "prompt_tokens": o.get("prompt_tokens"),
                 "reference": jsonable(o.get("reference")), "text": o.get("text"),
-                "token_ids": jsonable(token_ids), "num_tokens": len(token_ids) if token_ids is not None else None,
+                "token_ids": jsonable(token_ids),
+                "num_tokens": len(token_ids) if token_ids is not None else None,
                 "finish_reason": o.get("finish_reason"),
                 "extra": jsonable({k: v for k, v in o.items() if k not in known and k != "idx"}) or None}
 
@@ -366,7 +373,8 @@ class ResultStore:
              manifest: bool = True) -> list[dict]:
         """Stored runs (without outputs and telemetry samples), oldest first."""
         sa, r, e = self.sa, self.t_runs, self.t_exp
-        cols = [r.c.id, e.c.name.label("experiment"), r.c.run_key, r.c.status, r.c.model, r.c.repeat, r.c.seed,
+        cols = [r.c.id, e.c.name.label("experiment"), r.c.run_key, r.c.status, r.c.model, r.c.repeat,
+                r.c.seed,
                 r.c.params, r.c.metrics, r.c.telemetry, r.c.error, r.c.host, r.c.started_at, r.c.finished_at,
                 r.c.duration_s]
         if manifest:
@@ -385,7 +393,7 @@ class ResultStore:
     def get_run(self, run_id: int, outputs: bool = True, samples: bool = False) -> dict:
         found = self.runs(run_ids=[run_id])
         if not found:
-            raise KeyError(f"run {run_id} is not in {self._safe_url()}")
+            raise KeyError(f"run {run_id} is not in {self.safe_url()}")
         run = found[0]
         if outputs:
             run["outputs"] = self.outputs(run_id)
@@ -398,7 +406,8 @@ class ResultStore:
     def outputs(self, run_id: int) -> list[dict]:
         t = self.t_out
         with self.engine.connect() as conn:
-            rows = conn.execute(self.sa.select(t).where(t.c.run_id == run_id).order_by(t.c.idx)).mappings().all()
+            query = self.sa.select(t).where(t.c.run_id == run_id).order_by(t.c.idx)
+            rows = conn.execute(query).mappings().all()
         return [{k: v for k, v in row.items() if k not in ("id", "run_id")} for row in rows]
 
     def delete_runs(self, experiment: str | None = None, status: str | None = None) -> int:
@@ -416,12 +425,11 @@ class ResultStore:
             return len(ids)
 
     # ---- tables for analysis ----------------------------------------------------------------------
-    def dataframe(self, experiment: str | None = None, status: str | None = "finished", manifest: bool = False):
+    def dataframe(self, experiment: str | None = None, status: str | None = "finished",
+                  manifest: bool = False):
         """One row per run: the base columns, then one column per param (dotted names such as
         ``engine.block_size``), then one per metric; ``manifest=True`` adds ``manifest.*`` columns."""
         import pandas as pd
-
-        from pagedlab.lab.manifest import flatten
 
         rows = []
         for run in self.runs(experiment=experiment, status=status, manifest=manifest):
@@ -484,7 +492,8 @@ def _iso(value) -> str | None:
 
 
 def _run_dict(row) -> dict:
-    d = {"run_id": row["id"], "experiment": row["experiment"], "run_key": row["run_key"], "status": row["status"],
+    d = {"run_id": row["id"], "experiment": row["experiment"], "run_key": row["run_key"],
+         "status": row["status"],
          "model": row["model"], "repeat": row["repeat"], "seed": row["seed"], "params": row["params"] or {},
          "metrics": row["metrics"] or {}, "telemetry": row["telemetry"] or {}, "error": row["error"],
          "host": row["host"], "started_at": _iso(row["started_at"]), "finished_at": _iso(row["finished_at"]),

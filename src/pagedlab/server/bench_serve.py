@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from pagedlab.stats import describe, percentile_label
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
@@ -57,8 +59,8 @@ class RequestResult:
 
 
 # ---- prompts ------------------------------------------------------------------------------
-def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, range_ratio: float = 0.0,
-                    prefix_len: int = 0, seed: int = 0) -> list[RequestSpec]:
+def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+                    range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> list[RequestSpec]:
     """Random token-id prompts; lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's random
     dataset), each after a shared random prefix of ``prefix_len`` tokens."""
     if not 0.0 <= range_ratio < 1.0:
@@ -209,7 +211,8 @@ async def _arrivals(count: int, rate: float, burstiness: float, rng: random.Rand
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
-async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str, endpoint: str = "/v1/completions",
+async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
+                        endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
                         max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 1,
                         seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None
@@ -245,7 +248,8 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str, 
                 results[i] = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
             else:
                 async with semaphore:
-                    results[i] = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
+                    results[i] = await send_request(client, url, headers, bodies[i], chat,
+                                                    specs[i].prompt_len)
             if progress is not None:
                 progress.update(1)
 
@@ -259,20 +263,6 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str, 
         if progress is not None:
             progress.close()
     return results, duration
-
-
-def _percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default), without numpy."""
-    if not values:
-        return 0.0
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _pword(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
 
 
 def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
@@ -314,14 +304,11 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles=(
             peak = max(peak, live)
         m["max_concurrent_requests"] = peak
     for name in selected:
-        values_ms = [x * 1000.0 for x in series[name]]
-        mean = sum(values_ms) / len(values_ms) if values_ms else 0.0
-        m[f"mean_{name}_ms"] = mean
-        m[f"median_{name}_ms"] = _percentile(values_ms, 50)
-        m[f"std_{name}_ms"] = (math.sqrt(sum((x - mean) ** 2 for x in values_ms) / len(values_ms))
-                               if values_ms else 0.0)
+        described = describe([x * 1000.0 for x in series[name]], percentiles)
+        for stat in ("mean", "median", "std"):
+            m[f"{stat}_{name}_ms"] = described[stat]
         for p in percentiles:
-            m[f"p{_pword(p)}_{name}_ms"] = _percentile(values_ms, p)
+            m[f"p{percentile_label(p)}_{name}_ms"] = described[percentile_label(p)]
     m["input_lens"] = [r.prompt_len for r in results]
     m["output_lens"] = [r.output_tokens for r in results]
     m["ttfts"] = [r.ttft for r in results]
@@ -344,7 +331,8 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     if max_concurrency is not None:
         row("Maximum request concurrency:", max_concurrency, "{:<10}")
     if request_rate is not None:
-        row("Request rate configured (RPS):", request_rate, "{:<10.2f}" if request_rate != float("inf") else "{}")
+        row("Request rate configured (RPS):", request_rate,
+            "{:<10.2f}" if request_rate != float("inf") else "{}")
     row("Benchmark duration (s):", m["duration"])
     row("Total input tokens:", m["total_input_tokens"], "{:<10}")
     row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
@@ -361,19 +349,21 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
         row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:
-            row(f"P{_pword(p)} {upper} (ms):", m[f"p{_pword(p)}_{name}_ms"])
+            row(f"P{percentile_label(p)} {upper} (ms):", m[f"p{percentile_label(p)}_{name}_ms"])
     lines.append("=" * w)
     return "\n".join(lines)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    p.add_argument("--base-url", default=None,
+                   help="server URL, e.g. http://127.0.0.1:8000 (default: --host/--port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token ($OPENAI_API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token ($OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
@@ -395,7 +385,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent first (default: 1)")
     p.add_argument("--percentile-metrics", default=",".join(METRICS), help="of ttft,tpot,itl,e2el")
-    p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report (default: 50,90,99)")
+    p.add_argument("--metric-percentiles", default="50,90,99",
+                   help="percentiles to report (default: 50,90,99)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results (vLLM's keys) here")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="per-request timeout in seconds")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -437,8 +428,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         else:
             vocab = card.get("vocab_size")
             if not vocab:
-                raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does not "
-                                 "give 'vocab_size': use --dataset")
+                raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
+                                 "not give 'vocab_size': use --dataset")
             specs = random_requests(args.num_prompts, args.input_len, args.output_len or 128, int(vocab),
                                     args.random_range_ratio, args.random_prefix_len, args.seed)
         print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
@@ -446,8 +437,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         results, duration = asyncio.run(run_benchmark(
             base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
             burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
-            num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout, disable_tqdm=args.disable_tqdm,
-            sampling=args))
+            num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
+            disable_tqdm=args.disable_tqdm, sampling=args))
     except (ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -471,7 +462,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedlab.server.bench_serve",
-                                     description="Benchmark an OpenAI-compatible server (= `pagedlab bench serve`)")
+                                     description="Benchmark an OpenAI-compatible server "
+                                                 "(= `pagedlab bench serve`)")
     add_bench_serve_args(parser)
     return bench_serve_command(parser.parse_args(argv))
 
@@ -480,5 +472,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["RequestSpec", "RequestResult", "random_requests", "load_dataset", "run_benchmark", "compute_metrics",
-           "format_report", "add_bench_serve_args", "bench_serve_command"]
+__all__ = ["RequestResult", "RequestSpec", "add_bench_serve_args", "bench_serve_command", "compute_metrics",
+           "format_report", "load_dataset", "random_requests", "run_benchmark"]

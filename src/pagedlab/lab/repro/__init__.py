@@ -1,0 +1,38 @@
+"""Reproducibility checks: does a number move when it should not?
+
+Each check runs one cause of "my result differs from the paper" and returns a ``CheckResult``
+with a verdict (``"same"`` or ``"differs"``), the numbers behind it (``metrics``, flat scalars)
+and details (per-variant numbers, examples):
+
+- ``batch_consistency``: greedy at batch 1 vs one full batch, shuffled, prefix caching on/off,
+  chunked prefill on/off: prompts that differ, first diverging position, max logprob difference.
+- ``seed_sensitivity``: sampling params over N seeds: mean, std, 95% interval, min, max of each
+  metric; metrics whose relative spread exceeds a threshold are flagged.
+- ``precision_drift``: float32 vs bfloat16 vs float16 on the same weights: greedy agreement,
+  first divergence, teacher-forced top-1 agreement and mean KL against float32.
+- ``tokenizer_drift``: two tokenizers: fraction of prompts tokenized differently, examples side by
+  side, and the effect on BLEU / exact match of running the model with each.
+- ``padding_check``: HF transformers batched with left padding vs one prompt at a time (catches
+  attention-mask mistakes in HF-based pipelines).
+- ``hf_parity``: pagedlab vs HF transformers on the same weights: teacher-forced max |Δ logprob|,
+  top-1 agreement, greedy match rate.
+
+``store_result(result, url, llm=...)`` stores a result with the provenance manifest in the lab's
+results database (experiment ``"repro"``). See docs/repro.md. One module per check; this package
+gathers their public names.
+"""
+
+from __future__ import annotations
+
+from pagedlab.lab.repro.batch import batch_consistency
+from pagedlab.lab.repro.common import ALL_CHECKS, DEFAULT_PROMPTS, CheckResult, load_prompts
+from pagedlab.lab.repro.compare import first_divergence, teacher_forced, topk_kl
+from pagedlab.lab.repro.hf import hf_parity, padding_check
+from pagedlab.lab.repro.precision import precision_drift
+from pagedlab.lab.repro.seeds import default_metrics, seed_sensitivity, summarize
+from pagedlab.lab.repro.storing import store_result
+from pagedlab.lab.repro.tokenizer import tokenizer_drift
+
+__all__ = ["ALL_CHECKS", "DEFAULT_PROMPTS", "CheckResult", "batch_consistency", "default_metrics",
+           "first_divergence", "hf_parity", "load_prompts", "padding_check", "precision_drift",
+           "seed_sensitivity", "store_result", "summarize", "teacher_forced", "tokenizer_drift", "topk_kl"]

@@ -1,0 +1,106 @@
+"""Batch consistency: do greedy outputs depend on what else is in the batch?"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.compare import chosen_logprobs, compare_outputs
+
+
+def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16, seed: int = 0,
+                      logprob_tolerance: float = 1e-3, chunk_tokens: int = 16,
+                      variants: Sequence[str] | None = None) -> CheckResult:
+    """Greedy outputs of ``prompts`` run one at a time (the reference) against: one full batch,
+    the batch shuffled, prefix caching on (cache warmed by a first pass) and off, chunked prefill
+    with a ``chunk_tokens`` budget, and chunked prefill off. A variant differs when any token differs
+    or a chosen-token logprob moves by more than ``logprob_tolerance``. The engine's plan is
+    restored afterwards."""
+    ids = encode_all(llm, prompts)
+    params = greedy_params(max_tokens)
+    info = llm.get_engine_info()
+    original = {"enable_prefix_caching": info.config.enable_prefix_caching,
+                "enable_chunked_prefill": info.config.enable_chunked_prefill,
+                "max_num_batched_tokens": info.config.max_num_batched_tokens}
+    longest = max(len(p) for p in ids) + max_tokens
+    all_variants = _variant_plans(original, chunk_tokens, max(longest, info.max_num_batched_tokens))
+    names = list(variants) if variants is not None else list(all_variants)
+    unknown = [n for n in names if n not in all_variants]
+    if unknown:
+        raise ValueError(f"unknown batch variant(s) {unknown}; choose from {list(all_variants)}")
+    details: dict = {}
+    try:
+        llm.set_model_args(**dict(original, enable_prefix_caching=False))
+        ref_ids, ref_lps = [], []
+        for p in ids:  # batch 1: the reference
+            t, lp = _run(llm, [p], params)
+            ref_ids += t
+            ref_lps += lp
+        for name in names:
+            llm.set_model_args(**all_variants[name])
+            llm.reset_prefix_cache()
+            t, lp = _run_variant(llm, name, ids, params, seed)
+            details[name] = compare_outputs(ref_ids, ref_lps, t, lp)
+    finally:
+        llm.set_model_args(**original)
+    return _result(details, len(ids), names, max_tokens, logprob_tolerance, chunk_tokens)
+
+
+def _variant_plans(original: dict, chunk_tokens: int, unchunked_budget: int) -> dict[str, dict]:
+    """The plan-level settings of each variant (``set_model_args`` keyword arguments)."""
+    return {
+        "full_batch": dict(original, enable_prefix_caching=False),
+        "shuffled": dict(original, enable_prefix_caching=False),
+        "prefix_cache_on": dict(original, enable_prefix_caching=True),
+        "prefix_cache_off": dict(original, enable_prefix_caching=False),
+        "chunked_prefill": dict(original, enable_prefix_caching=False, enable_chunked_prefill=True,
+                                max_num_batched_tokens=chunk_tokens),
+        "no_chunked_prefill": dict(original, enable_prefix_caching=False, enable_chunked_prefill=False,
+                                   max_num_batched_tokens=unchunked_budget),
+    }
+
+
+def _run(llm, batch: list[list[int]], params) -> tuple[list, list]:
+    """Greedy token ids and chosen-token logprobs of one batch of prompts."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [chosen_logprobs(o.outputs[0]) for o in outs]
+
+
+def _run_variant(llm, name: str, ids: list[list[int]], params, seed: int) -> tuple[list, list]:
+    """The outputs of every prompt under variant ``name``, in prompt order."""
+    if name == "shuffled":
+        order = list(range(len(ids)))
+        random.Random(seed).shuffle(order)
+        t, lp = _run(llm, [ids[i] for i in order], params)
+        back = {j: k for k, j in enumerate(order)}
+        return [t[back[i]] for i in range(len(ids))], [lp[back[i]] for i in range(len(ids))]
+    if name == "prefix_cache_on":
+        _run(llm, ids, params)  # warm the cache; the second pass reads prompts from it
+    return _run(llm, ids, params)
+
+
+def _result(details: dict, num_prompts: int, names: list[str], max_tokens: int, logprob_tolerance: float,
+            chunk_tokens: int) -> CheckResult:
+    worst = max(details.values(), key=lambda d: (d["prompts_differing"], d["max_logprob_diff"]))
+    differing = {n: d for n, d in details.items()
+                 if d["prompts_differing"] or d["max_logprob_diff"] > logprob_tolerance}
+    metrics: dict = {"num_prompts": num_prompts, "max_tokens": max_tokens,
+                     "variants_differing": len(differing),
+                     "max_prompts_differing": worst["prompts_differing"],
+                     "max_logprob_diff": max(d["max_logprob_diff"] for d in details.values())}
+    firsts = [d["first_divergence"] for d in details.values() if d["first_divergence"] is not None]
+    metrics["first_divergence"] = min(firsts) if firsts else None
+    for n, d in details.items():
+        metrics[f"{n}.prompts_differing"] = d["prompts_differing"]
+        metrics[f"{n}.max_logprob_diff"] = d["max_logprob_diff"]
+    if differing:
+        summary = "; ".join(f"{n}: {d['prompts_differing']}/{num_prompts} prompts differ (first at token "
+                            f"{d['first_divergence']}), max |Δ logprob| {d['max_logprob_diff']:.3g}"
+                            for n, d in differing.items())
+    else:
+        summary = (f"all {len(names)} variants give batch-1 tokens for {num_prompts} prompts; "
+                   f"max |Δ logprob| {metrics['max_logprob_diff']:.3g} <= {logprob_tolerance:g}")
+    return CheckResult("batch", verdict(bool(differing)), summary, metrics, details,
+                       {"max_tokens": max_tokens, "logprob_tolerance": logprob_tolerance, "variants": names,
+                        "chunk_tokens": chunk_tokens})

@@ -1,0 +1,123 @@
+"""What the reproducibility checks share: the result record, the default prompts, prompt files,
+encoding, greedy sampling params and corpus BLEU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedlab.sampling_params import SamplingParams
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "Explain why the sky is blue in one sentence.",
+    "Write a short poem about the sea.",
+    "Question: what is two plus two?\nAnswer:",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Translate to French: good morning, my friend.",
+    "def fibonacci(n):",
+)
+ALL_CHECKS = ("batch", "seeds", "precision", "tokenizer", "padding", "hf")
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one check: ``verdict`` is "same" or "differs"; ``metrics`` are flat numbers
+    (stored as the run's metrics); ``details`` holds per-variant numbers and examples."""
+
+    check: str
+    verdict: str
+    summary: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def same(self) -> bool:
+        return self.verdict == "same"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def format(self) -> str:
+        """A few human-readable lines: the verdict, the summary and the numbers."""
+        lines = [f"[{self.check}] {self.verdict.upper()}: {self.summary}"]
+        for k, v in self.metrics.items():
+            lines.append(f"    {k:<40} {_fmt(v)}")
+        return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def verdict(differs: bool) -> str:
+    return "differs" if differs else "same"
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+def load_prompts(path: str | Path) -> tuple[list, list | None]:
+    """Prompts (and references, when given) from a file: ``.jsonl`` lines with "prompt" (text) or
+    "prompt_token_ids" and optional "reference"; ``.json`` a list of such objects or strings; any
+    other file, one text prompt per non-empty line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--prompts {str(path)!r} is not a file")
+    text = path.read_text()
+    if path.suffix in (".jsonl", ".json"):
+        try:
+            lines = [line for line in text.splitlines() if line.strip()]
+            items = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in lines]
+        except ValueError as e:
+            raise ValueError(f"--prompts {str(path)!r} is not valid JSON: {e}") from None
+        prompts, refs = [], []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                prompts.append(item)
+                refs.append(None)
+            elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
+                prompts.append(item["prompt"] if "prompt" in item else list(item["prompt_token_ids"]))
+                refs.append(item.get("reference"))
+            else:
+                raise ValueError(f"--prompts {str(path)!r} item {i} has no 'prompt' or 'prompt_token_ids'")
+        return prompts, (refs if any(r is not None for r in refs) else None)
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts {str(path)!r} holds no prompts")
+    return prompts, None
+
+
+def encode_all(llm, prompts: Sequence) -> list[list[int]]:
+    """Token ids of each prompt (text through the engine's tokenizer; id lists as they are)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            tok = llm.get_tokenizer()
+            if tok is None:
+                raise ValueError("text prompts need a tokenizer, and this model has none: give token-id "
+                                 "prompts")
+            out.append(list(tok(p).input_ids))
+        elif isinstance(p, dict):
+            out.append(encode_all(llm, [p.get("prompt_token_ids", p.get("prompt"))])[0])
+        else:
+            out.append([int(t) for t in p])
+    return out
+
+
+def greedy_params(max_tokens: int, logprobs: int | None = 0, ignore_eos: bool = True):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos)
+
+
+def corpus_bleu(hyps: list[str], refs: list[str]) -> float | None:
+    try:
+        import sacrebleu
+    except ImportError:
+        return None
+    return float(sacrebleu.corpus_bleu(hyps, [refs]).score)

@@ -1,0 +1,70 @@
+"""How two runs' outputs are compared: first divergence, chosen-token logprobs, teacher-forced
+top-k logprobs and a KL divergence between partial distributions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pagedlab.sampling_params import SamplingParams
+
+
+def chosen_logprobs(completion) -> list[float]:
+    if not completion.logprobs:
+        return []
+    return [pos[t].logprob for t, pos in zip(completion.token_ids, completion.logprobs)]
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where the two sequences differ (the shorter length when one is
+    a prefix of the other), or None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(ref_ids, ref_lps, ids, lps) -> dict:
+    """How a run's outputs (token ids and chosen-token logprobs per prompt) differ from a reference."""
+    firsts, max_dlp, n_diff = [], 0.0, 0
+    for r, rl, o, ol in zip(ref_ids, ref_lps, ids, lps):
+        d = first_divergence(r, o)
+        if d is not None:
+            n_diff += 1
+            firsts.append(d)
+        upto = len(r) if d is None else d
+        for x, y in zip(rl[:upto], ol[:upto]):
+            max_dlp = max(max_dlp, abs(x - y))
+    return {"prompts_differing": n_diff, "first_divergence": min(firsts) if firsts else None,
+            "max_logprob_diff": max_dlp}
+
+
+def teacher_forced(llm, sequences: Sequence[Sequence[int]], k: int = 20) -> list[list[dict[int, float]]]:
+    """For each sequence, for each position 1..n-1: {token id: logprob} of the top-``k`` next tokens
+    plus the actual token (pagedlab's ``prompt_logprobs`` with ``max_tokens=1``)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+    return [[{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
+
+
+def top1(d: dict[int, float]) -> int:
+    return max(d, key=d.get)
+
+
+def topk_kl(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(P || Q) on the coarse distribution {P's listed tokens, everything else}, from two partial
+    logprob dicts. A token of P missing from Q's dict gets Q's smallest listed logprob (an upper
+    bound on its probability). The coarse KL is a lower bound of the full-vocabulary KL and equals
+    it when the dicts cover the vocabulary."""
+    floor = min(q.values())
+    kl, p_seen, q_seen = 0.0, 0.0, 0.0
+    for t, lp in p.items():
+        lq = q.get(t, floor)
+        pp = math.exp(lp)
+        kl += pp * (lp - lq)
+        p_seen += pp
+        q_seen += math.exp(lq)
+    p_rest, q_rest = max(1.0 - p_seen, 0.0), max(1.0 - q_seen, 1e-12)
+    if p_rest > 1e-12:
+        kl += p_rest * math.log(p_rest / q_rest)
+    return max(kl, 0.0)

@@ -1,0 +1,87 @@
+"""Precision drift: the same weights in float32, bfloat16 and float16."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedlab.lab.manifest import engine_info
+from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.compare import first_divergence, teacher_forced, top1, topk_kl
+from pagedlab.llm import LLM
+
+
+def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
+                    dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), max_tokens: int = 16,
+                    k: int = 20, kl_threshold: float = 1e-3, engine_args: dict | None = None) -> CheckResult:
+    """Load the same weights in each of ``dtypes`` (the first is the reference) and compare:
+    greedy agreement (prompts whose outputs are identical), first divergence, teacher-forced top-1
+    agreement on the reference's greedy sequences, and mean KL(reference || dtype) per position
+    (``topk_kl`` over the reference's top-``k``; ``k`` >= the vocabulary gives the exact KL).
+    A dtype differs when any greedy output differs or its mean KL exceeds ``kl_threshold``."""
+    engine_args = {k_: v for k_, v in (engine_args or {}).items() if k_ not in ("model", "dtype")}
+    engine_args.setdefault("kv_cache_memory_bytes", 64 << 20)
+    runs: list = []
+    engines: list = []
+    ref_seqs = None
+    for dtype in dtypes:
+        with LLM(model, dtype=dtype, **engine_args) as llm:
+            ids = encode_all(llm, prompts)
+            outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy_params(max_tokens, None),
+                                use_tqdm=False)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            if ref_seqs is None:
+                ref_seqs = [p + t for p, t in zip(ids, tokens)]
+            tf = teacher_forced(llm, ref_seqs, k)
+            engines.append(_engine_settings(llm))
+        runs.append((tokens, tf))
+    ref_dtype = dtypes[0]
+    details, differing = {}, []
+    for i, dtype in enumerate(dtypes[1:], start=1):
+        name = dtype if dtype not in details and dtype != ref_dtype else f"{dtype}#{i}"
+        details[name] = _drift(runs[0], runs[i])
+        if details[name]["greedy_agreement"] < 1.0 or details[name]["mean_kl"] > kl_threshold:
+            differing.append(name)
+    metrics: dict = {"num_prompts": len(runs[0][0]), "dtypes_differing": len(differing)}
+    for dtype, d in details.items():
+        for key, v in d.items():
+            metrics[f"{dtype}.{key}"] = v
+    if differing:
+        summary = "; ".join(f"{n} vs {ref_dtype}: greedy agreement {details[n]['greedy_agreement']:.0%} "
+                            f"(first divergence at token {details[n]['first_divergence']}), teacher-forced "
+                            f"top-1 {details[n]['top1_agreement']:.1%}, mean KL {details[n]['mean_kl']:.3g}"
+                            for n in differing)
+    else:
+        summary = (f"{', '.join(dtypes[1:])} match {ref_dtype}: same greedy outputs, "
+                   f"mean KL <= {kl_threshold:g}")
+    details["engines"] = engines
+    return CheckResult("precision", verdict(bool(differing)), summary, metrics, details,
+                       {"dtypes": list(dtypes), "max_tokens": max_tokens, "k": k,
+                        "kl_threshold": kl_threshold, "kl_method": "coarse top-k KL (see topk_kl)"})
+
+
+def _drift(reference: tuple[list, list], other: tuple[list, list]) -> dict:
+    """How one dtype's (greedy tokens, teacher-forced top-k) differ from the reference dtype's."""
+    ref_tokens, ref_tf = reference
+    tokens, tf = other
+    firsts = [first_divergence(a, b) for a, b in zip(ref_tokens, tokens)]
+    n_same = sum(f is None for f in firsts)
+    total = agree = 0
+    kls = []
+    for rp, qp in zip(ref_tf, tf):
+        for p, q in zip(rp, qp):
+            total += 1
+            agree += top1(p) == top1(q)
+            kls.append(topk_kl(p, q))
+    return {"greedy_agreement": n_same / len(tokens),
+            "first_divergence": min((f for f in firsts if f is not None), default=None),
+            "top1_agreement": agree / total if total else 1.0,
+            "mean_kl": sum(kls) / len(kls) if kls else 0.0, "max_kl": max(kls, default=0.0),
+            "positions": total}
+
+
+def _engine_settings(llm) -> dict:
+    """The engine's resolved settings for the record (an error is recorded, not raised)."""
+    try:
+        return engine_info(llm.get_engine_info())
+    except Exception as e:  # provenance must not break a check
+        return {"error": str(e)}

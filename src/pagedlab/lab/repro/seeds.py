@@ -1,0 +1,105 @@
+"""Seed sensitivity: how much do a run's metrics move from one sampling seed to the next?"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, corpus_bleu, encode_all, verdict
+from pagedlab.sampling_params import SamplingParams
+
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042, 60: 2.000}
+
+
+def _t975(df: int) -> float:
+    """Student's t 97.5% quantile (two-sided 95% interval of the mean)."""
+    try:
+        from scipy.stats import t
+
+        return float(t.ppf(0.975, df))
+    except ImportError:
+        keys = [k for k in sorted(_T975) if k <= df]
+        return _T975[keys[-1]] if df <= 60 else 1.96
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """mean, std (sample), the 95% interval of the mean (Student's t), min and max."""
+    vals = [float(v) for v in values]
+    n = len(vals)
+    mean = sum(vals) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    half = _t975(n - 1) * std / math.sqrt(n) if n > 1 else 0.0
+    return {"mean": mean, "std": std, "ci95_low": mean - half, "ci95_high": mean + half,
+            "min": min(vals), "max": max(vals)}
+
+
+def default_metrics(outputs, references: Sequence | None = None) -> dict[str, float]:
+    """Metrics of one run: mean output length, mean per-token logprob, distinct-2 of the text,
+    and (with references) exact match and BLEU."""
+    comps = [o.outputs[0] for o in outputs]
+    n_tok = [len(c.token_ids) for c in comps]
+    m = {"mean_output_tokens": sum(n_tok) / len(n_tok)}
+    lps = [c.cumulative_logprob / len(c.token_ids) for c in comps
+           if c.cumulative_logprob is not None and c.token_ids]
+    if lps:
+        m["mean_token_logprob"] = sum(lps) / len(lps)
+    grams = [tuple(c.token_ids[i:i + 2]) for c in comps for i in range(len(c.token_ids) - 1)]
+    if grams:
+        m["distinct_2"] = len(set(grams)) / len(grams)
+    if references is not None:
+        texts = [c.text for c in comps]
+        refs = [r if isinstance(r, str) else (r[0] if r else "") for r in references]
+        m["exact_match"] = sum(t.strip() == r.strip() for t, r in zip(texts, refs)) / len(refs)
+        bleu = corpus_bleu(texts, refs)
+        if bleu is not None:
+            m["bleu"] = bleu
+    return m
+
+
+def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seeds: Sequence[int] = range(5),
+                     metrics_fn: Callable | None = None, references: Sequence | None = None,
+                     threshold: float | dict = 0.05) -> CheckResult:
+    """Run ``params`` (default: temperature 0.8, top_p 0.95, 32 tokens) once per seed and summarize
+    each metric over seeds. ``metrics_fn(outputs, references) -> {name: value}`` (default
+    ``default_metrics``). A metric is flagged when its relative spread std/|mean| (absolute std when
+    the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold)."""
+    if params is None:
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, logprobs=0)
+    seeds = list(seeds)
+    if len(seeds) < 2:
+        raise ValueError(f"seeds={seeds} is too few: give at least 2 seeds")
+    fn = metrics_fn or default_metrics
+    ids = encode_all(llm, prompts)
+    per_seed: list[dict] = []
+    for s in seeds:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], dataclasses.replace(params, seed=s),
+                            use_tqdm=False)
+        per_seed.append(fn(outs, references))
+    names = [k for k in per_seed[0] if all(k in d for d in per_seed)]
+    stats, flagged, metrics = {}, [], {"num_seeds": len(seeds), "num_prompts": len(ids)}
+    for name in names:
+        st = summarize([d[name] for d in per_seed])
+        limit = threshold.get(name, 0.05) if isinstance(threshold, dict) else threshold
+        spread = st["std"] / abs(st["mean"]) if st["mean"] != 0 else st["std"]
+        st["relative_spread"] = spread
+        st["flagged"] = spread > limit
+        stats[name] = st
+        if st["flagged"]:
+            flagged.append(name)
+        for k, v in st.items():
+            metrics[f"{name}.{k}"] = float(v) if not isinstance(v, bool) else int(v)
+    metrics["metrics_flagged"] = len(flagged)
+    if flagged:
+        summary = "; ".join(f"{n} = {stats[n]['mean']:.4g} ± {stats[n]['std']:.3g} (95% CI "
+                            f"[{stats[n]['ci95_low']:.4g}, {stats[n]['ci95_high']:.4g}], spread "
+                            f"{stats[n]['relative_spread']:.2%})" for n in flagged)
+        summary = f"{len(flagged)} of {len(names)} metrics vary over {len(seeds)} seeds: {summary}"
+    else:
+        summary = f"no metric varies more than the threshold over {len(seeds)} seeds"
+    return CheckResult("seeds", verdict(bool(flagged)), summary, metrics,
+                       {"stats": stats, "per_seed": per_seed, "flagged": flagged},
+                       {"seeds": seeds, "threshold": threshold, "sampling": dataclasses.asdict(params)})
+
+

@@ -1,0 +1,120 @@
+"""The metric registry and the engine section's schema: a metric registered by a test is
+validated, computed and stored; unknown metrics and engine keys are errors naming file and line."""
+
+import json
+import os
+import textwrap
+
+import pytest
+
+pytest.importorskip("yaml")
+pytest.importorskip("sqlalchemy")
+
+from pagedlab.config import ENGINE_DEFAULTS, ENGINE_FIELDS, WEIGHT_FIELDS
+from pagedlab.lab.metrics import METRICS, register_metric, unregister_metric
+from pagedlab.lab.runner import run_experiment
+from pagedlab.lab.runs import expand_runs
+from pagedlab.lab.schema import ExperimentError
+from pagedlab.lab.spec import load_experiment
+from pagedlab.lab.store import ResultStore
+from pagedlab.lab.testing import make_tiny_model
+
+BASE = """
+name: reg
+model: model
+engine: {device: cpu, dtype: float32, kv_cache_memory_bytes: 4194304}
+sampling: {max_tokens: 3, temperature: 0}
+dataset:
+  prompts: [the quick brown, two plus two is, hello there]
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("reg") / "tiny")
+
+
+@pytest.fixture
+def workdir(tmp_path, model_dir):
+    os.symlink(model_dir, tmp_path / "model")
+    return tmp_path
+
+
+@pytest.fixture
+def even_tokens_metric():
+    """A metric of the test's own: the share of outputs with an even number of tokens."""
+
+    @register_metric("even_token_share", doc="share of outputs with an even token count")
+    def even_token_share(result):
+        counts = [len(o.outputs[0].token_ids) for o in result.outputs]
+        return {"even_token_share": sum(n % 2 == 0 for n in counts) / len(counts)}
+
+    yield even_token_share
+    unregister_metric("even_token_share")
+
+
+def write(workdir, text):
+    path = workdir / "exp.yaml"
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def test_unknown_metric_lists_the_registered_names(workdir, even_tokens_metric):
+    path = write(workdir, BASE + "metrics: [output_length, even_tokens]\n")
+    with pytest.raises(ExperimentError) as info:
+        load_experiment(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:7: metrics[1]: unknown metric 'even_tokens'; available metrics: ")
+    listed = msg.split("available metrics: ")[1].split(", ")
+    assert listed == list(METRICS) and "even_token_share" in listed and "exact_match" in listed
+
+
+def test_a_registered_metric_is_computed_and_stored(workdir, even_tokens_metric):
+    spec = load_experiment(write(workdir,
+                                 BASE + "metrics: [even_token_share, output_length]\nmonitor: false\n"))
+    db = str(workdir / "m.db")
+    report = run_experiment(spec, db=db, quiet=True)
+    assert report.ok and len(report.finished) == 1
+    with ResultStore(db) as store:
+        run = store.runs()[0]
+        outs = store.outputs(run["run_id"])
+    counts = [len(o["token_ids"]) for o in outs]
+    assert run["metrics"]["even_token_share"] == sum(n % 2 == 0 for n in counts) / 3
+    assert run["metrics"]["output_tokens"] == sum(counts)
+    with pytest.raises(ValueError, match="already registered"):
+        register_metric("even_token_share")(even_tokens_metric)
+    unregister_metric("even_token_share")
+    with pytest.raises(ExperimentError, match="unknown metric 'even_token_share'"):
+        load_experiment(spec.path)
+
+
+def test_engine_section_takes_the_engine_config_fields(workdir):
+    settable = {"block_size": 32, "max_num_seqs": 4, "enable_prefix_caching": False, "enforce_eager": True,
+                "attention_backend": "torch", "seed": 3}
+    assert set(settable) < set(ENGINE_FIELDS)
+    spec = load_experiment(write(workdir, BASE.replace("kv_cache_memory_bytes: 4194304",
+                                                       "kv_cache_memory_bytes: 4194304, "
+                                                       + ", ".join(f"{k}: {json.dumps(v)}"
+                                                                   for k, v in settable.items()))))
+    run = expand_runs(spec)[0]
+    assert {k: run.config["engine"][k] for k in settable} == settable
+    # plan-level settings switch through set_model_args; weight-level ones define the model group
+    assert run.plan_args == {k: v for k, v in run.config["engine"].items() if k not in WEIGHT_FIELDS}
+    group = json.loads(run.group_key)
+    assert set(group) == {"model"} | {k for k in run.config["engine"] if k in WEIGHT_FIELDS}
+    assert ENGINE_DEFAULTS["block_size"] == 16
+
+
+def test_engine_errors_name_the_line(workdir):
+    def error(text):
+        with pytest.raises(ExperimentError) as info:
+            load_experiment(write(workdir, text))
+        return str(info.value)
+
+    msg = error(BASE.replace("device: cpu", "device: cpu, attention_backend: cuda"))
+    assert ":3: engine.attention_backend: attention_backend='cuda' is invalid" in msg and "triton" in msg
+    msg = error(BASE.replace("device: cpu", "device: cpu, model: other"))
+    assert ":3: engine.model: give the model at the top level" in msg
+    msg = error(BASE + "grid: {engine.max_num_sequences: [1, 2]}\n")
+    assert ":7: grid.engine.max_num_sequences: unknown engine key 'max_num_sequences'" in msg
+    assert all(name in msg for name in ENGINE_FIELDS if name != "model")
