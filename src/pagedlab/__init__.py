@@ -9,4 +9,5 @@ from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestMetrics", "EngineStats", "EngineConfig", "EngineInfo", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "RequestMetrics", "EngineStats", "EngineConfig", "EngineInfo", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]

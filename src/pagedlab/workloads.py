@@ -185,7 +185,7 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
     request's metrics; ``per_token_times`` also stamps every token (for ITL), at some host cost."""
     engine = llm.llm_engine  # driven step by step, to stamp each token
     llm.reset_prefix_cache()
-    engine.reset_stats()
+    llm.reset_stats()
     _sync()
     _reset_peak()
     stamps: dict[str, list[float]] = {}

@@ -364,7 +364,7 @@ def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interva
     device = llm.get_engine_info().device
     cuda = device.type == "cuda"
     llm.reset_prefix_cache()
-    llm.llm_engine.reset_stats()
+    llm.reset_stats()
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

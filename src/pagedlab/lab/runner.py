@@ -249,7 +249,7 @@ def _generate(spec: ExperimentSpec, run: ResolvedRun, llm, params: SamplingParam
     ds = run.dataset
     device = llm.get_engine_info().device
     llm.reset_prefix_cache()
-    llm.llm_engine.reset_stats()
+    llm.reset_stats()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
