@@ -26,23 +26,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton
-from pagedlab.kernels.paged_attention import (
-    SPLIT_KV_MIN_PROGRAMS,
-    SPLIT_KV_SIZE,
-    TILE_N,
-    CascadeBuffers,
-    allocate_split_kv_scratch,
-    cascade_attention_triton,
-    choose_split_kv_size,
-    paged_attention_torch,
-    paged_attention_triton,
-)
+from pagedlab.kernels.paged_attention import (SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SIZE, TILE_N, CascadeBuffers,
+                                              allocate_split_kv_scratch, cascade_attention_triton,
+                                              choose_split_kv_size, paged_attention_torch,
+                                              paged_attention_triton)
 from pagedlab.layers.attention import AttentionMetadata, get_attention_backend
-from pagedlab.layers.attention.triton_backend import (
-    CASCADE_MIN_SEQS,
-    CASCADE_MIN_SHARED_KEYS,
-    cascade_prefix_len,
-)
+from pagedlab.layers.attention.triton_backend import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_KEYS,
+                                                      cascade_prefix_len)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,14 +7,8 @@ import subprocess
 import pytest
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.lab.manifest import (
-    collect_manifest,
-    config_hash,
-    diff_manifests,
-    files_checksum,
-    flatten,
-    git_info,
-)
+from pagedlab.lab.manifest import (collect_manifest, config_hash, diff_manifests, files_checksum, flatten,
+                                   git_info)
 from pagedlab.lab.testing import CHAT_TEMPLATE, make_tiny_model
 
 

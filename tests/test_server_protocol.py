@@ -11,18 +11,9 @@ import pytest
 pytest.importorskip("pydantic")
 
 from pagedlab import SamplingParams
-from pagedlab.server.protocol import (
-    MAX_LOGPROBS,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    DeltaMessage,
-    PromptTokensDetails,
-    UsageInfo,
-    parse_request,
-)
+from pagedlab.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+                                      CompletionResponseChoice, CompletionStreamResponse, DeltaMessage,
+                                      PromptTokensDetails, UsageInfo, parse_request)
 
 CHAT = [{"role": "user", "content": "hi"}]
 

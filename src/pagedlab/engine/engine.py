@@ -21,16 +21,8 @@ from pathlib import Path
 
 import torch
 
-from pagedlab.config import (
-    EngineConfig,
-    EngineInfo,
-    cpu_kv_cache_bytes,
-    model_max_len,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
-    resolve_max_num_batched_tokens,
-)
+from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, model_max_len, resolve_device,
+                             resolve_dtype, resolve_max_model_len, resolve_max_num_batched_tokens)
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan
 from pagedlab.engine.output_processor import OutputProcessor

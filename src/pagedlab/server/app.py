@@ -35,17 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedlab import __version__
 from pagedlab.engine.async_engine import AsyncEngine
 from pagedlab.server.metrics import ServerMetrics
-from pagedlab.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    bad_request,
-    parse_request,
-)
+from pagedlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorInfo,
+                                      ErrorResponse, ModelCard, ModelList, bad_request, parse_request)
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
 from pagedlab.server.serving_engine import ClientGone, EventStream

@@ -12,18 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    WrapValidator,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      WrapValidator, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from pagedlab import SamplingParams

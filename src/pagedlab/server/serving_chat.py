@@ -13,30 +13,13 @@ from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.inputs import EncodedPrompt, chat_prompt
 from pagedlab.outputs import PositionLogprobs
-from pagedlab.server.protocol import (
-    ChatCompletionLogprob,
-    ChatCompletionLogprobs,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    ChatCompletionTopLogprob,
-    ChatMessage,
-    DeltaMessage,
-    UsageInfo,
-    bad_request,
-)
-from pagedlab.server.serving_engine import (
-    EventStream,
-    OpenAIServing,
-    StreamedChoice,
-    attach_usage,
-    merge_streams,
-    sse_events,
-    stop_holdback,
-    usage_info,
-)
+from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogprobs, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatCompletionResponseChoice,
+                                      ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+                                      ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo,
+                                      bad_request)
+from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, attach_usage,
+                                            merge_streams, sse_events, stop_holdback, usage_info)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -12,24 +12,10 @@ from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import RequestStream
 from pagedlab.inputs import EncodedPrompt
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
-from pagedlab.server.protocol import (
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    UsageInfo,
-)
-from pagedlab.server.serving_engine import (
-    EventStream,
-    OpenAIServing,
-    StreamedChoice,
-    attach_usage,
-    merge_streams,
-    sse_events,
-    stop_holdback,
-    usage_info,
-)
+from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                      CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
+from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, attach_usage,
+                                            merge_streams, sse_events, stop_holdback, usage_info)
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -16,16 +16,8 @@ from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
 from pagedlab.outputs import CompletionOutput
-from pagedlab.server.protocol import (
-    APIError,
-    ErrorInfo,
-    ErrorResponse,
-    PromptTokensDetails,
-    UsageInfo,
-    bad_request,
-    engine_dead,
-    param_of,
-)
+from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
+                                      bad_request, engine_dead, param_of)
 
 logger = logging.getLogger(__name__)
 

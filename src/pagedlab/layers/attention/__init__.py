@@ -8,14 +8,8 @@ import importlib.util
 
 import torch
 
-from pagedlab.layers.attention.base import (
-    Attention,
-    AttentionBackend,
-    AttentionMetadata,
-    BatchLayout,
-    forward_context,
-    get_forward_context,
-)
+from pagedlab.layers.attention.base import (Attention, AttentionBackend, AttentionMetadata, BatchLayout,
+                                            forward_context, get_forward_context)
 from pagedlab.layers.attention.torch_backend import TorchAttentionBackend
 from pagedlab.layers.attention.triton_backend import TritonAttentionBackend
 
