@@ -21,6 +21,24 @@ def test_floor_matches_design_figures():
     assert rate == pytest.approx(35000, rel=0.1)
 
 
+def test_floor_with_tensor_parallelism_splits_reads_and_adds_the_all_reduces():
+    """Batch 1 decode by hand: a Llama-3-70B shape holds 69.5 G matmul parameters (139 GB in
+    bf16), so each of two H200s reads 69.5 GB per token at 4.25 TB/s (16.4 ms) and waits for 160
+    all-reduces of one 16 KB hidden state (19.9 us each, 3.2 ms); the 8B shape (7.5 G parameters,
+    3.55 ms per token on one GPU) reads 7.5 GB per GPU (1.77 ms) plus 64 all-reduces (1.3 ms). At
+    one GPU nothing changes."""
+    llama70, llama8 = workloads.model_shape("llama3-70b"), workloads.model_shape("llama3-8b")
+    per_token_70 = workloads.physical_floor(llama70, [1], [129], tensor_parallel_size=2) / 128
+    assert per_token_70 == pytest.approx(16.4e-3 + 160 * 19.86e-6, rel=0.02)
+    per_token_8 = workloads.physical_floor(llama8, [1], [129], tensor_parallel_size=2) / 128
+    assert per_token_8 == pytest.approx(1.77e-3 + 64 * 19.83e-6, rel=0.02)
+    one_gpu = workloads.physical_floor(llama8, [512] * 64, [128] * 64)
+    assert workloads.physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=1) == one_gpu
+    free_links = workloads.AllReduceCost(latency_s=0.0, bus_bandwidth=float("inf"))
+    assert workloads.physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=2,
+                                    all_reduce=free_links) == pytest.approx(one_gpu / 2)
+
+
 def test_floor_counts_a_cached_prefix_once():
     """W-prefix by hand: 2,112 + 255 x 64 prompt tokens computed (~28 TFLOP, ~0.03 s at the bf16
     peak); 63 decode steps each read ~1.5 GB of weights and the shared 2,048-token prefix once

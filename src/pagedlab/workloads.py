@@ -43,6 +43,15 @@ def model_shape(name: str):
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
             bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, dtype="bfloat16",
             architectures=["LlamaForCausalLM"])
+    if name == "llama3-70b":
+        return transformers.LlamaConfig(
+            vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+            num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, dtype="bfloat16",
+            architectures=["LlamaForCausalLM"])
     if name == "qwen3-0.6b":
         return transformers.Qwen3Config(
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -50,7 +59,7 @@ def model_shape(name: str):
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             architectures=["Qwen3ForCausalLM"])
-    raise ValueError(f"shape {name!r} is unknown; known shapes: llama3-8b, qwen3-0.6b")
+    raise ValueError(f"shape {name!r} is unknown; known shapes: llama3-8b, llama3-70b, qwen3-0.6b")
 
 
 def shape_dir(name: str) -> str:
@@ -101,32 +110,56 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
     raise ValueError(f"workload {name!r} is unknown; known: W-seed, W-nano, W-lat, W-prefix, W-long, custom")
 
 
+@dataclass(frozen=True)
+class AllReduceCost:
+    """One all-reduce's time as a latency plus bytes over the bus bandwidth. The defaults are two
+    H200s over NVLink, NCCL 2.28 (DESIGN.md §6, measured 2026-11-30): 19.8 us for one token's
+    hidden state inside a CUDA graph, 272 GB/s bus bandwidth at 64 MB."""
+
+    latency_s: float = 19.8e-6
+    bus_bandwidth: float = 272e9
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bus_bandwidth
+
+
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
-                   flops: float = H200_BF16_FLOPS) -> float:
+                   flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
+                   all_reduce: AllReduceCost = AllReduceCost()) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
 
     ``cached_prefix``: every prompt after the first starts with that many tokens of the first,
-    found in the prefix cache: they are not computed again, and their KV is held, so read, once."""
+    found in the prefix cache: they are not computed again, and their KV is held, so read, once.
+    ``tensor_parallel_size`` N: each of N GPUs (``bandwidth`` and ``flops`` are one GPU's) reads
+    and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
+    all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum."""
     c = hf_config
+    tp = tensor_parallel_size
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     layer_params = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
     kv_bytes_per_token = 2 * c.num_hidden_layers * kv * dtype_bytes
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
+    num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
+
+    def all_reduces(num_tokens: int) -> float:
+        return num_all_reduces * all_reduce.seconds(num_tokens * c.hidden_size * dtype_bytes)
+
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
     # a chunk of n new tokens after c cached ones attends n * c + n^2 / 2 (query, key) pairs
     prefill = sum(2 * matmul_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
-                  for n, c in zip(prompt_lens, cached)) / flops
+                  for n, c in zip(prompt_lens, cached)) / flops / tp
+    prefill += all_reduces(sum(n - c for n, c in zip(prompt_lens, cached)))
     decode = 0.0
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
         read = matmul_params * dtype_bytes + kv_bytes_per_token * held
         work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
-        decode += max(read / bandwidth, work / flops)
+        decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
 
 

@@ -113,7 +113,8 @@ def _add_bench_commands(sub) -> None:
         p.set_defaults(model=None)
         p.add_argument("--workload", default=workload,
                        choices=["W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom"])
-        p.add_argument("--shape", default=None, help="llama3-8b or qwen3-0.6b (default: the workload's)")
+        p.add_argument("--shape", default=None,
+                       help="llama3-8b, llama3-70b or qwen3-0.6b (default: the workload's)")
         p.add_argument("--batch-size", type=int, nargs="+", default=sizes)
         p.add_argument("--input-len", type=int, default=512)
         p.add_argument("--output-len", type=int, default=128)
