@@ -7,6 +7,7 @@ import json
 import sys
 
 from pagedlab.cli.engine_args import add_engine_args, add_sampling_args, changed_engine_kwargs, engine_kwargs
+from pagedlab.inputs import chat_prompt, encode_prompt
 
 
 def sampling_params(args: argparse.Namespace):
@@ -68,11 +69,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line.strip()})
-            text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompt = encode_prompt(chat_prompt(tokenizer, history), tokenizer, args.model)
             request_id = f"chat-{turn}"
             turn += 1
-            engine.add_request(request_id, ids, params, prompt=text)
+            engine.add_request(request_id, prompt.token_ids, params, prompt=prompt.text)
             shown = ""
             while engine.has_unfinished_requests():
                 for out in engine.step():
