@@ -23,6 +23,8 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     group = get_tp_group()
     if group is None:
         return x
-    gathered = torch.empty((get_tp_world_size(), *x.shape), dtype=x.dtype, device=x.device)
+    world_size = get_tp_world_size()
+    # rank after rank along dim 0: the one output layout gloo accepts as well as NCCL
+    gathered = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
-    return torch.cat(gathered.unbind(0), dim=dim)
+    return torch.cat(gathered.chunk(world_size), dim=dim)
