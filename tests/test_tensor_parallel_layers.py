@@ -10,6 +10,7 @@ TP=1 model's and with HF transformers'.
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import time
 import traceback
@@ -149,7 +150,8 @@ def unsplittable_model_errors(llama_path: str) -> dict[str, str]:
 
 def rank_work(rank: int, model_paths: dict[str, str]) -> dict:
     results = {"layer_errors": layer_errors(rank),
-               "model_errors": unsplittable_model_errors(model_paths["llama"])}
+               "model_errors": unsplittable_model_errors(model_paths["llama"]),
+               "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
     for arch, path in model_paths.items():
         for load_format in LOAD_FORMATS:
             results[arch, load_format] = prefill_logits(load_tiny(path, load_format), PROMPTS)
@@ -235,6 +237,30 @@ def test_tp2_logits_equal_hf(tp2_results, tiny_models_for_tp, arch):
     with torch.no_grad():
         hf_logits = torch.cat([hf_model(torch.tensor([p])).logits[0] for p in PROMPTS])
     torch.testing.assert_close(tp2_results[0][arch, "safetensors"], hf_logits, atol=1e-4, rtol=0)
+
+
+def test_process_group_creation_keeps_nvlink_multicast_off(tp2_results):
+    assert all(results["nccl_nvls_enable"] == "0" for results in tp2_results)
+
+
+def test_tp1_makes_no_torch_distributed_call(tiny_llama, monkeypatch):
+    import torch.distributed as dist
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("TP=1 called torch.distributed")
+
+    for name in ("all_reduce", "all_gather_into_tensor", "init_process_group"):
+        monkeypatch.setattr(dist, name, no_collective)
+    init_tensor_parallel(1, 0)
+    logits = prefill_logits(load_tiny(tiny_llama.path, "safetensors"), PROMPTS)
+    destroy_tensor_parallel()
+    assert logits.shape == (sum(map(len, PROMPTS)), 1000)
+
+
+@pytest.mark.parametrize("world_size, rank", [(0, 0), (2, 2), (2, -1)])
+def test_invalid_rank_or_world_size(world_size, rank):
+    with pytest.raises(ValueError, match=rf"rank={rank} of world_size={world_size} is invalid"):
+        init_tensor_parallel(world_size, rank)
 
 
 def test_unsplittable_model_sizes_name_both_numbers(tp2_results):
