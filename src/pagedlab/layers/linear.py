@@ -1,38 +1,155 @@
-"""Linear layers that can hold several HF weights fused into one matrix (q/k/v, gate/up)."""
+"""Tensor-parallel linear layers (one implementation for every world size; at TP=1 each rank
+holds everything and no collective runs).
+
+- ``ColumnParallelLinear``: the output dimension is sharded; each rank computes its slice of
+  ``y``. Several checkpoint tensors fused into one matrix (gate/up) are sharded per part, so a
+  rank holds its gate slice followed by its up slice.
+- ``QKVParallelLinear``: q/k/v sharded by attention heads (see ``split_attention_heads``).
+- ``RowParallelLinear``: the input dimension is sharded; the partial products are summed over
+  the ranks and the bias is added once, after the sum.
+
+Each parameter's ``weight_loader(param, full_checkpoint_tensor, shard_id)`` copies this rank's
+part of the full tensor; ``checkpoint_shapes`` lists the full tensor of each ``shard_id`` (the
+dummy loader draws those, so random weights do not depend on the world size).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlab.distributed.communication import tensor_parallel_all_reduce
+from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
 
-class Linear(nn.Module):
-    """``y = x W^T + b``. With several ``output_sizes``, the weight is the row-wise concatenation
-    of that many checkpoint tensors, each loaded with its index as ``shard_id``."""
 
-    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False):
+@dataclass(frozen=True)
+class OutputShard:
+    """This rank's rows of one checkpoint tensor of ``full_size`` rows: ``size`` rows from
+    ``start``, at row ``offset`` of the rank's fused weight."""
+
+    full_size: int
+    start: int
+    size: int
+    offset: int
+
+
+class OutputShardedLinear(nn.Module):
+    """``y = x W^T + b`` where W holds, row-wise, this rank's rows of one or more checkpoint
+    tensors (the base of the column-parallel layers)."""
+
+    def __init__(self, input_size: int, shards: list[tuple[int, int, int]], bias: bool):
         super().__init__()
-        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.shards: list[OutputShard] = []
+        offset = 0
+        for full_size, start, size in shards:
+            self.shards.append(OutputShard(full_size, start, size, offset))
+            offset += size
+        self.output_size_per_rank = offset
+        self.weight = nn.Parameter(torch.empty(offset, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shapes = [(s.full_size, input_size) for s in self.shards]
         if bias:
-            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(offset), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.checkpoint_shapes = [(s.full_size,) for s in self.shards]
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
+        """Copy this rank's rows of the full checkpoint tensor of part ``shard_id``."""
         if shard_id is None:
-            target = param.data
-        else:
-            offset = sum(self.output_sizes[:shard_id])
-            target = param.data.narrow(0, offset, self.output_sizes[shard_id])
-        if target.shape != loaded.shape:
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not match the expected "
-                             f"{tuple(target.shape)}")
-        target.copy_(loaded)
+            if len(self.shards) != 1:
+                raise ValueError(f"a fused weight of {len(self.shards)} parts needs a shard_id")
+            shard_id = 0
+        shard = self.shards[shard_id]
+        check_shape(loaded, param.checkpoint_shapes[shard_id])
+        param.data.narrow(0, shard.offset, shard.size).copy_(read_part(loaded, 0, shard.start, shard.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(OutputShardedLinear):
+    """Output dimension sharded: ``output_sizes`` (one size, or several fused parts) are each
+    split evenly over the ranks; the output is this rank's slice of every part, not gathered."""
+
+    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False):
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
+        shards = []
+        for size in sizes:
+            per_rank = divide_evenly(size, tp_size, "the output size")
+            shards.append((size, tp_rank * per_rank, per_rank))
+        super().__init__(input_size, shards, bias)
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The attention heads one rank holds: ``num_heads`` query heads from ``first_head`` and
+    ``num_kv_heads`` KV heads from ``first_kv_head``."""
+
+    num_heads: int
+    first_head: int
+    num_kv_heads: int
+    first_kv_head: int
+
+
+def split_attention_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadSplit:
+    """Query heads are split evenly. KV heads are split evenly when there are at least as many
+    as ranks; with fewer, each rank holds one KV head, replicated: rank r holds head
+    ``r * num_kv_heads // tp_size``, the one its query heads attend to."""
+    heads = divide_evenly(num_heads, tp_size, "num_attention_heads")
+    if num_kv_heads >= tp_size:
+        kv_heads = divide_evenly(num_kv_heads, tp_size, "num_key_value_heads")
+        return HeadSplit(heads, tp_rank * heads, kv_heads, tp_rank * kv_heads)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp_size} must be a multiple of "
+                         f"num_key_value_heads={num_kv_heads} when it is larger")
+    return HeadSplit(heads, tp_rank * heads, 1, tp_rank * num_kv_heads // tp_size)
+
+
+class QKVParallelLinear(OutputShardedLinear):
+    """The fused q/k/v projection sharded by heads (GQA-aware, see ``split_attention_heads``);
+    ``num_heads``/``num_kv_heads`` are this rank's. Checkpoint parts: 0 = q, 1 = k, 2 = v."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        split = split_attention_heads(num_heads, num_kv_heads, get_tp_world_size(), get_tp_rank())
+        q = (num_heads * head_dim, split.first_head * head_dim, split.num_heads * head_dim)
+        kv = (num_kv_heads * head_dim, split.first_kv_head * head_dim, split.num_kv_heads * head_dim)
+        super().__init__(hidden_size, [q, kv, kv], bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, head_dim
+
+
+class RowParallelLinear(nn.Module):
+    """Input dimension sharded: each rank multiplies its slice of ``x`` (the column-parallel
+    output before it) by its columns of W; the results are summed over the ranks and the bias,
+    which every rank holds whole, is added once after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.tp_size = get_tp_world_size()
+        self.input_size_per_rank = divide_evenly(input_size, self.tp_size, "the input size")
+        self.input_start = get_tp_rank() * self.input_size_per_rank
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shapes = [(output_size, input_size)]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
+        """Copy this rank's columns of the full checkpoint weight."""
+        check_shape(loaded, param.checkpoint_shapes[0])
+        param.data.copy_(read_part(loaded, 1, self.input_start, self.input_size_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # the bias fused into the matmul, as without tensor parallelism
+            return F.linear(x, self.weight, self.bias)
+        out = tensor_parallel_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -59,7 +59,10 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
                max_position: int, seed: int = 0) -> torch.nn.Module:
-    """Build the model straight on ``device`` in ``dtype`` and load (or randomise) its weights."""
+    """Build the model straight on ``device`` in ``dtype`` and load (or randomise) its weights.
+
+    In a tensor-parallel process (``pagedlab.distributed.parallel_state.init_tensor_parallel``
+    called first) the model is this rank's shard and only its part of each tensor is read."""
     with _default_dtype(dtype), torch.device(device):
         model = build_model(hf_config, max_position)
     if source.load_format == "dummy":

@@ -1,11 +1,10 @@
-"""Read (sharded) safetensors checkpoints tensor by tensor."""
+"""Read (sharded) safetensors checkpoints tensor by tensor, lazily: each rank of a
+tensor-parallel model reads only its part of a tensor."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -16,14 +15,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every weight file; a corrupt or truncated file names itself."""
+def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, object]]:
+    """Yield (name, lazy slice) for every tensor of every weight file: the slice
+    (``safe_open(...).get_slice(name)``) reads from the file only what is indexed
+    (``s[a:b]``, ``s[:, a:b]``, ``s[:]``), and only while the iteration is at that tensor. A
+    corrupt or truncated file names itself."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict: it has keys() but no __iter__
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except Exception as e:  # safetensors raises its own error types for bad headers/sizes
             raise ValueError(f"weight file {path} is corrupt or truncated: {e}") from None

@@ -1,6 +1,9 @@
 """The Llama decoder family: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
-They differ only in two switches, so one implementation serves them all.
+They differ only in two switches, so one implementation serves them all. Built as one rank of
+a tensor-parallel group (``pagedlab.distributed.parallel_state``), each layer holds its shard:
+``num_heads / N`` query heads and their KV heads, ``intermediate_size / N`` of the MLP, ``1 / N``
+of the vocabulary; its attention layers (and so its KV cache) have the rank's head counts.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagedlab.distributed.parallel_state import get_tp_world_size
+from pagedlab.distributed.sharding import divide_evenly, load_replicated
 from pagedlab.layers.activation import SiluAndMul
 from pagedlab.layers.attention import Attention
-from pagedlab.layers.embedding import LMHead, VocabEmbedding
-from pagedlab.layers.linear import Linear
+from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
 from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused
 
@@ -27,13 +32,15 @@ class DecoderAttention(nn.Module):
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         hidden = hf_config.hidden_size
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden,
+                                        bias=getattr(hf_config, "attention_bias", False))
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -60,8 +67,9 @@ class DecoderMLP(nn.Module):
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported: only 'silu' is")
-        self.gate_up_proj = Linear(hidden, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        divide_evenly(inter, get_tp_world_size(), "intermediate_size")  # the config's name in the error
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +98,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, qkv_bias, qk_norm) for _ in range(hf_config.num_hidden_layers))
@@ -121,23 +129,25 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = qkv_bias or getattr(hf_config, "attention_bias", False)
         self.model = DecoderModel(hf_config, qkv_bias, qk_norm, max_position)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size,
-                              tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the full vocabulary (gathered from every rank)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters; returns the names of the parameters set."""
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Copy this rank's part of each full checkpoint tensor (a ``torch.Tensor`` or a lazy
+        safetensors slice) into the parameters; returns the names of the parameters set."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+        set_names: set[str] = set()
+        for name, full_tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             shard_id = None
@@ -149,16 +159,10 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
+            loader = getattr(param, "weight_loader", load_replicated)
             try:
-                if loader is not None:
-                    loader(param, tensor, shard_id)
-                elif param.shape != tensor.shape:
-                    raise ValueError(f"weight shape {tuple(tensor.shape)} does not match the expected "
-                                     f"{tuple(param.shape)}")
-                else:
-                    param.data.copy_(tensor)
+                loader(param, full_tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            loaded.add(target)
-        return loaded
+            set_names.add(target)
+        return set_names

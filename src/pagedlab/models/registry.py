@@ -29,6 +29,7 @@ def resolve_architecture(hf_config) -> str:
 
 
 def build_model(hf_config, max_position: int):
-    """An uninitialised model of the checkpoint's architecture (weights still to be loaded)."""
+    """An uninitialised model of the checkpoint's architecture (weights still to be loaded): this
+    process's shard when it is a rank of a tensor-parallel group (``init_tensor_parallel``)."""
     model_cls, switches = MODEL_REGISTRY[resolve_architecture(hf_config)]
     return model_cls(hf_config, max_position, **switches)

@@ -1,0 +1,81 @@
+"""The one process-group state of tensor parallelism: which rank of how many this process is.
+
+Every process of a tensor-parallel model calls ``init_tensor_parallel(world_size, rank, ...)``
+before it builds the model: the parallel layers read ``get_tp_rank()``/``get_tp_world_size()``
+when they are constructed, and ``pagedlab.distributed.communication`` reads the group when they
+run. Without it (or with ``world_size=1``) a process is the only rank and no process group
+exists, so TP=1 makes no ``torch.distributed`` call at all. The tensor-parallel group is the
+default (world) group: tensor parallelism is the only kind of parallelism pagedlab has.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# NVLink multicast (NVLS) must stay off on the H200 hosts: set before NCCL builds a communicator.
+_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                  "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class TensorParallelState:
+    """This process's place among the tensor-parallel ranks; ``group`` is None at world size 1."""
+
+    world_size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+_STATE = TensorParallelState()
+
+
+def init_tensor_parallel(world_size: int = 1, rank: int = 0, backend: str = "gloo",
+                         init_method: str = "env://", timeout: timedelta | None = None) -> None:
+    """Join the tensor-parallel group as ``rank`` of ``world_size`` processes.
+
+    ``backend`` is "gloo" for CPU tensors and "nccl" for CUDA ones (then call
+    ``torch.cuda.set_device`` for this rank's GPU first); ``init_method`` is where the ranks meet
+    ("tcp://host:port", "file:///path" or "env://"); ``timeout`` bounds every collective.
+    """
+    global _STATE
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"tensor-parallel rank={rank} of world_size={world_size} is invalid: "
+                         "world_size must be >= 1 and 0 <= rank < world_size")
+    if _STATE.group is not None:
+        raise RuntimeError(f"tensor parallelism is already initialised (rank {_STATE.rank} of "
+                           f"{_STATE.world_size}): call destroy_tensor_parallel() first")
+    if world_size == 1:
+        _STATE = TensorParallelState()
+        return
+    for name, value in _MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
+    _STATE = TensorParallelState(world_size, rank, dist.group.WORLD)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the tensor-parallel group (if any); the process is a single rank again."""
+    global _STATE
+    if _STATE.group is not None:
+        dist.destroy_process_group()
+    _STATE = TensorParallelState()
+
+
+def get_tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without tensor parallelism)."""
+    return _STATE.rank
+
+
+def get_tp_world_size() -> int:
+    """How many ranks shard the model (1 without tensor parallelism)."""
+    return _STATE.world_size
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel process group; None at world size 1."""
+    return _STATE.group
