@@ -13,7 +13,8 @@ Two kernels, picked from host ints only (no ``.item()``, so a CUDA graph can cap
   the memory system busy (4096 columns in tiles of 64 are 64 programs on 132 SMs). So K is also
   cut, into segments of a FIXED number of rows (``SPLIT_K_SIZE``), each program writes its
   fp32 partial sums, and a second pass adds the segments in order: no atomics, so the result is
-  deterministic and the same for a row whatever batch it is in.
+  the same from run to run. (Not across batch sizes: one row multiplies on the CUDA cores, 2 to 16
+  rows pad to 16 for ``tl.dot``, more take the GEMM.)
 - larger batches run a dequantize-in-the-loop GEMM: each K tile of the weight is dequantized to
   ``x``'s dtype in registers and fed to ``tl.dot`` with fp32 accumulation.
 
@@ -66,7 +67,8 @@ def _awq_gemv_split_k_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, partial
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
     """Program (column tile, K segment): fp32 partial sums of the segment for every row.
-    BLOCK_M == 1 multiplies on the CUDA cores; BLOCK_M >= 16 pads the rows for ``tl.dot``."""
+    BLOCK_M == 1 multiplies on the CUDA cores, keeping a product per weight and summing over K once
+    at the end (not once per tile); BLOCK_M >= 16 pads the rows for ``tl.dot``."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -74,16 +76,20 @@ def _awq_gemv_split_k_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, partial
     m_valid = offs_m < M
     n_valid = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    products = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_n, n_valid,
                              stride_qweight, stride_qzeros, stride_scales, GROUP_SIZE, BLOCK_K)
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_valid[:, None], other=0.0)
         if BLOCK_M == 1:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            products += tl.load(x_ptr + offs_k).to(tl.float32)[:, None] * w
         else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_valid[:, None],
+                        other=0.0)
             acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if BLOCK_M == 1:
+        acc = tl.sum(products, axis=0)[None, :]
     partial = (partial_ptr + split * stride_partial_split + offs_m[:, None] * stride_partial_row
                + offs_n[None, :])
     tl.store(partial, acc, mask=m_valid[:, None] & n_valid[None, :])
