@@ -21,6 +21,9 @@ Two kernels, picked from host ints only (no ``.item()``, so a CUDA graph can cap
 A K tile never crosses a group boundary (``BLOCK_K`` divides the group size), so each tile loads
 one row of zero points and scales.
 
+The tile sizes and ``SPLIT_K_SIZE`` are first choices, not yet tuned on a GPU: the ``gpu`` tests
+in ``tests/test_awq.py`` print each path's time and bandwidth next to a dense bf16 matmul's.
+
 This module imports triton when it loads; Triton decides at decoration time whether a kernel is
 compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after that is settled.
 """
