@@ -1,0 +1,316 @@
+"""AWQ GEMM weights: the packing against hand-built words and against AutoAWQ's own code (when
+``awq`` is importable; CI does not install it), the config errors, tensor-parallel shards, and the
+W4A16 Triton kernels against ``awq_linear_torch``.
+
+On a machine without CUDA the kernels run under the Triton interpreter at small sizes;
+TRITON_INTERPRET is set here, before ``pagedlab.kernels.w4a16`` (which imports triton when it
+loads) is first imported. The ``gpu`` tests run real sizes in bf16 and print the bandwidth.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Built earlier without the interpreter (e.g. by another test module)? Rebuild it.
+    if "pagedlab.kernels.w4a16" in sys.modules:
+        importlib.reload(sys.modules["pagedlab.kernels.w4a16"])
+
+from pagedlab.quantization.awq import (AWQ_PACK_ORDER, AWQConfig, awq_linear_torch, dequantize_awq, pack_awq,
+                                       quantize_awq, shard_awq_column, shard_awq_row, unpack_awq)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+def _generator(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def random_awq(in_features, out_features, group_size, gen, scale_dtype=torch.float16):
+    """Random 4-bit values, zero points and small scales, and their packed tensors."""
+    values = torch.randint(0, 16, (in_features, out_features), generator=gen, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (in_features // group_size, out_features), generator=gen, dtype=torch.int32)
+    scales = 0.005 + 0.02 * torch.rand(in_features // group_size, out_features, generator=gen)
+    return values, zeros, scales.to(scale_dtype), pack_awq(values), pack_awq(zeros)
+
+
+def _as_int32(word: int) -> int:
+    return word - 2**32 if word >= 2**31 else word
+
+
+# --- the packing -------------------------------------------------------------------------------------
+
+
+def test_interleave_puts_even_columns_in_the_low_half_word():
+    values = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    # nibble i holds logical column AWQ_PACK_ORDER[i]: 1, 3, 5, 7, 2, 4, 6, 8 from the low nibble up
+    word = 0x86427531
+    assert pack_awq(values).tolist() == [[_as_int32(word)]]
+    assert unpack_awq(torch.tensor([[_as_int32(word)]], dtype=torch.int32)).tolist() == values.tolist()
+
+
+@pytest.mark.parametrize("column", range(8))
+def test_each_logical_column_has_its_own_nibble(column):
+    values = torch.zeros(1, 8, dtype=torch.int32)
+    values[0, column] = 15
+    nibble = AWQ_PACK_ORDER.index(column)
+    assert nibble == (column % 2) * 4 + column // 2
+    assert pack_awq(values).item() == _as_int32(0xF << (4 * nibble))
+    assert unpack_awq(pack_awq(values)).tolist() == values.tolist()
+
+
+def test_pack_unpack_round_trip():
+    values = torch.randint(0, 16, (48, 136), generator=_generator("round trip"), dtype=torch.int32)
+    packed = pack_awq(values)
+    assert packed.shape == (48, 17) and packed.dtype == torch.int32
+    assert torch.equal(unpack_awq(packed), values)
+    assert torch.equal(pack_awq(unpack_awq(packed)), packed)
+
+
+def test_pack_rejects_values_and_shapes_it_cannot_hold():
+    with pytest.raises(ValueError, match=r"0\.\.15"):
+        pack_awq(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 16]]))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_awq(torch.zeros(2, 12, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        unpack_awq(torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_dequantize_is_q_minus_z_times_s_elementwise():
+    group_size = 32
+    values, zeros, scales, qweight, qzeros = random_awq(64, 16, group_size, _generator("by hand"))
+    weight = dequantize_awq(qweight, qzeros, scales, group_size)
+    assert weight.shape == (64, 16) and weight.dtype == torch.float16
+    for k in range(64):
+        for n in range(16):
+            g = k // group_size
+            expected = (int(values[k, n]) - int(zeros[g, n])) * float(scales[g, n])
+            assert float(weight[k, n]) == float(torch.tensor(expected).half()), (k, n)
+
+
+def test_awq_linear_torch_is_x_times_the_dequantized_weight_plus_bias():
+    gen = _generator("linear")
+    _, _, scales, qweight, qzeros = random_awq(128, 24, 64, gen, torch.float32)
+    x, bias = torch.randn(5, 128, generator=gen), torch.randn(24, generator=gen)
+    weight = dequantize_awq(qweight, qzeros, scales, 64)
+    torch.testing.assert_close(awq_linear_torch(x, qweight, qzeros, scales, 64, bias), x @ weight + bias)
+
+
+def test_quantize_round_trips_within_half_a_step():
+    weight = torch.randn(256, 32, generator=_generator("quantize"))
+    qweight, qzeros, scales = quantize_awq(weight, 64)
+    error = (dequantize_awq(qweight, qzeros, scales, 64) - weight).abs()
+    assert (error <= scales.repeat_interleave(64, dim=0) * 0.5 + 1e-6).all()
+
+
+# --- AutoAWQ as the independent reference (skipped where `awq` is not installed) ----------------------
+
+
+def _import_autoawq(module: str):
+    # Its import warns that AutoAWQ is deprecated, after resetting the warning filters: one warning.
+    return pytest.importorskip(module, reason="AutoAWQ (`awq`) is not importable", exc_type=ImportError)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_matches_autoawq(group_size):
+    packing_utils = _import_autoawq("awq.utils.packing_utils")
+    _, _, scales, qweight, qzeros = random_awq(256, 72, group_size, _generator("autoawq", group_size))
+    expected = packing_utils.dequantize_gemm(qweight, qzeros, scales, 4, group_size)
+    assert torch.equal(dequantize_awq(qweight, qzeros, scales, group_size), expected)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_packing_matches_autoawq_from_linear(group_size):
+    """AutoAWQ quantizes the dequantized weight again with the same zeros and scales: its packed
+    words must be ours (it needs out_features a multiple of 32)."""
+    gemm = _import_autoawq("awq.modules.linear.gemm")
+    _, zeros, scales, qweight, qzeros = random_awq(256, 64, group_size, _generator("from_linear", group_size))
+    linear = torch.nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(dequantize_awq(qweight, qzeros, scales, group_size).float().t())
+    reference = gemm.WQLinear_GEMM.from_linear(linear, 4, group_size, scales=scales, zeros=zeros)
+    assert torch.equal(reference.qweight, qweight)
+    assert torch.equal(reference.qzeros, qzeros)
+
+
+# --- the config ---------------------------------------------------------------------------------------
+
+
+def test_config_reads_hf_and_autoawq_keys():
+    hf = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+          "modules_to_not_convert": ["visual"]}
+    assert AWQConfig.from_hf_config(hf) == AWQConfig(group_size=128, modules_to_not_convert=("visual",))
+    autoawq = {"w_bit": 4, "q_group_size": 64, "zero_point": True, "version": "GEMM"}
+    assert AWQConfig.from_hf_config(autoawq).group_size == 64
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quant_method": "gptq"}, "quant_method='gptq'"),
+    ({"bits": 8}, "bits=8 is not supported: only 4-bit"),
+    ({"bits": 3}, "bits=3"),
+    ({"group_size": -1}, "group_size=-1 is not supported: only 32, 64, 128"),
+    ({"group_size": 256}, "group_size=256"),
+    ({"zero_point": False}, "zero_point=False is not supported"),
+    ({"version": "gemv"}, "version='gemv' is not supported: only 'gemm'"),
+    ({"version": "gemv_fast"}, "version='gemv_fast'"),
+    ({"desc_act": True}, "desc_act=True is not supported"),
+])
+def test_unsupported_configs_name_the_value_and_what_is_supported(change, message):
+    config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AWQConfig.from_hf_config({**config, **change})
+
+
+# --- tensor-parallel shards --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_column_shards_concatenate_to_the_full_weight(world_size):
+    _, _, scales, qweight, qzeros = random_awq(128, 64, 32, _generator("column", world_size))
+    full = dequantize_awq(qweight, qzeros, scales, 32)
+    shards = [dequantize_awq(*shard_awq_column(qweight, qzeros, scales, rank, world_size), 32)
+              for rank in range(world_size)]
+    width = 64 // world_size
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, full[:, rank * width:(rank + 1) * width])
+    assert torch.equal(torch.cat(shards, dim=1), full)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_row_shards_concatenate_to_the_full_weight(world_size):
+    _, _, scales, qweight, qzeros = random_awq(256, 24, 64, _generator("row", world_size))
+    full = dequantize_awq(qweight, qzeros, scales, 64)
+    shards = [dequantize_awq(*shard_awq_row(qweight, qzeros, scales, 64, rank, world_size), 64)
+              for rank in range(world_size)]
+    height = 256 // world_size
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, full[rank * height:(rank + 1) * height])
+    assert torch.equal(torch.cat(shards, dim=0), full)
+
+
+def test_shards_off_a_word_or_group_boundary_are_refused():
+    _, _, scales, qweight, qzeros = random_awq(128, 136, 64, _generator("bad shards"))
+    with pytest.raises(ValueError, match=r"out_features=136 .* multiple of 16"):
+        shard_awq_column(qweight, qzeros, scales, 0, 2)
+    with pytest.raises(ValueError, match=r"in_features=128 .* multiple of 256"):
+        shard_awq_row(qweight, qzeros, scales, 64, 0, 4)
+    with pytest.raises(ValueError, match="rank=2 is not a rank of world_size=2"):
+        shard_awq_row(qweight, qzeros, scales, 64, 2, 2)
+    with pytest.raises(ValueError, match="do not make a linear"):
+        shard_awq_row(qweight, qzeros, scales, 32, 0, 2)
+
+
+# --- the Triton kernels ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def w4a16():
+    pytest.importorskip("triton")
+    return importlib.import_module("pagedlab.kernels.w4a16")
+
+
+def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, key, **kwargs):
+    gen = _generator(key, rows, in_features, out_features, group_size, dtype)
+    _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    tensors = [t.to(DEVICE) for t in (x, qweight, qzeros, scales)]
+    out = w4a16.awq_linear_triton(*tensors, group_size, None if bias is None else bias.to(DEVICE), **kwargs)
+    expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size,
+                                None if bias is None else bias.float())
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
+    return out
+
+
+# (in_features, out_features, group_size, bias, split_k_size): the small split makes decode batches
+# cut K into 2 or 4 segments; 136 columns leave a partial column tile.
+SHAPES = [(256, 136, 32, True, 64), (128, 64, 128, False, 512), (256, 64, 64, True, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "K{}-N{}-g{}".format(*s[:3]))
+def test_triton_matches_torch(w4a16, shape, rows, dtype):
+    in_features, out_features, group_size, with_bias, split_k_size = shape
+    check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, "kernel",
+                 split_k_size=split_k_size)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_triton_bfloat16(w4a16, rows):
+    check_kernel(w4a16, rows, 128, 64, 64, torch.bfloat16, True, "bf16")
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_triton_on_column_shard_views(w4a16, rows):
+    gen = _generator("shard views", rows)
+    _, _, scales, qweight, qzeros = random_awq(128, 128, 32, gen, torch.float32)
+    shard = shard_awq_column(qweight, qzeros, scales, 1, 2)
+    assert not shard[0].is_contiguous()
+    x = torch.randn(rows, 128, generator=gen)
+    out = w4a16.awq_linear_triton(x.to(DEVICE), *(t.to(DEVICE) for t in shard), 32)
+    torch.testing.assert_close(out.cpu(), awq_linear_torch(x, *shard, 32), **TOLERANCE[torch.float32])
+
+
+def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
+    gen = _generator("leading dims")
+    _, _, scales, qweight, qzeros = random_awq(64, 32, 32, gen, torch.float32)
+    weight = [t.to(DEVICE) for t in (qweight, qzeros, scales)]
+    x = torch.randn(2, 3, 64, generator=gen)
+    out = w4a16.awq_linear_triton(x.to(DEVICE), *weight, 32)
+    assert out.shape == (2, 3, 32)
+    expected = awq_linear_torch(x, qweight, qzeros, scales, 32)
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+    assert w4a16.awq_linear_triton(torch.zeros(0, 64, device=DEVICE), *weight, 32).shape == (0, 32)
+
+
+def test_triton_rejects_what_it_cannot_run(w4a16):
+    _, _, scales, qweight, qzeros = random_awq(64, 32, 32, _generator("bad input"), torch.float32)
+    with pytest.raises(ValueError, match="x has 32 features, the AWQ weight 64 inputs"):
+        w4a16.awq_linear_triton(torch.zeros(1, 32), qweight, qzeros, scales, 32)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        w4a16.awq_linear_triton(torch.zeros(1, 64, dtype=torch.float64), qweight, qzeros, scales, 32)
+    with pytest.raises(ValueError, match="split_k_size=100"):
+        w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 32, split_k_size=100)
+    with pytest.raises(ValueError, match="do not make a linear"):
+        w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 64)
+
+
+# --- real sizes on the GPU ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_triton_at_llama_size_on_gpu(w4a16, rows, capsys):
+    """K = N = 4096, groups of 128, bf16 activations, fp16 scales (as AutoAWQ stores them): the
+    kernel against the torch reference, and its time under a CUDA graph (which also checks that
+    the call can be captured) next to a dense bf16 matmul's."""
+    from triton.testing import do_bench_cudagraph
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight = torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02
+    qweight, qzeros, scales = quantize_awq(weight, 128)
+    scales = scales.half()
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
+    out = w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128)
+    expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), 128)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
+    ms = do_bench_cudagraph(lambda: w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128))
+    dense = weight.bfloat16()
+    dense_ms = do_bench_cudagraph(lambda: x @ dense)
+    moved = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales, x, out))
+    with capsys.disabled():
+        print(f"\nAWQ W4A16 {rows}x4096x4096: {ms * 1e3:.1f} us, {moved / ms / 1e6:.0f} GB/s, "
+              f"{2 * rows * 4096 * 4096 / ms / 1e9:.1f} TFLOP/s; dense bf16 matmul {dense_ms * 1e3:.1f} us")
