@@ -105,7 +105,7 @@ def test_missing_weights_are_listed(tiny_llama, tmp_path):
     (dict(block_size=24), "block_size=24 is invalid"),
     (dict(max_model_len=100000), "max_model_len=100000 is invalid: the model supports at most 512"),
     (dict(dtype="float8"), "dtype='float8' is invalid"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
     (dict(kv_cache_memory_bytes=1024), "fewer than one max_model_len"),
 ])
 def test_invalid_engine_args(tiny_llama, kwargs, message):

@@ -61,7 +61,8 @@ class EngineConfig:
     trust_remote_code: bool = _setting(False, "let transformers run the model directory's own code")
     device: str = _setting("auto", "auto, cpu, cuda or cuda:N")
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
-    tensor_parallel_size: int = _setting(1, "GPUs to shard the model over (only 1 for now)")
+    tensor_parallel_size: int = _setting(
+        1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
     quantization: str | None = _setting(None, "quantized weight format (none supported yet)")
 
     def validate(self) -> None:
@@ -86,8 +87,8 @@ class EngineConfig:
             bad("load_format", f"one of {LOAD_FORMATS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
-        if self.tensor_parallel_size != 1:
-            bad("tensor_parallel_size", "1 (tensor parallelism is not available yet)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
         if self.quantization is not None:
             bad("quantization", "None (quantized weights are not supported yet)")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:

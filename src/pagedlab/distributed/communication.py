@@ -28,3 +28,20 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     gathered = torch.empty((world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
     return torch.cat(gathered.chunk(world_size), dim=dim)
+
+
+def tensor_parallel_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``x`` as rank ``src`` holds it, on every rank (in place)."""
+    group = get_tp_group()
+    if group is not None:
+        dist.broadcast(x, src=src, group=group)
+    return x
+
+
+def tensor_parallel_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's ``value`` (e.g. the KV blocks each rank's memory holds)."""
+    if get_tp_group() is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=get_tp_group())
+    return int(tensor.item())

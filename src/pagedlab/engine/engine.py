@@ -21,15 +21,16 @@ from pathlib import Path
 
 import torch
 
-from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, model_max_len, resolve_device,
-                             resolve_dtype, resolve_max_model_len, resolve_max_num_batched_tokens)
+from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, resolve_device, resolve_dtype,
+                             resolve_max_model_len, resolve_max_num_batched_tokens)
+from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.engine.kv_cache import KVCacheManager
-from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan
+from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from pagedlab.layers.attention import get_attention_backend
-from pagedlab.loader import load_model, resolve_model_source
+from pagedlab.engine.tensor_parallel import TensorParallelWorkers, join_tensor_parallel, rank_device
+from pagedlab.loader import resolve_model_source
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
@@ -57,6 +58,8 @@ class LLMEngine:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
+        if config.tensor_parallel_size > 1:
+            self.device = rank_device(config.device, 0)
         self.source = resolve_model_source(config.model, config.load_format)
         try:
             self.hf_config = AutoConfig.from_pretrained(str(self.source.path),
@@ -71,15 +74,33 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
-        model = load_model(self.source, self.hf_config, self.dtype, self.device,
-                           model_max_len(self.hf_config), config.seed)
-        self.runner = ModelRunner(model, self.hf_config, self.device, self.dtype,
-                                  get_attention_backend(config.attention_backend, self.device), config.seed)
+        self.runner = self._load_runner()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
         self.build_plan()
+
+    def _load_runner(self) -> ModelRunner:
+        """This process's model shard in a runner; with tensor parallelism, the worker processes of
+        the other ranks too (started first: they meet this process, rank 0, in the group)."""
+        world_size = self.config.tensor_parallel_size
+        if world_size == 1:
+            return load_model_runner(self.config, self.source, self.hf_config, self.device)
+        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world_size} is invalid: only "
+                             f"{torch.cuda.device_count()} GPUs are visible")
+        workers = TensorParallelWorkers(self.config, world_size)
+        try:
+            join_tensor_parallel(world_size, 0, self.device, workers.init_method)
+            runner = load_model_runner(self.config, self.source, self.hf_config, self.device)
+            workers.collect()
+        except BaseException:
+            workers.close()
+            destroy_tensor_parallel()
+            raise
+        runner.workers = workers
+        return runner
 
     def update_plan(self, **changes) -> None:
         """Change plan-level settings (see ``config.PLAN_FIELDS``) and rebuild the KV cache and
@@ -262,6 +283,7 @@ class LLMEngine:
         self.scheduler = None
         self.kv_cache = None
         self.runner.close()
+        destroy_tensor_parallel()
         gc.unfreeze()  # what this engine held may sit in reference cycles: let the collector see it
 
 

@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
+from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
-from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout, forward_context
+from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
+                                       get_attention_backend)
 from pagedlab.layers.sampler import Sampler, TopLogprobs, gather_logprobs
+from pagedlab.loader import ModelSource, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,15 @@ class LaunchedStep:
         return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
+def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
+                      device: torch.device) -> ModelRunner:
+    """This rank's shard of the model, loaded on ``device``, in a runner."""
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed)
+    backend = get_attention_backend(config.attention_backend, device)
+    return ModelRunner(model, hf_config, device, dtype, backend, config.seed)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, hf_config, device: torch.device, dtype: torch.dtype,
                  backend: AttentionBackend, seed: int = 0):
@@ -119,6 +132,7 @@ class ModelRunner:
         self._profiled_peaks: dict[tuple[int, int], int] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.to_device = HostToDevice(device)
+        self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
         # the last step's block table and each request's (row, block count) in it
         self._block_table = np.zeros((0, 0), dtype=np.int32)
         self._block_table_rows: dict[Request, tuple[int, int]] = {}
@@ -127,9 +141,18 @@ class ModelRunner:
         """Take a new plan: size and allocate the KV cache, capture the decode graphs. Returns
         the number of KV blocks; a cache too small for one ``max_model_len`` sequence is a
         ValueError."""
+        if self.workers is not None:
+            self.workers.send("configure", plan)
+        try:
+            return self._configure(plan)
+        finally:
+            if self.workers is not None:
+                self.workers.collect()
+
+    def _configure(self, plan: RunnerPlan) -> int:
         self.free_kv_cache()
         self.plan = plan
-        num_blocks = self._num_kv_blocks(plan)
+        num_blocks = tensor_parallel_min(self._num_kv_blocks(plan), self.device)  # ranks agree
         min_blocks = -(-plan.max_model_len // plan.block_size)
         if num_blocks < min_blocks:
             raise ValueError(
@@ -172,7 +195,10 @@ class ModelRunner:
         return min(blocks, ceiling)
 
     def close(self) -> None:
-        """Free the KV cache, the graphs and the weights."""
+        """Free the KV cache, the graphs and the weights (and stop the other ranks' workers)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
         self.free_kv_cache()
         self.model = None
 
@@ -293,13 +319,24 @@ class ModelRunner:
         return TopLogprobs(*(self._to_host(t) for t in (top.token_logprob, top.token_rank, top.top_ids,
                                                          top.top_logprobs)))
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling. A request whose input token is still pending
         takes it from ``previous``'s sampled ids on the device, without a round trip to the host."""
+        try:
+            return self._launch(batch, previous)
+        except RuntimeError as e:
+            if self.workers is None:
+                raise
+            raise self.workers.explain(e) from e
+
+    @torch.inference_mode()
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         self.to_device.begin_step()
         inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
-        hidden = self._forward(batch, inputs, previous)
+        table = self._build_block_table(batch.requests)
+        if self.workers is not None:
+            self.workers.send_step(inputs, table, batch.num_new_tokens)
+        hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
         step = LaunchedStep(batch, inputs.sampled)
         rows = inputs.sample_rows + inputs.prompt_rows
         if rows:
@@ -348,18 +385,22 @@ class ModelRunner:
                 inputs.sample_rows.append(offset + n - 1)
         return inputs
 
-    def _forward(self, batch: ScheduledBatch, inputs: StepInputs,
-                 previous: LaunchedStep | None) -> torch.Tensor:
-        """The model over the step's tokens: a decode batch replays a CUDA graph where one fits."""
-        table = self._build_block_table(batch.requests)
+    def _input_ids(self, inputs: StepInputs, previous: LaunchedStep | None) -> torch.Tensor:
+        """The step's input ids on the device; those the previous step sampled are taken from its
+        device tensor. Every rank of a tensor-parallel model gets rank 0's (a broadcast)."""
         ids = self.to_device(inputs.input_ids, torch.int64)
         if inputs.pending_rows:
             ids[self.to_device(inputs.pending_rows, torch.int64)] = \
                 previous.sampled_token_ids[self.to_device(inputs.pending_sources, torch.int64)]
+        return tensor_parallel_broadcast(ids)
+
+    def _run_model(self, ids: torch.Tensor, inputs: StepInputs, table: np.ndarray,
+                   query_lens: list[int]) -> torch.Tensor:
+        """The model over the step's tokens: a decode batch replays a CUDA graph where one fits."""
         positions = self.to_device(inputs.positions, torch.int64)
         slot_mapping = self.to_device(inputs.slots, torch.int64)
         block_tables = self.to_device(table, torch.int32)
-        layout = BatchLayout(batch.num_new_tokens, inputs.seq_lens, table, self.block_size,
+        layout = BatchLayout(query_lens, inputs.seq_lens, table, self.block_size,
                              self.plan.max_model_len, self.plan.cascade_attention)
         graphs = self.cuda_graphs
         if inputs.decode_only and graphs is not None and graphs.can_run(len(inputs.input_ids)):
@@ -367,6 +408,22 @@ class ModelRunner:
             return graphs.run(ids, positions, slot_mapping, seq_lens, block_tables, layout)
         with forward_context(self._metadata(slot_mapping, layout, block_tables), self.backend):
             return self.model(ids, positions)
+
+    @torch.inference_mode()
+    def run_worker_step(self, inputs: StepInputs, table: np.ndarray, query_lens: list[int]) -> None:
+        """Rank r > 0 of a tensor-parallel model: the forward rank 0 runs (on this rank's shard),
+        with the input ids rank 0 broadcasts, and the LM head's part of the logits gather."""
+        self.to_device.begin_step()
+        ids = torch.empty(len(inputs.input_ids), dtype=torch.int64, device=self.device)
+        tensor_parallel_broadcast(ids)
+        hidden = self._run_model(ids, inputs, table, query_lens)
+        rows = inputs.sample_rows + inputs.prompt_rows
+        if rows:
+            self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self.to_device.end_step(done)
 
     def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
         result = {}

@@ -1,0 +1,83 @@
+"""The engine at tensor_parallel_size=2 on the CPU (two processes over gloo): the same greedy
+tokens as one process and as HF transformers, through prefix caching, chunked prefill and
+preemption; logprobs as one process's; a killed worker is an error naming it, and no worker
+outlives the engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+
+KV_BYTES = 16 << 20
+
+
+def _generate(path, prompts, params, **engine_args):
+    with LLM(path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16, **engine_args) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    return outputs, stats
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {"num_key_value_heads": 1})],
+                         ids=["llama-kv2", "qwen3-kv1-replicated"])
+def test_two_ranks_give_one_rank_and_hf_tokens(tmp_path, arch, overrides):
+    """Shared prefixes (prefix-cache hits) and a 16-token budget (chunked prefill): the same
+    tokens and logprobs at TP=2 as at TP=1, and HF's tokens."""
+    from conftest import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path / arch, arch, **overrides)
+    prefix = random_prompts(1, min_len=40, max_len=40, seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(4, max_len=20, seed=8)] + random_prompts(3, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    one, _ = _generate(tiny.path, prompts, params)
+    two, stats = _generate(tiny.path, prompts, params, tensor_parallel_size=2)
+    expected = [hf_greedy(tiny.hf_model, p, 8, eos_token_id=None) for p in prompts]
+    assert [o.outputs[0].token_ids for o in two] == expected
+    assert [o.outputs[0].token_ids for o in one] == expected
+    assert stats.prefix_cache_hit_tokens > 0
+    for a, b in zip(one, two):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_preemption_at_two_ranks_keeps_the_tokens(tiny_llama):
+    """Ten blocks per rank for six sequences growing to 60-90 tokens: running ones are preempted
+    and recomputed on both ranks."""
+    prompts = random_prompts(6, min_len=30, max_len=60, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    bytes_per_block = 2 * 2 * 16 * 1 * 16 * 4  # K and V, 2 layers, 16 slots, 1 KV head a rank, dim 16, fp32
+    with LLM(tiny_llama.path, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=16,
+             kv_cache_memory_bytes=10 * bytes_per_block) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.get_stats().num_preemptions > 0
+    assert got == [hf_greedy(tiny_llama.hf_model, p, 30, eos_token_id=None) for p in prompts]
+
+
+def test_a_killed_worker_is_an_error_naming_it_and_nothing_is_left(tiny_llama):
+    llm = LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES)
+    workers = [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+    assert len(workers) == 1
+    os.kill(workers[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 .* exited"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.close()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+
+
+def test_close_stops_the_workers_and_bad_sizes_are_named(tiny_llama):
+    with LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_engine_info().config.tensor_parallel_size == 2
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        LLM(tiny_llama.path, tensor_parallel_size=3, kv_cache_memory_bytes=KV_BYTES)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
