@@ -19,7 +19,8 @@ KV_BYTES = 16 << 20
 
 
 def _generate(path, prompts, params, **engine_args):
-    with LLM(path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16, **engine_args) as llm:
+    with LLM(path, dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16,
+             **engine_args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
     return outputs, stats
@@ -54,8 +55,8 @@ def test_preemption_at_two_ranks_keeps_the_tokens(tiny_llama):
     prompts = random_prompts(6, min_len=30, max_len=60, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     bytes_per_block = 2 * 2 * 16 * 1 * 16 * 4  # K and V, 2 layers, 16 slots, 1 KV head a rank, dim 16, fp32
-    with LLM(tiny_llama.path, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=16,
-             kv_cache_memory_bytes=10 * bytes_per_block) as llm:
+    with LLM(tiny_llama.path, dtype="float32", tensor_parallel_size=2, max_model_len=128,
+             max_num_batched_tokens=16, kv_cache_memory_bytes=10 * bytes_per_block) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.get_stats().num_preemptions > 0
     assert got == [hf_greedy(tiny_llama.hf_model, p, 30, eos_token_id=None) for p in prompts]
