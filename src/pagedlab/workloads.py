@@ -410,7 +410,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 # warm-up on the workload's own shapes (and this plan's block size):
                 # compiles kernels before timing
                 llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached)
+            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
+                                   tensor_parallel_size=llm.get_engine_info().config.tensor_parallel_size)
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
                 results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
