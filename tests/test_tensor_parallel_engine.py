@@ -82,3 +82,37 @@ def test_close_stops_the_workers_and_bad_sizes_are_named(tiny_llama):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
         LLM(tiny_llama.path, tensor_parallel_size=3, kv_cache_memory_bytes=KV_BYTES)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+
+
+_DRIVER = """
+import multiprocessing, os, signal, sys, time
+from pagedlab import LLM
+
+if __name__ == "__main__":  # workers are spawned: they import this file, which must not build an LLM
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20)
+    print(next(p.pid for p in multiprocessing.active_children()), flush=True)
+    if sys.argv[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif sys.argv[2] == "interrupt":
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "interrupt", "kill"])
+def test_no_worker_outlives_its_driver(tiny_llama, tmp_path, how):
+    """The driver exits without close(), is interrupted (Ctrl-C), or is killed: its worker goes too."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    proc = subprocess.run([sys.executable, str(script), tiny_llama.path, how], capture_output=True, text=True,
+                          timeout=120)
+    worker_pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(worker_pid) and psutil.Process(worker_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"worker {worker_pid} outlived its driver ({how})"
+        time.sleep(0.2)
