@@ -16,16 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     if "pagedlab.kernels.w4a16" in sys.modules:  # built without the interpreter by another module
         importlib.reload(sys.modules["pagedlab.kernels.w4a16"])
 
-from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts
+from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams
+from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear
+from pagedlab.loader.dummy import init_dummy_weights
+from pagedlab.models.registry import build_model
 from pagedlab.quantization.awq import AWQConfig, dequantize_awq, quantize_awq
 from pagedlab.quantization.linear_method import AWQLinearMethod
 
@@ -144,3 +147,48 @@ def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"quantization='gguf' is invalid: quantization must be one of "
                                          r"\(None, 'awq'\)"):
         LLM(tiny.path, quantization="gguf", kv_cache_memory_bytes=KV_BYTES)
+
+
+def _dummy_awq_model(hf_config, world_size: int, rank: int, monkeypatch):
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState(world_size, rank))
+    model = build_model(hf_config, 64)
+    init_dummy_weights(model, seed=7)
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState())
+    return model
+
+
+def test_dummy_awq_weights_are_the_same_at_tp1_and_tp2(monkeypatch):
+    """Each TP=2 rank's packed tensors (built without a process group: no forward runs) are its cut
+    of the TP=1 model's, fused q/k/v and gate/up parts included; modules_to_not_convert stay dense."""
+    hf_config = tiny_config("llama")
+    hf_config.quantization_config = awq_quantization_config(32, modules_to_not_convert=["layers.1.mlp"])
+    whole = dict(_dummy_awq_model(hf_config, 1, 0, monkeypatch).named_modules())
+    assert hasattr(whole["model.layers.1.mlp.down_proj"], "weight")
+    assert hasattr(whole["model.layers.0.mlp.down_proj"], "qweight")
+    for rank in range(2):
+        for name, layer in _dummy_awq_model(hf_config, 2, rank, monkeypatch).named_modules():
+            if not hasattr(layer, "qweight"):
+                continue
+            for param_name in ("qweight", "qzeros", "scales"):
+                part, full = getattr(layer, param_name), getattr(whole[name], param_name)
+                spec = part.spec
+                if hasattr(layer, "shards"):  # column-parallel: this rank's columns of each part
+                    for shard, full_shard in zip(layer.shards, whole[name].shards):
+                        unit = spec.out_unit
+                        expected = full.narrow(spec.out_dim, (full_shard.offset + shard.start) // unit,
+                                               shard.size // unit)
+                        got = part.narrow(spec.out_dim, shard.offset // unit, shard.size // unit)
+                        assert torch.equal(got, expected), (name, param_name, rank)
+                else:  # row-parallel: this rank's rows (whole groups)
+                    rows = part.shape[spec.in_dim]
+                    assert torch.equal(part, full.narrow(spec.in_dim, rank * rows, rows)), (name, param_name)
+
+
+def test_missing_awq_tensor_is_named(tmp_path):
+    tiny = build_tiny_model(tmp_path / "hf", "llama", seed=6)
+    awq_dir, _ = write_awq_checkpoints(tiny, tmp_path, 32)
+    tensors = load_file(str(awq_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.scales"]
+    save_file(tensors, str(awq_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.0\.mlp\.down_proj\.scales"):
+        LLM(str(awq_dir), kv_cache_memory_bytes=KV_BYTES)
