@@ -15,12 +15,15 @@ from typing import Any
 
 import torch
 
+from pagedlab.quantization.awq import AWQConfig
+
 DTYPE_NAMES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "half": "float16", "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = (None, "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -63,7 +66,9 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
-    quantization: str | None = _setting(None, "quantized weight format (none supported yet)")
+    quantization: str | None = _setting(
+        None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
+              "else dense) or awq (AutoAWQ 4-bit GEMM checkpoints)")
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting and what it may be."""
@@ -89,8 +94,8 @@ class EngineConfig:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
-        if self.quantization is not None:
-            bad("quantization", "None (quantized weights are not supported yet)")
+        if self.quantization not in QUANTIZATIONS:
+            bad("quantization", f"one of {QUANTIZATIONS}")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -151,6 +156,24 @@ class EngineInfo:
             async_scheduling=self.async_scheduling, attention_backend=self.attention_backend,
             enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks)
         return settings
+
+
+def resolve_quantization(requested: str | None, hf_config) -> str | None:
+    """The weight format the engine loads: the checkpoint's ``quantization_config`` when
+    ``requested`` is None; an explicit value must match it (and a dense checkpoint has none)."""
+    quantization_config = getattr(hf_config, "quantization_config", None)
+    if quantization_config and not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    found = str(quantization_config.get("quant_method")).lower() if quantization_config else None
+    if found is not None and found not in QUANTIZATIONS:
+        raise ValueError(f"the checkpoint's quantization_config has quant_method={found!r}, which is not "
+                         f"supported: supported quantizations are {[q for q in QUANTIZATIONS if q]}")
+    if requested is not None and requested != found:
+        raise ValueError(f"quantization={requested!r} does not match the checkpoint's quantization "
+                         f"{found!r} (config.json's quantization_config); leave quantization=None to use it")
+    if found == "awq":
+        AWQConfig.from_hf_config(quantization_config)  # unsupported variants fail here, by name
+    return found
 
 
 def resolve_device(device: str) -> torch.device:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, resolve_device, resolve_dtype,
-                             resolve_max_model_len, resolve_max_num_batched_tokens)
+                             resolve_max_model_len, resolve_max_num_batched_tokens, resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
@@ -66,6 +66,7 @@ class LLMEngine:
                                                         trust_remote_code=config.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
+        resolve_quantization(config.quantization, self.hf_config)  # a mismatch fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.source.path, config.trust_remote_code)

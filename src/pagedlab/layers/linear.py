@@ -8,9 +8,13 @@ holds everything and no collective runs).
 - ``RowParallelLinear``: the input dimension is sharded; the partial products are summed over
   the ranks and the bias is added once, after the sum.
 
+Each layer's weight scheme comes from its ``linear_method`` (``pagedlab.quantization.linear_method``):
+dense ``weight``, or AWQ's packed ``qweight``/``qzeros``/``scales``; one layer class serves both.
 Each parameter's ``weight_loader(param, full_checkpoint_tensor, shard_id)`` copies this rank's
-part of the full tensor; ``checkpoint_shapes`` lists the full tensor of each ``shard_id`` (the
-dummy loader draws those, so random weights do not depend on the world size).
+part of the full tensor, cut along the parameter's own output or input dimension in its units
+(whole int32 words of 8 columns, whole groups of rows); ``checkpoint_shapes`` lists the full
+tensor of each ``shard_id`` and ``dense_checkpoint_shapes`` the dense ``[out, in]`` weight of
+each part (the dummy loader draws those, so random weights do not depend on the world size).
 """
 
 from __future__ import annotations
@@ -18,12 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
+from pagedlab.quantization.linear_method import DenseLinearMethod, WeightSpec
+
+
+def _units(size: int, unit: int, what: str) -> int:
+    if size % unit:
+        raise ValueError(f"{what}={size} is not a whole number of {unit}-feature units of the "
+                         "quantized weight")
+    return size // unit
 
 
 @dataclass(frozen=True)
@@ -41,50 +52,68 @@ class OutputShardedLinear(nn.Module):
     """``y = x W^T + b`` where W holds, row-wise, this rank's rows of one or more checkpoint
     tensors (the base of the column-parallel layers)."""
 
-    def __init__(self, input_size: int, shards: list[tuple[int, int, int]], bias: bool):
+    def __init__(self, input_size: int, shards: list[tuple[int, int, int]], bias: bool, linear_method=None):
         super().__init__()
+        self.linear_method = linear_method or DenseLinearMethod()
         self.shards: list[OutputShard] = []
         offset = 0
         for full_size, start, size in shards:
             self.shards.append(OutputShard(full_size, start, size, offset))
             offset += size
         self.output_size_per_rank = offset
-        self.weight = nn.Parameter(torch.empty(offset, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.checkpoint_shapes = [(s.full_size, input_size) for s in self.shards]
+        self.dense_checkpoint_shapes = [(s.full_size, input_size) for s in self.shards]
+        for spec in self.linear_method.weight_specs(input_size, offset):
+            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
+            param.weight_loader, param.spec = self.weight_loader, spec
+            param.checkpoint_shapes = [spec_shape(spec, s.full_size, input_size) for s in self.shards]
+            self.register_parameter(spec.name, param)
         if bias:
             self.bias = nn.Parameter(torch.empty(offset), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.spec = WeightSpec("bias", (offset, 1), None, 0, 1, 0, 1)
             self.bias.checkpoint_shapes = [(s.full_size,) for s in self.shards]
         else:
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
-        """Copy this rank's rows of the full checkpoint tensor of part ``shard_id``."""
+        """Copy this rank's output features of the full checkpoint tensor of part ``shard_id``."""
         if shard_id is None:
             if len(self.shards) != 1:
                 raise ValueError(f"a fused weight of {len(self.shards)} parts needs a shard_id")
             shard_id = 0
-        shard = self.shards[shard_id]
+        shard, spec = self.shards[shard_id], param.spec
         check_shape(loaded, param.checkpoint_shapes[shard_id])
-        param.data.narrow(0, shard.offset, shard.size).copy_(read_part(loaded, 0, shard.start, shard.size))
+        unit = spec.out_unit
+        offset = _units(shard.offset, unit, "the shard offset")
+        start = _units(shard.start, unit, "the shard start")
+        size = _units(shard.size, unit, "the shard size")
+        param.data.narrow(spec.out_dim, offset, size).copy_(read_part(loaded, spec.out_dim, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
+
+
+def spec_shape(spec: WeightSpec, out_features: int, in_features: int) -> tuple[int, int]:
+    """The shape of ``spec``'s parameter for a linear of ``in_features`` x ``out_features``."""
+    shape = [0, 0]
+    shape[spec.out_dim] = out_features // spec.out_unit
+    shape[spec.in_dim] = in_features // spec.in_unit
+    return tuple(shape)
 
 
 class ColumnParallelLinear(OutputShardedLinear):
     """Output dimension sharded: ``output_sizes`` (one size, or several fused parts) are each
     split evenly over the ranks; the output is this rank's slice of every part, not gathered."""
 
-    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
+                 linear_method=None):
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
         shards = []
         for size in sizes:
             per_rank = divide_evenly(size, tp_size, "the output size")
             shards.append((size, tp_rank * per_rank, per_rank))
-        super().__init__(input_size, shards, bias)
+        super().__init__(input_size, shards, bias, linear_method)
 
 
 @dataclass(frozen=True)
@@ -117,11 +146,11 @@ class QKVParallelLinear(OutputShardedLinear):
     ``num_heads``/``num_kv_heads`` are this rank's. Checkpoint parts: 0 = q, 1 = k, 2 = v."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, linear_method=None):
         split = split_attention_heads(num_heads, num_kv_heads, get_tp_world_size(), get_tp_rank())
         q = (num_heads * head_dim, split.first_head * head_dim, split.num_heads * head_dim)
         kv = (num_kv_heads * head_dim, split.first_kv_head * head_dim, split.num_kv_heads * head_dim)
-        super().__init__(hidden_size, [q, kv, kv], bias)
+        super().__init__(hidden_size, [q, kv, kv], bias, linear_method)
         self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, head_dim
 
 
@@ -130,26 +159,33 @@ class RowParallelLinear(nn.Module):
     output before it) by its columns of W; the results are summed over the ranks and the bias,
     which every rank holds whole, is added once after the sum."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, linear_method=None):
         super().__init__()
+        self.linear_method = linear_method or DenseLinearMethod()
         self.tp_size = get_tp_world_size()
         self.input_size_per_rank = divide_evenly(input_size, self.tp_size, "the input size")
         self.input_start = get_tp_rank() * self.input_size_per_rank
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.checkpoint_shapes = [(output_size, input_size)]
+        self.dense_checkpoint_shapes = [(output_size, input_size)]
+        for spec in self.linear_method.weight_specs(self.input_size_per_rank, output_size):
+            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
+            param.weight_loader, param.spec = self.weight_loader, spec
+            param.checkpoint_shapes = [spec_shape(spec, output_size, input_size)]
+            self.register_parameter(spec.name, param)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
-        """Copy this rank's columns of the full checkpoint weight."""
+        """Copy this rank's input features of the full checkpoint tensor."""
+        spec = param.spec
         check_shape(loaded, param.checkpoint_shapes[0])
-        param.data.copy_(read_part(loaded, 1, self.input_start, self.input_size_per_rank))
+        start = _units(self.input_start, spec.in_unit, "the shard start")
+        size = _units(self.input_size_per_rank, spec.in_unit, "the shard size")
+        param.data.copy_(read_part(loaded, spec.in_dim, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # the bias fused into the matmul, as without tensor parallelism
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_parallel_all_reduce(F.linear(x, self.weight))
+            return self.linear_method.apply(self, x, self.bias)
+        out = tensor_parallel_all_reduce(self.linear_method.apply(self, x, None))
         return out if self.bias is None else out + self.bias

@@ -22,6 +22,7 @@ from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
 from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused
+from pagedlab.quantization.linear_method import linear_method_for, quantization_config_of
 
 
 def head_dim_of(hf_config) -> int:
@@ -29,18 +30,20 @@ def head_dim_of(hf_config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None):
         super().__init__()
         hidden = hf_config.hidden_size
         total_heads = hf_config.num_attention_heads
         total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(hf_config)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias,
+                                          linear_method=linear_method_for(quant_config, f"{prefix}.qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden,
-                                        bias=getattr(hf_config, "attention_bias", False))
+                                        bias=getattr(hf_config, "attention_bias", False),
+                                        linear_method=linear_method_for(quant_config, f"{prefix}.o_proj"))
         eps = hf_config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -60,7 +63,7 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, hf_config):
+    def __init__(self, hf_config, prefix: str, quant_config=None):
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
@@ -68,8 +71,11 @@ class DecoderMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported: only 'silu' is")
         divide_evenly(inter, get_tp_world_size(), "intermediate_size")  # the config's name in the error
-        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, [inter, inter], bias=bias,
+            linear_method=linear_method_for(quant_config, f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(
+            inter, hidden, bias=bias, linear_method=linear_method_for(quant_config, f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,10 +83,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None):
         super().__init__()
-        self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(hf_config)
+        self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm, f"{prefix}.self_attn", quant_config)
+        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -100,8 +106,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
+        quant_config = quantization_config_of(hf_config)  # None: dense linears
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, qkv_bias, qk_norm) for _ in range(hf_config.num_hidden_layers))
+            DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config)
+            for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
