@@ -192,3 +192,14 @@ def test_missing_awq_tensor_is_named(tmp_path):
     save_file(tensors, str(awq_dir / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.0\.mlp\.down_proj\.scales"):
         LLM(str(awq_dir), kv_cache_memory_bytes=KV_BYTES)
+
+
+def test_awq_at_two_tensor_parallel_ranks_equals_hf_on_the_dequantized_weights(tmp_path):
+    """Each rank holds its cut of the packed words and groups (q/k/v and gate/up each cut apart);
+    two ranks over gloo give HF's greedy tokens on the dequantized weights."""
+    tiny = build_tiny_model(tmp_path / "hf", "llama", seed=3)
+    awq_dir, _ = write_awq_checkpoints(tiny, tmp_path, 32)
+    prompts = random_prompts(3, max_len=40, seed=5)
+    expected = [hf_greedy(tiny.hf_model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(str(awq_dir), quantization="awq", tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
