@@ -24,8 +24,11 @@ if not torch.cuda.is_available():
     if "pagedlab.kernels.w4a16" in sys.modules:
         importlib.reload(sys.modules["pagedlab.kernels.w4a16"])
 
+from pagedlab.distributed import parallel_state
+from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedlab.quantization.awq import (AWQ_PACK_ORDER, AWQConfig, awq_linear_torch, dequantize_awq, pack_awq,
-                                       quantize_awq, shard_awq_column, shard_awq_row, unpack_awq)
+                                       quantize_awq, unpack_awq)
+from pagedlab.quantization.linear_method import AWQLinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=2e-3),
@@ -174,40 +177,54 @@ def test_unsupported_configs_name_the_value_and_what_is_supported(change, messag
 # --- tensor-parallel shards --------------------------------------------------------------------------
 
 
+def rank_awq_layer(layer_cls, in_features, out_features, group_size, rank, world_size, monkeypatch, tensors):
+    """Rank ``rank``'s AWQ ``layer_cls`` (built without a process group: no forward runs) with the
+    full packed ``tensors`` (qweight, qzeros, scales) loaded through its weight loaders."""
+    monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState(world_size, rank))
+    try:
+        layer = layer_cls(in_features, out_features, linear_method=AWQLinearMethod(AWQConfig(group_size)))
+    finally:
+        monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState())
+    for name, full in zip(("qweight", "qzeros", "scales"), tensors):
+        param = getattr(layer, name)
+        param.weight_loader(param, full)
+    return layer
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_column_shards_concatenate_to_the_full_weight(world_size):
+def test_column_shards_concatenate_to_the_full_weight(world_size, monkeypatch):
     _, _, scales, qweight, qzeros = random_awq(128, 64, 32, _generator("column", world_size))
     full = dequantize_awq(qweight, qzeros, scales, 32)
-    shards = [dequantize_awq(*shard_awq_column(qweight, qzeros, scales, rank, world_size), 32)
-              for rank in range(world_size)]
+    layers = [rank_awq_layer(ColumnParallelLinear, 128, 64, 32, rank, world_size, monkeypatch,
+                             (qweight, qzeros, scales.float())) for rank in range(world_size)]
+    shards = [dequantize_awq(layer.qweight, layer.qzeros, layer.scales, 32) for layer in layers]
     width = 64 // world_size
     for rank, shard in enumerate(shards):
-        assert torch.equal(shard, full[:, rank * width:(rank + 1) * width])
-    assert torch.equal(torch.cat(shards, dim=1), full)
+        assert torch.equal(shard.half(), full[:, rank * width:(rank + 1) * width])
+    assert torch.equal(torch.cat(shards, dim=1).half(), full)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_row_shards_concatenate_to_the_full_weight(world_size):
+def test_row_shards_concatenate_to_the_full_weight(world_size, monkeypatch):
     _, _, scales, qweight, qzeros = random_awq(256, 24, 64, _generator("row", world_size))
     full = dequantize_awq(qweight, qzeros, scales, 64)
-    shards = [dequantize_awq(*shard_awq_row(qweight, qzeros, scales, 64, rank, world_size), 64)
-              for rank in range(world_size)]
+    layers = [rank_awq_layer(RowParallelLinear, 256, 24, 64, rank, world_size, monkeypatch,
+                             (qweight, qzeros, scales.float())) for rank in range(world_size)]
+    shards = [dequantize_awq(layer.qweight, layer.qzeros, layer.scales, 64) for layer in layers]
     height = 256 // world_size
     for rank, shard in enumerate(shards):
-        assert torch.equal(shard, full[rank * height:(rank + 1) * height])
-    assert torch.equal(torch.cat(shards, dim=0), full)
+        assert torch.equal(shard.half(), full[rank * height:(rank + 1) * height])
+    assert torch.equal(torch.cat(shards, dim=0).half(), full)
 
 
-def test_shards_off_a_word_or_group_boundary_are_refused():
+def test_shards_off_a_word_or_group_boundary_are_refused(monkeypatch):
     _, _, scales, qweight, qzeros = random_awq(128, 136, 64, _generator("bad shards"))
-    with pytest.raises(ValueError, match=r"out_features=136 .* multiple of 16"):
-        shard_awq_column(qweight, qzeros, scales, 0, 2)
-    with pytest.raises(ValueError, match=r"in_features=128 .* multiple of 256"):
-        shard_awq_row(qweight, qzeros, scales, 64, 0, 4)
-    with pytest.raises(ValueError, match="rank=2 is not a rank of world_size=2"):
-        shard_awq_row(qweight, qzeros, scales, 64, 2, 2)
-    with pytest.raises(ValueError, match="do not make a linear"):
-        shard_awq_row(qweight, qzeros, scales, 32, 0, 2)
+    with pytest.raises(ValueError, match=r"68 outputs \(this rank's\) needs .* whole int32 words of 8"):
+        rank_awq_layer(ColumnParallelLinear, 128, 136, 64, 0, 2, monkeypatch, (qweight, qzeros, scales))
+    with pytest.raises(ValueError, match=r"32 inputs and .* needs whole groups of 64 inputs"):
+        rank_awq_layer(RowParallelLinear, 128, 136, 64, 0, 4, monkeypatch, (qweight, qzeros, scales))
+    with pytest.raises(ValueError, match=r"does not match the expected"):  # another group size's tensors
+        rank_awq_layer(RowParallelLinear, 128, 136, 32, 0, 2, monkeypatch, (qweight, qzeros, scales))
 
 
 # --- the Triton kernels ------------------------------------------------------------------------------
@@ -256,7 +273,7 @@ def test_triton_bfloat16(w4a16, rows):
 def test_triton_on_column_shard_views(w4a16, rows):
     gen = _generator("shard views", rows)
     _, _, scales, qweight, qzeros = random_awq(128, 128, 32, gen, torch.float32)
-    shard = shard_awq_column(qweight, qzeros, scales, 1, 2)
+    shard = (qweight[:, 8:], qzeros[:, 8:], scales[:, 64:])  # the second of two column-parallel shards
     assert not shard[0].is_contiguous()
     x = torch.randn(rows, 128, generator=gen)
     out = w4a16.awq_linear_triton(x.to(DEVICE), *(t.to(DEVICE) for t in shard), 32)

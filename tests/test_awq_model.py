@@ -138,14 +138,15 @@ def test_unsupported_awq_variants_fail_at_construction(tmp_path, overrides, mess
 
 def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
     tiny = build_tiny_model(tmp_path / "hf", "llama", seed=2)
-    with pytest.raises(ValueError, match="quantization='awq' does not match the checkpoint's "
-                                         "quantization None"):
-        LLM(tiny.path, quantization="awq", load_format="dummy", kv_cache_memory_bytes=KV_BYTES)
+    awq_dir, _ = write_awq_checkpoints(tiny, tmp_path, 32)
+    with pytest.raises(ValueError, match="quantization='fp8' does not match the checkpoint's "
+                                         "quantization 'awq'"):
+        LLM(str(awq_dir), quantization="fp8", load_format="dummy", kv_cache_memory_bytes=KV_BYTES)
     set_quantization_config(Path(tiny.path), {"quant_method": "gptq", "bits": 4})
     with pytest.raises(ValueError, match="quant_method='gptq', which is not supported"):
         LLM(tiny.path, quantization="awq", load_format="dummy", kv_cache_memory_bytes=KV_BYTES)
     with pytest.raises(ValueError, match=r"quantization='gguf' is invalid: quantization must be one of "
-                                         r"\(None, 'awq'\)"):
+                                         r"\(None, 'awq', 'fp8'\)"):
         LLM(tiny.path, quantization="gguf", kv_cache_memory_bytes=KV_BYTES)
 
 

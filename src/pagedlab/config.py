@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedlab.quantization.awq import AWQConfig
+from pagedlab.quantization.formats import QUANTIZATIONS, resolve_quant_config
 
 DTYPE_NAMES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -23,7 +23,6 @@ DTYPE_NAMES = {
     "float16": "float16", "half": "float16", "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = (None, "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -68,7 +67,8 @@ class EngineConfig:
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
     quantization: str | None = _setting(
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
-              "else dense) or awq (AutoAWQ 4-bit GEMM checkpoints)")
+              "else dense), awq (AutoAWQ 4-bit GEMM checkpoints; round-to-nearest 4-bit of a dense one) or "
+              "fp8 (compressed-tensors FP8 checkpoints; FP8 E4M3 quantized at load from a dense one)")
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting and what it may be."""
@@ -146,6 +146,9 @@ class EngineInfo:
     cuda_graphs: bool  # decode steps replay CUDA graphs
     num_kv_blocks: int
     eos_token_ids: tuple[int, ...] = ()  # the ids that end a sequence (config, generation config, tokenizer)
+    quantization: str | None = None  # the weight format loaded, resolved from the request and config.json
+    kv_cache_dtype: str | None = None  # the dtype the KV cache holds
+    weight_bytes: int = 0  # the parameters as stored (this rank's shard under tensor parallelism)
 
     def resolved_settings(self) -> dict:
         """The engine settings with every "auto"/None replaced by what the engine uses."""
@@ -154,26 +157,17 @@ class EngineInfo:
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
             async_scheduling=self.async_scheduling, attention_backend=self.attention_backend,
-            enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks)
+            enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype)
         return settings
 
 
 def resolve_quantization(requested: str | None, hf_config) -> str | None:
-    """The weight format the engine loads: the checkpoint's ``quantization_config`` when
-    ``requested`` is None; an explicit value must match it (and a dense checkpoint has none)."""
-    quantization_config = getattr(hf_config, "quantization_config", None)
-    if quantization_config and not isinstance(quantization_config, dict):
-        quantization_config = quantization_config.to_dict()
-    found = str(quantization_config.get("quant_method")).lower() if quantization_config else None
-    if found is not None and found not in QUANTIZATIONS:
-        raise ValueError(f"the checkpoint's quantization_config has quant_method={found!r}, which is not "
-                         f"supported: supported quantizations are {[q for q in QUANTIZATIONS if q]}")
-    if requested is not None and requested != found:
-        raise ValueError(f"quantization={requested!r} does not match the checkpoint's quantization "
-                         f"{found!r} (config.json's quantization_config); leave quantization=None to use it")
-    if found == "awq":
-        AWQConfig.from_hf_config(quantization_config)  # unsupported variants fail here, by name
-    return found
+    """The weight format the engine loads ("awq", "fp8" or None for dense): the checkpoint's
+    ``quantization_config`` when ``requested`` is None; an explicit value must match it, or on a
+    dense checkpoint says to quantize at load (see ``pagedlab.quantization.formats``)."""
+    quant_config = resolve_quant_config(requested, hf_config)  # unsupported variants fail here, by name
+    return quant_config.name if quant_config is not None else None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -32,6 +32,20 @@ def read_part(loaded, dim: int, start: int, size: int) -> torch.Tensor:
     return loaded[:, start:start + size]
 
 
+def read_shard(loaded, dim: int, unit: int, start: int, size: int, feature: str) -> torch.Tensor:
+    """One rank's ``size`` features from feature ``start`` (its shard of the ``feature`` dimension,
+    "output" or "input") of a tensor along whose ``dim`` each index covers ``unit`` features: 8
+    for AWQ's packed int32 columns, ``group_size`` for its groups of rows, 1 for a plain weight.
+    A shard must hold whole units: with N ranks, the feature count must be a multiple of
+    ``unit * N``."""
+    if start % unit or size % unit:
+        raise ValueError(f"a tensor-parallel shard of {size} {feature} features from feature {start} "
+                         f"does not hold whole units of {unit} features (int32 words of 8 columns, "
+                         f"groups of group_size rows): the {feature} features must be a multiple of "
+                         f"{unit} x tensor_parallel_size")
+    return read_part(loaded, dim, start // unit, size // unit)
+
+
 def read_whole(loaded) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 

@@ -66,7 +66,7 @@ class LLMEngine:
                                                         trust_remote_code=config.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
-        resolve_quantization(config.quantization, self.hf_config)  # a mismatch fails before loading
+        self.quantization = resolve_quantization(config.quantization, self.hf_config)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.source.path, config.trust_remote_code)
@@ -175,7 +175,8 @@ class LLMEngine:
             attention_backend=backend.name,
             cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, quantization=self.quantization,
+            kv_cache_dtype=self.runner.kv_cache_dtype, weight_bytes=self.runner.weight_bytes)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

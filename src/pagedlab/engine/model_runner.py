@@ -110,7 +110,8 @@ def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
                       device: torch.device) -> ModelRunner:
     """This rank's shard of the model, loaded on ``device``, in a runner."""
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed)
+    model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed,
+                       config.quantization)
     backend = get_attention_backend(config.attention_backend, device)
     return ModelRunner(model, hf_config, device, dtype, backend, config.seed)
 
@@ -179,6 +180,10 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        return str(self.kv_cache.dtype).removeprefix("torch.") if self.kv_cache is not None else None
 
     @property
     def kv_cache_bytes(self) -> int:

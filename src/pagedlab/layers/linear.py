@@ -9,12 +9,16 @@ holds everything and no collective runs).
   the ranks and the bias is added once, after the sum.
 
 Each layer's weight scheme comes from its ``linear_method`` (``pagedlab.quantization.linear_method``):
-dense ``weight``, or AWQ's packed ``qweight``/``qzeros``/``scales``; one layer class serves both.
-Each parameter's ``weight_loader(param, full_checkpoint_tensor, shard_id)`` copies this rank's
-part of the full tensor, cut along the parameter's own output or input dimension in its units
-(whole int32 words of 8 columns, whole groups of rows); ``checkpoint_shapes`` lists the full
-tensor of each ``shard_id`` and ``dense_checkpoint_shapes`` the dense ``[out, in]`` weight of
-each part (the dummy loader draws those, so random weights do not depend on the world size).
+dense ``weight``, AWQ's packed ``qweight``/``qzeros``/``scales``, or FP8's ``weight``/``weight_scale``
+(/``input_scale``); one layer class serves all. Each parameter's ``weight_loader(param,
+full_checkpoint_tensor, shard_id)`` copies this rank's part of the full tensor, cut along the
+parameter's own output or input dimension in its units (``read_shard``: whole int32 words of 8
+columns, whole groups of rows); ``checkpoint_shapes`` lists the full tensor of each ``shard_id``
+and ``dense_checkpoint_shapes`` the dense ``[out, in]`` weight of each part.
+``load_dense_weight`` takes such a dense weight, quantizes the FULL tensor with the layer's
+method and loads this rank's part of each result: the way formats quantized at load read a dense
+checkpoint and the way the dummy loader fills every linear, so a rank's quantized weights are
+its cut of the TP=1 ones, whatever the world size.
 """
 
 from __future__ import annotations
@@ -26,15 +30,49 @@ from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
+from pagedlab.distributed.sharding import check_shape, divide_evenly, read_shard, read_whole
 from pagedlab.quantization.linear_method import DenseLinearMethod, WeightSpec
 
 
-def _units(size: int, unit: int, what: str) -> int:
-    if size % unit:
-        raise ValueError(f"{what}={size} is not a whole number of {unit}-feature units of the "
-                         "quantized weight")
-    return size // unit
+def create_weights(layer: nn.Module, in_features: int, out_features: int,
+                   checkpoint_shapes) -> None:
+    """Register the parameters of ``layer.linear_method`` for a linear of this rank's
+    ``in_features`` x ``out_features``; ``checkpoint_shapes(spec)`` lists each part's full shape."""
+    for spec in layer.linear_method.weight_specs(in_features, out_features):
+        param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
+        if spec.out_dim is None and spec.in_dim is None:
+            param.data.zero_()  # a per-layer scalar: parts load as their maximum
+        param.weight_loader, param.spec = layer.weight_loader, spec
+        param.checkpoint_shapes = checkpoint_shapes(spec)
+        layer.register_parameter(spec.name, param)
+
+
+def _checkpoint_tensor(layer: nn.Module, param: nn.Parameter, loaded, shard_id: int):
+    """``loaded`` in the layout of ``param``, its full shape checked; a per-layer scalar is
+    merged here (fused parts quantize one input: the largest scale serves them all) and None
+    is returned."""
+    loaded = layer.linear_method.checkpoint_tensor(param.spec, loaded, param.checkpoint_shapes[shard_id])
+    check_shape(loaded, param.checkpoint_shapes[shard_id])
+    if param.spec.out_dim is None and param.spec.in_dim is None:
+        param.data.copy_(torch.maximum(param.data, read_whole(loaded).to(param.device, param.dtype)))
+        return None
+    return loaded
+
+
+class QuantizesAtLoad:
+    """``load_dense_weight``, shared by the column- and row-parallel layers."""
+
+    def load_dense_weight(self, loaded, shard_id: int | None = None) -> list[str]:
+        """Quantize the FULL dense checkpoint weight of part ``shard_id`` (``[out, in]``) with the
+        layer's method, on the layer's device, and load this rank's part of each resulting tensor
+        (so per-row scales are the full rows'); returns the names of the parameters set."""
+        check_shape(loaded, self.dense_checkpoint_shapes[shard_id or 0])
+        weight = read_whole(loaded).to(next(self.parameters()).device)
+        tensors = self.linear_method.quantize_dense(weight)
+        for name, tensor in tensors.items():
+            param = getattr(self, name)
+            param.weight_loader(param, tensor, shard_id)
+        return list(tensors)
 
 
 @dataclass(frozen=True)
@@ -48,7 +86,7 @@ class OutputShard:
     offset: int
 
 
-class OutputShardedLinear(nn.Module):
+class OutputShardedLinear(QuantizesAtLoad, nn.Module):
     """``y = x W^T + b`` where W holds, row-wise, this rank's rows of one or more checkpoint
     tensors (the base of the column-parallel layers)."""
 
@@ -62,11 +100,8 @@ class OutputShardedLinear(nn.Module):
             offset += size
         self.output_size_per_rank = offset
         self.dense_checkpoint_shapes = [(s.full_size, input_size) for s in self.shards]
-        for spec in self.linear_method.weight_specs(input_size, offset):
-            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
-            param.weight_loader, param.spec = self.weight_loader, spec
-            param.checkpoint_shapes = [spec_shape(spec, s.full_size, input_size) for s in self.shards]
-            self.register_parameter(spec.name, param)
+        create_weights(self, input_size, offset,
+                       lambda spec: [spec_shape(spec, s.full_size, input_size) for s in self.shards])
         if bias:
             self.bias = nn.Parameter(torch.empty(offset), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -82,12 +117,11 @@ class OutputShardedLinear(nn.Module):
                 raise ValueError(f"a fused weight of {len(self.shards)} parts needs a shard_id")
             shard_id = 0
         shard, spec = self.shards[shard_id], param.spec
-        check_shape(loaded, param.checkpoint_shapes[shard_id])
-        unit = spec.out_unit
-        offset = _units(shard.offset, unit, "the shard offset")
-        start = _units(shard.start, unit, "the shard start")
-        size = _units(shard.size, unit, "the shard size")
-        param.data.narrow(spec.out_dim, offset, size).copy_(read_part(loaded, spec.out_dim, start, size))
+        loaded = _checkpoint_tensor(self, param, loaded, shard_id)
+        if loaded is None:
+            return
+        part = read_shard(loaded, spec.out_dim, spec.out_unit, shard.start, shard.size, "output")
+        param.data.narrow(spec.out_dim, shard.offset // spec.out_unit, part.shape[spec.out_dim]).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
@@ -95,9 +129,11 @@ class OutputShardedLinear(nn.Module):
 
 def spec_shape(spec: WeightSpec, out_features: int, in_features: int) -> tuple[int, int]:
     """The shape of ``spec``'s parameter for a linear of ``in_features`` x ``out_features``."""
-    shape = [0, 0]
-    shape[spec.out_dim] = out_features // spec.out_unit
-    shape[spec.in_dim] = in_features // spec.in_unit
+    shape = list(spec.shape)
+    if spec.out_dim is not None:
+        shape[spec.out_dim] = out_features // spec.out_unit
+    if spec.in_dim is not None:
+        shape[spec.in_dim] = in_features // spec.in_unit
     return tuple(shape)
 
 
@@ -154,7 +190,7 @@ class QKVParallelLinear(OutputShardedLinear):
         self.num_heads, self.num_kv_heads, self.head_dim = split.num_heads, split.num_kv_heads, head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizesAtLoad, nn.Module):
     """Input dimension sharded: each rank multiplies its slice of ``x`` (the column-parallel
     output before it) by its columns of W; the results are summed over the ranks and the bias,
     which every rank holds whole, is added once after the sum."""
@@ -166,11 +202,8 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = divide_evenly(input_size, self.tp_size, "the input size")
         self.input_start = get_tp_rank() * self.input_size_per_rank
         self.dense_checkpoint_shapes = [(output_size, input_size)]
-        for spec in self.linear_method.weight_specs(self.input_size_per_rank, output_size):
-            param = nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype), requires_grad=False)
-            param.weight_loader, param.spec = self.weight_loader, spec
-            param.checkpoint_shapes = [spec_shape(spec, output_size, input_size)]
-            self.register_parameter(spec.name, param)
+        create_weights(self, self.input_size_per_rank, output_size,
+                       lambda spec: [spec_shape(spec, output_size, input_size)])
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
         else:
@@ -179,10 +212,14 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
         """Copy this rank's input features of the full checkpoint tensor."""
         spec = param.spec
-        check_shape(loaded, param.checkpoint_shapes[0])
-        start = _units(self.input_start, spec.in_unit, "the shard start")
-        size = _units(self.input_size_per_rank, spec.in_unit, "the shard size")
-        param.data.copy_(read_part(loaded, spec.in_dim, start, size))
+        loaded = _checkpoint_tensor(self, param, loaded, 0)
+        if loaded is None:
+            return
+        if spec.in_dim is None:  # does not run along the inputs (a per-channel scale): held whole
+            param.data.copy_(read_whole(loaded))
+            return
+        param.data.copy_(read_shard(loaded, spec.in_dim, spec.in_unit, self.input_start,
+                                    self.input_size_per_rank, "input"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # the bias fused into the matmul, as without tensor parallelism

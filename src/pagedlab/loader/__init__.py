@@ -58,15 +58,16 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch.device,
-               max_position: int, seed: int = 0) -> torch.nn.Module:
-    """Build the model straight on ``device`` in ``dtype`` and load (or randomise) its weights.
+               max_position: int, seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
+    """Build the model straight on ``device`` in ``dtype`` and load (or randomise) its weights;
+    ``quantization`` is the engine's argument (see ``pagedlab.quantization.formats``).
 
     In a tensor-parallel process (``pagedlab.distributed.parallel_state.init_tensor_parallel``
     called first) the model is this rank's shard and only its part of each tensor is read."""
     with _default_dtype(dtype), torch.device(device):
-        model = build_model(hf_config, max_position)
+        model = build_model(hf_config, max_position, quantization)
     if source.load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, dtype=dtype)
     else:
         loaded = model.load_weights(iterate_safetensors(source.path))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)

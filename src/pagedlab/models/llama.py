@@ -22,7 +22,8 @@ from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
 from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused
-from pagedlab.quantization.linear_method import linear_method_for, quantization_config_of
+from pagedlab.quantization.formats import resolve_quant_config
+from pagedlab.quantization.linear_method import linear_method_for
 
 
 def head_dim_of(hf_config) -> int:
@@ -102,11 +103,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int,
+                 quantization: str | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-        quant_config = quantization_config_of(hf_config)  # None: dense linears
+        quant_config = resolve_quant_config(quantization, hf_config)  # None: dense linears
         self.layers = nn.ModuleList(
             DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config)
             for i in range(hf_config.num_hidden_layers))
@@ -131,11 +133,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config, max_position: int, qkv_bias: bool = False, qk_norm: bool = False):
+    def __init__(self, hf_config, max_position: int, qkv_bias: bool = False, qk_norm: bool = False,
+                 quantization: str | None = None):
         super().__init__()
         self.config = hf_config
         qkv_bias = qkv_bias or getattr(hf_config, "attention_bias", False)
-        self.model = DecoderModel(hf_config, qkv_bias, qk_norm, max_position)
+        self.model = DecoderModel(hf_config, qkv_bias, qk_norm, max_position, quantization)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
@@ -154,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's part of each full checkpoint tensor (a ``torch.Tensor`` or a lazy
         safetensors slice) into the parameters; returns the names of the parameters set."""
         params = dict(self.named_parameters())
+        # linears that take a dense checkpoint weight and quantize it as it loads
+        quantizing = {name: module for name, module in self.named_modules()
+                      if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
         set_names: set[str] = set()
         for name, full_tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
@@ -164,12 +170,17 @@ class LlamaForCausalLM(nn.Module):
                 fused, shard_id = self.packed_modules[parts[-2]]
                 parts[-2] = fused
             target = ".".join(parts)
+            layer_name, _, leaf = target.rpartition(".")
+            layer = quantizing.get(layer_name) if leaf == "weight" else None
             param = params.get(target)
-            if param is None:
+            if layer is None and param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", load_replicated)
             try:
-                loader(param, full_tensor, shard_id)
+                if layer is not None:
+                    loaded_names = layer.load_dense_weight(full_tensor, shard_id)
+                    set_names.update(f"{layer_name}.{n}" for n in loaded_names)
+                    continue
+                getattr(param, "weight_loader", load_replicated)(param, full_tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             set_names.add(target)

@@ -28,8 +28,9 @@ def resolve_architecture(hf_config) -> str:
         f"supported; supported architectures: {sorted(MODEL_REGISTRY)}")
 
 
-def build_model(hf_config, max_position: int):
+def build_model(hf_config, max_position: int, quantization: str | None = None):
     """An uninitialised model of the checkpoint's architecture (weights still to be loaded): this
-    process's shard when it is a rank of a tensor-parallel group (``init_tensor_parallel``)."""
+    process's shard when it is a rank of a tensor-parallel group (``init_tensor_parallel``), its
+    linears in the weight format ``quantization`` resolves to (None: the checkpoint's own)."""
     model_cls, switches = MODEL_REGISTRY[resolve_architecture(hf_config)]
-    return model_cls(hf_config, max_position, **switches)
+    return model_cls(hf_config, max_position, quantization=quantization, **switches)

@@ -1,6 +1,7 @@
 """AWQ 4-bit weights in AutoAWQ's GEMM format: the config, the packing, plain-torch dequantization
-and matmul (the reference of ``pagedlab.kernels.w4a16`` and the CPU path), and tensor-parallel
-shards.
+and matmul (the reference of ``pagedlab.kernels.w4a16`` and the CPU path), and a round-to-nearest
+quantizer. Tensor-parallel ranks cut these tensors in ``pagedlab.layers.linear``, along each
+one's own dimension in whole int32 words (column-parallel) or whole groups (row-parallel).
 
 A linear layer ``y = x @ W + b`` with ``W`` of shape ``[in_features, out_features]`` (the
 transpose of ``nn.Linear.weight``) is stored as three tensors:
@@ -39,13 +40,17 @@ _LOGICAL_COLUMN_SHIFTS = tuple(4 * AWQ_PACK_ORDER.index(j) for j in range(VALUES
 
 @dataclass(frozen=True)
 class AWQConfig:
-    """An AWQ checkpoint's quantization settings (only AutoAWQ's 4-bit GEMM format is supported)."""
+    """An AWQ checkpoint's quantization settings (only AutoAWQ's 4-bit GEMM format is supported),
+    or with ``quantize_at_load`` the round-to-nearest quantization of a dense checkpoint."""
 
     group_size: int
     bits: int = 4
     zero_point: bool = True
     version: str = "gemm"
     modules_to_not_convert: tuple[str, ...] = ()
+    quantize_at_load: bool = False
+
+    name = "awq"
 
     @classmethod
     def from_hf_config(cls, quantization_config: dict[str, Any]) -> AWQConfig:
@@ -138,7 +143,8 @@ def awq_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tenso
 def quantize_awq(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest asymmetric 4-bit quantization of ``weight`` ``[in_features, out_features]``
     (no activation-aware scaling): ``(qweight, qzeros, scales)``, scales in ``weight``'s dtype.
-    For tests and dummy weights; real AWQ checkpoints are made by AutoAWQ or llm-compressor."""
+    For tests, dummy weights and ``quantization="awq"`` on a dense checkpoint; real AWQ checkpoints
+    are made by AutoAWQ or llm-compressor."""
     in_features, out_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}")
@@ -149,46 +155,3 @@ def quantize_awq(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     zeros = torch.round(-low / steps).clamp(0, 15)
     values = torch.round(groups / steps[:, None] + zeros[:, None]).clamp(0, 15)
     return pack_awq(values.view(in_features, out_features).int()), pack_awq(zeros.int()), scales
-
-
-def shard_awq_column(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, rank: int,
-                     world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s column-parallel shard (a slice of out_features) of an AWQ linear, as views.
-
-    The cut falls between int32 words, so each rank needs a whole number of 8-column words:
-    ``out_features`` must be a multiple of ``8 * world_size``. Groups run along in_features, so
-    every rank keeps all of them."""
-    _check_rank(rank, world_size)
-    out_features = scales.shape[1]
-    if out_features % (VALUES_PER_INT32 * world_size):
-        raise ValueError(f"out_features={out_features} does not split into {world_size} column-parallel "
-                         f"AWQ shards of whole int32 words: it must be a multiple of "
-                         f"{VALUES_PER_INT32 * world_size} (8 columns per word x {world_size})")
-    words = qweight.shape[1] // world_size
-    columns = out_features // world_size
-    return (qweight.narrow(1, rank * words, words), qzeros.narrow(1, rank * words, words),
-            scales.narrow(1, rank * columns, columns))
-
-
-def shard_awq_row(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                  rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s row-parallel shard (a slice of in_features) of an AWQ linear, as views.
-
-    A group's zero point and scale must stay with its rows, so each rank needs a whole number of
-    groups: ``in_features`` must be a multiple of ``group_size * world_size``."""
-    _check_rank(rank, world_size)
-    in_features = qweight.shape[0]
-    awq_shapes(qweight, qzeros, scales, group_size)
-    if in_features % (group_size * world_size):
-        raise ValueError(f"in_features={in_features} does not split into {world_size} row-parallel AWQ "
-                         f"shards of whole groups: it must be a multiple of {group_size * world_size} "
-                         f"(group_size {group_size} x {world_size})")
-    rows = in_features // world_size
-    groups = rows // group_size
-    return (qweight.narrow(0, rank * rows, rows), qzeros.narrow(0, rank * groups, groups),
-            scales.narrow(0, rank * groups, groups))
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is not a rank of world_size={world_size}")

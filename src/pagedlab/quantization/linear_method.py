@@ -1,7 +1,9 @@
 """The one seam between the linear layers and a weight format: a linear method says which
-parameters a layer holds (dense ``weight``, or AWQ's ``qweight``/``qzeros``/``scales``), along
-which dimension and in which units each is cut into tensor-parallel shards, and how the layer
-multiplies. The layers in ``pagedlab.layers.linear`` are the same for every format."""
+parameters a layer holds (dense ``weight``; AWQ's ``qweight``/``qzeros``/``scales``; FP8's
+``weight``/``weight_scale``/``input_scale``), along which dimension and in which units each is cut
+into tensor-parallel shards, how a dense checkpoint weight becomes them (``quantize_dense``, for
+formats quantized at load and for dummy weights), and how the layer multiplies. The layers in
+``pagedlab.layers.linear`` are the same for every format."""
 
 from __future__ import annotations
 
@@ -10,25 +12,45 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch
+from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
+from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_scaled_mm, fp8_linear_torch,
+                                       quantize_fp8_per_row)
 
 
 @dataclass(frozen=True)
 class WeightSpec:
     """One parameter of a linear of ``in_features`` x ``out_features``: its ``shape``, its dtype
     (None: the model's), and for each of the two features the dimension it runs along and how
-    many features one index there covers (8 per packed int32 column, ``group_size`` per group)."""
+    many features one index there covers (8 per packed int32 column, ``group_size`` per group);
+    a dimension of None: the parameter does not run along that feature, and every rank holds it
+    whole there (a per-channel scale has no input dimension; a per-layer scalar has neither)."""
 
     name: str
     shape: tuple[int, int]
     dtype: torch.dtype | None
-    out_dim: int
+    out_dim: int | None
     out_unit: int
-    in_dim: int
+    in_dim: int | None
     in_unit: int
 
 
-class DenseLinearMethod:
+class LinearMethod:
+    """What every format shares: checkpoint tensors are loaded as they are, and only a format
+    that sets ``quantize_at_load`` takes dense checkpoint weights (through ``quantize_dense``)."""
+
+    quantize_at_load = False
+
+    def checkpoint_tensor(self, spec: WeightSpec, loaded, shape: tuple[int, ...]):
+        """The checkpoint tensor ``loaded`` of parameter ``spec`` in the layout the layer cuts,
+        whose full shape is ``shape`` (the identity, unless a format stores it otherwise)."""
+        return loaded
+
+    def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The full parameters of this format for the full dense ``weight`` ``[out, in]``."""
+        raise NotImplementedError
+
+
+class DenseLinearMethod(LinearMethod):
     """``nn.Linear``'s ``weight`` ``[out_features, in_features]``."""
 
     def weight_specs(self, in_features: int, out_features: int) -> list[WeightSpec]:
@@ -37,13 +59,18 @@ class DenseLinearMethod:
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"weight": weight}
 
-class AWQLinearMethod:
+
+class AWQLinearMethod(LinearMethod):
     """AutoAWQ's GEMM format (``pagedlab.quantization.awq``): the Triton W4A16 kernels on CUDA,
-    the plain-torch dequantize-and-multiply elsewhere."""
+    the plain-torch dequantize-and-multiply elsewhere. With ``quantize_at_load`` a dense
+    checkpoint's weights are rounded to nearest (``quantize_awq``: not activation-aware)."""
 
     def __init__(self, config: AWQConfig):
         self.group_size = config.group_size
+        self.quantize_at_load = config.quantize_at_load
 
     def weight_specs(self, in_features: int, out_features: int) -> list[WeightSpec]:
         group, word = self.group_size, VALUES_PER_INT32
@@ -63,20 +90,63 @@ class AWQLinearMethod:
             return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
         return awq_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
 
-
-def quantization_config_of(hf_config) -> AWQConfig | None:
-    """The checkpoint's AWQ settings (from config.json's ``quantization_config``), or None."""
-    quantization_config = getattr(hf_config, "quantization_config", None)
-    if not quantization_config:
-        return None
-    if not isinstance(quantization_config, dict):
-        quantization_config = quantization_config.to_dict()
-    return AWQConfig.from_hf_config(quantization_config)
+    def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        qweight, qzeros, scales = quantize_awq(weight.t().contiguous(), self.group_size)
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales}
 
 
-def linear_method_for(config: AWQConfig | None, prefix: str) -> DenseLinearMethod | AWQLinearMethod:
+class FP8LinearMethod(LinearMethod):
+    """FP8 weights with per-output-channel scales (``pagedlab.quantization.fp8``):
+    ``torch._scaled_mm`` on CUDA, the quantize-dequantize emulation elsewhere. Weight-only FP8
+    (a checkpoint without activation quantization) multiplies the dequantized weight."""
+
+    def __init__(self, config: FP8Config):
+        self.quantize_at_load = config.quantize_at_load
+        self.activations = config.activations
+
+    def weight_specs(self, in_features: int, out_features: int) -> list[WeightSpec]:
+        specs = [WeightSpec("weight", (out_features, in_features), FP8_DTYPE, 0, 1, 1, 1),
+                 WeightSpec("weight_scale", (out_features, 1), torch.float32, 0, 1, None, 1)]
+        if self.activations == "static":
+            specs.append(WeightSpec("input_scale", (1, 1), torch.float32, None, 1, None, 1))
+        return specs
+
+    def checkpoint_tensor(self, spec: WeightSpec, loaded, shape: tuple[int, ...]):
+        """A per-tensor ``weight_scale`` (one value) becomes that value on each of the tensor's
+        rows; a scalar ``input_scale`` the ``[1, 1]`` the layer holds."""
+        if spec.name in ("weight_scale", "input_scale"):
+            value = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+            if value.numel() == 1:
+                return value.float().reshape(1, 1).expand(shape)
+        return loaded
+
+    def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        values, scale = quantize_fp8_per_row(weight)
+        return {"weight": values, "weight_scale": scale}
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        input_scale = layer.input_scale if self.activations == "static" else None
+        if x.is_cuda and self.activations != "none":
+            return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, input_scale, bias)
+        return fp8_linear_torch(x, layer.weight, layer.weight_scale, input_scale, bias,
+                                quantize_input=self.activations != "none")
+
+
+# Our fused linears and the checkpoint modules they hold.
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def linear_method_for(config: AWQConfig | FP8Config | None, prefix: str) -> LinearMethod:
     """The method of the linear named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``): dense
-    without quantization and for the modules the checkpoint lists in ``modules_to_not_convert``."""
-    if config is None or any(skipped in prefix for skipped in config.modules_to_not_convert):
+    without quantization and for the modules the checkpoint leaves dense (AWQ's
+    ``modules_to_not_convert``, compressed-tensors' ``ignore``)."""
+    if config is None:
+        return DenseLinearMethod()
+    if isinstance(config, FP8Config):
+        parent, _, leaf = prefix.rpartition(".")
+        if config.skips([f"{parent}.{part}" for part in _FUSED_PARTS.get(leaf, (leaf,))]):
+            return DenseLinearMethod()
+        return FP8LinearMethod(config)
+    if any(skipped in prefix for skipped in config.modules_to_not_convert):
         return DenseLinearMethod()
     return AWQLinearMethod(config)
