@@ -173,3 +173,30 @@ def test_scaled_mm_equals_the_emulation_at_llama_sizes(tokens, in_features, out_
     expected = fp8_linear_torch(x.float(), values, scale, bias=bias.float())
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, out_features)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smollm2_fp8_and_awq_drift_from_float32_on_gpu(smollm2_dir, capsys):
+    """SmolLM2-135M (the embedded model, as the SmolLM2 GPU test loads it) through the precision
+    check: bf16, FP8 (``_scaled_mm`` inside CUDA graphs) and AWQ round-to-nearest against
+    float32, with greedy agreement, teacher-forced top-1 and KL printed for the record."""
+    from conftest import SMOLLM2_TEXTS
+    from pagedlab.lab.repro.precision import precision_drift
+
+    variants = ("float32", "bfloat16", "bfloat16+fp8", "bfloat16+awq")
+    result = precision_drift(smollm2_dir, SMOLLM2_TEXTS, dtypes=variants, max_tokens=32, k=100,
+                             engine_args={"device": "cuda", "kv_cache_memory_bytes": 256 << 20,
+                                          "max_model_len": 1024})
+    m = result.metrics
+    with capsys.disabled():
+        print()
+        for name in variants[1:]:
+            print(f"SmolLM2 {name} vs float32: greedy agreement {m[name + '.greedy_agreement']:.2f}, first "
+                  f"divergence {m[name + '.first_divergence']}, teacher-forced top-1 "
+                  f"{m[name + '.top1_agreement']:.4f}, mean KL {m[name + '.mean_kl']:.2e}, "
+                  f"weights {m[name + '.weight_bytes'] / 2**20:.1f} MiB")
+    assert result.details["bfloat16+fp8"]["quantization"] == "fp8"
+    assert m["bfloat16+fp8.weight_bytes"] < m["bfloat16.weight_bytes"]
+    assert m["bfloat16+fp8.top1_agreement"] > 0.9 and m["bfloat16+fp8.mean_kl"] < 0.05
+    assert m["bfloat16+awq.top1_agreement"] > 0.8 and m["bfloat16+awq.mean_kl"] < 0.2

@@ -69,7 +69,8 @@ def register(subparsers) -> None:
     c.add_argument("--seed-threshold", type=float, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
     c.add_argument("--dtypes", default="float32,bfloat16,float16",
-                   help="precision check dtypes, the first is the reference (default: "
+                   help="precision check variants, the first is the reference: dtypes, fp8 (FP8 weights "
+                        "and activations), awq (4-bit weights), or joined by + (bfloat16+fp8) (default: "
                         "float32,bfloat16,float16)")
     c.add_argument("--kl-threshold", type=float, default=1e-3, help="precision: mean KL above this differs")
     c.add_argument("--top-k", type=int, default=20,
@@ -176,7 +177,8 @@ def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, d
 def _precision_check(args, prompts) -> repro.CheckResult:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if len(dtypes) < 2:
-        raise ValueError(f"--dtypes {args.dtypes!r}: give at least two dtypes (the first is the reference)")
+        raise ValueError(f"--dtypes {args.dtypes!r}: give at least two precision variants (the first is "
+                         "the reference)")
     return repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
                                  kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args))
 

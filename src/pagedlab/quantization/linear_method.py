@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
 from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_scaled_mm, fp8_linear_torch,
-                                       quantize_fp8_per_row)
+                                       quantize_fp8_per_row, scaled_mm_runs)
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,9 @@ class AWQLinearMethod(LinearMethod):
 
 class FP8LinearMethod(LinearMethod):
     """FP8 weights with per-output-channel scales (``pagedlab.quantization.fp8``):
-    ``torch._scaled_mm`` on CUDA, the quantize-dequantize emulation elsewhere. Weight-only FP8
-    (a checkpoint without activation quantization) multiplies the dequantized weight."""
+    ``torch._scaled_mm`` on GPUs with FP8 tensor cores, the quantize-dequantize emulation
+    elsewhere (CPU, older GPUs, features not multiples of 16). Weight-only FP8 (a checkpoint
+    without activation quantization) multiplies the dequantized weight."""
 
     def __init__(self, config: FP8Config):
         self.quantize_at_load = config.quantize_at_load
@@ -126,7 +127,7 @@ class FP8LinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.activations == "static" else None
-        if x.is_cuda and self.activations != "none":
+        if self.activations != "none" and scaled_mm_runs(layer.weight):
             return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, input_scale, bias)
         return fp8_linear_torch(x, layer.weight, layer.weight_scale, input_scale, bias,
                                 quantize_input=self.activations != "none")

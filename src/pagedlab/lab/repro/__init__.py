@@ -8,7 +8,7 @@ and details (per-variant numbers, examples):
   chunked prefill on/off: prompts that differ, first diverging position, max logprob difference.
 - ``seed_sensitivity``: sampling params over N seeds: mean, std, 95% interval, min, max of each
   metric; metrics whose relative spread exceeds a threshold are flagged.
-- ``precision_drift``: float32 vs bfloat16 vs float16 on the same weights: greedy agreement,
+- ``precision_drift``: float32 vs bfloat16, float16, FP8 and AWQ weights: greedy agreement,
   first divergence, teacher-forced top-1 agreement and mean KL against float32.
 - ``tokenizer_drift``: two tokenizers: fraction of prompts tokenized differently, examples side by
   side, and the effect on BLEU / exact match of running the model with each.
