@@ -18,6 +18,7 @@ import torch
 from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams
 from pagedlab.distributed import parallel_state
+from pagedlab.lab.manifest import collect_manifest
 from pagedlab.loader.dummy import init_dummy_weights
 from pagedlab.models.registry import build_model
 from pagedlab.quantization.awq import dequantize_awq, quantize_awq
@@ -145,7 +146,11 @@ def test_compressed_tensors_checkpoint_loads_and_matches_transformers(tmp_path, 
     for quantization in (None, "fp8"):
         with LLM(str(ckpt), quantization=quantization, kv_cache_memory_bytes=KV_BYTES) as llm:
             assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-            assert llm.get_engine_info().quantization == "fp8"
+            manifest = collect_manifest(llm)
+    # the manifest records the quantization as resolved (given None here), the KV dtype and bytes
+    assert manifest["engine"]["quantization"] == "fp8" and manifest["engine"]["kv_cache_dtype"] == "float32"
+    fp8_linears = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)  # 1 byte each
+    assert manifest["model"]["weight_bytes"] < 4 * (2 * 1000 * 64) + 2 * fp8_linears  # float32 embed + head
 
 
 def test_fp8_at_two_tensor_parallel_ranks_equals_the_per_rank_reference(tmp_path):

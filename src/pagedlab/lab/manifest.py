@@ -185,7 +185,8 @@ def _pagedlab_source_git() -> dict | None:
 
 # ---- model, tokenizer, engine ---------------------------------------------------------------------
 def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
-    """The model's identity: name, path, GGUF origin, architecture, config hash, weight checksum."""
+    """The model's identity: name, path, GGUF origin, architecture, config hash, weight checksum,
+    and the bytes its weights take as loaded (quantized or not; this rank's under tensor parallelism)."""
     path = Path(info.model_path)
     original = info.original_file
     out = {
@@ -195,6 +196,7 @@ def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
         "architecture": (getattr(info.hf_config, "architectures", None) or [None])[0],
         "model_type": getattr(info.hf_config, "model_type", None),
         "config_hash": config_hash(path),
+        "weight_bytes": info.weight_bytes,
     }
     if info.load_format == "dummy":
         out["weight_checksum"] = f"dummy:seed={info.config.seed}"
