@@ -66,6 +66,9 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
+    disable_custom_all_reduce: bool = _setting(
+        False, "all-reduce through NCCL only (default: small messages through pagedlab's one-shot "
+               "all-reduce over GPU peer memory)")
     quantization: str | None = _setting(
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
               "else dense) or awq (AutoAWQ 4-bit GEMM checkpoints)")
@@ -158,9 +161,19 @@ class EngineInfo:
         return settings
 
 
-def resolve_quantization(requested: str | None, hf_config) -> str | None:
+# What ``load_format="dummy"`` with ``quantization="awq"`` draws for a config.json without a
+# quantization_config: AutoAWQ's defaults, the format of most AWQ models on the hub.
+DUMMY_AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                    "version": "gemm"}
+
+
+def resolve_quantization(requested: str | None, hf_config, load_format: str = "auto") -> str | None:
     """The weight format the engine loads: the checkpoint's ``quantization_config`` when
-    ``requested`` is None; an explicit value must match it (and a dense checkpoint has none)."""
+    ``requested`` is None; an explicit value must match it (and a dense checkpoint has none),
+    except that dummy weights of a dense config.json may be drawn in a requested format: the
+    config then gets that format's default ``quantization_config`` (in place, so the model reads it)."""
+    if requested == "awq" and load_format == "dummy" and not getattr(hf_config, "quantization_config", None):
+        hf_config.quantization_config = dict(DUMMY_AWQ_CONFIG)
     quantization_config = getattr(hf_config, "quantization_config", None)
     if quantization_config and not isinstance(quantization_config, dict):
         quantization_config = quantization_config.to_dict()

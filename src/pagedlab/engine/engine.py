@@ -66,7 +66,7 @@ class LLMEngine:
                                                         trust_remote_code=config.trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
-        resolve_quantization(config.quantization, self.hf_config)  # a mismatch fails before loading
+        resolve_quantization(config.quantization, self.hf_config, config.load_format)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer = load_tokenizer(config.tokenizer or self.source.path, config.trust_remote_code)
@@ -93,7 +93,8 @@ class LLMEngine:
                              f"{torch.cuda.device_count()} GPUs are visible")
         workers = TensorParallelWorkers(self.config, world_size)
         try:
-            join_tensor_parallel(world_size, 0, self.device, workers.init_method)
+            join_tensor_parallel(world_size, 0, self.device, workers.init_method,
+                                 not self.config.disable_custom_all_reduce)
             runner = load_model_runner(self.config, self.source, self.hf_config, self.device)
             workers.collect()
         except BaseException:
