@@ -136,6 +136,17 @@ def test_unsupported_awq_variants_fail_at_construction(tmp_path, overrides, mess
         LLM(tiny.path, load_format="dummy", kv_cache_memory_bytes=KV_BYTES)
 
 
+def test_dummy_awq_weights_of_a_dense_config_take_autoawq_defaults(tmp_path):
+    """The seed's line on a config.json alone: 4-bit, group 128, zero point, GEMM packing."""
+    tiny = build_tiny_model(tmp_path / "hf", "llama", seed=2, hidden_size=128, head_dim=32,
+                            intermediate_size=256)
+    with LLM(tiny.path, quantization="awq", load_format="dummy", kv_cache_memory_bytes=KV_BYTES) as llm:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+        assert layer.qweight.shape == (256, 128 // 8) and layer.scales.shape == (256 // 128, 128)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
 def test_explicit_quantization_must_match_the_checkpoint(tmp_path):
     tiny = build_tiny_model(tmp_path / "hf", "llama", seed=2)
     awq_dir, _ = write_awq_checkpoints(tiny, tmp_path, 32)

@@ -11,8 +11,9 @@ import signal
 import time
 
 import pytest
+import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import build_tiny_model, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 
 KV_BYTES = 16 << 20
@@ -26,20 +27,21 @@ def _generate(path, prompts, params, **engine_args):
     return outputs, stats
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {"num_key_value_heads": 1})],
-                         ids=["llama-kv2", "qwen3-kv1-replicated"])
-def test_two_ranks_give_one_rank_and_hf_tokens(tmp_path, arch, overrides):
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs two GPUs")
+MODELS = pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3", {"num_key_value_heads": 1})],
+                                 ids=["llama-kv2", "qwen3-kv1-replicated"])
+
+
+def _check_two_ranks_give_one_rank_and_hf_tokens(path, hf_model, **engine_args):
     """Shared prefixes (prefix-cache hits) and a 16-token budget (chunked prefill): the same
     tokens and logprobs at TP=2 as at TP=1, and HF's tokens."""
-    from conftest import build_tiny_model
-
-    tiny = build_tiny_model(tmp_path / arch, arch, **overrides)
     prefix = random_prompts(1, min_len=40, max_len=40, seed=7)[0]
     prompts = [prefix + p for p in random_prompts(4, max_len=20, seed=8)] + random_prompts(3, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    one, _ = _generate(tiny.path, prompts, params)
-    two, stats = _generate(tiny.path, prompts, params, tensor_parallel_size=2)
-    expected = [hf_greedy(tiny.hf_model, p, 8, eos_token_id=None) for p in prompts]
+    one, _ = _generate(path, prompts, params, **engine_args)
+    two, stats = _generate(path, prompts, params, tensor_parallel_size=2, **engine_args)
+    expected = [hf_greedy(hf_model, p, 8, eos_token_id=None) for p in prompts]
     assert [o.outputs[0].token_ids for o in two] == expected
     assert [o.outputs[0].token_ids for o in one] == expected
     assert stats.prefix_cache_hit_tokens > 0
@@ -49,17 +51,45 @@ def test_two_ranks_give_one_rank_and_hf_tokens(tmp_path, arch, overrides):
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
 
 
-def test_preemption_at_two_ranks_keeps_the_tokens(tiny_llama):
+def _check_preemption_keeps_the_tokens(path, hf_model, **engine_args):
     """Ten blocks per rank for six sequences growing to 60-90 tokens: running ones are preempted
     and recomputed on both ranks."""
     prompts = random_prompts(6, min_len=30, max_len=60, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     bytes_per_block = 2 * 2 * 16 * 1 * 16 * 4  # K and V, 2 layers, 16 slots, 1 KV head a rank, dim 16, fp32
-    with LLM(tiny_llama.path, dtype="float32", tensor_parallel_size=2, max_model_len=128,
-             max_num_batched_tokens=16, kv_cache_memory_bytes=10 * bytes_per_block) as llm:
+    with LLM(path, dtype="float32", tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=16,
+             kv_cache_memory_bytes=10 * bytes_per_block, **engine_args) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.get_stats().num_preemptions > 0
-    assert got == [hf_greedy(tiny_llama.hf_model, p, 30, eos_token_id=None) for p in prompts]
+    assert got == [hf_greedy(hf_model, p, 30, eos_token_id=None) for p in prompts]
+
+
+@MODELS
+def test_two_ranks_give_one_rank_and_hf_tokens(tmp_path, arch, overrides):
+    tiny = build_tiny_model(tmp_path / arch, arch, **overrides)
+    _check_two_ranks_give_one_rank_and_hf_tokens(tiny.path, tiny.hf_model, device="cpu")
+
+
+def test_preemption_at_two_ranks_keeps_the_tokens(tiny_llama):
+    _check_preemption_keeps_the_tokens(tiny_llama.path, tiny_llama.hf_model, device="cpu")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@MODELS
+@pytest.mark.parametrize("all_reduce", ["one-shot", "nccl"])
+def test_two_gpus_through_cuda_graphs_give_one_gpu_and_hf_tokens(tmp_path, arch, overrides, all_reduce):
+    """float32 on two GPUs, decode steps replayed in CUDA graphs, small all-reduces through the
+    one-shot kernel or all through NCCL."""
+    tiny = build_tiny_model(tmp_path / arch, arch, **overrides)
+    _check_two_ranks_give_one_rank_and_hf_tokens(tiny.path, tiny.hf_model, device="cuda",
+                                                 disable_custom_all_reduce=all_reduce == "nccl")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_preemption_on_two_gpus_keeps_the_tokens(tiny_llama):
+    _check_preemption_keeps_the_tokens(tiny_llama.path, tiny_llama.hf_model, device="cuda")
 
 
 def test_a_killed_worker_is_an_error_naming_it_and_nothing_is_left(tiny_llama):

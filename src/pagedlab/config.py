@@ -65,6 +65,9 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
+    disable_custom_all_reduce: bool = _setting(
+        False, "all-reduce through NCCL only (default: small messages through pagedlab's one-shot "
+               "all-reduce over GPU peer memory)")
     quantization: str | None = _setting(
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
               "else dense), awq (AutoAWQ 4-bit GEMM checkpoints; round-to-nearest 4-bit of a dense one) or "

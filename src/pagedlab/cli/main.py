@@ -7,6 +7,7 @@ import json
 import sys
 
 from pagedlab.cli.engine_args import add_engine_args, add_sampling_args, changed_engine_kwargs, engine_kwargs
+from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
 
 
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_lab(sub)
     register_repro(sub)
+    register_env_plan(sub)
     register_server(sub)
     return parser
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pagedlab.distributed.parallel_state import get_tp_group, get_tp_world_size
+from pagedlab.distributed.parallel_state import get_peer_all_reduce, get_tp_group, get_tp_world_size
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the ranks, computed in place in ``x``."""
+    """The sum of ``x`` over the ranks, computed in place in ``x``: small messages through the
+    one-shot kernel over peer memory when it is set up, the rest through the process group."""
     group = get_tp_group()
     if group is None:
         return x
+    peer = get_peer_all_reduce()
+    if peer is not None and peer.can_reduce(x):
+        return peer.all_reduce(x)
     dist.all_reduce(x, group=group)
     return x
 

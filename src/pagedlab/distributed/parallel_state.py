@@ -11,10 +11,12 @@ default (world) group: tensor parallelism is the only kind of parallelism pagedl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from pagedlab.distributed.peer_all_reduce import PeerAllReduce
 
 # NVLink multicast (NVLS) must stay off on the H200 hosts: set before NCCL builds a communicator.
 _MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -28,6 +30,7 @@ class TensorParallelState:
     world_size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
+    peer_all_reduce: PeerAllReduce | None = None  # the one-shot all-reduce of small messages
 
 
 _STATE = TensorParallelState()
@@ -58,12 +61,23 @@ def init_tensor_parallel(world_size: int = 1, rank: int = 0, backend: str = "glo
     _STATE = TensorParallelState(world_size, rank, dist.group.WORLD)
 
 
+def enable_peer_all_reduce(peer: PeerAllReduce) -> None:
+    """Route this group's small all-reduces through the one-shot kernel over ``peer``'s memory
+    (``PeerAllReduce.from_cuda_ipc(get_tp_group(), device)`` on CUDA)."""
+    global _STATE
+    if _STATE.group is None or peer.world_size != _STATE.world_size or peer.rank != _STATE.rank:
+        raise ValueError(f"a one-shot all-reduce of rank {peer.rank} of {peer.world_size} does not fit "
+                         f"tensor-parallel rank {_STATE.rank} of {_STATE.world_size}")
+    _STATE = replace(_STATE, peer_all_reduce=peer)
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the tensor-parallel group (if any); the process is a single rank again."""
     global _STATE
-    if _STATE.group is not None:
+    group = _STATE.group
+    _STATE = TensorParallelState()  # the peer buffers go before the group they were exchanged over
+    if group is not None:
         dist.destroy_process_group()
-    _STATE = TensorParallelState()
 
 
 def get_tp_rank() -> int:
@@ -79,3 +93,8 @@ def get_tp_world_size() -> int:
 def get_tp_group() -> dist.ProcessGroup | None:
     """The tensor-parallel process group; None at world size 1."""
     return _STATE.group
+
+
+def get_peer_all_reduce() -> PeerAllReduce | None:
+    """The one-shot all-reduce of this group, if ``enable_peer_all_reduce`` set it up."""
+    return _STATE.peer_all_reduce

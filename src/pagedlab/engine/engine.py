@@ -93,7 +93,8 @@ class LLMEngine:
                              f"{torch.cuda.device_count()} GPUs are visible")
         workers = TensorParallelWorkers(self.config, world_size)
         try:
-            join_tensor_parallel(world_size, 0, self.device, workers.init_method)
+            join_tensor_parallel(world_size, 0, self.device, workers.init_method,
+                                 not self.config.disable_custom_all_reduce)
             runner = load_model_runner(self.config, self.source, self.hf_config, self.device)
             workers.collect()
         except BaseException:

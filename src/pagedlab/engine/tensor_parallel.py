@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from pagedlab.config import EngineConfig
-from pagedlab.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable_peer_all_reduce,
+                                                 get_tp_group, init_tensor_parallel)
+from pagedlab.distributed.peer_all_reduce import PeerAllReduce
 from pagedlab.engine.model_runner import ModelRunner, StepInputs, load_model_runner
 from pagedlab.loader import resolve_model_source
 
@@ -57,10 +59,15 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_method: str) -> None:
+def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_method: str,
+                         peer_all_reduce: bool = True) -> None:
+    """Join the group; on GPUs also set up the one-shot all-reduce over peer memory unless
+    ``peer_all_reduce`` is off (``disable_custom_all_reduce``)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(world_size, rank, process_group_backend(device), init_method, COLLECTIVE_TIMEOUT)
+    if device.type == "cuda" and peer_all_reduce:
+        enable_peer_all_reduce(PeerAllReduce.from_cuda_ipc(get_tp_group(), device))
 
 
 class TensorParallelWorkers:
@@ -161,7 +168,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
     runner = None
     try:
         device = rank_device(config.device, rank)
-        join_tensor_parallel(world_size, rank, device, init_method)
+        join_tensor_parallel(world_size, rank, device, init_method, not config.disable_custom_all_reduce)
         runner = load_worker_runner(config, device)
         connection.send(("ok", None))
         _serve(runner, connection)
