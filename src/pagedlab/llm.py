@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from collections.abc import Sequence
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
+from pagedlab.engine.profiling import EngineProfiler, ProfileSummary
 from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
@@ -33,6 +35,7 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         self._engine: LLMEngine | None = LLMEngine(config)
+        self._profiler: EngineProfiler | None = None
         self._request_counter = itertools.count()
 
     @property
@@ -168,6 +171,23 @@ class LLM:
             if key not in PLAN_FIELDS:
                 raise ValueError(f"unknown model arg {key!r}; set_model_args accepts {list(PLAN_FIELDS)}")
         self.llm_engine.update_plan(**kwargs)
+
+    def start_profile(self, output_dir: str | None = None) -> None:
+        """Start recording the engine's steps with the torch profiler (vLLM's name). The trace goes
+        to ``output_dir`` (default: ``$PAGEDLAB_TORCH_PROFILER_DIR``, else ./pagedlab-profile)."""
+        if self._profiler is not None:
+            raise RuntimeError("a profile is already running: call stop_profile() first")
+        directory = output_dir or os.environ.get("PAGEDLAB_TORCH_PROFILER_DIR", "pagedlab-profile")
+        self._profiler = EngineProfiler(self.llm_engine.ranges, directory)
+        self._profiler.start()
+
+    def stop_profile(self) -> ProfileSummary:
+        """Stop the profile; returns its ``ProfileSummary`` (the trace file, kernels by kind, each
+        step kind's wall and device time and host-gap share) and writes the trace."""
+        if self._profiler is None:
+            raise RuntimeError("no profile is running: call start_profile() first")
+        profiler, self._profiler = self._profiler, None
+        return profiler.stop()
 
     def get_stats(self) -> EngineStats:
         """Memory and counters: KV blocks (used, peak), prefix-cache hits, tokens computed."""

@@ -27,6 +27,7 @@ from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
+from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_kind
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.tensor_parallel import TensorParallelWorkers, join_tensor_parallel, rank_device
@@ -75,7 +76,9 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
+        self.ranges = StepRanges()  # named step phases for the profiler and Nsight
         self.runner = self._load_runner()
+        self.runner.ranges = self.ranges
         self.output_processor = OutputProcessor(self.tokenizer)
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back
         self.scheduler: Scheduler | None = None
@@ -236,21 +239,25 @@ class LLMEngine:
         """Launch one forward pass and read back the one before it (with asynchronous scheduling)
         or this one; return the current output of every request that changed, or with
         ``stream=False`` only of those that finished (cheaper when nobody watches tokens arrive)."""
-        changed: list[Request] = []
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None and self.scheduler.needs_host_tokens:
-            changed += self._process_output(previous)  # penalties read every earlier token on the host
-            previous = None
-        batch = self.scheduler.schedule()
-        changed += batch.preempted
-        launched = self._launch(batch, previous)
-        if launched is not None and self.async_scheduling:
-            self._in_flight = launched
-        elif launched is not None:
-            changed += self._process_output(launched)
-        if previous is not None:
-            changed += self._process_output(previous)
-        return self.output_processor.make_outputs(changed, finished_only=not stream)
+        with self.ranges.range(STEP_NAME):
+            changed: list[Request] = []
+            previous, self._in_flight = self._in_flight, None
+            if previous is not None and self.scheduler.needs_host_tokens:
+                changed += self._process_output(previous)  # penalties read every earlier token on the host
+                previous = None
+            with self.ranges.range("schedule"):
+                batch = self.scheduler.schedule()
+            if self.ranges.recording or self.ranges.nvtx:
+                self.ranges.mark(KIND_PREFIX + step_kind(batch))
+            changed += batch.preempted
+            launched = self._launch(batch, previous)
+            if launched is not None and self.async_scheduling:
+                self._in_flight = launched
+            elif launched is not None:
+                changed += self._process_output(launched)
+            if previous is not None:
+                changed += self._process_output(previous)
+            return self.output_processor.make_outputs(changed, finished_only=not stream)
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep | None:
         if batch.is_empty():
@@ -265,10 +272,11 @@ class LLMEngine:
 
     def _process_output(self, step: LaunchedStep) -> list[Request]:
         """Wait for a launched step and apply what it sampled; returns the requests it ran."""
-        output = step.result()
-        appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids)
-        for hit in self.output_processor.process(step.batch.requests, output, appended):
-            self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop)
+        with self.ranges.range("process_output"):
+            output = step.result()
+            appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids)
+            for hit in self.output_processor.process(step.batch.requests, output, appended):
+                self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop)
         return step.batch.requests
 
     def _finish_in_flight(self) -> None:

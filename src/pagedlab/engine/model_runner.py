@@ -22,6 +22,7 @@ from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor
 from pagedlab.engine.cuda_graph import CudaGraphRunner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
+from pagedlab.engine.profiling import StepRanges
 from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
@@ -134,6 +135,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.to_device = HostToDevice(device)
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
+        self.ranges = StepRanges()  # the engine's, once it owns this runner
         # the last step's block table and each request's (row, block count) in it
         self._block_table = np.zeros((0, 0), dtype=np.int32)
         self._block_table_rows: dict[Request, tuple[int, int]] = {}
@@ -336,29 +338,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
-        self.to_device.begin_step()
-        inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
-        table = self._build_block_table(batch.requests)
-        if self.workers is not None:
-            self.workers.send_step(inputs, table, batch.num_new_tokens)
-        hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
+        with self.ranges.range("prepare"):
+            self.to_device.begin_step()
+            inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
+            table = self._build_block_table(batch.requests)
+            if self.workers is not None:
+                self.workers.send_step(inputs, table, batch.num_new_tokens)
+        with self.ranges.range("forward"):
+            hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
+            rows = inputs.sample_rows + inputs.prompt_rows
+            if rows:
+                logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)]).float()
         step = LaunchedStep(batch, inputs.sampled)
-        rows = inputs.sample_rows + inputs.prompt_rows
         if rows:
-            logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)]).float()
             step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
                                                          inputs.prompt_chunks)
+        with self.ranges.range("sample"):
+            self._sample(step, inputs, logits if rows else None)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+            self.to_device.end_step(step.done)
+        return step
+
+    def _sample(self, step: LaunchedStep, inputs: StepInputs, logits: torch.Tensor | None) -> None:
+        """Queue the sampling of the step's sampled rows; the token ids go to the host asynchronously."""
         if inputs.sampled:
             out = self.sampler(logits[:len(inputs.sample_rows)],
                                build_sampling_metadata(inputs.sampled, self.to_device, self.vocab_size))
             step.sampled_token_ids = out.token_ids
             step.host_token_ids = self._to_host(out.token_ids)
             step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
-        if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
-            step.done.record()
-            self.to_device.end_step(step.done)
-        return step
 
     def _prepare_inputs(self, batch: ScheduledBatch, previous_rows: dict[Request, int]) -> StepInputs:
         inputs = StepInputs()
