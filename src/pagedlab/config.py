@@ -24,6 +24,7 @@ DTYPE_NAMES = {
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "fp8_e4m3" is vLLM's alias of "fp8"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -53,6 +54,9 @@ class EngineConfig:
         None, "token budget of one step (default: 8192, or max_model_len without chunked prefill)", plan=True)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
+    kv_cache_dtype: str = _setting(
+        "auto", "auto (the model's dtype) or fp8 (alias fp8_e4m3: E4M3 with per-layer scales, twice the "
+                "tokens per byte)", plan=True)
     enforce_eager: bool = _setting(False, "no CUDA graphs", plan=True)
     async_scheduling: bool | None = _setting(
         None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU)",
@@ -97,6 +101,8 @@ class EngineConfig:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -148,9 +154,9 @@ class EngineInfo:
     cascade_attention: bool  # asked for, and the backend can run it
     cuda_graphs: bool  # decode steps replay CUDA graphs
     num_kv_blocks: int
+    kv_cache_dtype: torch.dtype  # what the KV cache stores: the model's dtype, or torch.float8_e4m3fn
     eos_token_ids: tuple[int, ...] = ()  # the ids that end a sequence (config, generation config, tokenizer)
     quantization: str | None = None  # the weight format loaded, resolved from the request and config.json
-    kv_cache_dtype: str | None = None  # the dtype the KV cache holds
     weight_bytes: int = 0  # the parameters as stored (this rank's shard under tensor parallelism)
 
     def resolved_settings(self) -> dict:
@@ -161,7 +167,7 @@ class EngineInfo:
             max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
             async_scheduling=self.async_scheduling, attention_backend=self.attention_backend,
             enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks,
-            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype)
+            quantization=self.quantization, kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
         return settings
 
 
@@ -171,6 +177,16 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
     dense checkpoint says to quantize at load (see ``pagedlab.quantization.formats``)."""
     quant_config = resolve_quant_config(requested, hf_config)  # unsupported variants fail here, by name
     return quant_config.name if quant_config is not None else None
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype for "auto", FP8 E4M3 for "fp8"/"fp8_e4m3"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: kv_cache_dtype must be one of "
+                     f"{KV_CACHE_DTYPES}")
 
 
 def resolve_device(device: str) -> torch.device:

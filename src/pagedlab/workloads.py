@@ -126,7 +126,7 @@ class AllReduceCost:
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
-                   all_reduce: AllReduceCost = AllReduceCost()) -> float:
+                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
 
@@ -134,14 +134,16 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     found in the prefix cache: they are not computed again, and their KV is held, so read, once.
     ``tensor_parallel_size`` N: each of N GPUs (``bandwidth`` and ``flops`` are one GPU's) reads
     and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
-    all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum."""
+    all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum.
+    ``kv_dtype_bytes``: bytes of a cached key or value element (default ``dtype_bytes``; 1 for
+    an FP8 KV cache)."""
     c = hf_config
     tp = tensor_parallel_size
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     layer_params = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
     matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
-    kv_bytes_per_token = 2 * c.num_hidden_layers * kv * dtype_bytes
+    kv_bytes_per_token = 2 * c.num_hidden_layers * kv * (kv_dtype_bytes or dtype_bytes)
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
 
@@ -410,8 +412,10 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 # warm-up on the workload's own shapes (and this plan's block size):
                 # compiles kernels before timing
                 llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            info = llm.get_engine_info()
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
-                                   tensor_parallel_size=llm.get_engine_info().config.tensor_parallel_size)
+                                   tensor_parallel_size=info.config.tensor_parallel_size,
+                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize)
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
                 results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, resolve_device, resolve_dtype,
-                             resolve_max_model_len, resolve_max_num_batched_tokens, resolve_quantization)
+                             resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
+                             resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
@@ -138,7 +139,8 @@ class LLMEngine:
                 cpu_kv_cache_bytes(cfg) if self.device.type == "cpu" else None),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cascade_attention=cfg.enable_cascade_attention,
-            cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager))
+            cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
+            kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)))
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, cfg.enable_chunked_prefill)
@@ -179,8 +181,8 @@ class LLMEngine:
             attention_backend=backend.name,
             cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
-            eos_token_ids=self.eos_token_ids, quantization=self.quantization,
-            kv_cache_dtype=self.runner.kv_cache_dtype, weight_bytes=self.runner.weight_bytes)
+            kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
+            quantization=self.quantization, weight_bytes=self.runner.weight_bytes)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -44,6 +44,7 @@ class RunnerPlan:
     gpu_memory_utilization: float
     cascade_attention: bool  # decode batches attend a shared prefix once (if the backend can)
     cuda_graphs: bool  # decode steps replay CUDA graphs (if the backend supports them)
+    kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
 
 
 @dataclass
@@ -184,10 +185,6 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
-    def kv_cache_dtype(self) -> str | None:
-        return str(self.kv_cache.dtype).removeprefix("torch.") if self.kv_cache is not None else None
-
-    @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None else 0
 
@@ -235,14 +232,14 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        itemsize = torch.empty(0, dtype=self.plan.kv_cache_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``; each layer gets views."""
         self.free_kv_cache()
         self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+                                    self.head_dim, dtype=self.plan.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 

@@ -5,6 +5,7 @@ sequences are packed: ``q`` is ``[num_tokens, num_heads, head_dim]`` and sequenc
 rows ``query_start_loc[i]:query_start_loc[i+1]``. Its keys and values (``seq_lens[i]`` of them,
 the new ones already written) are read from the cache through ``block_tables[i]``.
 Query ``j`` of a sequence with context ``c = seq_len - query_len`` sees keys ``0..c+j``.
+Caches in FP8 (see ``kv_write``) are read times their ``k_scale``/``v_scale``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
 
 
 @dataclass
@@ -58,16 +61,18 @@ def plan_torch_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           block_tables: torch.Tensor, scale: float,
-                          plan: TorchAttentionPlan | None = None) -> torch.Tensor:
+                          plan: TorchAttentionPlan | None = None, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """Reference implementation in float32: every single-token (decode) sequence in one batched
-    masked SDPA, every other sequence in its own causal SDPA."""
+    masked SDPA, every other sequence in its own causal SDPA. FP8 caches are dequantized with
+    ``k_scale``/``v_scale``."""
     if plan is None:
         plan = plan_torch_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1])
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     if plan.decode_slots is not None:
-        k = k_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2).float()  # [seqs, kv_heads, keys, d]
-        v = v_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2).float()
+        k = dequantize_kv_torch(k_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2), k_scale)
+        v = dequantize_kv_torch(v_cache.flatten(0, 1)[plan.decode_slots].transpose(1, 2), v_scale)
         rows = plan.decode_tokens
         # The query heads sharing a KV head stand in the "query" axis: GQA without copying K/V.
         qd = (q[:k.shape[0]] if rows is None else q[rows]).float().unflatten(1, (k.shape[1], group))
@@ -77,8 +82,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[rows if rows is not None else slice(0, o.shape[0])] = o.to(q.dtype)
     for start, end, blocks, causal in plan.sequences:
         seq_len = causal.shape[1]
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        k = dequantize_kv_torch(k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), k_scale)
+        v = dequantize_kv_torch(v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), v_scale)
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=causal,
                                            scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
@@ -160,8 +166,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, scale: float, *,
                            max_query_len: int | None = None, max_seq_len: int | None = None,
                            split_kv_size: int | None = None, out: torch.Tensor | None = None,
-                           scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -170,9 +176,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ints. ``split_kv_size`` (tokens, a multiple of ``TILE_N``) turns on split-KV with a second
     reduce launch; see ``choose_split_kv_size``. ``out`` and ``scratch``
     (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
-    ``query_start_loc[-1]`` (padding) are left untouched.
+    ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
+    ``k_scale``/``v_scale``.
     """
-    kernels = _AttentionKernels(q, k_cache, v_cache, scale)
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -215,7 +222,8 @@ def _check_scratch(scratch, num_tokens: int, num_heads: int, num_segments: int, 
 class _AttentionKernels:
     """Launches of the attention and reduce kernels for one (q, cache) pair, checked once."""
 
-    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 k_scale: float = 1.0, v_scale: float = 1.0):
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
@@ -224,8 +232,10 @@ class _AttentionKernels:
         if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
             raise ValueError(f"q head_dim {head_dim} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
                              " must agree: caches are [num_blocks, block_size, num_kv_heads, head_dim]")
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise ValueError(f"q dtype {q.dtype} and cache dtypes {k_cache.dtype}/{v_cache.dtype} must match")
+        if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
+            raise ValueError(f"cache dtypes {k_cache.dtype}/{v_cache.dtype} must both be q's dtype {q.dtype} "
+                             f"or {FP8_KV_DTYPE}")
+        check_fp8_supported(k_cache)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if block_size % 16:
@@ -241,7 +251,10 @@ class _AttentionKernels:
                            TILE_N=TILE_N, BLOCK_SIZE=block_size, UPCAST=upcast,
                            DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
                            SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK)
-        self.qk_scale = scale * 1.4426950408889634  # log2(e): the kernel uses exp2
+        fp8 = is_fp8(k_cache)
+        # log2(e): the kernel uses exp2; an FP8 cache's scales multiply the scores and the output
+        self.qk_scale = scale * 1.4426950408889634 * (k_scale if fp8 else 1.0)
+        self.v_scale = v_scale if fp8 else 1.0
         self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
@@ -267,7 +280,7 @@ class _AttentionKernels:
         self.triton_kernels.paged_attention_kernel[grid](
             q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
             query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
-            num_seqs, self.qk_scale, split_kv_size, segment_offset,
+            num_seqs, self.qk_scale, self.v_scale, split_kv_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m,
@@ -329,7 +342,7 @@ def cascade_prefix_split(max_seq_len: int) -> int:
 def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                              block_tables: torch.Tensor, buffers: CascadeBuffers, scale: float,
-                             max_seq_len: int) -> torch.Tensor:
+                             max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention (query row i is sequence i's last token; rows past the sequences are
     padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
     row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds
@@ -337,8 +350,9 @@ def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
     The prefix launch runs all query rows against the shared keys, split into segments of
     ``cascade_prefix_split(max_seq_len)`` keys so that a long prefix spreads over the GPU; the
-    own-keys launch adds one partial per row; the split-KV reduce merges them."""
-    kernels = _AttentionKernels(q, k_cache, v_cache, scale)
+    own-keys launch adds one partial per row; the split-KV reduce merges them. FP8 caches are
+    read at ``k_scale``/``v_scale``."""
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale)
     num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
     if buffers.num_rows != num_rows:
         raise ValueError(f"cascade buffers for {buffers.num_rows} rows given {num_rows} query rows")

@@ -26,7 +26,7 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
                  offs_d, dim_valid, qk_scale,
                  stride_k_block, stride_k_token, stride_v_block, stride_v_token,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_DIM: tl.constexpr,
-                 MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key tile of the online softmax. MASKED=False is for tiles every row sees in full."""
     key_pos = tile_start + tl.arange(0, TILE_N)
     if MASKED:
@@ -55,9 +55,10 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
     else:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # FP8 entries become q's dtype (exactly: E4M3 fits in fp16/bf16/fp32); their scales are
+    # folded into qk_scale and the final output. Under UPCAST q is float32 already.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASKED:
@@ -80,7 +81,7 @@ def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_offset_ptr,
-        num_seqs, qk_scale, split_kv_size, partial_segment_offset,
+        num_seqs, qk_scale, v_scale, split_kv_size, partial_segment_offset,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head,
         stride_k_block, stride_k_token, stride_k_head,
         stride_v_block, stride_v_token, stride_v_head,
@@ -105,6 +106,9 @@ def paged_attention_kernel(
     replay them for any shared prefix: PREFIX_ONLY stops every row at its sequence's context
     (the shared prefix, seen whole by every query), KEY_OFFSET starts every row at the key
     ``*key_offset_ptr`` (a multiple of TILE_N: the keys after the prefix).
+
+    An FP8 cache's key scale is part of ``qk_scale`` and its value scale is ``v_scale`` (1.0
+    for other caches), applied to the accumulated output.
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,14 +175,15 @@ def paged_attention_kernel(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, False, UPCAST, DOT_PRECISION)
+            BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION)
     for tile_start in range(masked_start, key_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, True, UPCAST, DOT_PRECISION)
+            BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION)
 
+    acc = acc * v_scale
     if USE_SPLIT:
         # int64: scratch for many tokens x segments can pass 2**31 elements
         token = token.to(tl.int64)
@@ -241,14 +246,36 @@ def split_kv_reduce_kernel(
 
 
 @triton.jit
+def _round_to_e4m3(x, FP8_MAX: tl.constexpr):
+    """float32 ``x`` clamped to +-FP8_MAX and rounded to the nearest E4M3 value (ties to even),
+    still as float32, so the cast to E4M3 after it is exact. The rounding is done here rather
+    than by the cast so that the Triton interpreter, whose float32 -> E4M3 cast neither carries
+    into the exponent nor rounds ties to even, runs the same numbers as the GPU."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    # Normal E4M3 values keep 3 of float32's 23 mantissa bits: round the other 20 away, ties to
+    # even; a carry moves into the exponent, as it should. (448 is E4M3, so nothing passes it.)
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Below 2**-6 E4M3 is subnormal, in steps of 2**-9: round |x| * 2**9 to an integer by adding
+    # and taking away 1.5 * 2**23 (float32 addition rounds to nearest even), then put the sign
+    # back (so -0.001 gives -0, as torch's cast does).
+    magnitude = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
 def write_kv_kernel(
-        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_inverse, v_scale_inverse,
         stride_key_token, stride_key_head, stride_value_token, stride_value_head,
         stride_kc_block, stride_kc_token, stride_kc_head,
         stride_vc_block, stride_vc_token, stride_vc_head,
         NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PADDED: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Program (token): copy all KV heads of one token into its cache slot; slot < 0 skips."""
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Program (token): copy all KV heads of one token into its cache slot; slot < 0 skips. An
+    FP8 cache gets ``x * scale_inverse`` clamped to +-FP8_MAX (saturated, never inf/NaN) and
+    rounded to nearest even."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -262,6 +289,9 @@ def write_kv_kernel(
                   mask=mask)
     value = tl.load(value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head
                     + offs_d[None, :], mask=mask)
+    if FP8:
+        key = _round_to_e4m3(key.to(tl.float32) * k_scale_inverse, FP8_MAX)
+        value = _round_to_e4m3(value.to(tl.float32) * v_scale_inverse, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kc_block + slot_in_block * stride_kc_token
     v_dst = v_cache_ptr + block * stride_vc_block + slot_in_block * stride_vc_token
     tl.store(k_dst + offs_h[:, None] * stride_kc_head + offs_d[None, :],

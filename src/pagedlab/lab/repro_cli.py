@@ -70,7 +70,8 @@ def register(subparsers) -> None:
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
     c.add_argument("--dtypes", default="float32,bfloat16,float16",
                    help="precision check variants, the first is the reference: dtypes, fp8 (FP8 weights "
-                        "and activations), awq (4-bit weights), or joined by + (bfloat16+fp8) (default: "
+                        "and activations), awq (4-bit weights), kv-fp8 (FP8 KV cache), or joined by + "
+                        "(bfloat16+fp8) (default: "
                         "float32,bfloat16,float16)")
     c.add_argument("--kl-threshold", type=float, default=1e-3, help="precision: mean KL above this differs")
     c.add_argument("--top-k", type=int, default=20,

@@ -166,6 +166,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             shard_id = None
             parts = name.split(".")
+            if parts[-1] in ("k_scale", "v_scale") and parts[-2] == "self_attn":  # FP8 KV cache scales
+                try:
+                    self.get_submodule(".".join(parts[:-1])).attn.load_kv_scale(parts[-1], full_tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                continue
             if len(parts) >= 2 and parts[-2] in self.packed_modules:
                 fused, shard_id = self.packed_modules[parts[-2]]
                 parts[-2] = fused

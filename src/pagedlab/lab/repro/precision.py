@@ -1,5 +1,5 @@
 """Precision drift: the same model in float32, bfloat16, float16 and quantized variants (FP8 and
-AWQ weights; the FP8 KV cache once the engine has ``kv_cache_dtype``)."""
+AWQ weights, the FP8 KV cache)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from pagedlab.llm import LLM
 # a dtype is joined on, e.g. "bfloat16+fp8". On a dense checkpoint "fp8" quantizes at load
 # (E4M3, per-channel weights, per-token activations) and "awq" rounds to nearest 4-bit (not
 # activation-aware: a lower bound of a real AWQ checkpoint's quality); on a quantized checkpoint
-# every variant loads it as stored. The FP8 KV cache joins as
-# "kv-fp8": {"kv_cache_dtype": "fp8"} when EngineConfig has that field.
+# every variant loads it as stored. "kv-fp8" stores the KV cache in E4M3 (``kv_cache_dtype``).
 PRECISION_VARIANTS: dict[str, dict] = {
     "fp8": {"quantization": "fp8"},
     "awq": {"quantization": "awq"},
+    "kv-fp8": {"kv_cache_dtype": "fp8"},
 }
 _DESCRIPTIONS = ("quantization", "kv_cache_dtype", "dtype")  # resolved settings each variant records
 

@@ -15,6 +15,7 @@ Backends: ``torch_backend`` (plain PyTorch, the definition of correct, runs anyw
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,10 +82,15 @@ class AttentionBackend:
         """Which captured form replays this decode batch; updates that form's plan for it."""
         return "plain"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        """Store the step's keys and values in their slots (quantized at the scales into an FP8
+        cache; see ``kernels.kv_write``)."""
         raise NotImplementedError
 
-    def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
+        """Attention of ``q`` over the paged cache (an FP8 cache read at the scales)."""
         raise NotImplementedError
 
 
@@ -115,16 +121,32 @@ def get_forward_context() -> ForwardContext:
 
 
 class Attention(nn.Module):
-    """Paged attention for one layer; its ``k_cache``/``v_cache`` are views the runner assigns."""
+    """Paged attention for one layer; its ``k_cache``/``v_cache`` are views the runner assigns.
+
+    ``k_scale``/``v_scale``: the per-tensor scales of an FP8 cache (vLLM's): 1.0, or the
+    checkpoint's ``self_attn.k_scale``/``v_scale``; a cache in the model's dtype ignores them."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q``: ``[tokens, heads, head_dim]``; ``k``/``v``: ``[tokens, kv_heads, head_dim]``."""
         ctx = get_forward_context()
-        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping)
-        return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale)
+        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping, self.k_scale,
+                             self.v_scale)
+        return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale, self.k_scale,
+                                  self.v_scale)
+
+    def load_kv_scale(self, name: str, tensor) -> None:
+        """Set ``k_scale`` or ``v_scale`` (``name``) from a checkpoint's one-element tensor."""
+        values = tensor if isinstance(tensor, torch.Tensor) else tensor[...]  # a lazy safetensors slice
+        value = float(values.float().reshape(-1)[0]) if values.numel() == 1 else None
+        if value is None or not math.isfinite(value) or value <= 0:
+            shown = f"shape {tuple(values.shape)}" if value is None else str(value)
+            raise ValueError(f"{name} must be one positive finite number (a per-tensor FP8 KV scale), "
+                             f"got {shown}")
+        setattr(self, name, value)

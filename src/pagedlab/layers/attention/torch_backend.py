@@ -16,13 +16,14 @@ class TorchAttentionBackend(AttentionBackend):
         metadata.plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens,
                                              metadata.block_tables, layout.block_size)
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, metadata, scale):
+    def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0):
         plan = metadata.plan
         if plan is None:  # metadata built without a planner (kernel tests)
             plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                                         k_cache.shape[1])
         return paged_attention_torch(q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                                     metadata.block_tables, scale, plan=plan)
+                                     metadata.block_tables, scale, plan=plan, k_scale=k_scale,
+                                     v_scale=v_scale)
