@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedlab.kernels.gemv_configs import dense_gemv_config
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch
 
 
@@ -35,7 +36,20 @@ class DenseLinearMethod:
         return [WeightSpec("weight", (out_features, in_features), None, 0, 1, 1, 1)]
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or on CUDA the Triton GEMV (``pagedlab.kernels.gemv``) for the batch sizes and
+    weight shapes where ``gemv_configs.DENSE_GEMV_CONFIGS`` records it beating cuBLAS. The choice
+    depends on shapes alone, so CUDA graphs capture it."""
+    if x.is_cuda and x.dtype == weight.dtype:
+        config = dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
+        if config is not None:
+            from pagedlab.kernels.gemv import dense_gemv_triton
+
+            return dense_gemv_triton(x, weight, bias, config)
+    return F.linear(x, weight, bias)
 
 
 class AWQLinearMethod:
