@@ -66,7 +66,7 @@ def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, K_PER_SPLIT,
                        num_splits, stride_x, stride_w, stride_out, stride_partial_split, stride_partial_row,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -75,7 +75,7 @@ def _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, 
     return zeros, scales
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                      M, N_WORDS, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
                      stride_scales, stride_out, stride_partial_split, stride_partial_row,
