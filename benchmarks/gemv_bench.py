@@ -45,13 +45,15 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
     Hopper-sized GEMM tiles; the default heuristic's choice first."""
     if rows > GEMV_MAX_ROWS:
         tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
-                 (128, 128, 128, 8, 3), (64, 128, 128, 4, 4)]
+                 (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
         found = [TileConfig(block_m=m, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
                  for m, bn, bk, w, s in tiles if m <= max(64, rows)]
     else:
-        tiles = [(16, 256, 128, 4), (16, 128, 128, 4), (16, 256, 64, 4), (16, 512, 128, 8)]
-        if rows <= 2:
-            tiles += [(0, 256, 128, 4), (0, 128, 128, 4), (0, 512, 64, 8)]
+        # (block_m, block_n, block_k, warps): at most 32 words a thread per K step (no spills in
+        # the sm_90 SASS); the CUDA-core ones have 8 rows a thread.
+        tiles = [(16, 256, 128, 4), (16, 128, 128, 4), (16, 256, 128, 8), (16, 512, 64, 8)]
+        if rows == 1:
+            tiles += [(0, 256, 128, 4), (0, 512, 128, 8), (0, 1024, 32, 4), (0, 128, 128, 2)]
         found = []
         for block_m, block_n, block_k, warps in tiles:
             steps = k // min(block_k, group_size)

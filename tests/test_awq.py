@@ -236,13 +236,15 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
     return out
 
 
-# (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (rows padded to a
-# power of two), block_m=16 the GEMV through tl.dot, more than 16 rows the GEMM; split_k > 1 cuts K
-# into segments summed in-kernel (3 segments of 8 K steps are uneven: 3, 3, 2).
+# (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (one row; its
+# partial sums per row of threads depend on block_n, block_k and num_warps), block_m=16 the GEMV
+# through tl.dot, more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel
+# (3 segments of 8 K steps are uneven: 3, 3, 2).
 KERNEL_CASES = [
     (1, TileConfig(block_n=64, block_k=32, split_k=1)),
     (1, TileConfig(block_n=64, block_k=32, split_k=3)),
-    (3, TileConfig(block_n=32, block_k=16, split_k=4)),
+    (1, TileConfig(block_n=32, block_k=16, split_k=4, num_warps=2)),
+    (3, TileConfig(block_n=32, block_k=16, split_k=4, block_m=16)),
     (1, TileConfig(block_n=64, block_k=32, split_k=2, block_m=16)),
     (5, TileConfig(block_n=128, block_k=16, split_k=1, block_m=16)),
     (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
@@ -282,8 +284,8 @@ def test_triton_default_configs(w4a16, rows):
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(w4a16):
     gemv = importlib.import_module("pagedlab.kernels.gemv")
     config = TileConfig(block_n=32, block_k=32, split_k=4)
-    first = check_kernel(w4a16, 2, 256, 64, 32, torch.float32, False, "repeat", config)
-    again = check_kernel(w4a16, 2, 256, 64, 32, torch.float32, False, "repeat", config)
+    first = check_kernel(w4a16, 1, 256, 64, 32, torch.float32, False, "repeat", config)
+    again = check_kernel(w4a16, 1, 256, 64, 32, torch.float32, False, "repeat", config)
     assert torch.equal(first, again)
     assert not gemv._counters[first.device].any()
 
@@ -318,6 +320,7 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     (20, TileConfig(block_n=64, block_k=32, block_m=16, split_k=2), "needs block_m >= 16 and split_k=1"),
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
     (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
+    (2, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for one row"),
 ])
 def test_triton_rejects_configs_it_cannot_run(w4a16, rows, config, message):
     _, _, scales, qweight, qzeros = random_awq(64, 64, 32, _generator("bad config"), torch.float32)

@@ -5,24 +5,22 @@ per group of input rows) is described in ``pagedlab.quantization.awq``, whose ``
 is the plain-torch reference of ``awq_linear_triton`` here.
 
 A program owns ``block_n // 8`` whole int32 words of every weight row it reads: it loads them
-coalesced along N (the packed row is contiguous), and unpacks each word into its eight nibbles
-with eight shifts, in nibble order. Nibble ``i`` of word ``w`` is logical column
-``8w + AWQ_PACK_ORDER[i]``, so the tile's columns are the logical ones permuted within each
-word: the scales are loaded, and the output stored, through that permutation; the weight is
-never reordered.
+coalesced along N (the packed row is contiguous, 16 bytes a thread) and unpacks each word in the
+thread that loaded it, one constant shift and one logic op per value, into the logical column
+order (``_unpack_words``), so scales, zeros and outputs use plain column offsets.
 
 Two kernels, picked by the row count (host ints only, so a CUDA graph can capture the call), each
 launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table, else heuristic):
 
 - at most ``GEMV_MAX_ROWS`` rows: a split-K GEMV (``kernels/gemv.py`` describes the K segments
   and their deterministic in-kernel sum). Its time is the weight read (half a byte per weight),
-  so it keeps the arithmetic per weight small: a K step lies in one group, whose zero point
-  and scale come out of the sum (``sum_k x (q - z) s = s (sum_k x q - z sum_k x)``), and a
-  4-bit value becomes a float by OR-ing it into a float's mantissa (the ``magic`` constants:
-  no int-to-float conversion instruction). On the CUDA cores (``block_m == 0``): fp32
-  ``2**23 + q`` less ``2**23``, exactly ``q``. With ``tl.dot`` (``block_m == 16``): the 16-bit
-  float ``128 + q`` (bf16) or ``1024 + q`` (fp16) straight into the dot, the offset taken out
-  with the zero point.
+  so it keeps the instructions per weight few (checked in the SASS: about 4.4 per weight on the
+  CUDA cores): a 4-bit value OR-ed into the mantissa of fp32 128.0 is the float ``128 + q``
+  (no int-to-float instruction; exact in bf16/fp16 too), and a K step lies in one group, whose
+  zero point, scale and the 128 come out of the sum:
+  ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``. One row (``block_m == 0``)
+  multiplies on the CUDA cores, keeping a partial sum per row of threads until the end; 1 to 16
+  rows (``block_m == 16``) go through ``tl.dot``.
 - more rows: a dequantize-in-the-loop GEMM: each K tile of the weight becomes ``(q - z) * s`` in
   ``x``'s dtype in registers and feeds ``tl.dot`` with fp32 accumulation.
 
@@ -36,93 +34,101 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import (TRITON_DTYPES, dot_settings, gemv_block_m, k_segments, num_sms,
+from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.quantization.awq import VALUES_PER_INT32, awq_shapes
 
-# A 16-bit float whose low mantissa bits are a 4-bit value q reads 128 + q (bf16) or 1024 + q (fp16).
-_MAGIC_BITS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+# fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
+_BITS_OF_128 = 0x43000000
 
 
 @triton.jit
-def _tile_columns(pid_n, BLOCK_W: tl.constexpr):
-    """The tile's int32 words, and the logical output column of each of its ``8 * BLOCK_W``
-    columns in nibble order (nibble ``i`` of a word is column ``2 * (i % 4) + i // 4`` of its 8)."""
-    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
-    column = tl.arange(0, BLOCK_W * 8)
-    nibble = column % 8
-    offs_n = pid_n * BLOCK_W * 8 + (column - nibble) + (nibble % 4) * 2 + nibble // 4
-    return offs_w, offs_n
+def _nibble(words, BIT: tl.constexpr, AT_BIT: tl.constexpr, bits):
+    """The 4-bit values at bit BIT of ``words``, moved to bit AT_BIT, OR ``bits``."""
+    if BIT <= AT_BIT:
+        moved = words << (AT_BIT - BIT)
+    else:
+        moved = words >> (BIT - AT_BIT)  # arithmetic: the mask drops the copies of a set sign bit
+    return (moved & (0xF << AT_BIT)) | bits
 
 
 @triton.jit
-def _unpack_words(words, ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """int32 ``[ROWS, BLOCK_W]`` -> their 4-bit values ``[ROWS, 8 * BLOCK_W]`` in nibble order."""
-    shifts = tl.arange(0, 8) * 4
-    # >> is arithmetic on int32: the mask drops the copies of a set sign bit.
-    nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-    return tl.reshape(nibbles, (ROWS, BLOCK_W * 8))
+def _unpack_words(words, AT_BIT: tl.constexpr, bits):
+    """int32 ``[R, W]`` -> ``[R, 8 * W]`` int32 in logical column order: column ``j`` of a word
+    holds the 4-bit value of nibble ``(j % 2) * 4 + j // 2`` at bits ``AT_BIT..AT_BIT+3``, OR
+    ``bits``. Each nibble is a shift by a constant and one or two logic ops on the loaded words,
+    in the thread that loaded them; the interleaves only place registers."""
+    evens = tl.interleave(tl.interleave(_nibble(words, 0, AT_BIT, bits), _nibble(words, 8, AT_BIT, bits)),
+                          tl.interleave(_nibble(words, 4, AT_BIT, bits), _nibble(words, 12, AT_BIT, bits)))
+    odds = tl.interleave(tl.interleave(_nibble(words, 16, AT_BIT, bits), _nibble(words, 24, AT_BIT, bits)),
+                         tl.interleave(_nibble(words, 20, AT_BIT, bits), _nibble(words, 28, AT_BIT, bits)))
+    return tl.interleave(evens, odds)
 
 
 @triton.jit
 def _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, n_valid,
-                        stride_qzeros, stride_scales, BLOCK_W: tl.constexpr):
-    """The zero points (int, ``[1, 8 * BLOCK_W]``) and fp32 scales (``[8 * BLOCK_W]``) of one group."""
+                        stride_qzeros, stride_scales, w_bits):
+    """One group's zero points as fp32 ``128 + z`` (``[1, N]``) and its fp32 scales (``[N]``)."""
     zero_words = tl.load(qzeros_ptr + group * stride_qzeros + offs_w, mask=w_valid, other=0)
-    zeros = _unpack_words(zero_words[None, :], 1, BLOCK_W)
+    zeros = _unpack_words(zero_words[None, :], 16, w_bits).to(tl.float32, bitcast=True)
     scales = tl.load(scales_ptr + group * stride_scales + offs_n, mask=n_valid, other=0.0).to(tl.float32)
     return zeros, scales
 
 
-@triton.jit(do_not_specialize=["M", "num_splits"])
+@triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                      M, N_WORDS, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
-                     stride_scales, stride_out, stride_partial_split, stride_partial_row,
+                     stride_scales, stride_out, stride_partial_split, stride_partial_row, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_DOT: tl.constexpr, W_DTYPE: tl.constexpr, W_BITS: tl.constexpr,
-                     W_OFFSET: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows. Each K step
-    (within one group) adds ``s * (sum_k x q' - (z + W_OFFSET) * sum_k x)`` where ``q' = q + W_OFFSET``
-    is the float the nibble became."""
+                     USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows (tl.dot), or
+    for the one row (CUDA cores). Each K step (within one group) adds
+    ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``. ``w_bits`` (the bits of 128.0) is a runtime
+    value so that the compiler merges its OR with the nibble's AND into one logic op."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_w, offs_n = _tile_columns(pid_n, BLOCK_W)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     w_valid = offs_w < N_WORDS
     n_valid = offs_n < N_WORDS * 8
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
     x_rows = x_ptr + offs_m[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_W * 8), dtype=tl.float32)
+    # The CUDA cores keep one partial sum per row of threads (ROW_THREADS of them split a K step)
+    # and add them up once at the end, not across threads at every step.
+    acc = tl.zeros((BLOCK_M if USE_DOT else ROW_THREADS, BLOCK_W * 8), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
                         mask=w_valid[None, :], other=0)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
-        nibbles = _unpack_words(words, BLOCK_K, BLOCK_W)
-        if USE_DOT:
-            if W_BITS:
-                w = (nibbles | W_BITS).to(tl.int16).to(W_DTYPE, bitcast=True)
-            else:
-                w = nibbles.to(W_DTYPE)
-            dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        else:
-            w = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            dots = tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
         zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
-                                            w_valid, n_valid, stride_qzeros, stride_scales, BLOCK_W)
-        x_sums = tl.sum(x.to(tl.float32), axis=1)
-        acc += scales[None, :] * (dots - (zeros.to(tl.float32) + W_OFFSET) * x_sums[:, None])
+                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+        # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
+        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
+        if USE_DOT:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
+            dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            x_sums = tl.sum(x.to(tl.float32), axis=1)
+        else:  # one row
+            x = tl.reshape(tl.load(x_ptr + offs_k).to(tl.float32), (BLOCK_K // ROW_THREADS, ROW_THREADS))
+            w = tl.reshape(w, (BLOCK_K // ROW_THREADS, ROW_THREADS, BLOCK_W * 8))
+            dots = tl.sum(x[:, :, None] * w, axis=0)
+            x_sums = tl.sum(x, axis=0)
+        acc += scales[None, :] * (dots - zeros * x_sums[:, None])
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=0)[None, :]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["w_bits"])
 def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N_WORDS, K,
-                     stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out,
+                     stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
@@ -131,7 +137,8 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_w, offs_n = _tile_columns(pid_n, BLOCK_W)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     m_valid = offs_m < M
     w_valid = offs_w < N_WORDS
     n_valid = offs_n < N_WORDS * 8
@@ -142,8 +149,9 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
                         mask=w_valid[None, :], other=0)
         zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
-                                            w_valid, n_valid, stride_qzeros, stride_scales, BLOCK_W)
-        w = ((_unpack_words(words, BLOCK_K, BLOCK_W) - zeros).to(tl.float32) * scales[None, :]).to(DOT_DTYPE)
+                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)  # 128 + q, as in the GEMV
+        w = ((w - zeros) * scales[None, :]).to(DOT_DTYPE)
         x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision=DOT_PRECISION)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
@@ -182,6 +190,9 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
 def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
     """Raise ValueError if ``config`` cannot run the AWQ kernel for ``rows`` rows and this group size."""
     config.check(rows, gemv=rows <= GEMV_MAX_ROWS)
+    if rows > 1 and rows <= GEMV_MAX_ROWS and not config.block_m:
+        raise ValueError(f"{config}: the AWQ GEMV runs {rows} rows on tensor cores only (block_m=16); "
+                         "block_m=0 (CUDA cores) is for one row")
     if config.block_n < VALUES_PER_INT32:
         raise ValueError(f"block_n={config.block_n} must hold whole int32 words: at least 8 columns")
     if group_size % config.block_k:
@@ -189,11 +200,13 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
                          "one group's zero points and scales")
 
 
-def _weight_format(x: torch.Tensor, config: TileConfig) -> dict:
-    """How the GEMV turns nibbles into the dot's operand: the 16-bit magic floats on tensor cores
-    (bf16 and fp16), an exact conversion in fp32; the CUDA cores make their own fp32."""
-    bits, offset = _MAGIC_BITS.get(x.dtype, (0, 0.0)) if config.block_m else (0, 0.0)
-    return dict(W_DTYPE=TRITON_DTYPES[x.dtype], W_BITS=bits, W_OFFSET=offset)
+def row_threads(block_w: int, block_k: int, num_warps: int) -> int:
+    """How many threads share a column of the GEMV's ``[block_k, block_w]`` word tile in Triton's
+    coalesced layout (16-byte loads: 4 words a thread along N, the rest of a warp and then the
+    warps along K). Only a performance hint: any power of two up to block_k gives the same sums."""
+    lanes_n = min(32, max(1, block_w // 4))
+    warps_n = min(num_warps, max(1, block_w // (4 * lanes_n)))
+    return min(block_k, (32 // lanes_n) * (num_warps // warps_n))
 
 
 def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
@@ -205,10 +218,12 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
     _awq_gemv_kernel[(tiles, num_splits)](
         x, qweight, qzeros, scales, out if bias is None else bias, out, partial, counters,
         rows, qweight.shape[1], in_features, k_per_split, num_splits, x.stride(0), qweight.stride(0),
-        qzeros.stride(0), scales.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
+        qzeros.stride(0), scales.stride(0), out.stride(0), partial.stride(0), partial.stride(1), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_W=config.block_n // VALUES_PER_INT32,
-        BLOCK_K=config.block_k, USE_DOT=config.block_m > 0, **_weight_format(x, config), **dot_settings(x),
+        BLOCK_K=config.block_k, USE_DOT=config.block_m > 0,
+        ROW_THREADS=row_threads(config.block_n // VALUES_PER_INT32, config.block_k, config.num_warps),
+        **dot_settings(x),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -217,7 +232,7 @@ def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config:
     grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out.shape[1], config.block_n))
     _awq_gemm_kernel[grid](
         x, qweight, qzeros, scales, out if bias is None else bias, out, rows, qweight.shape[1], in_features,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
+        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
         BLOCK_W=config.block_n // VALUES_PER_INT32, BLOCK_K=config.block_k, **dot_settings(x),
         num_warps=config.num_warps, num_stages=config.num_stages)
