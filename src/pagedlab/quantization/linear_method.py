@@ -43,7 +43,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``F.linear``, or on CUDA the Triton GEMV (``pagedlab.kernels.gemv``) for the batch sizes and
     weight shapes where ``gemv_configs.DENSE_GEMV_CONFIGS`` records it beating cuBLAS. The choice
     depends on shapes alone, so CUDA graphs capture it."""
-    if x.is_cuda and x.dtype == weight.dtype:
+    if x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1:
         config = dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
         if config is not None:
             from pagedlab.kernels.gemv import dense_gemv_triton
