@@ -159,7 +159,8 @@ def format_record(record: dict) -> str:
         if path in record:
             best, default = record[path]["best"], record[path]["default"]
             config = TileConfig(**best["config"]) if best else None
-            parts.append(f"{path} {_describe(best)} [default {default['us']:.1f} us] {config}")
+            speed = f" {record['cublas']['us'] / best['us']:.2f}x cuBLAS speed" if best else ""
+            parts.append(f"{path} {_describe(best)}{speed} [default {default['us']:.1f} us] {config}")
     return "\n    ".join(parts)
 
 
