@@ -20,12 +20,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    # Built earlier without the interpreter (e.g. by another test module)? Rebuild it.
-    if "pagedlab.kernels.w4a16" in sys.modules:
-        importlib.reload(sys.modules["pagedlab.kernels.w4a16"])
+    # Built earlier without the interpreter (e.g. by another test module)? Rebuild them, gemv (whose
+    # helpers w4a16's kernels call) first.
+    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
+        if kernels in sys.modules:
+            importlib.reload(sys.modules[kernels])
 
 from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.quantization.awq import (AWQ_PACK_ORDER, AWQConfig, awq_linear_torch, dequantize_awq, pack_awq,
                                        quantize_awq, unpack_awq)
 from pagedlab.quantization.linear_method import AWQLinearMethod
@@ -236,13 +239,13 @@ def w4a16():
     return importlib.import_module("pagedlab.kernels.w4a16")
 
 
-def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, key, **kwargs):
-    gen = _generator(key, rows, in_features, out_features, group_size, dtype)
+def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, key, config=None):
+    gen = _generator(key, rows, in_features, out_features, group_size, dtype, config)
     _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     tensors = [t.to(DEVICE) for t in (x, qweight, qzeros, scales)]
-    out = w4a16.awq_linear_triton(*tensors, group_size, None if bias is None else bias.to(DEVICE), **kwargs)
+    out = w4a16.awq_linear_triton(*tensors, group_size, None if bias is None else bias.to(DEVICE), config)
     expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size,
                                 None if bias is None else bias.float())
     assert out.shape == (rows, out_features) and out.dtype == dtype
@@ -250,23 +253,58 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
     return out
 
 
-# (in_features, out_features, group_size, bias, split_k_size): the small split makes decode batches
-# cut K into 2 or 4 segments; 136 columns leave a partial column tile.
-SHAPES = [(256, 136, 32, True, 64), (128, 64, 128, False, 512), (256, 64, 64, True, 128)]
+# (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (one row; its
+# partial sums per row of threads depend on block_n, block_k and num_warps), block_m=16 the GEMV
+# through tl.dot, more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel
+# (3 segments of 8 K steps are uneven: 3, 3, 2).
+KERNEL_CASES = [
+    (1, TileConfig(block_n=64, block_k=32, split_k=1)),
+    (1, TileConfig(block_n=64, block_k=32, split_k=3)),
+    (1, TileConfig(block_n=32, block_k=16, split_k=4, num_warps=2)),
+    (3, TileConfig(block_n=32, block_k=16, split_k=4, block_m=16)),
+    (1, TileConfig(block_n=64, block_k=32, split_k=2, block_m=16)),
+    (5, TileConfig(block_n=128, block_k=16, split_k=1, block_m=16)),
+    (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
+    (17, TileConfig(block_n=64, block_k=32, block_m=16)),
+    (40, TileConfig(block_n=32, block_k=16, block_m=32)),
+]
+# (in_features, out_features, group_size, bias): 136 columns are 17 words, a partial column tile.
+SHAPES = [(256, 136, 32, True), (128, 64, 128, False), (192, 72, 64, True)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+def _case_id(case):
+    rows, config = case
+    path = "gemm" if rows > 16 else ("dot" if config.block_m else "cuda-cores")
+    return f"{path}-M{rows}-split{config.split_k}"
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "K{}-N{}-g{}".format(*s[:3]))
-def test_triton_matches_torch(w4a16, shape, rows, dtype):
-    in_features, out_features, group_size, with_bias, split_k_size = shape
-    check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, "kernel",
-                 split_k_size=split_k_size)
+def test_triton_matches_torch_float16(w4a16, shape, case):
+    in_features, out_features, group_size, with_bias = shape
+    rows, config = case
+    check_kernel(w4a16, rows, in_features, out_features, group_size, torch.float16, with_bias, "fp16", config)
 
 
-@pytest.mark.parametrize("rows", [1, 33])
-def test_triton_bfloat16(w4a16, rows):
-    check_kernel(w4a16, rows, 128, 64, 64, torch.bfloat16, True, "bf16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=_case_id)
+def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
+    rows, config = case
+    check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 20])
+def test_triton_default_configs(w4a16, rows):
+    check_kernel(w4a16, rows, 256, 64, 128, torch.float16, True, "default")
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(w4a16):
+    gemv = importlib.import_module("pagedlab.kernels.gemv")
+    config = TileConfig(block_n=32, block_k=32, split_k=4)
+    first = check_kernel(w4a16, 1, 256, 64, 32, torch.float32, False, "repeat", config)
+    again = check_kernel(w4a16, 1, 256, 64, 32, torch.float32, False, "repeat", config)
+    assert torch.equal(first, again)
+    assert not gemv._counters[first.device].any()
 
 
 @pytest.mark.parametrize("rows", [2, 40])
@@ -292,14 +330,27 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     assert w4a16.awq_linear_triton(torch.zeros(0, 64, device=DEVICE), *weight, 32).shape == (0, 32)
 
 
+@pytest.mark.parametrize("rows, config, message", [
+    (1, TileConfig(block_n=64, block_k=64), "block_k=64 must divide group_size=32"),
+    (1, TileConfig(block_n=4, block_k=32), "block_n=4 must hold whole int32 words"),
+    (20, TileConfig(block_n=64, block_k=32), "the GEMM needs block_m >= 16"),
+    (20, TileConfig(block_n=64, block_k=32, block_m=16, split_k=2), "needs block_m >= 16 and split_k=1"),
+    (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
+    (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
+    (2, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for one row"),
+])
+def test_triton_rejects_configs_it_cannot_run(w4a16, rows, config, message):
+    _, _, scales, qweight, qzeros = random_awq(64, 64, 32, _generator("bad config"), torch.float32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        w4a16.awq_linear_triton(torch.zeros(rows, 64), qweight, qzeros, scales, 32, config=config)
+
+
 def test_triton_rejects_what_it_cannot_run(w4a16):
     _, _, scales, qweight, qzeros = random_awq(64, 32, 32, _generator("bad input"), torch.float32)
     with pytest.raises(ValueError, match="x has 32 features, the AWQ weight 64 inputs"):
         w4a16.awq_linear_triton(torch.zeros(1, 32), qweight, qzeros, scales, 32)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         w4a16.awq_linear_triton(torch.zeros(1, 64, dtype=torch.float64), qweight, qzeros, scales, 32)
-    with pytest.raises(ValueError, match="split_k_size=100"):
-        w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 32, split_k_size=100)
     with pytest.raises(ValueError, match="do not make a linear"):
         w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 64)
 
@@ -309,25 +360,34 @@ def test_triton_rejects_what_it_cannot_run(w4a16):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [1, 16, 256])
-def test_triton_at_llama_size_on_gpu(w4a16, rows, capsys):
-    """K = N = 4096, groups of 128, bf16 activations, fp16 scales (as AutoAWQ stores them): the
-    kernel against the torch reference, and its time under a CUDA graph (which also checks that
-    the call can be captured) next to a dense bf16 matmul's."""
+@pytest.mark.parametrize("in_features, out_features", [(4096, 6144), (14336, 4096), (4096, 28672)])
+@pytest.mark.parametrize("rows", [1, 4, 16, 256])
+def test_triton_at_llama_size_on_gpu(w4a16, rows, in_features, out_features, capsys):
+    """Llama-3-8B shapes, groups of 128, bf16 activations and scales: the default config against
+    the torch reference, bit-identical over repeated calls and replayed twice from a CUDA graph
+    (the split-K counters must be back at zero after every launch), with its time next to a
+    dense bf16 matmul's."""
     from triton.testing import do_bench_cudagraph
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    weight = torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02
+    weight = torch.randn(in_features, out_features, device="cuda", generator=gen).bfloat16() * 0.02
     qweight, qzeros, scales = quantize_awq(weight, 128)
-    scales = scales.half()
-    x = torch.randn(rows, 4096, device="cuda", generator=gen).bfloat16()
-    out = w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128)
+    x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
     expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), 128)
+    out = w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128)
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
+    for _ in range(20):  # the split-K sum: same bits whichever segment finishes last
+        assert torch.equal(w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128)
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.testing.assert_close(captured, out, atol=0, rtol=0)
     ms = do_bench_cudagraph(lambda: w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128))
-    dense = weight.bfloat16()
-    dense_ms = do_bench_cudagraph(lambda: x @ dense)
+    dense_ms = do_bench_cudagraph(lambda: x @ weight)
     moved = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales, x, out))
     with capsys.disabled():
-        print(f"\nAWQ W4A16 {rows}x4096x4096: {ms * 1e3:.1f} us, {moved / ms / 1e6:.0f} GB/s, "
-              f"{2 * rows * 4096 * 4096 / ms / 1e9:.1f} TFLOP/s; dense bf16 matmul {dense_ms * 1e3:.1f} us")
+        print(f"\nAWQ W4A16 {rows}x{in_features}x{out_features}: {ms * 1e3:.1f} us, "
+              f"{moved / ms / 1e6:.0f} GB/s; dense bf16 matmul {dense_ms * 1e3:.1f} us")

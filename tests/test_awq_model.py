@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedlab.kernels.w4a16" in sys.modules:  # built without the interpreter by another module
-        importlib.reload(sys.modules["pagedlab.kernels.w4a16"])
+    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):  # w4a16 uses gemv's helpers
+        if kernels in sys.modules:  # built without the interpreter by another module
+            importlib.reload(sys.modules[kernels])
 
 from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams

@@ -28,6 +28,8 @@ LAZY_INTERNAL = {
     "pagedlab.kernels.kv_write": "the Triton backend: triton is optional on the CPU",
     "pagedlab.kernels.triton_kernels": "the Triton kernels themselves: triton is optional on the CPU",
     "pagedlab.kernels.all_reduce": "the one-shot all-reduce on CUDA: triton is optional on the CPU",
+    "pagedlab.kernels.gemv": "dense GEMV on CUDA: triton is optional on the CPU, and the interpreter must be "
+                             "settled before its kernels are decorated",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
 }

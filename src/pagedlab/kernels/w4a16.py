@@ -2,27 +2,27 @@
 
 The format (``qweight``/``qzeros`` int32 with eight interleaved 4-bit values per word, ``scales``
 per group of input rows) is described in ``pagedlab.quantization.awq``, whose ``awq_linear_torch``
-is the plain-torch reference of ``awq_linear_triton`` here. Logical column ``j`` of a word is
-nibble ``(j % 2) * 4 + (j % 8) // 2``; every kernel reads it with that shift, so the weight is
-never unpacked in memory.
+is the plain-torch reference of ``awq_linear_triton`` here.
 
-Two kernels, picked from host ints only (no ``.item()``, so a CUDA graph can capture the call):
+A program owns ``block_n // 8`` whole int32 words of every weight row it reads: it loads them
+coalesced along N (the packed row is contiguous, 16 bytes a thread) and unpacks each word in the
+thread that loaded it, one constant shift and one logic op per value, into the logical column
+order (``_unpack_words``), so scales, zeros and outputs use plain column offsets.
 
-- decode-sized batches (at most ``GEMV_MAX_ROWS`` rows) run a split-K GEMV: the time is the weight
-  read (0.5 byte per weight), and a grid over output columns alone has too few programs to keep
-  the memory system busy (4096 columns in tiles of 64 are 64 programs on 132 SMs). So K is also
-  cut, into segments of a FIXED number of rows (``SPLIT_K_SIZE``), each program writes its
-  fp32 partial sums, and a second pass adds the segments in order: no atomics, so the result is
-  the same from run to run. (Not across batch sizes: one row multiplies on the CUDA cores, 2 to 16
-  rows pad to 16 for ``tl.dot``, more take the GEMM.)
-- larger batches run a dequantize-in-the-loop GEMM: each K tile of the weight is dequantized to
-  ``x``'s dtype in registers and fed to ``tl.dot`` with fp32 accumulation.
+Two kernels, picked by the row count (host ints only, so a CUDA graph can capture the call), each
+launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table, else heuristic):
 
-A K tile never crosses a group boundary (``BLOCK_K`` divides the group size), so each tile loads
-one row of zero points and scales.
-
-The tile sizes and ``SPLIT_K_SIZE`` are first choices, not yet tuned on a GPU: the ``gpu`` tests
-in ``tests/test_awq.py`` print each path's time and bandwidth next to a dense bf16 matmul's.
+- at most ``GEMV_MAX_ROWS`` rows: a split-K GEMV (``kernels/gemv.py`` describes the K segments
+  and their deterministic in-kernel sum). Its time is the weight read (half a byte per weight),
+  so it keeps the instructions per weight few (checked in the SASS: about 4.4 per weight on the
+  CUDA cores): a 4-bit value OR-ed into the mantissa of fp32 128.0 is the float ``128 + q``
+  (no int-to-float instruction; exact in bf16/fp16 too), and a K step lies in one group, whose
+  zero point, scale and the 128 come out of the sum:
+  ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``. One row (``block_m == 0``)
+  multiplies on the CUDA cores, keeping a partial sum per row of threads until the end; 1 to 16
+  rows (``block_m == 16``) go through ``tl.dot``.
+- more rows: a dequantize-in-the-loop GEMM: each K tile of the weight becomes ``(q - z) * s`` in
+  ``x``'s dtype in registers and feeds ``tl.dot`` with fp32 accumulation.
 
 This module imports triton when it loads; Triton decides at decoration time whether a kernel is
 compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after that is settled.
@@ -34,180 +34,205 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.quantization.awq import awq_shapes
+from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms,
+                                   split_k_epilogue, split_k_scratch)
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
+from pagedlab.quantization.awq import VALUES_PER_INT32, awq_shapes
 
-# Batches of at most this many rows take the split-K GEMV; larger ones the GEMM.
-GEMV_MAX_ROWS = 16
-# Rows of K per split-K segment (a multiple of 64). Fixed, so a row's sum order depends only on K.
-SPLIT_K_SIZE = 512
-_TORCH_TO_TRITON = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_n, n_valid,
-                     stride_qweight, stride_qzeros, stride_scales,
-                     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 weight tile ``[BLOCK_K, BLOCK_N]`` of rows ``k_start..`` (within one group)."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    words = offs_n // 8
-    shifts = ((offs_n % 2) * 4 + (offs_n % 8) // 2) * 4
-    q = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + words[None, :], mask=n_valid[None, :],
-                other=0)
-    group = k_start // GROUP_SIZE
-    z = tl.load(qzeros_ptr + group * stride_qzeros + words, mask=n_valid, other=0)
-    s = tl.load(scales_ptr + group * stride_scales + offs_n, mask=n_valid, other=0.0)
-    # >> is arithmetic on int32: the mask drops the copies of a set sign bit.
-    q = (q >> shifts[None, :]) & 0xF
-    z = (z >> shifts) & 0xF
-    return (q - z[None, :]).to(tl.float32) * s.to(tl.float32)[None, :]
+# fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
+_BITS_OF_128 = 0x43000000
 
 
 @triton.jit
-def _awq_gemv_split_k_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, partial_ptr, M, N, K,
-                             stride_x, stride_qweight, stride_qzeros, stride_scales,
-                             stride_partial_split, stride_partial_row,
-                             K_PER_SPLIT: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
-    """Program (column tile, K segment): fp32 partial sums of the segment for every row.
-    BLOCK_M == 1 multiplies on the CUDA cores, keeping a product per weight and summing over K once
-    at the end (not once per tile); BLOCK_M >= 16 pads the rows for ``tl.dot``."""
+def _nibble(words, BIT: tl.constexpr, AT_BIT: tl.constexpr, bits):
+    """The 4-bit values at bit BIT of ``words``, moved to bit AT_BIT, OR ``bits``."""
+    if BIT <= AT_BIT:
+        moved = words << (AT_BIT - BIT)
+    else:
+        moved = words >> (BIT - AT_BIT)  # arithmetic: the mask drops the copies of a set sign bit
+    return (moved & (0xF << AT_BIT)) | bits
+
+
+@triton.jit
+def _unpack_words(words, AT_BIT: tl.constexpr, bits):
+    """int32 ``[R, W]`` -> ``[R, 8 * W]`` int32 in logical column order: column ``j`` of a word
+    holds the 4-bit value of nibble ``(j % 2) * 4 + j // 2`` at bits ``AT_BIT..AT_BIT+3``, OR
+    ``bits``. Each nibble is a shift by a constant and one or two logic ops on the loaded words,
+    in the thread that loaded them; the interleaves only place registers."""
+    evens = tl.interleave(tl.interleave(_nibble(words, 0, AT_BIT, bits), _nibble(words, 8, AT_BIT, bits)),
+                          tl.interleave(_nibble(words, 4, AT_BIT, bits), _nibble(words, 12, AT_BIT, bits)))
+    odds = tl.interleave(tl.interleave(_nibble(words, 16, AT_BIT, bits), _nibble(words, 24, AT_BIT, bits)),
+                         tl.interleave(_nibble(words, 20, AT_BIT, bits), _nibble(words, 28, AT_BIT, bits)))
+    return tl.interleave(evens, odds)
+
+
+@triton.jit
+def _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, n_valid,
+                        stride_qzeros, stride_scales, w_bits):
+    """One group's zero points as fp32 ``128 + z`` (``[1, N]``) and its fp32 scales (``[N]``)."""
+    zero_words = tl.load(qzeros_ptr + group * stride_qzeros + offs_w, mask=w_valid, other=0)
+    zeros = _unpack_words(zero_words[None, :], 16, w_bits).to(tl.float32, bitcast=True)
+    scales = tl.load(scales_ptr + group * stride_scales + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+    return zeros, scales
+
+
+@triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
+def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                     M, N_WORDS, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
+                     stride_scales, stride_out, stride_partial_split, stride_partial_row, w_bits,
+                     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows (tl.dot), or
+    for the one row (CUDA cores). Each K step (within one group) adds
+    ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``. ``w_bits`` (the bits of 128.0) is a runtime
+    value so that the compiler merges its OR with the nibble's AND into one logic op."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    w_valid = offs_w < N_WORDS
+    n_valid = offs_n < N_WORDS * 8
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_valid = offs_m < M
-    n_valid = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    products = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    # The CUDA cores keep one partial sum per row of threads (ROW_THREADS of them split a K step)
+    # and add them up once at the end, not across threads at every step.
+    acc = tl.zeros((BLOCK_M if USE_DOT else ROW_THREADS, BLOCK_W * 8), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_n, n_valid,
-                             stride_qweight, stride_qzeros, stride_scales, GROUP_SIZE, BLOCK_K)
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        if BLOCK_M == 1:
-            products += tl.load(x_ptr + offs_k).to(tl.float32)[:, None] * w
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=m_valid[:, None],
-                        other=0.0)
-            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    if BLOCK_M == 1:
-        acc = tl.sum(products, axis=0)[None, :]
-    partial = (partial_ptr + split * stride_partial_split + offs_m[:, None] * stride_partial_row
-               + offs_n[None, :])
-    tl.store(partial, acc, mask=m_valid[:, None] & n_valid[None, :])
+        words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
+                        mask=w_valid[None, :], other=0)
+        zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
+                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+        # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
+        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
+        if USE_DOT:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
+            dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            x_sums = tl.sum(x.to(tl.float32), axis=1)
+        else:  # one row
+            x = tl.reshape(tl.load(x_ptr + offs_k).to(tl.float32), (BLOCK_K // ROW_THREADS, ROW_THREADS))
+            w = tl.reshape(w, (BLOCK_K // ROW_THREADS, ROW_THREADS, BLOCK_W * 8))
+            dots = tl.sum(x[:, :, None] * w, axis=0)
+            x_sums = tl.sum(x, axis=0)
+        acc += scales[None, :] * (dots - zeros * x_sums[:, None])
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=0)[None, :]
+    split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
+                     partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
 
 
-@triton.jit
-def _split_k_reduce_kernel(partial_ptr, bias_ptr, out_ptr, N, num_splits,
-                           stride_partial_split, stride_partial_row, stride_out,
-                           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (row, column tile): the segments' sums added in segment order, plus the bias."""
-    row = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for split in range(0, num_splits):
-        acc += tl.load(partial_ptr + split * stride_partial_split + row * stride_partial_row + offs_n,
-                       mask=n_valid, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
-
-
-@triton.jit
-def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
-                     stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out,
+@triton.jit(do_not_specialize=["w_bits"])
+def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N_WORDS, K,
+                     stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     """Program (row tile, column tile) of the output. Row tiles vary fastest over the grid, so
     programs running together share a weight tile (dequantized from L2, read from HBM once)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     m_valid = offs_m < M
-    n_valid = offs_n < N
+    w_valid = offs_w < N_WORDS
+    n_valid = offs_n < N_WORDS * 8
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_W * 8), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
-        w = _dequantize_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_n, n_valid,
-                             stride_qweight, stride_qzeros, stride_scales, GROUP_SIZE, BLOCK_K)
-        x = tl.load(x_rows + (k_start + tl.arange(0, BLOCK_K))[None, :], mask=m_valid[:, None], other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
+                        mask=w_valid[None, :], other=0)
+        zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
+                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)  # 128 + q, as in the GEMV
+        w = ((w - zeros) * scales[None, :]).to(DOT_DTYPE)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision=DOT_PRECISION)
+    split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
 
 
 def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None = None,
-                      split_k_size: int = SPLIT_K_SIZE) -> torch.Tensor:
+                      config: TileConfig | None = None) -> torch.Tensor:
     """Triton version of ``awq_linear_torch``: ``x`` ``[..., in_features]`` in float16, bfloat16
     or float32 -> ``[..., out_features]`` in ``x``'s dtype.
 
     The tensors may be views (e.g. tensor-parallel shards) as long as their last dimension is
-    contiguous. ``split_k_size`` (rows of K per GEMV segment, a multiple of 64) is for tests."""
+    contiguous. ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
+    ``GEMV_MAX_ROWS`` rows it runs the GEMV, else the GEMM."""
     in_features, out_features = awq_shapes(qweight, qzeros, scales, group_size)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the AWQ weight {in_features} inputs")
-    if x.dtype not in _TORCH_TO_TRITON:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x dtype {x.dtype} is not supported: float16, bfloat16 or float32")
-    if split_k_size <= 0 or split_k_size % 64:
-        raise ValueError(f"split_k_size={split_k_size} must be a positive multiple of 64")
     x2d = x.reshape(-1, in_features)
-    tensors = {"x": x2d, "qweight": qweight, "qzeros": qzeros, "scales": scales}
-    if bias is not None:
-        tensors["bias"] = bias
+    rows = x2d.shape[0]
+    tensors = {"x": x2d, "qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias}
     for name, tensor in tensors.items():
-        if tensor.stride(-1) != 1:
+        if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
-    out = torch.empty(x2d.shape[0], out_features, dtype=x.dtype, device=x.device)
-    if x2d.shape[0]:
-        weight = (qweight, qzeros, scales, bias)
-        if x2d.shape[0] <= GEMV_MAX_ROWS:
-            _launch_gemv(x2d, *weight, out, group_size, split_k_size)
-        else:
-            _launch_gemm(x2d, *weight, out, group_size)
+    config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
+    check_awq_config(config, rows, group_size)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if rows:
+        launch = _launch_gemv if rows <= GEMV_MAX_ROWS else _launch_gemm
+        launch(x2d, qweight, qzeros, scales, bias, out, group_size, config)
     return out.view(*x.shape[:-1], out_features)
 
 
-def _dot_settings(x: torch.Tensor) -> dict:
-    # The interpreter's tl.dot is wrong for bf16: upcast there. fp32 wants exact products, not tf32.
-    upcast = x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    dot_dtype = tl.float32 if upcast else _TORCH_TO_TRITON[x.dtype]
-    return dict(DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
+    """Raise ValueError if ``config`` cannot run the AWQ kernel for ``rows`` rows and this group size."""
+    config.check(rows, gemv=rows <= GEMV_MAX_ROWS)
+    if rows > 1 and rows <= GEMV_MAX_ROWS and not config.block_m:
+        raise ValueError(f"{config}: the AWQ GEMV runs {rows} rows on tensor cores only (block_m=16); "
+                         "block_m=0 (CUDA cores) is for one row")
+    if config.block_n < VALUES_PER_INT32:
+        raise ValueError(f"block_n={config.block_n} must hold whole int32 words: at least 8 columns")
+    if group_size % config.block_k:
+        raise ValueError(f"block_k={config.block_k} must divide group_size={group_size}: a K step reads "
+                         "one group's zero points and scales")
 
 
-def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, split_k_size: int) -> None:
+def row_threads(block_w: int, block_k: int, num_warps: int) -> int:
+    """How many threads share a column of the GEMV's ``[block_k, block_w]`` word tile in Triton's
+    coalesced layout (16-byte loads: 4 words a thread along N, the rest of a warp and then the
+    warps along K). Only a performance hint: any power of two up to block_k gives the same sums."""
+    lanes_n = min(32, max(1, block_w // 4))
+    warps_n = min(num_warps, max(1, block_w // (4 * lanes_n)))
+    return min(block_k, (32 // lanes_n) * (num_warps // warps_n))
+
+
+def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
     rows, in_features = x.shape
     out_features = out.shape[1]
-    block_n, block_k = 64, min(group_size, 64)
-    num_splits = triton.cdiv(in_features, split_k_size)
-    partial = torch.empty(num_splits, rows, out_features, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(out_features, block_n), num_splits)
-    _awq_gemv_split_k_kernel[grid](
-        x, qweight, qzeros, scales, partial, rows, out_features, in_features,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-        partial.stride(0), partial.stride(1),
-        K_PER_SPLIT=split_k_size, GROUP_SIZE=group_size, BLOCK_M=1 if rows == 1 else 16,
-        BLOCK_N=block_n, BLOCK_K=block_k, **_dot_settings(x), num_warps=4)
-    reduce_block = 256
-    _split_k_reduce_kernel[(rows, triton.cdiv(out_features, reduce_block))](
-        partial, out if bias is None else bias, out, out_features, num_splits,
-        partial.stride(0), partial.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=reduce_block, num_warps=4)
+    k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
+    tiles = triton.cdiv(out_features, config.block_n)
+    partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
+    _awq_gemv_kernel[(tiles, num_splits)](
+        x, qweight, qzeros, scales, out if bias is None else bias, out, partial, counters,
+        rows, qweight.shape[1], in_features, k_per_split, num_splits, x.stride(0), qweight.stride(0),
+        qzeros.stride(0), scales.stride(0), out.stride(0), partial.stride(0), partial.stride(1), _BITS_OF_128,
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
+        BLOCK_M=gemv_block_m(rows, config), BLOCK_W=config.block_n // VALUES_PER_INT32,
+        BLOCK_K=config.block_k, USE_DOT=config.block_m > 0,
+        ROW_THREADS=row_threads(config.block_n // VALUES_PER_INT32, config.block_k, config.num_warps),
+        **dot_settings(x),
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int) -> None:
+def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
     rows, in_features = x.shape
-    out_features = out.shape[1]
-    block_m, block_n, block_k = 64, 128, min(group_size, 64)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
+    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out.shape[1], config.block_n))
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out if bias is None else bias, out, rows, out_features, in_features,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, **_dot_settings(x), num_warps=4, num_stages=3)
+        x, qweight, qzeros, scales, out if bias is None else bias, out, rows, qweight.shape[1], in_features,
+        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+        BLOCK_W=config.block_n // VALUES_PER_INT32, BLOCK_K=config.block_k, **dot_settings(x),
+        num_warps=config.num_warps, num_stages=config.num_stages)

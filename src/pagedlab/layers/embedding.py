@@ -13,6 +13,7 @@ from torch import nn
 from pagedlab.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, read_part
+from pagedlab.quantization.linear_method import dense_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,12 +53,13 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states to logits over the full vocabulary: each rank computes the logits of its
-    vocabulary rows, the ranks' logits are gathered and the padding cut. ``tie_to`` shares an
-    embedding's (identically sharded) weight."""
+    vocabulary rows (``dense_linear``: cuBLAS, or the Triton GEMV where measured faster), the
+    ranks' logits are gathered and the padding cut. ``tie_to`` shares an embedding's
+    (identically sharded) weight."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabParallelEmbedding | None = None):
         super().__init__(vocab_size, hidden_size, shared_weight=tie_to.weight if tie_to is not None else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tensor_parallel_all_gather(dense_linear(hidden, self.weight), dim=-1)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedlab.kernels.gemv_configs import dense_gemv_config
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
 from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_scaled_mm, fp8_linear_torch,
                                        quantize_fp8_per_row, scaled_mm_runs)
@@ -57,10 +58,23 @@ class DenseLinearMethod(LinearMethod):
         return [WeightSpec("weight", (out_features, in_features), None, 0, 1, 1, 1)]
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight}
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or on CUDA the Triton GEMV (``pagedlab.kernels.gemv``) for the batch sizes and
+    weight shapes where ``gemv_configs.DENSE_GEMV_CONFIGS`` records it beating cuBLAS. The choice
+    depends on shapes alone, so CUDA graphs capture it."""
+    if x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1:
+        config = dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
+        if config is not None:
+            from pagedlab.kernels.gemv import dense_gemv_triton
+
+            return dense_gemv_triton(x, weight, bias, config)
+    return F.linear(x, weight, bias)
 
 
 class AWQLinearMethod(LinearMethod):

@@ -1,0 +1,242 @@
+"""Decode GEMVs and small GEMMs of Llama-3-8B's linear layers on one GPU: cuBLAS bf16 (F.linear),
+the Triton dense GEMV (``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``),
+each Triton kernel over a small sweep of ``TileConfig``s, checked against its torch reference.
+
+Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
+achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
+time) and its fraction of 4.8 TB/s, the best config and the largest error; then the lines to paste
+into ``src/pagedlab/kernels/gemv_configs.py`` and the batch-1 decode GEMV time per token summed
+over the 32 layers and the LM head. Times are ``triton.testing.do_bench`` medians (L2 flushed
+between calls, no CUDA graph). The first run compiles every config (Triton caches them).
+
+    PYTHONPATH=src python3 benchmarks/gemv_bench.py --out gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from pagedlab.kernels.gemv import dense_gemv_triton, num_sms
+from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_awq_config,
+                                           default_dense_gemv_config, row_bucket, splits_for)
+from pagedlab.kernels.w4a16 import awq_linear_triton, check_awq_config
+from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
+
+PEAK_BYTES_PER_S = 4.8e12
+HIDDEN, INTERMEDIATE, VOCAB, LAYERS, Q_SIZE, KV_SIZE = 4096, 14336, 128256, 32, 4096, 1024
+
+
+def llama3_8b_linears(tp: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each linear on one rank: column-parallel ones cut N, row-parallel ones K."""
+    return [("qkv", (Q_SIZE + 2 * KV_SIZE) // tp, HIDDEN), ("o", HIDDEN, Q_SIZE // tp),
+            ("gate_up", 2 * INTERMEDIATE // tp, HIDDEN), ("down", HIDDEN, INTERMEDIATE // tp),
+            ("lm_head", VOCAB // tp, HIDDEN)]
+
+
+def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[TileConfig]:
+    """The sweep: a few tiles, each with K cut for about 1, 2 and 4 programs per SM (GEMV), or
+    Hopper-sized GEMM tiles; the default heuristic's choice first."""
+    if rows > GEMV_MAX_ROWS:
+        tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
+                 (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
+        found = [TileConfig(block_m=m, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                 for m, bn, bk, w, s in tiles if m <= max(64, rows)]
+    else:
+        # (block_m, block_n, block_k, warps): at most 32 words a thread per K step (no spills in
+        # the sm_90 SASS); the CUDA-core ones have 8 rows a thread.
+        tiles = [(16, 256, 128, 4), (16, 128, 128, 4), (16, 256, 128, 8), (16, 512, 64, 8)]
+        if rows == 1:
+            tiles += [(0, 256, 128, 4), (0, 512, 128, 8), (0, 1024, 32, 4), (0, 128, 128, 2)]
+        found = []
+        for block_m, block_n, block_k, warps in tiles:
+            steps = k // min(block_k, group_size)
+            for waves in (1, 2, 4):
+                split = splits_for(-(-n // block_n), steps, sms, waves)
+                found.append(TileConfig(block_n=block_n, block_k=min(block_k, group_size), split_k=split,
+                                        block_m=block_m, num_warps=warps))
+    default = default_awq_config(rows, n, k, group_size, sms)
+    return [default] + [c for c in dict.fromkeys(found) if c != default]
+
+
+def dense_candidates(rows: int, n: int, k: int, sms: int) -> list[TileConfig]:
+    tiles = [(16, 16, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)]
+    if rows <= 4:
+        tiles += [(0, 16, 256, 4), (0, 8, 512, 4), (0, 32, 256, 8)]
+    found = []
+    for block_m, block_n, block_k, warps in tiles:
+        for waves in (1, 2, 4):
+            split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
+            found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
+                                    num_warps=warps))
+    default = default_dense_gemv_config(rows, n, k, sms)
+    return [default] + [c for c in dict.fromkeys(found) if c != default]
+
+
+def measure(fn, reference: torch.Tensor, moved_bytes: int) -> dict:
+    """Time ``fn`` and compare its output with ``reference`` (fp32), before and after the timed
+    calls (a split-K counter left wrong by one call would spoil the next)."""
+    error = (fn().float() - reference).abs().max().item()
+    seconds = do_bench(fn, warmup=3, rep=10, return_mode="median") * 1e-3
+    error = max(error, (fn().float() - reference).abs().max().item())
+    return dict(us=seconds * 1e6, gbps=moved_bytes / seconds / 1e9, peak_fraction=moved_bytes / seconds /
+                PEAK_BYTES_PER_S, max_error=error)
+
+
+def sweep(candidates, run, reference: torch.Tensor, moved_bytes: int) -> dict:
+    """The fastest correct candidate (and the default's result, the first candidate). Correct:
+    within 1% of the largest output of the fp32 reference (bf16 rounding is 0.4%)."""
+    tolerance = 1e-2 * reference.abs().max().item()
+    results = []
+    for config in candidates:
+        try:
+            result = measure(lambda c=config: run(c), reference, moved_bytes)
+        except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
+            result = dict(us=float("inf"), failed=f"{type(error).__name__}: {str(error)[:120]}")
+        result["config"] = asdict(config)
+        result["ok"] = "failed" not in result and result["max_error"] <= tolerance
+        results.append(result)
+    good = [r for r in results if r["ok"]]
+    best = min(good, key=lambda r: r["us"]) if good else None
+    return dict(best=best, default=results[0], candidates=results)
+
+
+def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_size: int, sms: int,
+                gen: torch.Generator) -> list[dict]:
+    """Every path at every batch size for one weight shape (random bf16, and its AWQ quantization)."""
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+    awq = quantize_awq(weight.T.contiguous(), group_size)
+    records = []
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+        record = dict(tp=tp, layer=name, n=n, k=k, rows=rows, **bench_rows(x, weight, awq, name != "lm_head",
+                                                                          group_size, sms))
+        records.append(record)
+        print(format_record(record), flush=True)
+    return records
+
+
+def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool, group_size: int,
+               sms: int) -> dict:
+    """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and the AWQ sweep for one batch."""
+    (rows, k), n = x.shape, weight.shape[0]
+    io_bytes = (rows * k + rows * n) * 2
+    dense_bytes = weight.numel() * 2 + io_bytes
+    dense_ref = x.float() @ weight.float().T
+    found = dict(cublas=measure(lambda: F.linear(x, weight), dense_ref, dense_bytes))
+    if rows <= GEMV_MAX_ROWS:
+        found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
+                              lambda c: dense_gemv_triton(x, weight, None, c), dense_ref, dense_bytes)
+    if with_awq:  # AWQ checkpoints keep the LM head in 16 bits
+        qweight, qzeros, scales = awq
+        awq_ref = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size)
+        candidates = awq_candidates(rows, n, k, group_size, sms)
+        for config in candidates:
+            check_awq_config(config, rows, group_size)
+        found["awq"] = sweep(candidates, lambda c: awq_linear_triton(x, *awq, group_size, None, c), awq_ref,
+                             sum(t.numel() * t.element_size() for t in awq) + io_bytes)
+    return found
+
+
+def _describe(result: dict | None) -> str:
+    if result is None:
+        return "no correct config"
+    text = f"{result['us']:7.1f} us {result['gbps']:6.0f} GB/s {100 * result['peak_fraction']:3.0f}%"
+    return text + (f" err {result['max_error']:.1e}" if "max_error" in result else "")
+
+
+def format_record(record: dict) -> str:
+    shape = f"N={record['n']:>6} K={record['k']:>5} M={record['rows']:>3}"
+    parts = [f"TP={record['tp']} {record['layer']:>7} {shape}",
+             f"cuBLAS {_describe(record['cublas'])}"]
+    for path in ("gemv", "awq"):
+        if path in record:
+            best, default = record[path]["best"], record[path]["default"]
+            config = TileConfig(**best["config"]) if best else None
+            speed = f" {record['cublas']['us'] / best['us']:.2f}x cuBLAS speed" if best else ""
+            parts.append(f"{path} {_describe(best)}{speed} [default {default['us']:.1f} us] {config}")
+    return "\n    ".join(parts)
+
+
+def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str]]:
+    """The entries of AWQ_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS (only where the
+    GEMV beat cuBLAS by 3% or more), one per (row bucket, N, K)."""
+    awq, dense = {}, {}
+    for record in records:
+        bucket = row_bucket(record["rows"])
+        awq_best = record.get("awq", {}).get("best")
+        if awq_best:
+            awq[(bucket, record["n"], record["k"], group_size)] = awq_best
+        gemv_best = record.get("gemv", {}).get("best")
+        if gemv_best and gemv_best["us"] < 0.97 * record["cublas"]["us"]:
+            dense[(bucket, record["n"], record["k"])] = gemv_best
+
+    def lines(table):
+        return [f"    {key}: {TileConfig(**best['config'])},  # {best['us']:.1f} us, "
+                f"{100 * best['peak_fraction']:.0f}% of 4.8 TB/s" for key, best in table.items()]
+    return lines(awq), lines(dense)
+
+
+def decode_estimates(records: list[dict]) -> dict:
+    """Per TP size: the batch-1 linear time of one token, 32 layers plus the LM head, for bf16
+    (the faster of cuBLAS and the GEMV) and AWQ (its kernels, the LM head in bf16)."""
+    estimates = {}
+    for tp in sorted({r["tp"] for r in records}):
+        one = {r["layer"]: r for r in records if r["tp"] == tp and r["rows"] == 1}
+        if len(one) < 5:
+            continue
+
+        def bf16_us(r):
+            gemv = r.get("gemv", {}).get("best")
+            return min(r["cublas"]["us"], gemv["us"] if gemv else float("inf"))
+        layers = ("qkv", "o", "gate_up", "down")
+        bf16 = LAYERS * sum(bf16_us(one[name]) for name in layers) + bf16_us(one["lm_head"])
+        awq_ok = all(one[name]["awq"]["best"] for name in layers)
+        awq = (LAYERS * sum(one[name]["awq"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
+               if awq_ok else None)
+        estimates[tp] = dict(bf16_ms=bf16 / 1e3, awq_ms=awq / 1e3 if awq else None)
+    return estimates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gemv_bench.json", help="JSON file of every measurement")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
+    parser.add_argument("--group-size", type=int, default=128)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    sms = num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs); AWQ group size {args.group_size}; bf16 activations")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    records = []
+    for tp in args.tp:
+        for name, n, k in llama3_8b_linears(tp):
+            if name in args.layers:
+                records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen)
+    awq_lines, dense_lines = table_lines(records, args.group_size)
+    estimates = decode_estimates(records)
+    print("\n# paste into src/pagedlab/kernels/gemv_configs.py\nAWQ_CONFIGS = {", *awq_lines, "}", sep="\n")
+    print("DENSE_GEMV_CONFIGS = {", *dense_lines, "}", sep="\n")
+    for tp, estimate in estimates.items():
+        awq = f"{estimate['awq_ms']:.2f} ms" if estimate["awq_ms"] else "n/a"
+        print(f"TP={tp} batch-1 linears per token (32 layers + LM head, per rank): "
+              f"bf16 {estimate['bf16_ms']:.2f} ms, AWQ {awq}")
+    elapsed = time.perf_counter() - start
+    print(f"{len(records)} shapes in {elapsed:.0f} s; JSON in {args.out}")
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, group_size=args.group_size,
+                       records=records, awq_table=awq_lines, dense_table=dense_lines,
+                       decode_estimates=estimates, seconds=elapsed), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

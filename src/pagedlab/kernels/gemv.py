@@ -1,0 +1,195 @@
+"""Dense 16-bit GEMV for small batches, ``y = x @ weight.T + bias`` with ``weight`` ``[N, K]`` as
+``nn.Linear`` stores it, and the split-K machinery it shares with the W4A16 kernels.
+
+At batch 1 to 16 a linear layer is a weight read: every program owns ``block_n`` weight rows (or
+columns of a packed weight) and one of ``split_k`` segments of K, so that enough programs run to
+keep HBM busy. The segments' fp32 partial sums go to a scratch buffer; each program then takes a
+ticket from a per-column-tile counter, and the program that draws the last ticket adds the
+segments in segment order (the same order whichever program finishes last, so results repeat
+from run to run), adds the bias, writes the output and resets the counter for the next launch.
+One kernel per linear, no host sync, no memset: a CUDA graph captures it as is.
+
+The counters live in one buffer per device made at the first split-K call (the model runner's
+eager warm-up, before any capture); two split-K kernels must not run at once on one device
+(the engine runs one stream).
+
+``dense_gemv_torch`` is the reference; ``pagedlab.quantization.linear_method.dense_linear`` picks
+this kernel only where ``gemv_configs.DENSE_GEMV_CONFIGS`` (measured) says it beats cuBLAS.
+This module imports triton when it loads: import it lazily (see ``kernels/w4a16.py``).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
+
+SPLIT_K_COUNTERS = 1 << 16
+TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
+                     partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Write ``acc`` ``[BLOCK_M, BLOCK_N]`` (rows ``offs_m``, output columns ``offs_n`` in any
+    order) plus the bias; with SPLIT, as this segment's share, the last segment of the column
+    tile to finish summing all of them in segment order."""
+    mask = m_valid[:, None] & n_valid[None, :]
+    if SPLIT:
+        cells = offs_m[:, None] * stride_partial_row + offs_n[None, :]
+        tl.store(partial_ptr + split * stride_partial_split + cells, acc, mask=mask)
+        # Every thread's partial sums are stored before one thread publishes them (release).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for segment in range(0, num_splits):
+                total += tl.load(partial_ptr + segment * stride_partial_split + cells, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(counter_ptr + pid_n, 0)
+            _store_output(total, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+    else:
+        _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit
+def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "num_splits"])
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, K_PER_SPLIT,
+                       num_splits, stride_x, stride_w, stride_out, stride_partial_split, stride_partial_row,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
+    (not USE_DOT) the products are kept per K lane and summed once at the end; with USE_DOT the
+    rows are padded to BLOCK_M for tensor cores."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    k_begin = split * K_PER_SPLIT
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        products = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+        else:
+            products += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(products, axis=2)
+    split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
+                     partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
+
+
+def dense_gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in ``x``'s dtype: the reference of ``dense_gemv_triton``."""
+    out = x @ weight.to(x.dtype).T
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: TileConfig | None = None) -> torch.Tensor:
+    """Triton version of ``dense_gemv_torch`` for ``x`` ``[..., K]`` of at most ``GEMV_MAX_ROWS``
+    rows (float16, bfloat16 or float32, ``weight``'s dtype); ``config`` defaults to
+    ``default_dense_gemv_config``."""
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features} inputs")
+    if x.dtype not in TRITON_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x dtype {x.dtype} with weight dtype {weight.dtype}: both must be one of "
+                         "float16, bfloat16, float32")
+    x2d = x.reshape(-1, in_features)
+    rows = x2d.shape[0]
+    if rows > GEMV_MAX_ROWS:
+        raise ValueError(f"{rows} rows is over the GEMV's {GEMV_MAX_ROWS}: use F.linear")
+    for name, tensor in {"x": x2d, "weight": weight, "bias": bias}.items():
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    config = config or default_dense_gemv_config(rows, out_features, in_features, num_sms(x.device))
+    config.check(rows, gemv=True)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if rows:
+        k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
+        tiles = triton.cdiv(out_features, config.block_n)
+        partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
+        _dense_gemv_kernel[(tiles, num_splits)](
+            x2d, weight, out if bias is None else bias, out, partial, counters, rows, out_features,
+            in_features, k_per_split, num_splits, x2d.stride(0), weight.stride(0), out.stride(0),
+            partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
+            BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            USE_DOT=config.block_m > 0, **dot_settings(x), num_warps=config.num_warps,
+            num_stages=config.num_stages)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def gemv_block_m(rows: int, config: TileConfig) -> int:
+    """The padded row count of a GEMV program: the dot tile, or the next power of two."""
+    return config.block_m or triton.next_power_of_2(rows)
+
+
+def k_segments(in_features: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(rows of K per segment, number of segments)``: at most ``split_k`` segments of whole
+    ``block_k`` steps, none empty."""
+    steps = triton.cdiv(in_features, block_k)
+    steps_per_split = triton.cdiv(steps, min(split_k, steps))
+    return steps_per_split * block_k, triton.cdiv(steps, steps_per_split)
+
+
+def split_k_scratch(rows: int, out_features: int, num_splits: int, tiles: int,
+                    out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partial sums ``[num_splits, rows, out_features]`` and the ticket counters of a
+    split-K launch (``out`` stands in for both when there is one segment: nothing reads them)."""
+    if num_splits == 1:
+        return out, out
+    if tiles > SPLIT_K_COUNTERS:
+        raise ValueError(f"{tiles} column tiles is over the {SPLIT_K_COUNTERS} split-K counters: use a "
+                         "larger block_n")
+    counters = _counters.get(out.device)
+    if counters is None:
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K counters are made at the first split-K call, which must run "
+                               "eagerly: run the model once before capturing a CUDA graph")
+        counters = _counters[out.device] = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=out.device)
+    partial = torch.empty(num_splits, rows, out_features, dtype=torch.float32, device=out.device)
+    return partial, counters
+
+
+def dot_settings(x: torch.Tensor) -> dict:
+    """``DOT_DTYPE``/``DOT_PRECISION`` for x's dtype. The interpreter's tl.dot is wrong for bf16:
+    upcast there. fp32 wants exact products, not tf32."""
+    upcast = x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    dot_dtype = tl.float32 if upcast else TRITON_DTYPES[x.dtype]
+    return dict(DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (132, an H100/H200's, for the interpreter on the CPU)."""
+    return _num_sms(device) if device.type == "cuda" else 132

@@ -1,0 +1,178 @@
+"""The dense 16-bit GEMV (``pagedlab.kernels.gemv``) against its torch reference, the launch
+configs of the linear kernels (``gemv_configs``), and ``dense_linear``'s choice between cuBLAS
+and the GEMV.
+
+On a machine without CUDA the kernel runs under the Triton interpreter at small sizes;
+TRITON_INTERPRET is set here, before the kernel modules are first imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
+        if kernels in sys.modules:  # built without the interpreter by another module
+            importlib.reload(sys.modules[kernels])
+
+from pagedlab.kernels import gemv_configs
+from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config, row_bucket, splits_for
+from pagedlab.quantization.linear_method import dense_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=2e-3),
+             torch.bfloat16: dict(atol=1e-1, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    pytest.importorskip("triton")
+    return importlib.import_module("pagedlab.kernels.gemv")
+
+
+def check_dense(gemv, rows, in_features, out_features, dtype, with_bias, config=None):
+    key = repr((rows, in_features, out_features, dtype, config)).encode()
+    gen = torch.Generator().manual_seed(zlib.crc32(key))
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
+    out = gemv.dense_gemv_triton(x.to(DEVICE), weight.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                                 config)
+    expected = gemv.dense_gemv_torch(x.float(), weight.float(), None if bias is None else bias.float())
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
+    return out
+
+
+# (rows, config): block_m=0 multiplies on the CUDA cores, 16 through tl.dot; split_k > 1 cuts K
+# into segments summed in-kernel. K=200 is not a multiple of block_k, N=50 leaves a partial tile.
+DENSE_CASES = [
+    (1, TileConfig(block_n=16, block_k=64, split_k=1)),
+    (1, TileConfig(block_n=16, block_k=32, split_k=3)),
+    (3, TileConfig(block_n=8, block_k=64, split_k=2)),
+    (5, TileConfig(block_n=16, block_k=64, split_k=2, block_m=16)),
+    (16, TileConfig(block_n=32, block_k=32, split_k=1, block_m=16)),
+]
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"M{c[0]}-{'dot' if c[1].block_m else 'cores'}"
+                         f"-split{c[1].split_k}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_dense_gemv_matches_torch(gemv, case, dtype):
+    rows, config = case
+    check_dense(gemv, rows, 200, 50, dtype, rows % 2 == 1, config)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_dense_gemv_bfloat16_and_default_config(gemv, rows):
+    check_dense(gemv, rows, 256, 48, torch.bfloat16, True)
+
+
+def test_dense_gemv_is_deterministic(gemv):
+    config = TileConfig(block_n=16, block_k=32, split_k=4)
+    first = check_dense(gemv, 2, 256, 40, torch.float32, False, config)
+    assert torch.equal(first, check_dense(gemv, 2, 256, 40, torch.float32, False, config))
+    assert not gemv._counters[first.device].any()
+
+
+def test_dense_gemv_rejects_what_it_cannot_run(gemv):
+    weight = torch.zeros(8, 32)
+    with pytest.raises(ValueError, match="x has 16 features, the weight 32 inputs"):
+        gemv.dense_gemv_triton(torch.zeros(1, 16), weight)
+    with pytest.raises(ValueError, match=r"x dtype torch\.float16 with weight dtype torch\.float32"):
+        gemv.dense_gemv_triton(torch.zeros(1, 32, dtype=torch.float16), weight)
+    with pytest.raises(ValueError, match="17 rows is over the GEMV's 16"):
+        gemv.dense_gemv_triton(torch.zeros(17, 32), weight)
+    with pytest.raises(ValueError, match="split_k=0"):
+        gemv.dense_gemv_triton(torch.zeros(1, 32), weight, None, TileConfig(block_n=8, block_k=32, split_k=0))
+
+
+def test_k_segments_cover_k_in_whole_steps_without_empty_segments(gemv):
+    for in_features, block_k, split_k in [(4096, 128, 16), (4096, 128, 5), (200, 64, 8), (14336, 128, 200)]:
+        per_split, segments = gemv.k_segments(in_features, block_k, split_k)
+        assert per_split % block_k == 0 and segments <= split_k
+        assert (segments - 1) * per_split < in_features <= segments * per_split
+
+
+# --- the configs --------------------------------------------------------------------------------------
+
+
+def test_row_buckets_and_splits():
+    assert [row_bucket(r) for r in (1, 2, 3, 5, 16, 17, 200, 5000)] == [1, 2, 4, 8, 16, 32, 256, 256]
+    # 16 column tiles on 132 SMs: two waves need 17 segments; never more than the K steps
+    assert splits_for(16, 32, 132) == 17 and splits_for(16, 8, 132) == 8 and splits_for(1000, 32, 132) == 1
+
+
+def test_dense_gemv_table_decides_and_is_empty_by_default(monkeypatch):
+    assert dense_gemv_config(1, 4096, 4096) is None  # nothing measured yet: cuBLAS everywhere
+    config = TileConfig(block_n=16, block_k=256, split_k=8)
+    monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, (4, 4096, 4096), config)
+    assert dense_gemv_config(3, 4096, 4096) == config and dense_gemv_config(4, 4096, 4096) == config
+    assert dense_gemv_config(2, 4096, 4096) is None and dense_gemv_config(3, 4096, 2048) is None
+    assert dense_gemv_config(17, 4096, 4096) is None
+
+
+def test_awq_table_entry_wins_over_the_default(monkeypatch):
+    config = TileConfig(block_n=128, block_k=64, split_k=4, block_m=16)
+    monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (16, 6144, 4096, 128), config)
+    assert gemv_configs.awq_config(9, 6144, 4096, 128, 132) == config
+    assert gemv_configs.awq_config(8, 6144, 4096, 128, 132) == gemv_configs.default_awq_config(8, 6144, 4096,
+                                                                                               128, 132)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64, 256])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_default_configs_are_runnable(rows, group_size):
+    for out_features, in_features in [(6144, 4096), (4096, 14336), (2048, 2048), (128256, 4096)]:
+        config = gemv_configs.default_awq_config(rows, out_features, in_features, group_size, 132)
+        config.check(rows, gemv=rows <= gemv_configs.GEMV_MAX_ROWS)
+        assert group_size % config.block_k == 0
+        if rows <= 16:
+            dense = gemv_configs.default_dense_gemv_config(rows, out_features, in_features, 132)
+            dense.check(rows, gemv=True)
+
+
+def test_dense_linear_is_f_linear_off_cuda(monkeypatch):
+    monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, (1, 8, 16), TileConfig(block_n=8, block_k=16))
+    x, weight, bias = torch.randn(1, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(dense_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+# --- real sizes on the GPU ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (128256, 4096)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_features, in_features):
+    """With a table entry, dense_linear runs the Triton GEMV (eagerly and from a CUDA graph,
+    replayed twice) and matches F.linear at Llama-3-8B sizes in bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
+    config = gemv_configs.default_dense_gemv_config(rows, out_features, in_features, gemv.num_sms(x.device))
+    key = (row_bucket(rows), out_features, in_features)
+    monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, key, config)
+    calls, kernel = [], gemv.dense_gemv_triton
+    monkeypatch.setattr(gemv, "dense_gemv_triton", lambda *args: calls.append(args) or kernel(*args))
+    out = dense_linear(x, weight)
+    assert calls and calls[0][3] == config, "dense_linear did not take the tabled GEMV"
+    for _ in range(20):  # the split-K sum: same bits whichever segment finishes last
+        assert torch.equal(dense_linear(x, weight), out)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), **TOLERANCE[torch.bfloat16])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dense_linear(x, weight)
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.testing.assert_close(captured, out, atol=0, rtol=0)
