@@ -6,11 +6,21 @@ import dataclasses
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed must fit torch.Generator.manual_seed
 
 
 def _check(cond: bool, name: str, value, allowed: str) -> None:
     if not cond:
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
+
+
+_TOKEN_ID_FIELDS = ("stop_token_ids",)
+
+
+def quoted_ids(ids) -> str:
+    """A list of ids for an error message, cut short."""
+    ids = list(ids)
+    return repr(ids) if len(ids) <= 8 else repr(ids[:8])[:-1] + ", ...]"
 
 
 @dataclass
@@ -65,7 +75,8 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 0 (0 or -1 means all tokens)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        _check(self.seed is None or (isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX),
+               "seed", self.seed, f"None or an integer in [{_INT64_MIN}, {_INT64_MAX}]")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -81,6 +92,15 @@ class SamplingParams:
                "a non-empty string or a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of non-negative token ids")
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id the parameters name is out of vocabulary."""
+        for name in _TOKEN_ID_FIELDS:
+            ids = getattr(self, name) or ()
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}={quoted_ids(ids)} is invalid: token id {bad} is out of vocabulary "
+                                 f"(ids must be in [0, {vocab_size}))")
 
     @property
     def greedy(self) -> bool:

@@ -20,6 +20,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 import socket
 import threading
 import time
@@ -39,7 +41,7 @@ from pagedlab.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       ErrorResponse, ModelCard, ModelList, bad_request, parse_request)
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
-from pagedlab.server.serving_engine import ClientGone, EventStream
+from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +51,11 @@ router = APIRouter()
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
-              shutdown_engine: bool = False) -> FastAPI:
+              shutdown_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for). ``api_key`` guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when
-    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down."""
+    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down;
+    ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -70,13 +73,14 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.metrics = metrics
     app.state.served_model_names = names
     app.state.created = int(time.time())
-    app.state.serving_completion = OpenAIServingCompletion(engine, names)
-    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template)
+    app.state.admission = admission = Admission(engine, limits or ServerLimits())
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission)
+    app.add_middleware(CatchAllMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unhandled_error)
     app.include_router(router)
     return app
 
@@ -88,7 +92,9 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
 
 
 async def _api_error(request: Request, e: APIError) -> Response:
-    return json_response(e.response(), e.status)
+    response = json_response(e.response(), e.status)
+    response.headers.update(e.headers)
+    return response
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -97,10 +103,35 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
     return json_response(ErrorResponse(error=error), e.status_code)
 
 
-async def _unhandled_error(request: Request, e: Exception) -> Response:
-    logger.exception("unhandled error on %s", request.url.path)
-    error = ErrorInfo(message=f"internal server error: {e!r}", type="server_error")
-    return json_response(ErrorResponse(error=error), 500)
+class CatchAllMiddleware:
+    """Every failure ends in a complete response: an exception no handler took becomes OpenAI's
+    500 body (or, if the response had started, its clean end), and is not raised on to the
+    server, which would drop the keep-alive connection under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            logger.exception("unhandled error on %s", scope.get("path"))
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            error = ErrorInfo(message=f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                              code="internal_error")
+            await json_response(ErrorResponse(error=error), 500)(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -184,17 +215,72 @@ async def create_chat_completion(raw_request: Request) -> Response:
                           lambda disconnected: serving.create_chat_completion(request, disconnected))
 
 
+# a \uD800-\uDFFF escape, or its UTF-8 form (which json.loads lets through too)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 async def _json_body(raw_request: Request) -> dict:
-    """The body as a JSON object, whatever the content type says."""
-    raw = await raw_request.body()
+    """The body as a JSON object, whatever the content type says: 413 beyond the size limit, 400
+    for anything that is not plain JSON (NaN, numbers beyond floats, nesting too deep for the
+    parser, strings with lone UTF-16 surrogates that no tokenizer can take)."""
+    raw = await _read_body(raw_request, raw_request.app.state.admission.limits.max_request_body_bytes)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be a JSON "
-                          "object.", code="invalid_json") from None
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints, ours
+        reason = "it nests too deeply" if isinstance(e, RecursionError) else str(e)
+        raise bad_request(f"We could not parse the JSON body of your request ({reason}). The body must be a "
+                          "JSON object.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body of your request must be a JSON object.", code="invalid_json")
+    if _SURROGATE.search(raw):  # a valid pair decodes to one character; a lone half stays
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad_request(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text.",
+                              param=where, code="invalid_unicode")
     return body
+
+
+async def _read_body(raw_request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it (or its Content-Length) passes ``limit`` bytes."""
+    too_large = APIError(413, f"The request body is larger than the {limit} bytes this server takes.",
+                         code="request_too_large")
+    declared = raw_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The param name of the first string (key or value) holding a lone surrogate, if any."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in value.items())
+            stack.extend((path or "body", k) for k in value)
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 async def _respond(raw_request: Request,
@@ -296,8 +382,8 @@ class ServerThread:
 def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *,
                served_model_names: Sequence[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info",
-               enable_metrics: bool = True) -> None:
+               enable_metrics: bool = True, limits: ServerLimits | None = None) -> None:
     """Serve until interrupted (Ctrl-C); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
-                    shutdown_engine=True)
+                    shutdown_engine=True, limits=limits)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
