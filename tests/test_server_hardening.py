@@ -279,3 +279,18 @@ def test_stream_options_usage(served, path, body):
     # continuous_usage_stats alone changes nothing (vLLM: only together with include_usage)
     alone = _chunks(served, path, {**body, "stream_options": {"continuous_usage_stats": True}})
     assert all("usage" not in c for c in alone)
+
+
+# ---- logits controls ---------------------------------------------------------------------------------
+def test_logit_bias_and_allowed_token_ids(served):
+    allowed = [40, 41, 42]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+            "return_token_ids": True}
+    r = _post(served, "/v1/completions", {**body, "allowed_token_ids": allowed}).json()
+    assert set(r["choices"][0]["token_ids"]) <= set(allowed)
+    r = _post(served, "/v1/completions", {**body, "logit_bias": {"57": 100}}).json()
+    assert r["choices"][0]["token_ids"] == [57] * 6
+    vocab = len(served["tokenizer"])
+    body = {"messages": CHAT, "logit_bias": {str(vocab): 1}}
+    err = _error(_post(served, "/v1/chat/completions", body), 400)
+    assert err["param"] == "logit_bias" and "out of vocabulary" in err["message"]

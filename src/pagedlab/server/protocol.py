@@ -179,7 +179,7 @@ class SamplingRequest(OpenAIRequest):
     seed: Integer | None = None
     stop: Annotated[str | list[str], _expecting("a string or an array of strings")] = Field(
         default_factory=list)
-    logit_bias: dict | None = None
+    logit_bias: Annotated[dict[str, float], _expecting("an object mapping token ids to biases")] | None = None
     # vLLM's extensions
     top_k: Integer = 0
     min_p: float = 0.0
@@ -188,10 +188,12 @@ class SamplingRequest(OpenAIRequest):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] = Field(
         default_factory=list)
+    allowed_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
+    vllm_xargs: dict | None = None  # SamplingParams.extra_args
 
     @field_validator("stream_options")
     @classmethod
@@ -210,10 +212,13 @@ class SamplingRequest(OpenAIRequest):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict) -> dict:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
+    def _token_id_keys(cls, value: dict[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias: JSON keys are token ids as strings."""
+        bad = next((k for k in value if not (k.isascii() and k.isdigit() and len(k) < 19)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias key {quoted(bad)} is invalid: keys must be token ids (non-negative "
+                             "integers written as strings)")
+        return {int(k): v for k, v in value.items()}
 
     @field_validator("prompt_logprobs", check_fields=False)
     @classmethod
@@ -243,6 +248,8 @@ class SamplingRequest(OpenAIRequest):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+                extra_args=self.vllm_xargs,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens)
         except ValueError as e:
