@@ -294,3 +294,40 @@ def test_logit_bias_and_allowed_token_ids(served):
     body = {"messages": CHAT, "logit_bias": {str(vocab): 1}}
     err = _error(_post(served, "/v1/chat/completions", body), 400)
     assert err["param"] == "logit_bias" and "out of vocabulary" in err["message"]
+
+
+# ---- vLLM's extra endpoints --------------------------------------------------------------------------
+def test_tokenize_detokenize_version_and_models(served):
+    tokenizer = served["tokenizer"]
+    r = _post(served, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == tokenizer(PROMPT).input_ids and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    assert r["max_model_len"] == served["engine"].max_model_len
+    bare = _post(served, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert "token_strs" not in bare
+    assert bare["tokens"] == tokenizer(PROMPT, add_special_tokens=False).input_ids
+    chat = _post(served, "/tokenize", {"messages": CHAT}).json()
+    rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    detokenized = _post(served, "/detokenize", {"tokens": r["tokens"]}).json()
+    assert detokenized == {"prompt": tokenizer.decode(r["tokens"])}
+    err = _error(_post(served, "/detokenize", {"tokens": [1, 10 ** 6]}), 400)
+    assert err["param"] == "tokens" and "out of vocabulary" in err["message"]
+    _error(_post(served, "/tokenize", {"prompt": PROMPT, "model": "other"}), 404)
+    assert httpx.get(served["url"] + "/version").json()["version"]
+    card = httpx.get(served["url"] + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == served["engine"].max_model_len
+
+
+def test_serve_limit_flags():
+    import argparse
+
+    from pagedlab.server.cli import add_serve_args, limits_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", "m", "--max-waiting-requests", "7",
+                              "--max-request-body-bytes", "100"])
+    assert limits_from_args(args) == ServerLimits(max_waiting_requests=7, max_request_body_bytes=100)
+    with pytest.raises(ValueError, match="--max-tokens-per-request 0 is invalid"):
+        limits_from_args(parser.parse_args(["--model", "m", "--max-tokens-per-request", "0"]))

@@ -1,11 +1,14 @@
 """An OpenAI-compatible HTTP server over ``AsyncEngine`` (FastAPI + uvicorn).
 
-Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions``. Requests join the running batch as they
-arrive (online continuous batching) and stream token by token with ``"stream": true``. Errors use
-OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters, malformed
-JSON and prompts longer than the model allows, 401 for a missing or wrong API key, 404 for an
-unknown model; a failed request fails alone and the server keeps serving. A client that goes
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+Requests join the running batch as they arrive (online continuous batching) and stream token by
+token with ``"stream": true``. Errors use OpenAI's body, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad parameters, malformed JSON and prompts longer than the model allows, 401
+for a missing or wrong API key, 404 for an unknown model, 413 for a body over the limit, 503 (with
+``Retry-After``) while the waiting queue is full; any other failure is a 500 with the same body,
+and the keep-alive connection stays usable. A failed request fails alone and the server keeps
+serving. A client that goes
 away mid-request has its request aborted and its KV blocks freed.
 
     app = build_app(AsyncEngine.from_engine_config(EngineConfig(model=DIR)))
@@ -42,6 +45,7 @@ from pagedlab.server.protocol import (APIError, ChatCompletionRequest, Completio
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
 from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
+from pagedlab.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
     app.state.serving_completion = OpenAIServingCompletion(engine, names, admission)
     app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission)
     app.add_middleware(CatchAllMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -217,6 +222,18 @@ async def create_chat_completion(raw_request: Request) -> Response:
 
 # a \uD800-\uDFFF escape, or its UTF-8 form (which json.loads lets through too)
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+@router.post("/tokenize")
+async def tokenize(raw_request: Request) -> Response:
+    """vLLM's tokenizer endpoint: ``prompt`` or ``messages`` to the token ids the model would see."""
+    return json_response(raw_request.app.state.serving_tokenization.tokenize(await _json_body(raw_request)))
+
+
+@router.post("/detokenize")
+async def detokenize(raw_request: Request) -> Response:
+    """vLLM's detokenizer endpoint: ``tokens`` to text."""
+    return json_response(raw_request.app.state.serving_tokenization.detokenize(await _json_body(raw_request)))
 
 
 async def _json_body(raw_request: Request) -> dict:

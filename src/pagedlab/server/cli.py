@@ -40,9 +40,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         f"(default: {limits.max_tokens_per_request})")
     g.add_argument("--max-request-body-bytes", type=int, default=limits.max_request_body_bytes,
                    help=f"bigger bodies get 413 (default: {limits.max_request_body_bytes})")
-    g.add_argument("--shutdown-timeout", type=float, default=limits.shutdown_timeout_s,
-                   help="seconds SIGTERM lets running requests finish before aborting them "
-                        f"(default: {limits.shutdown_timeout_s:g})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -84,15 +81,13 @@ def serve_command(args: argparse.Namespace) -> int:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     """The ``ServerLimits`` the serve flags ask for (each must be positive)."""
     limits = ServerLimits(args.max_waiting_requests, args.max_sequences_per_request,
-                          args.max_tokens_per_request, args.max_request_body_bytes, args.shutdown_timeout)
+                          args.max_tokens_per_request, args.max_request_body_bytes)
     for flag, value in (("--max-waiting-requests", limits.max_waiting_requests),
                         ("--max-sequences-per-request", limits.max_sequences_per_request),
                         ("--max-tokens-per-request", limits.max_tokens_per_request),
                         ("--max-request-body-bytes", limits.max_request_body_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} is invalid: it must be at least 1")
-    if limits.shutdown_timeout_s < 0:
-        raise ValueError(f"--shutdown-timeout {limits.shutdown_timeout_s} is invalid: it must be >= 0")
     return limits
 
 

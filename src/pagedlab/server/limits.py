@@ -13,12 +13,10 @@ class ServerLimits:
     running, beyond which a request is answered 503 with ``Retry-After`` (None: unbounded).
     ``max_sequences_per_request``: prompts x ``n`` of one request. ``max_tokens_per_request``: the
     tokens one request may occupy at most, prompt and completion of every sequence.
-    ``max_request_body_bytes``: a bigger body is answered 413. ``shutdown_timeout_s``: how long a
-    graceful shutdown lets running requests finish before aborting them.
+    ``max_request_body_bytes``: a bigger body is answered 413.
     """
 
     max_waiting_requests: int | None = None
     max_sequences_per_request: int = 1024
     max_tokens_per_request: int = 1 << 22
     max_request_body_bytes: int = 32 << 20
-    shutdown_timeout_s: float = 30.0

@@ -38,13 +38,11 @@ class EventStream:
 
 class Admission:
     """The requests the server has handed to the engine and not yet seen finish, shared by every
-    endpoint: it bounds the waiting queue and lets a graceful shutdown stop admitting, wait for
-    the running ones and abort the rest."""
+    endpoint, to bound the waiting queue."""
 
     def __init__(self, engine: AsyncEngine, limits: ServerLimits):
         self.engine, self.limits = engine, limits
         self.live: dict[RequestStream, int] = {}  # stream -> its sequences (n)
-        self.draining = False
 
     def num_live_sequences(self) -> int:
         """Sequences of requests not yet finished (finished ones are forgotten here)."""
@@ -53,9 +51,7 @@ class Admission:
         return sum(self.live.values())
 
     def check(self, num_sequences: int) -> None:
-        """A 503 while shutting down, or when ``num_sequences`` more would overfill the waiting queue."""
-        if self.draining:
-            raise unavailable("The server is shutting down and takes no new requests.", "shutting_down")
+        """A 503 when ``num_sequences`` more would overfill the waiting queue."""
         limit = self.limits.max_waiting_requests
         if limit is None:
             return
