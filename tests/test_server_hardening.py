@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -331,3 +333,83 @@ def test_serve_limit_flags():
     assert limits_from_args(args) == ServerLimits(max_waiting_requests=7, max_request_body_bytes=100)
     with pytest.raises(ValueError, match="--max-tokens-per-request 0 is invalid"):
         limits_from_args(parser.parse_args(["--model", "m", "--max-tokens-per-request", "0"]))
+
+
+# ---- graceful shutdown -------------------------------------------------------------------------------
+def test_sigterm_drains_then_aborts_with_an_error_event(served):
+    engine, release = served["engine"], threading.Event()
+    app = build_app(engine, served_model_names=[MODEL], enable_metrics=False)
+    srv = ServerThread(app, shutdown_timeout_s=0.3).start()
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    try:
+        with httpx.Client(timeout=30) as http, http.stream("POST", srv.url + "/v1/completions",
+                                                           json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")  # running
+            engine.call(lambda _: release.wait(30))  # hold the engine: the request cannot finish
+            srv.server.handle_exit(signal.SIGTERM, None)
+            refused = http.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+            err = _error(refused, 503)
+            assert err["code"] == "shutting_down" and refused.headers["retry-after"] == "1"
+            time.sleep(0.4)  # past the shutdown timeout: the drain has aborted the request
+            release.set()
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down"
+        assert "shut down before this request finished" in error["message"]
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()
+    finally:
+        release.set()
+        srv.stop()
+    deadline = time.monotonic() + 15
+    while engine.get_stats().kv_blocks_used:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    _healthy(served)  # the engine serves on through the other server
+
+
+# ---- fuzzing -----------------------------------------------------------------------------------------
+FUZZ_EXAMPLES = int(os.environ.get("PAGEDLAB_FUZZ_EXAMPLES", "25"))  # CI's budget; e.g. 2000 by hand
+FIELDS = ["prompt", "messages", "model", "n", "best_of", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo",
+          "prompt_logprobs", "logit_bias", "allowed_token_ids", "stream", "stream_options", "min_tokens",
+          "presence_penalty", "repetition_penalty", "response_format", "tools", "chat_template_kwargs",
+          "return_token_ids", "ignore_eos", "add_special_tokens", "tokens"]
+
+
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    scalars = (st.none() | st.booleans() | st.integers(min_value=-(2 ** 70), max_value=2 ** 70)
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+               | st.integers(min_value=0, max_value=8))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+    role = st.sampled_from(["user", "system", "assistant"])
+    content = st.text(max_size=20) | values
+    messages = st.lists(st.fixed_dictionaries({"role": role}, optional={"content": content}), max_size=3)
+    return st.dictionaries(st.sampled_from(FIELDS), values, max_size=6) | st.fixed_dictionaries(
+        {"messages": messages}, optional={f: values for f in FIELDS[2:12]})
+
+
+def test_fuzzed_bodies_never_500(served):
+    """Random bodies on every POST endpoint: each answer is a 2xx or an OpenAI-shaped 4xx (never
+    a 5xx), and the server is healthy afterwards."""
+    hypothesis = pytest.importorskip("hypothesis")
+
+    @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(body=_fuzz_bodies(),
+                      path=hypothesis.strategies.sampled_from(["/v1/completions", "/v1/chat/completions",
+                                                               "/tokenize", "/detokenize"]))
+    def check(body, path):
+        with httpx.Client(timeout=60) as http:
+            resp = http.post(served["url"] + path, json=body)
+            assert resp.status_code < 500, (body, resp.text)
+            if resp.status_code >= 400:
+                _error(resp, resp.status_code)
+
+    check()
+    _healthy(served)

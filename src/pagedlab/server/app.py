@@ -353,6 +353,37 @@ async def _until_disconnect(events: AsyncIterator[str], disconnected: asyncio.Fu
 
 
 # ---- running ------------------------------------------------------------------------------------
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a graceful first SIGTERM/SIGINT: the app stops admitting (503), its
+    running requests get ``shutdown_timeout_s`` to finish, the rest are aborted with a
+    ``shutting_down`` error, then the server exits. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float = 30.0):
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """Begin the drain (thread-safe: tests call it from another thread)."""
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        try:
+            await self.config.app.state.admission.drain(self.shutdown_timeout_s)
+            await asyncio.sleep(0.05)  # the aborted requests' error events go out
+        finally:
+            self.should_exit = True
+
+
 class ServerThread:
     """Run an app under uvicorn in a background thread (tests, notebooks, benchmarks).
 
@@ -360,13 +391,14 @@ class ServerThread:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout_s: float = 30.0):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, shutdown_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="pagedlab-uvicorn", daemon=True)
 
@@ -399,8 +431,10 @@ class ServerThread:
 def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *,
                served_model_names: Sequence[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info",
-               enable_metrics: bool = True, limits: ServerLimits | None = None) -> None:
-    """Serve until interrupted (Ctrl-C); the engine thread stops with the server."""
+               enable_metrics: bool = True, limits: ServerLimits | None = None,
+               shutdown_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
                     shutdown_engine=True, limits=limits)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    GracefulServer(config, shutdown_timeout_s).run()

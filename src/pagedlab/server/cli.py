@@ -38,6 +38,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-per-request", type=int, default=limits.max_tokens_per_request,
                    help="prompt plus max_tokens over all sequences of one request "
                         f"(default: {limits.max_tokens_per_request})")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish before aborting them (default: 30)")
     g.add_argument("--max-request-body-bytes", type=int, default=limits.max_request_body_bytes,
                    help=f"bigger bodies get 413 (default: {limits.max_request_body_bytes})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -72,7 +74,8 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
                    chat_template=chat_template, log_level=args.log_level,
-                   enable_metrics=not args.disable_metrics, limits=limits)
+                   enable_metrics=not args.disable_metrics, limits=limits,
+                   shutdown_timeout_s=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0
@@ -88,6 +91,8 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         ("--max-request-body-bytes", limits.max_request_body_bytes)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} is invalid: it must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} is invalid: it must be >= 0")
     return limits
 
 

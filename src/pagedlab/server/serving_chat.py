@@ -43,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render(request)
         self.validate_prompt(prompt, params.max_tokens, "messages")
         self.check_request([prompt], params)
-        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request)
+        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)
         streams = self.add_requests([prompt], params, run.request_id, request.stream)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams[0]),
@@ -70,8 +70,9 @@ class _ChatRun:
     """One chat request in flight: what its response or stream chunks are built from."""
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
-                 request: ChatCompletionRequest):
+                 request: ChatCompletionRequest, admission: Admission):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
+        self.admission = admission
         self.prompt, self.params = prompt, params
         self.top_logprobs = request.top_logprobs or 0
         self.return_token_ids = request.return_token_ids
@@ -141,6 +142,7 @@ class _ChatRun:
         states = [StreamedChoice() for _ in range(self.params.n)]
         async with contextlib.aclosing(merge_streams([stream])) as merged:
             async for _, out in merged:
+                self.admission.check_not_cut(out)
                 chunks = self._chunks(out, states)
                 if out.finished and self.include_usage:
                     chunks.append(self._chunk([], usage_info([self.prompt], [out])))

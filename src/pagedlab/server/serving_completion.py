@@ -54,7 +54,7 @@ class _CompletionRun:
 
     def __init__(self, serving: OpenAIServingCompletion, request_id: str, model: str,
                  prompts: list[EncodedPrompt], params: SamplingParams, request: CompletionRequest):
-        self.tokenizer = serving.engine.tokenizer
+        self.tokenizer, self.admission = serving.engine.tokenizer, serving.admission
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
@@ -156,6 +156,7 @@ class _CompletionRun:
         finals: list[RequestOutput | None] = [None] * len(streams)
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
+                self.admission.check_not_cut(out)
                 if out.finished:
                     finals[i] = out
                 chunks = self._chunks(i, out, states[i])

@@ -38,11 +38,33 @@ class EventStream:
 
 class Admission:
     """The requests the server has handed to the engine and not yet seen finish, shared by every
-    endpoint, to bound the waiting queue."""
+    endpoint: it bounds the waiting queue, and a graceful shutdown (``drain``) stops admitting,
+    lets the running requests finish and aborts the rest."""
 
     def __init__(self, engine: AsyncEngine, limits: ServerLimits):
         self.engine, self.limits = engine, limits
         self.live: dict[RequestStream, int] = {}  # stream -> its sequences (n)
+        self.draining = False
+        self.cut_by_shutdown = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (503), wait up to ``timeout_s`` for the live requests, abort the rest
+        (each is answered with a ``shutting_down`` error)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_live_sequences() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.live:
+            logger.warning("shutdown: aborting %d requests still running after %.1f s", len(self.live),
+                           timeout_s)
+            self.cut_by_shutdown = True
+            for stream in list(self.live):  # the engine's abort: each consumer still gets its final output
+                self.engine.abort(stream.request_id)
+
+    def check_not_cut(self, out: RequestOutput) -> None:
+        """A 503 ``shutting_down`` for an output that a graceful shutdown aborted."""
+        if self.cut_by_shutdown and out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+            raise unavailable("The server shut down before this request finished; retry it.", "shutting_down")
 
     def num_live_sequences(self) -> int:
         """Sequences of requests not yet finished (finished ones are forgotten here)."""
@@ -51,7 +73,9 @@ class Admission:
         return sum(self.live.values())
 
     def check(self, num_sequences: int) -> None:
-        """A 503 when ``num_sequences`` more would overfill the waiting queue."""
+        """A 503 while shutting down, or when ``num_sequences`` more would overfill the waiting queue."""
+        if self.draining:
+            raise unavailable("The server is shutting down and takes no new requests.", "shutting_down")
         limit = self.limits.max_waiting_requests
         if limit is None:
             return
@@ -173,7 +197,10 @@ class OpenAIServing:
                 await asyncio.wait([task, disconnected], return_when=asyncio.FIRST_COMPLETED)
                 if not task.done():
                     raise ClientGone()
-            return await task
+            outputs = await task
+            for out in outputs:
+                self.admission.check_not_cut(out)
+            return outputs
         except EngineDeadError as e:
             raise engine_dead(str(e)) from None
         except ValueError as e:  # bad input the engine thread found
