@@ -4,6 +4,7 @@ tokenizer, served live on 127.0.0.1; offline ``LLM`` results are the reference."
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -322,8 +323,6 @@ def test_tokenize_detokenize_version_and_models(served):
 
 
 def test_serve_limit_flags():
-    import argparse
-
     from pagedlab.server.cli import add_serve_args, limits_from_args
 
     parser = argparse.ArgumentParser()
@@ -413,3 +412,13 @@ def test_fuzzed_bodies_never_500(served):
 
     check()
     _healthy(served)
+
+
+def test_vllm_error_wording(served):
+    limit = served["engine"].max_model_len
+    err = _error(_post(served, "/v1/completions", {"prompt": [5] * limit, "max_tokens": 1}), 400)
+    assert err["message"].startswith(f"This model's maximum context length is {limit} tokens. However, your "
+                                     f"request has {limit} input tokens")
+    assert err["code"] == "context_length_exceeded"
+    err = _error(_post(served, "/v1/completions", {"prompt": [5, 10 ** 6]}), 400)
+    assert err["param"] == "prompt" and "Token id 1000000 is out of vocabulary" in err["message"]

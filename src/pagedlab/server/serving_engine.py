@@ -20,7 +20,7 @@ from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.limits import ServerLimits
 from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, LogprobEntry, PromptLogprobs,
                                       PromptTokensDetails, UsageInfo, bad_request, engine_dead, param_of,
-                                      unavailable)
+                                      quoted, unavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +154,22 @@ class OpenAIServing:
             raise bad_request(f"The {param} could not be tokenized: {e}", param=param) from None
 
     def validate_prompt(self, prompt: EncodedPrompt, max_tokens: int | None, param: str) -> None:
-        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``."""
-        try:
-            self.engine.validate_prompt(prompt.token_ids)
-        except ValueError as e:
-            raise bad_request(str(e), param=param,
-                              code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
+        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``,
+        worded as vLLM's (clients match on "Prompt cannot be empty", "maximum context length", "out
+        of vocabulary")."""
         limit, length = self.engine.max_model_len, len(prompt.token_ids)
+        if not length:
+            raise bad_request("Prompt cannot be empty.", param=param)
+        if length >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"request has {length} input tokens (prompts must be shorter than "
+                              "max_model_len). Please reduce the length of the input.", param=param,
+                              code="context_length_exceeded")
+        vocab = self.engine.info.hf_config.vocab_size
+        bad = next((t for t in prompt.token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise bad_request(f"Token id {quoted(bad)} is out of vocabulary (ids must be in [0, {vocab})).",
+                              param=param)
         if max_tokens is not None and length + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
