@@ -41,7 +41,10 @@ def _error(request_type, body: dict) -> APIError:
     ({"prompt": "hi", "stop": 3}, "stop", "expected a string or an array of strings"),
     ({"prompt": "hi", "stop_token_ids": [1, "2"]}, "stop_token_ids", "expected an array of token ids"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "set it equal to n (1)"),
-    ({"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100]"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+    ({"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids", "expected an array of token ids"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
      "only be set when stream is true"),
@@ -100,12 +103,14 @@ def test_completion_to_sampling_params_maps_every_field():
             "presence_penalty": 0.3, "frequency_penalty": -0.4, "repetition_penalty": 1.2, "seed": 11,
             "stop": ["a", "", "bc"], "stop_token_ids": [3, 4], "ignore_eos": True, "max_tokens": 40,
             "min_tokens": 5, "logprobs": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
-            "skip_special_tokens": False, "spaces_between_special_tokens": False}
+            "skip_special_tokens": False, "spaces_between_special_tokens": False,
+            "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"}}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
                           stop_token_ids=[3, 4], ignore_eos=True, max_tokens=40, min_tokens=5, logprobs=3,
                           prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
-                          spaces_between_special_tokens=False)
+                          spaces_between_special_tokens=False, logit_bias={7: -2.5, 9: 1.0},
+                          allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"})
     default = SamplingParams()
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
                 if getattr(want, f.name) == getattr(default, f.name) and f.name != "detokenize"]

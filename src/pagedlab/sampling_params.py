@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass, field
 
+from pagedlab.names import did_you_mean
+
 _GREEDY_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed must fit torch.Generator.manual_seed
 
 
 def _check(cond: bool, name: str, value, allowed: str) -> None:
@@ -13,6 +18,38 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
 
+_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
+
+
+class UnknownArgumentError(TypeError, ValueError):
+    """A keyword argument the parameters do not have (a TypeError as Python's own, and a ValueError
+    like every other bad parameter)."""
+
+
+def _reject_unknown_arguments(cls):
+    """Wrap the dataclass ``__init__`` so a misspelt keyword names its closest field."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                suggestion = did_you_mean(key, names)
+                raise UnknownArgumentError(f"{cls.__name__}: unknown argument {key!r}{suggestion}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+def quoted_ids(ids) -> str:
+    """A list of ids for an error message, cut short."""
+    ids = list(ids)
+    return repr(ids) if len(ids) <= 8 else repr(ids[:8])[:-1] + ", ...]"
+
+
+@_reject_unknown_arguments
 @dataclass
 class SamplingParams:
     """How to sample one request's completion(s).
@@ -22,6 +59,11 @@ class SamplingParams:
     ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
     generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first.
     Log-probabilities are those of the raw model distribution, before penalties and temperature.
+
+    vLLM's logits controls: ``logit_bias`` ({token id: bias}, added to the logits, bias in
+    [-100, 100]) and ``allowed_token_ids`` (only these may be sampled). ``extra_args`` carries
+    whatever a caller wants to keep with the request; the engine ignores it. A misspelt keyword
+    raises ``UnknownArgumentError`` naming the closest field.
     """
 
     n: int = 1
@@ -44,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,7 +110,8 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 0 (0 or -1 means all tokens)")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        _check(self.seed is None or (isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX),
+               "seed", self.seed, f"None or an integer in [{_INT64_MIN}, {_INT64_MAX}]")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
@@ -81,10 +127,39 @@ class SamplingParams:
                "a non-empty string or a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of non-negative token ids")
+        self._validate_logits_controls()
+
+    def _validate_logits_controls(self) -> None:
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
+                and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias", self.logit_bias, "a dict of non-negative token ids to biases in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
+                   and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", self.allowed_token_ids, "a non-empty list of non-negative token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args,
+               "None or a dict")
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id the parameters name is out of vocabulary."""
+        for name in _TOKEN_ID_FIELDS:
+            ids = getattr(self, name) or ()
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}={quoted_ids(ids)} is invalid: token id {bad} is out of vocabulary "
+                                 f"(ids must be in [0, {vocab_size}))")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether ``logit_bias`` or ``allowed_token_ids`` changes the logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

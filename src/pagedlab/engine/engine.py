@@ -191,6 +191,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params.verify_token_ids(self.hf_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; "
                              "use stop_token_ids")

@@ -99,6 +99,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
         meta.output_token_ids = _padded([r.output_token_ids for r in requests], to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
     meta.banned_token_ids = _min_tokens_bans(requests, to_device)
+    if any(p.has_logits_controls for p in params):
+        meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
     return meta
@@ -119,6 +121,27 @@ def _min_tokens_bans(requests: list[Request],
         return None
     # device index tensors: indexing with host lists would wait for the GPU
     return to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64)
+
+
+def _logits_controls(params: list, to_device: HostToDevice):
+    """(rows, ids, biases) of the rows' logit_bias and (restricted rows, index into them, ids) of
+    their allowed_token_ids, as device tensors (each None when no row has it)."""
+    bias_rows, bias_ids, biases = [], [], []
+    allowed_rows, allowed_index, allowed_ids = [], [], []
+    for row, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            bias_rows.append(row)
+            bias_ids.append(token)
+            biases.append(bias)
+        if p.allowed_token_ids is not None:
+            allowed_index.extend([len(allowed_rows)] * len(p.allowed_token_ids))
+            allowed_ids.extend(p.allowed_token_ids)
+            allowed_rows.append(row)
+    bias = ((to_device(bias_rows, torch.int64), to_device(bias_ids, torch.int64),
+             to_device(biases, torch.float32)) if bias_rows else None)
+    allowed = ((to_device(allowed_rows, torch.int64), to_device(allowed_index, torch.int64),
+                to_device(allowed_ids, torch.int64)) if allowed_rows else None)
+    return bias, allowed
 
 
 def _padded(rows: list[list[int]], to_device: HostToDevice, vocab_size: int) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""From logits to tokens: penalties, temperature, min-p, top-k/top-p, per-request generators.
+"""From logits to tokens: logits controls, penalties, temperature, min-p, top-k/top-p, per-request
+generators.
 
-The order follows vLLM: min-tokens masking, penalties, then (for sampled rows) temperature,
-min-p and top-k/top-p. Log-probabilities are those of the raw logits. Sampling uses the
-exponential race (argmax of p / q with q ~ Exp(1)), so a request with its own seeded generator
-draws the same numbers whatever else shares the batch.
+The order follows vLLM: allowed token ids and logit bias, min-tokens masking, penalties, then (for
+sampled rows) temperature, min-p and top-k/top-p. Log-probabilities are those of the raw logits.
+Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), so a request with its own
+seeded generator draws the same numbers whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [N, L] int64 padded with vocab_size
     prompt_token_ids: torch.Tensor | None = None  # [N, P] int64 padded with vocab_size
     banned_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) masked by min_tokens
+    # (rows, ids, biases) added to the logits; None when no row has a logit_bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (restricted rows [R], index into them, allowed ids): all other ids of those rows are masked
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
 
 
@@ -76,6 +81,20 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits - meta.presence_penalty.unsqueeze(1) * (output_counts > 0)
 
 
+def apply_logits_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """vLLM's allowed_token_ids (every other id of a restricted row to -inf) and logit_bias (added),
+    in place; rows without either are untouched."""
+    if meta.allowed_token_ids is not None:
+        rows, restricted_index, ids = meta.allowed_token_ids
+        keep = torch.zeros(rows.shape[0], logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[restricted_index, ids] = True
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    if meta.logit_bias is not None:
+        rows, ids, biases = meta.logit_bias
+        logits.index_put_((rows, ids), biases, accumulate=True)
+    return logits
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(-1)
     threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
@@ -117,6 +136,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        if meta.logit_bias is not None or meta.allowed_token_ids is not None:
+            logits = apply_logits_controls(logits, meta)
         if meta.banned_token_ids is not None:
             logits[meta.banned_token_ids] = float("-inf")
         if meta.repetition_penalty is not None:

@@ -1,11 +1,14 @@
 """An OpenAI-compatible HTTP server over ``AsyncEngine`` (FastAPI + uvicorn).
 
-Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions``. Requests join the running batch as they
-arrive (online continuous batching) and stream token by token with ``"stream": true``. Errors use
-OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters, malformed
-JSON and prompts longer than the model allows, 401 for a missing or wrong API key, 404 for an
-unknown model; a failed request fails alone and the server keeps serving. A client that goes
+Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+Requests join the running batch as they arrive (online continuous batching) and stream token by
+token with ``"stream": true``. Errors use OpenAI's body, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad parameters, malformed JSON and prompts longer than the model allows, 401
+for a missing or wrong API key, 404 for an unknown model, 413 for a body over the limit, 503 (with
+``Retry-After``) while the waiting queue is full; any other failure is a 500 with the same body,
+and the keep-alive connection stays usable. A failed request fails alone and the server keeps
+serving. A client that goes
 away mid-request has its request aborted and its KV blocks freed.
 
     app = build_app(AsyncEngine.from_engine_config(EngineConfig(model=DIR)))
@@ -20,6 +23,8 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import re
 import socket
 import threading
 import time
@@ -39,7 +44,8 @@ from pagedlab.server.protocol import (APIError, ChatCompletionRequest, Completio
                                       ErrorResponse, ModelCard, ModelList, bad_request, parse_request)
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
-from pagedlab.server.serving_engine import ClientGone, EventStream
+from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
+from pagedlab.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +55,11 @@ router = APIRouter()
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
-              shutdown_engine: bool = False) -> FastAPI:
+              shutdown_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for). ``api_key`` guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when
-    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down."""
+    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down;
+    ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -70,13 +77,15 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.metrics = metrics
     app.state.served_model_names = names
     app.state.created = int(time.time())
-    app.state.serving_completion = OpenAIServingCompletion(engine, names)
-    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template)
+    app.state.admission = admission = Admission(engine, limits or ServerLimits())
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission)
+    app.add_middleware(CatchAllMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unhandled_error)
     app.include_router(router)
     return app
 
@@ -88,7 +97,9 @@ def json_response(body: BaseModel, status_code: int = 200) -> Response:
 
 
 async def _api_error(request: Request, e: APIError) -> Response:
-    return json_response(e.response(), e.status)
+    response = json_response(e.response(), e.status)
+    response.headers.update(e.headers)
+    return response
 
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -97,10 +108,35 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
     return json_response(ErrorResponse(error=error), e.status_code)
 
 
-async def _unhandled_error(request: Request, e: Exception) -> Response:
-    logger.exception("unhandled error on %s", request.url.path)
-    error = ErrorInfo(message=f"internal server error: {e!r}", type="server_error")
-    return json_response(ErrorResponse(error=error), 500)
+class CatchAllMiddleware:
+    """Every failure ends in a complete response: an exception no handler took becomes OpenAI's
+    500 body (or, if the response had started, its clean end), and is not raised on to the
+    server, which would drop the keep-alive connection under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            logger.exception("unhandled error on %s", scope.get("path"))
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            error = ErrorInfo(message=f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                              code="internal_error")
+            await json_response(ErrorResponse(error=error), 500)(scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -184,17 +220,84 @@ async def create_chat_completion(raw_request: Request) -> Response:
                           lambda disconnected: serving.create_chat_completion(request, disconnected))
 
 
+# a \uD800-\uDFFF escape, or its UTF-8 form (which json.loads lets through too)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+@router.post("/tokenize")
+async def tokenize(raw_request: Request) -> Response:
+    """vLLM's tokenizer endpoint: ``prompt`` or ``messages`` to the token ids the model would see."""
+    return json_response(raw_request.app.state.serving_tokenization.tokenize(await _json_body(raw_request)))
+
+
+@router.post("/detokenize")
+async def detokenize(raw_request: Request) -> Response:
+    """vLLM's detokenizer endpoint: ``tokens`` to text."""
+    return json_response(raw_request.app.state.serving_tokenization.detokenize(await _json_body(raw_request)))
+
+
 async def _json_body(raw_request: Request) -> dict:
-    """The body as a JSON object, whatever the content type says."""
-    raw = await raw_request.body()
+    """The body as a JSON object, whatever the content type says: 413 beyond the size limit, 400
+    for anything that is not plain JSON (NaN, numbers beyond floats, nesting too deep for the
+    parser, strings with lone UTF-16 surrogates that no tokenizer can take)."""
+    raw = await _read_body(raw_request, raw_request.app.state.admission.limits.max_request_body_bytes)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"We could not parse the JSON body of your request ({e}). The body must be a JSON "
-                          "object.", code="invalid_json") from None
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints, ours
+        reason = "it nests too deeply" if isinstance(e, RecursionError) else str(e)
+        raise bad_request(f"We could not parse the JSON body of your request ({reason}). The body must be a "
+                          "JSON object.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body of your request must be a JSON object.", code="invalid_json")
+    if _SURROGATE.search(raw):  # a valid pair decodes to one character; a lone half stays
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise bad_request(f"'{where}' holds a lone UTF-16 surrogate, which is not valid Unicode text.",
+                              param=where, code="invalid_unicode")
     return body
+
+
+async def _read_body(raw_request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it (or its Content-Length) passes ``limit`` bytes."""
+    too_large = APIError(413, f"The request body is larger than the {limit} bytes this server takes.",
+                         code="request_too_large")
+    declared = raw_request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The param name of the first string (key or value) holding a lone surrogate, if any."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value):
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in value.items())
+            stack.extend((path or "body", k) for k in value)
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
 
 
 async def _respond(raw_request: Request,
@@ -250,6 +353,37 @@ async def _until_disconnect(events: AsyncIterator[str], disconnected: asyncio.Fu
 
 
 # ---- running ------------------------------------------------------------------------------------
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a graceful first SIGTERM/SIGINT: the app stops admitting (503), its
+    running requests get ``shutdown_timeout_s`` to finish, the rest are aborted with a
+    ``shutting_down`` error, then the server exits. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float = 30.0):
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """Begin the drain (thread-safe: tests call it from another thread)."""
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        try:
+            await self.config.app.state.admission.drain(self.shutdown_timeout_s)
+            await asyncio.sleep(0.05)  # the aborted requests' error events go out
+        finally:
+            self.should_exit = True
+
+
 class ServerThread:
     """Run an app under uvicorn in a background thread (tests, notebooks, benchmarks).
 
@@ -257,13 +391,14 @@ class ServerThread:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout_s: float = 30.0):
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, shutdown_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="pagedlab-uvicorn", daemon=True)
 
@@ -296,8 +431,10 @@ class ServerThread:
 def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *,
                served_model_names: Sequence[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info",
-               enable_metrics: bool = True) -> None:
-    """Serve until interrupted (Ctrl-C); the engine thread stops with the server."""
+               enable_metrics: bool = True, limits: ServerLimits | None = None,
+               shutdown_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
-                    shutdown_engine=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+                    shutdown_engine=True, limits=limits)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    GracefulServer(config, shutdown_timeout_s).run()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
+from pagedlab.server.limits import ServerLimits
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--disable-metrics", action="store_true", help="no /metrics endpoint")
+    limits = ServerLimits()
+    g.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
+                   help="sequences waiting to run beyond which requests get 503 with Retry-After "
+                        "(default: unbounded)")
+    g.add_argument("--max-sequences-per-request", type=int, default=limits.max_sequences_per_request,
+                   help=f"prompts x n one request may ask for (default: {limits.max_sequences_per_request})")
+    g.add_argument("--max-tokens-per-request", type=int, default=limits.max_tokens_per_request,
+                   help="prompt plus max_tokens over all sequences of one request "
+                        f"(default: {limits.max_tokens_per_request})")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish before aborting them (default: 30)")
+    g.add_argument("--max-request-body-bytes", type=int, default=limits.max_request_body_bytes,
+                   help=f"bigger bodies get 413 (default: {limits.max_request_body_bytes})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -48,6 +62,7 @@ def serve_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        limits = limits_from_args(args)
         engine = AsyncEngine.from_engine_config(engine_config_from_args(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -59,10 +74,26 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
                    chat_template=chat_template, log_level=args.log_level,
-                   enable_metrics=not args.disable_metrics)
+                   enable_metrics=not args.disable_metrics, limits=limits,
+                   shutdown_timeout_s=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """The ``ServerLimits`` the serve flags ask for (each must be positive)."""
+    limits = ServerLimits(args.max_waiting_requests, args.max_sequences_per_request,
+                          args.max_tokens_per_request, args.max_request_body_bytes)
+    for flag, value in (("--max-waiting-requests", limits.max_waiting_requests),
+                        ("--max-sequences-per-request", limits.max_sequences_per_request),
+                        ("--max-tokens-per-request", limits.max_tokens_per_request),
+                        ("--max-request-body-bytes", limits.max_request_body_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} is invalid: it must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} is invalid: it must be >= 0")
+    return limits
 
 
 def register(subparsers) -> None:

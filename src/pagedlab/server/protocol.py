@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-                      WrapValidator, field_validator, model_serializer, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      ValidationInfo, WrapValidator, field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
 from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
 
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+MAX_N = 128  # OpenAI's limit for n (and best_of)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's tensors and generators take
 _MAX_QUOTED_VALUE = 80  # an error message quotes at most this much of the bad value (prompts can be long)
 
 
@@ -40,13 +42,16 @@ class ErrorResponse(BaseModel):
 
 
 class APIError(Exception):
-    """An error answered with OpenAI's error body and an HTTP status."""
+    """An error answered with OpenAI's error body and an HTTP status (and extra response
+    ``headers``, such as ``Retry-After`` on a 503)."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None):
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
 
     def response(self) -> ErrorResponse:
         """The body to answer with."""
@@ -61,6 +66,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def engine_dead(message: str) -> APIError:
     """A 503: the engine thread is not running."""
     return APIError(503, message, "server_error", None, "engine_dead")
+
+
+def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
+    """A 503 the client may retry after ``retry_after_s`` seconds (the server is busy or draining)."""
+    return APIError(503, message, "server_error", None, code, {"Retry-After": str(retry_after_s)})
 
 
 def param_of(error: ValueError) -> str | None:
@@ -96,10 +106,13 @@ def _error_message(error: dict, param: str | None) -> str:
     if error["type"] == "value_error":  # our own validators: their message is whole
         return str(error["ctx"]["error"])
     message = error["msg"]
-    value = repr(error["input"])
-    if len(value) > _MAX_QUOTED_VALUE:
-        value = value[:_MAX_QUOTED_VALUE] + "..."
-    return f"{value} is not valid for '{param}': {message[0].lower()}{message[1:]}"
+    return f"{quoted(error['input'])} is not valid for '{param}': {message[0].lower()}{message[1:]}"
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)``, cut short: an error message quotes prompts and huge numbers briefly."""
+    text = repr(value)
+    return text[:_MAX_QUOTED_VALUE] + "..." if len(text) > _MAX_QUOTED_VALUE else text
 
 
 # ---- request field types ------------------------------------------------------------------------
@@ -108,7 +121,17 @@ def _integral_float(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Integer = Annotated[int, BeforeValidator(_integral_float)]
+def _int64(value: int, info: ValidationInfo) -> int:
+    """Every integer field fits the engine's int64 tensors and generator seeds."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        name = info.field_name
+        raise ValueError(f"{name}={quoted(value)} is invalid: {name} must be an integer in "
+                         f"[{INT64_MIN}, {INT64_MAX}]")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_integral_float), AfterValidator(_int64)]
+TokenId = Annotated[Integer, Field(ge=0)]
 
 
 def _expecting(what: str) -> WrapValidator:
@@ -134,9 +157,11 @@ class OpenAIRequest(BaseModel):
 
 
 class StreamOptions(OpenAIRequest):
-    """``stream_options``: ``include_usage`` adds a final chunk with the usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a final chunk with the request's usage and no
+    choices; with it, vLLM's ``continuous_usage_stats`` puts the usage so far on every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(OpenAIRequest):
@@ -145,8 +170,8 @@ class SamplingRequest(OpenAIRequest):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Integer = Field(1, ge=1)
-    best_of: Integer | None = None
+    n: Integer = Field(1, ge=1, le=MAX_N)
+    best_of: Integer | None = Field(None, ge=1, le=MAX_N)
     temperature: float = 1.0
     top_p: float = 1.0
     presence_penalty: float = 0.0
@@ -154,18 +179,21 @@ class SamplingRequest(OpenAIRequest):
     seed: Integer | None = None
     stop: Annotated[str | list[str], _expecting("a string or an array of strings")] = Field(
         default_factory=list)
-    logit_bias: dict | None = None
+    logit_bias: Annotated[dict[str, float], _expecting("an object mapping token ids to biases")] | None = None
     # vLLM's extensions
     top_k: Integer = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: Integer = 0
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[int], _expecting("an array of token ids")] = Field(default_factory=list)
+    stop_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] = Field(
+        default_factory=list)
+    allowed_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
+    vllm_xargs: dict | None = None  # SamplingParams.extra_args
 
     @field_validator("stream_options")
     @classmethod
@@ -184,15 +212,30 @@ class SamplingRequest(OpenAIRequest):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict) -> dict:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _token_id_keys(cls, value: dict[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias: JSON keys are token ids as strings."""
+        bad = next((k for k in value if not (k.isascii() and k.isdigit() and len(k) < 19)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias key {quoted(bad)} is invalid: keys must be token ids (non-negative "
+                             "integers written as strings)")
+        return {int(k): v for k, v in value.items()}
+
+    @field_validator("prompt_logprobs", check_fields=False)
+    @classmethod
+    def _not_streamed(cls, value: int, info: ValidationInfo) -> int:
+        if value > 0 and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
     @property
     def include_usage(self) -> bool:
         """Whether the client asked for a usage chunk at the end of the stream."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -205,6 +248,8 @@ class SamplingRequest(OpenAIRequest):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+                extra_args=self.vllm_xargs,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens)
         except ValueError as e:
@@ -292,6 +337,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict | None = None
     tools: list | None = None
     functions: list | None = None
@@ -335,7 +381,7 @@ class ChatCompletionRequest(SamplingRequest):
         """The request's SamplingParams (``logprobs: true`` is ``top_logprobs`` alternatives, default 0).
         A value SamplingParams rejects is a 400 naming the field."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.completion_limit, logprobs)
+        return self._sampling_params(self.completion_limit, logprobs, self.prompt_logprobs)
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -386,10 +432,23 @@ class CompletionLogprobs(BaseModel):
             text_offset=self.text_offset + later.text_offset)
 
 
+class LogprobEntry(BaseModel):
+    """vLLM's ``Logprob`` record: a token's log-probability (-9999.0 for minus infinity, which JSON
+    cannot carry), its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``prompt_logprobs``: per prompt position, token id -> LogprobEntry; None at position 0.
+PromptLogprobs = list[dict[int, LogprobEntry] | None]
+
+
 class CompletionResponseChoice(OpenAIResponse):
     """A choice of a completion, or its new part in a stream chunk."""
 
-    omitted_when_none = frozenset({"token_ids", "prompt_token_ids"})
+    omitted_when_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
 
     index: int
     text: str
@@ -398,6 +457,7 @@ class CompletionResponseChoice(OpenAIResponse):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -464,8 +524,11 @@ class ChatCompletionResponseChoice(OpenAIResponse):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    """The body of a non-streamed ``/v1/chat/completions`` response."""
+class ChatCompletionResponse(OpenAIResponse):
+    """The body of a non-streamed ``/v1/chat/completions`` response (vLLM's ``prompt_logprobs``
+    when asked for)."""
+
+    omitted_when_none = frozenset({"prompt_logprobs"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -473,6 +536,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIResponse):

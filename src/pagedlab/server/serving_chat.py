@@ -18,8 +18,9 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                       ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo,
                                       bad_request)
-from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, attach_usage,
-                                            merge_streams, sse_events, stop_holdback, usage_info)
+from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
+                                            choice_usage, merge_streams, prompt_logprobs_body, sse_events,
+                                            stop_holdback, usage_info)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -27,8 +28,8 @@ class OpenAIServingChat(OpenAIServing):
     request's own ``chat_template`` wins over both."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
-                 chat_template: str | None = None):
-        super().__init__(engine, served_model_names)
+                 chat_template: str | None = None, admission: Admission | None = None):
+        super().__init__(engine, served_model_names, admission)
         self.chat_template = chat_template
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
@@ -41,10 +42,11 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params()
         prompt = self.render(request)
         self.validate_prompt(prompt, params.max_tokens, "messages")
-        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request)
+        self.check_request([prompt], params)
+        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)
         streams = self.add_requests([prompt], params, run.request_id, request.stream)
         if request.stream:
-            return EventStream(sse_events(run.stream_chunks(streams[0], request.include_usage),
+            return EventStream(sse_events(run.stream_chunks(streams[0]),
                                           f"streamed chat completion {run.request_id}"))
         outputs = await self.collect(streams, disconnected)
         return run.response(outputs[0])
@@ -68,11 +70,14 @@ class _ChatRun:
     """One chat request in flight: what its response or stream chunks are built from."""
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
-                 request: ChatCompletionRequest):
+                 request: ChatCompletionRequest, admission: Admission):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
+        self.admission = admission
         self.prompt, self.params = prompt, params
         self.top_logprobs = request.top_logprobs or 0
         self.return_token_ids = request.return_token_ids
+        self.prompt_logprobs = request.prompt_logprobs is not None
+        self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
         self.holdback = stop_holdback(params)
 
     def _logprobs(self, positions: Sequence[PositionLogprobs], token_ids: Sequence[int]
@@ -101,8 +106,10 @@ class _ChatRun:
             if self.return_token_ids:
                 choice.token_ids = c.token_ids
             choices.append(choice)
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=choices, usage=usage_info([self.prompt], [out]))
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage_info([self.prompt], [out]),
+            prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs) if self.prompt_logprobs else None)
 
     def _chunk(self, choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None
                ) -> ChatCompletionStreamResponse:
@@ -125,16 +132,18 @@ class _ChatRun:
                 finish_reason=finish, stop_reason=c.stop_reason if finish else None)
             if self.return_token_ids:
                 choice.token_ids = new_ids
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice],
+                                      choice_usage(self.prompt, state) if self.continuous_usage else None))
         return chunks
 
-    async def stream_chunks(self, stream: RequestStream, include_usage: bool
-                            ) -> AsyncIterator[list[ChatCompletionStreamResponse]]:
-        """The chunks of each engine output as it comes; usage goes with the last."""
+    async def stream_chunks(self, stream: RequestStream) -> AsyncIterator[list[ChatCompletionStreamResponse]]:
+        """The chunks of each engine output as it comes; with ``include_usage`` a last chunk with
+        the usage and no choices."""
         states = [StreamedChoice() for _ in range(self.params.n)]
         async with contextlib.aclosing(merge_streams([stream])) as merged:
             async for _, out in merged:
+                self.admission.check_not_cut(out)
                 chunks = self._chunks(out, states)
-                if out.finished:
-                    attach_usage(chunks, usage_info([self.prompt], [out]), include_usage, self._chunk)
+                if out.finished and self.include_usage:
+                    chunks.append(self._chunk([], usage_info([self.prompt], [out])))
                 yield chunks

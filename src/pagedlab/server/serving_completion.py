@@ -14,8 +14,9 @@ from pagedlab.inputs import EncodedPrompt
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
-from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, attach_usage,
-                                            merge_streams, sse_events, stop_holdback, usage_info)
+from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, choice_usage,
+                                            merge_streams, prompt_logprobs_body, sse_events, stop_holdback,
+                                            usage_info)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -34,6 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.encode(p, "prompt") for p in request.prompt_list()]
         for p in prompts:
             self.validate_prompt(p, params.max_tokens, "prompt")
+        self.check_request(prompts, params)
         if request.echo:
             tokenizer = self.engine.tokenizer
             for p in prompts:
@@ -42,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         run = _CompletionRun(self, f"cmpl-{uuid.uuid4().hex}", model, prompts, params, request)
         streams = self.add_requests(prompts, params, run.request_id, request.stream)
         if request.stream:
-            return EventStream(sse_events(run.stream_chunks(streams, request.include_usage),
+            return EventStream(sse_events(run.stream_chunks(streams),
                                           f"streamed completion {run.request_id}"))
         return run.response(await self.collect(streams, disconnected))
 
@@ -52,10 +54,12 @@ class _CompletionRun:
 
     def __init__(self, serving: OpenAIServingCompletion, request_id: str, model: str,
                  prompts: list[EncodedPrompt], params: SamplingParams, request: CompletionRequest):
-        self.tokenizer = serving.engine.tokenizer
+        self.tokenizer, self.admission = serving.engine.tokenizer, serving.admission
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
+        self.prompt_logprobs = request.prompt_logprobs is not None
+        self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
         self.holdback = stop_holdback(params)
 
     def _logprobs(self, positions: Sequence[PositionLogprobs | None], token_ids: Sequence[int], offset: int,
@@ -105,8 +109,11 @@ class _CompletionRun:
                     if self.echo:
                         logprobs = self._echo_logprobs(out) + logprobs
                 text = (prompt.text or "") + c.text if self.echo else c.text
-                choices.append(self._choice(i * self.params.n + c.index, text, logprobs, c.finish_reason, c,
-                                            prompt, c.token_ids))
+                choice = self._choice(i * self.params.n + c.index, text, logprobs, c.finish_reason, c, prompt,
+                                      c.token_ids)
+                if self.prompt_logprobs:
+                    choice.prompt_logprobs = prompt_logprobs_body(out.prompt_logprobs)
+                choices.append(choice)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=usage_info(self.prompts, outputs))
 
@@ -137,19 +144,22 @@ class _CompletionRun:
                     if logprobs is not None:
                         logprobs = self._echo_logprobs(out) + logprobs
             choice = self._choice(i * n + c.index, delta, logprobs, finish, c, prompt, new_ids)
-            chunks.append(self._chunk([choice]))
+            usage = choice_usage(prompt, state) if self.continuous_usage else None
+            chunks.append(self._chunk([choice], usage))
         return chunks
 
-    async def stream_chunks(self, streams: list[RequestStream], include_usage: bool
+    async def stream_chunks(self, streams: list[RequestStream]
                             ) -> AsyncIterator[list[CompletionStreamResponse]]:
-        """The chunks of each engine output as it comes; usage goes with the last."""
+        """The chunks of each engine output as it comes; with ``include_usage`` a last chunk with
+        the usage and no choices."""
         states = [[StreamedChoice() for _ in range(self.params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
+                self.admission.check_not_cut(out)
                 if out.finished:
                     finals[i] = out
                 chunks = self._chunks(i, out, states[i])
-                if all(f is not None for f in finals):
-                    attach_usage(chunks, usage_info(self.prompts, finals), include_usage, self._chunk)
+                if self.include_usage and all(f is not None for f in finals):
+                    chunks.append(self._chunk([], usage_info(self.prompts, finals)))
                 yield chunks

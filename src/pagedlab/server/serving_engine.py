@@ -1,6 +1,7 @@
 """What the completions and chat endpoints share: the checks every request passes, prompt
-encoding and validation, adding requests to the ``AsyncEngine``, collecting their final outputs,
-and the server-sent-event plumbing of streamed responses."""
+encoding and validation, the limits on what one request may ask for and on the waiting queue
+(``ServerLimits``, ``Admission``), adding requests to the ``AsyncEngine``, collecting their final
+outputs, and the server-sent-event plumbing of streamed responses."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
-from pagedlab.outputs import CompletionOutput
-from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
-                                      bad_request, engine_dead, param_of)
+from pagedlab.outputs import CompletionOutput, PositionLogprobs
+from pagedlab.server.limits import ServerLimits
+from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, LogprobEntry, PromptLogprobs,
+                                      PromptTokensDetails, UsageInfo, bad_request, engine_dead, param_of,
+                                      quoted, unavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +36,97 @@ class EventStream:
         self.events = events
 
 
-class OpenAIServing:
-    """The base of the endpoint handlers: one engine, served under ``served_model_names``."""
+class Admission:
+    """The requests the server has handed to the engine and not yet seen finish, shared by every
+    endpoint: it bounds the waiting queue, and a graceful shutdown (``drain``) stops admitting,
+    lets the running requests finish and aborts the rest."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]):
+    def __init__(self, engine: AsyncEngine, limits: ServerLimits):
+        self.engine, self.limits = engine, limits
+        self.live: dict[RequestStream, int] = {}  # stream -> its sequences (n)
+        self.draining = False
+        self.cut_by_shutdown = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting (503), wait up to ``timeout_s`` for the live requests, abort the rest
+        (each is answered with a ``shutting_down`` error)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_live_sequences() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.live:
+            logger.warning("shutdown: aborting %d requests still running after %.1f s", len(self.live),
+                           timeout_s)
+            self.cut_by_shutdown = True
+            for stream in list(self.live):  # the engine's abort: each consumer still gets its final output
+                self.engine.abort(stream.request_id)
+
+    def check_not_cut(self, out: RequestOutput) -> None:
+        """A 503 ``shutting_down`` for an output that a graceful shutdown aborted."""
+        if self.cut_by_shutdown and out.finished and any(c.finish_reason == "abort" for c in out.outputs):
+            raise unavailable("The server shut down before this request finished; retry it.", "shutting_down")
+
+    def num_live_sequences(self) -> int:
+        """Sequences of requests not yet finished (finished ones are forgotten here)."""
+        for stream in [s for s in self.live if s.finished]:
+            del self.live[stream]
+        return sum(self.live.values())
+
+    def check(self, num_sequences: int) -> None:
+        """A 503 while shutting down, or when ``num_sequences`` more would overfill the waiting queue."""
+        if self.draining:
+            raise unavailable("The server is shutting down and takes no new requests.", "shutting_down")
+        limit = self.limits.max_waiting_requests
+        if limit is None:
+            return
+        waiting = max(0, self.num_live_sequences() - self.engine.get_stats().num_running)
+        if waiting + num_sequences > limit:
+            raise unavailable(f"The server is busy: {waiting} sequences are waiting (at most {limit}). "
+                              "Retry later.", "server_busy")
+
+    def track(self, streams: Sequence[RequestStream], n: int) -> None:
+        for stream in streams:
+            self.live[stream] = n
+
+
+class OpenAIServing:
+    """The base of the endpoint handlers: one engine, served under ``served_model_names``, with
+    the limits of ``admission`` (shared by all endpoints; default: ``ServerLimits()``)."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
+                 admission: Admission | None = None):
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.admission = admission if admission is not None else Admission(engine, ServerLimits())
 
     # ---- checks ---------------------------------------------------------------------------
     def check_engine(self) -> None:
         """A 503 unless the engine thread runs."""
         if not self.engine.is_running:
             raise engine_dead("the engine is not running")
+
+    def check_request(self, prompts: Sequence[EncodedPrompt], params: SamplingParams) -> None:
+        """A 400 for a request asking for more sequences or tokens than one request may, or naming
+        token ids out of vocabulary; a 503
+        when the waiting queue cannot take it."""
+        limits, n = self.admission.limits, params.n
+        sequences = len(prompts) * n
+        if sequences > limits.max_sequences_per_request:
+            raise bad_request(f"This request asks for {sequences} sequences ({len(prompts)} prompts x "
+                              f"n={n}), more than the {limits.max_sequences_per_request} one request may.",
+                              param="n")
+        limit = self.engine.max_model_len
+        tokens = n * sum(len(p.token_ids) + (params.max_tokens or limit - len(p.token_ids)) for p in prompts)
+        if tokens > limits.max_tokens_per_request:
+            raise bad_request(f"This request may occupy {tokens} tokens (prompts and max_tokens over all "
+                              f"{sequences} sequences), more than the {limits.max_tokens_per_request} one "
+                              "request may. Lower n, max_tokens or the number of prompts.",
+                              param="max_tokens")
+        try:
+            params.verify_token_ids(self.engine.info.hf_config.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+        self.admission.check(sequences)
 
     def check_model(self, model: str | None) -> str:
         """The served name the response carries; 404 for a model this server does not serve."""
@@ -68,17 +150,26 @@ class OpenAIServing:
         """``prompt``'s token ids and text (``pagedlab.inputs``); a 400 naming ``param`` if it cannot be."""
         try:
             return encode_prompt(prompt, self.engine.tokenizer, self.served_model_names[0])
-        except ValueError as e:
-            raise bad_request(str(e), param=param) from None
+        except (ValueError, TypeError, UnicodeError, OverflowError) as e:  # tokenizers raise all of these
+            raise bad_request(f"The {param} could not be tokenized: {e}", param=param) from None
 
     def validate_prompt(self, prompt: EncodedPrompt, max_tokens: int | None, param: str) -> None:
-        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``."""
-        try:
-            self.engine.validate_prompt(prompt.token_ids)
-        except ValueError as e:
-            raise bad_request(str(e), param=param,
-                              code="context_length_exceeded" if "max_model_len" in str(e) else None) from None
+        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``,
+        worded as vLLM's (clients match on "Prompt cannot be empty", "maximum context length", "out
+        of vocabulary")."""
         limit, length = self.engine.max_model_len, len(prompt.token_ids)
+        if not length:
+            raise bad_request("Prompt cannot be empty.", param=param)
+        if length >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"request has {length} input tokens (prompts must be shorter than "
+                              "max_model_len). Please reduce the length of the input.", param=param,
+                              code="context_length_exceeded")
+        vocab = self.engine.info.hf_config.vocab_size
+        bad = next((t for t in prompt.token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise bad_request(f"Token id {quoted(bad)} is out of vocabulary (ids must be in [0, {vocab})).",
+                              param=param)
         if max_tokens is not None and length + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -103,6 +194,7 @@ class OpenAIServing:
             if isinstance(e, EngineDeadError):
                 raise engine_dead(str(e)) from None
             raise bad_request(str(e), param=param_of(e)) from None
+        self.admission.track(streams, params.n)
         return streams
 
     async def collect(self, streams: list[RequestStream], disconnected: asyncio.Future | None
@@ -114,9 +206,14 @@ class OpenAIServing:
                 await asyncio.wait([task, disconnected], return_when=asyncio.FIRST_COMPLETED)
                 if not task.done():
                     raise ClientGone()
-            return await task
+            outputs = await task
+            for out in outputs:
+                self.admission.check_not_cut(out)
+            return outputs
         except EngineDeadError as e:
             raise engine_dead(str(e)) from None
+        except ValueError as e:  # bad input the engine thread found
+            raise bad_request(str(e), param=param_of(e)) from None
         except (APIError, ClientGone, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -127,6 +224,16 @@ class OpenAIServing:
                 task.cancel()
             for s in streams:
                 s.abort()
+
+
+def prompt_logprobs_body(positions: Sequence[PositionLogprobs | None] | None) -> PromptLogprobs | None:
+    """An engine output's prompt logprobs as vLLM returns them (minus infinity as -9999.0)."""
+    if positions is None:
+        return None
+    return [None if pos is None else
+            {tid: LogprobEntry(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in pos.items()}
+            for pos in positions]
 
 
 def usage_info(prompts: Sequence[EncodedPrompt], outputs: Sequence[RequestOutput | None]) -> UsageInfo:
@@ -215,14 +322,11 @@ async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple
             s.abort()
 
 
-def attach_usage(chunks: list, usage: UsageInfo, include_usage: bool,
-                 make_chunk: Callable[..., BaseModel]) -> None:
-    """OpenAI's rule: with ``stream_options.include_usage`` a final chunk with no choices carries
-    the usage; otherwise the last chunk does."""
-    if include_usage:
-        chunks.append(make_chunk([], usage))
-    elif chunks:
-        chunks[-1].usage = usage
+def choice_usage(prompt: EncodedPrompt, state: StreamedChoice) -> UsageInfo:
+    """vLLM's continuous usage on a chunk: the choice's prompt and the tokens it has sent so far."""
+    prompt_tokens = len(prompt.token_ids)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=state.sent_tokens,
+                     total_tokens=prompt_tokens + state.sent_tokens)
 
 
 def _sse(body: BaseModel) -> str:
@@ -247,5 +351,7 @@ async def sse_events(chunk_lists: AsyncIterator[list[BaseModel]], description: s
 def _error_event(e: Exception) -> ErrorResponse:
     if isinstance(e, APIError):
         return e.response()
+    if isinstance(e, ValueError):
+        return bad_request(str(e), param=param_of(e)).response()
     return ErrorResponse(error=ErrorInfo(message=f"the request failed: {e}", type="server_error",
                                          code="engine_dead" if isinstance(e, EngineDeadError) else None))

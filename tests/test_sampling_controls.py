@@ -1,0 +1,93 @@
+"""vLLM's logits controls (logit_bias, allowed_token_ids) against a plain-torch reference and HF's
+greedy generate, and SamplingParams' checks of its own arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import KV_BYTES, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
+from pagedlab.layers.sampler import Sampler
+from pagedlab.sampling_params import UnknownArgumentError
+
+VOCAB = 300
+
+
+class _Row:
+    """The parts of a scheduled request the sampler's metadata reads."""
+
+    def __init__(self, params: SamplingParams):
+        self.sampling_params, self.generator = params, None
+        self.output_token_ids, self.prompt_token_ids, self.eos_token_ids = [], [1], []
+        self.num_output_tokens = self.num_pending_tokens = 0
+
+
+def test_logits_controls_match_torch_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, VOCAB, generator=g) * 3
+    allowed = torch.randperm(VOCAB, generator=g)[:7].tolist()
+    bias = {int(t): float(b) for t, b in zip(torch.randint(0, VOCAB, (6,), generator=g),
+                                             torch.randn(6, generator=g) * 20)}
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, logit_bias=bias),
+              SamplingParams(temperature=0, logit_bias=bias, allowed_token_ids=allowed[:3]),
+              SamplingParams(temperature=0)]
+    want = logits.clone()
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            masked = torch.full((VOCAB,), float("-inf"))
+            masked[p.allowed_token_ids] = want[row, p.allowed_token_ids]
+            want[row] = masked
+        for token, b in (p.logit_bias or {}).items():
+            want[row, token] += b
+    meta = build_sampling_metadata([_Row(p) for p in params], HostToDevice(torch.device("cpu")), VOCAB)
+    tokens = Sampler()(logits.clone(), meta).token_ids
+    assert tokens.tolist() == want.argmax(-1).tolist()
+    assert tokens[1].item() in allowed and tokens[3].item() in allowed[:3]
+    plain = build_sampling_metadata([_Row(SamplingParams())], HostToDevice(torch.device("cpu")), VOCAB)
+    assert plain.logit_bias is None and plain.allowed_token_ids is None  # nothing to pay without them
+
+
+def test_logit_bias_and_allowed_token_ids_match_hf_generate(tiny_llama):
+    prompts = random_prompts(2, max_len=20, seed=5)
+    bias = {17: 6.0, 250: 4.0, 301: -50.0}
+    allowed = [3, 17, 40, 250, 301, 777]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        biased = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                      logit_bias=bias), use_tqdm=False)
+        restricted = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                          allowed_token_ids=allowed), use_tqdm=False)
+    hf = tiny_llama.hf_model
+    for p, b, r in zip(prompts, biased, restricted):
+        sequence_bias = {(t,): v for t, v in bias.items()}
+        assert b.outputs[0].token_ids == hf_greedy(hf, p, 10, sequence_bias=sequence_bias)
+        assert r.outputs[0].token_ids == hf_greedy(hf, p, 10, prefix_allowed_tokens_fn=lambda *_: allowed)
+
+
+def test_unknown_argument_names_the_closest_field():
+    with pytest.raises(UnknownArgumentError,
+                       match=r"unknown argument 'temprature'; did you mean 'temperature'\?"):
+        SamplingParams(temprature=0.5)
+    with pytest.raises(ValueError, match=r"unknown argument 'zzz'$"):  # nothing close: no suggestion
+        SamplingParams(zzz=1)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logit_bias={5: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(extra_args=[1]), "extra_args"),
+])
+def test_bad_logits_controls(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}=.* is invalid"):
+        SamplingParams(**kwargs)
+
+
+def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):
+    vocab = tiny_llama.hf_model.config.vocab_size
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        for kwargs in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 3])):
+            with pytest.raises(ValueError, match="out of vocabulary"):
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
