@@ -9,13 +9,15 @@ change it without reloading weights) and gives its help text.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pagedlab.suggest import unknown_argument_message
 
-from pagedlab.quantization.awq import AWQConfig
+if TYPE_CHECKING:  # torch loads only where a dtype or device is resolved: the CLI starts without it
+    import torch
 
 DTYPE_NAMES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -25,6 +27,7 @@ DTYPE_NAMES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = (None, "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+TOKENIZER_MODES = ("auto", "slow")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -38,11 +41,19 @@ class EngineConfig:
     """Every engine argument of ``LLM(...)``, with vLLM's names and defaults; the engine resolves
     the ``None``/"auto" ones against the model and the device."""
 
-    model: str = _setting(DEFAULT_MODEL, "local HF directory, .gguf file, or an embedded model")
-    tokenizer: str | None = _setting(None, "tokenizer directory (default: the model's)")
+    model: str = _setting(DEFAULT_MODEL, "local HF directory, .gguf file, hub model id (org/name: the HF "
+                                         "cache, else a download) or an embedded model")
+    tokenizer: str | None = _setting(None, "tokenizer directory or hub id (default: the model's)")
+    tokenizer_mode: str = _setting("auto", "auto (the fast tokenizer where there is one) or slow")
+    revision: str | None = _setting(None, "hub model revision: a branch, tag or commit (default: main)")
+    download_dir: str | None = _setting(None, "where hub models are downloaded and looked up (default: "
+                                              "the HF cache, $HF_HOME/hub)")
+    served_model_name: str | list[str] | None = _setting(
+        None, "the name(s) the server answers to and reports (default: the model argument)")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
-    seed: int = _setting(0, "seed of the engine's sampler and of dummy weights")
+    seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "
+                                   "dummy weights; None draws one at random (kept in the config)")
     max_model_len: int | None = _setting(None, "context length (default: the model's)", plan=True)
     block_size: int = _setting(16, "KV cache block size in tokens, a multiple of 16", plan=True)
     gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory the engine may use", plan=True)
@@ -66,9 +77,18 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
+    swap_space: float = _setting(4.0, "CPU swap space in GiB, accepted for vLLM scripts and unused: a "
+                                      "preempted sequence is recomputed, never swapped")
+    cpu_offload_gb: float = _setting(0.0, "GiB of weights to keep in CPU memory: not supported, must be 0")
+    disable_log_stats: bool = _setting(True, "no periodic throughput/KV-cache log lines from LLM.generate "
+                                             "(--no-disable-log-stats logs one every 5 s)", plan=True)
     quantization: str | None = _setting(
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
               "else dense) or awq (AutoAWQ 4-bit GEMM checkpoints)")
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = random.SystemRandom().randrange(1 << 31)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting and what it may be."""
@@ -96,6 +116,15 @@ class EngineConfig:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            bad("tokenizer_mode", f"one of {TOKENIZER_MODES}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "an integer or None")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            bad("swap_space", "a number of GiB >= 0 (it is unused: preempted sequences are recomputed)")
+        if self.cpu_offload_gb:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r} is not supported: pagedlab keeps every "
+                             "weight on the device; use 0, a smaller model, or tensor_parallel_size > 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -111,8 +140,7 @@ class EngineConfig:
         """``EngineConfig(**kwargs)``, but an unknown name is a ValueError listing the known ones."""
         unknown = sorted(set(kwargs) - set(ENGINE_FIELDS))
         if unknown:
-            raise ValueError(f"unknown engine argument {unknown[0]!r}: the engine takes "
-                             f"{list(ENGINE_FIELDS)}")
+            raise ValueError(unknown_argument_message(unknown[0], ENGINE_FIELDS, "the engine takes"))
         return cls(**kwargs)
 
 
@@ -172,11 +200,15 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
         raise ValueError(f"quantization={requested!r} does not match the checkpoint's quantization "
                          f"{found!r} (config.json's quantization_config); leave quantization=None to use it")
     if found == "awq":
+        from pagedlab.quantization.awq import AWQConfig
+
         AWQConfig.from_hf_config(quantization_config)  # unsupported variants fail here, by name
     return found
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -186,6 +218,8 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> torch.dtype:
     """'auto' is the checkpoint's dtype on a GPU and float32 on the CPU (bf16 matmuls are slow there)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":

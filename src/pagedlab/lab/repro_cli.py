@@ -16,10 +16,6 @@ from pathlib import Path
 from pagedlab.cli.engine_args import add_engine_args, engine_kwargs
 from pagedlab.lab import repro
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
-from pagedlab.lab.spec import load_experiment
-from pagedlab.lab.store import ResultStore, jsonable
-from pagedlab.llm import LLM
-from pagedlab.loader import resolve_model_source
 from pagedlab.sampling_params import SamplingParams
 
 _DB_HELP = ("store each check's result with its manifest in this results database "
@@ -90,6 +86,8 @@ def _seed_params(args) -> SamplingParams:
     fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
               "logprobs": 0}
     if args.experiment:
+        from pagedlab.lab.spec import load_experiment
+
         fields.update(load_experiment(args.experiment).base.get("sampling") or {})
     if args.sampling:
         try:
@@ -108,6 +106,8 @@ def _seed_params(args) -> SamplingParams:
 
 def cmd_repro_check(args: argparse.Namespace) -> int:
     """Run the chosen checks, print each verdict, store and write the results when asked."""
+    from pagedlab.lab.store import ResultStore, jsonable
+
     checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
     if args.prompts:
         prompts, references = repro.load_prompts(args.prompts)
@@ -151,6 +151,8 @@ def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, d
     main_checks = [c for c in checks if c in ("batch", "seeds", "tokenizer", "hf")]
     if not main_checks:
         return
+    from pagedlab.llm import LLM
+
     with LLM(**engine_kwargs(args)) as llm:
         if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
             raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
@@ -182,13 +184,16 @@ def _precision_check(args, prompts) -> repro.CheckResult:
 
 
 def _padding_check(args, prompts) -> repro.CheckResult:
+    from pagedlab.loader import resolve_model_source
+
     hf_prompts = prompts
     if any(isinstance(p, str) for p in prompts) and args.tokenizer:
         import transformers
 
         tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
         hf_prompts = [tok(p).input_ids if isinstance(p, str) else p for p in prompts]
-    return repro.padding_check(str(resolve_model_source(args.model).path), hf_prompts,
+    source = resolve_model_source(args.model, args.load_format, args.revision, args.download_dir)
+    return repro.padding_check(str(source.path), hf_prompts,
                                max_tokens=args.max_tokens, attention_mask=args.padding_mask,
                                logprob_tolerance=args.logprob_tolerance)
 

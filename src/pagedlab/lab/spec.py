@@ -17,6 +17,7 @@ from pagedlab.lab.metrics import DEFAULT_METRICS, METRICS
 from pagedlab.lab.runs import expand_runs
 from pagedlab.lab.schema import ExperimentError, ExperimentSpec
 from pagedlab.loader.gguf import EMBEDDED_MODELS
+from pagedlab.suggest import did_you_mean
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
@@ -77,7 +78,8 @@ def validate_experiment(data, lines: dict, path: Path) -> ExperimentSpec:
                               f"({', '.join(schema.TOP_LEVEL_KEYS)}), not a {type(data).__name__}")
     for key in data:
         if key not in schema.TOP_LEVEL_KEYS:
-            raise ExperimentError(f"{spec.where(key)}: unknown key; allowed top-level keys: "
+            hint = did_you_mean(key, schema.TOP_LEVEL_KEYS)
+            raise ExperimentError(f"{spec.where(key)}: unknown key{hint}; allowed top-level keys: "
                                   f"{', '.join(schema.TOP_LEVEL_KEYS)}")
     _read_identity(spec, data)
     _read_sections(spec, data)
@@ -120,7 +122,9 @@ def _read_sections(spec: ExperimentSpec, data: dict) -> None:
                                   "...)")
         for key in value:
             if key not in schema.SECTION_KEYS[section]:
-                raise ExperimentError(f"{spec.where(section, key)}: unknown {section} key {key!r}; allowed: "
+                hint = did_you_mean(key, schema.SECTION_KEYS[section])
+                raise ExperimentError(f"{spec.where(section, key)}: unknown {section} key {key!r}{hint}; "
+                                      "allowed: "
                                       f"{', '.join(schema.SECTION_KEYS[section])}")
     spec.base["engine"] = dict(data.get("engine") or {})
     spec.base["sampling"] = dict(data.get("sampling") or {})
@@ -272,5 +276,6 @@ def check_override_key(spec: ExperimentSpec, key, path: tuple) -> None:
         raise ExperimentError(f"{spec.where(*path)}: {key!r} sweeps the {section}, but the experiment has no "
                               f"{section} section")
     if name not in schema.SECTION_KEYS[section]:
-        raise ExperimentError(f"{spec.where(*path)}: unknown {section} key {name!r}; allowed: "
+        raise ExperimentError(f"{spec.where(*path)}: unknown {section} key {name!r}"
+                              f"{did_you_mean(name, schema.SECTION_KEYS[section])}; allowed: "
                               f"{', '.join(schema.SECTION_KEYS[section])}")
