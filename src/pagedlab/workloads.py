@@ -351,8 +351,8 @@ def format_row(r: WorkloadResult) -> str:
     return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total "
             f"{r.total_tok_s:9.1f} tok/s  "
             f"TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms  TPOT p50/p99 {f(r.tpot_p50_ms, '.2f')}/"
-            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s = "
-            f"{f(r.over_floor, '.2f')}x floor")
+            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s"
+            + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else ""))
 
 
 def write_json(path: str, results: list[WorkloadResult], command: str) -> None:
@@ -410,8 +410,11 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 # warm-up on the workload's own shapes (and this plan's block size):
                 # compiles kernels before timing
                 llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            info = llm.get_engine_info()
+            # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
-                                   tensor_parallel_size=llm.get_engine_info().config.tensor_parallel_size)
+                                   tensor_parallel_size=info.config.tensor_parallel_size) \
+                if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
                 results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
@@ -423,12 +426,14 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
     """Every workload on the HF transformers peer (static batches; generate_batch for W-nano)."""
     peer = load_hf_peer(hf_config)
     for w in workloads:
-        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens)
+        on_gpu = torch.cuda.is_available()
+        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens) if on_gpu else None
         for r in range(repeats):
             label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
             if workload_name == "W-nano":
                 fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
-                floor = physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                         if on_gpu else None)
                 results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
             elif workload_name == "W-prefix":
                 break  # the peer of W-prefix is pagedlab with prefix caching off
