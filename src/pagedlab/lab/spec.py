@@ -17,6 +17,7 @@ from pagedlab.lab.metrics import DEFAULT_METRICS, METRICS
 from pagedlab.lab.runs import expand_runs
 from pagedlab.lab.schema import ExperimentError, ExperimentSpec
 from pagedlab.loader.gguf import EMBEDDED_MODELS
+from pagedlab.loader.hub import is_hub_id
 from pagedlab.suggest import did_you_mean
 
 
@@ -243,8 +244,8 @@ def _read_options(spec: ExperimentSpec, data: dict) -> None:
 
 
 def resolve_model(value, spec: ExperimentSpec, path: tuple) -> str:
-    """An embedded model's name as it is, or a model path made absolute (relative to the
-    experiment file first)."""
+    """An embedded model's name or a hub model id as it is, or a model path made absolute (relative
+    to the experiment file first)."""
     if not isinstance(value, str) or not value:
         raise ExperimentError(f"{spec.where(*path)}: model must be a path or an embedded model name, not "
                               f"{value!r}")
@@ -254,10 +255,12 @@ def resolve_model(value, spec: ExperimentSpec, path: tuple) -> str:
     if not p.is_absolute() and spec.path is not None:
         candidate = spec.path.parent / p
         p = candidate if candidate.exists() or not p.exists() else p
+    if not p.exists() and is_hub_id(value):
+        return value  # a hub model id: the engine finds it in the HF cache or downloads it
     if not p.exists():
         raise ExperimentError(f"{spec.where(*path)}: model {value!r} does not exist (looked for "
-                              f"{p.resolve()}): "
-                              f"give a local HF directory, a .gguf file or one of {sorted(EMBEDDED_MODELS)}")
+                              f"{p.resolve()}): give a local HF directory, a .gguf file, a hub model id "
+                              f"(org/name) or one of {sorted(EMBEDDED_MODELS)}")
     return str(p.resolve())
 
 
