@@ -7,10 +7,11 @@ failed, 2 bad input (malformed experiment, unknown run, bad database URL).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from pagedlab.cli.engine_args import CommandParser
 
 _DB_HELP = ("results database: a SQLAlchemy URL or a SQLite file path "
             "(default: $PAGEDLAB_DB or sqlite:///results.db)")
@@ -279,7 +280,7 @@ def cmd_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlab.lab.cli", description="pagedlab research lab")
+    parser = CommandParser(prog="python -m pagedlab.lab.cli", description="pagedlab research lab")
     subparsers = parser.add_subparsers(dest="command", metavar="{run,results,monitor,report}")
     subparsers.required = True
     register(subparsers)

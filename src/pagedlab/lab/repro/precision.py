@@ -5,24 +5,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedlab.lab.manifest import engine_info
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
+                                       verdict)
 from pagedlab.lab.repro.compare import first_divergence, teacher_forced, top1, topk_kl
 from pagedlab.llm import LLM
 
 
 def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
                     dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), max_tokens: int = 16,
-                    k: int = 20, kl_threshold: float = 1e-3, engine_args: dict | None = None) -> CheckResult:
+                    k: int = 20, kl_threshold: float = 1e-3, engine_args: dict | None = None,
+                    progress=None) -> CheckResult:
     """Load the same weights in each of ``dtypes`` (the first is the reference) and compare:
     greedy agreement (prompts whose outputs are identical), first divergence, teacher-forced top-1
     agreement on the reference's greedy sequences, and mean KL(reference || dtype) per position
     (``topk_kl`` over the reference's top-``k``; ``k`` >= the vocabulary gives the exact KL).
-    A dtype differs when any greedy output differs or its mean KL exceeds ``kl_threshold``."""
+    A dtype differs when any greedy output differs or its mean KL exceeds ``kl_threshold``.
+    ``progress`` (see ``NoProgress``) counts the dtypes, each one model load and run."""
     engine_args = {k_: v for k_, v in (engine_args or {}).items() if k_ not in ("model", "dtype")}
     engine_args.setdefault("kv_cache_memory_bytes", 64 << 20)
     runs: list = []
     engines: list = []
     ref_seqs = None
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(dtypes))
     for dtype in dtypes:
         with LLM(model, dtype=dtype, **engine_args) as llm:
             ids = encode_all(llm, prompts)
@@ -34,6 +39,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
             tf = teacher_forced(llm, ref_seqs, k)
             engines.append(_engine_settings(llm))
         runs.append((tokens, tf))
+        progress.update()
     ref_dtype = dtypes[0]
     details, differing = {}, []
     for i, dtype in enumerate(dtypes[1:], start=1):
