@@ -1,4 +1,4 @@
-"""The fixed benchmark workloads of DESIGN.md §4, pagedlab and its HF transformers peer in one run.
+"""The fixed benchmark workloads of docs/benchmarks.md, pagedlab and its HF transformers peer in one run.
 
 ``pagedlab bench throughput|latency`` and ``benchmarks/`` call ``run_workload``. Every row carries
 output and total tok/s, TTFT and TPOT P50/P99, peak GPU memory, and the measured time over the
@@ -25,7 +25,7 @@ from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
 
-# H200 figures measured on our machine (DESIGN.md §3): device copy bandwidth and bf16 matmul peak.
+# H200 figures measured on our machine (docs/benchmarks.md): device copy bandwidth and bf16 matmul peak.
 H200_BANDWIDTH = 4.25e12
 H200_BF16_FLOPS = 809e12
 
@@ -113,7 +113,7 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
 @dataclass(frozen=True)
 class AllReduceCost:
     """One all-reduce's time as a latency plus bytes over the bus bandwidth. The defaults are two
-    H200s over NVLink, NCCL 2.28 (DESIGN.md §6, measured 2026-11-30): 19.8 us for one token's
+    H200s over NVLink, NCCL 2.28 (measured 2026-11-30): 19.8 us for one token's
     hidden state inside a CUDA graph, 272 GB/s bus bandwidth at 64 MB."""
 
     latency_s: float = 19.8e-6
