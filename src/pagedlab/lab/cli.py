@@ -134,8 +134,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms",
-             "mean_output_tokens")
+_HEADLINE = ("contains_answer", "exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms",
+             "tpot_p50_ms", "mean_output_tokens")
 
 
 def _short_label(v) -> str:
