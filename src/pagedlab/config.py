@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedlab.suggest import unknown_argument_message
+from pagedlab.names import did_you_mean
 
 if TYPE_CHECKING:  # torch loads only where a dtype or device is resolved: the CLI starts without it
     import torch
@@ -140,7 +140,9 @@ class EngineConfig:
         """``EngineConfig(**kwargs)``, but an unknown name is a ValueError listing the known ones."""
         unknown = sorted(set(kwargs) - set(ENGINE_FIELDS))
         if unknown:
-            raise ValueError(unknown_argument_message(unknown[0], ENGINE_FIELDS, "the engine takes"))
+            hint = did_you_mean(unknown[0], ENGINE_FIELDS)
+            raise ValueError(f"unknown argument {unknown[0]!r}{hint}" if hint else
+                             f"unknown argument {unknown[0]!r}: the engine takes {list(ENGINE_FIELDS)}")
         return cls(**kwargs)
 
 

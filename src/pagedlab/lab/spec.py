@@ -18,7 +18,7 @@ from pagedlab.lab.runs import expand_runs
 from pagedlab.lab.schema import ExperimentError, ExperimentSpec
 from pagedlab.loader.gguf import EMBEDDED_MODELS
 from pagedlab.loader.hub import is_hub_id
-from pagedlab.suggest import did_you_mean
+from pagedlab.names import did_you_mean
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
