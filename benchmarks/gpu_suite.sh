@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and DESIGN.md §4 workloads, run from the source tree on the device machine:
+# The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
 #   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).

@@ -30,6 +30,8 @@ LAZY_INTERNAL = {
     "pagedlab.kernels.all_reduce": "the one-shot all-reduce on CUDA: triton is optional on the CPU",
     "pagedlab.kernels.gemv": "dense GEMV on CUDA: triton is optional on the CPU, and the interpreter must be "
                              "settled before its kernels are decorated",
+    "pagedlab.quantization.formats": "config resolves the weight format: config loads without torch, "
+                                     "so the command line answers --help at once",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
 }
@@ -49,7 +51,7 @@ MODULES = _modules()
 
 
 def _is_cli(path: Path) -> bool:
-    return path.name == "cli.py" or path.parent.name == "cli"
+    return path.name == "cli.py" or path.name.endswith("_cli.py") or path.parent.name == "cli"
 
 
 def _imported_names(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:

@@ -435,6 +435,11 @@ def test_text_metrics_on_known_outputs():
                     None)
     assert METRICS["exact_match"].fn(res) == {"exact_match": pytest.approx(2 / 3)}  # q4 has no reference
     assert METRICS["chrf"].fn(res)["chrf"] > 0
+    sentences = RunResult([out("It is the Pacific Ocean!", 6), out("Two plus two is four.", 6),
+                           out("Parisian food", 2), out("x", 1)], items, 2.0, None)
+    # whole normalized words: "Parisian" does not contain the answer "Paris"
+    assert METRICS["contains_answer"].fn(sentences) == {"contains_answer": pytest.approx(2 / 3)}
+    assert METRICS["exact_match"].fn(sentences) == {"exact_match": 0.0}
     lengths = METRICS["output_length"].fn(res)
     assert lengths["output_tokens"] == 8 and lengths["max_output_tokens"] == 4
     assert lengths["finished_by_length"] == 0

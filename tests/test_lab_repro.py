@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -202,9 +203,21 @@ def test_cli_repro_check(chat_dir, merge_removed_dir, tmp_path, capsys):
     rc = main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
                "--prompts", str(prompts), "--checks", "batch,tokenizer", "--tokenizer-b", merge_removed_dir,
                "--max-tokens", "4", "--db", str(db), "--out", str(out), "--strict"])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 1  # --strict: the tokenizer check differs
     assert "[batch] SAME" in text and "[tokenizer] DIFFERS" in text
+    # each check is named as it starts and advances its own progress bar to the end
+    assert text.index("[1/2] batch: greedy at batch 1") < text.index("[batch] SAME") < text.index(
+        "[2/2] tokenizer: two tokenizers") < text.index("[tokenizer] DIFFERS")
+    assert re.search(r"batch: 100%.* (\d+)/\1 ", captured.err)
+    assert re.search(r"tokenizer: 100%.* 2/2 ", captured.err)
+    from pagedlab.lab.cli import main as lab_main
+
+    assert lab_main(["results", "list", "--db", str(db)]) == 0
+    listing = capsys.readouterr().out
+    assert "check=batch" in listing and "verdict=same" in listing
+    assert "check=tokenizer" in listing and "verdict=differs" in listing
     report = json.loads(out.read_text())
     assert [c["check"] for c in report["checks"]] == ["batch", "tokenizer"]
     with ResultStore(f"sqlite:///{db}") as store:
@@ -227,6 +240,9 @@ def test_cli_repro_other_checks(chat_dir, tmp_path, capsys):
     assert rc == 0, text
     for check in ("seeds", "precision", "padding", "hf"):
         assert f"[{check}] SAME" in text, text
+    # the checks sharing one model run first; the headings count in run order
+    headings = [line.split(":")[0] for line in text.splitlines() if re.match(r"\[\d/4\] ", line)]
+    assert headings == ["[1/4] seeds", "[2/4] hf", "[3/4] precision", "[4/4] padding"]
     assert len(json.loads(out.read_text())["checks"]) == 4
     assert main(["repro", "check", "--model", chat_dir, "--checks", "seeds", "--sampling", "{oops"]) == 2
 

@@ -1,13 +1,42 @@
-"""pagedlab: a PagedAttention LLM inference engine in PyTorch + Triton, with a research lab."""
+"""pagedlab: a PagedAttention LLM inference engine in PyTorch + Triton, with a research lab.
 
-from pagedlab.config import EngineConfig, EngineInfo
-from pagedlab.llm import LLM
-from pagedlab.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, EngineStats, Logprob,
-                              RequestMetrics, RequestOutput)
-from pagedlab.sampling_params import BeamSearchParams, SamplingParams
+The public names load on first use (``from pagedlab import LLM`` imports the engine then), so
+``import pagedlab`` and the command line's ``--help`` start without torch.
+"""
 
+from __future__ import annotations
+
+import importlib
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "LLM": "pagedlab.llm",
+    "SamplingParams": "pagedlab.sampling_params",
+    "BeamSearchParams": "pagedlab.sampling_params",
+    "RequestOutput": "pagedlab.outputs",
+    "CompletionOutput": "pagedlab.outputs",
+    "Logprob": "pagedlab.outputs",
+    "RequestMetrics": "pagedlab.outputs",
+    "EngineStats": "pagedlab.outputs",
+    "BeamSearchOutput": "pagedlab.outputs",
+    "BeamSearchSequence": "pagedlab.outputs",
+    "EngineConfig": "pagedlab.config",
+    "EngineInfo": "pagedlab.config",
+    "TextPrompt": "pagedlab.inputs",
+    "TokensPrompt": "pagedlab.inputs",
+}
+
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestMetrics", "EngineStats", "EngineConfig", "EngineInfo", "BeamSearchOutput",
-           "BeamSearchSequence", "__version__"]
+           "RequestMetrics", "EngineStats", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig",
+           "EngineInfo", "TextPrompt", "TokensPrompt", "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedlab' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return __all__

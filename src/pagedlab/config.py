@@ -9,13 +9,15 @@ change it without reloading weights) and gives its help text.
 from __future__ import annotations
 
 import dataclasses
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from pagedlab.names import did_you_mean
 
-from pagedlab.quantization.formats import QUANTIZATIONS, resolve_quant_config
+if TYPE_CHECKING:  # torch loads only where a dtype or device is resolved: the CLI starts without it
+    import torch
 
 DTYPE_NAMES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -25,6 +27,8 @@ DTYPE_NAMES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "fp8_e4m3" is vLLM's alias of "fp8"
+QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each against config.json
+TOKENIZER_MODES = ("auto", "slow")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -38,11 +42,19 @@ class EngineConfig:
     """Every engine argument of ``LLM(...)``, with vLLM's names and defaults; the engine resolves
     the ``None``/"auto" ones against the model and the device."""
 
-    model: str = _setting(DEFAULT_MODEL, "local HF directory, .gguf file, or an embedded model")
-    tokenizer: str | None = _setting(None, "tokenizer directory (default: the model's)")
+    model: str = _setting(DEFAULT_MODEL, "local HF directory, .gguf file, hub model id (org/name: the HF "
+                                         "cache, else a download) or an embedded model")
+    tokenizer: str | None = _setting(None, "tokenizer directory or hub id (default: the model's)")
+    tokenizer_mode: str = _setting("auto", "auto (the fast tokenizer where there is one) or slow")
+    revision: str | None = _setting(None, "hub model revision: a branch, tag or commit (default: main)")
+    download_dir: str | None = _setting(None, "where hub models are downloaded and looked up (default: "
+                                              "the HF cache, $HF_HOME/hub)")
+    served_model_name: str | list[str] | None = _setting(
+        None, "the name(s) the server answers to and reports (default: the model argument)")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
-    seed: int = _setting(0, "seed of the engine's sampler and of dummy weights")
+    seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "
+                                   "dummy weights; None draws one at random (kept in the config)")
     max_model_len: int | None = _setting(None, "context length (default: the model's)", plan=True)
     block_size: int = _setting(16, "KV cache block size in tokens, a multiple of 16", plan=True)
     gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory the engine may use", plan=True)
@@ -72,10 +84,19 @@ class EngineConfig:
     disable_custom_all_reduce: bool = _setting(
         False, "all-reduce through NCCL only (default: small messages through pagedlab's one-shot "
                "all-reduce over GPU peer memory)")
+    swap_space: float = _setting(4.0, "CPU swap space in GiB, accepted for vLLM scripts and unused: a "
+                                      "preempted sequence is recomputed, never swapped")
+    cpu_offload_gb: float = _setting(0.0, "GiB of weights to keep in CPU memory: not supported, must be 0")
+    disable_log_stats: bool = _setting(True, "no periodic throughput/KV-cache log lines from LLM.generate "
+                                             "(--no-disable-log-stats logs one every 5 s)", plan=True)
     quantization: str | None = _setting(
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
               "else dense), awq (AutoAWQ 4-bit GEMM checkpoints; round-to-nearest 4-bit of a dense one) or "
               "fp8 (compressed-tensors FP8 checkpoints; FP8 E4M3 quantized at load from a dense one)")
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = random.SystemRandom().randrange(1 << 31)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting and what it may be."""
@@ -105,6 +126,15 @@ class EngineConfig:
             bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            bad("tokenizer_mode", f"one of {TOKENIZER_MODES}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "an integer or None")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            bad("swap_space", "a number of GiB >= 0 (it is unused: preempted sequences are recomputed)")
+        if self.cpu_offload_gb:
+            raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r} is not supported: pagedlab keeps every "
+                             "weight on the device; use 0, a smaller model, or tensor_parallel_size > 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -120,8 +150,9 @@ class EngineConfig:
         """``EngineConfig(**kwargs)``, but an unknown name is a ValueError listing the known ones."""
         unknown = sorted(set(kwargs) - set(ENGINE_FIELDS))
         if unknown:
-            raise ValueError(f"unknown engine argument {unknown[0]!r}: the engine takes "
-                             f"{list(ENGINE_FIELDS)}")
+            hint = did_you_mean(unknown[0], ENGINE_FIELDS)
+            raise ValueError(f"unknown argument {unknown[0]!r}{hint}" if hint else
+                             f"unknown argument {unknown[0]!r}: the engine takes {list(ENGINE_FIELDS)}")
         return cls(**kwargs)
 
 
@@ -175,12 +206,16 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
     """The weight format the engine loads ("awq", "fp8" or None for dense): the checkpoint's
     ``quantization_config`` when ``requested`` is None; an explicit value must match it, or on a
     dense checkpoint says to quantize at load (see ``pagedlab.quantization.formats``)."""
+    from pagedlab.quantization.formats import resolve_quant_config
+
     quant_config = resolve_quant_config(requested, hf_config)  # unsupported variants fail here, by name
     return quant_config.name if quant_config is not None else None
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: the model's dtype for "auto", FP8 E4M3 for "fp8"/"fp8_e4m3"."""
+    import torch
+
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
@@ -190,6 +225,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -199,6 +236,8 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> torch.dtype:
     """'auto' is the checkpoint's dtype on a GPU and float32 on the CPU (bf16 matmuls are slow there)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":

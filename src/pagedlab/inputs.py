@@ -3,15 +3,41 @@ and the server.
 
 A prompt is a string, a list of token ids, or a dict with ``"prompt"`` (and optionally
 ``"add_special_tokens"``) or ``"prompt_token_ids"`` (and optionally the ``"prompt"`` text), as
-in vLLM.
+in vLLM; ``TextPrompt`` and ``TokensPrompt`` are those dicts' types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
-PromptType = str | list[int] | dict
+
+class _TextPromptRequired(TypedDict):
+    prompt: str
+
+
+class TextPrompt(_TextPromptRequired, total=False):
+    """A text prompt, as vLLM's ``TextPrompt``: ``{"prompt": "...", "add_special_tokens": False}``
+    (``add_special_tokens`` defaults to True: the tokenizer adds BOS and the like)."""
+
+    add_special_tokens: bool
+
+
+class _TokensPromptRequired(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_TokensPromptRequired, total=False):
+    """A prompt of token ids, as vLLM's ``TokensPrompt``: ``{"prompt_token_ids": [...]}`` (with
+    the optional ``prompt`` text, echoed in the output)."""
+
+    prompt: str
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt | dict
+# vLLM prompt keys for inputs this engine does not take (images, audio, embeddings, ...).
+_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds", "cache_salt")
 
 
 @dataclass
@@ -33,6 +59,11 @@ def require_tokenizer(tokenizer, what: str, model: str):
 def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
     """Token ids (and text) of one prompt; text is tokenized with ``tokenizer``."""
     if isinstance(prompt, dict):
+        unsupported = [k for k in _UNSUPPORTED_PROMPT_KEYS if k in prompt]
+        if unsupported:
+            raise ValueError(f"prompt key {unsupported[0]!r} is not supported: pagedlab serves text-only "
+                             "models; a prompt takes 'prompt' (with 'add_special_tokens') or "
+                             "'prompt_token_ids'")
         if "prompt_token_ids" in prompt:
             return EncodedPrompt(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
         if "prompt" not in prompt:
@@ -61,10 +92,20 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTyp
 
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
-                add_generation_prompt: bool = True, model: str = "", **template_kwargs) -> dict:
+                add_generation_prompt: bool = True, model: str = "", continue_final_message: bool = False,
+                **template_kwargs) -> dict:
     """A conversation rendered through the chat template, as a prompt that adds no special tokens
-    (the template already holds them). ``template_kwargs`` are extra variables for the template."""
+    (the template already holds them). ``continue_final_message`` leaves the last (assistant)
+    message open for the model to continue, as vLLM does; ``template_kwargs`` are extra variables
+    for the template (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking=False``)."""
     tokenizer = require_tokenizer(tokenizer, "chat conversations", model)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt=True and continue_final_message=True conflict: a reply "
+                         "either starts a new assistant turn or continues the last message; set one to False")
+    if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message=True needs a conversation whose last message is the "
+                         "assistant's (the text to continue)")
     text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, **template_kwargs)
     return {"prompt": text, "add_special_tokens": False}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
+import time
 from collections.abc import Sequence
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
@@ -19,16 +21,20 @@ class LLM:
     """Load a model once and generate over many prompts with continuous batching.
 
     ``model`` is a local HF directory (config.json, *.safetensors, tokenizer files), a .gguf file,
-    or the embedded ``"smollm2-135m-instruct"``. Every other keyword is an engine setting of
+    a hub model id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``: the HF cache, else downloaded;
+    ``revision``, ``download_dir``, ``HF_TOKEN`` and ``HF_HUB_OFFLINE`` honoured) or the embedded
+    ``"smollm2-135m-instruct"``. Every other keyword is an engine setting of
     ``pagedlab.config.EngineConfig``, with vLLM's names and defaults (``dtype``, ``seed``,
     ``max_model_len``, ``block_size``, ``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``enforce_eager``, ``async_scheduling``,
-    ``enable_cascade_attention``, ``load_format``, ``device``, ``attention_backend``, ...); an
-    unknown one is a ValueError listing them. On the CPU the KV cache takes
-    ``kv_cache_memory_bytes`` (default 1 GiB); on a GPU, ``gpu_memory_utilization`` of it after a
-    profiling pass. Cascade attention (a decode batch reads its shared cached prefix once) sums a
-    row's keys in another order than alone: turn it off for bitwise batch invariance.
+    ``enable_cascade_attention``, ``load_format``, ``device``, ``attention_backend``, ``tokenizer``,
+    ``tokenizer_mode``, ``served_model_name``, ``disable_log_stats``, ``swap_space`` (unused),
+    ``cpu_offload_gb`` (0 only), ...); a misspelled one is a ValueError that names the closest.
+    On the CPU the KV cache takes ``kv_cache_memory_bytes`` (default 1 GiB); on a GPU,
+    ``gpu_memory_utilization`` of it after a profiling pass. Cascade attention (a decode batch
+    reads its shared cached prefix once) sums a row's keys in another order than alone: turn it
+    off for bitwise batch invariance.
     Use it as a context manager to free every byte it took on exit.
     """
 
@@ -62,12 +68,18 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template (the
+        tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
+        continues the last (assistant) message instead of starting a new turn (set
+        ``add_generation_prompt=False`` with it); ``chat_template_kwargs`` are extra template
+        variables (e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
-        prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model)
+        prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
+                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -133,10 +145,13 @@ class LLM:
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         progress = _progress(len(ids), use_tqdm)
+        stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
         try:
             for rid, prompt, p in zip(ids, encoded, params):
                 engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text)
             while engine.has_unfinished_requests():
+                if stats_log is not None:
+                    stats_log.maybe_log()
                 for out in engine.step(stream=False):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
@@ -145,6 +160,8 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
+            if stats_log is not None:
+                stats_log.log()
             for rid in ids:  # an interrupted run leaves nothing behind in the engine
                 engine.abort_request(rid)
         return results
@@ -222,11 +239,39 @@ class LLM:
 
                 torch.cuda.empty_cache()
 
+    # vLLM's pooling and scoring calls: pagedlab serves generation only.
+    def encode(self, *args, **kwargs):
+        """Not served: pagedlab runs generative models (vLLM's ``encode`` pools hidden states)."""
+        raise _not_served("encode")
+
+    def embed(self, *args, **kwargs):
+        """Not served: pagedlab runs generative models, not embedding models."""
+        raise _not_served("embed")
+
+    def classify(self, *args, **kwargs):
+        """Not served: pagedlab runs generative models, not classifiers."""
+        raise _not_served("classify")
+
+    def score(self, *args, **kwargs):
+        """Not served: pagedlab runs generative models, not cross-encoders or scorers."""
+        raise _not_served("score")
+
+    def reward(self, *args, **kwargs):
+        """Not served: pagedlab runs generative models, not reward models."""
+        raise _not_served("reward")
+
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _not_served(method: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"LLM.{method}() is not supported: pagedlab serves text generation only (generate, chat, "
+        "beam_search); pooling, embedding, classification, scoring and reward models are not served. For "
+        "log-probabilities of a text use generate() with SamplingParams(prompt_logprobs=...) or logprobs=N")
 
 
 def _score(beam: BeamSearchSequence, params: BeamSearchParams, prompt_len: int) -> float:
@@ -250,3 +295,35 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+class StatsLog:
+    """vLLM's periodic stats line (``disable_log_stats=False``): prompt and generation throughput
+    since the last line, running and waiting requests, KV cache usage and prefix-cache hit rate,
+    logged at INFO on ``pagedlab.stats`` (to stderr when logging is not configured)."""
+
+    logger = logging.getLogger("pagedlab.stats")
+
+    def __init__(self, get_stats, interval_s: float = 5.0):
+        self.get_stats, self.interval_s = get_stats, interval_s
+        if not self.logger.hasHandlers():
+            self.logger.addHandler(logging.StreamHandler())
+            self.logger.setLevel(logging.INFO)
+        stats = get_stats()
+        self._last = (time.perf_counter(), stats.prompt_tokens_computed, stats.generation_tokens)
+
+    def maybe_log(self) -> None:
+        if time.perf_counter() - self._last[0] >= self.interval_s:
+            self.log()
+
+    def log(self) -> None:
+        now, stats = time.perf_counter(), self.get_stats()
+        then, prompt_tokens, generated = self._last
+        elapsed = max(now - then, 1e-9)
+        self.logger.info(
+            "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
+            "KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+            (stats.prompt_tokens_computed - prompt_tokens) / elapsed,
+            (stats.generation_tokens - generated) / elapsed, stats.num_running, stats.num_waiting,
+            100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate)
+        self._last = (now, stats.prompt_tokens_computed, stats.generation_tokens)

@@ -1,4 +1,4 @@
-"""The fixed benchmark workloads of DESIGN.md §4, pagedlab and its HF transformers peer in one run.
+"""The fixed benchmark workloads of docs/benchmarks.md, pagedlab and its HF transformers peer in one run.
 
 ``pagedlab bench throughput|latency`` and ``benchmarks/`` call ``run_workload``. Every row carries
 output and total tok/s, TTFT and TPOT P50/P99, peak GPU memory, and the measured time over the
@@ -25,7 +25,7 @@ from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
 
-# H200 figures measured on our machine (DESIGN.md §3): device copy bandwidth and bf16 matmul peak.
+# H200 figures measured on our machine (docs/benchmarks.md): device copy bandwidth and bf16 matmul peak.
 H200_BANDWIDTH = 4.25e12
 H200_BF16_FLOPS = 809e12
 
@@ -113,7 +113,7 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
 @dataclass(frozen=True)
 class AllReduceCost:
     """One all-reduce's time as a latency plus bytes over the bus bandwidth. The defaults are two
-    H200s over NVLink, NCCL 2.28 (DESIGN.md §6, measured 2026-11-30): 19.8 us for one token's
+    H200s over NVLink, NCCL 2.28 (measured 2026-11-30): 19.8 us for one token's
     hidden state inside a CUDA graph, 272 GB/s bus bandwidth at 64 MB."""
 
     latency_s: float = 19.8e-6
@@ -353,8 +353,8 @@ def format_row(r: WorkloadResult) -> str:
     return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total "
             f"{r.total_tok_s:9.1f} tok/s  "
             f"TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms  TPOT p50/p99 {f(r.tpot_p50_ms, '.2f')}/"
-            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s = "
-            f"{f(r.over_floor, '.2f')}x floor")
+            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s"
+            + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else ""))
 
 
 def write_json(path: str, results: list[WorkloadResult], command: str) -> None:
@@ -413,9 +413,11 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 # compiles kernels before timing
                 llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
             info = llm.get_engine_info()
+            # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
                                    tensor_parallel_size=info.config.tensor_parallel_size,
-                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize)
+                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize) \
+                if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
                 results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
@@ -427,12 +429,14 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
     """Every workload on the HF transformers peer (static batches; generate_batch for W-nano)."""
     peer = load_hf_peer(hf_config)
     for w in workloads:
-        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens)
+        on_gpu = torch.cuda.is_available()
+        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens) if on_gpu else None
         for r in range(repeats):
             label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
             if workload_name == "W-nano":
                 fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
-                floor = physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
+                         if on_gpu else None)
                 results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
             elif workload_name == "W-prefix":
                 break  # the peer of W-prefix is pagedlab with prefix caching off

@@ -1,17 +1,25 @@
 """The engine's command-line flags, derived from ``EngineConfig``: one flag per field, with the
-field's default and help text, under vLLM's flag names (``--max-num-seqs``, ...).
+field's default and help text, under vLLM's flag names (``--max-num-seqs``, ...); and
+``CommandParser``, the argument parser of every ``pagedlab`` command.
 
 A leaf module: every command that loads a model (``generate``, ``serve``, ``bench``, ``repro``,
-``run``) imports it, and it imports nothing of theirs.
+``run``) imports it, and it imports nothing of theirs (nor torch: ``--help`` answers at once).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 
 from pagedlab.config import ENGINE_FIELDS, EngineConfig
+
+
+class CommandParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without abbreviations: ``--max-num-seq`` is an error, not a
+    silent ``--max-num-seqs``. Subcommand parsers are of the same class, so the whole tree is."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
 
 def parse_bytes(value: str) -> int:
@@ -27,12 +35,12 @@ def parse_bytes(value: str) -> int:
 
 
 def _value_type(field: dataclasses.Field):
-    """The argparse ``type`` of a field: the non-None member of its annotation (``str`` for dtype)."""
-    hints = typing.get_type_hints(EngineConfig)
-    kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)] or [hints[field.name]]
+    """The argparse ``type`` of a field: the first non-None member of its annotation, read from
+    the annotation's text (evaluating it would import torch for ``dtype``)."""
     if field.name.endswith("_bytes"):
         return parse_bytes
-    return kinds[0] if kinds[0] in (int, float, bool) else str
+    kinds = [k.strip() for k in str(field.type).split("|") if k.strip() != "None"]
+    return {"int": int, "float": float, "bool": bool}.get(kinds[0], str)
 
 
 def _describe(field: dataclasses.Field) -> str:
@@ -44,17 +52,24 @@ def _describe(field: dataclasses.Field) -> str:
     return f"{field.metadata['help']} (default: {shown})"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add every ``EngineConfig`` field as a flag; booleans get ``--x`` / ``--no-x``."""
+def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None = None,
+                    model_help: str | None = None) -> None:
+    """Add every ``EngineConfig`` field as a flag; booleans get ``--x`` / ``--no-x``. A command
+    whose model default differs from the engine's (``bench``: a benchmark shape) gives
+    ``model_default`` and ``model_help``."""
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _value_type(field)
+        default, help_text = field.default, _describe(field)
+        if field.name == "model" and model_help is not None:
+            default, help_text = model_default, model_help
         if kind is bool:
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=field.default, help=_describe(field))
+                               default=default, help=help_text)
         else:
-            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=_describe(field))
+            many = {"nargs": "+"} if "list[" in str(field.type) else {}
+            group.add_argument(flag, dest=field.name, type=kind, default=default, help=help_text, **many)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -1,4 +1,8 @@
-"""The ``pagedlab`` command line: generate, chat, and the lab's and server's subcommands."""
+"""The ``pagedlab`` command line: generate, chat, and the lab's and server's subcommands.
+
+Building the parser imports no torch, transformers or engine module: ``--help``, ``--version``
+and argument errors answer at once; a command imports what it runs when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,21 @@ import argparse
 import json
 import sys
 
-from pagedlab.cli.engine_args import add_engine_args, add_sampling_args, changed_engine_kwargs, engine_kwargs
+from pagedlab import __version__
+from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args,
+                                      changed_engine_kwargs, engine_kwargs)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
+
+BENCH_DOCS = "docs/benchmarks.md"
+WORKLOADS = ("W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom")
+# The request-size flags each workload reads (pagedlab.workloads.make_workload); the others have
+# fixed lengths, so e.g. --batch-size on W-nano is refused rather than silently ignored.
+WORKLOAD_FLAGS = {"W-seed": ("batch_size", "input_len", "output_len", "num_prompts"),
+                  "W-lat": ("batch_size", "input_len", "output_len", "num_prompts"),
+                  "custom": ("batch_size", "input_len", "output_len", "num_prompts"),
+                  "W-nano": ("num_prompts",), "W-prefix": ("num_prompts",), "W-long": ("num_prompts",)}
+BENCH_SIZE_DEFAULTS = {"input_len": 512, "output_len": 128}
 
 
 def sampling_params(args: argparse.Namespace):
@@ -84,17 +100,50 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.append({"role": "assistant", "content": shown})
 
 
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """A ValueError naming each size flag given that ``args.workload`` does not read, and
+    ``--shape`` given with ``--model``."""
+    used = WORKLOAD_FLAGS[args.workload]
+    unused = [name for name in ("batch_size", "input_len", "output_len", "num_prompts")
+              if getattr(args, name) is not None and name not in used]
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        takes = ", ".join("--" + name.replace("_", "-") for name in used)
+        raise ValueError(f"{flags} not used by workload {args.workload}: its request sizes are fixed "
+                         f"({BENCH_DOCS}); {args.workload} takes {takes}")
+    if args.shape is not None and args.model is not None:
+        raise ValueError(f"--shape {args.shape} and --model {args.model} both name the model: give one "
+                         "(--shape builds dummy weights of a benchmark shape)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    check_bench_flags(args)
     from pagedlab import workloads
 
     changed = {k: v for k, v in changed_engine_kwargs(args).items() if k != "model"}
+    default_sizes = [1] if args.bench_command == "latency" else [1, 16, 64, 256]
+    shape = args.shape or workloads.DEFAULT_SHAPES[args.workload]
+    if args.model is None:
+        warn_cpu_shape(shape, args.device)
     results = workloads.run_bench(
-        args.workload, args.batch_size, args.input_len, args.output_len, args.num_prompts, args.backend,
-        model=args.model, shape=args.shape, repeats=args.repeats, engine_args=changed,
+        args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
+        args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
+        model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
         latency=args.bench_command == "latency")
     if args.json:
         workloads.write_json(args.json, results, " ".join(sys.argv))
     return 0
+
+
+def warn_cpu_shape(shape: str, device: str) -> None:
+    """Say, before it starts, that building an 8B/70B shape on the CPU takes minutes and much memory."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and shape.startswith("llama3-"):
+        print(f"warning: building the {shape} shape with dummy weights on the CPU: this takes minutes and "
+              "tens of GiB of memory (bfloat16 weights); on a CPU try --shape qwen3-0.6b, or give --model "
+              "DIR", file=sys.stderr, flush=True)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -105,21 +154,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_bench_commands(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve")
+    bench = sub.add_parser("bench", help=f"benchmarks: throughput, latency, serve (workloads: {BENCH_DOCS})",
+                           description=f"The fixed workloads, their request sizes and the physical floor "
+                                       f"are defined in {BENCH_DOCS}.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for name, workload, sizes in (("throughput", "W-seed", [1, 16, 64, 256]), ("latency", "W-lat", [1])):
+    for name, workload, sizes in (("throughput", "W-seed", "1 16 64 256"), ("latency", "W-lat", "1")):
         p = bench_sub.add_parser(
-            name, help=f"{name} of a DESIGN.md workload (default {workload}) on dummy weights")
-        add_engine_args(p)
-        p.set_defaults(model=None)
-        p.add_argument("--workload", default=workload,
-                       choices=["W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom"])
-        p.add_argument("--shape", default=None,
-                       help="llama3-8b, llama3-70b or qwen3-0.6b (default: the workload's)")
-        p.add_argument("--batch-size", type=int, nargs="+", default=sizes)
-        p.add_argument("--input-len", type=int, default=512)
-        p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--num-prompts", type=int, default=None)
+            name, help=f"{name} of a workload of {BENCH_DOCS} (default {workload}) on dummy weights",
+            description=f"{name.capitalize()} of one of the fixed workloads defined in {BENCH_DOCS} (request "
+                        "sizes, shapes, the physical floor). Without --model the workload's benchmark shape "
+                        "is built with dummy weights.")
+        add_engine_args(p, model_default=None, model_help=(
+            "local HF directory or .gguf file to benchmark (default: none: dummy weights of --shape, or of "
+            "the workload's shape: llama3-8b for W-seed/W-lat/W-long/custom, qwen3-0.6b for "
+            "W-nano/W-prefix)"))
+        p.add_argument("--workload", default=workload, choices=WORKLOADS)
+        p.add_argument("--shape", default=None, choices=("llama3-8b", "llama3-70b", "qwen3-0.6b"),
+                       help="benchmark shape built with dummy weights when no --model is given (default: "
+                            "the workload's); examples/shapes/ holds their config.json files")
+        p.add_argument("--batch-size", type=int, nargs="+", default=None,
+                       help=f"W-seed/W-lat/custom: batch sizes (default: {sizes})")
+        for flag, what in (("input_len", "prompt tokens"), ("output_len", "output tokens")):
+            p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
+                           help=f"W-seed/W-lat/custom: {what} (default: {BENCH_SIZE_DEFAULTS[flag]})")
+        p.add_argument("--num-prompts", type=int, default=None,
+                       help="prompts per run (default: the batch size; 256 for W-nano/W-prefix, 4 for "
+                            "W-long)")
         p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
@@ -130,7 +190,10 @@ def _add_bench_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedlab", description=__doc__)
+    parser = CommandParser(prog="pagedlab", description="pagedlab: a PagedAttention LLM inference "
+                                                        "engine with a research lab and an OpenAI-compatible "
+                                                        "server.")
+    parser.add_argument("--version", action="version", version=f"pagedlab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts (the embedded model by default)")
@@ -142,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat with streamed replies")
+    chat = sub.add_parser("chat", help="interactive chat with streamed replies",
+                          description="Interactive chat with streamed replies: type a message and press "
+                                      "Enter; /exit or /quit (or end of input, Ctrl-D) ends the session.")
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="a system prompt")

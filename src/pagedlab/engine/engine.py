@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import logging
 import time
-from pathlib import Path
 
 import torch
 
@@ -32,19 +31,21 @@ from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_k
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.tensor_parallel import TensorParallelWorkers, join_tensor_parallel, rank_device
-from pagedlab.loader import resolve_model_source
+from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path, trust_remote_code: bool = False):
-    """The tokenizer in ``path``, or None for a directory that holds only weights/config."""
+def load_tokenizer(path, trust_remote_code: bool = False, tokenizer_mode: str = "auto"):
+    """The tokenizer in ``path`` (``tokenizer_mode="slow"``: the Python one), or None for a
+    directory that holds only weights/config."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code,
+                                             use_fast=tokenizer_mode != "slow")
     except (OSError, ValueError, TypeError) as e:
         logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
         return None
@@ -62,7 +63,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = rank_device(config.device, 0)
-        self.source = resolve_model_source(config.model, config.load_format)
+        self.source = resolve_model_source(config.model, config.load_format, config.revision,
+                                           config.download_dir)
         try:
             self.hf_config = AutoConfig.from_pretrained(str(self.source.path),
                                                         trust_remote_code=config.trust_remote_code)
@@ -71,7 +73,8 @@ class LLMEngine:
         self.quantization = resolve_quantization(config.quantization, self.hf_config)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.source.path, config.trust_remote_code)
+        self.tokenizer_path = resolve_tokenizer_path(config.tokenizer, self.source.path, config.download_dir)
+        self.tokenizer = load_tokenizer(self.tokenizer_path, config.trust_remote_code, config.tokenizer_mode)
         try:
             generation_config = GenerationConfig.from_pretrained(str(self.source.path))
         except OSError:
@@ -174,8 +177,7 @@ class LLMEngine:
             config=self.config, model_name=self.source.name, model_path=self.source.path,
             original_file=self.source.original_file, load_format=self.source.load_format,
             hf_config=self.hf_config, tokenizer=self.tokenizer,
-            tokenizer_path=(Path(self.config.tokenizer or self.source.path) if self.tokenizer is not None
-                            else None),
+            tokenizer_path=self.tokenizer_path if self.tokenizer is not None else None,
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,

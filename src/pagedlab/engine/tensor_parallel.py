@@ -186,7 +186,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
 def load_worker_runner(config: EngineConfig, device: torch.device) -> ModelRunner:
     from transformers import AutoConfig
 
-    source = resolve_model_source(config.model, config.load_format)
+    source = resolve_model_source(config.model, config.load_format, config.revision, config.download_dir)
     hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=config.trust_remote_code)
     return load_model_runner(config, source, hf_config, device)
 

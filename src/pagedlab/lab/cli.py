@@ -7,12 +7,11 @@ failed, 2 bad input (malformed experiment, unknown run, bad database URL).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from pagedlab.lab.report import short_label
+from pagedlab.cli.engine_args import CommandParser
 
 _DB_HELP = ("results database: a SQLAlchemy URL or a SQLite file path "
             "(default: $PAGEDLAB_DB or sqlite:///results.db)")
@@ -135,8 +134,27 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-_HEADLINE = ("exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms", "tpot_p50_ms",
-             "mean_output_tokens")
+_HEADLINE = ("contains_answer", "exact_match", "bleu", "chrf", "output_throughput", "ttft_p50_ms",
+             "tpot_p50_ms", "mean_output_tokens")
+
+
+def _short_label(v) -> str:
+    from pagedlab.lab.report import short_label
+
+    return short_label(v)
+
+
+def _summary_columns(run: dict) -> tuple[str, str]:
+    """The params and metrics columns of one run: its varied params and headline metrics, or for a
+    reproducibility check (``pagedlab repro check --db``) the check, its verdict and its numbers."""
+    params, metrics = run["params"], run["metrics"]
+    if "repro.check" in params:
+        numbers = [f"{k}={_short_label(v)}" for k, v in metrics.items() if k != "differs" and v is not None]
+        return (f"check={params['repro.check']}",
+                ", ".join([f"verdict={params.get('repro.verdict')}", *numbers[:3]]))
+    varied = ", ".join(f"{k}={_short_label(params.get(k))}" for k in params.get("varied", []))
+    shown = ", ".join(f"{k}={_short_label(metrics[k])}" for k in _HEADLINE if metrics.get(k) is not None)
+    return varied, shown
 
 
 def cmd_results_list(args) -> int:
@@ -157,14 +175,11 @@ def cmd_results_list(args) -> int:
         return 0
     rows = []
     for r in runs:
-        params = r["params"]
-        varied = ", ".join(f"{k}={short_label(params.get(k))}" for k in params.get("varied", []))
-        metrics = ", ".join(f"{k}={short_label(r['metrics'][k])}" for k in _HEADLINE
-                            if r["metrics"].get(k) is not None)
+        params, metrics = _summary_columns(r)
         if r["status"] == "failed":
             metrics = (r["error"] or "").splitlines()[0][:80]
-        rows.append([str(r["run_id"]), r["experiment"], r["status"], short_label(r["model"] or ""),
-                     varied or "-", str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
+        rows.append([str(r["run_id"]), r["experiment"], r["status"], _short_label(r["model"] or ""),
+                     params or "-", str(r["repeat"]), str(r["seed"]), metrics, (r["finished_at"] or "")[:19]])
     print(_table(["id", "experiment", "status", "model", "params", "rep", "seed", "metrics", "finished"],
                  rows))
     return 0
@@ -185,7 +200,8 @@ def cmd_results_show(args) -> int:
         return 0
     print(f"run {run['run_id']}  experiment {run['experiment']}  status {run['status']}")
     print(f"model {run['model']}  repeat {run['repeat']}  seed {run['seed']}  host {run['host']}")
-    print(f"started {run['started_at']}  finished {run['finished_at']}  ({short_label(run['duration_s'])} s)")
+    print(f"started {run['started_at']}  finished {run['finished_at']}  "
+          f"({_short_label(run['duration_s'])} s)")
     print(f"run key {run['run_key']}")
     if run["error"]:
         print("\nerror:\n" + run["error"])
@@ -194,7 +210,7 @@ def cmd_results_show(args) -> int:
         print(f"  {k} = {v}")
     print("\nmetrics:")
     for k, v in sorted(run["metrics"].items()):
-        print(f"  {k} = {short_label(v)}")
+        print(f"  {k} = {_short_label(v)}")
     m = run.get("manifest") or {}
     if m:
         print("\nmanifest:")
@@ -212,7 +228,7 @@ def cmd_results_show(args) -> int:
     tel = run.get("telemetry") or {}
     if tel:
         print(f"\ntelemetry ({tel.get('backend')}, {tel.get('num_samples')} samples): "
-              + ", ".join(f"{k}={short_label(v)}" for k, v in tel.items()
+              + ", ".join(f"{k}={_short_label(v)}" for k, v in tel.items()
                           if k not in ("backend", "num_samples", "gpus", "cpu") and v is not None))
     outputs = run.get("outputs") or []
     if outputs and args.outputs > 0:
@@ -264,7 +280,7 @@ def cmd_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlab.lab.cli", description="pagedlab research lab")
+    parser = CommandParser(prog="python -m pagedlab.lab.cli", description="pagedlab research lab")
     subparsers = parser.add_subparsers(dest="command", metavar="{run,results,monitor,report}")
     subparsers.required = True
     register(subparsers)

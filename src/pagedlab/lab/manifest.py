@@ -1,4 +1,4 @@
-"""The provenance manifest attached to every number the lab stores (DESIGN.md §5).
+"""The provenance manifest attached to every number the lab stores (no number without its provenance).
 
 ``collect_manifest(llm, sampling_params=..., seeds=...)`` returns a JSON-able dict:
 

@@ -105,6 +105,16 @@ def exact_match(res: RunResult) -> dict:
     return {"exact_match": sum(scored) / len(scored) if scored else None}
 
 
+@register_metric("contains_answer", needs_references=True,
+                 doc="share of outputs that contain a reference, both after SQuAD normalization")
+def contains_answer(res: RunResult) -> dict:
+    """Answer accuracy for a model that answers in sentences ("The capital of France is Paris.")
+    where exact match scores 0: a reference's normalized words appear, whole, in the output's."""
+    scored = [any(f" {normalize_answer(r)} " in f" {normalize_answer(h)} " for r in it.reference)
+              for h, it in zip(res.texts, res.items) if it.reference]
+    return {"contains_answer": sum(scored) / len(scored) if scored else None}
+
+
 @register_metric("bleu", needs_references=True, doc="corpus BLEU (sacrebleu)")
 def bleu(res: RunResult) -> dict:
     import sacrebleu

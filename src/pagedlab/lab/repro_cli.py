@@ -13,15 +13,19 @@ import sys
 import time
 from pathlib import Path
 
-from pagedlab.cli.engine_args import add_engine_args, engine_kwargs
+from pagedlab.cli.engine_args import CommandParser, add_engine_args, engine_kwargs
 from pagedlab.lab import repro
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
-from pagedlab.lab.spec import load_experiment
-from pagedlab.lab.store import ResultStore, jsonable
-from pagedlab.llm import LLM
-from pagedlab.loader import resolve_model_source
 from pagedlab.sampling_params import SamplingParams
 
+# What each check does, printed as it starts.
+_WHAT = {"batch": "greedy at batch 1 vs one batch, shuffled, prefix caching and chunked prefill on/off",
+         "seeds": "the sampling params over each seed", "tokenizer": "two tokenizers on the same prompts",
+         "hf": "pagedlab vs HF transformers on the same weights",
+         "precision": "the weights in each dtype (one model load per dtype)",
+         "padding": "HF transformers: a left-padded batch vs one prompt at a time"}
+# The checks that share one loaded model run first, then those that load their own.
+_SHARED_MODEL_CHECKS = ("batch", "seeds", "tokenizer", "hf")
 _DB_HELP = ("store each check's result with its manifest in this results database "
             "(SQLAlchemy URL or SQLite path)")
 
@@ -85,6 +89,8 @@ def register(subparsers) -> None:
     c.add_argument("--logprob-tolerance", type=float, default=1e-3,
                    help="batch/padding/hf: a |Δ logprob| above this differs (default: 1e-3)")
     c.add_argument("--strict", action="store_true", help="exit 1 when any check differs")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars (each check is still named "
+                                                               "as it starts)")
     c.set_defaults(func=cmd_repro_check)
 
 
@@ -92,6 +98,8 @@ def _seed_params(args) -> SamplingParams:
     fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
               "logprobs": 0}
     if args.experiment:
+        from pagedlab.lab.spec import load_experiment
+
         fields.update(load_experiment(args.experiment).base.get("sampling") or {})
     if args.sampling:
         try:
@@ -108,8 +116,26 @@ def _seed_params(args) -> SamplingParams:
         raise ValueError(f"--sampling {args.sampling!r}: {e}") from None
 
 
+class CheckAnnouncer:
+    """Names each check as it starts ("[2/4] seeds: ...") and gives it a tqdm progress bar on
+    stderr, which the check advances (``progress=`` of the ``pagedlab.lab.repro`` checks)."""
+
+    def __init__(self, checks: list[str], bars: bool = True):
+        self.order = [c for c in checks if c in _SHARED_MODEL_CHECKS] + [c for c in checks
+                                                                         if c not in _SHARED_MODEL_CHECKS]
+        self.bars = bars
+
+    def start(self, name: str):
+        from tqdm.auto import tqdm
+
+        print(f"[{self.order.index(name) + 1}/{len(self.order)}] {name}: {_WHAT[name]}", flush=True)
+        return tqdm(desc=name, unit="step", file=sys.stderr, disable=not self.bars, dynamic_ncols=True)
+
+
 def cmd_repro_check(args: argparse.Namespace) -> int:
     """Run the chosen checks, print each verdict, store and write the results when asked."""
+    from pagedlab.lab.store import ResultStore, jsonable
+
     checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
     if args.prompts:
         prompts, references = repro.load_prompts(args.prompts)
@@ -122,6 +148,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
     seed_params = _seed_params(args) if "seeds" in checks else None  # bad JSON fails early
     store = ResultStore(args.db) if args.db else None
     results: list[repro.CheckResult] = []
+    announce = CheckAnnouncer(checks, bars=not args.no_progress)
 
     def done(result, llm=None):
         print(result.format(), flush=True)
@@ -131,11 +158,12 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
         results.append(result)
 
     try:
-        _run_llm_checks(args, checks, prompts, references, seed_params, done)
-        if "precision" in checks:
-            done(_precision_check(args, prompts))
-        if "padding" in checks:
-            done(_padding_check(args, prompts))
+        _run_llm_checks(args, checks, prompts, references, seed_params, done, announce)
+        for name, check in (("precision", _precision_check), ("padding", _padding_check)):
+            if name in checks:
+                with announce.start(name) as bar:
+                    result = check(args, prompts, bar)
+                done(result)
     finally:
         if store is not None:
             store.close()
@@ -148,56 +176,67 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
     return 1 if (args.strict and differing) else 0
 
 
-def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, done) -> None:
+def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, done, announce) -> None:
     """The checks that share one loaded model (batch, seeds, tokenizer, hf), each passed to ``done``."""
-    main_checks = [c for c in checks if c in ("batch", "seeds", "tokenizer", "hf")]
+    main_checks = [c for c in checks if c in _SHARED_MODEL_CHECKS]
     if not main_checks:
         return
+    from pagedlab.llm import LLM
+
+    print(f"loading {args.model} for the {', '.join(main_checks)} check(s)", flush=True)
     with LLM(**engine_kwargs(args)) as llm:
         if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
             raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
         for name in main_checks:
             t0 = time.perf_counter()
-            if name == "batch":
-                r = repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
-                                            logprob_tolerance=args.logprob_tolerance)
-            elif name == "seeds":
-                r = repro.seed_sensitivity(llm, prompts, seed_params, seeds=range(args.num_seeds),
-                                           references=references, threshold=args.seed_threshold)
-            elif name == "tokenizer":
-                tok_a = args.tokenizer or str(llm.get_engine_info().model_path)
-                r = repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
-                                          max_tokens=args.max_tokens)
-            else:
-                r = repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k,
-                                    hf_dtype=args.hf_dtype, logprob_tolerance=args.logprob_tolerance)
+            with announce.start(name) as bar:
+                r = _shared_model_check(name, llm, args, prompts, references, seed_params, bar)
             r.details["seconds"] = time.perf_counter() - t0
             done(r, llm)
 
 
-def _precision_check(args, prompts) -> repro.CheckResult:
+def _shared_model_check(name: str, llm, args, prompts, references, seed_params, bar) -> repro.CheckResult:
+    if name == "batch":
+        return repro.batch_consistency(llm, prompts, max_tokens=args.max_tokens,
+                                       logprob_tolerance=args.logprob_tolerance, progress=bar)
+    if name == "seeds":
+        return repro.seed_sensitivity(llm, prompts, seed_params, seeds=range(args.num_seeds),
+                                      references=references, threshold=args.seed_threshold, progress=bar)
+    if name == "tokenizer":
+        tok_a = args.tokenizer or str(llm.get_engine_info().model_path)
+        return repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
+                                     max_tokens=args.max_tokens, progress=bar)
+    return repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k, hf_dtype=args.hf_dtype,
+                           logprob_tolerance=args.logprob_tolerance, progress=bar)
+
+
+def _precision_check(args, prompts, bar) -> repro.CheckResult:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if len(dtypes) < 2:
         raise ValueError(f"--dtypes {args.dtypes!r}: give at least two precision variants (the first is "
                          "the reference)")
     return repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
-                                 kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args))
+                                 kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args),
+                                 progress=bar)
 
 
-def _padding_check(args, prompts) -> repro.CheckResult:
+def _padding_check(args, prompts, bar) -> repro.CheckResult:
+    from pagedlab.loader import resolve_model_source
+
     hf_prompts = prompts
     if any(isinstance(p, str) for p in prompts) and args.tokenizer:
         import transformers
 
         tok = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
         hf_prompts = [tok(p).input_ids if isinstance(p, str) else p for p in prompts]
-    return repro.padding_check(str(resolve_model_source(args.model).path), hf_prompts,
+    source = resolve_model_source(args.model, args.load_format, args.revision, args.download_dir)
+    return repro.padding_check(str(source.path), hf_prompts,
                                max_tokens=args.max_tokens, attention_mask=args.padding_mask,
-                               logprob_tolerance=args.logprob_tolerance)
+                               logprob_tolerance=args.logprob_tolerance, progress=bar)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedlab")
+    parser = CommandParser(prog="pagedlab")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

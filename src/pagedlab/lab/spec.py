@@ -17,6 +17,8 @@ from pagedlab.lab.metrics import DEFAULT_METRICS, METRICS
 from pagedlab.lab.runs import expand_runs
 from pagedlab.lab.schema import ExperimentError, ExperimentSpec
 from pagedlab.loader.gguf import EMBEDDED_MODELS
+from pagedlab.loader.hub import is_hub_id
+from pagedlab.names import did_you_mean
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentSpec:
@@ -77,7 +79,8 @@ def validate_experiment(data, lines: dict, path: Path) -> ExperimentSpec:
                               f"({', '.join(schema.TOP_LEVEL_KEYS)}), not a {type(data).__name__}")
     for key in data:
         if key not in schema.TOP_LEVEL_KEYS:
-            raise ExperimentError(f"{spec.where(key)}: unknown key; allowed top-level keys: "
+            hint = did_you_mean(key, schema.TOP_LEVEL_KEYS)
+            raise ExperimentError(f"{spec.where(key)}: unknown key{hint}; allowed top-level keys: "
                                   f"{', '.join(schema.TOP_LEVEL_KEYS)}")
     _read_identity(spec, data)
     _read_sections(spec, data)
@@ -120,7 +123,9 @@ def _read_sections(spec: ExperimentSpec, data: dict) -> None:
                                   "...)")
         for key in value:
             if key not in schema.SECTION_KEYS[section]:
-                raise ExperimentError(f"{spec.where(section, key)}: unknown {section} key {key!r}; allowed: "
+                hint = did_you_mean(key, schema.SECTION_KEYS[section])
+                raise ExperimentError(f"{spec.where(section, key)}: unknown {section} key {key!r}{hint}; "
+                                      "allowed: "
                                       f"{', '.join(schema.SECTION_KEYS[section])}")
     spec.base["engine"] = dict(data.get("engine") or {})
     spec.base["sampling"] = dict(data.get("sampling") or {})
@@ -239,8 +244,8 @@ def _read_options(spec: ExperimentSpec, data: dict) -> None:
 
 
 def resolve_model(value, spec: ExperimentSpec, path: tuple) -> str:
-    """An embedded model's name as it is, or a model path made absolute (relative to the
-    experiment file first)."""
+    """An embedded model's name or a hub model id as it is, or a model path made absolute (relative
+    to the experiment file first)."""
     if not isinstance(value, str) or not value:
         raise ExperimentError(f"{spec.where(*path)}: model must be a path or an embedded model name, not "
                               f"{value!r}")
@@ -250,10 +255,12 @@ def resolve_model(value, spec: ExperimentSpec, path: tuple) -> str:
     if not p.is_absolute() and spec.path is not None:
         candidate = spec.path.parent / p
         p = candidate if candidate.exists() or not p.exists() else p
+    if not p.exists() and is_hub_id(value):
+        return value  # a hub model id: the engine finds it in the HF cache or downloads it
     if not p.exists():
         raise ExperimentError(f"{spec.where(*path)}: model {value!r} does not exist (looked for "
-                              f"{p.resolve()}): "
-                              f"give a local HF directory, a .gguf file or one of {sorted(EMBEDDED_MODELS)}")
+                              f"{p.resolve()}): give a local HF directory, a .gguf file, a hub model id "
+                              f"(org/name) or one of {sorted(EMBEDDED_MODELS)}")
     return str(p.resolve())
 
 
@@ -272,5 +279,6 @@ def check_override_key(spec: ExperimentSpec, key, path: tuple) -> None:
         raise ExperimentError(f"{spec.where(*path)}: {key!r} sweeps the {section}, but the experiment has no "
                               f"{section} section")
     if name not in schema.SECTION_KEYS[section]:
-        raise ExperimentError(f"{spec.where(*path)}: unknown {section} key {name!r}; allowed: "
+        raise ExperimentError(f"{spec.where(*path)}: unknown {section} key {name!r}"
+                              f"{did_you_mean(name, schema.SECTION_KEYS[section])}; allowed: "
                               f"{', '.join(schema.SECTION_KEYS[section])}")

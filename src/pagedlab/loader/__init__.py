@@ -1,4 +1,4 @@
-"""Find a model (HF directory, GGUF file, embedded name), build it and fill its weights."""
+"""Find a model (HF directory, GGUF file, hub model id, embedded name), build it and fill its weights."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from pagedlab.loader.dummy import init_dummy_weights
 from pagedlab.loader.gguf import EMBEDDED_MODELS, convert_gguf, embedded_model_path
+from pagedlab.loader.hub import is_hub_id, resolve_hub_model
 from pagedlab.loader.safetensors import iterate_safetensors
 from pagedlab.models.registry import build_model
 
@@ -24,27 +25,44 @@ class ModelSource:
     original_file: Path | None = None  # the GGUF file, for a converted one
 
 
-def resolve_model_source(model: str, load_format: str = "auto") -> ModelSource:
+def resolve_model_source(model: str, load_format: str = "auto", revision: str | None = None,
+                         download_dir: str | None = None) -> ModelSource:
+    """Where ``model`` is: an embedded name, a local directory or .gguf file, or a hub model id
+    ("org/name", from the HF cache or downloaded: ``pagedlab.loader.hub``)."""
     original = None
+    path = Path(model).expanduser()
     if model in EMBEDDED_MODELS:
         original = embedded_model_path(model)
         path = convert_gguf(original)
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise ValueError(
-                f"model {model!r} does not exist: give a local HF directory (config.json + *.safetensors), "
-                f"a .gguf file, or one of the embedded models {sorted(EMBEDDED_MODELS)}")
-        if path.is_file():
-            if path.suffix != ".gguf" and load_format != "gguf":
-                raise ValueError(f"model {model!r} is a file but not a .gguf file; "
-                                 "give a directory or a GGUF file")
-            original, path = path, convert_gguf(path)
-        elif load_format == "gguf":
-            raise ValueError(f"load_format='gguf' needs a .gguf file, but {model!r} is a directory")
+    elif not path.exists() and is_hub_id(model):
+        path = resolve_hub_model(model, revision, download_dir, weights=load_format != "dummy")
+    elif not path.exists():
+        raise ValueError(
+            f"model {model!r} does not exist: give a local HF directory (config.json + *.safetensors), a "
+            f".gguf file, a hub model id (org/name) or one of the embedded models {sorted(EMBEDDED_MODELS)}")
+    elif path.is_file():
+        if path.suffix != ".gguf" and load_format != "gguf":
+            raise ValueError(f"model {model!r} is a file but not a .gguf file; "
+                             "give a directory or a GGUF file")
+        original, path = path, convert_gguf(path)
+    elif load_format == "gguf":
+        raise ValueError(f"load_format='gguf' needs a .gguf file, but {model!r} is a directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     return ModelSource(model, path, "dummy" if load_format == "dummy" else "safetensors", original)
+
+
+def resolve_tokenizer_path(tokenizer: str | None, model_path: Path, download_dir: str | None = None) -> Path:
+    """The directory of the tokenizer: the model's, a local directory, or a hub id's snapshot."""
+    if tokenizer is None:
+        return model_path
+    path = Path(tokenizer).expanduser()
+    if path.exists():
+        return path
+    if is_hub_id(tokenizer):
+        return resolve_hub_model(tokenizer, None, download_dir, weights=False)
+    raise ValueError(f"tokenizer {tokenizer!r} does not exist: give a local directory with the tokenizer's "
+                     "files or a hub model id (org/name)")
 
 
 @contextlib.contextmanager

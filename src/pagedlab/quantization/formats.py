@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedlab.config import QUANTIZATIONS
 from pagedlab.quantization.awq import SUPPORTED_GROUP_SIZES, AWQConfig
 from pagedlab.quantization.fp8 import FP8Config
 
-QUANTIZATIONS = (None, "awq", "fp8")
 # config.json's quant_method -> the quantization it is
 CHECKPOINT_METHODS = {"awq": "awq", "compressed-tensors": "fp8"}
 

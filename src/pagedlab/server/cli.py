@@ -24,8 +24,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("PAGEDLAB_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLAB_API_KEY, else none)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model' (default: the --model value)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--disable-metrics", action="store_true", help="no /metrics endpoint")

@@ -19,20 +19,32 @@ and details (per-variant numbers, examples):
 
 ``store_result(result, url, llm=...)`` stores a result with the provenance manifest in the lab's
 results database (experiment ``"repro"``). See docs/repro.md. One module per check; this package
-gathers their public names.
+gathers their public names, loaded on first use (the command line's ``--help`` needs none).
 """
 
 from __future__ import annotations
 
-from pagedlab.lab.repro.batch import batch_consistency
-from pagedlab.lab.repro.common import ALL_CHECKS, DEFAULT_PROMPTS, CheckResult, load_prompts
-from pagedlab.lab.repro.compare import first_divergence, teacher_forced, topk_kl
-from pagedlab.lab.repro.hf import hf_parity, padding_check
-from pagedlab.lab.repro.precision import precision_drift
-from pagedlab.lab.repro.seeds import default_metrics, seed_sensitivity, summarize
-from pagedlab.lab.repro.storing import store_result
-from pagedlab.lab.repro.tokenizer import tokenizer_drift
+import importlib
+
+_EXPORTS = {
+    "batch_consistency": "batch", "ALL_CHECKS": "common", "DEFAULT_PROMPTS": "common",
+    "CheckResult": "common", "load_prompts": "common", "first_divergence": "compare",
+    "teacher_forced": "compare", "topk_kl": "compare", "hf_parity": "hf", "padding_check": "hf",
+    "precision_drift": "precision", "default_metrics": "seeds", "seed_sensitivity": "seeds",
+    "summarize": "seeds", "store_result": "storing", "tokenizer_drift": "tokenizer",
+}
 
 __all__ = ["ALL_CHECKS", "DEFAULT_PROMPTS", "CheckResult", "batch_consistency", "default_metrics",
            "first_divergence", "hf_parity", "load_prompts", "padding_check", "precision_drift",
            "seed_sensitivity", "store_result", "summarize", "teacher_forced", "tokenizer_drift", "topk_kl"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedlab.lab.repro' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pagedlab.lab.repro.{module}"), name)
+
+
+def __dir__():
+    return __all__

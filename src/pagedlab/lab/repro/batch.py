@@ -5,18 +5,19 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
+                                       verdict)
 from pagedlab.lab.repro.compare import chosen_logprobs, compare_outputs
 
 
 def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16, seed: int = 0,
                       logprob_tolerance: float = 1e-3, chunk_tokens: int = 16,
-                      variants: Sequence[str] | None = None) -> CheckResult:
+                      variants: Sequence[str] | None = None, progress=None) -> CheckResult:
     """Greedy outputs of ``prompts`` run one at a time (the reference) against: one full batch,
     the batch shuffled, prefix caching on (cache warmed by a first pass) and off, chunked prefill
     with a ``chunk_tokens`` budget, and chunked prefill off. A variant differs when any token differs
     or a chosen-token logprob moves by more than ``logprob_tolerance``. The engine's plan is
-    restored afterwards."""
+    restored afterwards. ``progress`` (see ``NoProgress``) counts the batch-1 prompts and variants."""
     ids = encode_all(llm, prompts)
     params = greedy_params(max_tokens)
     info = llm.get_engine_info()
@@ -30,6 +31,8 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     if unknown:
         raise ValueError(f"unknown batch variant(s) {unknown}; choose from {list(all_variants)}")
     details: dict = {}
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(ids) + len(names))
     try:
         llm.set_model_args(**dict(original, enable_prefix_caching=False))
         ref_ids, ref_lps = [], []
@@ -37,11 +40,13 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
             t, lp = _run(llm, [p], params)
             ref_ids += t
             ref_lps += lp
+            progress.update()
         for name in names:
             llm.set_model_args(**all_variants[name])
             llm.reset_prefix_cache()
             t, lp = _run_variant(llm, name, ids, params, seed)
             details[name] = compare_outputs(ref_ids, ref_lps, t, lp)
+            progress.update()
     finally:
         llm.set_model_args(**original)
     return _result(details, len(ids), names, max_tokens, logprob_tolerance, chunk_tokens)

@@ -25,6 +25,18 @@ DEFAULT_PROMPTS = (
 ALL_CHECKS = ("batch", "seeds", "precision", "tokenizer", "padding", "hf")
 
 
+class NoProgress:
+    """Where a check reports its progress when nobody watches. A check takes ``progress``: an
+    object with tqdm's ``reset(total=N)`` (called once, with the check's units of work: prompts,
+    seeds, dtypes, variants) and ``update(n=1)`` (after each unit); a ``tqdm`` bar is one."""
+
+    def reset(self, total: int | None = None) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
 @dataclass
 class CheckResult:
     """The outcome of one check: ``verdict`` is "same" or "differs"; ``metrics`` are flat numbers

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
+                                       verdict)
 from pagedlab.lab.repro.compare import compare_outputs, first_divergence, teacher_forced, top1
 from pagedlab.loader import resolve_model_source
 
@@ -57,11 +58,12 @@ def hf_eos_ids(model) -> set[int]:
 
 def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16,
                   attention_mask: str = "correct", logprob_tolerance: float = 1e-3, dtype: str = "float32",
-                  pad_token_id: int | None = None) -> CheckResult:
+                  pad_token_id: int | None = None, progress=None) -> CheckResult:
     """HF transformers ``generate`` on all prompts in one left-padded batch vs one prompt at a time.
     ``attention_mask``: "correct" (zeros on padding) or "ones" (the common mistake: padding
     attended to). Compares greedy tokens (up to EOS) and the log-softmax of each step's scores
-    (``max |Δ logprob|`` of the chosen tokens while the outputs agree)."""
+    (``max |Δ logprob|`` of the chosen tokens while the outputs agree). ``progress`` (see
+    ``NoProgress``) counts the one-at-a-time prompts and the batch."""
     if attention_mask not in ("correct", "ones"):
         raise ValueError(f"attention_mask={attention_mask!r} is invalid: 'correct' or 'ones'")
     hf = load_hf_model(model, dtype)
@@ -74,8 +76,11 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
             pad_token_id = min(hf_eos_ids(hf) or {0})
     gen = {"max_new_tokens": max_tokens, "do_sample": False, "output_scores": True,
            "return_dict_in_generate": True, "pad_token_id": pad_token_id}
-    single_tokens, single_lps = _generate_one_at_a_time(hf, ids, gen)
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(ids) + 1)
+    single_tokens, single_lps = _generate_one_at_a_time(hf, ids, gen, progress)
     batch_tokens, batch_lps = _generate_left_padded(hf, ids, gen, attention_mask == "ones")
+    progress.update()
     cmp = compare_outputs(single_tokens, single_lps, batch_tokens, batch_lps)
     padded = sum(len(p) < max(map(len, ids)) for p in ids)
     differs = cmp["prompts_differing"] > 0 or cmp["max_logprob_diff"] > logprob_tolerance
@@ -105,7 +110,7 @@ def _chosen_step_logprobs(scores, tokens: list[int], row: int) -> list[float]:
     return [torch.log_softmax(s[row].float(), -1)[t].item() for s, t in zip(scores, tokens)]
 
 
-def _generate_one_at_a_time(hf, ids: list[list[int]], gen: dict) -> tuple[list, list]:
+def _generate_one_at_a_time(hf, ids: list[list[int]], gen: dict, progress) -> tuple[list, list]:
     import torch
 
     dev = next(hf.parameters()).device
@@ -118,6 +123,7 @@ def _generate_one_at_a_time(hf, ids: list[list[int]], gen: dict) -> tuple[list, 
             toks = out.sequences[0, len(p):].tolist()
             tokens.append(trim_at_eos(toks, eos))
             lps.append(_chosen_step_logprobs(out.scores, toks, 0))
+            progress.update()
     return tokens, lps
 
 
@@ -142,11 +148,12 @@ def _generate_left_padded(hf, ids: list[list[int]], gen: dict, mask_all_ones: bo
 
 
 def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_tokens: int = 16, k: int = 5,
-              hf_dtype: str = "float32", logprob_tolerance: float = 1e-3) -> CheckResult:
+              hf_dtype: str = "float32", logprob_tolerance: float = 1e-3, progress=None) -> CheckResult:
     """pagedlab (``llm``) vs HF transformers on the same weights (``hf_model``: a loaded model, or
     None to load the llm's model in ``hf_dtype``). Greedy match rate: prompts whose greedy outputs
     (up to EOS) are identical. Teacher-forced on prompt + HF's greedy output: max |Δ logprob| over
-    each position's actual next token and pagedlab's top-``k``, and top-1 agreement."""
+    each position's actual next token and pagedlab's top-``k``, and top-1 agreement. ``progress``
+    (see ``NoProgress``) counts HF's prompts, pagedlab's run and the teacher-forced comparison."""
     import torch
 
     info = llm.get_engine_info()
@@ -155,6 +162,8 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     ids = encode_all(llm, prompts)
     eos = hf_eos_ids(hf)
     hf_tokens = []
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(ids) + 2)
     with torch.no_grad():
         for p in ids:
             out = hf.generate(torch.tensor([p], device=dev),
@@ -162,13 +171,16 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
                               max_new_tokens=max_tokens, do_sample=False,
                               pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
             hf_tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
+            progress.update()
     outs = llm.generate([{"prompt_token_ids": p} for p in ids],
                         greedy_params(max_tokens, None, ignore_eos=False), use_tqdm=False)
     pl_tokens = [trim_at_eos(o.outputs[0].token_ids, eos) for o in outs]
+    progress.update()
     firsts = [first_divergence(a, b) for a, b in zip(hf_tokens, pl_tokens)]
     seqs = [p + t for p, t in zip(ids, hf_tokens)]
     tf = teacher_forced(llm, seqs, k)
     max_d, agree, total = _teacher_forced_parity(hf, seqs, tf)
+    progress.update()
     n_same = sum(f is None for f in firsts)
     metrics = {"num_prompts": len(ids), "greedy_match_rate": n_same / len(ids),
                "first_divergence": min((f for f in firsts if f is not None), default=None),

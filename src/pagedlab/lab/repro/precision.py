@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.manifest import engine_info
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, encode_all, greedy_params, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
+                                       verdict)
 from pagedlab.lab.repro.compare import first_divergence, teacher_forced, top1, topk_kl
 from pagedlab.llm import LLM
 
@@ -46,14 +47,16 @@ def variant_engine_args(variant: str) -> dict:
 
 def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
                     dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), max_tokens: int = 16,
-                    k: int = 20, kl_threshold: float = 1e-3, engine_args: dict | None = None) -> CheckResult:
+                    k: int = 20, kl_threshold: float = 1e-3, engine_args: dict | None = None,
+                    progress=None) -> CheckResult:
     """Load the same model as each of ``dtypes`` (precision variants, see ``variant_engine_args``;
     the first is the reference) and compare: greedy agreement (prompts whose outputs are
     identical), first divergence, teacher-forced top-1 agreement on the reference's greedy
     sequences, and mean KL(reference || variant) per position (``topk_kl`` over the reference's
     top-``k``; ``k`` >= the vocabulary gives the exact KL); each variant's weight bytes, resolved
     quantization and KV cache dtype are recorded. A variant differs when any greedy output differs
-    or its mean KL exceeds ``kl_threshold``."""
+    or its mean KL exceeds ``kl_threshold``. ``progress`` (see ``NoProgress``) counts the
+    variants, each one model load and run."""
     variants = {name: variant_engine_args(name) for name in dtypes}  # bad names fail before loading
     engine_args = {k_: v for k_, v in (engine_args or {}).items()
                    if k_ not in ("model", "dtype", "quantization")}
@@ -61,6 +64,8 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
     runs: list = []
     engines: list = []
     ref_seqs = None
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(dtypes))
     for name in dtypes:
         with LLM(model, **{**engine_args, **variants[name]}) as llm:
             ids = encode_all(llm, prompts)
@@ -72,6 +77,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
             tf = teacher_forced(llm, ref_seqs, k)
             engines.append(_engine_settings(llm))
         runs.append((tokens, tf))
+        progress.update()
     return _result(list(dtypes), runs, engines, max_tokens, k, kl_threshold)
 
 

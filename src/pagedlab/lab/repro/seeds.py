@@ -6,7 +6,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, corpus_bleu, encode_all, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, corpus_bleu,
+                                       encode_all, verdict)
 from pagedlab.sampling_params import SamplingParams
 
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -60,11 +61,12 @@ def default_metrics(outputs, references: Sequence | None = None) -> dict[str, fl
 
 def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seeds: Sequence[int] = range(5),
                      metrics_fn: Callable | None = None, references: Sequence | None = None,
-                     threshold: float | dict = 0.05) -> CheckResult:
+                     threshold: float | dict = 0.05, progress=None) -> CheckResult:
     """Run ``params`` (default: temperature 0.8, top_p 0.95, 32 tokens) once per seed and summarize
     each metric over seeds. ``metrics_fn(outputs, references) -> {name: value}`` (default
     ``default_metrics``). A metric is flagged when its relative spread std/|mean| (absolute std when
-    the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold)."""
+    the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold). ``progress``
+    (see ``NoProgress``) counts the seeds."""
     if params is None:
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, logprobs=0)
     seeds = list(seeds)
@@ -73,10 +75,13 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
     fn = metrics_fn or default_metrics
     ids = encode_all(llm, prompts)
     per_seed: list[dict] = []
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=len(seeds))
     for s in seeds:
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], dataclasses.replace(params, seed=s),
                             use_tqdm=False)
         per_seed.append(fn(outs, references))
+        progress.update()
     names = [k for k in per_seed[0] if all(k in d for d in per_seed)]
     stats, flagged, metrics = {}, [], {"num_seeds": len(seeds), "num_prompts": len(ids)}
     for name in names:

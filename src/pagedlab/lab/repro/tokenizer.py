@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedlab.lab.repro.common import DEFAULT_PROMPTS, CheckResult, corpus_bleu, greedy_params, verdict
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, corpus_bleu,
+                                       greedy_params, verdict)
 from pagedlab.lab.repro.compare import first_divergence
 
 
@@ -20,12 +21,15 @@ def load_tokenizer(tok):
 
 def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_PROMPTS, llm=None,
                     references: Sequence | None = None, max_tokens: int = 16,
-                    num_examples: int = 3) -> CheckResult:
+                    num_examples: int = 3, progress=None) -> CheckResult:
     """Tokenize ``prompts`` (text) with two tokenizers (paths or loaded tokenizers): the fraction of
     prompts tokenized differently, up to ``num_examples`` examples side by side, and, with ``llm``
     (a pagedlab LLM whose vocabulary both tokenizers share), greedy outputs from each tokenization
     decoded by its own tokenizer: exact match between the two and BLEU (against ``references``
-    when given, else B's outputs against A's)."""
+    when given, else B's outputs against A's). ``progress`` (see ``NoProgress``) counts the
+    tokenizing and the generating."""
+    progress = progress if progress is not None else NoProgress()
+    progress.reset(total=2 if llm is not None else 1)
     tok_a, tok_b = load_tokenizer(tokenizer_a), load_tokenizer(tokenizer_b)
     texts = [p for p in prompts if isinstance(p, str)]
     if not texts:
@@ -41,6 +45,7 @@ def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_P
                      "mean_tokens_a": sum(map(len, ids_a)) / len(texts),
                      "mean_tokens_b": sum(map(len, ids_b)) / len(texts)}
     differs = bool(diff)
+    progress.update()
     if llm is not None:
         gen_a, gen_b = _generate_both(llm, ids_a, ids_b, tok_a, tok_b, max_tokens)
         metrics.update(_output_metrics(gen_a, gen_b, references))
@@ -48,6 +53,7 @@ def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_P
             i = texts.index(ex["prompt"])
             ex["a_output"], ex["b_output"] = gen_a[i], gen_b[i]
         differs = differs or metrics["output_exact_match"] < 1.0
+        progress.update()
     if differs:
         summary = f"{len(diff)}/{len(texts)} prompts tokenized differently"
         if "output_exact_match" in metrics:
