@@ -216,3 +216,13 @@ def test_cli_entry_runs_lm_eval(setup, tmp_path, entry):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pagedlab_mc" in proc.stdout and "acc" in proc.stdout
     assert list(out.rglob("results_*.json"))
+
+
+def test_seed_none_takes_the_seed_the_engine_drew(setup):
+    """``seed=None`` (vLLM's "draw one") reaches the lm-eval model as the engine's recorded seed."""
+    from pagedlab.integrations.lm_eval import PagedLabLM
+
+    lm = PagedLabLM(pretrained=setup["model"], dtype="float32", kv_cache_memory_bytes=TINY_KV_BYTES,
+                    seed=None, use_tqdm=False)
+    drawn = lm.engine.config.seed
+    assert isinstance(drawn, int) and lm.seed == drawn

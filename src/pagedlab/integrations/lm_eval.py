@@ -99,7 +99,7 @@ class PagedLabLM(TemplateLM):
             else int(batch_size)
         self.use_tqdm = use_tqdm
         self.chat_template_args = chat_template_args or {}
-        self.seed = int(engine_kwargs.get("seed", 0))
+        self.seed = int(llm.get_engine_info().config.seed)  # seed=None: the one the engine drew
         self._device = str(self.engine.device)
         self._rank, self._world_size = 0, 1
 
