@@ -23,11 +23,11 @@ from pagedlab.quantization.awq import quantize_awq
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Normal(0, std) weights drawn on the parameters' own device (an 8B model in seconds on a
-    GPU); norm weights are 1."""
+    GPU); norm parameters hold their ``dummy_value`` (scales 1, biases 0)."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        if getattr(param, "dummy_value", None) is not None:  # norm scales and biases
+            param.fill_(param.dummy_value)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
