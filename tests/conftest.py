@@ -57,6 +57,9 @@ def tiny_config(arch: str, **overrides):
         layer_types = ["sliding_attention", "full_attention"]
         cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
                                             sliding_window=128, layer_types=layer_types)
+    elif arch == "mixtral":  # 8 experts, top-2
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=None)
     elif arch in ("gpt_neox", "gpt_neox_sequential"):  # Pythia: partial rotary, parallel residual
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
         cfg = transformers.GPTNeoXConfig(**common, hidden_act="gelu", rope_parameters=rope,

@@ -1,6 +1,7 @@
-"""The model families beyond Llama (GPT-2, GPT-NeoX/Pythia, Phi-3, Gemma 2/3) against HF transformers in
-float32 on the CPU: greedy tokens and logprobs through chunked prefill, prefix caching and
-preemption at once; random ("dummy") weights; tensor parallelism at two ranks."""
+"""The model families beyond Llama (GPT-2, GPT-NeoX/Pythia, Phi-3, Gemma 2/3, Mixtral) against
+HF transformers in float32 on the CPU: greedy tokens and logprobs through chunked prefill,
+prefix caching and preemption at once; random ("dummy") weights; tensor parallelism at two
+ranks."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
 
 
 FAMILIES = pytest.mark.parametrize("arch, kv_heads", [
-    ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2),
-], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-final-softcap", "gemma3-local-global-rope"])
+    ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2), ("mixtral", 2),
+], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-final-softcap", "gemma3-local-global-rope",
+        "mixtral-8-experts-top-2"])
 
 
 @FAMILIES
@@ -74,10 +76,12 @@ def test_dummy_weights_fill_every_parameter(tiny_models, arch, kv_heads):
             assert param.std() > 0.01, name
 
 
-def test_gpt_neox_at_two_ranks_gives_hf_tokens(tiny_models):
-    """GPT-NeoX with the sequential residual at tensor_parallel_size=2 over gloo: the per-head
-    fused q/k/v regrouped and split by heads, the GELU MLP split by columns."""
-    tiny = tiny_models("gpt_neox_sequential")
+@pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])
+def test_two_ranks_give_hf_tokens(tiny_models, arch):
+    """At tensor_parallel_size=2 over gloo: GPT-NeoX (sequential residual) with its per-head fused
+    q/k/v regrouped and split by heads and its GELU MLP split by columns; Mixtral with every
+    expert's intermediate dimension split."""
+    tiny = tiny_models(arch)
     prompts = _prompts()[2:]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(tiny.path, dtype="float32", device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20,

@@ -218,7 +218,7 @@ def model_max_len(hf_config) -> int:
     caps it, since attention here is always full (within the window the two are the same)."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
     window = getattr(hf_config, "sliding_window", None)
-    windowed_types = ("mistral", "phi3", "gemma2", "gemma3_text")
+    windowed_types = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
     uses_window = getattr(hf_config, "use_sliding_window",
                           getattr(hf_config, "model_type", "") in windowed_types)
     if window and uses_window:

@@ -84,10 +84,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None,
+                 mlp_class: type[nn.Module] = DecoderMLP):
         super().__init__()
         self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm, f"{prefix}.self_attn", quant_config)
-        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config)
+        self.mlp = mlp_class(hf_config, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -103,6 +104,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    mlp_class: ClassVar[type[nn.Module]] = DecoderMLP  # built as mlp_class(hf_config, prefix, quant_config)
+
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
@@ -110,7 +113,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(hf_config, rotary_dim_of(hf_config, head_dim), max_position)
         quant_config = quantization_config_of(hf_config)  # None: dense linears
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config)
+            DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config, self.mlp_class)
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 

@@ -7,6 +7,7 @@ from pagedlab.models.gemma import GemmaForCausalLM
 from pagedlab.models.gpt2 import GPT2LMHeadModel
 from pagedlab.models.gpt_neox import GPTNeoXForCausalLM
 from pagedlab.models.llama import LlamaForCausalLM
+from pagedlab.models.mixtral import MixtralForCausalLM
 from pagedlab.models.phi3 import Phi3ForCausalLM
 
 # architecture -> (class, keyword switches)
@@ -20,11 +21,13 @@ MODEL_REGISTRY = {
     "Phi3ForCausalLM": (Phi3ForCausalLM, {}),
     "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
     "Gemma3ForCausalLM": (GemmaForCausalLM, {"qk_norm": True}),
+    "MixtralForCausalLM": (MixtralForCausalLM, {}),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM",
-                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM"}
 
 
 def resolve_architecture(hf_config) -> str:
