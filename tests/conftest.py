@@ -60,6 +60,9 @@ def tiny_config(arch: str, **overrides):
     elif arch == "mixtral":  # 8 experts, top-2
         cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                          num_experts_per_tok=2, sliding_window=None)
+    elif arch == "qwen3_moe":  # 8 experts, top-2, router weights not renormalized
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=False)
     elif arch in ("gpt_neox", "gpt_neox_sequential"):  # Pythia: partial rotary, parallel residual
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
         cfg = transformers.GPTNeoXConfig(**common, hidden_act="gelu", rope_parameters=rope,

@@ -1,7 +1,7 @@
-"""The model families beyond Llama (GPT-2, GPT-NeoX/Pythia, Phi-3, Gemma 2/3, Mixtral) against
-HF transformers in float32 on the CPU: greedy tokens and logprobs through chunked prefill,
-prefix caching and preemption at once; random ("dummy") weights; tensor parallelism at two
-ranks."""
+"""The model families beyond Llama (GPT-2, GPT-NeoX/Pythia, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE)
+against HF transformers in float32 on the CPU: greedy tokens and logprobs through chunked
+prefill, prefix caching and preemption at once; random ("dummy") weights; tensor parallelism at
+two ranks; the unsupported features refused by name."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
 
 FAMILIES = pytest.mark.parametrize("arch, kv_heads", [
     ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2), ("mixtral", 2),
+    ("qwen3_moe", 2),
 ], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-final-softcap", "gemma3-local-global-rope",
-        "mixtral-8-experts-top-2"])
+        "mixtral-8-experts-top-2", "qwen3-moe-unnormalized-top-2"])
 
 
 @FAMILIES
@@ -119,4 +120,13 @@ def test_gemma2_attention_softcapping_is_refused_by_name(tiny_models):
     cfg = copy.deepcopy(tiny_models("gemma2").hf_model.config)
     cfg.attn_logit_softcapping = 50.0
     with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(attention logit soft-capping\)"):
+        build_model(cfg, 64)
+
+
+def test_dense_layers_between_moe_layers_are_refused_by_name(tiny_models):
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models("qwen3_moe").hf_model.config)
+    cfg.mlp_only_layers = [0]
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]: dense layers between MoE layers"):
         build_model(cfg, 64)

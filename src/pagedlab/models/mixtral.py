@@ -1,7 +1,9 @@
-"""Mixtral (``MixtralForCausalLM``): the Llama decoder with a sparse mixture-of-experts MLP.
+"""Mixtral (``MixtralForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``): the Llama decoder
+with a sparse mixture-of-experts MLP.
 
 A router picks each token's ``num_experts_per_tok`` experts by softmax probability and weighs
-their outputs by those probabilities renormalized over the chosen ones. With tensor parallelism
+their outputs by those probabilities, renormalized over the chosen ones (always in Mixtral;
+where ``norm_topk_prob`` says in Qwen3-MoE). With tensor parallelism
 every rank holds every expert's slice of the intermediate dimension (gate/up by rows, down by
 columns) and the ranks' partial outputs are summed, as for the dense MLP. The experts run in
 plain PyTorch, one matmul pair per expert that has tokens (no fused MoE kernel yet).
@@ -21,7 +23,10 @@ from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
 
-_EXPERT_WEIGHT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
+_EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                            r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_UP, _DOWN = ("w3", "up_proj"), ("w2", "down_proj")
 
 
 def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -49,10 +54,18 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if quant_config is not None:
             raise ValueError("quantized mixture-of-experts models are not supported")
-        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-        self.num_experts, self.top_k = hf_config.num_local_experts, hf_config.num_experts_per_tok
+        sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
+        dense_layers = getattr(hf_config, "mlp_only_layers", None)
+        if sparse_step != 1 or dense_layers:
+            raise ValueError(f"decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: dense "
+                             "layers between MoE layers are not supported; only every layer MoE is")
+        hidden = hf_config.hidden_size
+        inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        self.num_experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+        self.top_k = hf_config.num_experts_per_tok
+        self.renormalize = bool(getattr(hf_config, "norm_topk_prob", True))
         self.tp_size = get_tp_world_size()
-        self.inter_per_rank = divide_evenly(inter, self.tp_size, "intermediate_size")
+        self.inter_per_rank = divide_evenly(inter, self.tp_size, "the experts' intermediate size")
         self.inter_start = get_tp_rank() * self.inter_per_rank
         self.gate = nn.Linear(hidden, self.num_experts, bias=False).requires_grad_(False)
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter_per_rank, hidden),
@@ -75,7 +88,7 @@ class SparseMoeBlock(nn.Module):
         param.data[shard_id].copy_(read_part(loaded, 1, self.inter_start, self.inter_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = moe_torch(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, renormalize=True)
+        out = moe_torch(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 
@@ -84,19 +97,20 @@ class MixtralDecoderModel(DecoderModel):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral causal LM over flat varlen batches (``input_ids``/``positions``: ``[num_tokens]``)."""
+    """Mixtral / Qwen3-MoE (``qk_norm``) causal LM over flat varlen batches (``input_ids``/
+    ``positions``: ``[num_tokens]``)."""
 
     decoder_class = MixtralDecoderModel
 
     def route(self, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
-        """Per-expert ``w1``/``w3`` (gate/up) into ``w13``, ``w2`` into ``w2``; the router
-        ``gate`` whole; the rest as in Llama."""
+        """Per-expert gate/up (``w1``/``w3``, ``gate_proj``/``up_proj``) into ``w13``, down
+        (``w2``, ``down_proj``) into ``w2``; the router ``gate`` whole; the rest as in Llama."""
         match = _EXPERT_WEIGHT.match(name)
         if match:
             layer, expert, which = match.group(1), int(match.group(2)), match.group(3)
-            if which == "w2":
+            if which in _DOWN:
                 yield f"{layer}.mlp.w2", expert, tensor
             else:
-                yield f"{layer}.mlp.w13", 2 * expert + (which == "w3"), tensor
+                yield f"{layer}.mlp.w13", 2 * expert + (which in _UP), tensor
             return
         yield from super().route(name.replace(".block_sparse_moe.", ".mlp."), tensor)

@@ -22,12 +22,13 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
     "Gemma3ForCausalLM": (GemmaForCausalLM, {"qk_norm": True}),
     "MixtralForCausalLM": (MixtralForCausalLM, {}),
+    "Qwen3MoeForCausalLM": (MixtralForCausalLM, {"qk_norm": True}),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                "mixtral": "MixtralForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def resolve_architecture(hf_config) -> str:
