@@ -45,6 +45,28 @@ def tiny_config(arch: str, **overrides):
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif arch == "gpt2":
+        cfg = transformers.GPT2Config(**common, n_inner=128, activation_function="gelu_new")
+    elif arch == "phi3":  # Phi-4-mini's partial rotary
+        cfg = transformers.Phi3Config(**common, sliding_window=None, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    elif arch == "gemma2":  # final logit soft-capping; attention soft-capping is not supported yet
+        cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=128,
+                                        final_logit_softcapping=5.0, attn_logit_softcapping=None)
+    elif arch == "gemma3":  # local/global RoPE bases, q/k norms
+        layer_types = ["sliding_attention", "full_attention"]
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
+                                            sliding_window=128, layer_types=layer_types)
+    elif arch == "mixtral":  # 8 experts, top-2
+        cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=None)
+    elif arch == "qwen3_moe":  # 8 experts, top-2, router weights not renormalized
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, norm_topk_prob=False)
+    elif arch in ("gpt_neox", "gpt_neox_sequential"):  # Pythia: partial rotary, parallel residual
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+        cfg = transformers.GPTNeoXConfig(**common, hidden_act="gelu", rope_parameters=rope,
+                                         use_parallel_residual=arch == "gpt_neox")
     else:
         raise KeyError(arch)
     for k, v in overrides.items():
@@ -57,7 +79,9 @@ def build_tiny_model(directory: Path, arch: str, seed: int = 0, **overrides) -> 
 
     cfg = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+    attn_implementation = "eager" if arch == "gemma2" else "sdpa"  # transformers has no SDPA Gemma 2
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    model = model.float().eval()
     model.generation_config.pad_token_id = 0
     model.save_pretrained(directory)
     return TinyModel(arch, str(directory), model)

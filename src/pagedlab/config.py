@@ -253,11 +253,13 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
 
 
 def model_max_len(hf_config) -> int:
-    """Positions the model supports; a Mistral-style sliding window caps it, since attention
-    here is always full (within the window the two are the same)."""
+    """Positions the model supports; a sliding window (Mistral, Phi-3, Gemma 2/3's local layers)
+    caps it, since attention here is always full (within the window the two are the same)."""
     limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", getattr(hf_config, "model_type", "") == "mistral")
+    windowed_types = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
+    uses_window = getattr(hf_config, "use_sliding_window",
+                          getattr(hf_config, "model_type", "") in windowed_types)
     if window and uses_window:
         limit = min(limit, int(window))
     return limit

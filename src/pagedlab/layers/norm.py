@@ -1,8 +1,12 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm and LayerNorm, each optionally fused with the residual add that precedes it.
+
+A norm parameter's ``dummy_value`` is what ``load_format="dummy"`` fills it with (1 for a
+scale, 0 for a bias), so random-weight models keep unit-scale activations."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedlab.layers.fusion import fused
@@ -20,18 +24,70 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(x, weight, eps), x
 
 
-_rms_norm = fused(rms_norm)
-_add_rms_norm = fused(add_rms_norm)
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by ``1 + weight``, the product taken in float32."""
+    x_float = x.float()
+    x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return (x_float * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + residual
+    return rms_norm_unit_offset(x, weight, eps), x
+
+
+_RMS_NORMS = {False: (fused(rms_norm), fused(add_rms_norm)),
+              True: (fused(rms_norm_unit_offset), fused(add_rms_norm_unit_offset))}
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """RMSNorm scaled by ``weight``, or with ``unit_offset`` (Gemma) by ``1 + weight``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = _norm_parameter(hidden_size, 0.0 if unit_offset else 1.0)
+        self._norm, self._add_norm = _RMS_NORMS[unit_offset]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual)."""
         if residual is None:
-            return _rms_norm(x, self.weight, self.eps)
-        return _add_rms_norm(x, residual, self.weight, self.eps)
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float):
+    x = x + residual
+    return layer_norm(x, weight, bias, eps), x
+
+
+_layer_norm = fused(layer_norm)
+_add_layer_norm = fused(add_layer_norm)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (GPT-2, GPT-NeoX), computed in float32; the same residual API as
+    ``RMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = _norm_parameter(hidden_size, 1.0)
+        self.bias = _norm_parameter(hidden_size, 0.0)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual)."""
+        if residual is None:
+            return _layer_norm(x, self.weight, self.bias, self.eps)
+        return _add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+def _norm_parameter(size: int, value: float) -> nn.Parameter:
+    param = nn.Parameter(torch.full((size,), value), requires_grad=False)
+    param.dummy_value = value
+    return param

@@ -14,8 +14,13 @@ from pagedlab.layers.fusion import fused
 _POSITION_DEPENDENT = ("dynamic", "longrope")
 
 
-def rope_inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(hf_config, head_dim: int,
+                             layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling; ``layer_type`` picks one set of per-layer-type
+    ``rope_parameters`` (Gemma 3's local and global layers)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -28,16 +33,17 @@ def rope_inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, fl
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type={rope_type!r} is unknown; supported: default, linear, llama3, yarn")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """One per model: cos/sin tables for every position, gathered once per step for all layers."""
 
-    def __init__(self, hf_config, head_dim: int, max_position: int):
+    def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim)
+        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim, layer_type)
         positions = torch.arange(max_position, dtype=torch.float)  # on the model's device
         freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -50,13 +56,25 @@ class RotaryEmbedding(nn.Module):
                 self.sin_cache[positions].to(dtype).unsqueeze(1))
 
 
+def rotary_dim_of(hf_config, head_dim: int) -> int:
+    """The leading dimensions of each head that rotate: ``head_dim * partial_rotary_factor``
+    (GPT-NeoX/Pythia, Phi-4-mini rotate a part; the rest passes through unchanged)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(head_dim * factor)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:  # partial rotary
+        return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate ``q``/``k`` (``[num_tokens, heads, head_dim]``) by the positions' angles."""
+    """Rotate ``q``/``k`` (``[num_tokens, heads, head_dim]``) by the positions' angles; with
+    tables narrower than ``head_dim`` only the leading ``cos.shape[-1]`` dimensions rotate."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

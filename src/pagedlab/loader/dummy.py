@@ -24,16 +24,16 @@ from torch import nn
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02,
                        dtype: torch.dtype | None = None) -> None:
     """Normal(0, std) weights drawn on the parameters' own device (an 8B model in seconds on a
-    GPU); norm weights are 1. Dense weights of quantized linears are drawn in ``dtype`` (default:
-    torch's default dtype), the model's."""
+    GPU); norm parameters hold their ``dummy_value`` (scales 1, biases 0). Dense weights of
+    quantized linears are drawn in ``dtype`` (default: torch's default dtype), the model's."""
     dtype = dtype or torch.get_default_dtype()
     linears = {name: module for name, module in model.named_modules()
                if hasattr(module, "dense_checkpoint_shapes")}
     generators: dict[torch.device, torch.Generator] = {}
     drawn: set[str] = set()
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        if getattr(param, "dummy_value", None) is not None:  # norm scales and biases
+            param.fill_(param.dummy_value)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

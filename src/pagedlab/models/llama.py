@@ -8,20 +8,21 @@ of the vocabulary; its attention layers (and so its KV cache) have the rank's he
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from pagedlab.distributed.parallel_state import get_tp_world_size
-from pagedlab.distributed.sharding import divide_evenly, load_replicated
-from pagedlab.layers.activation import SiluAndMul
+from pagedlab.distributed.sharding import divide_evenly
+from pagedlab.layers.activation import GatedActivation
 from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
-from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused
+from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused, rotary_dim_of
+from pagedlab.models.checkpoint import load_checkpoint
 from pagedlab.quantization.formats import resolve_quant_config
 from pagedlab.quantization.linear_method import linear_method_for
 
@@ -64,30 +65,31 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, hf_config, prefix: str, quant_config=None):
+    """The gated MLP: ``down(act(gate(x)) * up(x))`` (``act`` by its transformers name)."""
+
+    def __init__(self, hf_config, prefix: str, quant_config=None, act: str | None = None):
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported: only 'silu' is")
+        act = act or getattr(hf_config, "hidden_act", "silu")
         divide_evenly(inter, get_tp_world_size(), "intermediate_size")  # the config's name in the error
         self.gate_up_proj = ColumnParallelLinear(
             hidden, [inter, inter], bias=bias,
             linear_method=linear_method_for(quant_config, f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(
             inter, hidden, bias=bias, linear_method=linear_method_for(quant_config, f"{prefix}.down_proj"))
-        self.act = SiluAndMul()
+        self.act = GatedActivation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, prefix: str, quant_config=None,
+                 mlp_class: type[nn.Module] = DecoderMLP):
         super().__init__()
         self.self_attn = DecoderAttention(hf_config, qkv_bias, qk_norm, f"{prefix}.self_attn", quant_config)
-        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config)
+        self.mlp = mlp_class(hf_config, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -103,14 +105,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    mlp_class: ClassVar[type[nn.Module]] = DecoderMLP  # built as mlp_class(hf_config, prefix, quant_config)
+
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int,
                  quantization: str | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
+        head_dim = head_dim_of(hf_config)
+        self.rotary_emb = RotaryEmbedding(hf_config, rotary_dim_of(hf_config, head_dim), max_position)
         quant_config = resolve_quant_config(quantization, hf_config)  # None: dense linears
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config)
+            DecoderLayer(hf_config, qkv_bias, qk_norm, f"model.layers.{i}", quant_config, self.mlp_class)
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -133,12 +138,15 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    # built as decoder_class(hf_config, qkv_bias, qk_norm, max_position, quantization); Gemma brings its own
+    decoder_class: ClassVar[type[nn.Module]] = DecoderModel
+
     def __init__(self, hf_config, max_position: int, qkv_bias: bool = False, qk_norm: bool = False,
                  quantization: str | None = None):
         super().__init__()
         self.config = hf_config
         qkv_bias = qkv_bias or getattr(hf_config, "attention_bias", False)
-        self.model = DecoderModel(hf_config, qkv_bias, qk_norm, max_position, quantization)
+        self.model = self.decoder_class(hf_config, qkv_bias, qk_norm, max_position, quantization)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
@@ -156,38 +164,15 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Copy this rank's part of each full checkpoint tensor (a ``torch.Tensor`` or a lazy
         safetensors slice) into the parameters; returns the names of the parameters set."""
-        params = dict(self.named_parameters())
-        # linears that take a dense checkpoint weight and quantize it as it loads
-        quantizing = {name: module for name, module in self.named_modules()
-                      if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
-        set_names: set[str] = set()
-        for name, full_tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            shard_id = None
-            parts = name.split(".")
-            if parts[-1] in ("k_scale", "v_scale") and parts[-2] == "self_attn":  # FP8 KV cache scales
-                try:
-                    self.get_submodule(".".join(parts[:-1])).attn.load_kv_scale(parts[-1], full_tensor)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-                continue
-            if len(parts) >= 2 and parts[-2] in self.packed_modules:
-                fused, shard_id = self.packed_modules[parts[-2]]
-                parts[-2] = fused
-            target = ".".join(parts)
-            layer_name, _, leaf = target.rpartition(".")
-            layer = quantizing.get(layer_name) if leaf == "weight" else None
-            param = params.get(target)
-            if layer is None and param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            try:
-                if layer is not None:
-                    loaded_names = layer.load_dense_weight(full_tensor, shard_id)
-                    set_names.update(f"{layer_name}.{n}" for n in loaded_names)
-                    continue
-                getattr(param, "weight_loader", load_replicated)(param, full_tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            set_names.add(target)
-        return set_names
+        return load_checkpoint(self, weights, self.route)
+
+    def route(self, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
+        """Where checkpoint tensor ``name`` goes (see ``pagedlab.models.checkpoint``)."""
+        if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            return
+        shard_id = None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed_modules:
+            fused, shard_id = self.packed_modules[parts[-2]]
+            parts[-2] = fused
+        yield ".".join(parts), shard_id, tensor

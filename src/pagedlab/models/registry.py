@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 
+from pagedlab.models.gemma import GemmaForCausalLM
+from pagedlab.models.gpt2 import GPT2LMHeadModel
+from pagedlab.models.gpt_neox import GPTNeoXForCausalLM
 from pagedlab.models.llama import LlamaForCausalLM
+from pagedlab.models.mixtral import MixtralForCausalLM
+from pagedlab.models.phi3 import Phi3ForCausalLM
 
 # architecture -> (class, keyword switches)
 MODEL_REGISTRY = {
@@ -11,9 +16,19 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": (LlamaForCausalLM, {}),
     "Qwen2ForCausalLM": (LlamaForCausalLM, {"qkv_bias": True}),
     "Qwen3ForCausalLM": (LlamaForCausalLM, {"qk_norm": True}),
+    "GPT2LMHeadModel": (GPT2LMHeadModel, {}),
+    "GPTNeoXForCausalLM": (GPTNeoXForCausalLM, {}),
+    "Phi3ForCausalLM": (Phi3ForCausalLM, {}),
+    "Gemma2ForCausalLM": (GemmaForCausalLM, {}),
+    "Gemma3ForCausalLM": (GemmaForCausalLM, {"qk_norm": True}),
+    "MixtralForCausalLM": (MixtralForCausalLM, {}),
+    "Qwen3MoeForCausalLM": (MixtralForCausalLM, {"qk_norm": True}),
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM",
+                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def resolve_architecture(hf_config) -> str:

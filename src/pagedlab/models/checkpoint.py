@@ -1,0 +1,68 @@
+"""Filling a model's parameters from checkpoint tensors, shared by every model family.
+
+A family says where each checkpoint tensor goes with a ``route(name, tensor)`` that yields
+``(parameter name, shard id, tensor)`` triples: none to skip the tensor (a tied LM head, a
+stored causal mask), several to split a fused tensor (GPT-NeoX's per-head q/k/v) into the parts
+of a fused parameter. Each part goes through its parameter's ``weight_loader``, which keeps this
+rank's share. Two kinds of target are not parameters: the dense ``weight`` of a linear whose
+format quantizes at load (FP8, AWQ from a dense checkpoint: the layer quantizes the full weight
+and keeps its cut), and an attention layer's FP8 KV-cache ``k_scale``/``v_scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from torch import nn
+
+from pagedlab.distributed.sharding import load_replicated, read_part
+from pagedlab.quantization.formats import resolve_quant_config
+
+Route = Callable[[str, object], Iterable[tuple[str, int | None, object]]]
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], route: Route) -> set[str]:
+    """Load ``weights`` (name, full tensor or lazy safetensors slice) through ``route``; returns
+    the names of the parameters set."""
+    params = dict(model.named_parameters())
+    quantizing = {name: module for name, module in model.named_modules()
+                  if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
+    set_names: set[str] = set()
+    for name, full_tensor in weights:
+        for target, shard_id, tensor in route(name, full_tensor):
+            try:
+                set_names.update(_load_one(model, params, quantizing, target, shard_id, tensor))
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+    return set_names
+
+
+def _load_one(model: nn.Module, params: dict, quantizing: dict, target: str, shard_id: int | None,
+              tensor) -> list[str]:
+    layer_name, _, leaf = target.rpartition(".")
+    if leaf in ("k_scale", "v_scale") and layer_name.endswith("self_attn"):  # FP8 KV cache scales
+        model.get_submodule(layer_name).attn.load_kv_scale(leaf, tensor)
+        return []
+    layer = quantizing.get(layer_name) if leaf == "weight" else None
+    if layer is not None:
+        return [f"{layer_name}.{n}" for n in layer.load_dense_weight(tensor, shard_id)]
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"it has no place in {type(model).__name__}")
+    getattr(param, "weight_loader", load_replicated)(param, tensor, shard_id)
+    return [target]
+
+
+def split_rows(loaded, sizes: list[int]) -> Iterator[object]:
+    """Consecutive row ranges of ``sizes`` rows of a fused checkpoint tensor (each read alone)."""
+    start = 0
+    for size in sizes:
+        yield read_part(loaded, 0, start, size)
+        start += size
+
+
+def require_dense(hf_config, quantization: str | None, family: str) -> None:
+    """Refuse a quantized weight format for a family whose linears take dense weights only."""
+    if resolve_quant_config(quantization, hf_config) is not None:
+        raise ValueError(f"{family} models load dense weights only: quantization={quantization!r} (or the "
+                         "checkpoint's quantization_config) is not supported for them")

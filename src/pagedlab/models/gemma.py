@@ -1,0 +1,128 @@
+"""Gemma 2 and Gemma 3 (text): the Llama decoder's projections with Gemma's own arrangement.
+
+- embeddings scaled by sqrt(hidden); RMSNorm scaled by ``1 + weight``;
+- a norm after attention and one before and after the MLP (``post_attention_layernorm``,
+  ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); a GELU-tanh gated MLP;
+- attention scaled by ``query_pre_attn_scalar ** -0.5``; Gemma 3 adds q/k RMSNorm and its own
+  RoPE base per layer type (local ``sliding_attention`` layers 10k, global ones 1M);
+- final logit soft-capping ``cap * tanh(logits / cap)`` (Gemma 2).
+
+Attention is full: the local layers' sliding window is not masked yet, so ``model_max_len``
+caps the context at the window (within it the two agree). Attention logit soft-capping
+(Gemma 2's ``attn_logit_softcapping``) needs the attention kernels and is refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedlab.layers.attention import Attention
+from pagedlab.layers.embedding import VocabParallelEmbedding
+from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedlab.layers.norm import RMSNorm
+from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused, rotary_dim_of
+from pagedlab.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
+from pagedlab.quantization.formats import resolve_quant_config
+from pagedlab.quantization.linear_method import linear_method_for
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, hf_config, qk_norm: bool, prefix: str, quant_config=None):
+        super().__init__()
+        hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+        self.head_dim = head_dim_of(hf_config)
+        bias = getattr(hf_config, "attention_bias", False)
+        kv_heads = hf_config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, kv_heads, bias=bias,
+                                          linear_method=linear_method_for(quant_config, f"{prefix}.qkv_proj"))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=bias,
+                                        linear_method=linear_method_for(quant_config, f"{prefix}.o_proj"))
+        eps = hf_config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
+        scale = hf_config.query_pre_attn_scalar ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_fused(q, k, *rope)
+        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, qk_norm: bool, prefix: str, quant_config=None):
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = GemmaAttention(hf_config, qk_norm, f"{prefix}.self_attn", quant_config)
+        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config, act=hf_config.hidden_activation)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            self.add_module(name, RMSNorm(hidden, eps, unit_offset=True))
+
+    def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """Takes and returns (this layer's output, the residual stream before it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaDecoderModel(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int,
+                 quantization: str | None = None):
+        super().__init__()
+        cap = getattr(hf_config, "attn_logit_softcapping", None)
+        if cap is not None:
+            raise ValueError(f"attn_logit_softcapping={cap} (attention logit soft-capping) is not "
+                             "supported yet: only attn_logit_softcapping=None is")
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_scale = hf_config.hidden_size ** 0.5
+        num_layers = hf_config.num_hidden_layers
+        self.layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers)
+        rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+        per_type = set(self.layer_types) <= set(rope_parameters)  # Gemma 3: one RoPE per layer type
+        self.rope_keys = self.layer_types if per_type else ["default"] * num_layers
+        head_dim = head_dim_of(hf_config)
+        self.rotary_emb = nn.ModuleDict({
+            key: RotaryEmbedding(hf_config, rotary_dim_of(hf_config, head_dim), max_position,
+                                 key if per_type else None)
+            for key in sorted(set(self.rope_keys))})
+        quant_config = resolve_quant_config(quantization, hf_config)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(hf_config, qk_norm, f"model.layers.{i}", quant_config)
+                                    for i in range(num_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, unit_offset=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # rounded as transformers does
+        ropes = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_emb.items()}
+        residual = None
+        for layer, key in zip(self.layers, self.rope_keys):
+            hidden, residual = layer(ropes[key], hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 (text) causal LM over flat varlen batches; ``qk_norm`` switches Gemma 3's
+    q/k norms on."""
+
+    decoder_class = GemmaDecoderModel
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the full vocabulary, soft-capped where the config says
+        (``final_logit_softcapping``)."""
+        logits = self.lm_head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,116 @@
+"""Mixtral (``MixtralForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``): the Llama decoder
+with a sparse mixture-of-experts MLP.
+
+A router picks each token's ``num_experts_per_tok`` experts by softmax probability and weighs
+their outputs by those probabilities, renormalized over the chosen ones (always in Mixtral;
+where ``norm_topk_prob`` says in Qwen3-MoE). With tensor parallelism
+every rank holds every expert's slice of the intermediate dimension (gate/up by rows, down by
+columns) and the ranks' partial outputs are summed, as for the dense MLP. The experts run in
+plain PyTorch, one matmul pair per expert that has tokens (no fused MoE kernel yet).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlab.distributed.communication import tensor_parallel_all_reduce
+from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
+from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
+
+# checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
+_EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                            r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_UP, _DOWN = ("w3", "up_proj"), ("w2", "down_proj")
+
+
+def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """The MoE MLP, looping over experts: ``x`` ``[tokens, hidden]``, ``w13`` ``[experts,
+    2 * inter, hidden]`` (gate rows then up rows), ``w2`` ``[experts, hidden, inter]``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for expert in experts.unique().tolist():
+        token, slot = torch.where(experts == expert)
+        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        out.index_add_(0, token, F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None])
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts; checkpoint parts: ``w13`` shard ``2 * expert + (0 gate | 1 up)``,
+    ``w2`` shard ``expert``."""
+
+    def __init__(self, hf_config, prefix: str, quant_config=None):
+        super().__init__()
+        if quant_config is not None:
+            raise ValueError("quantized mixture-of-experts models are not supported")
+        sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
+        dense_layers = getattr(hf_config, "mlp_only_layers", None)
+        if sparse_step != 1 or dense_layers:
+            raise ValueError(f"decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: dense "
+                             "layers between MoE layers are not supported; only every layer MoE is")
+        hidden = hf_config.hidden_size
+        inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        self.num_experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+        self.top_k = hf_config.num_experts_per_tok
+        self.renormalize = bool(getattr(hf_config, "norm_topk_prob", True))
+        self.tp_size = get_tp_world_size()
+        self.inter_per_rank = divide_evenly(inter, self.tp_size, "the experts' intermediate size")
+        self.inter_start = get_tp_rank() * self.inter_per_rank
+        self.gate = nn.Linear(hidden, self.num_experts, bias=False).requires_grad_(False)
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter_per_rank, hidden),
+                                requires_grad=False)
+        self.w13.weight_loader = self._load_w13
+        self.w13.checkpoint_shapes = [(inter, hidden)] * (2 * self.num_experts)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, self.inter_per_rank),
+                               requires_grad=False)
+        self.w2.weight_loader = self._load_w2
+        self.w2.checkpoint_shapes = [(hidden, inter)] * self.num_experts
+
+    def _load_w13(self, param: nn.Parameter, loaded, shard_id: int | None) -> None:
+        check_shape(loaded, param.checkpoint_shapes[shard_id])
+        expert, part = divmod(shard_id, 2)
+        rows = param.data[expert].narrow(0, part * self.inter_per_rank, self.inter_per_rank)
+        rows.copy_(read_part(loaded, 0, self.inter_start, self.inter_per_rank))
+
+    def _load_w2(self, param: nn.Parameter, loaded, shard_id: int | None) -> None:
+        check_shape(loaded, param.checkpoint_shapes[shard_id])
+        param.data[shard_id].copy_(read_part(loaded, 1, self.inter_start, self.inter_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = moe_torch(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
+
+
+class MixtralDecoderModel(DecoderModel):
+    mlp_class = SparseMoeBlock
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral / Qwen3-MoE (``qk_norm``) causal LM over flat varlen batches (``input_ids``/
+    ``positions``: ``[num_tokens]``)."""
+
+    decoder_class = MixtralDecoderModel
+
+    def route(self, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
+        """Per-expert gate/up (``w1``/``w3``, ``gate_proj``/``up_proj``) into ``w13``, down
+        (``w2``, ``down_proj``) into ``w2``; the router ``gate`` whole; the rest as in Llama."""
+        match = _EXPERT_WEIGHT.match(name)
+        if match:
+            layer, expert, which = match.group(1), int(match.group(2)), match.group(3)
+            if which in _DOWN:
+                yield f"{layer}.mlp.w2", expert, tensor
+            else:
+                yield f"{layer}.mlp.w13", 2 * expert + (which in _UP), tensor
+            return
+        yield from super().route(name.replace(".block_sparse_moe.", ".mlp."), tensor)

@@ -1,0 +1,132 @@
+"""The model families beyond Llama (GPT-2, GPT-NeoX/Pythia, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE)
+against HF transformers in float32 on the CPU: greedy tokens and logprobs through chunked
+prefill, prefix caching and preemption at once; random ("dummy") weights; tensor parallelism at
+two ranks; the unsupported features refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import build_tiny_model, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.loader import load_model, resolve_model_source
+
+MAX_TOKENS = 12
+
+
+def _prompts():
+    """Five prompts, three sharing a 36-token prefix (prefix-cache hits)."""
+    prefix = random_prompts(1, min_len=36, max_len=36, seed=7)[0]
+    return [prefix + p for p in random_prompts(3, min_len=2, max_len=16, seed=8)] + random_prompts(
+        2, min_len=30, max_len=50, seed=9)
+
+
+def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
+    """16-token steps (chunked prefill), prefix caching and a KV cache of 8 blocks for five
+    sequences of about 50 tokens (preemption): HF's greedy tokens, and logprobs within 1e-4 of HF's."""
+    prompts = _prompts()
+    cfg = tiny.hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = 2 * cfg.num_hidden_layers * 16 * kv_heads * head_dim * 4
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=8 * block_bytes, max_model_len=128,
+             max_num_batched_tokens=16, enable_prefix_caching=True, **engine_args) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens > 0
+    assert stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            gen = tiny.hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        completion = out.outputs[0]
+        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
+        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
+            assert abs(position[token].logprob - ref[token].item()) < 1e-4
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # not one degenerate output
+
+
+FAMILIES = pytest.mark.parametrize("arch, kv_heads", [
+    ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2), ("mixtral", 2),
+    ("qwen3_moe", 2),
+], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-final-softcap", "gemma3-local-global-rope",
+        "mixtral-8-experts-top-2", "qwen3-moe-unnormalized-top-2"])
+
+
+@FAMILIES
+def test_family_matches_hf_through_chunking_prefix_cache_and_preemption(tiny_models, arch, kv_heads):
+    _check_engine_matches_hf(tiny_models(arch), kv_heads)
+
+
+@FAMILIES
+def test_dummy_weights_fill_every_parameter(tiny_models, arch, kv_heads):
+    """``load_format="dummy"``: every parameter drawn, or set to its norm value (scales 1, Gemma's
+    offset scales and biases 0)."""
+    tiny = tiny_models(arch)
+    source = resolve_model_source(tiny.path, "dummy")
+    model = load_model(source, tiny.hf_model.config, torch.float32, torch.device("cpu"), 64)
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param).all(), name
+        if getattr(param, "dummy_value", None) is not None:
+            assert (param == param.dummy_value).all(), name
+        else:
+            assert param.std() > 0.01, name
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])
+def test_two_ranks_give_hf_tokens(tiny_models, arch):
+    """At tensor_parallel_size=2 over gloo: GPT-NeoX (sequential residual) with its per-head fused
+    q/k/v regrouped and split by heads and its GELU MLP split by columns; Mixtral with every
+    expert's intermediate dimension split."""
+    tiny = tiny_models(arch)
+    prompts = _prompts()[2:]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny.path, dtype="float32", device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20,
+             max_num_batched_tokens=16) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [hf_greedy(tiny.hf_model, p, 6, eos_token_id=None) for p in prompts]
+
+
+def test_unsupported_gpt2_variant_is_named(tmp_path):
+    tiny = build_tiny_model(tmp_path / "gpt2", "gpt2")
+    cfg = tiny.hf_model.config
+    cfg.add_cross_attention = True
+    from pagedlab.models.registry import build_model
+
+    with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
+        build_model(cfg, 64)
+
+
+def test_phi3_longrope_is_refused_by_name(tiny_models):
+    """LongRoPE ("su") frequencies change with the sequence length: loading says so."""
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models("phi3").hf_model.config)
+    cfg.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
+        build_model(cfg, 64)
+
+
+def test_gemma2_attention_softcapping_is_refused_by_name(tiny_models):
+    """Attention logit soft-capping needs the attention kernels: loading says so, never runs
+    without it."""
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models("gemma2").hf_model.config)
+    cfg.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(attention logit soft-capping\)"):
+        build_model(cfg, 64)
+
+
+def test_dense_layers_between_moe_layers_are_refused_by_name(tiny_models):
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models("qwen3_moe").hf_model.config)
+    cfg.mlp_only_layers = [0]
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]: dense layers between MoE layers"):
+        build_model(cfg, 64)
