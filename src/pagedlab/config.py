@@ -25,6 +25,7 @@ DTYPE_NAMES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = (None, "awq")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EXECUTOR_BACKENDS = ("mp", "ray")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -66,6 +67,9 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
+    distributed_executor_backend: str = _setting(
+        "mp", "what runs the tensor-parallel workers: mp (processes of this host) or ray (actors placed "
+              "by Ray, on one node or several)")
     disable_custom_all_reduce: bool = _setting(
         False, "all-reduce through NCCL only (default: small messages through pagedlab's one-shot "
                "all-reduce over GPU peer memory)")
@@ -97,6 +101,8 @@ class EngineConfig:
             bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            bad("distributed_executor_backend", f"one of {EXECUTOR_BACKENDS}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
