@@ -28,7 +28,7 @@ ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory_bytes": 4 << 20}
 def local_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths live under it
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp,  # 2 actors + read and write tasks
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "src")}})
     yield
     ray.shutdown()
@@ -52,7 +52,7 @@ def test_every_row_gets_its_completion_in_parquet_with_the_manifest(local_ray, t
     _example().main([str(source), str(out), "--model", str(model), "--num-gpus", "0", "--concurrency", "2",
                      "--batch-size", "4", "--max-tokens", "5"]
                     + [f"--engine={k}={v}" for k, v in ENGINE.items()])
-    table = pq.read_table(out).to_pylist()
+    table = [row for part in sorted(out.glob("*.parquet")) for row in pq.read_table(part).to_pylist()]
     with LLM(str(model), **ENGINE) as llm:
         expected = [o.outputs[0] for o in llm.generate([r["prompt"] for r in rows],
                                                          SamplingParams(temperature=0, max_tokens=5),
