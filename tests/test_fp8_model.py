@@ -245,6 +245,7 @@ def test_precision_check_fp8_and_awq_variants_against_the_references(tmp_path):
     divergence, and with k = the vocabulary the exact teacher-forced top-1 and KL), and each
     variant records its resolved quantization and smaller weights."""
     from pagedlab.lab import repro
+    from pagedlab.lab.repro.precision import variant_engine_args
 
     tiny = build_tiny_model(tmp_path / "hf", "llama", seed=17)
     prompts = random_prompts(4, max_len=30, seed=9)
@@ -274,5 +275,8 @@ def test_precision_check_fp8_and_awq_variants_against_the_references(tmp_path):
     assert result.details["fp8"]["quantization"] == "fp8" and result.details["awq"]["quantization"] == "awq"
     reference_bytes = result.metrics["reference.weight_bytes"]
     assert result.metrics["awq.weight_bytes"] < result.metrics["fp8.weight_bytes"] < reference_bytes
-    with pytest.raises(ValueError, match=r"'int4' is neither a dtype .* nor a variant \['awq', 'fp8'\]"):
+    kv_fp8 = {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+    assert variant_engine_args("bfloat16+kv-fp8") == kv_fp8
+    with pytest.raises(ValueError, match=r"'int4' is neither a dtype .* nor a variant "
+                                         r"\['awq', 'fp8', 'kv-fp8'\]"):
         repro.precision_drift(tiny.path, prompts, dtypes=("float32", "int4"))

@@ -29,6 +29,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "fp8_e4m3" is vLLM's alias of "fp8"
 QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each against config.json
 TOKENIZER_MODES = ("auto", "slow")
+EXECUTOR_BACKENDS = ("mp", "ray")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -81,6 +82,9 @@ class EngineConfig:
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
         1, "processes to shard the model over (one per GPU; gloo on the CPU); it must divide the heads")
+    distributed_executor_backend: str = _setting(
+        "mp", "what runs the tensor-parallel workers: mp (processes of this host) or ray (actors placed "
+              "by Ray, on one node or several)")
     disable_custom_all_reduce: bool = _setting(
         False, "all-reduce through NCCL only (default: small messages through pagedlab's one-shot "
                "all-reduce over GPU peer memory)")
@@ -124,6 +128,8 @@ class EngineConfig:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            bad("distributed_executor_backend", f"one of {EXECUTOR_BACKENDS}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
         if self.tokenizer_mode not in TOKENIZER_MODES:

@@ -30,12 +30,27 @@ from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_kind
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from pagedlab.engine.tensor_parallel import TensorParallelWorkers, join_tensor_parallel, rank_device
+from pagedlab.engine.ray_executor import RayWorkers
+from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
+                                             join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def start_tensor_parallel_workers(config: EngineConfig, device: torch.device) -> TensorParallelExecutor:
+    """Ranks 1..N-1 under ``config.distributed_executor_backend``: processes of this host ("mp",
+    one GPU each, so this host must have N) or Ray actors ("ray", placed anywhere in the cluster)."""
+    world_size = config.tensor_parallel_size
+    if config.distributed_executor_backend == "ray":
+        return RayWorkers(config, world_size)
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={world_size} is invalid: only "
+                         f"{torch.cuda.device_count()} GPUs are visible (distributed_executor_backend='ray' "
+                         "can place ranks on other nodes)")
+    return TensorParallelWorkers(config, world_size)
 
 
 def load_tokenizer(path, trust_remote_code: bool = False, tokenizer_mode: str = "auto"):
@@ -95,10 +110,7 @@ class LLMEngine:
         world_size = self.config.tensor_parallel_size
         if world_size == 1:
             return load_model_runner(self.config, self.source, self.hf_config, self.device)
-        if self.device.type == "cuda" and world_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={world_size} is invalid: only "
-                             f"{torch.cuda.device_count()} GPUs are visible")
-        workers = TensorParallelWorkers(self.config, world_size)
+        workers = start_tensor_parallel_workers(self.config, self.device)
         try:
             join_tensor_parallel(world_size, 0, self.device, workers.init_method,
                                  not self.config.disable_custom_all_reduce)

@@ -9,8 +9,11 @@ device). Every rank then runs the same forward: the row-parallel layers all-redu
 gathers the logits. Plans (KV cache size, CUDA graphs) are configured on every rank together,
 and the ranks agree on the smallest block count.
 
-A worker that dies is reported by the driver as an error naming its rank; workers leave when
-the driver closes them, exits or dies (their pipe closes), so no process outlives the engine.
+The workers run under an executor: "mp" (the default) spawns them as processes of this host
+behind pipes; "ray" (``pagedlab.engine.ray_executor``) places them as Ray actors, possibly on
+other nodes. Both run the same ``TensorParallelWorker``. A worker that dies is reported by the
+driver as an error naming its rank; workers leave when the driver closes them, exits or dies
+(their pipe closes, or Ray reaps the driver's actors), so no worker outlives the engine.
 """
 
 from __future__ import annotations
@@ -70,11 +73,49 @@ def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_
         enable_peer_all_reduce(PeerAllReduce.from_cuda_ipc(get_tp_group(), device))
 
 
-class TensorParallelWorkers:
-    """The worker processes of ranks 1..N-1, seen from rank 0."""
+class TensorParallelExecutor:
+    """Ranks 1..N-1 seen from rank 0, whatever runs them (processes of this host, or Ray actors):
+    the interface the engine and the model runner drive. ``init_method`` is the group's
+    rendezvous address; ``send`` queues a command on every worker (in order), ``collect`` waits
+    for every worker's reply to the last command that has one (start-up and ``configure``)."""
+
+    init_method: str
+
+    def send(self, kind: str, payload=None) -> None:
+        raise NotImplementedError
+
+    def send_step(self, inputs: StepInputs, block_table: np.ndarray, query_lens: list[int]) -> None:
+        """This step's host inputs for every worker (Request objects stay on rank 0)."""
+        host_inputs = dataclasses.replace(inputs, sampled=[], prompt_chunks={})
+        self.send("step", WorkerStep(host_inputs, block_table, query_lens))
+
+    def collect(self) -> list:
+        """Every worker's reply; a worker's error (or death) is raised here, naming its rank."""
+        raise NotImplementedError
+
+    def explain(self, error: Exception, grace_s: float = 2.0) -> Exception:
+        """The error to raise for ``error`` met in a collective: a worker's death (a collective
+        with a dead peer fails with the transport's message, often before the exit is seen)."""
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        raise NotImplementedError
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker; nothing of them is left afterwards."""
+        raise NotImplementedError
+
+
+def death_error(rank: int, where: str, reason: str = "") -> RuntimeError:
+    return RuntimeError(f"tensor-parallel worker rank {rank} ({where}) exited{reason}; the engine cannot "
+                        "continue: build a new LLM")
+
+
+class TensorParallelWorkers(TensorParallelExecutor):
+    """The "mp" backend: ranks 1..N-1 as spawned processes of this host, each behind a pipe."""
 
     def __init__(self, config: EngineConfig, world_size: int):
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.connections: list[Connection] = []
@@ -88,7 +129,6 @@ class TensorParallelWorkers:
             self.connections.append(parent_end)
 
     def send(self, kind: str, payload=None) -> None:
-        """Send a command to every worker (no reply awaited)."""
         self.check_alive()
         for connection in self.connections:
             try:
@@ -97,14 +137,7 @@ class TensorParallelWorkers:
                 self.check_alive()
                 raise
 
-    def send_step(self, inputs: StepInputs, block_table: np.ndarray, query_lens: list[int]) -> None:
-        """This step's host inputs for every worker (Request objects stay on rank 0)."""
-        host_inputs = dataclasses.replace(inputs, sampled=[], prompt_chunks={})
-        self.send("step", WorkerStep(host_inputs, block_table, query_lens))
-
     def collect(self) -> list:
-        """Every worker's reply to the last command that has one; a worker's error (or death) is
-        raised here, naming its rank."""
         results = []
         for rank, (process, connection) in enumerate(zip(self.processes, self.connections), 1):
             while not connection.poll(REPLY_POLL_S):
@@ -120,8 +153,6 @@ class TensorParallelWorkers:
         return results
 
     def explain(self, error: Exception, grace_s: float = 2.0) -> Exception:
-        """The error to raise for ``error`` met in a collective: a worker's death (a collective
-        with a dead peer fails with the transport's message, often before the exit is seen)."""
         wait([p.sentinel for p in self.processes], grace_s)
         for rank, process in enumerate(self.processes, 1):
             if not process.is_alive():
@@ -140,8 +171,7 @@ class TensorParallelWorkers:
             if connection.poll(0):
                 status, value = connection.recv()
                 reason = f": {value}" if status == "error" else ""
-        return RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code "
-                            f"{process.exitcode}{reason}; the engine cannot continue: build a new LLM")
+        return death_error(rank, f"pid {process.pid}", f" with code {process.exitcode}{reason}")
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask every worker to leave, then make sure it has (terminate, then kill)."""
@@ -160,27 +190,52 @@ class TensorParallelWorkers:
             connection.close()
 
 
+class TensorParallelWorker:
+    """Rank r >= 1 of a tensor-parallel model, under any executor: it joins the group, loads its
+    shard, then executes rank 0's commands in order."""
+
+    REPLIED = frozenset({"configure"})  # commands whose result rank 0 collects
+
+    def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
+                 device: torch.device):
+        join_tensor_parallel(world_size, rank, device, init_method, not config.disable_custom_all_reduce)
+        try:
+            self.runner = load_worker_runner(config, device)
+        except BaseException:
+            destroy_tensor_parallel()
+            raise
+
+    def execute(self, kind: str, payload):
+        """Run one command: "step" (no reply) or "configure" (the block count)."""
+        if kind == "step":
+            return self.runner.run_worker_step(payload.inputs, payload.block_table, payload.query_lens)
+        if kind == "configure":  # a ValueError is the same on every rank (they agree on the block count)
+            return self.runner.configure(payload)
+        raise ValueError(f"unknown tensor-parallel command {kind!r}: commands are step and configure")
+
+    def close(self) -> None:
+        self.runner.close()
+        destroy_tensor_parallel()
+
+
 def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfig,
                connection: Connection) -> None:
-    """A worker's whole life: join the group, load its shard, then serve rank 0's commands until
-    told to close or until rank 0 is gone (its pipe closes). Ctrl-C is rank 0's to handle."""
+    """A worker process's whole life: start, then serve rank 0's commands until told to close or
+    until rank 0 is gone (its pipe closes). Ctrl-C is rank 0's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner = None
+    worker = None
     try:
-        device = rank_device(config.device, rank)
-        join_tensor_parallel(world_size, rank, device, init_method, not config.disable_custom_all_reduce)
-        runner = load_worker_runner(config, device)
+        worker = TensorParallelWorker(rank, world_size, init_method, config, rank_device(config.device, rank))
         connection.send(("ok", None))
-        _serve(runner, connection)
+        _serve(worker, connection)
     except EOFError:
         pass  # rank 0 is gone
     except BaseException as e:  # sent to rank 0, which raises it
         with contextlib.suppress(OSError):
             connection.send(("error", f"{type(e).__name__}: {e}"))
     finally:
-        if runner is not None:
-            runner.close()
-        destroy_tensor_parallel()
+        if worker is not None:
+            worker.close()
 
 
 def load_worker_runner(config: EngineConfig, device: torch.device) -> ModelRunner:
@@ -191,21 +246,21 @@ def load_worker_runner(config: EngineConfig, device: torch.device) -> ModelRunne
     return load_model_runner(config, source, hf_config, device)
 
 
-def _serve(runner: ModelRunner, connection: Connection) -> None:
+def _serve(worker: TensorParallelWorker, connection: Connection) -> None:
     while True:
         kind, payload = connection.recv()
         if kind == "close":
             return
-        if kind == "step":
-            runner.run_worker_step(payload.inputs, payload.block_table, payload.query_lens)
-        elif kind == "configure":
-            try:
-                connection.send(("ok", runner.configure(payload)))
-            except ValueError as e:  # the same on every rank (they agree on the block count)
-                connection.send(("error", str(e)))
+        if kind not in worker.REPLIED:
+            worker.execute(kind, payload)
+            continue
+        try:
+            connection.send(("ok", worker.execute(kind, payload)))
+        except ValueError as e:
+            connection.send(("error", str(e)))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -37,6 +37,9 @@ def _register_run(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the file, e.g. --set engine.device=cpu --set repeats=1")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or per-run lines")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run each model group as a Ray task on the cluster at ADDRESS (without one: "
+                        "$RAY_ADDRESS, else a new local cluster); see docs/ray.md")
     p.set_defaults(func=cmd_run)
 
 
@@ -113,7 +116,12 @@ def cmd_run(args) -> int:
 
     try:
         spec = load_experiment(args.experiment, args.overrides)
-        report = run_experiment(spec, db=args.db, dry_run=args.dry_run, quiet=args.quiet)
+        if args.ray is not None and not args.dry_run:
+            from pagedlab.lab.ray_runner import run_experiment_on_ray
+
+            report = run_experiment_on_ray(spec, db=args.db, address=args.ray or None, quiet=args.quiet)
+        else:
+            report = run_experiment(spec, db=args.db, dry_run=args.dry_run, quiet=args.quiet)
     except _errors() as e:
         return _fail(e)
     except KeyboardInterrupt:

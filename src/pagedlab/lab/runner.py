@@ -9,6 +9,7 @@ experiment resumes where it stopped: a rerun skips the runs already finished.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -51,8 +52,9 @@ class ExperimentReport:
 
 
 @dataclass
-class _Session:
-    """What the runs of one experiment share: the spec, the store, the report and the progress."""
+class RunSession:
+    """What the runs of one experiment (or of one group, in a Ray worker) share: the spec, the
+    store, the report and the progress."""
 
     spec: ExperimentSpec
     store: ResultStore
@@ -76,13 +78,17 @@ def _log(msg: str, quiet: bool) -> None:
 
 
 def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = False, quiet: bool = False,
-                   llm_factory: Callable[..., Any] | None = None) -> ExperimentReport:
+                   llm_factory: Callable[..., Any] | None = None,
+                   run_groups: Callable[[RunSession, list[list[ResolvedRun]]], None] | None = None
+                   ) -> ExperimentReport:
     """Execute the pending runs of ``spec`` and store each in the database at ``db``.
 
     Runs are grouped by their weight-level settings (model, dtype, quantization, device, ...):
     each group loads its model once, and runs within it switch plan-level settings through
     ``LLM.set_model_args``. ``dry_run`` prints the plan and executes nothing.
     ``llm_factory(model, **engine_kwargs)`` builds the LLM (default ``pagedlab.LLM``).
+    ``run_groups(session, groups)`` executes the pending groups (default: one after the other
+    here; ``pagedlab.lab.ray_runner`` spreads them over a Ray cluster).
     """
     t_start = time.perf_counter()
     runs = expand_runs(spec)
@@ -100,17 +106,25 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
         groups: dict[str, list[ResolvedRun]] = {}
         for run in pending:
             groups.setdefault(run.group_key, []).append(run)
-        session = _Session(spec, store, report, quiet,
+        session = RunSession(spec, store, report, quiet,
                            None if quiet else _progress_bar(spec.name, len(pending)))
         try:
-            for group_runs in groups.values():
-                _run_group(session, group_runs, llm_factory or LLM)
+            if run_groups is None:
+                run_groups = functools.partial(run_groups_here, llm_factory=llm_factory or LLM)
+            run_groups(session, list(groups.values()))
         finally:
             if session.bar is not None:
                 session.bar.close()
     report.elapsed_s = time.perf_counter() - t_start
     _log(format_summary(report), quiet and report.ok)  # failures are reported even when quiet
     return report
+
+
+def run_groups_here(session: RunSession, groups: list[list[ResolvedRun]],
+                    llm_factory: Callable[..., Any] = LLM) -> None:
+    """Execute the groups one after the other in this process."""
+    for group_runs in groups:
+        run_group(session, group_runs, llm_factory)
 
 
 def _progress_bar(name: str, total: int):
@@ -134,7 +148,7 @@ def _dry_run(spec: ExperimentSpec, runs: list[ResolvedRun], db: str | None, repo
     return report
 
 
-def _run_group(session: _Session, group_runs: list[ResolvedRun], llm_factory: Callable[..., Any]) -> None:
+def run_group(session: RunSession, group_runs: list[ResolvedRun], llm_factory: Callable[..., Any]) -> None:
     """Load the group's model once and execute its runs, switching plans between them."""
     # Order runs so consecutive ones share plan settings (fewer re-plans); stable otherwise.
     group_runs = sorted(group_runs, key=lambda r: json.dumps(r.plan_args, sort_keys=True, default=str))
@@ -149,7 +163,7 @@ def _run_group(session: _Session, group_runs: list[ResolvedRun], llm_factory: Ca
     except Exception as e:
         msg = f"loading the model failed: {type(e).__name__}: {e}"
         for run in group_runs:
-            _store_failure(session, run, msg, None)
+            store_failure(session, run, msg, None)
             session.advance()
         session.log(f"{label}: {msg}")
         return
@@ -165,7 +179,7 @@ def _run_group(session: _Session, group_runs: list[ResolvedRun], llm_factory: Ca
         llm.close()
 
 
-def _replan(session: _Session, run: ResolvedRun, llm) -> float:
+def _replan(session: RunSession, run: ResolvedRun, llm) -> float:
     """Switch ``llm`` to the run's plan-level settings; the seconds it took (0 when unchanged)."""
     current = llm.get_engine_info().config
     wanted = {k: run.plan_args.get(k, ENGINE_DEFAULTS[k]) for k in PLAN_FIELDS}
@@ -180,7 +194,7 @@ def _replan(session: _Session, run: ResolvedRun, llm) -> float:
     return replan_s
 
 
-def _run_one(session: _Session, run: ResolvedRun, llm) -> None:
+def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
     """Execute one run and store it (finished, or failed with its traceback)."""
     spec = session.spec
     started = datetime.now(timezone.utc)
@@ -191,7 +205,7 @@ def _run_one(session: _Session, run: ResolvedRun, llm) -> None:
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        _store_failure(session, run, f"{type(e).__name__}: {e}", llm, started, traceback.format_exc())
+        store_failure(session, run, f"{type(e).__name__}: {e}", llm, started, traceback.format_exc())
         session.log(f"run {run.index} ({run.label()}, repeat {run.repeat}) failed: {type(e).__name__}: {e}")
         return
     run_id = session.store.record_run(RunRecord(
@@ -214,7 +228,7 @@ def _headline(metrics: dict) -> str:
     return ", ".join(parts)
 
 
-def _store_failure(session: _Session, run: ResolvedRun, msg: str, llm, started=None, tb=None) -> None:
+def store_failure(session: RunSession, run: ResolvedRun, msg: str, llm, started=None, tb=None) -> None:
     session.report.failed.append((f"run {run.index} ({run.label()}, repeat {run.repeat})", msg))
     try:
         manifest = collect_manifest(llm, sampling_params=run.sampling_params or None, hash_weights=False)
