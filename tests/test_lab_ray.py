@@ -184,3 +184,7 @@ def test_a_group_asks_for_a_gpu_per_rank_or_a_cpu_per_rank_on_the_cpu(tmp_path, 
     run = expand_runs(spec)[0]
     assert group_resources(run, cluster_has_gpus=True) == {"num_cpus": 1, "num_gpus": 2}
     assert group_resources(run, cluster_has_gpus=False) == {"num_cpus": 2, "num_gpus": 0}
+    nested = expand_runs(load_experiment(_experiment(tmp_path, model_dir),
+                                         ["engine.distributed_executor_backend=ray"]))[0]
+    with pytest.raises(ValueError, match="would wait forever"):
+        group_resources(nested, cluster_has_gpus=True)

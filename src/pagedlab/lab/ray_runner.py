@@ -52,8 +52,13 @@ def check_store_reachable(url: str, nodes: list[dict]) -> None:
 
 def group_resources(run: ResolvedRun, cluster_has_gpus: bool) -> dict:
     """What one group's task asks for: a GPU per tensor-parallel rank, or a CPU per rank on the
-    CPU (the group's ``engine.device`` is cpu, or the cluster has no GPU)."""
+    CPU (the group's ``engine.device`` is cpu, or the cluster has no GPU). The task holds its
+    ranks itself, so a group may not ask Ray for them again."""
     engine = run.config["engine"]
+    if engine.get("distributed_executor_backend", "mp") == "ray":
+        raise ValueError("engine.distributed_executor_backend='ray' inside `pagedlab run --ray` would wait "
+                         "forever for a second set of GPUs: the sweep already places each group's ranks; "
+                         "use 'mp' (the default)")
     ranks = int(engine.get("tensor_parallel_size", 1))
     if engine.get("device", "auto") == "cpu" or not cluster_has_gpus:
         return {"num_cpus": ranks, "num_gpus": 0}
@@ -81,11 +86,12 @@ class RayGroups:
         task = ray.remote(run_group_task)
         groups = list(groups)
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        resources = [group_resources(group[0], has_gpus) for group in groups]  # bad settings fail first
         pending: dict = {}  # task ref -> (group index, attempt)
         state = ["submitted"] * len(groups)
 
         def submit(index: int, attempt: int) -> None:
-            options = dict(group_resources(groups[index][0], has_gpus), max_retries=0)
+            options = dict(resources[index], max_retries=0)
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
             pending[task.options(**options).remote(session.spec, self.url, groups[index])] = (index, attempt)
