@@ -74,9 +74,10 @@ def test_unknown_model_path():
 def test_unknown_architecture(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    cfg["architectures"], cfg["model_type"] = ["BertForMaskedLM"], "bert"
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"not supported; supported architectures: \['LlamaForCausalLM'"):
+    with pytest.raises(ValueError, match=r"\['BertForMaskedLM'\] \(model_type='bert'\) is not supported; "
+                                         r"supported architectures: \[.*'LlamaForCausalLM'"):
         LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
 
 
