@@ -264,7 +264,7 @@ class LLMEngine:
                 previous = None
             with self.ranges.range("schedule"):
                 batch = self.scheduler.schedule()
-            if self.ranges.recording or self.ranges.nvtx:
+            if self.ranges.active:  # labelling the step costs a pass over the batch
                 self.ranges.mark(KIND_PREFIX + step_kind(batch))
             changed += batch.preempted
             launched = self._launch(batch, previous)

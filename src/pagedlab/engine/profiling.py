@@ -48,17 +48,22 @@ def step_kind(batch) -> str:
 
 
 class StepRanges:
-    """Opens named ranges while a profiler records or NVTX is asked for (``PAGEDLAB_NVTX=1``)."""
+    """Opens named ranges while a profiler records or NVTX is asked for (``PAGEDLAB_NVTX=1``);
+    otherwise ``range`` hands back one shared no-op context, so the step loop pays nothing."""
 
     def __init__(self):
         self.nvtx = os.environ.get("PAGEDLAB_NVTX") == "1" and torch.cuda.is_available()
         self.recording = False
 
-    @contextlib.contextmanager
+    @property
+    def active(self) -> bool:
+        return self.recording or self.nvtx
+
     def range(self, name: str):
-        if not (self.recording or self.nvtx):
-            yield
-            return
+        return self._open(name) if self.active else _IDLE
+
+    @contextlib.contextmanager
+    def _open(self, name: str):
         if self.nvtx:
             torch.cuda.nvtx.range_push(name)
         try:
@@ -73,9 +78,11 @@ class StepRanges:
 
     def mark(self, name: str) -> None:
         """An empty range: a label on the range it sits in."""
-        if self.recording or self.nvtx:
-            with self.range(name):
-                pass
+        with self.range(name):
+            pass
+
+
+_IDLE = contextlib.nullcontext()
 
 
 @dataclass

@@ -11,7 +11,6 @@ ahead of time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -45,7 +44,13 @@ class ModelSizes:
     intermediate: int  # one expert's
     experts: int
     mlp_matrices: int  # 3 for gated MLPs (gate, up, down), 2 otherwise
-    total_params: int
+
+    @property
+    def total_params(self) -> int:
+        """Every parameter: the layers' linears and two norms each, the vocabulary matrices, the
+        final norm."""
+        layer = self.linear_params_per_rank(1)[0] + 2 * self.hidden
+        return self.num_layers * layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
     @property
     def mlp_params(self) -> int:
@@ -62,13 +67,8 @@ class ModelSizes:
         inter = (getattr(c, "moe_intermediate_size", None) if experts > 1 else None) or c.intermediate_size
         matrices = 2 if getattr(c, "model_type", "") in NON_GATED_MLP else 3
         tied = bool(getattr(c, "tie_word_embeddings", False))
-        sizes = cls(c.num_hidden_layers, c.hidden_size, c.vocab_size, tied, q, kv_heads, head_dim, inter,
-                    experts, matrices, 0)
-        attention = c.hidden_size * (2 * q + 2 * kv_heads * head_dim)
-        vocab_params = c.vocab_size * c.hidden_size * (1 if tied else 2)
-        layer = attention + sizes.mlp_params + 2 * c.hidden_size  # + two norms
-        total = c.num_hidden_layers * layer + vocab_params + c.hidden_size
-        return dataclasses.replace(sizes, total_params=total)
+        return cls(c.num_hidden_layers, c.hidden_size, c.vocab_size, tied, q, kv_heads, head_dim, inter,
+                   experts, matrices)
 
     def kv_heads_per_rank(self, tp: int) -> int:
         return max(1, self.num_kv_heads // tp)  # fewer KV heads than ranks: each rank keeps one

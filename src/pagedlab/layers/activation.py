@@ -33,27 +33,29 @@ _GATED = {"silu": fused(silu_and_mul), "gelu_pytorch_tanh": fused(gelu_tanh_and_
 _GELUS = {"gelu": fused(gelu), "gelu_new": fused(gelu_tanh), "gelu_pytorch_tanh": fused(gelu_tanh)}
 
 
-class GatedActivation(nn.Module):
+class _NamedActivation(nn.Module):
+    """An activation chosen by transformers' name from the subclass's ``table``."""
+
+    table: dict
+    setting: str  # the config.json key that names it
+
+    def __init__(self, name: str):
+        super().__init__()
+        if name not in self.table:
+            raise ValueError(f"{self.setting}={name!r} is not supported: supported: {sorted(self.table)}")
+        self.fn = self.table[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+class GatedActivation(_NamedActivation):
     """``act(gate) * up`` on the fused gate_up projection, ``act`` by transformers' name."""
 
-    def __init__(self, name: str):
-        super().__init__()
-        if name not in _GATED:
-            raise ValueError(f"hidden_act={name!r} is not supported: supported: {sorted(_GATED)}")
-        self.fn = _GATED[name]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+    table, setting = _GATED, "hidden_act"
 
 
-class Gelu(nn.Module):
+class Gelu(_NamedActivation):
     """The GELU that transformers calls ``name`` (exact or tanh-approximated)."""
 
-    def __init__(self, name: str):
-        super().__init__()
-        if name not in _GELUS:
-            raise ValueError(f"activation {name!r} is not supported here; supported: {sorted(_GELUS)}")
-        self.fn = _GELUS[name]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(x)
+    table, setting = _GELUS, "activation"  # GPT-2's activation_function, GPT-NeoX's hidden_act
