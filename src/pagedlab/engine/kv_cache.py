@@ -1,9 +1,10 @@
 """The KV cache's block pool: allocation, block tables, ref counts and prefix caching.
 
 Prefix caching: each full block is named by a chain hash of (parent block's hash, its token
-ids). A block found under that name is reused only if its stored tokens are equal too. Freed
-blocks keep their name until the pool hands them out again, least recently used first, so a
-prefix stays reusable for as long as memory allows.
+ids); the first block's parent is the request's salt (its LoRA adapter), so KV computed under one
+adapter is never found by a request of another. A block found under that name is reused only
+if its stored tokens are equal too. Freed blocks keep their name until the pool hands them out
+again, least recently used first, so a prefix stays reusable for as long as memory allows.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range((len(tokens) - 1) // self.block_size):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else None, block_tokens)
+            parent = hit.block_hashes[-1] if hit.block_hashes else request.prefix_cache_salt
+            block_hash = hash_block(parent, block_tokens)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
@@ -172,7 +174,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else request.prefix_cache_salt
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(parent, block_tokens)
             request.block_hashes.append(block_hash)

@@ -75,9 +75,9 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, counts_ptr, starts_ptr,
 
 @triton.jit
 def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, counts_ptr, starts_ptr, offsets_ptr, sizes_ptr,
-                        R, num_n_tiles, stride_h_slice, stride_h_row, stride_b_slot, stride_b_slice, stride_b_row,
-                        stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        R, num_n_tiles, stride_h_slice, stride_h_row, stride_b_slot, stride_b_slice,
+                        stride_b_row, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (token tile x output tile, slice, slot): adds ``h @ B.T`` into ``BLOCK_N`` columns
     of the slice's range of ``y``. Each output element has exactly one program: no atomics."""
     pid = tl.program_id(0)
@@ -131,7 +131,7 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping, y: 
     num_n_tiles = triton.cdiv(max_out, block_n)
     grid = (triton.cdiv(y.shape[0], BLOCK_M) * num_n_tiles, slices, slots)
     _lora_expand_kernel[grid](
-        h, lora_b, y, mapping.sorted_token_ids, mapping.slot_counts, mapping.slot_starts, slice_offsets, slice_sizes,
-        rank, num_n_tiles, h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_rank(rank),
+        h, lora_b, y, mapping.sorted_token_ids, mapping.slot_counts, mapping.slot_starts, slice_offsets,
+        slice_sizes, rank, num_n_tiles, h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
+        lora_b.stride(2), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_rank(rank),
         DOT_PRECISION=_dot_precision(lora_b.dtype))
