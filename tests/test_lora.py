@@ -17,8 +17,8 @@ from pagedlab import LLM, LoRARequest, SamplingParams
 
 pytest.importorskip("peft")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-PROMPTS = random_prompts(3, max_len=40, seed=3)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+PROMPTS = random_prompts(2, max_len=40, seed=3)
 ADAPTER_SPECS = {  # name -> (rank, alpha, targets, rslora)
     "all-r8": (8, 16, ALL_TARGETS, False),
     "qv-r4-rslora": (4, 8, ["q_proj", "v_proj"], True),
@@ -68,15 +68,14 @@ def test_each_adapter_matches_peft_and_merged(tiny_llama, llama_adapters, expect
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected[None]
 
 
-@pytest.mark.parametrize("engine_args", [dict(), dict(async_scheduling=True, max_num_batched_tokens=16)],
-                         ids=["default", "async-chunked"])
-def test_mixed_batch_gives_each_request_its_own_tokens(tiny_llama, llama_adapters, expected, engine_args):
-    """Three adapters and the base model interleaved in one generate call (one batch)."""
+def test_mixed_batch_gives_each_request_its_own_tokens(tiny_llama, llama_adapters, expected):
+    """Three adapters and the base model interleaved in one generate call: one batch, prompts
+    chunked over steps that also run decodes, steps launched before the last is read back."""
     names = [None, *ADAPTER_SPECS]
     prompts = [p for p in PROMPTS for _ in names]
     loras = [lora_request(llama_adapters, n) if n else None for _ in PROMPTS for n in names]
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_loras=3,
-             max_lora_rank=16, **engine_args) as llm:
+             max_lora_rank=16, async_scheduling=True, max_num_batched_tokens=32) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     want = [expected[n][i] for i in range(len(PROMPTS)) for n in names]
     assert tokens(outs) == want
@@ -102,16 +101,16 @@ def test_prefix_caching_keeps_adapters_apart(tiny_llama, llama_adapters, expecte
 
 def test_lru_eviction_and_reload_give_the_same_tokens(tiny_llama, llama_adapters, expected):
     """One GPU slot and one CPU copy: every change of adapter evicts the last and reads from disk."""
-    order = ["all-r8", "mlp-r16", "all-r8", "qv-r4-rslora", "mlp-r16"]
+    order = ["all-r8", "mlp-r16", "all-r8", "qv-r4-rslora"]
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_loras=1,
              max_cpu_loras=1, max_lora_rank=16, enable_prefix_caching=False) as llm:
         for name in order:
             lora = lora_request(llama_adapters, name)
-            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
-            assert tokens(outs) == expected[name], name
+            outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
+            assert tokens(outs) == expected[name][:1], name
         manager = llm.llm_engine.runner.lora
         assert manager.num_loads == len(order)
-        assert [r.lora_name for r in manager.list_loras()] == ["mlp-r16"]
+        assert [r.lora_name for r in manager.list_loras()] == ["qv-r4-rslora"]
 
 
 def test_more_adapters_than_slots_in_one_call(tiny_llama, llama_adapters, expected):
