@@ -79,3 +79,29 @@ def test_shrink_expand_match_the_torch_reference(kernels, dtype, num_tokens, sli
     lora_expand_torch(h_ref, lora_b, mapping, y_ref, offsets, sizes_t)
     torch.testing.assert_close(y, y_ref, **tol)
     assert torch.equal(y[~has_slot], y_ref[~has_slot])  # rows without an adapter are untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 8, 256, 2051])
+def test_kernels_at_llama_8b_sizes_on_gpu(kernels, dtype, num_tokens):
+    """Llama-3-8B's fused q/k/v (4096 -> 4096 + 1024 + 1024), rank 16, eight slots."""
+    torch.manual_seed(num_tokens)
+    num_slots, rank, in_features, sizes = 8, 16, 4096, [4096, 1024, 1024]
+    mapping = random_mapping(num_tokens, num_slots, num_tokens)
+    x = torch.randn(num_tokens, in_features, device=DEVICE).to(dtype)
+    lora_a = (torch.randn(num_slots, 3, rank, in_features, device=DEVICE) / in_features ** 0.5).to(dtype)
+    lora_b = (torch.randn(num_slots, 3, max(sizes), rank, device=DEVICE) / rank ** 0.5).to(dtype)
+    offsets = torch.tensor([0, 4096, 5120], dtype=torch.int32, device=DEVICE)
+    sizes_t = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    has_slot = mapping.token_slots[:num_tokens] >= 0
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    h = kernels.lora_shrink(x, lora_a, mapping)
+    h_ref = lora_shrink_torch(x, lora_a, mapping)
+    torch.testing.assert_close(h[:, has_slot], h_ref[:, has_slot], **tol)
+    y = torch.randn(num_tokens, sum(sizes), device=DEVICE).to(dtype)
+    y_ref = y.clone()
+    kernels.lora_expand(h_ref, lora_b, mapping, y, offsets, sizes_t)
+    lora_expand_torch(h_ref, lora_b, mapping, y_ref, offsets, sizes_t)
+    torch.testing.assert_close(y, y_ref, **tol)
