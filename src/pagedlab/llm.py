@@ -36,6 +36,8 @@ class LLM:
     ``gpu_memory_utilization`` of it after a profiling pass. Cascade attention (a decode batch
     reads its shared cached prefix once) sums a row's keys in another order than alone: turn it
     off for bitwise batch invariance.
+    ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves PEFT LoRA
+    adapters named per prompt by ``lora_request`` (see docs/lora.md).
     Use it as a context manager to free every byte it took on exit.
     """
 
