@@ -109,3 +109,36 @@ def test_bad_lora_entries_name_the_line(workdir):
     path.write_text(bench + "benchmark: {batch_size: 1, input_len: 8, output_len: 4}\nlora: [adapters/sql]\n")
     with pytest.raises(ExperimentError, match="dataset workload"):
         load_experiment(path)
+
+
+def test_repro_lora_check_against_peft(workdir, capsys):
+    from pagedlab.lab.repro_cli import main
+
+    root, _, adapters = workdir
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    rc = main(["repro", "check", "--model", str(root / "model"), "--device", "cpu", "--kv-cache-memory-bytes",
+               "16MiB", "--prompts", str(prompts), "--checks", "lora", "--lora", adapters["sql"].path,
+               "--max-tokens", "6", "--strict", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "[lora] SAME" in out and "changes the output of" in out
+    assert main(["repro", "check", "--model", str(root / "model"), "--checks", "lora"]) == 2  # no --lora
+
+
+def test_repro_lora_check_sees_a_different_adapter(workdir, tmp_path):
+    """pagedlab keeps the adapter it read; PEFT then reads other weights from the same directory."""
+    import shutil
+
+    from pagedlab.lab import repro
+    from pagedlab.lab.lora import lora_request
+
+    root, _, adapters = workdir
+    adapter = tmp_path / "swapped"
+    shutil.copytree(adapters["sql"].path, adapter)
+    with LLM(str(root / "model"), device="cpu", kv_cache_memory_bytes=1 << 24, enable_lora=True,
+             max_lora_rank=8) as llm:
+        llm.generate(PROMPTS, use_tqdm=False, lora_request=lora_request(str(adapter.resolve())))
+        shutil.copy(Path(adapters["poet"].path) / "adapter_model.safetensors", adapter)
+        shutil.copy(Path(adapters["poet"].path) / "adapter_config.json", adapter)
+        result = repro.lora_parity(llm, str(adapter), PROMPTS, max_tokens=6)
+    assert result.verdict == "differs" and result.metrics["greedy_match_rate"] < 1

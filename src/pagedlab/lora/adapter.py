@@ -17,10 +17,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedlab.lora.request import LoRARequest
+
+if TYPE_CHECKING:  # the lab reads adapter configs without loading torch
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
