@@ -37,17 +37,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _slot_tile(sorted_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
-    """This program's token indices (and which are valid) among slot ``slot``'s tokens."""
-    count = tl.load(counts_ptr + slot)
-    start = tl.load(starts_ptr + slot)
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = offs < count
-    tokens = tl.load(sorted_ptr + start + offs, mask=valid, other=0).to(tl.int64)
-    return tokens, valid
-
-
-@triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, counts_ptr, starts_ptr, K, R,
                         stride_x, stride_a_slot, stride_a_slice, stride_a_rank, stride_h_slice, stride_h_row,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -56,12 +45,18 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, counts_ptr, starts_ptr,
     pid_m = tl.program_id(0)
     part = tl.program_id(1)
     slot = tl.program_id(2)
-    if pid_m * BLOCK_M >= tl.load(counts_ptr + slot):
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count:
         return
-    tokens, valid = _slot_tile(sorted_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    # This program's tokens among the slot's.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs_m < count
+    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=valid, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     a_base = a_ptr + slot.to(tl.int64) * stride_a_slot + part * stride_a_slice
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    # tl.full, not tl.zeros: the standard library's jit functions cannot be interpreted when triton
+    # was imported before TRITON_INTERPRET was set (as in a test session that loaded peft first).
+    acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
@@ -86,9 +81,12 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, counts_ptr, starts_ptr,
     part = tl.program_id(1)
     slot = tl.program_id(2)
     size = tl.load(sizes_ptr + part)
-    if pid_m * BLOCK_M >= tl.load(counts_ptr + slot) or pid_n * BLOCK_N >= size:
+    count = tl.load(counts_ptr + slot)
+    if pid_m * BLOCK_M >= count or pid_n * BLOCK_N >= size:
         return
-    tokens, valid = _slot_tile(sorted_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs_m < count
+    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=valid, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < size
