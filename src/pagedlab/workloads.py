@@ -123,10 +123,21 @@ class AllReduceCost:
         return self.latency_s + nbytes / self.bus_bandwidth
 
 
+def decode_weight_bytes(info) -> float:
+    """The matmul weight bytes a decode step of a loaded engine reads, all ranks together: its
+    stored parameters (``EngineInfo.weight_bytes``, one rank's shard) less the input embedding,
+    of which a step reads only its tokens' rows, unless it is also the LM head (tied)."""
+    c = info.hf_config
+    tied = getattr(c, "tie_word_embeddings", False)
+    embedding = 0 if tied else c.vocab_size * c.hidden_size * info.dtype.itemsize
+    return info.weight_bytes * info.config.tensor_parallel_size - embedding
+
+
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
-                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None) -> float:
+                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None,
+                   decode_weight_bytes: float | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
 
@@ -136,7 +147,9 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
     all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum.
     ``kv_dtype_bytes``: bytes of a cached key or value element (default ``dtype_bytes``; 1 for
-    an FP8 KV cache)."""
+    an FP8 KV cache). ``decode_weight_bytes``: the bytes of matmul weights one decode step reads,
+    all ranks together, when they are not ``dtype_bytes`` per parameter (quantized weights; see
+    ``decode_weight_bytes``)."""
     c = hf_config
     tp = tensor_parallel_size
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -159,7 +172,7 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
-        read = matmul_params * dtype_bytes + kv_bytes_per_token * held
+        read = (decode_weight_bytes or matmul_params * dtype_bytes) + kv_bytes_per_token * held
         work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
         decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
@@ -255,7 +268,8 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
         extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
-               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
+               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "weight_gib": stats.weight_bytes / 2**30,
+               "block_size": stats.block_size,
                "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
 
 
@@ -416,7 +430,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
                                    tensor_parallel_size=info.config.tensor_parallel_size,
-                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize) \
+                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize,
+                                   decode_weight_bytes=decode_weight_bytes(info)) \
                 if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
