@@ -41,7 +41,7 @@ def test_chunked_prefill_size_is_the_step_token_budget(tiny_llama):
         assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
         llm.set_model_args(chunked_prefill_size=32)  # a plan field: the weights stay
         assert _prefill_tokens_per_step(llm, prompt) == [32, 18]
-    with pytest.raises(ValueError, match="chunked_prefill_size=16 is invalid with enable_chunked_prefill=False"):
+    with pytest.raises(ValueError, match="chunked_prefill_size=16 is invalid with enable_chunked_prefill"):
         LLM(tiny_llama.path, device="cpu", chunked_prefill_size=16, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="next to max_num_batched_tokens=64: both set the token budget"):
         LLM(tiny_llama.path, device="cpu", chunked_prefill_size=16, max_num_batched_tokens=64)

@@ -68,7 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
     chunked_prefill_size: int | None = _setting(
-        None, "SGLang's name: chunked prefill with this token budget per step (max_num_batched_tokens)",
+        None, "SGLang's name: chunked prefill with this token budget per step (sets "
+              "max_num_batched_tokens)",
         plan=True)
     kv_cache_dtype: str = _setting(
         "auto", "auto (the model's dtype) or fp8 (alias fp8_e4m3: E4M3 with per-layer scales, twice the "
