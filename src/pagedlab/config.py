@@ -82,8 +82,8 @@ class EngineConfig:
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)
     load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
     trust_remote_code: bool = _setting(
-        False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an architecture "
-               "it does not implement is an error listing those it does)")
+        False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an "
+               "architecture it does not implement is an error listing those it does)")
     device: str = _setting("auto", "auto, cpu, cuda or cuda:N")
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
