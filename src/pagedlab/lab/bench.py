@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedlab.lab.manifest import collect_manifest
+from pagedlab.lab.metrics import memory_efficiency
 from pagedlab.lab.monitor import GPUMonitor
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.lab.store import ResultStore, RunRecord
@@ -459,6 +460,8 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
         "kv_tokens_at_peak": stats.kv_tokens_at_peak, "fragmentation_at_peak": stats.fragmentation_at_peak,
         "peak_allocated_bytes": t.peak_allocated, "peak_reserved_bytes": t.peak_reserved,
         "nvml_peak_used_bytes": nvml_peak, "memory_used_bytes": used, "memory_total_bytes": total,
+        **memory_efficiency(stats.weight_bytes, stats.kv_cache_bytes,
+                            stats.peak_kv_blocks_used * bytes_per_block, t.peak_reserved),
     }
     gpus = max(1, info.config.tensor_parallel_size)
     elapsed = max(t.elapsed, 1e-9)

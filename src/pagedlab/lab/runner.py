@@ -213,6 +213,7 @@ def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
         replan_s = _replan(session, run, llm)
         metrics, outputs, telemetry, samples, manifest = _execute(spec, run, llm, session.profile_dir_of(run))
         metrics["replan_s"] = replan_s
+        metrics["model_parameters"] = (manifest.get("model") or {}).get("parameters")
     except KeyboardInterrupt:
         raise
     except Exception as e:
@@ -298,7 +299,10 @@ def _generate(spec: ExperimentSpec, run: ResolvedRun, llm, params: SamplingParam
     finally:
         telemetry, samples = _stop_monitor(mon)
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    return RunResult(outs, ds.items, elapsed, llm.get_stats(), peak), telemetry, samples
+    reserved = int(torch.cuda.max_memory_reserved(device)) if cuda else None
+    result = RunResult(outs, ds.items, elapsed, llm.get_stats(), peak, reserved,
+                       llm.get_engine_info().config.tensor_parallel_size)
+    return result, telemetry, samples
 
 
 def _output_record(item, output) -> dict:
