@@ -28,8 +28,8 @@ def test_seed_walkthrough_runs_every_section(tmp_path, capsys):
             "--output-len", "3", "--device", "cpu", "--out", str(out)]
     assert walkthrough.main(argv) == 0
     text = capsys.readouterr().out
-    titles = ("the machine", "will it fit", "loaded", "generate", "benchmark", "ablations", "where the time goes",
-              "scaling")
+    titles = ("the machine", "will it fit", "loaded", "generate", "benchmark", "ablations",
+              "where the time goes", "scaling")
     for number, title in enumerate(titles, start=1):
         assert f"== {number}. {title}" in text
     assert "llama3-70b (70B) on A100-80GB: does NOT fit" in text  # the seed's hardware table
