@@ -72,7 +72,7 @@ def experiments(tmp_path_factory, tiny_models):
     return root
 
 
-def test_run_profile_is_referenced_from_each_stored_run(experiments, tmp_path):
+def test_run_profile_is_referenced_from_each_stored_run(experiments, tmp_path, capsys):
     from pagedlab.lab.store import ResultStore
 
     url, profile = f"sqlite:///{tmp_path / 'results.db'}", tmp_path / "prof"
@@ -91,6 +91,8 @@ def test_run_profile_is_referenced_from_each_stored_run(experiments, tmp_path):
     # 8-token steps over a 3-token and a 14-token prompt: both prefill, then chunks beside a decode
     _check_profile_dir(Path(qa["dir"]), {"prefill", "mixed", "decode"})
     assert Path(qa["trace"]).is_file() and Path(qa["kernel_table"]).is_file()
+    assert main(["results", "show", str(runs["pqa"]["run_id"]), "--db", url]) == 0
+    assert f"profile: {qa['dir']}" in capsys.readouterr().out
 
 
 def test_run_profile_is_refused_with_ray(experiments, tmp_path, capsys):

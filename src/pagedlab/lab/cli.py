@@ -240,6 +240,9 @@ def cmd_results_show(args) -> int:
         print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template "
               f"{tok.get('chat_template_hash')}")
         print(f"  git: {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}  seeds: {m.get('seeds')}")
+        if m.get("profile"):
+            print(f"  profile: {m['profile']['dir']}  (trace {Path(m['profile']['trace']).name}, "
+                  f"kernels.txt, host gap {m['profile']['host_gap_share']})")
     tel = run.get("telemetry") or {}
     if tel:
         print(f"\ntelemetry ({tel.get('backend')}, {tel.get('num_samples')} samples): "
