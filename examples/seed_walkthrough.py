@@ -53,7 +53,7 @@ def generate(llm: LLM, max_tokens: int) -> None:
         print(f"{prompt!r} -> {out.outputs[0].text!r}")
 
 
-def benchmark(llm: LLM, args, out: Path) -> None:
+def benchmark(llm: LLM, args, out: Path):
     report = llm.benchmark(batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len,
                            use_beam_search=False)
     print(report)
@@ -62,6 +62,7 @@ def benchmark(llm: LLM, args, out: Path) -> None:
                           output_len=min(args.output_len, 8), use_beam_search=True,
                           beam_width=args.beam_width)
     print(beams)
+    return report
 
 
 def ablations(llm: LLM, args) -> None:
@@ -86,21 +87,22 @@ def where_the_time_goes(llm: LLM, args, out: Path) -> None:
     print(format_kernel_table(summary, per_kind=3))
 
 
-def scaling(llm: LLM, other_models: list[str], args, engine_args: dict, out: Path) -> None:
+def scaling(llm: LLM, report, other_models: list[str], args, engine_args: dict, out: Path) -> None:
+    """``report``: the loaded model's benchmark (section 5); each other model is benchmarked the same."""
     import pandas as pd
     import seaborn as sns
     from matplotlib.figure import Figure
 
     from pagedlab.lab.plan import count_parameters, size_class
 
-    def measure(llm: LLM) -> list[dict]:
+    def measure(llm: LLM, report=None) -> list[dict]:
         model_size = size_class(count_parameters(llm.get_engine_info().hf_config))
-        report = llm.benchmark(batch_size=args.batch_size, input_len=args.input_len,
-                               output_len=args.output_len)
+        report = report or llm.benchmark(batch_size=args.batch_size, input_len=args.input_len,
+                                         output_len=args.output_len)
         return [{"model_size": model_size, "batch_size": r.batch_size, "throughput": r.output_throughput,
                  "throughput_per_gpu": r.output_throughput_per_gpu} for r in report.runs]
 
-    rows = measure(llm)
+    rows = measure(llm, report)
     for model in other_models:  # each loaded once, in turn
         with LLM(model, **engine_args) as other:
             rows += measure(other)
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a model (repeatable: the scaling section benchmarks each; default: the embedded "
                         "smollm2-135m-instruct)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--beam-width", type=int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="seed-walkthrough", help="output directory")
@@ -137,20 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     check_machine()
     section("will it fit")
     will_it_fit()
-    engine_args = dict(device=args.device, enforce_eager=True, trust_remote_code=True,
-                       chunked_prefill_size=max(64, args.input_len), kv_cache_memory_bytes=64 << 20)
+    longest = -(-2 * (args.input_len + args.output_len) // 64) * 64  # room for the prompts, rounded up
+    engine_args = dict(device=args.device, enforce_eager=True, trust_remote_code=True, max_model_len=longest,
+                       chunked_prefill_size=max(64, args.input_len), kv_cache_memory_bytes=256 << 20)
     with LLM(model=models[0], **engine_args) as llm:
         section(f"loaded {models[0]}: {llm.get_engine_info().resolved_settings()}")
         section("generate")
         generate(llm, args.output_len)
         section("benchmark")
-        benchmark(llm, args, out)
+        report = benchmark(llm, args, out)
         section("ablations")
         ablations(llm, args)
         section("where the time goes")
         where_the_time_goes(llm, args, out)
         section("scaling")
-        scaling(llm, models[1:], args, engine_args, out)
+        scaling(llm, report, models[1:], args, engine_args, out)
     print(f"\nwrote {out}/bench.json, {out}/profile/ and {out}/scaling.png")
     return 0
 
