@@ -67,6 +67,10 @@ class EngineConfig:
         None, "token budget of one step (default: 8192, or max_model_len without chunked prefill)", plan=True)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
+    chunked_prefill_size: int | None = _setting(
+        None, "SGLang's name: chunked prefill with this token budget per step (sets "
+              "max_num_batched_tokens)",
+        plan=True)
     kv_cache_dtype: str = _setting(
         "auto", "auto (the model's dtype) or fp8 (alias fp8_e4m3: E4M3 with per-layer scales, twice the "
                 "tokens per byte)", plan=True)
@@ -77,7 +81,9 @@ class EngineConfig:
     enable_cascade_attention: bool = _setting(
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)
     load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
-    trust_remote_code: bool = _setting(False, "let transformers run the model directory's own code")
+    trust_remote_code: bool = _setting(
+        False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an "
+               "architecture it does not implement is an error listing those it does)")
     device: str = _setting("auto", "auto, cpu, cuda or cuda:N")
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
@@ -118,6 +124,8 @@ class EngineConfig:
             bad("max_num_seqs", "an integer >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
+        if self.chunked_prefill_size is not None:
+            self._check_chunked_prefill_size()
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
         if self.load_format not in LOAD_FORMATS:
@@ -145,6 +153,18 @@ class EngineConfig:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    def _check_chunked_prefill_size(self) -> None:
+        size = self.chunked_prefill_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid: chunked_prefill_size must be an "
+                             "integer >= 1 (the token budget of one step) or None")
+        if not self.enable_chunked_prefill:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid with enable_chunked_prefill=False: "
+                             "it sets the chunk size of chunked prefill")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens != size:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid next to max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: both set the token budget of a step; give one")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -283,6 +303,8 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
 
 
 def resolve_max_num_batched_tokens(cfg: EngineConfig, max_model_len: int) -> int:
+    if cfg.chunked_prefill_size is not None:
+        return cfg.chunked_prefill_size
     if cfg.max_num_batched_tokens is not None:
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < max_model_len:
             raise ValueError(

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import pagedlab
+from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
@@ -384,9 +385,10 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
               num_prompts: int | None, backends: list[str], model: str | None = None,
               shape: str | None = None,
               repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
-              progress=print) -> list[WorkloadResult]:
+              progress=print, profile_dir: str | None = None) -> list[WorkloadResult]:
     """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
-    ``latency`` stamps every token too (ITL percentiles)."""
+    ``latency`` stamps every token too (ITL percentiles); ``profile_dir`` profiles each pagedlab
+    row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``)."""
     from transformers import AutoConfig
 
     unknown = set(backends) - {"pagedlab", "hf"}
@@ -408,14 +410,15 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     results: list[WorkloadResult] = []
     if "pagedlab" in backends:
         with LLM(model, **args) as llm:
-            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress)
+            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress,
+                            profile_dir)
     if "hf" in backends:
         _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
     return results
 
 
 def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
-                    latency: bool, results: list[WorkloadResult], progress) -> None:
+                    latency: bool, results: list[WorkloadResult], progress, profile_dir: str | None) -> None:
     """Every workload under every plan variant of ``workload_name``, warmed up first."""
     warm = workloads[0]
     for w in workloads:
@@ -435,7 +438,12 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
-                results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                if profile_dir is None:
+                    results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                else:
+                    with profiled(llm, profile_subdir(profile_dir, label)) as record:
+                        results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                    results[-1].extra["profile"] = record
                 progress(format_row(results[-1]))
 
 

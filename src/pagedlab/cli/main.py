@@ -129,7 +129,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
         args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
         model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
-        latency=args.bench_command == "latency")
+        latency=args.bench_command == "latency", profile_dir=args.profile)
+    for row in results:
+        if "profile" in row.extra:
+            print(f"{row.label}: profile in {row.extra['profile']['dir']} (kernels by kind: "
+                  f"{row.extra['profile']['kernel_table']})")
     if args.json:
         workloads.write_json(args.json, results, " ".join(sys.argv))
     return 0
@@ -183,6 +187,10 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
+        p.add_argument("--profile", default=None, metavar="DIR",
+                       help="profile each pagedlab row (torch profiler) into a directory of its own under "
+                            "DIR: a Chrome/Perfetto trace, profile.json and kernels.txt (kernels by kind, "
+                            "host-gap share per step kind); profiling slows the run")
         p.set_defaults(func=cmd_bench)
     from pagedlab.server.cli import register_bench
 

@@ -34,6 +34,7 @@ from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
+from pagedlab.models.registry import check_config_file
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
@@ -53,13 +54,13 @@ def start_tensor_parallel_workers(config: EngineConfig, device: torch.device) ->
     return TensorParallelWorkers(config, world_size)
 
 
-def load_tokenizer(path, trust_remote_code: bool = False, tokenizer_mode: str = "auto"):
+def load_tokenizer(path, tokenizer_mode: str = "auto"):
     """The tokenizer in ``path`` (``tokenizer_mode="slow"``: the Python one), or None for a
-    directory that holds only weights/config."""
+    directory that holds only weights/config. Never a tokenizer class from the repository's code."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code,
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
                                              use_fast=tokenizer_mode != "slow")
     except (OSError, ValueError, TypeError) as e:
         logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
@@ -80,16 +81,16 @@ class LLMEngine:
             self.device = rank_device(config.device, 0)
         self.source = resolve_model_source(config.model, config.load_format, config.revision,
                                            config.download_dir)
-        try:
-            self.hf_config = AutoConfig.from_pretrained(str(self.source.path),
-                                                        trust_remote_code=config.trust_remote_code)
+        check_config_file(self.source.path)
+        try:  # never the repository's own code, whatever trust_remote_code says
+            self.hf_config = AutoConfig.from_pretrained(str(self.source.path), trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
         self.quantization = resolve_quantization(config.quantization, self.hf_config)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer_path = resolve_tokenizer_path(config.tokenizer, self.source.path, config.download_dir)
-        self.tokenizer = load_tokenizer(self.tokenizer_path, config.trust_remote_code, config.tokenizer_mode)
+        self.tokenizer = load_tokenizer(self.tokenizer_path, config.tokenizer_mode)
         try:
             generation_config = GenerationConfig.from_pretrained(str(self.source.path))
         except OSError:
