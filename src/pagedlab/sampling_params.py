@@ -224,7 +224,8 @@ class SamplingParams:
             self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids))
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+        structured = self.structured_outputs
+        _check(structured is None or isinstance(structured, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     def verify_token_ids(self, vocab_size: int) -> None:

@@ -82,8 +82,9 @@ class RequestStream:
     (FINAL_ONLY).
 
     Outputs the consumer has not yet read are merged (the latest cumulative one is kept; deltas
-    are appended), so a slow consumer gets bigger steps rather than a growing backlog. Leaving the iteration early (``break``, a
-    cancelled task, a closed HTTP connection) aborts the request and frees its blocks.
+    are appended), so a slow consumer gets bigger steps rather than a growing backlog. Leaving the
+    iteration early (``break``, a cancelled task, a closed HTTP connection) aborts the request and
+    frees its blocks.
     """
 
     def __init__(self, engine: AsyncEngine, stream: _Stream):
@@ -110,7 +111,8 @@ class RequestStream:
             item = await q.get()
             while not isinstance(item, BaseException) and not item.finished and not q.empty():
                 later = q.get_nowait()
-                item = item.add(later) if self._stream.deltas and isinstance(later, RequestOutput) else later
+                merge = self._stream.deltas and isinstance(later, RequestOutput)
+                item = item.add(later) if merge else later
         except BaseException:  # cancelled while waiting: the consumer is gone
             self.abort()
             raise
@@ -248,7 +250,8 @@ class AsyncEngine:
                        request_id: str | None = None, arrival_time: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output (cumulative, or as ``params.output_kind`` says) after every
-        step that changed it; the last one has ``finished=True``. Closing the generator early aborts the request."""
+        step that changed it; the last one has ``finished=True``. Closing the generator early
+        aborts the request."""
         stream = self.add_request(prompt, params, request_id, arrival_time)
         try:
             async for out in stream:

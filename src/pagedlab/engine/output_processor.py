@@ -106,7 +106,8 @@ class OutputProcessor:
             if state.logprobs is not None:
                 params = request.sampling_params
                 state.logprobs.append(self._position_logprobs(
-                    output.logprobs, row, token, params.logprobs or 0, params.detokenize, params.logprob_token_ids))
+                    output.logprobs, row, token, params.logprobs or 0, params.detokenize,
+                    params.logprob_token_ids))
                 state.cumulative_logprob += float(output.logprobs.token_logprob[row])
             if state.detokenizer is not None:
                 stop = self._append_text(state, token)
