@@ -189,6 +189,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def grammar_compiler(self):
+        """The engine's ``GrammarCompiler`` (thread-safe): compiling a request's grammar before
+        ``add_request`` keeps that work off the engine thread, which then finds it cached."""
+        return self.engine.grammar_compiler
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

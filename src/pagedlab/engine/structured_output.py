@@ -14,6 +14,7 @@ naming the package, and nothing else changes.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import torch
@@ -81,13 +82,18 @@ class GrammarCompiler:
             value = getattr(spec, kind)
             shown = repr(value if len(repr(value)) <= 80 else repr(value)[:80] + "...")
             raise ValueError(f"{kind}={shown} is invalid: xgrammar could not compile it: "
-                             f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-                             ) from None
+                             f"{_first_line(e)}") from None
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher for one request (each of ``n`` completions gets its own)."""
         xgr = import_xgrammar()
         return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+
+
+def _first_line(error: Exception) -> str:
+    """An xgrammar error's message without its C++ time and source-location prefix."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(error).__name__
 
 
 class RequestGrammar:
