@@ -108,7 +108,7 @@ def test_output_kind_offline_engine(tiny_llama):
     whole = cumulative[-1].outputs[0]
     assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 8))
     assert [len(o.outputs[0].token_ids) for o in deltas] == [1] * 7  # one new token per step
-    assert sum((o.outputs[0].token_ids for o in deltas), []) == whole.token_ids
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.token_ids
     assert [pos for o in deltas for pos in o.outputs[0].logprobs] == whole.logprobs
     assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
     assert offline.outputs[0].token_ids == whole.token_ids  # LLM.generate returns whole outputs, as vLLM
@@ -131,7 +131,7 @@ def test_output_kind_async_engine(chat_model):
         finally:
             engine.shutdown()
     assert "".join(o.outputs[0].text for o in deltas) == want.text
-    assert sum((o.outputs[0].token_ids for o in deltas), []) == want.token_ids
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == want.token_ids
     assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
     assert len(final) == 1 and final[0].outputs[0].text == want.text
 
