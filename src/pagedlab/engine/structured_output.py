@@ -71,8 +71,9 @@ class GrammarCompiler:
             if kind == "json":
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
                 return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}',
+                                                    any_whitespace=not spec.disable_any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
