@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedlab.engine.request import Request
+from pagedlab.engine.structured_output import grammar_bitmask
 from pagedlab.layers.sampler import SamplingMetadata
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
@@ -122,8 +123,6 @@ def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
     """(rows, packed bitmask) of the rows whose grammar still runs, filled from each matcher's
     state: every token the request kept must have been accepted first. A request that finished
     while this step was queued samples a token that is dropped, so its row stays unmasked."""
-    from pagedlab.engine.structured_output import grammar_bitmask
-
     rows = [row for row, r in enumerate(requests)
             if r.grammar is not None and not r.is_finished and not r.grammar.is_terminated]
     if not rows:
