@@ -143,3 +143,32 @@ def test_output_kind_async_engine(chat_model):
 def test_bad_output_controls(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_output_controls_on_gpu_with_async_steps_and_graphs(chat_model, tiny_llama):
+    """The CUDA path: asynchronous steps, CUDA graphs, label logprobs copied back behind the
+    step's event, a multi-token bad word making the loop read each step back."""
+    path, hf = chat_model
+    labels = [5, 17, 42]
+    prompts = random_prompts(4, max_len=20, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprob_token_ids=labels)
+    with LLM(tiny_llama.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_engine_info().async_scheduling
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.token_ids == hf_greedy(tiny_llama.hf_model, out.prompt_token_ids, 8)
+        want = _hf_step_logprobs(tiny_llama.hf_model, out.prompt_token_ids + c.token_ids, len(c.token_ids))
+        for step, position in enumerate(c.logprobs):
+            for tid in labels:
+                assert position[tid].logprob == pytest.approx(want[step, tid].item(), abs=1e-3)
+    with LLM(path, dtype="float32", device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        word = tokenizer.decode(plain[2:4])
+        got = llm.generate(PROMPT, greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+        banned = llm.llm_engine._bad_words_token_ids([word])
+    assert got == hf_greedy(hf, tokenizer.encode(PROMPT), 12, bad_words_ids=banned, min_new_tokens=12)

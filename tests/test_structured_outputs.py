@@ -209,3 +209,21 @@ def test_without_xgrammar_structured_requests_fail_clearly(served, tiny_dir, mon
             llm.generate("hi", SamplingParams(structured_outputs=StructuredOutputsParams(choice=CHOICES)),
                          use_tqdm=False)
         assert llm.generate("hi", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_outputs_on_gpu(tiny_dir):
+    """Asynchronous steps with CUDA graphs: the bitmask is filled while the forward runs and
+    applied on the device; synchronous steps give the same tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s) for s in _specs()]
+    prompts = [p for p in PROMPTS for _ in params]
+    tokens = {}
+    for async_scheduling in (False, True):
+        with LLM(tiny_dir, dtype="float32", device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES,
+                 async_scheduling=async_scheduling) as llm:
+            outs = llm.generate(prompts, params * len(PROMPTS), use_tqdm=False)
+        for spec, out in zip(_specs() * len(PROMPTS), outs):
+            check_output(spec, out.outputs[0].text)
+        tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]
