@@ -22,10 +22,11 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
 _TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias", "logprob_token_ids")
 
 
-class RequestOutputKind(enum.Enum):
+class RequestOutputKind(enum.IntEnum):
     """What each output of a running request holds (vLLM's names): everything so far
     (``CUMULATIVE``), only what is new since the last output (``DELTA``), or nothing until the
-    request finishes (``FINAL_ONLY``). The offline ``LLM`` returns final outputs whatever it says."""
+    request finishes (``FINAL_ONLY``). The offline ``LLM`` returns final outputs whatever it says.
+    An int enum, so a manifest of the parameters stays plain JSON."""
 
     CUMULATIVE = 0
     DELTA = 1
