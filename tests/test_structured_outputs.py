@@ -227,3 +227,25 @@ def test_structured_outputs_on_gpu(tiny_dir):
             check_output(spec, out.outputs[0].text)
         tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
     assert tokens[False] == tokens[True]
+
+
+def test_async_engine_streams_structured_deltas(tiny_dir, offline):
+    """AsyncEngine.generate compiles the grammar off the engine thread; DELTA outputs of a
+    structured request add up to the offline text."""
+    import asyncio
+
+    from pagedlab.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=_specs()[1],
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def deltas(engine):
+        return [out.outputs[0].text async for out in engine.generate(PROMPTS[0], params)]
+
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        engine = AsyncEngine.from_llm(llm)
+        try:
+            texts = asyncio.run(deltas(engine))
+        finally:
+            engine.shutdown()
+    assert "".join(texts) == offline[False]["outs"][1].outputs[0].text and len(texts) > 1

@@ -257,7 +257,9 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output (cumulative, or as ``params.output_kind`` says) after every
         step that changed it; the last one has ``finished=True``. Closing the generator early
-        aborts the request."""
+        aborts the request. A structured-output grammar is compiled in a worker thread first."""
+        if params is not None and params.structured_outputs is not None:
+            await asyncio.to_thread(self.grammar_compiler.compile, params.structured_outputs)
         stream = self.add_request(prompt, params, request_id, arrival_time)
         try:
             async for out in stream:
