@@ -151,15 +151,19 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _wait_idle(served, timeout: float = 30.0) -> dict[str, float]:
+    """The metrics once the engine is idle and two scrapes agree (the engine thread publishes a
+    finished request's stats just before its counters)."""
     deadline = time.monotonic() + timeout
+    previous = None
     while True:
         m = _metrics(served["url"])
         stats = served["engine"].get_stats()
-        if stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0 \
-                and m["pagedlab:kv_cache_blocks_used"] == 0:
+        idle = stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+        if idle and m == previous:
             return m
+        previous = m if idle else None
         assert time.monotonic() < deadline, f"the server did not go idle: {stats}"
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def _check_round(served, results, before: dict, after: dict) -> None:
@@ -173,7 +177,7 @@ def _check_round(served, results, before: dict, after: dict) -> None:
             cancelled += 1
         else:
             finished += 1
-            assert got == refs[key], (kind, key)
+            assert got == refs[key], (kind, key, got, refs[key])
             if kind == "structured" and HAS_XGRAMMAR:
                 assert re.fullmatch(REGEX, got[0]) if key[2] else got[0] in CHOICES
     assert cancelled == REQUESTS_PER_ROUND // 3 and finished > 0
@@ -182,10 +186,12 @@ def _check_round(served, results, before: dict, after: dict) -> None:
         return after[name] - before[name]
 
     ended = delta("pagedlab:request_success_total") + delta("pagedlab:request_aborted_total")
-    assert ended == finished + cancelled  # every request that reached the engine is counted once
-    assert delta("pagedlab:request_success_total") >= finished  # a few cancels may finish first
-    assert delta("pagedlab:request_prompt_tokens_count") == ended
-    assert delta("pagedlab:generation_tokens_total") == delta("pagedlab:request_generation_tokens_sum")
+    counts = {name: delta(name) for name in after if name.startswith("pagedlab:") and "{" not in name}
+    assert ended == finished + cancelled, counts  # every request that reached the engine is counted once
+    assert delta("pagedlab:request_success_total") >= finished, counts  # a few cancels may finish first
+    assert delta("pagedlab:request_prompt_tokens_count") == ended, counts
+    generated = delta("pagedlab:request_generation_tokens_sum")
+    assert delta("pagedlab:generation_tokens_total") == generated, counts
 
 
 def _live_objects() -> int:
