@@ -30,6 +30,7 @@ from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_kind
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
@@ -100,6 +101,7 @@ class LLMEngine:
         self.runner = self._load_runner()
         self.runner.ranges = self.ranges
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
@@ -207,20 +209,43 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_token_ids(self.hf_config.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; "
-                             "use stop_token_ids")
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "
+                                 "none; use stop_token_ids / allowed_token_ids")
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # a bad grammar fails before queueing
         arrival_time = arrival_time or time.time()
         children = [
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                     eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id,
-                    arrival_time=arrival_time,
+                    arrival_time=arrival_time, bad_words_token_ids=bad_words,
+                    grammar=(self.grammar_compiler.matcher(params.structured_outputs)
+                             if params.structured_outputs is not None else None),
                     generator=torch.Generator(device=self.device).manual_seed(params.seed + index)
                     if params.seed is not None else None)
             for index in range(params.n)]
         self.output_processor.add_request(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word as it starts a text, and after a space where
+        that gives a different first token and as many tokens (a word mid-sentence)."""
+        sequences = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        vocab = self.hf_config.vocab_size
+        bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words={bad_words!r} is invalid: it tokenizes to id {bad}, out of "
+                             f"vocabulary (ids must be in [0, {vocab}))")
+        return sequences
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -269,12 +294,15 @@ class LLMEngine:
                 self.ranges.mark(KIND_PREFIX + step_kind(batch))
             changed += batch.preempted
             launched = self._launch(batch, previous)
-            if launched is not None and self.async_scheduling:
-                self._in_flight = launched
-            elif launched is not None:
-                changed += self._process_output(launched)
             if previous is not None:
                 changed += self._process_output(previous)
+            if launched is not None:
+                # a batch with grammars samples only now: its bitmask needs the tokens just read back
+                self.runner.finish_sampling(launched)
+                if self.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    changed += self._process_output(launched)
             return self.output_processor.make_outputs(changed, finished_only=not stream)
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedlab.engine.structured_output import RequestGrammar
 from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
 
@@ -43,6 +44,8 @@ class Request:
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None  # per-request seed
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
+    grammar: RequestGrammar | None = None  # structured outputs: a RequestGrammar fed every kept token
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
@@ -89,6 +92,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its sampling reads every earlier token on the host (penalties, multi-token bad words)."""
+        return self.sampling_params.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

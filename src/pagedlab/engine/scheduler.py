@@ -77,13 +77,13 @@ class Scheduler:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Some unfinished request samples with penalties, which read every earlier token on the
-        host: each step must be read back before the next is scheduled."""
+        """Some unfinished request samples with penalties or multi-token bad words, which read
+        every earlier token on the host: each step must be read back before the next is scheduled."""
         return self._num_needing_host_tokens > 0
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if request.sampling_params.has_penalties:
+        if request.needs_host_tokens:
             self._num_needing_host_tokens += 1
         self.waiting.append(request)
 
@@ -224,6 +224,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.metrics.finished_time = time.time()
-        if request.sampling_params.has_penalties:
+        if request.needs_host_tokens:
             self._num_needing_host_tokens -= 1
         self.kv_cache.free(request)
