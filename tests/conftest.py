@@ -52,6 +52,12 @@ def tiny_config(arch: str, **overrides):
     elif arch == "phi3":  # Phi-4-mini's partial rotary
         cfg = transformers.Phi3Config(**common, sliding_window=None, rope_parameters={
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    elif arch == "phi3_longrope":  # LongRoPE switching to its long factors past 32 tokens
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 32}
+        cfg = transformers.Phi3Config(**common, sliding_window=None, rope_parameters=rope,
+                                      original_max_position_embeddings=32)
     elif arch == "gemma2":  # attention and final logit soft-capping; local/global layers
         cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
                                         final_logit_softcapping=5.0, attn_logit_softcapping=1.0)

@@ -52,10 +52,10 @@ def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
 
 FAMILIES = pytest.mark.parametrize("arch, kv_heads", [
     ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2), ("mixtral", 2),
-    ("qwen3_moe", 2), ("mistral_window", 2),
+    ("qwen3_moe", 2), ("mistral_window", 2), ("phi3_longrope", 2),
 ], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-softcaps-local-global-window-16",
         "gemma3-local-global-rope-window-16", "mixtral-8-experts-top-2", "qwen3-moe-unnormalized-top-2",
-        "mistral-window-16"])
+        "mistral-window-16", "phi3-longrope-switch-at-32"])
 
 
 @FAMILIES
@@ -108,6 +108,24 @@ def test_sliding_window_generation_holds_bounded_blocks(tiny_models):
     assert again == hf_greedy(tiny.hf_model, prompt + [5], 20, eos_token_id=None)
 
 
+def test_longrope_sequence_crossing_the_switch_is_recomputed_with_long_factors(tiny_models):
+    """Phi-3 LongRoPE switching at 32 tokens: prompts of 20-30 tokens generate past it (the
+    whole sequence is recomputed with the long factors, as transformers does); then the same
+    prompt again (short regime: it takes the blocks computed before the switch) and extended to
+    40 tokens (long regime: the blocks recomputed after it), all HF's greedy tokens."""
+    tiny = tiny_models("phi3_longrope")
+    prompts = random_prompts(3, min_len=20, max_len=30, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64) as llm:
+        crossed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [prompts[0], prompts[0] + crossed[0][:-2]]
+        again_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        repeated = [o.outputs[0].token_ids for o in llm.generate(again, again_params, use_tqdm=False)]
+        assert llm.get_stats().prefix_cache_hit_tokens >= 16
+    assert crossed == [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
+    assert repeated == [hf_greedy(tiny.hf_model, p, 2, eos_token_id=None) for p in again]
+
+
 @pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])
 def test_two_ranks_give_hf_tokens(tiny_models, arch):
     """At tensor_parallel_size=2 over gloo: GPT-NeoX (sequential residual) with its per-head fused
@@ -129,17 +147,6 @@ def test_unsupported_gpt2_variant_is_named(tmp_path):
     from pagedlab.models.registry import build_model
 
     with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
-        build_model(cfg, 64)
-
-
-def test_phi3_longrope_is_refused_by_name(tiny_models):
-    """LongRoPE ("su") frequencies change with the sequence length: loading says so."""
-    from pagedlab.models.registry import build_model
-
-    cfg = copy.deepcopy(tiny_models("phi3").hf_model.config)
-    cfg.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
         build_model(cfg, 64)
 
 

@@ -21,9 +21,11 @@ import time
 import torch
 
 from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv_cache_bytes,
-                             kv_release_window, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
-                             resolve_max_model_len, resolve_max_num_batched_tokens, resolve_quantization)
+                             kv_release_window, model_max_len, resolve_device, resolve_dtype,
+                             resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
+                             resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
+from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
@@ -158,8 +160,10 @@ class LLMEngine:
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)))
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                        kv_release_window(self.hf_config))
+        switch = long_rope_switch(self.hf_config)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, cfg.enable_chunked_prefill)
+                                   self.max_model_len, cfg.enable_chunked_prefill,
+                                   None if switch is None else (switch, model_max_len(self.hf_config)))
         _freeze_heap()
 
     def reset_stats(self) -> None:

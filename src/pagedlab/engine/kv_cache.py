@@ -13,6 +13,9 @@ keys that old) and ``num_released_blocks`` counts them. It stays named as a pref
 keys and values are those of its tokens at their positions, whoever computed them, so a
 later request may still take it as part of a cached prefix until the pool hands it out again.
 With any full-attention layer (Gemma 2/3's global layers) nothing can be freed early.
+
+A request whose positions are offset (``rope_position_offset``: LongRoPE's long regime) has
+other keys and values for the same tokens, so its chain of hashes starts from the offset.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
     return hashlib.blake2b((parent_hash or b"") + data, digest_size=16).digest()
 
 
+def _chain_root(request: Request) -> bytes | None:
+    """The parent hash of a request's first block: its position offset, where it has one."""
+    offset = request.rope_position_offset
+    return offset.to_bytes(8, "little") if offset else None
+
+
 class KVCacheManager:
     """Hands out fixed-size blocks of KV slots to requests."""
 
@@ -100,7 +109,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range((len(tokens) - 1) // self.block_size):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else None, block_tokens)
+            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else _chain_root(request),
+                                    block_tokens)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
@@ -198,7 +208,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else _chain_root(request)
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(parent, block_tokens)
             request.block_hashes.append(block_hash)

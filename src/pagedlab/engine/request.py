@@ -51,6 +51,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_released_blocks: int = 0  # leading block_ids handed back already (outside every window)
+    rope_position_offset: int = 0  # added to positions given to the model (LongRoPE's long rows)
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
