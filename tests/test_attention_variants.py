@@ -99,3 +99,21 @@ def test_bad_window_and_cap_are_named():
         paged_attention_triton(**batch, scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match=r"softcap=-1\.0 must be positive"):
         paged_attention_triton(**batch, scale=1.0, softcap=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split_kv_size", [None, 256])
+def test_gemma2_9b_shaped_attention_on_gpu(split_kv_size):
+    """Gemma-2-9B's attention in bf16 (head_dim 256, 16 heads over 8 KV heads, window 4096,
+    soft-capping 50): a 512-token chunk after 5,000 keys and decodes past the window, local and
+    global, against the torch reference."""
+    seqs = [(5000, 512), (6000, 1), (300, 1), (4096, 1)] if split_kv_size is None else [(6000, 1), (4500, 1)]
+    batch = make_batch(seqs, 8, 2, 256, 16, torch.bfloat16, _generator("gemma2-9b", split_kv_size))
+    max_query_len = max(q for _, q in seqs)
+    for window in (4096, None):
+        expected = _reference(batch, 256 ** -0.5, sliding_window=window, softcap=50.0)
+        got = paged_attention_triton(**batch, scale=256 ** -0.5, max_query_len=max_query_len,
+                                     max_seq_len=6001 if split_kv_size else None, split_kv_size=split_kv_size,
+                                     sliding_window=window, softcap=50.0)
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -303,6 +303,8 @@ class _AttentionKernels:
         partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
         block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group)
+        if self.head_dim_padded > 128:  # Gemma's 256: three stages of K and V tiles overflow shared memory
+            num_stages = 2
         num_seqs = seq_lens.shape[0]
         grid = ((self.q.shape[0] // block_q + num_seqs, self.num_kv_heads)
                 + ((num_segments,) if split_kv_size else ()))
