@@ -32,6 +32,8 @@ LAZY_INTERNAL = {
     "pagedlab.kernels.all_reduce": "the one-shot all-reduce on CUDA: triton is optional on the CPU",
     "pagedlab.kernels.gemv": "dense GEMV on CUDA: triton is optional on the CPU, and the interpreter must be "
                              "settled before its kernels are decorated",
+    "pagedlab.kernels.fp8_linear": "FP8 activation quantization and GEMV on CUDA: triton is optional "
+                                   "on the CPU",
     "pagedlab.quantization.formats": "config resolves the weight format: config loads without torch, "
                                      "so the command line answers --help at once",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "

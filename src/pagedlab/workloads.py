@@ -163,6 +163,16 @@ class AllReduceCost:
         return self.latency_s + nbytes / self.bus_bandwidth
 
 
+def decode_weight_bytes(info) -> float:
+    """The matmul weight bytes a decode step of a loaded engine reads, all ranks together: its
+    stored parameters (``EngineInfo.weight_bytes``, one rank's shard) less the input embedding,
+    of which a step reads only its tokens' rows, unless it is also the LM head (tied)."""
+    c = info.hf_config
+    tied = getattr(c, "tie_word_embeddings", False)
+    embedding = 0 if tied else c.vocab_size * c.hidden_size * info.dtype.itemsize
+    return info.weight_bytes * info.config.tensor_parallel_size - embedding
+
+
 @dataclass
 class _StepWeights:
     """The matmul weights a step touches: every layer's attention and router, the experts its
@@ -199,11 +209,16 @@ class _StepWeights:
         experts_hit = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
         return self.shared_params + self.num_layers * experts_hit * self.expert_params
 
+    @property
+    def all_params(self) -> int:
+        return self.shared_params + self.num_layers * self.num_experts * self.expert_params
+
 
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
-                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None) -> float:
+                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None,
+                   decode_weight_bytes: float | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
     A mixture of experts reads only the experts its step's tokens are routed to (``_StepWeights``).
@@ -214,11 +229,14 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
     all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum.
     ``kv_dtype_bytes``: bytes of a cached key or value element (default ``dtype_bytes``; 1 for
-    an FP8 KV cache)."""
+    an FP8 KV cache). ``decode_weight_bytes``: the bytes of the matmul weights, all ranks
+    together, when they are not ``dtype_bytes`` per parameter (quantized weights; see
+    ``decode_weight_bytes``); a mixture of experts' step reads its routed share of them."""
     c = hf_config
     tp = tensor_parallel_size
     weights = _StepWeights.from_config(c)
     q, kv = weights.q_width, weights.kv_width
+    bytes_per_param = decode_weight_bytes / weights.all_params if decode_weight_bytes else dtype_bytes
     kv_bytes_per_token = 2 * c.num_hidden_layers * kv * (kv_dtype_bytes or dtype_bytes)
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
@@ -235,7 +253,7 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
-        read = weights.params_read(len(live)) * dtype_bytes + kv_bytes_per_token * held
+        read = weights.params_read(len(live)) * bytes_per_param + kv_bytes_per_token * held
         work = 2 * weights.active_params * len(live) + attn_flops_per_pair * sum(live)
         decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
@@ -331,7 +349,8 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
         extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
-               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
+               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "weight_gib": stats.weight_bytes / 2**30,
+               "block_size": stats.block_size,
                "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
 
 
@@ -492,7 +511,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
                                    tensor_parallel_size=info.config.tensor_parallel_size,
-                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize) \
+                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize,
+                                   decode_weight_bytes=decode_weight_bytes(info)) \
                 if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
