@@ -9,6 +9,8 @@ import torch
 
 from test_kernels import DEVICE, TOLERANCE, _generator, make_batch  # sets TRITON_INTERPRET first
 
+from conftest import hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
 from pagedlab.kernels.paged_attention import (CascadeBuffers, cascade_attention_triton, paged_attention_torch,
                                               paged_attention_triton)
 
@@ -99,6 +101,24 @@ def test_bad_window_and_cap_are_named():
         paged_attention_triton(**batch, scale=1.0, sliding_window=0)
     with pytest.raises(ValueError, match=r"softcap=-1\.0 must be positive"):
         paged_attention_triton(**batch, scale=1.0, softcap=-1.0)
+
+
+@pytest.mark.slow  # the attention kernel interpreted through whole generations
+@pytest.mark.parametrize("arch", ["mistral_window", "gemma2"])
+def test_triton_backend_gives_hf_tokens_with_windows_and_softcaps(tiny_models, arch):
+    """Through the engine on the Triton kernels: Mistral with a 16-token window in a pool of 4
+    blocks (released blocks are handed to other sequences while stale entries stay in the block
+    tables), Gemma 2 with soft-capping and local/global layers; HF's greedy tokens."""
+    tiny = tiny_models(arch)
+    prompts = random_prompts(2, min_len=24, max_len=32, seed=14)
+    cfg = tiny.hf_model.config
+    block_bytes = 2 * cfg.num_hidden_layers * 16 * 2 * 16 * 4  # 16 slots x 2 KV heads x head_dim 16
+    num_blocks = 4 if arch == "mistral_window" else 64
+    with LLM(tiny.path, dtype="float32", attention_backend="triton", max_num_batched_tokens=16,
+             max_model_len=64, kv_cache_memory_bytes=num_blocks * block_bytes) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
+    assert got == [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
 
 
 @pytest.mark.gpu
