@@ -150,6 +150,17 @@ def test_unsupported_gpt2_variant_is_named(tmp_path):
         build_model(cfg, 64)
 
 
+def test_per_layer_type_longrope_is_refused_by_name(tiny_models):
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models("gemma3").hf_model.config)
+    cfg.rope_parameters["full_attention"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                             "original_max_position_embeddings": 32}
+    with pytest.raises(ValueError, match=r"rope_type='longrope' per layer type \(full_attention\)"):
+        build_model(cfg, 64)
+
+
 def test_dense_layers_between_moe_layers_are_refused_by_name(tiny_models):
     from pagedlab.models.registry import build_model
 

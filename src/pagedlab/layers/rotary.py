@@ -55,6 +55,9 @@ def rope_inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = 
                          "sequence length; supported: default, linear, llama3, yarn, longrope")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if rope_type in _LONG_ROPE and layer_type is not None:
+        raise ValueError(f"rope_type={rope_type!r} per layer type ({layer_type}) is not supported: only "
+                         "a model-wide LongRoPE switches between its short and long factors")
     rope_type = "longrope" if rope_type in _LONG_ROPE else rope_type
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type={rope_type!r} is unknown; supported: default, linear, llama3, yarn, "
