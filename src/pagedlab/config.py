@@ -279,16 +279,30 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
 
 
 def model_max_len(hf_config) -> int:
-    """Positions the model supports; a sliding window (Mistral, Phi-3, Gemma 2/3's local layers)
-    caps it, since attention here is always full (within the window the two are the same)."""
-    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """Positions the model supports (``max_position_embeddings``); sliding windows do not cap it,
+    since the attention kernels mask keys older than each layer's window."""
+    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+
+
+def attention_windows(hf_config) -> list[int | None]:
+    """Each layer's sliding window (a query sees itself and the ``W - 1`` keys before it), None
+    for a full-attention layer: ``sliding_window`` on every layer (Mistral, Mixtral, Phi-3), or
+    on the ``layer_types`` "sliding_attention" layers (Gemma 2/3, Qwen2/3's ``max_window_layers``)."""
+    num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
-    windowed_types = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
-    uses_window = getattr(hf_config, "use_sliding_window",
-                          getattr(hf_config, "model_type", "") in windowed_types)
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+    return [int(window)] * num_layers
+
+
+def kv_release_window(hf_config) -> int | None:
+    """The window after which a sequence's keys can be freed: the widest layer window when every
+    layer is windowed, None when any layer attends in full (then every key stays needed)."""
+    windows = attention_windows(hf_config)
+    return None if not windows or None in windows else max(windows)
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:

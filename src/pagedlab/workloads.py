@@ -60,7 +60,47 @@ def model_shape(name: str):
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             architectures=["Qwen3ForCausalLM"])
-    raise ValueError(f"shape {name!r} is unknown; known shapes: llama3-8b, llama3-70b, qwen3-0.6b")
+    if name in _FAMILY_SHAPES:
+        return _FAMILY_SHAPES[name]()
+    raise ValueError(f"shape {name!r} is unknown; known shapes: {', '.join(SHAPES)}")
+
+
+def _qwen3_30b_a3b():
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
+
+
+def _mixtral_8x7b():
+    import transformers
+
+    return transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, dtype="bfloat16", architectures=["MixtralForCausalLM"])
+
+
+def _gemma2_9b():
+    import transformers
+
+    return transformers.Gemma2Config(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16",
+        architectures=["Gemma2ForCausalLM"])
+
+
+_FAMILY_SHAPES = {"qwen3-30b-a3b": _qwen3_30b_a3b, "mixtral-8x7b": _mixtral_8x7b, "gemma2-9b": _gemma2_9b}
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-0.6b", *_FAMILY_SHAPES)
 
 
 def shape_dir(name: str) -> str:
@@ -134,6 +174,47 @@ def decode_weight_bytes(info) -> float:
     return info.weight_bytes * info.config.tensor_parallel_size - embedding
 
 
+@dataclass
+class _StepWeights:
+    """The matmul weights a step touches: every layer's attention and router, the experts its
+    tokens are routed to (all of a dense MLP), the LM head."""
+
+    q_width: int
+    kv_width: int
+    shared_params: int  # attention, routers and LM head: read by every step
+    expert_params: int  # one expert of one layer
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def from_config(cls, c) -> _StepWeights:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 1
+        top_k = getattr(c, "num_experts_per_tok", 1) if experts > 1 else 1
+        inter = (getattr(c, "moe_intermediate_size", None) if experts > 1 else None) or c.intermediate_size
+        router = experts * c.hidden_size if experts > 1 else 0
+        shared = c.num_hidden_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + router)
+        return cls(q, kv, shared + c.vocab_size * c.hidden_size, 3 * c.hidden_size * inter,
+                   c.num_hidden_layers, experts, top_k)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies by."""
+        return self.shared_params + self.num_layers * self.top_k * self.expert_params
+
+    def params_read(self, batch: int) -> float:
+        """Parameters a step of ``batch`` tokens reads: the experts hit at least once, expected
+        under uniform routing (all of them for a large batch; ``top_k`` at batch 1)."""
+        experts_hit = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        return self.shared_params + self.num_layers * experts_hit * self.expert_params
+
+    @property
+    def all_params(self) -> int:
+        return self.shared_params + self.num_layers * self.num_experts * self.expert_params
+
+
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
@@ -141,6 +222,7 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
                    decode_weight_bytes: float | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
+    A mixture of experts reads only the experts its step's tokens are routed to (``_StepWeights``).
 
     ``cached_prefix``: every prompt after the first starts with that many tokens of the first,
     found in the prefix cache: they are not computed again, and their KV is held, so read, once.
@@ -148,15 +230,14 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
     all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum.
     ``kv_dtype_bytes``: bytes of a cached key or value element (default ``dtype_bytes``; 1 for
-    an FP8 KV cache). ``decode_weight_bytes``: the bytes of matmul weights one decode step reads,
-    all ranks together, when they are not ``dtype_bytes`` per parameter (quantized weights; see
-    ``decode_weight_bytes``)."""
+    an FP8 KV cache). ``decode_weight_bytes``: the bytes of the matmul weights, all ranks
+    together, when they are not ``dtype_bytes`` per parameter (quantized weights; see
+    ``decode_weight_bytes``); a mixture of experts' step reads its routed share of them."""
     c = hf_config
     tp = tensor_parallel_size
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    layer_params = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
+    weights = _StepWeights.from_config(c)
+    q, kv = weights.q_width, weights.kv_width
+    bytes_per_param = decode_weight_bytes / weights.all_params if decode_weight_bytes else dtype_bytes
     kv_bytes_per_token = 2 * c.num_hidden_layers * kv * (kv_dtype_bytes or dtype_bytes)
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
@@ -166,15 +247,15 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
 
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
     # a chunk of n new tokens after c cached ones attends n * c + n^2 / 2 (query, key) pairs
-    prefill = sum(2 * matmul_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
+    prefill = sum(2 * weights.active_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
                   for n, c in zip(prompt_lens, cached)) / flops / tp
     prefill += all_reduces(sum(n - c for n, c in zip(prompt_lens, cached)))
     decode = 0.0
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
-        read = (decode_weight_bytes or matmul_params * dtype_bytes) + kv_bytes_per_token * held
-        work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
+        read = weights.params_read(len(live)) * bytes_per_param + kv_bytes_per_token * held
+        work = 2 * weights.active_params * len(live) + attn_flops_per_pair * sum(live)
         decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
 

@@ -20,10 +20,12 @@ import time
 
 import torch
 
-from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, resolve_device, resolve_dtype,
+from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv_cache_bytes,
+                             kv_release_window, model_max_len, resolve_device, resolve_dtype,
                              resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
                              resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
+from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
@@ -156,12 +158,15 @@ class LLMEngine:
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or (
                 cpu_kv_cache_bytes(cfg) if self.device.type == "cpu" else None),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cascade_attention=cfg.enable_cascade_attention,
+            cascade_attention=self.cascade_attention,
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)))
-        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                       kv_release_window(self.hf_config))
+        switch = long_rope_switch(self.hf_config)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, cfg.enable_chunked_prefill)
+                                   self.max_model_len, cfg.enable_chunked_prefill,
+                                   None if switch is None else (switch, model_max_len(self.hf_config)))
         _freeze_heap()
 
     def reset_stats(self) -> None:
@@ -181,6 +186,12 @@ class LLMEngine:
             prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens)
 
     @property
+    def cascade_attention(self) -> bool:
+        """Cascade attention asked for, and the model has no sliding-window layer (a window
+        leaves no shared prefix that every query sees)."""
+        return self.config.enable_cascade_attention and not any(attention_windows(self.hf_config))
+
+    @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
 
@@ -196,7 +207,7 @@ class LLMEngine:
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,
-            cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
+            cascade_attention=self.cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
             quantization=self.quantization, weight_bytes=self.runner.weight_bytes)

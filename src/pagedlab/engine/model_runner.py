@@ -396,12 +396,12 @@ class ModelRunner:
                     inputs.pending_rows.append(offset)
                     inputs.pending_sources.append(previous_rows[request])
                     inputs.input_ids.append(0)
-                inputs.positions.append(start)
+                inputs.positions.append(start + request.rope_position_offset)
                 inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
             else:
                 inputs.input_ids.extend(request.all_token_ids[start:start + n])
                 pos = np.arange(start, start + n)
-                inputs.positions.extend(pos.tolist())
+                inputs.positions.extend((pos + request.rope_position_offset).tolist())
                 inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 count = min(start + n, request.num_prompt_tokens - 1) - start

@@ -23,8 +23,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence as the scheduler sees it: a prompt plus the tokens generated so far.
 
-    The scheduler changes every field of it (the KV cache manager only its ``block_ids`` and
-    ``block_hashes``); text, logprobs and outputs live in the output processor.
+    The scheduler changes every field of it (the KV cache manager only its ``block_ids``,
+    ``block_hashes`` and ``num_released_blocks``); text, logprobs and outputs live in the output processor.
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
     the scheduler runs ``num_tokens_with_pending - num_computed_tokens`` more (a whole prompt, a
@@ -53,6 +53,8 @@ class Request:
     num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading block_ids handed back already (outside every window)
+    rope_position_offset: int = 0  # added to positions given to the model (LongRoPE's long rows)
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
