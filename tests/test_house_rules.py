@@ -38,6 +38,8 @@ LAZY_INTERNAL = {
                                      "so the command line answers --help at once",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
+    "pagedlab.kernels.lora": "LoRA shrink/expand on CUDA: triton is optional on the CPU, and the interpreter "
+                             "must be settled before its kernels are decorated",
 }
 
 

@@ -24,11 +24,12 @@ _EXPORTS = {
     "EngineInfo": "pagedlab.config",
     "TextPrompt": "pagedlab.inputs",
     "TokensPrompt": "pagedlab.inputs",
+    "LoRARequest": "pagedlab.lora.request",
 }
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics", "EngineStats", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig",
-           "EngineInfo", "TextPrompt", "TokensPrompt", "__version__"]
+           "EngineInfo", "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

@@ -103,6 +103,10 @@ class EngineConfig:
         None, "quantized weight format: None (the checkpoint's own, from config.json's quantization_config, "
               "else dense), awq (AutoAWQ 4-bit GEMM checkpoints; round-to-nearest 4-bit of a dense one) or "
               "fp8 (compressed-tensors FP8 checkpoints; FP8 E4M3 quantized at load from a dense one)")
+    enable_lora: bool = _setting(False, "serve LoRA adapters (PEFT directories) given per request")
+    max_loras: int = _setting(1, "adapters one step can run (GPU slots, least recently used evicted)")
+    max_lora_rank: int = _setting(16, "largest adapter rank accepted (the slots' size)")
+    max_cpu_loras: int | None = _setting(None, "adapters kept read in CPU memory (default: max_loras)")
 
     def __post_init__(self):
         if self.seed is None:
@@ -140,6 +144,7 @@ class EngineConfig:
             bad("distributed_executor_backend", f"one of {EXECUTOR_BACKENDS}")
         if self.quantization not in QUANTIZATIONS:
             bad("quantization", f"one of {QUANTIZATIONS}")
+        self._validate_lora(bad)
         if self.tokenizer_mode not in TOKENIZER_MODES:
             bad("tokenizer_mode", f"one of {TOKENIZER_MODES}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -153,6 +158,18 @@ class EngineConfig:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    def _validate_lora(self, bad) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(name, "an integer >= 1")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            bad("max_cpu_loras", f"None or an integer >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora=True with tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "supported: LoRA adapters run with tensor_parallel_size=1 only")
 
     def _check_chunked_prefill_size(self) -> None:
         size = self.chunked_prefill_size

@@ -13,6 +13,7 @@ from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
 from pagedlab.engine.profiling import EngineProfiler, ProfileSummary
 from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
+from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -35,6 +36,8 @@ class LLM:
     ``gpu_memory_utilization`` of it after a profiling pass. Cascade attention (a decode batch
     reads its shared cached prefix once) sums a row's keys in another order than alone: turn it
     off for bitwise batch invariance.
+    ``enable_lora=True`` (with ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) serves PEFT LoRA
+    adapters named per prompt by ``lora_request`` (see docs/lora.md).
     Use it as a context manager to free every byte it took on exit.
     """
 
@@ -54,42 +57,55 @@ class LLM:
     # ---- generation -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Complete each prompt; returns one RequestOutput per prompt, in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        ``lora_request`` (with ``enable_lora=True``): one LoRA adapter for every prompt, or a list
+        of one per prompt (None: the base model); one batch serves them all.
         """
         prompt_list = as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         for prompt in encoded:
             self.llm_engine.validate_prompt(prompt.token_ids)
-        return self._run(encoded, params, use_tqdm)
+        for lora in dict.fromkeys(loras):
+            self.llm_engine.validate_lora_request(lora)
+        return self._run(encoded, params, use_tqdm, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (the
         tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
         continues the last (assistant) message instead of starting a new turn (set
         ``add_generation_prompt=False`` with it); ``chat_template_kwargs`` are extra template
-        variables (e.g. ``{"enable_thinking": False}``)."""
+        variables (e.g. ``{"enable_thinking": False}``); ``lora_request`` as in ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
                                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                    ) -> list[BeamSearchOutput]:
         """Beam search: each step expands every live beam by its top ``2 * beam_width`` tokens
         (one engine pass, prefix caching reusing the beams' shared KV) and keeps the best
         ``beam_width``; a beam that ends in EOS among the best is set aside as finished.
+        ``lora_request`` as in ``generate``: every beam of a prompt runs with the prompt's adapter.
         """
         encoded = [self._encode(p).token_ids for p in as_prompt_list(prompts)]
+        loras = _loras_per_prompt(lora_request, len(encoded))
+        for lora in dict.fromkeys(loras):
+            self.llm_engine.validate_lora_request(lora)
         eos = set(self.llm_engine.eos_token_ids) | set(params.stop_token_ids)
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width,
                                      detokenize=False, ignore_eos=True)
@@ -101,7 +117,7 @@ class LLM:
             if not flat:
                 break
             beams = [EncodedPrompt(beam.tokens) for _, beam in flat]
-            outputs = self._run(beams, [step_params] * len(flat), use_tqdm)
+            outputs = self._run(beams, [step_params] * len(flat), use_tqdm, [loras[i] for i, _ in flat])
             candidates: list[list[BeamSearchSequence]] = [[] for _ in encoded]
             for (i, beam), out in zip(flat, outputs):
                 for token, lp in out.outputs[0].logprobs[0].items():
@@ -138,8 +154,8 @@ class LLM:
     def _encode(self, prompt: PromptType) -> EncodedPrompt:
         return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model)
 
-    def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in encoded]
         order = {rid: i for i, rid in enumerate(ids)}
@@ -147,10 +163,10 @@ class LLM:
         progress = _progress(len(ids), use_tqdm)
         stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
         try:
-            for rid, prompt, p in zip(ids, encoded, params):
+            for rid, prompt, p, lora in zip(ids, encoded, params, loras or [None] * len(ids)):
                 if p.output_kind == RequestOutputKind.DELTA:  # as vLLM: offline returns whole final outputs
                     p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text)
+                engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)
             while engine.has_unfinished_requests():
                 if stats_log is not None:
                     stats_log.maybe_log()
@@ -289,6 +305,15 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts: give one, or one per prompt")
     return params
+
+
+def _loras_per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts: give one, or one per prompt")
+    return loras
 
 
 def _progress(total: int, enabled: bool):

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from pagedlab.config import EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
 from pagedlab.inputs import PromptType, encode_prompt
+from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
@@ -228,12 +229,13 @@ class AsyncEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    stream: bool = True) -> RequestStream:
+                    stream: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request and return its stream. Call from a running event loop.
 
         Bad input (prompt too long, out-of-vocab ids, parameters the model cannot serve) raises
         ValueError here, before anything is queued. ``stream=False`` says only the final output is
         wanted: while no request wants more, the engine skips building per-step outputs.
+        ``lora_request`` runs it with that LoRA adapter (a bad adapter fails the stream).
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
@@ -249,7 +251,7 @@ class AsyncEngine:
                           tokens=stream and params.output_kind != RequestOutputKind.FINAL_ONLY,
                           deltas=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(("add", channel, encoded.token_ids, params, encoded.text,
-                            arrival_time or time.time()))
+                            arrival_time or time.time(), lora_request))
         return RequestStream(self, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -362,13 +364,13 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _do_add(self, stream: _Stream, token_ids, params, text, arrival_time) -> None:
+    def _do_add(self, stream: _Stream, token_ids, params, text, arrival_time, lora_request) -> None:
         if stream.request_id in self._streams:
             stream.put(ValueError(f"request_id {stream.request_id!r} is already in use"))
             return
         try:
             self.engine.add_request(stream.request_id, token_ids, params, prompt=text,
-                                    arrival_time=arrival_time)
+                                    arrival_time=arrival_time, lora_request=lora_request)
         except Exception as e:  # ValueError for bad input; the engine is unchanged
             stream.put(e)
             return

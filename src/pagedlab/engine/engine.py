@@ -37,6 +37,7 @@ from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
+from pagedlab.lora.request import LoRARequest
 from pagedlab.models.registry import check_config_file
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
@@ -166,7 +167,8 @@ class LLMEngine:
         switch = long_rope_switch(self.hf_config)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, cfg.enable_chunked_prefill,
-                                   None if switch is None else (switch, model_max_len(self.hf_config)))
+                                   None if switch is None else (switch, model_max_len(self.hf_config)),
+                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
         _freeze_heap()
 
     def reset_stats(self) -> None:
@@ -214,9 +216,12 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request; bad input raises ValueError and leaves the engine unchanged."""
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
+        cached); bad input raises ValueError and leaves the engine unchanged."""
         self.validate_prompt(prompt_token_ids)
+        self.validate_lora_request(lora_request)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_token_ids(self.hf_config.vocab_size)
@@ -231,7 +236,7 @@ class LLMEngine:
         children = [
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                     eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id,
-                    arrival_time=arrival_time, bad_words_token_ids=bad_words,
+                    arrival_time=arrival_time, lora_request=lora_request, bad_words_token_ids=bad_words,
                     grammar=(self.grammar_compiler.matcher(params.structured_outputs)
                              if params.structured_outputs is not None else None),
                     generator=torch.Generator(device=self.device).manual_seed(params.seed + index)
@@ -270,6 +275,17 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range: "
                              f"ids must be integers in [0, {vocab})")
+
+    def validate_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """Read (or find cached) the adapter of ``lora_request``; a bad one is a ValueError."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request={lora_request!r} is invalid: give a pagedlab.LoRARequest or None")
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} needs LoRA enabled: build the LLM "
+                             "with enable_lora=True (and max_lora_rank >= the adapters' rank)")
+        self.runner.lora.get_adapter(lora_request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""

@@ -1,9 +1,11 @@
 """The KV cache's block pool: allocation, block tables, ref counts and prefix caching.
 
 Prefix caching: each full block is named by a chain hash of (parent block's hash, its token
-ids). A block found under that name is reused only if its stored tokens are equal too. Freed
-blocks keep their name until the pool hands them out again, least recently used first, so a
-prefix stays reusable for as long as memory allows.
+ids); the first block's parent is the request's chain root (its LoRA adapter, its position
+offset), so KV computed under one adapter is never found by a request of another. A block found
+under that name is reused only if its stored tokens are equal too. Freed blocks keep their name
+until the pool hands them out again, least recently used first, so a prefix stays reusable for as
+long as memory allows.
 
 Sliding windows: when every layer of the model attends within a window (``sliding_window``,
 the widest), a running request's blocks that lie wholly before the window of the next token
@@ -64,9 +66,11 @@ def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
 
 
 def _chain_root(request: Request) -> bytes | None:
-    """The parent hash of a request's first block: its position offset, where it has one."""
+    """The parent hash of a request's first block: its LoRA adapter and its position offset, where
+    it has them (either changes the keys and values of the same tokens)."""
     offset = request.rope_position_offset
-    return offset.to_bytes(8, "little") if offset else None
+    root = (request.prefix_cache_salt or b"") + (offset.to_bytes(8, "little") if offset else b"")
+    return root or None
 
 
 class KVCacheManager:

@@ -19,7 +19,7 @@ import torch
 
 from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
 from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
-from pagedlab.engine.cuda_graph import CudaGraphRunner
+from pagedlab.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
@@ -28,6 +28,7 @@ from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, Batc
                                        get_attention_backend)
 from pagedlab.layers.sampler import Sampler, TopLogprobs, gather_logprobs
 from pagedlab.loader import ModelSource, load_model
+from pagedlab.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,11 @@ def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
     model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed,
                        config.quantization)
     backend = get_attention_backend(config.attention_backend, device)
-    return ModelRunner(model, hf_config, device, dtype, backend, config.seed)
+    runner = ModelRunner(model, hf_config, device, dtype, backend, config.seed)
+    if config.enable_lora:
+        runner.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras or config.max_loras, dtype, device)
+    return runner
 
 
 class ModelRunner:
@@ -137,6 +142,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.to_device = HostToDevice(device)
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
+        self.lora: LoRAManager | None = None  # with enable_lora
         self.ranges = StepRanges()  # the engine's, once it owns this runner
         # the last step's block table and each request's (row, block count) in it
         self._block_table = np.zeros((0, 0), dtype=np.int32)
@@ -157,6 +163,8 @@ class ModelRunner:
     def _configure(self, plan: RunnerPlan) -> int:
         self.free_kv_cache()
         self.plan = plan
+        if self.lora is not None:  # before the memory profile, whose forward runs without adapters
+            self.lora.allocate_mapping(max(plan.max_num_batched_tokens, capture_sizes(plan.max_num_seqs)[-1]))
         num_blocks = tensor_parallel_min(self._num_kv_blocks(plan), self.device)  # ranks agree
         min_blocks = -(-plan.max_model_len // plan.block_size)
         if num_blocks < min_blocks:
@@ -166,6 +174,8 @@ class ModelRunner:
                 "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
         self.allocate_kv_cache(num_blocks)
         if self.uses_cuda_graphs:
+            if self.lora is not None:
+                self.lora.prepare_capture()
             self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, plan.max_num_seqs,
                                                plan.max_model_len, plan.block_size, plan.cascade_attention)
             self.cuda_graphs.capture()
@@ -342,6 +352,9 @@ class ModelRunner:
             self.to_device.begin_step()
             inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
             table = self._build_block_table(batch.requests)
+            if self.lora is not None:
+                self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens,
+                                       self.to_device)
             if self.workers is not None:
                 self.workers.send_step(inputs, table, batch.num_new_tokens)
         with self.ranges.range("forward"):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedlab.engine.structured_output import RequestGrammar
+from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class Request:
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None  # per-request seed
+    lora_request: LoRARequest | None = None  # the adapter it runs with, None for the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
     grammar: RequestGrammar | None = None  # structured outputs: a RequestGrammar fed every kept token
 
@@ -64,6 +66,17 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def prefix_cache_salt(self) -> bytes | None:
+        """What the first block's hash starts from: the adapter's id, so requests of different
+        adapters (or of an adapter and the base model) never share KV blocks."""
+        return b"lora:%d" % self.lora_int_id if self.lora_request is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

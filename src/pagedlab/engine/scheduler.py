@@ -8,7 +8,9 @@ One step has one token budget (``max_num_batched_tokens``) shared by decodes and
 chunks. Running requests are served first, in arrival order; when the pool has no block for
 one, the most recently arrived running request is preempted (its blocks freed, to be
 recomputed later). Waiting requests are then admitted first-come first-served while budget,
-sequence slots and blocks last; with chunked prefill a prompt may take several steps.
+sequence slots and blocks last; with chunked prefill a prompt may take several steps. With LoRA,
+the running requests use at most ``max_loras`` distinct adapters (the GPU slots of one step): a
+waiting request of another adapter waits until one of them is no longer running.
 
 LongRoPE models (``long_rope``: switch length, position offset) compute a sequence longer than
 the switch with the long factors, at offset positions; a running request that grows past it is
@@ -65,9 +67,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 long_rope: tuple[int, int] | None = None):
+                 long_rope: tuple[int, int] | None = None, max_loras: int | None = None):
         self.kv_cache = kv_cache
         self.long_rope = long_rope
+        self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -132,8 +135,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self.max_loras and request.lora_int_id and request.lora_int_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    break  # waits, first come first served, until a running adapter's requests finish
+                adapters.add(request.lora_int_id)
             request.rope_position_offset = self._rope_position_offset(request)
             hit = self.kv_cache.find_cached_prefix(request)
             num_cached = hit.num_tokens(self.kv_cache.block_size)

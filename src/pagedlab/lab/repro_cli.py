@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pagedlab.cli.engine_args import CommandParser, add_engine_args, engine_kwargs
 from pagedlab.lab import repro
+from pagedlab.lab.lora import adapter_rank
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
 from pagedlab.sampling_params import SamplingParams
 
@@ -23,9 +24,10 @@ _WHAT = {"batch": "greedy at batch 1 vs one batch, shuffled, prefix caching and 
          "seeds": "the sampling params over each seed", "tokenizer": "two tokenizers on the same prompts",
          "hf": "pagedlab vs HF transformers on the same weights",
          "precision": "the weights in each dtype (one model load per dtype)",
-         "padding": "HF transformers: a left-padded batch vs one prompt at a time"}
+         "padding": "HF transformers: a left-padded batch vs one prompt at a time",
+         "lora": "pagedlab with the --lora adapter vs PEFT in HF transformers (float32, CPU)"}
 # The checks that share one loaded model run first, then those that load their own.
-_SHARED_MODEL_CHECKS = ("batch", "seeds", "tokenizer", "hf")
+_SHARED_MODEL_CHECKS = ("batch", "seeds", "tokenizer", "hf", "lora")
 _DB_HELP = ("store each check's result with its manifest in this results database "
             "(SQLAlchemy URL or SQLite path)")
 
@@ -53,8 +55,8 @@ def register(subparsers) -> None:
     c.add_argument("--prompts", default=None,
                    help="prompt file: one text prompt per line, or .jsonl/.json with 'prompt' (or "
                         "'prompt_token_ids') and optional 'reference' (default: 8 built-in prompts)")
-    c.add_argument("--checks", type=_checks, default=list(ALL_CHECKS),
-                   help=f"comma-separated subset of {','.join(ALL_CHECKS)} (default: all)")
+    c.add_argument("--checks", type=_checks, default=[c for c in ALL_CHECKS if c != "lora"],
+                   help=f"comma-separated subset of {','.join(ALL_CHECKS)}, or all (default: all but lora)")
     c.add_argument("--db", default=None, help=_DB_HELP)
     c.add_argument("--out", default=None, help="write every result (numbers and details) to this JSON file")
     c.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
@@ -88,6 +90,8 @@ def register(subparsers) -> None:
                    help="padding check: the attention mask given to HF ('ones' reproduces the common bug)")
     c.add_argument("--logprob-tolerance", type=float, default=1e-3,
                    help="batch/padding/hf: a |Δ logprob| above this differs (default: 1e-3)")
+    c.add_argument("--lora", default=None, metavar="DIR",
+                   help="lora check: the PEFT adapter directory to compare (loads the model with LoRA on)")
     c.add_argument("--strict", action="store_true", help="exit 1 when any check differs")
     c.add_argument("--no-progress", action="store_true", help="no progress bars (each check is still named "
                                                                "as it starts)")
@@ -145,6 +149,9 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
         print("error: the tokenizer check needs --tokenizer-b PATH (the tokenizer to compare with)",
               file=sys.stderr)
         return 2
+    if "lora" in checks and not args.lora:
+        print("error: the lora check needs --lora DIR (a PEFT adapter directory)", file=sys.stderr)
+        return 2
     seed_params = _seed_params(args) if "seeds" in checks else None  # bad JSON fails early
     store = ResultStore(args.db) if args.db else None
     results: list[repro.CheckResult] = []
@@ -184,7 +191,11 @@ def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, d
     from pagedlab.llm import LLM
 
     print(f"loading {args.model} for the {', '.join(main_checks)} check(s)", flush=True)
-    with LLM(**engine_kwargs(args)) as llm:
+    kwargs = engine_kwargs(args)
+    if "lora" in main_checks:
+        rank = max(adapter_rank(args.lora), kwargs.get("max_lora_rank", 1))
+        kwargs.update(enable_lora=True, max_lora_rank=rank)
+    with LLM(**kwargs) as llm:
         if any(isinstance(p, str) for p in prompts) and llm.get_tokenizer() is None:
             raise ValueError(f"model {args.model!r} has no tokenizer: give --prompts with prompt_token_ids")
         for name in main_checks:
@@ -206,6 +217,8 @@ def _shared_model_check(name: str, llm, args, prompts, references, seed_params, 
         tok_a = args.tokenizer or str(llm.get_engine_info().model_path)
         return repro.tokenizer_drift(tok_a, args.tokenizer_b, prompts, llm=llm, references=references,
                                      max_tokens=args.max_tokens, progress=bar)
+    if name == "lora":
+        return repro.lora_parity(llm, args.lora, prompts, max_tokens=args.max_tokens, progress=bar)
     return repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k, hf_dtype=args.hf_dtype,
                            logprob_tolerance=args.logprob_tolerance, progress=bar)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedlab.config import ENGINE_DEFAULTS, PLAN_FIELDS, WEIGHT_FIELDS
 from pagedlab.lab.bench import run_benchmark, telemetry_metrics
+from pagedlab.lab.lora import adapter_manifest, lora_engine_args, lora_request
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import RunResult, compute_metrics
 from pagedlab.lab.monitor import GPUMonitor
@@ -164,7 +165,7 @@ def run_group(session: RunSession, group_runs: list[ResolvedRun], llm_factory: C
     # Order runs so consecutive ones share plan settings (fewer re-plans); stable otherwise.
     group_runs = sorted(group_runs, key=lambda r: json.dumps(r.plan_args, sort_keys=True, default=str))
     first = group_runs[0]
-    engine_kwargs = dict(first.config["engine"])
+    engine_kwargs = lora_engine_args([r.config.get("lora") for r in group_runs], dict(first.config["engine"]))
     weight_args = ", ".join(f"{k}={v}" for k, v in engine_kwargs.items() if k in WEIGHT_FIELDS)
     label = f"{Path(first.config['model']).name} ({weight_args or 'defaults'})"
     session.log(f"loading {label} for {len(group_runs)} run(s)")
@@ -266,6 +267,9 @@ def _execute(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir: Path | No
     experiment = {"name": spec.name, "file": str(spec.path) if spec.path else None, "run_key": run.run_key,
                   "dataset_sha256": run.dataset.sha256}
     extra = {"experiment": experiment, **({"profile": profile} if profile else {})}
+    adapter = lora_request(run.config.get("lora"))
+    if adapter is not None:
+        extra["lora"] = adapter_manifest(llm, adapter)
     manifest = collect_manifest(llm, sampling_params=params, seeds={"sampling": run.seed}, extra=extra)
     return metrics, outputs, telemetry, samples, manifest
 
@@ -275,6 +279,7 @@ def _generate(spec: ExperimentSpec, run: ResolvedRun, llm, params: SamplingParam
     import torch
 
     ds = run.dataset
+    adapter = lora_request(run.config.get("lora"))
     device = llm.get_engine_info().device
     llm.reset_prefix_cache()
     llm.reset_stats()
@@ -288,11 +293,11 @@ def _generate(spec: ExperimentSpec, run: ResolvedRun, llm, params: SamplingParam
         if ds.chat:
             conversations = [([{"role": "system", "content": ds.system}] if ds.system else [])
                              + [{"role": "user", "content": it.prompt}] for it in ds.items]
-            outs = llm.chat(conversations, params, use_tqdm=False)
+            outs = llm.chat(conversations, params, use_tqdm=False, lora_request=adapter)
         else:
             prompts = [it.prompt_token_ids if it.prompt_token_ids is not None else it.prompt
                        for it in ds.items]
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0

@@ -55,6 +55,8 @@ class ResolvedRun:
     def params(self) -> dict:
         """The flat, dotted params stored with the run (everything that defines it)."""
         out = {"model": self.config["model"]}
+        if self.config.get("lora") is not None:
+            out["lora"] = self.config["lora"]
         for section in SECTIONS:
             for key, value in (self.config.get(section) or {}).items():
                 out[f"{section}.{key}"] = value
@@ -108,6 +110,11 @@ def apply_overrides(base: dict, overrides: dict) -> dict:
     for key, value in overrides.items():
         if key == "model":
             config["model"] = value
+        elif key == "lora":
+            if value is not None:  # absent for the base model: run keys without adapters stay as they were
+                config["lora"] = value
+            else:
+                config.pop("lora", None)
         else:
             section, _, name = key.partition(".")
             config[section][name] = value

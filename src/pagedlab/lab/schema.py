@@ -19,7 +19,7 @@ from pagedlab.sampling_params import SamplingParams
 
 SECTIONS = ("engine", "sampling", "dataset", "benchmark")
 TOP_LEVEL_KEYS = ("name", "description", "model", "engine", "sampling", "dataset", "benchmark", "grid",
-                  "runs", "repeats", "seeds", "metrics", "monitor", "store_outputs")
+                  "runs", "repeats", "seeds", "metrics", "monitor", "store_outputs", "lora")
 
 
 class ExperimentError(ValueError):

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from pagedlab.lab import schema
+from pagedlab.lab.lora import LORA_KEY, resolve_adapter
 from pagedlab.lab.metrics import DEFAULT_METRICS, METRICS
 from pagedlab.lab.runs import expand_runs
 from pagedlab.lab.schema import ExperimentError, ExperimentSpec
@@ -166,12 +167,25 @@ def _read_grid(spec: ExperimentSpec, data: dict) -> None:
         if len(set(models)) != len(models):
             raise ExperimentError(f"{spec.where('model')}: a model appears twice in the list")
         spec.grid["model"] = models  # first: each model's runs come together
+    if LORA_KEY in data:  # the top-level adapter list is a grid key
+        if LORA_KEY in grid:
+            raise ExperimentError(f"{spec.where(LORA_KEY)}: adapters are given both here and in grid.lora: "
+                                  "keep one")
+        grid = {**grid, LORA_KEY: data[LORA_KEY]}
+        spec.lines.setdefault(("grid", LORA_KEY), spec.lines.get((LORA_KEY,), 0))
     for key, values in grid.items():
         check_override_key(spec, key, ("grid", key))
         if not isinstance(values, list) or not values:
             raise ExperimentError(f"{spec.where('grid', key)}: must be a non-empty list of values")
-        spec.grid[key] = [resolve_model(v, spec, ("grid", key, i)) if key == "model" else v
-                          for i, v in enumerate(values)]
+        spec.grid[key] = [_resolve_value(key, v, spec, ("grid", key, i)) for i, v in enumerate(values)]
+
+
+def _resolve_value(key: str, value, spec: ExperimentSpec, path: tuple):
+    if key == "model":
+        return resolve_model(value, spec, path)
+    if key == LORA_KEY:
+        return resolve_adapter(value, spec, path)
+    return value
 
 
 def _read_runs(spec: ExperimentSpec, data: dict) -> None:
@@ -194,8 +208,9 @@ def _read_runs(spec: ExperimentSpec, data: dict) -> None:
                 flat[key] = value
         for key in flat:
             check_override_key(spec, key, ("runs", j, key))
-        if "model" in flat:
-            flat["model"] = resolve_model(flat["model"], spec, ("runs", j, "model"))
+        for key in ("model", LORA_KEY):
+            if key in flat:
+                flat[key] = _resolve_value(key, flat[key], spec, ("runs", j, key))
         spec.runs.append(flat)
 
 
@@ -282,7 +297,10 @@ def check_override_key(spec: ExperimentSpec, key, path: tuple) -> None:
     """A grid or runs key must be ``model`` or ``section.field`` of a section the experiment has."""
     if not isinstance(key, str):
         raise ExperimentError(f"{spec.where(*path)}: keys are dotted strings such as engine.block_size")
-    if key == "model":
+    if key in ("model", LORA_KEY):
+        if key == LORA_KEY and spec.base.get("benchmark") is not None:
+            raise ExperimentError(f"{spec.where(*path)}: LoRA adapters run on a dataset workload; a "
+                                  "benchmark experiment cannot sweep lora")
         return
     section, _, name = key.partition(".")
     if section not in schema.SECTIONS or not name:

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedlab import __version__
 from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.lora.request import LoRARequest
 from pagedlab.server.metrics import ServerMetrics
 from pagedlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorInfo,
                                       ErrorResponse, ModelCard, ModelList, bad_request, parse_request)
@@ -55,10 +56,12 @@ router = APIRouter()
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, chat_template: str | None = None,
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
-              shutdown_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
+              shutdown_engine: bool = False, limits: ServerLimits | None = None,
+              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
-    was asked for). ``api_key`` guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when
-    ``enable_metrics``); ``shutdown_engine`` stops the engine thread when the app shuts down;
+    was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
+    guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
+    ``shutdown_engine`` stops the engine thread when the app shuts down;
     ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
@@ -76,11 +79,13 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_names = names
+    app.state.lora_modules = list(lora_modules)
     app.state.created = int(time.time())
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
-    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission)
-    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission)
-    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission)
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, lora_modules)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, lora_modules)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission,
+                                                               lora_modules)
     app.add_middleware(CatchAllMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -194,13 +199,16 @@ async def prometheus_metrics(raw_request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
-    """The served model names, each with the model's root, max_model_len and vocabulary size."""
+    """The served model names, each with the model's root, max_model_len and vocabulary size,
+    then the LoRA adapters (root: the adapter's directory, parent: the base model's name)."""
     state = raw_request.app.state
     info = state.engine.info
-    return json_response(ModelList(data=[
-        ModelCard(id=name, created=state.created, root=str(info.model_path), max_model_len=info.max_model_len,
+    common = dict(created=state.created, max_model_len=info.max_model_len,
                   vocab_size=int(info.hf_config.vocab_size))
-        for name in state.served_model_names]))
+    base = [ModelCard(id=name, root=str(info.model_path), **common) for name in state.served_model_names]
+    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=state.served_model_names[0],
+                          **common) for lora in state.lora_modules]
+    return json_response(ModelList(data=base + adapters))
 
 
 @router.post("/v1/completions")
@@ -434,9 +442,9 @@ def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *
                served_model_names: Sequence[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info",
                enable_metrics: bool = True, limits: ServerLimits | None = None,
-               shutdown_timeout_s: float = 30.0) -> None:
+               shutdown_timeout_s: float = 30.0, lora_modules: Sequence[LoRARequest] = ()) -> None:
     """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
-                    shutdown_engine=True, limits=limits)
+                    shutdown_engine=True, limits=limits, lora_modules=lora_modules)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     GracefulServer(config, shutdown_timeout_s).run()

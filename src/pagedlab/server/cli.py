@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
+from pagedlab.lora.request import LoRARequest
 from pagedlab.server.limits import ServerLimits
 
 
@@ -41,6 +42,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=limits.max_request_body_bytes,
                    help=f"bigger bodies get 413 (default: {limits.max_request_body_bytes})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under NAME: a request whose model is NAME "
+                        "runs with it (repeatable; turns on --enable-lora)")
+
+
+def lora_modules_from_args(args: argparse.Namespace) -> list[LoRARequest]:
+    """One ``LoRARequest`` per ``--lora-modules NAME=PATH``, with ids 1, 2, ... in order."""
+    modules = []
+    for spec in args.lora_modules:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {spec!r} is invalid: give NAME=PATH (a PEFT adapter directory)")
+        if any(m.lora_name == name for m in modules):
+            raise ValueError(f"--lora-modules names {name!r} twice: each adapter needs its own name")
+        modules.append(LoRARequest(name, len(modules) + 1, path))
+    return modules
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -61,8 +78,18 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.from_engine_config(engine_config_from_args(args))
+        lora_modules = lora_modules_from_args(args)
+        config = engine_config_from_args(args)
+        config.enable_lora = config.enable_lora or bool(lora_modules)
+        engine = AsyncEngine.from_engine_config(config)
     except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:  # each adapter is read once now, so a bad one stops the server before it listens
+        for lora in lora_modules:
+            engine.call(lambda llm_engine, lora=lora: llm_engine.validate_lora_request(lora)).result()
+    except ValueError as e:
+        engine.shutdown()
         print(f"error: {e}", file=sys.stderr)
         return 2
     names = args.served_model_name or [args.model]
@@ -73,7 +100,7 @@ def serve_command(args: argparse.Namespace) -> int:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
                    chat_template=chat_template, log_level=args.log_level,
                    enable_metrics=not args.disable_metrics, limits=limits,
-                   shutdown_timeout_s=args.shutdown_timeout)
+                   shutdown_timeout_s=args.shutdown_timeout, lora_modules=lora_modules)
     finally:
         engine.shutdown()
     return 0

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.inputs import EncodedPrompt, chat_prompt
+from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import PositionLogprobs
 from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogprobs, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -28,8 +29,9 @@ class OpenAIServingChat(OpenAIServing):
     request's own ``chat_template`` wins over both."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
-                 chat_template: str | None = None, admission: Admission | None = None):
-        super().__init__(engine, served_model_names, admission)
+                 chat_template: str | None = None, admission: Admission | None = None,
+                 lora_modules: Sequence[LoRARequest] = ()):
+        super().__init__(engine, served_model_names, admission, lora_modules)
         self.chat_template = chat_template
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
@@ -45,7 +47,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)
-        streams = self.add_requests([prompt], params, run.request_id, request.stream)
+        streams = self.add_requests([prompt], params, run.request_id, request.stream, model)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams[0]),
                                           f"streamed chat completion {run.request_id}"))

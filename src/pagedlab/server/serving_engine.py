@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
+from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.limits import ServerLimits
 from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, LogprobEntry, PromptLogprobs,
@@ -90,13 +91,15 @@ class Admission:
 
 
 class OpenAIServing:
-    """The base of the endpoint handlers: one engine, served under ``served_model_names``, with
-    the limits of ``admission`` (shared by all endpoints; default: ``ServerLimits()``)."""
+    """The base of the endpoint handlers: one engine, served under ``served_model_names`` (and each
+    LoRA adapter of ``lora_modules`` under its name), with the limits of ``admission`` (shared by
+    all endpoints; default: ``ServerLimits()``)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, lora_modules: Sequence[LoRARequest] = ()):
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.lora_modules = {lora.lora_name: lora for lora in lora_modules}  # served names of adapters
         self.admission = admission if admission is not None else Admission(engine, ServerLimits())
 
     # ---- checks ---------------------------------------------------------------------------
@@ -143,9 +146,10 @@ class OpenAIServing:
         """The served name the response carries; 404 for a model this server does not serve."""
         if model is None:
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.lora_modules:
+            served = [*self.served_model_names, *self.lora_modules]
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                                f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                                f"{', '.join(repr(n) for n in served)}.",
                            "invalid_request_error", "model", "model_not_found")
         return model
 
@@ -189,8 +193,10 @@ class OpenAIServing:
 
     # ---- running requests -----------------------------------------------------------------
     def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
-                     stream: bool) -> list[RequestStream]:
-        """One engine request per prompt (ids ``request_id-i`` when there are several)."""
+                     stream: bool, model: str | None = None) -> list[RequestStream]:
+        """One engine request per prompt (ids ``request_id-i`` when there are several), under the
+        LoRA adapter ``model`` names, if it names one."""
+        lora_request = self.lora_modules.get(model) if model is not None else None
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
@@ -198,7 +204,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
                 streams.append(self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival,
-                                                       stream=stream))
+                                                       stream=stream, lora_request=lora_request))
         except (ValueError, EngineDeadError) as e:
             for s in streams:
                 s.abort()

@@ -16,6 +16,8 @@ and details (per-variant numbers, examples):
   attention-mask mistakes in HF-based pipelines).
 - ``hf_parity``: pagedlab vs HF transformers on the same weights: teacher-forced max |Δ logprob|,
   top-1 agreement, greedy match rate.
+- ``lora_parity``: pagedlab with a LoRA adapter vs PEFT in HF transformers (float32, CPU): greedy
+  match rate, first divergence, and how many prompts the adapter changes.
 
 ``store_result(result, url, llm=...)`` stores a result with the provenance manifest in the lab's
 results database (experiment ``"repro"``). See docs/repro.md. One module per check; this package
@@ -31,11 +33,11 @@ _EXPORTS = {
     "CheckResult": "common", "load_prompts": "common", "first_divergence": "compare",
     "teacher_forced": "compare", "topk_kl": "compare", "hf_parity": "hf", "padding_check": "hf",
     "precision_drift": "precision", "default_metrics": "seeds", "seed_sensitivity": "seeds",
-    "summarize": "seeds", "store_result": "storing", "tokenizer_drift": "tokenizer",
+    "summarize": "seeds", "store_result": "storing", "tokenizer_drift": "tokenizer", "lora_parity": "lora",
 }
 
 __all__ = ["ALL_CHECKS", "DEFAULT_PROMPTS", "CheckResult", "batch_consistency", "default_metrics",
-           "first_divergence", "hf_parity", "load_prompts", "padding_check", "precision_drift",
+           "first_divergence", "hf_parity", "load_prompts", "lora_parity", "padding_check", "precision_drift",
            "seed_sensitivity", "store_result", "summarize", "teacher_forced", "tokenizer_drift", "topk_kl"]
 
 

@@ -47,6 +47,24 @@ def trim_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def hf_greedy_tokens(hf, ids: list[list[int]], max_tokens: int, eos: set[int], progress) -> list[list[int]]:
+    """HF ``generate``'s greedy continuation of each prompt alone (up to EOS), one ``progress``
+    update per prompt."""
+    import torch
+
+    dev = next(hf.parameters()).device
+    tokens = []
+    with torch.no_grad():
+        for p in ids:
+            out = hf.generate(torch.tensor([p], device=dev),
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
+                              max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
+            tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
+            progress.update()
+    return tokens
+
+
 def hf_eos_ids(model) -> set[int]:
     """The EOS ids of an HF model (its generation config's, else its config's)."""
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id",
@@ -154,24 +172,13 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     (up to EOS) are identical. Teacher-forced on prompt + HF's greedy output: max |Δ logprob| over
     each position's actual next token and pagedlab's top-``k``, and top-1 agreement. ``progress``
     (see ``NoProgress``) counts HF's prompts, pagedlab's run and the teacher-forced comparison."""
-    import torch
-
     info = llm.get_engine_info()
     hf = load_hf_model(hf_model if hf_model is not None else info.model_path, hf_dtype, device=info.device)
-    dev = next(hf.parameters()).device
     ids = encode_all(llm, prompts)
     eos = hf_eos_ids(hf)
-    hf_tokens = []
     progress = progress if progress is not None else NoProgress()
     progress.reset(total=len(ids) + 2)
-    with torch.no_grad():
-        for p in ids:
-            out = hf.generate(torch.tensor([p], device=dev),
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
-                              max_new_tokens=max_tokens, do_sample=False,
-                              pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
-            hf_tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
-            progress.update()
+    hf_tokens = hf_greedy_tokens(hf, ids, max_tokens, eos, progress)
     outs = llm.generate([{"prompt_token_ids": p} for p in ids],
                         greedy_params(max_tokens, None, ignore_eos=False), use_tqdm=False)
     pl_tokens = [trim_at_eos(o.outputs[0].token_ids, eos) for o in outs]

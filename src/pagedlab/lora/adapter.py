@@ -1,0 +1,150 @@
+"""Reading a LoRA adapter saved by PEFT (``save_pretrained``): ``adapter_config.json`` and
+``adapter_model.safetensors``, into per-module A and B matrices on the CPU.
+
+Each targeted module ``m`` holds ``m.lora_A.weight`` ``[r, in]`` and ``m.lora_B.weight``
+``[out, r]``; its output gains ``scaling * x @ A.T @ B.T`` with ``scaling = lora_alpha / r``, or
+``lora_alpha / sqrt(r)`` with ``use_rslora``; ``rank_pattern``/``alpha_pattern`` give some
+modules their own r and alpha (r is read from the tensors). B is stored pre-multiplied by the
+scaling. Features PEFT adds beyond plain LoRA (DoRA, trained biases, ``modules_to_save``) are
+refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagedlab.lora.request import LoRARequest
+
+if TYPE_CHECKING:  # the lab reads adapter configs without loading torch
+    import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# Modules an adapter may target: the decoder's attention and MLP projections.
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_UNSUPPORTED_SETTINGS = {  # adapter_config.json key -> (value that is fine, what it would add)
+    "use_dora": (False, "DoRA's magnitude vectors"),
+    "bias": ("none", "trained biases"),
+    "lora_bias": (False, "a bias on lora_B"),
+    "modules_to_save": (None, "fully trained copies of modules"),
+    "fan_in_fan_out": (False, "Conv1D (GPT-2 style) weights"),
+    "layer_replication": (None, "replicated layers"),
+    "trainable_token_indices": (None, "trained embedding rows"),
+}
+
+
+@dataclass
+class LoRAModuleWeights:
+    """One targeted module's matrices (CPU): ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` with
+    the scaling folded in."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass
+class LoRAAdapter:
+    """An adapter read from its PEFT directory: its config, its modules by name (as in the base
+    model's checkpoint, e.g. ``model.layers.0.self_attn.q_proj``) and a checksum of its weights."""
+
+    request: LoRARequest
+    config: dict
+    modules: dict[str, LoRAModuleWeights]
+    sha256: str
+
+    @property
+    def rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def read_adapter_config(path: str | Path) -> dict:
+    """``adapter_config.json`` of the adapter directory ``path``, checked for what pagedlab serves."""
+    directory = Path(path).expanduser()
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        where = "does not exist" if not directory.exists() else f"has no {CONFIG_FILE}"
+        raise ValueError(f"LoRA adapter directory {str(directory)!r} {where}: an adapter is a PEFT directory "
+                         f"with {CONFIG_FILE} and {WEIGHTS_FILE} (PeftModel.save_pretrained)")
+    config = json.loads(config_path.read_text())
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"adapter {str(directory)!r} has peft_type={peft_type!r}: only LORA adapters are "
+                         "served")
+    for key, (fine, feature) in _UNSUPPORTED_SETTINGS.items():
+        value = config.get(key, fine)
+        if value not in (fine, None, False, [], {}):
+            raise ValueError(f"adapter {str(directory)!r} sets {key}={value!r} ({feature}), which pagedlab "
+                             f"does not serve: only plain LoRA on {list(SUPPORTED_TARGETS)}")
+    return config
+
+
+def load_adapter(request: LoRARequest, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check the adapter of ``request`` (rank at most ``max_rank``, known targets only)
+    into CPU tensors of ``dtype``."""
+    from safetensors.torch import load_file
+
+    config = read_adapter_config(request.lora_path)
+    weights_path = Path(request.lora_path).expanduser() / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(weights_path)!r} does not exist "
+                         "(pagedlab reads adapter weights in safetensors, as PEFT saves them by default)")
+    sha256 = hashlib.sha256(weights_path.read_bytes()).hexdigest()
+    tensors = load_file(str(weights_path))
+    modules = {}
+    for name in sorted({_module_name(key, request) for key in tensors}):
+        lora_a = tensors.get(f"{name}.lora_A.weight")
+        lora_b = tensors.get(f"{name}.lora_B.weight")
+        if lora_a is None or lora_b is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: module {name!r} lacks its lora_A or "
+                             "lora_B weight")
+        rank = lora_a.shape[0]
+        if rank > max_rank:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} has rank {rank} (module {name!r}), above "
+                             f"max_lora_rank={max_rank}: raise max_lora_rank to at least {rank}")
+        scaling = _scaling(config, name, rank)
+        modules[_strip_prefix(name)] = LoRAModuleWeights(
+            lora_a.to(dtype).contiguous(), (lora_b.double() * scaling).to(dtype).contiguous())
+    if not modules:
+        raise ValueError(f"LoRA adapter {request.lora_name!r} in {request.lora_path!r} holds no LoRA weights")
+    return LoRAAdapter(request, config, modules, sha256)
+
+
+def _module_name(key: str, request: LoRARequest) -> str:
+    """The module a tensor of the adapter belongs to, checked to be a LoRA-capable target."""
+    name = re.sub(r"\.(lora_\w+(\.weight)?|base_layer\.\w+|weight|bias)$", "", key)
+    target = name.rsplit(".", 1)[-1]
+    if target not in SUPPORTED_TARGETS:
+        raise ValueError(f"LoRA adapter {request.lora_name!r} targets module {target!r} ({name}), which is "
+                         f"not supported: target modules must be among {list(SUPPORTED_TARGETS)}")
+    if not re.fullmatch(r".+\.lora_[AB]\.weight", key):
+        raise ValueError(f"LoRA adapter {request.lora_name!r} holds tensor {key!r}, which is not a "
+                         "lora_A/lora_B weight: only plain LoRA is served")
+    return name
+
+
+def _strip_prefix(name: str) -> str:
+    """PEFT saves ``base_model.model.<checkpoint name>``."""
+    return name.removeprefix("base_model.model.")
+
+
+def _pattern_value(patterns: dict, name: str, default):
+    """PEFT's ``rank_pattern``/``alpha_pattern`` lookup: a key matches a module name's suffix."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+def _scaling(config: dict, name: str, rank: int) -> float:
+    alpha = _pattern_value(config.get("alpha_pattern"), _strip_prefix(name), config.get("lora_alpha", 8))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

@@ -1,0 +1,123 @@
+"""LoRA around the model's linears: ``LoRALinear`` adds each token's adapter to a base linear's
+output, with every GPU slot's weights in preallocated stacked buffers (the layout
+``pagedlab.kernels.lora`` describes), so a CUDA graph captured once serves any adapters.
+
+A fused linear (q/k/v, gate/up) gets one slice per checkpoint part, each with its own A and B,
+added to that part's columns. ``wrap_lora_linears`` swaps them into a model and returns where
+each checkpoint module name (``model.layers.0.self_attn.q_proj``) lands: a wrapper and a slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedlab.layers.linear import OutputShardedLinear, RowParallelLinear
+from pagedlab.lora.adapter import SUPPORTED_TARGETS, LoRAModuleWeights
+from pagedlab.lora.ops import LoRAMapping, lora_expand_torch, lora_shrink_torch
+
+
+class LoRABatch:
+    """What every ``LoRALinear`` of a model reads in a forward: the step's token-to-slot mapping
+    (static buffers) and whether any token has an adapter (eager steps without one skip LoRA;
+    a captured graph always runs the kernels, which return at once for slots without tokens)."""
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.num_slots = num_slots
+        self.device = device
+        self.mapping = LoRAMapping.empty(1, num_slots, device)
+        self.active = False
+        if device.type == "cuda":
+            from pagedlab.kernels.lora import lora_expand, lora_shrink
+
+            self.shrink, self.expand = lora_shrink, lora_expand
+        else:
+            self.shrink, self.expand = lora_shrink_torch, lora_expand_torch
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where one checkpoint module's adapter goes: ``slice`` of ``layer``."""
+
+    layer: LoRALinear
+    slice: int
+
+
+class LoRALinear(nn.Module):
+    """``base(x)`` plus ``x @ A.T @ B.T`` of each token's adapter slot, per output slice."""
+
+    def __init__(self, base: nn.Module, in_features: int, slice_sizes: list[int], batch: LoRABatch,
+                 max_rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.in_features = in_features
+        self.slice_sizes = list(slice_sizes)
+        device, slots, slices = batch.device, batch.num_slots, len(slice_sizes)
+        offsets = [sum(slice_sizes[:i]) for i in range(slices)]
+        self.register_buffer("lora_a", torch.zeros(slots, slices, max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(slots, slices, max(slice_sizes), max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.register_buffer("slice_sizes_t", torch.tensor(slice_sizes, dtype=torch.int32, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.batch
+        if batch.active:
+            h = batch.shrink(x, self.lora_a, batch.mapping)
+            batch.expand(h, self.lora_b, batch.mapping, y, self.slice_offsets, self.slice_sizes_t)
+        return y
+
+    def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:
+        """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared)."""
+        rank, size = weights.rank, self.slice_sizes[part]
+        if weights.lora_a.shape[1] != self.in_features or weights.lora_b.shape[0] != size:
+            raise ValueError(f"LoRA weights of shape A {tuple(weights.lora_a.shape)}, B "
+                             f"{tuple(weights.lora_b.shape)} do not fit a linear of {self.in_features} "
+                             f"inputs and {size} outputs: the adapter was trained for another model")
+        self.lora_a[slot, part, :rank].copy_(weights.lora_a)
+        self.lora_b[slot, part, :size, :rank].copy_(weights.lora_b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, list[int]] | None:
+    """(input features, output size of each part) of a LoRA-capable linear, else None."""
+    if isinstance(module, OutputShardedLinear):
+        return module.dense_checkpoint_shapes[0][1], [s.size for s in module.shards]
+    if isinstance(module, RowParallelLinear):
+        return module.input_size_per_rank, [module.dense_checkpoint_shapes[0][0]]
+    return None
+
+
+def wrap_lora_linears(model: nn.Module, batch: LoRABatch, max_rank: int,
+                      dtype: torch.dtype) -> dict[str, LoRATarget]:
+    """Wrap every attention/MLP projection of ``model`` in a ``LoRALinear``; returns the target of
+    each checkpoint module name (the fused ones through ``model.packed_modules``)."""
+    parts_of: dict[str, list[tuple[str, int]]] = {}
+    for checkpoint_name, (fused, index) in getattr(model, "packed_modules", {}).items():
+        parts_of.setdefault(fused, []).append((checkpoint_name, index))
+    for name in SUPPORTED_TARGETS:
+        parts_of.setdefault(name, [(name, 0)])
+    targets: dict[str, LoRATarget] = {}
+    for path, module in list(model.named_modules()):
+        parent_path, _, leaf = path.rpartition(".")
+        shape = _linear_shape(module)
+        if leaf not in parts_of or shape is None or parts_of[leaf][0][0] not in SUPPORTED_TARGETS:
+            continue
+        wrapper = LoRALinear(module, shape[0], shape[1], batch, max_rank, dtype)
+        setattr(model.get_submodule(parent_path), leaf, wrapper)
+        for checkpoint_name, index in parts_of[leaf]:
+            targets[f"{parent_path}.{checkpoint_name}"] = LoRATarget(wrapper, index)
+    if not targets:
+        raise ValueError(f"enable_lora=True: {type(model).__name__} has no linear pagedlab can put LoRA on "
+                         f"(supported: the Llama-style projections {list(SUPPORTED_TARGETS)})")
+    return targets
