@@ -12,6 +12,10 @@ import torch
 os.environ.setdefault("PAGEDLAB_CACHE_DIR",
                       str(Path(__file__).resolve().parent.parent / ".cache" / "pagedlab"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Without CUDA, Triton kernels run interpreted, and Triton fixes that choice when a kernel is
+    # decorated: set it before any test module, or a library it imports (peft), loads triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Subprocesses (the CLI, killed experiments) run this checkout's source too, whatever is installed.
 _SRC = str(Path(__file__).resolve().parent.parent / "src")
 os.environ["PYTHONPATH"] = os.pathsep.join(
