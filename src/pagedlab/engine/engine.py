@@ -143,6 +143,9 @@ class LLMEngine:
         if self.scheduler is not None and self.scheduler.num_unfinished:
             raise RuntimeError("cannot re-plan while requests are unfinished")
         cfg = self.config
+        if cfg.batch_invariant and self.quantization is not None:
+            raise ValueError(f"batch_invariant=True with quantization={self.quantization!r}: batch-invariant "
+                             "mode runs dense weights only (its fixed-order matmul has no quantized form)")
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
@@ -155,7 +158,8 @@ class LLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cascade_attention=cfg.enable_cascade_attention,
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
-            kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)))
+            kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
+            batch_invariant=cfg.batch_invariant))
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, cfg.enable_chunked_prefill)
@@ -193,7 +197,8 @@ class LLMEngine:
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,
-            cascade_attention=self.config.enable_cascade_attention and backend.shares_prefixes,
+            cascade_attention=(self.config.enable_cascade_attention and backend.shares_prefixes
+                               and not self.config.batch_invariant),
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
             quantization=self.quantization, weight_bytes=self.runner.weight_bytes)

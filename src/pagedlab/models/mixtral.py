@@ -21,7 +21,9 @@ from torch import nn
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
+from pagedlab.layers.batch_invariant import softmax
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
+from pagedlab.quantization.linear_method import dense_linear
 
 # checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -33,7 +35,7 @@ def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
               top_k: int, renormalize: bool) -> torch.Tensor:
     """The MoE MLP, looping over experts: ``x`` ``[tokens, hidden]``, ``w13`` ``[experts,
     2 * inter, hidden]`` (gate rows then up rows), ``w2`` ``[experts, hidden, inter]``."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    probs = softmax(router_logits)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -41,8 +43,8 @@ def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():
         token, slot = torch.where(experts == expert)
-        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-        out.index_add_(0, token, F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None])
+        gate, up = dense_linear(x[token], w13[expert]).chunk(2, dim=-1)
+        out.index_add_(0, token, dense_linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None])
     return out
 
 
@@ -88,7 +90,7 @@ class SparseMoeBlock(nn.Module):
         param.data[shard_id].copy_(read_part(loaded, 1, self.inter_start, self.inter_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = moe_torch(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        out = moe_torch(x, dense_linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 

@@ -1,18 +1,23 @@
 """The plain-PyTorch attention backend: runs anywhere, the definition of correct. Its plan (the
 decode rows' slots and masks, each prefill's causal mask) is built once per step from the
-metadata and shared by every layer."""
+metadata and shared by every layer. In batch-invariant mode every query row attends alone
+(``paged_attention_rows_torch``), with no plan."""
 
 from __future__ import annotations
 
 from pagedlab.kernels.kv_write import write_kv_torch
-from pagedlab.kernels.paged_attention import paged_attention_torch, plan_torch_attention
+from pagedlab.kernels.paged_attention import (paged_attention_rows_torch, paged_attention_torch,
+                                              plan_torch_attention)
 from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
+from pagedlab.layers.batch_invariant import batch_invariant_enabled
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, metadata: AttentionMetadata, layout: BatchLayout) -> None:
+        if batch_invariant_enabled():
+            return
         metadata.plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens,
                                              metadata.block_tables, layout.block_size)
 
@@ -20,6 +25,10 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0):
+        if batch_invariant_enabled():
+            return paged_attention_rows_torch(q, k_cache, v_cache, metadata.query_start_loc,
+                                              metadata.seq_lens, metadata.block_tables, scale,
+                                              k_scale, v_scale)
         plan = metadata.plan
         if plan is None:  # metadata built without a planner (kernel tests)
             plan = plan_torch_attention(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
