@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|batchinv|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -11,7 +11,8 @@ bench() { python3 -m pagedlab.cli bench "$@"; }
 for part in "$@"; do
   case "$part" in
     tests) nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
-           python3 -m pytest -m gpu tests/test_gpu.py tests/test_kv_fp8_kernels.py tests/test_kv_fp8_engine.py -q -s \
+           python3 -m pytest -m gpu tests/test_gpu.py tests/test_kv_fp8_kernels.py tests/test_kv_fp8_engine.py \
+               tests/test_batch_invariant_gpu.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
     gemv)  python3 benchmarks/gemv_bench.py --out "$OUT/gemv.json" ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
@@ -23,6 +24,11 @@ for part in "$@"; do
     # kv_cache_gib in each row's "extra" show the cached tokens (2x), output tok/s the speed
     nano-fp8) for kv in auto fp8; do bench throughput --workload W-nano --kv-cache-dtype $kv --json "$OUT/w_nano_kv_$kv.json"; done ;;
     long-fp8) for kv in auto fp8; do bench throughput --workload W-long --kv-cache-dtype $kv --json "$OUT/w_long_kv_$kv.json"; done ;;
+    # batch-invariant mode against the default, same run: W-seed batch 256 output tok/s (target:
+    # at most 15% lower) and batch 1 TPOT p50 (target: at most 10% higher)
+    batchinv) for mode in no-batch-invariant batch-invariant; do
+                bench throughput --workload W-seed --batch-size 1 256 --$mode --json "$OUT/w_seed_$mode.json"
+              done ;;
     serve) model=$(python3 -c "from pagedlab.workloads import shape_dir; print(shape_dir('llama3-8b'))")
            python3 -m pagedlab.cli serve --model "$model" --load-format dummy --dtype bfloat16 \
                --max-model-len 2048 --port 8000 > "$OUT/serve_log.txt" 2>&1 &

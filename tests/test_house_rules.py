@@ -32,6 +32,9 @@ LAZY_INTERNAL = {
                              "settled before its kernels are decorated",
     "pagedlab.quantization.formats": "config resolves the weight format: config loads without torch, "
                                      "so the command line answers --help at once",
+    "pagedlab.kernels.batch_invariant": "batch-invariant matmul, norms and softmax on CUDA: triton is "
+                                        "optional on the CPU, and the interpreter must be settled before its "
+                                        "kernels are decorated",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
 }

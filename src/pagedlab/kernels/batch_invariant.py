@@ -62,8 +62,12 @@ def _fixed_tile_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, coun
     n_valid = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    first_segment = tl.program_id(1) if SPLIT else 0
-    last_segment = first_segment + 1 if SPLIT else num_segments
+    if SPLIT:
+        first_segment = tl.program_id(1)
+        last_segment = first_segment + 1
+    else:
+        first_segment = 0
+        last_segment = num_segments
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for segment in range(first_segment, last_segment):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -82,8 +86,8 @@ def _fixed_tile_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, coun
             else:
                 acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
         total += acc
-    if SPLIT:
-        split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, tile, first_segment, num_segments,
+    if SPLIT:  # total is this segment's sum plus 0.0, which the epilogue's sum adds the same way
+        split_k_epilogue(total, offs_m, offs_n, m_valid, n_valid, tile, first_segment, num_segments,
                          partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                          bias_ptr, out_ptr, stride_out, HAS_BIAS, True)
     else:
@@ -100,12 +104,13 @@ def fixed_tile_matmul_torch(x: torch.Tensor, weight: torch.Tensor,
 
 
 def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                             config: TileConfig = BATCH_INVARIANT_TILE, num_segments: int | None = None,
+                             config: TileConfig | None = None, num_segments: int | None = None,
                              split_across_programs: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``weight`` ``[N, K]``, float16/bfloat16/float32 like ``x``) with
     one reduction order per weight shape, whatever ``x``'s row count: see the module docstring.
-    ``num_segments`` defaults to ``batch_invariant_splits``; ``split_across_programs`` (None: when
-    the output tiles alone fill less than half the SMs) picks the launch, not the result."""
+    ``config`` defaults to ``BATCH_INVARIANT_TILE``, ``num_segments`` to ``batch_invariant_splits``;
+    ``split_across_programs`` (None: when the output tiles alone fill less than half the SMs)
+    picks the launch, not the result."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features} inputs")
@@ -115,7 +120,8 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     x2d = x.reshape(-1, in_features)
     if x2d.stride(-1) != 1 or weight.stride(-1) != 1:
         x2d, weight = x2d.contiguous(), weight.contiguous()
-    config.check(BATCH_INVARIANT_TILE.block_m, gemv=False)
+    config = config or BATCH_INVARIANT_TILE
+    config.check(config.block_m, gemv=False)
     rows = x2d.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
