@@ -36,6 +36,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles for the interpreter: 3 column tiles, K of 5 steps (the last one partial) cut in 3.
 SMALL_TILE = TileConfig(block_n=32, block_k=16, block_m=16, num_warps=4, num_stages=2)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+# Batches run against the prompts alone: all of them in order, reversed, the first two swapped, shuffled.
+ORDERS = ("all", "reversed", "pair", "shuffled")
 
 
 @pytest.fixture(scope="module")
@@ -124,15 +126,17 @@ def _outputs(llm, prompts, order):
     return by_prompt
 
 
-def _differing_runs(llm, prompts, chunk_tokens: int) -> list[str]:
-    """The batch variants whose outputs are not bitwise the batch-1 ones."""
+def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS) -> list[str]:
+    """The batch variants whose outputs are not bitwise the batch-1 ones: the batches of ``orders``,
+    then the prefix cache (warm) and chunked prefill with a ``chunk_tokens`` budget."""
     llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=None)
     alone = {i: _outputs(llm, [p], [0])[0] for i, p in enumerate(prompts)}
     n = len(prompts)
     variants = {"all": list(range(n)), "reversed": list(range(n))[::-1], "pair": [1, 0],
                 "shuffled": random.Random(0).sample(range(n), n)}
     differing = []
-    for name, order in variants.items():
+    for name in orders:
+        order = variants[name]
         got = _outputs(llm, prompts, order)
         if any(got[i] != alone[i] for i in order):
             differing.append(name)
@@ -163,28 +167,39 @@ def test_torch_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_p
         assert _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16) != []
 
 
-def test_triton_kernels_logprobs_are_bitwise_batch_invariant(kernels, tiny_llama, shared_prefix_prompts,
-                                                             monkeypatch):
-    """Every Triton kernel of the mode (attention, matmul, norms, log-softmax), interpreted on the
-    CPU: bitwise equal under the mode; the Triton backend's default mode is not."""
-    monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
-    monkeypatch.setattr(kernels, "BATCH_INVARIANT_TILE", SMALL_TILE)  # the interpreter's speed
+def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts):
+    """The Triton attention backend (interpreted): bitwise equal under the mode, and not without it."""
     prompts = shared_prefix_prompts[:3]
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True) as llm:
-        assert _differing_runs(llm, prompts, chunk_tokens=16) == []
+        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) == []
         llm.set_model_args(batch_invariant=False)
-        assert _differing_runs(llm, prompts, chunk_tokens=16) != []
+        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) != []
+
+
+@pytest.mark.slow
+def test_triton_kernels_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts, monkeypatch):
+    """Every Triton kernel of the mode (attention, matmul, norms, log-softmax), interpreted on the
+    CPU: bitwise equal alone, reversed, from the prefix cache and in chunks."""
+    monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
+    with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
+             batch_invariant=True) as llm:
+        assert _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",)) == []
 
 
 # ---- settings, the repro check ------------------------------------------------------------------------
-def test_batch_invariant_setting_flag_and_limits(tiny_llama):
+def test_batch_invariant_setting_flag_yaml_and_limits(tiny_llama, tmp_path):
     from pagedlab.cli.engine_args import CommandParser, add_engine_args, engine_kwargs
+    from pagedlab.lab.spec import experiment_from_dict
 
     parser = CommandParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
     assert engine_kwargs(parser.parse_args([]))["batch_invariant"] is False
+    (tmp_path / "model").mkdir()
+    spec = experiment_from_dict({"name": "x", "model": "model", "dataset": {"prompts": ["a"]},
+                                 "engine": {"batch_invariant": True}}, tmp_path)
+    assert spec.base["engine"] == {"batch_invariant": True}
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineConfig(batch_invariant=True, tensor_parallel_size=2).validate()
     with pytest.raises(ValueError, match="quantization='fp8'"):
