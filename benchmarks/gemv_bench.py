@@ -6,8 +6,9 @@ Per (tensor-parallel size, layer, batch rows) it prints each path's best time, t
 achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
 time) and its fraction of 4.8 TB/s, the best config and the largest error; then the lines to paste
 into ``src/pagedlab/kernels/gemv_configs.py`` and the batch-1 decode GEMV time per token summed
-over the 32 layers and the LM head. Times are ``triton.testing.do_bench`` medians (L2 flushed
-between calls, no CUDA graph). The first run compiles every config (Triton caches them).
+over the 32 layers and the LM head. Times are medians of CUDA-graph replays (``graph_seconds``:
+weights read from HBM, no launch gaps, as in a decode step's graph). The first run compiles every
+config (Triton caches them).
 
     PYTHONPATH=src python3 benchmarks/gemv_bench.py --out gemv.json
 """
@@ -21,13 +22,15 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
+from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
 from pagedlab.kernels.gemv import dense_gemv_triton, num_sms
 from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_awq_config,
-                                           default_dense_gemv_config, row_bucket, splits_for)
-from pagedlab.kernels.w4a16 import awq_linear_triton, check_awq_config
+                                           default_dense_gemv_config, default_fp8_gemv_config, row_bucket,
+                                           splits_for)
+from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
+from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row
 
 PEAK_BYTES_PER_S = 4.8e12
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS, Q_SIZE, KV_SIZE = 4096, 14336, 128256, 32, 4096, 1024
@@ -65,25 +68,56 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
-def dense_candidates(rows: int, n: int, k: int, sms: int) -> list[TileConfig]:
+def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> list[TileConfig]:
+    """The dense (or, with ``fp8``, the FP8) GEMV sweep, the default first."""
     tiles = [(16, 16, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)]
     if rows <= 4:
         tiles += [(0, 16, 256, 4), (0, 8, 512, 4), (0, 32, 256, 8)]
+    if fp8:
+        tiles += [(16, 16, 512, 4), (16, 64, 256, 8)]
+        tiles += [(0, 16, 512, 4), (0, 8, 1024, 4)] if rows == 1 else []
     found = []
     for block_m, block_n, block_k, warps in tiles:
         for waves in (1, 2, 4):
             split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
             found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
                                     num_warps=warps))
-    default = default_dense_gemv_config(rows, n, k, sms)
+    default = (default_fp8_gemv_config if fp8 else default_dense_gemv_config)(rows, n, k, sms)
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
+def graph_seconds(fn, calls: int = 16) -> float:
+    """Seconds one ``fn()`` takes on the GPU as a decode step's CUDA graph runs it: ``calls`` of
+    it captured in one graph, each after a write of 64 MiB (more than the H200's 50 MB L2, so
+    weights come from HBM), less the same graph without ``fn``. A graph has no launch gaps, which
+    a timing of eager calls adds to every small kernel (more for two launches than for one)."""
+    flush = torch.empty(64 << 20, dtype=torch.int8, device="cuda")
+
+    def replay_seconds(with_fn: bool) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return sorted(times)[2]
+    return max(replay_seconds(True) - replay_seconds(False), 1e-9) / calls
+
+
 def measure(fn, reference: torch.Tensor, moved_bytes: int) -> dict:
-    """Time ``fn`` and compare its output with ``reference`` (fp32), before and after the timed
-    calls (a split-K counter left wrong by one call would spoil the next)."""
+    """Time ``fn`` (``graph_seconds``) and compare its output with ``reference`` (fp32), before
+    and after the timed calls (a split-K counter left wrong by one call would spoil the next)."""
     error = (fn().float() - reference).abs().max().item()
-    seconds = do_bench(fn, warmup=3, rep=10, return_mode="median") * 1e-3
+    seconds = graph_seconds(fn)
     error = max(error, (fn().float() - reference).abs().max().item())
     return dict(us=seconds * 1e6, gbps=moved_bytes / seconds / 1e9, peak_fraction=moved_bytes / seconds /
                 PEAK_BYTES_PER_S, max_error=error)
@@ -133,15 +167,36 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool
     if rows <= GEMV_MAX_ROWS:
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
                               lambda c: dense_gemv_triton(x, weight, None, c), dense_ref, dense_bytes)
+    found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
     if with_awq:  # AWQ checkpoints keep the LM head in 16 bits
         qweight, qzeros, scales = awq
         awq_ref = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size)
         candidates = awq_candidates(rows, n, k, group_size, sms)
         for config in candidates:
             check_awq_config(config, rows, group_size)
+        awq_bytes = sum(t.numel() * t.element_size() for t in awq) + io_bytes
         found["awq"] = sweep(candidates, lambda c: awq_linear_triton(x, *awq, group_size, None, c), awq_ref,
-                             sum(t.numel() * t.element_size() for t in awq) + io_bytes)
+                             awq_bytes)
+        if rows > GEMV_MAX_ROWS:  # the other way for more rows: dequantize, then cuBLAS
+            found["awq_dequant"] = measure(lambda: x @ awq_dequantize_triton(*awq, group_size, x.dtype),
+                                           awq_ref, awq_bytes)
     return found
+
+
+def bench_fp8(x: torch.Tensor, weight: torch.Tensor, io_bytes: int, sms: int) -> dict:
+    """FP8 weights (per-channel scales) and per-token FP8 activations, each time including the
+    activations' quantization kernel: the GEMV sweep up to GEMV_MAX_ROWS rows, else _scaled_mm."""
+    values, scale = quantize_fp8_per_row(weight)
+    reference = fp8_linear_torch(x.float(), values, scale)
+    moved = values.numel() + scale.numel() * 4 + io_bytes // 2 * 3  # FP8 in, 16-bit out, the quantization
+    rows = x.shape[0]
+    if rows > GEMV_MAX_ROWS:
+        return dict(best=measure(lambda: fp8_linear_cuda(x, values, scale), reference, moved))
+
+    def run(config):
+        q, s = quantize_fp8_per_token_triton(x)
+        return fp8_gemv_triton(q, s, values, scale, None, x.dtype, config)
+    return sweep(dense_candidates(rows, *weight.shape, sms, fp8=True), run, reference, moved)
 
 
 def _describe(result: dict | None) -> str:
@@ -155,24 +210,30 @@ def format_record(record: dict) -> str:
     shape = f"N={record['n']:>6} K={record['k']:>5} M={record['rows']:>3}"
     parts = [f"TP={record['tp']} {record['layer']:>7} {shape}",
              f"cuBLAS {_describe(record['cublas'])}"]
-    for path in ("gemv", "awq"):
+    for path in ("gemv", "fp8", "awq"):
         if path in record:
-            best, default = record[path]["best"], record[path]["default"]
-            config = TileConfig(**best["config"]) if best else None
+            best, default = record[path]["best"], record[path].get("default")
+            config = TileConfig(**best["config"]) if best and "config" in best else None
             speed = f" {record['cublas']['us'] / best['us']:.2f}x cuBLAS speed" if best else ""
-            parts.append(f"{path} {_describe(best)}{speed} [default {default['us']:.1f} us] {config}")
+            tail = f" [default {default['us']:.1f} us] {config}" if default else ""
+            parts.append(f"{path} {_describe(best)}{speed}{tail}")
+    if "awq_dequant" in record:
+        parts.append(f"awq dequantize + cuBLAS {_describe(record['awq_dequant'])}")
     return "\n    ".join(parts)
 
 
 def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str]]:
-    """The entries of AWQ_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS (only where the
-    GEMV beat cuBLAS by 3% or more), one per (row bucket, N, K)."""
-    awq, dense = {}, {}
+    """The entries of AWQ_CONFIGS and FP8_GEMV_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS
+    (only where the GEMV beat cuBLAS by 3% or more), one per (row bucket, N, K)."""
+    awq, dense, fp8 = {}, {}, {}
     for record in records:
         bucket = row_bucket(record["rows"])
         awq_best = record.get("awq", {}).get("best")
         if awq_best:
             awq[(bucket, record["n"], record["k"], group_size)] = awq_best
+        fp8_best = record["fp8"]["best"]
+        if fp8_best and "config" in fp8_best:
+            fp8[(bucket, record["n"], record["k"])] = fp8_best
         gemv_best = record.get("gemv", {}).get("best")
         if gemv_best and gemv_best["us"] < 0.97 * record["cublas"]["us"]:
             dense[(bucket, record["n"], record["k"])] = gemv_best
@@ -180,12 +241,12 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
     def lines(table):
         return [f"    {key}: {TileConfig(**best['config'])},  # {best['us']:.1f} us, "
                 f"{100 * best['peak_fraction']:.0f}% of 4.8 TB/s" for key, best in table.items()]
-    return lines(awq), lines(dense)
+    return lines(awq), lines(dense), lines(fp8)
 
 
 def decode_estimates(records: list[dict]) -> dict:
     """Per TP size: the batch-1 linear time of one token, 32 layers plus the LM head, for bf16
-    (the faster of cuBLAS and the GEMV) and AWQ (its kernels, the LM head in bf16)."""
+    (the faster of cuBLAS and the GEMV), FP8 and AWQ (their kernels, the LM head in bf16)."""
     estimates = {}
     for tp in sorted({r["tp"] for r in records}):
         one = {r["layer"]: r for r in records if r["tp"] == tp and r["rows"] == 1}
@@ -200,7 +261,8 @@ def decode_estimates(records: list[dict]) -> dict:
         awq_ok = all(one[name]["awq"]["best"] for name in layers)
         awq = (LAYERS * sum(one[name]["awq"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
                if awq_ok else None)
-        estimates[tp] = dict(bf16_ms=bf16 / 1e3, awq_ms=awq / 1e3 if awq else None)
+        fp8 = LAYERS * sum(one[name]["fp8"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
+        estimates[tp] = dict(bf16_ms=bf16 / 1e3, awq_ms=awq / 1e3 if awq else None, fp8_ms=fp8 / 1e3)
     return estimates
 
 
@@ -222,19 +284,20 @@ def main() -> None:
         for name, n, k in llama3_8b_linears(tp):
             if name in args.layers:
                 records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen)
-    awq_lines, dense_lines = table_lines(records, args.group_size)
+    awq_lines, dense_lines, fp8_lines = table_lines(records, args.group_size)
     estimates = decode_estimates(records)
     print("\n# paste into src/pagedlab/kernels/gemv_configs.py\nAWQ_CONFIGS = {", *awq_lines, "}", sep="\n")
     print("DENSE_GEMV_CONFIGS = {", *dense_lines, "}", sep="\n")
+    print("FP8_GEMV_CONFIGS = {", *fp8_lines, "}", sep="\n")
     for tp, estimate in estimates.items():
         awq = f"{estimate['awq_ms']:.2f} ms" if estimate["awq_ms"] else "n/a"
         print(f"TP={tp} batch-1 linears per token (32 layers + LM head, per rank): "
-              f"bf16 {estimate['bf16_ms']:.2f} ms, AWQ {awq}")
+              f"bf16 {estimate['bf16_ms']:.2f} ms, FP8 {estimate['fp8_ms']:.2f} ms, AWQ {awq}")
     elapsed = time.perf_counter() - start
     print(f"{len(records)} shapes in {elapsed:.0f} s; JSON in {args.out}")
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, group_size=args.group_size,
-                       records=records, awq_table=awq_lines, dense_table=dense_lines,
+                       records=records, awq_table=awq_lines, dense_table=dense_lines, fp8_table=fp8_lines,
                        decode_estimates=estimates, seconds=elapsed), f, indent=1)
 
 

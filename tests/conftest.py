@@ -41,6 +41,8 @@ def tiny_config(arch: str, **overrides):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None)
+    elif arch == "mistral_window":  # every layer windowed, the window shorter than the prompts
+        cfg = transformers.MistralConfig(**common, sliding_window=16)
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
     elif arch == "qwen3":
@@ -50,13 +52,19 @@ def tiny_config(arch: str, **overrides):
     elif arch == "phi3":  # Phi-4-mini's partial rotary
         cfg = transformers.Phi3Config(**common, sliding_window=None, rope_parameters={
             "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
-    elif arch == "gemma2":  # final logit soft-capping; attention soft-capping is not supported yet
-        cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=128,
-                                        final_logit_softcapping=5.0, attn_logit_softcapping=None)
-    elif arch == "gemma3":  # local/global RoPE bases, q/k norms
+    elif arch == "phi3_longrope":  # LongRoPE switching to its long factors past 32 tokens
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0], "original_max_position_embeddings": 32}
+        cfg = transformers.Phi3Config(**common, sliding_window=None, rope_parameters=rope,
+                                      original_max_position_embeddings=32)
+    elif arch == "gemma2":  # attention and final logit soft-capping; local/global layers
+        cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+                                        final_logit_softcapping=5.0, attn_logit_softcapping=1.0)
+    elif arch == "gemma3":  # local/global RoPE bases and windows, q/k norms
         layer_types = ["sliding_attention", "full_attention"]
         cfg = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24,
-                                            sliding_window=128, layer_types=layer_types)
+                                            sliding_window=16, layer_types=layer_types)
     elif arch == "mixtral":  # 8 experts, top-2
         cfg = transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
                                          num_experts_per_tok=2, sliding_window=None)

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedlab.kernels import gemv_configs
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.quantization.awq import (AWQ_PACK_ORDER, AWQConfig, awq_linear_torch, dequantize_awq, pack_awq,
                                        quantize_awq, unpack_awq)
@@ -293,9 +294,33 @@ def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 20])
-def test_triton_default_configs(w4a16, rows):
+@pytest.mark.parametrize("rows", [1, 4, 20, 70])
+@pytest.mark.parametrize("gemm_listed", [False, True])
+def test_triton_default_configs(w4a16, monkeypatch, rows, gemm_listed):
+    """Without a config the path follows the row count and the table: the GEMV up to 16 rows;
+    beyond, the dequantizing GEMM where AWQ_CONFIGS lists the shape, else dequantize and matmul."""
+    if gemm_listed:
+        for bucket in (32, 128):
+            monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (bucket, 64, 256, 128),
+                                TileConfig(block_n=32, block_k=32, block_m=32))
     check_kernel(w4a16, rows, 256, 64, 128, torch.float16, True, "default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "K{}-N{}-g{}".format(*s[:3]))
+def test_triton_dequantize_equals_torch_bit_for_bit(w4a16, shape, dtype):
+    in_features, out_features, group_size, _ = shape
+    gen = _generator("dequantize", in_features, out_features, group_size, dtype)
+    _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
+    weight = w4a16.awq_dequantize_triton(qweight.to(DEVICE), qzeros.to(DEVICE), scales.to(DEVICE), group_size,
+                                         dtype)
+    assert weight.shape == (in_features, out_features) and weight.dtype == dtype
+    expected = dequantize_awq(qweight, qzeros, scales, group_size)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter's float32 -> bf16 cast truncates
+        torch.testing.assert_close(weight, expected, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(weight.cpu(), expected)
 
 
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(w4a16):

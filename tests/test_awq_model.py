@@ -214,5 +214,7 @@ def test_awq_at_two_tensor_parallel_ranks_equals_hf_on_the_dequantized_weights(t
     awq_dir, _ = write_awq_checkpoints(tiny, tmp_path, 32)
     prompts = random_prompts(3, max_len=40, seed=5)
     expected = [hf_greedy(tiny.hf_model, p, GREEDY.max_tokens) for p in prompts]
-    with LLM(str(awq_dir), quantization="awq", tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
+    # the seed's line: LLM(model=..., tensor_parallel_size=2, quantization="awq", enforce_eager=True)
+    with LLM(str(awq_dir), tensor_parallel_size=2, quantization="awq", enforce_eager=True,
+             kv_cache_memory_bytes=KV_BYTES) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected

@@ -111,8 +111,10 @@ def test_row_buckets_and_splits():
     assert splits_for(16, 32, 132) == 17 and splits_for(16, 8, 132) == 8 and splits_for(1000, 32, 132) == 1
 
 
-def test_dense_gemv_table_decides_and_is_empty_by_default(monkeypatch):
-    assert dense_gemv_config(1, 4096, 4096) is None  # nothing measured yet: cuBLAS everywhere
+def test_dense_gemv_table_decides(monkeypatch):
+    assert dense_gemv_config(1, 4096, 4096) == gemv_configs.DENSE_GEMV_CONFIGS[(1, 4096, 4096)]
+    monkeypatch.setattr(gemv_configs, "DENSE_GEMV_CONFIGS", {})
+    assert dense_gemv_config(1, 4096, 4096) is None  # nothing listed: cuBLAS
     config = TileConfig(block_n=16, block_k=256, split_k=8)
     monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, (4, 4096, 4096), config)
     assert dense_gemv_config(3, 4096, 4096) == config and dense_gemv_config(4, 4096, 4096) == config
@@ -126,6 +128,21 @@ def test_awq_table_entry_wins_over_the_default(monkeypatch):
     assert gemv_configs.awq_config(9, 6144, 4096, 128, 132) == config
     assert gemv_configs.awq_config(8, 6144, 4096, 128, 132) == gemv_configs.default_awq_config(8, 6144, 4096,
                                                                                                128, 132)
+    # more rows: the GEMM only where listed, else None (dequantize, then cuBLAS)
+    gemm = TileConfig(block_n=128, block_k=64, block_m=64, num_stages=3)
+    monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (64, 6144, 4096, 128), gemm)
+    assert gemv_configs.awq_config(40, 6144, 4096, 128, 132) == gemm
+    assert gemv_configs.awq_config(65, 6144, 4096, 128, 132) is None
+
+
+def test_fp8_gemv_runs_only_listed_shapes(monkeypatch):
+    monkeypatch.setattr(gemv_configs, "FP8_GEMV_CONFIGS", {})
+    assert gemv_configs.fp8_gemv_config(1, 6144, 4096) is None
+    config = TileConfig(block_n=8, block_k=1024)
+    monkeypatch.setitem(gemv_configs.FP8_GEMV_CONFIGS, (1, 6144, 4096), config)
+    assert gemv_configs.fp8_gemv_config(1, 6144, 4096) == config
+    assert gemv_configs.fp8_gemv_config(2, 6144, 4096) is None  # another row bucket: _scaled_mm
+    assert gemv_configs.fp8_gemv_config(17, 6144, 4096) is None
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 64, 256])

@@ -19,7 +19,7 @@ def _tokens(outs):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox",
-                                  "mixtral", "qwen3_moe"])
+                                  "mixtral", "qwen3_moe", "mistral_window", "phi3_longrope"])
 def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
     tiny = tiny_models(arch)
     prompts = random_prompts(8, max_len=80, seed=1)

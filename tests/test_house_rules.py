@@ -27,9 +27,13 @@ LAZY_INTERNAL = {
     "pagedlab.kernels.paged_attention": "the Triton backend: triton is optional on the CPU",
     "pagedlab.kernels.kv_write": "the Triton backend: triton is optional on the CPU",
     "pagedlab.kernels.triton_kernels": "the Triton kernels themselves: triton is optional on the CPU",
+    "pagedlab.kernels.fused_moe_kernels": "the fused MoE Triton kernels: triton is optional on the CPU, "
+                                          "and the interpreter must be settled before they are decorated",
     "pagedlab.kernels.all_reduce": "the one-shot all-reduce on CUDA: triton is optional on the CPU",
     "pagedlab.kernels.gemv": "dense GEMV on CUDA: triton is optional on the CPU, and the interpreter must be "
                              "settled before its kernels are decorated",
+    "pagedlab.kernels.fp8_linear": "FP8 activation quantization and GEMV on CUDA: triton is optional "
+                                   "on the CPU",
     "pagedlab.quantization.formats": "config resolves the weight format: config loads without torch, "
                                      "so the command line answers --help at once",
     "pagedlab.kernels.batch_invariant": "batch-invariant matmul, norms and softmax on CUDA: triton is "

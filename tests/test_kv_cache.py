@@ -27,7 +27,7 @@ def admit(kv: KVCacheManager, request: Request) -> int:
 def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
     refs = [0] * kv.num_blocks
     for r in live:
-        for b in r.block_ids:
+        for b in r.block_ids[r.num_released_blocks:]:
             refs[b] += 1
     assert [b.ref_count for b in kv.blocks] == refs
     assert all(b.ref_count >= 0 for b in kv.blocks)
@@ -134,3 +134,54 @@ def test_fragmentation_counts_shared_prefix_blocks_once(tiny_llama):
     assert stats.peak_kv_blocks_used == 6
     assert stats.kv_tokens_at_peak == 52
     assert stats.fragmentation_at_peak == pytest.approx(1 - 52 / 96)
+
+
+def decode(kv: KVCacheManager, request: Request, steps: int, first_token: int = 500) -> None:
+    """Run ``steps`` decode steps the way the scheduler does: allocate, compute, append."""
+    for i in range(steps):
+        request.num_computed_tokens = request.num_tokens - 1 if i else request.num_tokens
+        request.all_token_ids.append(first_token + i)
+        assert kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens)
+    request.num_computed_tokens = request.num_tokens
+
+
+def test_sliding_window_holds_a_bounded_number_of_blocks():
+    """Window 6, blocks of 4: a query sees at most two blocks back, so a 50-token sequence runs
+    in a pool of 4 blocks; the released ones go back to the pool."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, sliding_window=6)
+    request = make_request(range(10))
+    admit(kv, request)
+    for _ in range(40):
+        decode(kv, request, 1)
+        held = len(request.block_ids) - request.num_released_blocks
+        assert held <= 3
+        check_invariants(kv, [request])
+        # every key the next query (at num_computed_tokens) sees is in a held block
+        first_seen = request.num_computed_tokens - kv.sliding_window + 1
+        assert request.num_released_blocks * kv.block_size <= first_seen
+    assert request.num_released_blocks >= 9
+    kv.free(request)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == 4
+
+
+def test_released_block_is_a_prefix_only_while_it_holds_its_tokens():
+    kv = KVCacheManager(num_blocks=6, block_size=4, sliding_window=4)
+    a = make_request(range(12), "a")
+    admit(kv, a)
+    decode(kv, a, 6)
+    assert a.num_released_blocks >= 2
+    first_block = a.block_ids[0]
+    assert kv.blocks[first_block].ref_count == 0  # freed, still named
+    b = make_request(list(range(12)) + [7], "b")
+    assert admit(kv, b) == 12  # the freed blocks still hold these keys: a correct hit
+    assert b.block_ids[0] == first_block
+    check_invariants(kv, [a, b])
+    kv.free(b)
+    kv.free(a)
+    c = make_request(range(100, 124), "c")  # takes every block, so the old names are evicted
+    admit(kv, c)
+    kv.free(c)
+    d = make_request(list(range(12)) + [7], "d")
+    assert admit(kv, d) == 0
+    check_invariants(kv, [d])

@@ -52,9 +52,10 @@ def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
 
 FAMILIES = pytest.mark.parametrize("arch, kv_heads", [
     ("gpt2", 4), ("gpt_neox", 4), ("phi3", 2), ("gemma2", 2), ("gemma3", 2), ("mixtral", 2),
-    ("qwen3_moe", 2),
-], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-final-softcap", "gemma3-local-global-rope",
-        "mixtral-8-experts-top-2", "qwen3-moe-unnormalized-top-2"])
+    ("qwen3_moe", 2), ("mistral_window", 2), ("phi3_longrope", 2),
+], ids=["gpt2", "pythia", "phi3-partial-rotary", "gemma2-softcaps-local-global-window-16",
+        "gemma3-local-global-rope-window-16", "mixtral-8-experts-top-2", "qwen3-moe-unnormalized-top-2",
+        "mistral-window-16", "phi3-longrope-switch-at-32"])
 
 
 @FAMILIES
@@ -75,6 +76,54 @@ def test_dummy_weights_fill_every_parameter(tiny_models, arch, kv_heads):
             assert (param == param.dummy_value).all(), name
         else:
             assert param.std() > 0.01, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@FAMILIES
+def test_family_matches_hf_on_gpu_with_cuda_graphs(tiny_models, arch, kv_heads):
+    """The same parity through the Triton kernels, with decode steps replayed from CUDA graphs."""
+    _check_engine_matches_hf(tiny_models(arch), kv_heads, device="cuda", attention_backend="triton",
+                             enforce_eager=False)
+
+
+def test_sliding_window_generation_holds_bounded_blocks(tiny_models):
+    """Mistral with a 16-token window, one sequence generating 100 tokens past its 40-token
+    prompt: HF's tokens, in at most 4 blocks of 16 (a full cache would take 9); then a request
+    repeating the prompt takes the released-but-intact prompt blocks as a cached prefix and
+    still matches HF."""
+    tiny = tiny_models("mistral_window")
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=11)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=16,
+             enable_prefix_caching=True) as llm:
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        peak = llm.get_stats().peak_kv_blocks_used
+        again = llm.generate([prompt + [5]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        hits = llm.get_stats().prefix_cache_hit_tokens
+    assert got == hf_greedy(tiny.hf_model, prompt, 100, eos_token_id=None)
+    assert peak <= 4
+    assert hits >= 32
+    assert again == hf_greedy(tiny.hf_model, prompt + [5], 20, eos_token_id=None)
+
+
+def test_longrope_sequence_crossing_the_switch_is_recomputed_with_long_factors(tiny_models):
+    """Phi-3 LongRoPE switching at 32 tokens: prompts of 20-30 tokens generate past it (the
+    whole sequence is recomputed with the long factors, as transformers does); then the same
+    prompt again (short regime: it takes the blocks computed before the switch) and extended to
+    40 tokens (long regime: the blocks recomputed after it), all HF's greedy tokens."""
+    tiny = tiny_models("phi3_longrope")
+    prompts = random_prompts(3, min_len=20, max_len=30, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=64) as llm:
+        crossed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [prompts[0], prompts[0] + crossed[0][:-2]]
+        again_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        repeated = [o.outputs[0].token_ids for o in llm.generate(again, again_params, use_tqdm=False)]
+        assert llm.get_stats().prefix_cache_hit_tokens >= 16
+    assert crossed == [hf_greedy(tiny.hf_model, p, 16, eos_token_id=None) for p in prompts]
+    assert repeated == [hf_greedy(tiny.hf_model, p, 2, eos_token_id=None) for p in again]
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])
@@ -101,25 +150,14 @@ def test_unsupported_gpt2_variant_is_named(tmp_path):
         build_model(cfg, 64)
 
 
-def test_phi3_longrope_is_refused_by_name(tiny_models):
-    """LongRoPE ("su") frequencies change with the sequence length: loading says so."""
+def test_per_layer_type_longrope_is_refused_by_name(tiny_models):
     from pagedlab.models.registry import build_model
 
-    cfg = copy.deepcopy(tiny_models("phi3").hf_model.config)
-    cfg.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    with pytest.raises(ValueError, match="rope_type='longrope' is not supported"):
-        build_model(cfg, 64)
-
-
-def test_gemma2_attention_softcapping_is_refused_by_name(tiny_models):
-    """Attention logit soft-capping needs the attention kernels: loading says so, never runs
-    without it."""
-    from pagedlab.models.registry import build_model
-
-    cfg = copy.deepcopy(tiny_models("gemma2").hf_model.config)
-    cfg.attn_logit_softcapping = 50.0
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 \(attention logit soft-capping\)"):
+    cfg = copy.deepcopy(tiny_models("gemma3").hf_model.config)
+    cfg.rope_parameters["full_attention"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                             "original_max_position_embeddings": 32}
+    with pytest.raises(ValueError, match=r"rope_type='longrope' per layer type \(full_attention\)"):
         build_model(cfg, 64)
 
 

@@ -288,7 +288,7 @@ def test_bad_completion_parameters(served, body, param):
     ({"messages": [{"content": "no role"}]}, "messages[0]"),
     ({"messages": CHATS[0], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHATS[0], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": CHATS[0], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": CHATS[0], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
 ])

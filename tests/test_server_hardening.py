@@ -375,7 +375,8 @@ FIELDS = ["prompt", "messages", "model", "n", "best_of", "max_tokens", "max_comp
           "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo",
           "prompt_logprobs", "logit_bias", "allowed_token_ids", "stream", "stream_options", "min_tokens",
           "presence_penalty", "repetition_penalty", "response_format", "tools", "chat_template_kwargs",
-          "return_token_ids", "ignore_eos", "add_special_tokens", "tokens"]
+          "return_token_ids", "ignore_eos", "add_special_tokens", "tokens", "guided_json", "guided_regex",
+          "guided_choice", "guided_grammar", "structured_outputs", "bad_words", "logprob_token_ids"]
 
 
 def _fuzz_bodies():

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("pydantic")
 
 from pagedlab import SamplingParams
+from pagedlab.sampling_params import StructuredOutputsParams
 from pagedlab.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
                                       CompletionResponseChoice, CompletionStreamResponse, DeltaMessage,
                                       PromptTokensDetails, UsageInfo, parse_request)
@@ -76,7 +77,7 @@ def test_bad_completion_bodies(body, param, says):
      "a string or an array of text parts"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "only 'text'"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "must be one of"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
@@ -104,16 +105,20 @@ def test_completion_to_sampling_params_maps_every_field():
             "stop": ["a", "", "bc"], "stop_token_ids": [3, 4], "ignore_eos": True, "max_tokens": 40,
             "min_tokens": 5, "logprobs": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
-            "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"}}
+            "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
+            "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"]}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
                           stop_token_ids=[3, 4], ignore_eos=True, max_tokens=40, min_tokens=5, logprobs=3,
                           prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
                           spaces_between_special_tokens=False, logit_bias={7: -2.5, 9: 1.0},
-                          allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"})
+                          allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"}, bad_words=["no"],
+                          logprob_token_ids=[5, 6],
+                          structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     default = SamplingParams()
+    not_request_fields = ("detokenize", "output_kind", "guided_decoding")  # output_kind follows "stream"
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
-                if getattr(want, f.name) == getattr(default, f.name) and f.name != "detokenize"]
+                if getattr(want, f.name) == getattr(default, f.name) and f.name not in not_request_fields]
     assert unmapped == []  # the body sets every field away from its default
     assert parse_request(CompletionRequest, body).to_sampling_params() == want
     # echo with logprobs asks for the prompt's logprobs too, at least as many

@@ -7,10 +7,14 @@ Kept small (the CPU is shared): a few chats and completions, greedy, compared wi
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import json
+import re
 
 import pytest
 
 from pagedlab import LLM, SamplingParams
+from pagedlab.sampling_params import StructuredOutputsParams
 from pagedlab.engine.async_engine import AsyncEngine
 
 openai = pytest.importorskip("openai")
@@ -25,6 +29,18 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You are a terse assistant."},
           {"role": "user", "content": "Name three primary colors."}]]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The first president of the"]
+CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+               "properties": {"city": {"type": "string", "maxLength": 20},
+                              "country": {"type": "string", "maxLength": 20}}}
+STRUCTURED = [  # (the grammar, the same as request fields), each on one chat
+    (StructuredOutputsParams(json=CITY_SCHEMA, disable_any_whitespace=True),
+     {"structured_outputs": {"json": CITY_SCHEMA, "disable_any_whitespace": True}}),
+    (StructuredOutputsParams(regex=r"[0-9]{1,3} degrees"), {"guided_regex": r"[0-9]{1,3} degrees"}),
+    (StructuredOutputsParams(choice=["Paris", "London"]), {"guided_choice": ["Paris", "London"]}),
+]
+STRUCTURED_CHATS = [[{"role": "user", "content": "The capital of France as JSON with city and country."}],
+                    [{"role": "user", "content": "At what temperature in Celsius does water boil?"}],
+                    CHATS[0]]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +49,10 @@ def served():
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     expected = {"chats": [o.outputs[0] for o in llm.chat(CHATS, greedy, use_tqdm=False)],
                 "texts": [o.outputs[0] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]}
+    if importlib.util.find_spec("xgrammar") is not None:
+        structured = [greedy.clone(max_tokens=32, structured_outputs=spec) for spec, _ in STRUCTURED]
+        outs = llm.chat(STRUCTURED_CHATS, structured, use_tqdm=False)
+        expected["structured"] = [o.outputs[0] for o in outs]
     engine = AsyncEngine.from_llm(llm)
     with ServerThread(build_app(engine)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -95,3 +115,21 @@ def test_logprobs_and_stop(served):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                   stop=["."])
     assert r.choices[0].text == want.split(".")[0]
+
+
+def test_structured_chats_validate_and_match_offline(served):
+    pytest.importorskip("xgrammar")
+    client = served["client"]
+    for (spec, fields), chat, want in zip(STRUCTURED, STRUCTURED_CHATS, served["expected"]["structured"]):
+        r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=32, temperature=0,
+                                           extra_body=fields)
+        text = r.choices[0].message.content
+        assert text == want.text and r.choices[0].finish_reason == "stop"
+        if spec.json is not None:
+            import jsonschema
+
+            jsonschema.validate(json.loads(text), CITY_SCHEMA)
+        elif spec.regex is not None:
+            assert re.fullmatch(spec.regex, text)
+        else:
+            assert text in spec.choice

@@ -22,6 +22,28 @@ def test_floor_matches_design_figures():
     assert rate == pytest.approx(35000, rel=0.1)
 
 
+def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():
+    """Batch 1 by hand: Qwen3-30B-A3B reads attention, routers and LM head (1.23 G parameters)
+    and 8 of 128 experts per layer (48 x 8 x 4.72 M = 1.81 G): 6.08 GB, 1.43 ms at 4.25 TB/s,
+    plus the 512-token prefill (6.1 T FLOPs, 3.9 ms) spread over 128 tokens: 1.46 ms;
+    Mixtral-8x7B 2 of 8 experts (11.3 G) beside 1.47 G others: 25.5 GB, 6.0 ms, plus 0.13 ms of
+    prefill. At batch 256 nearly every expert is hit: Qwen3-30B-A3B reads about 30.5 G parameters
+    per step."""
+    qwen = workloads.model_shape("qwen3-30b-a3b")
+    assert workloads.physical_floor(qwen, [512], [129]) / 128 == pytest.approx(1.46e-3, rel=0.02)
+    mixtral = workloads.model_shape("mixtral-8x7b")
+    assert workloads.physical_floor(mixtral, [512], [129]) / 128 == pytest.approx(6.13e-3, rel=0.02)
+    step_256 = workloads.physical_floor(qwen, [512] * 256, [2] * 256) - workloads.physical_floor(
+        qwen, [512] * 256, [1] * 256)
+    assert step_256 > 30.5e9 * 2 / workloads.H200_BANDWIDTH
+
+
+def test_cli_offers_every_benchmark_shape():
+    from pagedlab.cli.main import SHAPES
+
+    assert SHAPES == workloads.SHAPES
+
+
 def test_floor_with_tensor_parallelism_splits_reads_and_adds_the_all_reduces():
     """Batch 1 decode by hand: a Llama-3-70B shape holds 69.5 G matmul parameters (139 GB in
     bf16), so each of two H200s reads 69.5 GB per token at 4.25 TB/s (16.4 ms) and waits for 160

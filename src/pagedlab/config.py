@@ -67,6 +67,10 @@ class EngineConfig:
         None, "token budget of one step (default: 8192, or max_model_len without chunked prefill)", plan=True)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
+    chunked_prefill_size: int | None = _setting(
+        None, "SGLang's name: chunked prefill with this token budget per step (sets "
+              "max_num_batched_tokens)",
+        plan=True)
     kv_cache_dtype: str = _setting(
         "auto", "auto (the model's dtype) or fp8 (alias fp8_e4m3: E4M3 with per-layer scales, twice the "
                 "tokens per byte)", plan=True)
@@ -81,7 +85,9 @@ class EngineConfig:
                "prefix caching and chunked prefill: fixed-order matmuls, norms, softmax and attention "
                "(docs/repro.md: costs and limits)", plan=True)
     load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
-    trust_remote_code: bool = _setting(False, "let transformers run the model directory's own code")
+    trust_remote_code: bool = _setting(
+        False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an "
+               "architecture it does not implement is an error listing those it does)")
     device: str = _setting("auto", "auto, cpu, cuda or cuda:N")
     attention_backend: str = _setting("auto", "auto (Triton on CUDA, torch on the CPU), torch or triton")
     tensor_parallel_size: int = _setting(
@@ -122,6 +128,8 @@ class EngineConfig:
             bad("max_num_seqs", "an integer >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
+        if self.chunked_prefill_size is not None:
+            self._check_chunked_prefill_size()
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
         if self.load_format not in LOAD_FORMATS:
@@ -153,6 +161,18 @@ class EngineConfig:
             bad("dtype", f"'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             bad("device", "'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    def _check_chunked_prefill_size(self) -> None:
+        size = self.chunked_prefill_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid: chunked_prefill_size must be an "
+                             "integer >= 1 (the token budget of one step) or None")
+        if not self.enable_chunked_prefill:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid with enable_chunked_prefill=False: "
+                             "it sets the chunk size of chunked prefill")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens != size:
+            raise ValueError(f"chunked_prefill_size={size!r} is invalid next to max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: both set the token budget of a step; give one")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -267,16 +287,30 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
 
 
 def model_max_len(hf_config) -> int:
-    """Positions the model supports; a sliding window (Mistral, Phi-3, Gemma 2/3's local layers)
-    caps it, since attention here is always full (within the window the two are the same)."""
-    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """Positions the model supports (``max_position_embeddings``); sliding windows do not cap it,
+    since the attention kernels mask keys older than each layer's window."""
+    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+
+
+def attention_windows(hf_config) -> list[int | None]:
+    """Each layer's sliding window (a query sees itself and the ``W - 1`` keys before it), None
+    for a full-attention layer: ``sliding_window`` on every layer (Mistral, Mixtral, Phi-3), or
+    on the ``layer_types`` "sliding_attention" layers (Gemma 2/3, Qwen2/3's ``max_window_layers``)."""
+    num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
-    windowed_types = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
-    uses_window = getattr(hf_config, "use_sliding_window",
-                          getattr(hf_config, "model_type", "") in windowed_types)
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types:
+        return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+    return [int(window)] * num_layers
+
+
+def kv_release_window(hf_config) -> int | None:
+    """The window after which a sequence's keys can be freed: the widest layer window when every
+    layer is windowed, None when any layer attends in full (then every key stays needed)."""
+    windows = attention_windows(hf_config)
+    return None if not windows or None in windows else max(windows)
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
@@ -291,6 +325,8 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
 
 
 def resolve_max_num_batched_tokens(cfg: EngineConfig, max_model_len: int) -> int:
+    if cfg.chunked_prefill_size is not None:
+        return cfg.chunked_prefill_size
     if cfg.max_num_batched_tokens is not None:
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < max_model_len:
             raise ValueError(

@@ -14,7 +14,7 @@ from pagedlab.engine.engine import LLMEngine
 from pagedlab.engine.profiling import EngineProfiler, ProfileSummary
 from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
-from pagedlab.sampling_params import BeamSearchParams, SamplingParams
+from pagedlab.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -148,6 +148,8 @@ class LLM:
         stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
         try:
             for rid, prompt, p in zip(ids, encoded, params):
+                if p.output_kind == RequestOutputKind.DELTA:  # as vLLM: offline returns whole final outputs
+                    p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text)
             while engine.has_unfinished_requests():
                 if stats_log is not None:

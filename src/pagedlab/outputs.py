@@ -64,6 +64,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
 
+    def add(self, later: RequestOutput) -> RequestOutput:
+        """Merge a later delta output (``RequestOutputKind.DELTA``) into this one, in place: text,
+        token ids and logprobs are appended, the rest is taken from ``later``."""
+        for mine, theirs in zip(self.outputs, later.outputs):
+            mine.text += theirs.text
+            mine.token_ids = mine.token_ids + theirs.token_ids
+            if mine.logprobs is not None and theirs.logprobs is not None:
+                mine.logprobs = mine.logprobs + theirs.logprobs
+            mine.cumulative_logprob = theirs.cumulative_logprob
+            mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+        self.finished, self.metrics = later.finished, later.metrics
+        return self
+
 
 @dataclass
 class BeamSearchSequence:

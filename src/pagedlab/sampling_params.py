@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from dataclasses import dataclass, field
@@ -18,7 +19,18 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
 
-_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
+_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias", "logprob_token_ids")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a running request holds (vLLM's names): everything so far
+    (``CUMULATIVE``), only what is new since the last output (``DELTA``), or nothing until the
+    request finishes (``FINAL_ONLY``). The offline ``LLM`` returns final outputs whatever it says.
+    An int enum, so a manifest of the parameters stays plain JSON."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class UnknownArgumentError(TypeError, ValueError):
@@ -51,6 +63,45 @@ def quoted_ids(ids) -> str:
 
 @_reject_unknown_arguments
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a completion to a grammar (vLLM's ``StructuredOutputsParams``; the older name
+    ``GuidedDecodingParams`` is the same class). Exactly one of: ``json`` (a JSON schema, as a dict
+    or a string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
+    or ``grammar`` (EBNF/GBNF). ``disable_any_whitespace`` makes JSON compact."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs", given or None,
+               f"exactly one of {', '.join(STRUCTURED_KINDS)}")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "json", self.json,
+               "a JSON schema (a dict or a JSON string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), name, value, "a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "choice", self.choice, "a non-empty list of non-empty strings")
+        _check(self.json_object in (None, True, False), "json_object", self.json_object, "a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_KINDS``."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GuidedDecodingParams = StructuredOutputsParams
+
+
+@_reject_unknown_arguments
+@dataclass
 class SamplingParams:
     """How to sample one request's completion(s).
 
@@ -64,6 +115,14 @@ class SamplingParams:
     [-100, 100]) and ``allowed_token_ids`` (only these may be sampled). ``extra_args`` carries
     whatever a caller wants to keep with the request; the engine ignores it. A misspelt keyword
     raises ``UnknownArgumentError`` naming the closest field.
+
+    ``bad_words``: strings never generated (vLLM's rule: each word is tokenized with and without a
+    leading space; the last token of such a sequence is banned wherever the output so far ends
+    with the tokens before it). ``logprob_token_ids``: at every generated position, the logprobs
+    of these token ids (the labels of a classification or multiple-choice evaluation) are
+    returned beside the sampled token's in ``CompletionOutput.logprobs``. ``output_kind``: see
+    ``RequestOutputKind``. ``structured_outputs`` (or its older name ``guided_decoding``)
+    constrains the completion to a grammar: see ``StructuredOutputsParams``; it needs xgrammar.
     """
 
     n: int = 1
@@ -89,8 +148,17 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None or self.structured_outputs is self.guided_decoding,
+                   "guided_decoding", self.guided_decoding, "None when structured_outputs is set")
+            self.structured_outputs = self.guided_decoding
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -142,6 +210,24 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args,
                "None or a dict")
+        self._validate_output_controls()
+
+    def _validate_output_controls(self) -> None:
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+                "a list of non-blank strings")
+            self.bad_words = list(self.bad_words)
+        if self.logprob_token_ids is not None:
+            _check(isinstance(self.logprob_token_ids, (list, tuple)) and len(self.logprob_token_ids) > 0
+                   and all(isinstance(t, int) and t >= 0 for t in self.logprob_token_ids),
+                   "logprob_token_ids", self.logprob_token_ids, "a non-empty list of non-negative token ids")
+            self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids))
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+               "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        structured = self.structured_outputs
+        _check(structured is None or isinstance(structured, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
 
     def verify_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field when a token id the parameters name is out of vocabulary."""
@@ -160,6 +246,11 @@ class SamplingParams:
     def has_logits_controls(self) -> bool:
         """Whether ``logit_bias`` or ``allowed_token_ids`` changes the logits before sampling."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether each generated position gets a logprobs record (top-N or label ids)."""
+        return self.logprobs is not None or self.logprob_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import pagedlab
+from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
@@ -59,7 +60,47 @@ def model_shape(name: str):
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             architectures=["Qwen3ForCausalLM"])
-    raise ValueError(f"shape {name!r} is unknown; known shapes: llama3-8b, llama3-70b, qwen3-0.6b")
+    if name in _FAMILY_SHAPES:
+        return _FAMILY_SHAPES[name]()
+    raise ValueError(f"shape {name!r} is unknown; known shapes: {', '.join(SHAPES)}")
+
+
+def _qwen3_30b_a3b():
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
+
+
+def _mixtral_8x7b():
+    import transformers
+
+    return transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, dtype="bfloat16", architectures=["MixtralForCausalLM"])
+
+
+def _gemma2_9b():
+    import transformers
+
+    return transformers.Gemma2Config(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16",
+        architectures=["Gemma2ForCausalLM"])
+
+
+_FAMILY_SHAPES = {"qwen3-30b-a3b": _qwen3_30b_a3b, "mixtral-8x7b": _mixtral_8x7b, "gemma2-9b": _gemma2_9b}
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-0.6b", *_FAMILY_SHAPES)
 
 
 def shape_dir(name: str) -> str:
@@ -123,12 +164,65 @@ class AllReduceCost:
         return self.latency_s + nbytes / self.bus_bandwidth
 
 
+def decode_weight_bytes(info) -> float:
+    """The matmul weight bytes a decode step of a loaded engine reads, all ranks together: its
+    stored parameters (``EngineInfo.weight_bytes``, one rank's shard) less the input embedding,
+    of which a step reads only its tokens' rows, unless it is also the LM head (tied)."""
+    c = info.hf_config
+    tied = getattr(c, "tie_word_embeddings", False)
+    embedding = 0 if tied else c.vocab_size * c.hidden_size * info.dtype.itemsize
+    return info.weight_bytes * info.config.tensor_parallel_size - embedding
+
+
+@dataclass
+class _StepWeights:
+    """The matmul weights a step touches: every layer's attention and router, the experts its
+    tokens are routed to (all of a dense MLP), the LM head."""
+
+    q_width: int
+    kv_width: int
+    shared_params: int  # attention, routers and LM head: read by every step
+    expert_params: int  # one expert of one layer
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def from_config(cls, c) -> _StepWeights:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 1
+        top_k = getattr(c, "num_experts_per_tok", 1) if experts > 1 else 1
+        inter = (getattr(c, "moe_intermediate_size", None) if experts > 1 else None) or c.intermediate_size
+        router = experts * c.hidden_size if experts > 1 else 0
+        shared = c.num_hidden_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + router)
+        return cls(q, kv, shared + c.vocab_size * c.hidden_size, 3 * c.hidden_size * inter,
+                   c.num_hidden_layers, experts, top_k)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies by."""
+        return self.shared_params + self.num_layers * self.top_k * self.expert_params
+
+    def params_read(self, batch: int) -> float:
+        """Parameters a step of ``batch`` tokens reads: the experts hit at least once, expected
+        under uniform routing (all of them for a large batch; ``top_k`` at batch 1)."""
+        experts_hit = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        return self.shared_params + self.num_layers * experts_hit * self.expert_params
+
+    @property
+    def all_params(self) -> int:
+        return self.shared_params + self.num_layers * self.num_experts * self.expert_params
+
+
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
-                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None) -> float:
+                   all_reduce: AllReduceCost = AllReduceCost(), kv_dtype_bytes: int | None = None,
+                   decode_weight_bytes: float | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
+    A mixture of experts reads only the experts its step's tokens are routed to (``_StepWeights``).
 
     ``cached_prefix``: every prompt after the first starts with that many tokens of the first,
     found in the prefix cache: they are not computed again, and their KV is held, so read, once.
@@ -136,13 +230,14 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     and computes 1/N of the weights and the KV, and every layer's two row-parallel outputs are
     all-reduced (``all_reduce``), which nothing can overlap: the next layer needs the sum.
     ``kv_dtype_bytes``: bytes of a cached key or value element (default ``dtype_bytes``; 1 for
-    an FP8 KV cache)."""
+    an FP8 KV cache). ``decode_weight_bytes``: the bytes of the matmul weights, all ranks
+    together, when they are not ``dtype_bytes`` per parameter (quantized weights; see
+    ``decode_weight_bytes``); a mixture of experts' step reads its routed share of them."""
     c = hf_config
     tp = tensor_parallel_size
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    layer_params = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    matmul_params = c.num_hidden_layers * layer_params + c.vocab_size * c.hidden_size  # + LM head
+    weights = _StepWeights.from_config(c)
+    q, kv = weights.q_width, weights.kv_width
+    bytes_per_param = decode_weight_bytes / weights.all_params if decode_weight_bytes else dtype_bytes
     kv_bytes_per_token = 2 * c.num_hidden_layers * kv * (kv_dtype_bytes or dtype_bytes)
     attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
@@ -152,15 +247,15 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
 
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
     # a chunk of n new tokens after c cached ones attends n * c + n^2 / 2 (query, key) pairs
-    prefill = sum(2 * matmul_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
+    prefill = sum(2 * weights.active_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
                   for n, c in zip(prompt_lens, cached)) / flops / tp
     prefill += all_reduces(sum(n - c for n, c in zip(prompt_lens, cached)))
     decode = 0.0
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
         held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
-        read = matmul_params * dtype_bytes + kv_bytes_per_token * held
-        work = 2 * matmul_params * len(live) + attn_flops_per_pair * sum(live)
+        read = weights.params_read(len(live)) * bytes_per_param + kv_bytes_per_token * held
+        work = 2 * weights.active_params * len(live) + attn_flops_per_pair * sum(live)
         decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
 
@@ -255,7 +350,8 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
         extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
-               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "block_size": stats.block_size,
+               "kv_cache_gib": stats.kv_cache_bytes / 2**30, "weight_gib": stats.weight_bytes / 2**30,
+               "block_size": stats.block_size,
                "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
 
 
@@ -370,9 +466,10 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
               num_prompts: int | None, backends: list[str], model: str | None = None,
               shape: str | None = None,
               repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
-              progress=print) -> list[WorkloadResult]:
+              progress=print, profile_dir: str | None = None) -> list[WorkloadResult]:
     """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
-    ``latency`` stamps every token too (ITL percentiles)."""
+    ``latency`` stamps every token too (ITL percentiles); ``profile_dir`` profiles each pagedlab
+    row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``)."""
     from transformers import AutoConfig
 
     unknown = set(backends) - {"pagedlab", "hf"}
@@ -394,14 +491,15 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     results: list[WorkloadResult] = []
     if "pagedlab" in backends:
         with LLM(model, **args) as llm:
-            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress)
+            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress,
+                            profile_dir)
     if "hf" in backends:
         _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
     return results
 
 
 def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
-                    latency: bool, results: list[WorkloadResult], progress) -> None:
+                    latency: bool, results: list[WorkloadResult], progress, profile_dir: str | None) -> None:
     """Every workload under every plan variant of ``workload_name``, warmed up first."""
     warm = workloads[0]
     for w in workloads:
@@ -416,11 +514,17 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
                                    tensor_parallel_size=info.config.tensor_parallel_size,
-                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize) \
+                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize,
+                                   decode_weight_bytes=decode_weight_bytes(info)) \
                 if info.device.type == "cuda" else None
             for r in range(repeats):
                 label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
-                results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                if profile_dir is None:
+                    results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                else:
+                    with profiled(llm, profile_subdir(profile_dir, label)) as record:
+                        results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                    results[-1].extra["profile"] = record
                 progress(format_row(results[-1]))
 
 

@@ -18,6 +18,8 @@ from pagedlab.inputs import chat_prompt, encode_prompt
 
 BENCH_DOCS = "docs/benchmarks.md"
 WORKLOADS = ("W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom")
+# pagedlab.workloads.SHAPES, named here so that --help does not import torch
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-0.6b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma2-9b")
 # The request-size flags each workload reads (pagedlab.workloads.make_workload); the others have
 # fixed lengths, so e.g. --batch-size on W-nano is refused rather than silently ignored.
 WORKLOAD_FLAGS = {"W-seed": ("batch_size", "input_len", "output_len", "num_prompts"),
@@ -129,18 +131,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
         args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
         model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
-        latency=args.bench_command == "latency")
+        latency=args.bench_command == "latency", profile_dir=args.profile)
+    for row in results:
+        if "profile" in row.extra:
+            print(f"{row.label}: profile in {row.extra['profile']['dir']} (kernels by kind: "
+                  f"{row.extra['profile']['kernel_table']})")
     if args.json:
         workloads.write_json(args.json, results, " ".join(sys.argv))
     return 0
 
 
 def warn_cpu_shape(shape: str, device: str) -> None:
-    """Say, before it starts, that building an 8B/70B shape on the CPU takes minutes and much memory."""
+    """Say, before it starts, that building a shape of billions of parameters on the CPU takes
+    minutes and much memory."""
     import torch
 
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu and shape.startswith("llama3-"):
+    if on_cpu and shape != "qwen3-0.6b":
         print(f"warning: building the {shape} shape with dummy weights on the CPU: this takes minutes and "
               "tens of GiB of memory (bfloat16 weights); on a CPU try --shape qwen3-0.6b, or give --model "
               "DIR", file=sys.stderr, flush=True)
@@ -169,7 +176,7 @@ def _add_bench_commands(sub) -> None:
             "the workload's shape: llama3-8b for W-seed/W-lat/W-long/custom, qwen3-0.6b for "
             "W-nano/W-prefix)"))
         p.add_argument("--workload", default=workload, choices=WORKLOADS)
-        p.add_argument("--shape", default=None, choices=("llama3-8b", "llama3-70b", "qwen3-0.6b"),
+        p.add_argument("--shape", default=None, choices=SHAPES,
                        help="benchmark shape built with dummy weights when no --model is given (default: "
                             "the workload's); examples/shapes/ holds their config.json files")
         p.add_argument("--batch-size", type=int, nargs="+", default=None,
@@ -183,6 +190,10 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
+        p.add_argument("--profile", default=None, metavar="DIR",
+                       help="profile each pagedlab row (torch profiler) into a directory of its own under "
+                            "DIR: a Chrome/Perfetto trace, profile.json and kernels.txt (kernels by kind, "
+                            "host-gap share per step kind); profiling slows the run")
         p.set_defaults(func=cmd_bench)
     from pagedlab.server.cli import register_bench
 

@@ -32,7 +32,7 @@ from pagedlab.config import EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.outputs import EngineStats, RequestOutput
-from pagedlab.sampling_params import SamplingParams
+from pagedlab.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,15 @@ class StatsListener(Protocol):
 class _Stream:
     """The per-request channel from the engine thread to the asyncio task consuming it."""
 
-    __slots__ = ("loop", "queue", "request_id", "tokens")
+    __slots__ = ("deltas", "loop", "queue", "request_id", "tokens")
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tokens: bool = True):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tokens: bool = True,
+                 deltas: bool = False):
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tokens = tokens  # wants every step's output, not just the final one
+        self.deltas = deltas  # outputs are RequestOutputKind.DELTA: merged by appending
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Thread-safe; False when the consumer's event loop is gone."""
@@ -75,11 +77,14 @@ class _Stream:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; each is the cumulative ``RequestOutput``.
+    """Async iterator over one request's outputs: each the cumulative ``RequestOutput``, or what
+    is new since the last one (``SamplingParams.output_kind``: DELTA), or only the final one
+    (FINAL_ONLY).
 
-    Outputs the consumer has not yet read are merged (they are cumulative), so a slow consumer
-    gets bigger steps rather than a growing backlog. Leaving the iteration early (``break``, a
-    cancelled task, a closed HTTP connection) aborts the request and frees its blocks.
+    Outputs the consumer has not yet read are merged (the latest cumulative one is kept; deltas
+    are appended), so a slow consumer gets bigger steps rather than a growing backlog. Leaving the
+    iteration early (``break``, a cancelled task, a closed HTTP connection) aborts the request and
+    frees its blocks.
     """
 
     def __init__(self, engine: AsyncEngine, stream: _Stream):
@@ -105,7 +110,9 @@ class RequestStream:
         try:
             item = await q.get()
             while not isinstance(item, BaseException) and not item.finished and not q.empty():
-                item = q.get_nowait()
+                later = q.get_nowait()
+                merge = self._stream.deltas and isinstance(later, RequestOutput)
+                item = item.add(later) if merge else later
         except BaseException:  # cancelled while waiting: the consumer is gone
             self.abort()
             raise
@@ -182,6 +189,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def grammar_compiler(self):
+        """The engine's ``GrammarCompiler`` (thread-safe): compiling a request's grammar before
+        ``add_request`` keeps that work off the engine thread, which then finds it cached."""
+        return self.engine.grammar_compiler
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -227,12 +240,14 @@ class AsyncEngine:
         params = params or SamplingParams()
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
         self.validate_prompt(encoded.token_ids)
-        if params.detokenize and self.tokenizer is None and (params.stop or params.logprobs is not None):
+        if params.detokenize and self.tokenizer is None and (params.stop or params.wants_logprobs):
             raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
                              "use stop_token_ids")
         if request_id is None:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        channel = _Stream(request_id, asyncio.get_running_loop(), tokens=stream)
+        channel = _Stream(request_id, asyncio.get_running_loop(),
+                          tokens=stream and params.output_kind != RequestOutputKind.FINAL_ONLY,
+                          deltas=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(("add", channel, encoded.token_ids, params, encoded.text,
                             arrival_time or time.time()))
         return RequestStream(self, channel)
@@ -240,8 +255,11 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                        request_id: str | None = None, arrival_time: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every step that changed it; the last one
-        has ``finished=True``. Closing the generator early aborts the request."""
+        """Yield the request's output (cumulative, or as ``params.output_kind`` says) after every
+        step that changed it; the last one has ``finished=True``. Closing the generator early
+        aborts the request. A structured-output grammar is compiled in a worker thread first."""
+        if params is not None and params.structured_outputs is not None:
+            await asyncio.to_thread(self.grammar_compiler.compile, params.structured_outputs)
         stream = self.add_request(prompt, params, request_id, arrival_time)
         try:
             async for out in stream:

@@ -20,20 +20,24 @@ import time
 
 import torch
 
-from pagedlab.config import (EngineConfig, EngineInfo, cpu_kv_cache_bytes, resolve_device, resolve_dtype,
+from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv_cache_bytes,
+                             kv_release_window, model_max_len, resolve_device, resolve_dtype,
                              resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
                              resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
+from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_kind
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
+from pagedlab.models.registry import check_config_file
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams
 
@@ -53,13 +57,13 @@ def start_tensor_parallel_workers(config: EngineConfig, device: torch.device) ->
     return TensorParallelWorkers(config, world_size)
 
 
-def load_tokenizer(path, trust_remote_code: bool = False, tokenizer_mode: str = "auto"):
+def load_tokenizer(path, tokenizer_mode: str = "auto"):
     """The tokenizer in ``path`` (``tokenizer_mode="slow"``: the Python one), or None for a
-    directory that holds only weights/config."""
+    directory that holds only weights/config. Never a tokenizer class from the repository's code."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code,
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
                                              use_fast=tokenizer_mode != "slow")
     except (OSError, ValueError, TypeError) as e:
         logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
@@ -80,16 +84,16 @@ class LLMEngine:
             self.device = rank_device(config.device, 0)
         self.source = resolve_model_source(config.model, config.load_format, config.revision,
                                            config.download_dir)
-        try:
-            self.hf_config = AutoConfig.from_pretrained(str(self.source.path),
-                                                        trust_remote_code=config.trust_remote_code)
+        check_config_file(self.source.path)
+        try:  # never the repository's own code, whatever trust_remote_code says
+            self.hf_config = AutoConfig.from_pretrained(str(self.source.path), trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
         self.quantization = resolve_quantization(config.quantization, self.hf_config)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer_path = resolve_tokenizer_path(config.tokenizer, self.source.path, config.download_dir)
-        self.tokenizer = load_tokenizer(self.tokenizer_path, config.trust_remote_code, config.tokenizer_mode)
+        self.tokenizer = load_tokenizer(self.tokenizer_path, config.tokenizer_mode)
         try:
             generation_config = GenerationConfig.from_pretrained(str(self.source.path))
         except OSError:
@@ -99,6 +103,7 @@ class LLMEngine:
         self.runner = self._load_runner()
         self.runner.ranges = self.ranges
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
@@ -156,13 +161,16 @@ class LLMEngine:
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or (
                 cpu_kv_cache_bytes(cfg) if self.device.type == "cpu" else None),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cascade_attention=cfg.enable_cascade_attention,
+            cascade_attention=self.cascade_attention,
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
             batch_invariant=cfg.batch_invariant))
-        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                       kv_release_window(self.hf_config))
+        switch = long_rope_switch(self.hf_config)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, cfg.enable_chunked_prefill)
+                                   self.max_model_len, cfg.enable_chunked_prefill,
+                                   None if switch is None else (switch, model_max_len(self.hf_config)))
         _freeze_heap()
 
     def reset_stats(self) -> None:
@@ -182,6 +190,14 @@ class LLMEngine:
             prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens)
 
     @property
+    def cascade_attention(self) -> bool:
+        """Cascade attention asked for, not in batch-invariant mode (it sums a shared prefix apart),
+        and the model has no sliding-window layer (a window leaves no shared prefix that every
+        query sees)."""
+        return (self.config.enable_cascade_attention and not self.config.batch_invariant
+                and not any(attention_windows(self.hf_config)))
+
+    @property
     def model(self) -> torch.nn.Module:
         return self.runner.model
 
@@ -197,8 +213,7 @@ class LLMEngine:
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, async_scheduling=self.async_scheduling,
             attention_backend=backend.name,
-            cascade_attention=(self.config.enable_cascade_attention and backend.shares_prefixes
-                               and not self.config.batch_invariant),
+            cascade_attention=self.cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
             quantization=self.quantization, weight_bytes=self.runner.weight_bytes)
@@ -211,20 +226,43 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_token_ids(self.hf_config.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop={params.stop!r} needs a tokenizer, and this model has none; "
-                             "use stop_token_ids")
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "
+                                 "none; use stop_token_ids / allowed_token_ids")
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # a bad grammar fails before queueing
         arrival_time = arrival_time or time.time()
         children = [
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                     eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id,
-                    arrival_time=arrival_time,
+                    arrival_time=arrival_time, bad_words_token_ids=bad_words,
+                    grammar=(self.grammar_compiler.matcher(params.structured_outputs)
+                             if params.structured_outputs is not None else None),
                     generator=torch.Generator(device=self.device).manual_seed(params.seed + index)
                     if params.seed is not None else None)
             for index in range(params.n)]
         self.output_processor.add_request(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word as it starts a text, and after a space where
+        that gives a different first token and as many tokens (a word mid-sentence)."""
+        sequences = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        vocab = self.hf_config.vocab_size
+        bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words={bad_words!r} is invalid: it tokenizes to id {bad}, out of "
+                             f"vocabulary (ids must be in [0, {vocab}))")
+        return sequences
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -273,12 +311,15 @@ class LLMEngine:
                 self.ranges.mark(KIND_PREFIX + step_kind(batch))
             changed += batch.preempted
             launched = self._launch(batch, previous)
-            if launched is not None and self.async_scheduling:
-                self._in_flight = launched
-            elif launched is not None:
-                changed += self._process_output(launched)
             if previous is not None:
                 changed += self._process_output(previous)
+            if launched is not None:
+                # a batch with grammars samples only now: its bitmask needs the tokens just read back
+                self.runner.finish_sampling(launched)
+                if self.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    changed += self._process_output(launched)
             return self.output_processor.make_outputs(changed, finished_only=not stream)
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep | None:

@@ -4,6 +4,18 @@ Prefix caching: each full block is named by a chain hash of (parent block's hash
 ids). A block found under that name is reused only if its stored tokens are equal too. Freed
 blocks keep their name until the pool hands them out again, least recently used first, so a
 prefix stays reusable for as long as memory allows.
+
+Sliding windows: when every layer of the model attends within a window (``sliding_window``,
+the widest), a running request's blocks that lie wholly before the window of the next token
+it computes are freed as it goes, so a long generation holds a bounded number of blocks. Such
+a block keeps its entry in ``block_ids`` (its id is stale: the attention kernels never read
+keys that old) and ``num_released_blocks`` counts them. It stays named as a prefix block: its
+keys and values are those of its tokens at their positions, whoever computed them, so a
+later request may still take it as part of a cached prefix until the pool hands it out again.
+With any full-attention layer (Gemma 2/3's global layers) nothing can be freed early.
+
+A request whose positions are offset (``rope_position_offset``: LongRoPE's long regime) has
+other keys and values for the same tokens, so its chain of hashes starts from the offset.
 """
 
 from __future__ import annotations
@@ -51,13 +63,21 @@ def hash_block(parent_hash: bytes | None, token_ids) -> bytes:
     return hashlib.blake2b((parent_hash or b"") + data, digest_size=16).digest()
 
 
+def _chain_root(request: Request) -> bytes | None:
+    """The parent hash of a request's first block: its position offset, where it has one."""
+    offset = request.rope_position_offset
+    return offset.to_bytes(8, "little") if offset else None
+
+
 class KVCacheManager:
     """Hands out fixed-size blocks of KV slots to requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's keys older than this are dead (None: none)
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first (the eviction order).
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -89,7 +109,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         for i in range((len(tokens) - 1) // self.block_size):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else None, block_tokens)
+            block_hash = hash_block(hit.block_hashes[-1] if hit.block_hashes else _chain_root(request),
+                                    block_tokens)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
@@ -104,6 +125,8 @@ class KVCacheManager:
         no block yet) is what ``find_cached_prefix`` found: its blocks come first, and the new
         tokens follow them; passing it, even empty, counts the lookup in ``stats``."""
         is_first_allocation = prefix_hit is not None
+        if self.sliding_window is not None and not is_first_allocation:
+            self._release_out_of_window(request)
         total = request.num_computed_tokens + num_new_tokens
         if not is_first_allocation and total <= len(request.block_ids) * self.block_size and (
                 not self.enable_prefix_caching or total // self.block_size <= len(request.block_hashes)):
@@ -134,14 +157,27 @@ class KVCacheManager:
         Full blocks whose keys and values are computed are named first, so a finished or
         preempted sequence can be found again as a prefix."""
         self._cache_full_blocks(request, request.num_computed_tokens)
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+        for block_id in reversed(request.block_ids[request.num_released_blocks:]):
+            self._release(block_id)
         request.block_ids.clear()
         request.block_hashes.clear()
+        request.num_released_blocks = 0
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Free the request's blocks that no query from its next token on can see: those ending
+        at or before ``num_computed_tokens - sliding_window + 1`` (already computed, and named
+        as prefix blocks when they filled)."""
+        num_dead = max(request.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        for block_id in request.block_ids[request.num_released_blocks:num_dead]:
+            self._release(block_id)
+        request.num_released_blocks = max(request.num_released_blocks, num_dead)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; blocks in use stay valid but are no longer shared."""
@@ -172,7 +208,7 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else _chain_root(request)
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             block_hash = hash_block(parent, block_tokens)
             request.block_hashes.append(block_hash)

@@ -99,6 +99,7 @@ class LaunchedStep:
     logprobs: TopLogprobs | None = None  # host tensors, likewise
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     done: torch.cuda.Event | None = None  # recorded after the copies; None where work is synchronous
+    unsampled: tuple | None = None  # (inputs, logits) until ModelRunner.finish_sampling queues sampling
 
     def sample_rows(self) -> dict[Request, int]:
         return {request: row for row, request in enumerate(self.sampled_requests)}
@@ -331,12 +332,14 @@ class ModelRunner:
         return host.copy_(tensor, non_blocking=True)
 
     def _top_to_host(self, top: TopLogprobs) -> TopLogprobs:
-        return TopLogprobs(*(self._to_host(t) for t in (top.token_logprob, top.token_rank, top.top_ids,
-                                                         top.top_logprobs)))
+        return TopLogprobs(*(self._to_host(t) if t is not None else None for t in (
+            top.token_logprob, top.token_rank, top.top_ids, top.top_logprobs, top.label_logprobs,
+            top.label_ranks)))
 
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's forward pass and sampling. A request whose input token is still pending
-        takes it from ``previous``'s sampled ids on the device, without a round trip to the host."""
+        """Queue the step's forward pass and sampling (sampling waits for ``finish_sampling`` when a
+        request has a grammar). A request whose input token is still pending takes it from
+        ``previous``'s sampled ids on the device, without a round trip to the host."""
         try:
             return self._launch(batch, previous)
         except RuntimeError as e:
@@ -365,13 +368,25 @@ class ModelRunner:
         if rows:
             step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
                                                          inputs.prompt_chunks)
+        step.unsampled = (inputs, logits if rows else None)
+        if not any(r.grammar is not None for r in inputs.sampled):
+            self.finish_sampling(step)
+        return step
+
+    @torch.inference_mode()
+    def finish_sampling(self, step: LaunchedStep) -> None:
+        """Queue the sampling of a launched step, if ``launch`` left it for later: a batch with
+        grammar rows samples only after the previous step was read back and its tokens advanced
+        the grammars, which the host does while the device runs this step's forward pass."""
+        if step.unsampled is None:
+            return
+        (inputs, logits), step.unsampled = step.unsampled, None
         with self.ranges.range("sample"):
-            self._sample(step, inputs, logits if rows else None)
+            self._sample(step, inputs, logits)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
             self.to_device.end_step(step.done)
-        return step
 
     def _sample(self, step: LaunchedStep, inputs: StepInputs, logits: torch.Tensor | None) -> None:
         """Queue the sampling of the step's sampled rows; the token ids go to the host asynchronously."""
@@ -396,12 +411,12 @@ class ModelRunner:
                     inputs.pending_rows.append(offset)
                     inputs.pending_sources.append(previous_rows[request])
                     inputs.input_ids.append(0)
-                inputs.positions.append(start)
+                inputs.positions.append(start + request.rope_position_offset)
                 inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
             else:
                 inputs.input_ids.extend(request.all_token_ids[start:start + n])
                 pos = np.arange(start, start + n)
-                inputs.positions.extend(pos.tolist())
+                inputs.positions.extend((pos + request.rope_position_offset).tolist())
                 inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
             if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
                 count = min(start + n, request.num_prompt_tokens - 1) - start

@@ -3,12 +3,14 @@ scheduler's requests hold and what each step read back.
 
 Each user request (``n`` completions of one prompt) is a parent with ``n`` child requests. The
 output processor keeps each child's text (detokenized incrementally), logprobs and prompt
-logprobs, finds stop strings (the scheduler then finishes those requests), and turns a parent's
-state into a ``RequestOutput``.
+logprobs, finds stop strings (the scheduler then finishes those requests), advances each
+request's grammar by the tokens it keeps, and turns a parent's state into a ``RequestOutput``
+(everything so far, only what is new, or only the final one, as its ``output_kind`` says).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -16,6 +18,9 @@ from pagedlab.engine.model_runner import PromptLogprobsChunk, StepOutput
 from pagedlab.engine.request import Request
 from pagedlab.layers.sampler import TopLogprobs
 from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedlab.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,6 +33,8 @@ class CompletionState:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    sent_tokens: int = 0  # with RequestOutputKind.DELTA: how much earlier outputs already carried
+    sent_text: int = 0
 
 
 @dataclass
@@ -39,6 +46,10 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return all(c.request.is_finished for c in self.completions)
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return self.completions[0].request.sampling_params.output_kind
 
 
 @dataclass
@@ -71,7 +82,7 @@ class OutputProcessor:
             detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                            if params.detokenize and self.tokenizer is not None else None)
             state = CompletionState(child, detokenizer)
-            if params.logprobs is not None:
+            if params.wants_logprobs:
                 state.logprobs = []
             if params.prompt_logprobs is not None:
                 state.prompt_logprobs = [None] * child.num_prompt_tokens
@@ -90,10 +101,13 @@ class OutputProcessor:
         for row in appended_rows:
             request, token = output.sampled_requests[row], output.sampled_token_ids[row]
             state = self._completions[request.request_id]
+            if request.grammar is not None and not request.grammar.accept(token):
+                logger.warning("request %s: token %d does not fit its grammar", request.request_id, token)
             if state.logprobs is not None:
                 params = request.sampling_params
-                state.logprobs.append(
-                    self._position_logprobs(output.logprobs, row, token, params.logprobs, params.detokenize))
+                state.logprobs.append(self._position_logprobs(
+                    output.logprobs, row, token, params.logprobs or 0, params.detokenize,
+                    params.logprob_token_ids))
                 state.cumulative_logprob += float(output.logprobs.token_logprob[row])
             if state.detokenizer is not None:
                 stop = self._append_text(state, token)
@@ -129,9 +143,13 @@ class OutputProcessor:
                 records[chunk.start + j] = self._position_logprobs(
                     chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
 
-    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int,
-                           decode: bool) -> PositionLogprobs:
+    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool,
+                           label_ids: list[int] | None = None) -> PositionLogprobs:
+        """The sampled token's logprob, then those of ``label_ids`` (``logprob_token_ids``), then the
+        top ``num``."""
         entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
+        for j, tid in enumerate(label_ids or ()):
+            entries.setdefault(tid, (float(top.label_logprobs[row, j]), int(top.label_ranks[row, j])))
         top_ids, top_logprobs = top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()
         for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
             entries.setdefault(tid, (lp, rank))
@@ -141,16 +159,22 @@ class OutputProcessor:
 
     # ---- outputs --------------------------------------------------------------------------
     def make_outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
-        """The current output of each parent of ``changed`` (with ``finished_only``, only of those
-        that finished); a finished parent is forgotten once its output is built."""
+        """The output of each parent of ``changed`` (with ``finished_only``, or for a request whose
+        ``output_kind`` is FINAL_ONLY, only of those that finished); a finished parent is forgotten
+        once its output is built."""
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in changed):
             parent = self._parents.get(parent_id)
-            if parent is not None and (parent.finished or not finished_only):
+            if parent is None:
+                continue
+            final_only = finished_only or parent.output_kind == RequestOutputKind.FINAL_ONLY
+            if parent.finished or not final_only:
                 outputs.append(self.make_output(parent_id))
         return outputs
 
     def make_output(self, request_id: str) -> RequestOutput:
+        """The parent's output now: cumulative, or with ``RequestOutputKind.DELTA`` only what no
+        earlier output carried."""
         parent = self._parents[request_id]
         finished = parent.finished
         if finished:
@@ -158,10 +182,11 @@ class OutputProcessor:
             for state in parent.completions:
                 self._completions.pop(state.request.request_id, None)
         first = parent.completions[0]
+        delta = parent.output_kind == RequestOutputKind.DELTA
         return RequestOutput(
             request_id=request_id, prompt=parent.prompt, prompt_token_ids=first.request.prompt_token_ids,
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            outputs=[_completion_output(state) for state in parent.completions], finished=finished,
+            outputs=[_completion_output(state, delta) for state in parent.completions], finished=finished,
             metrics=first.request.metrics, num_cached_tokens=first.request.num_cached_prompt_tokens)
 
     def clear(self) -> None:
@@ -169,10 +194,15 @@ class OutputProcessor:
         self._completions.clear()
 
 
-def _completion_output(state: CompletionState) -> CompletionOutput:
+def _completion_output(state: CompletionState, delta: bool = False) -> CompletionOutput:
     request = state.request
+    tokens, text, logprobs = request.output_token_ids, state.text, state.logprobs
+    if delta:
+        tokens, text = tokens[state.sent_tokens:], text[state.sent_text:]
+        logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
+        state.sent_tokens, state.sent_text = request.num_output_tokens, len(state.text)
     return CompletionOutput(
-        index=request.index, text=state.text, token_ids=request.output_token_ids,
+        index=request.index, text=text, token_ids=tokens,
         cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        logprobs=list(logprobs) if logprobs is not None else None,
         finish_reason=request.finish_reason, stop_reason=request.stop_reason)

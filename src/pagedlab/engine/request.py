@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedlab.engine.structured_output import RequestGrammar
 from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
 
@@ -22,8 +23,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence as the scheduler sees it: a prompt plus the tokens generated so far.
 
-    The scheduler changes every field of it (the KV cache manager only its ``block_ids`` and
-    ``block_hashes``); text, logprobs and outputs live in the output processor.
+    The scheduler changes every field of it (the KV cache manager only its ``block_ids``,
+    ``block_hashes`` and ``num_released_blocks``); text, logprobs and outputs live in the output processor.
 
     ``num_computed_tokens`` counts the tokens whose keys and values are in the KV cache;
     the scheduler runs ``num_tokens_with_pending - num_computed_tokens`` more (a whole prompt, a
@@ -43,6 +44,8 @@ class Request:
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
     generator: torch.Generator | None = None  # per-request seed
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
+    grammar: RequestGrammar | None = None  # structured outputs: a RequestGrammar fed every kept token
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
@@ -50,6 +53,8 @@ class Request:
     num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading block_ids handed back already (outside every window)
+    rope_position_offset: int = 0  # added to positions given to the model (LongRoPE's long rows)
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -89,6 +94,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its sampling reads every earlier token on the host (penalties, multi-token bad words)."""
+        return self.sampling_params.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

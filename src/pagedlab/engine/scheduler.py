@@ -10,6 +10,10 @@ one, the most recently arrived running request is preempted (its blocks freed, t
 recomputed later). Waiting requests are then admitted first-come first-served while budget,
 sequence slots and blocks last; with chunked prefill a prompt may take several steps.
 
+LongRoPE models (``long_rope``: switch length, position offset) compute a sequence longer than
+the switch with the long factors, at offset positions; a running request that grows past it is
+preempted so that all of its tokens are recomputed in the long regime, as transformers does.
+
 With asynchronous steps, a request whose last token is still pending on the device is
 scheduled like any decode: the model runner takes that input id from the previous step's
 device tensor. A request that has sampled all its ``max_tokens`` waits for them to be read back.
@@ -60,8 +64,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 long_rope: tuple[int, int] | None = None):
         self.kv_cache = kv_cache
+        self.long_rope = long_rope
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -77,13 +83,13 @@ class Scheduler:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Some unfinished request samples with penalties, which read every earlier token on the
-        host: each step must be read back before the next is scheduled."""
+        """Some unfinished request samples with penalties or multi-token bad words, which read
+        every earlier token on the host: each step must be read back before the next is scheduled."""
         return self._num_needing_host_tokens > 0
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if request.sampling_params.has_penalties:
+        if request.needs_host_tokens:
             self._num_needing_host_tokens += 1
         self.waiting.append(request)
 
@@ -107,6 +113,10 @@ class Scheduler:
             if request.output_limit_reached:  # finishes once its pending tokens are read back
                 i += 1
                 continue
+            if self._rope_position_offset(request) != request.rope_position_offset:
+                self._preempt(self.running.pop(i))  # crossed LongRoPE's switch: recompute it all
+                batch.preempted.append(request)
+                continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -124,6 +134,7 @@ class Scheduler:
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            request.rope_position_offset = self._rope_position_offset(request)
             hit = self.kv_cache.find_cached_prefix(request)
             num_cached = hit.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_cached
@@ -142,6 +153,13 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _rope_position_offset(self, request: Request) -> int:
+        """The position offset of the regime the request's tokens are computed in now."""
+        if self.long_rope is None:
+            return 0
+        switch, offset = self.long_rope
+        return offset if request.num_tokens_with_pending > switch else 0
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -224,6 +242,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.metrics.finished_time = time.time()
-        if request.sampling_params.has_penalties:
+        if request.needs_host_tokens:
             self._num_needing_host_tokens -= 1
         self.kv_cache.free(request)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedlab.engine.request import Request
+from pagedlab.engine.structured_output import grammar_bitmask
 from pagedlab.layers.sampler import SamplingMetadata
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
@@ -75,7 +76,8 @@ class HostToDevice:
 def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
                             vocab_size: int) -> SamplingMetadata:
     """The sampler's settings for one row per request (temperature, top-k/p, min-p, generators,
-    penalties with the token history, and the ids that ``min_tokens`` bans)."""
+    penalties with the token history, the ids that ``min_tokens`` and ``bad_words`` ban, the
+    grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``)."""
     params = [r.sampling_params for r in requests]
 
     def column(values, dtype=torch.float32):
@@ -98,29 +100,66 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
         meta.repetition_penalty = column([p.repetition_penalty for p in params])
         meta.output_token_ids = _padded([r.output_token_ids for r in requests], to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
-    meta.banned_token_ids = _min_tokens_bans(requests, to_device)
+    meta.banned_token_ids = _bans(requests, to_device)
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if any(r.grammar is not None for r in requests):
+        meta.grammar_bitmask = _grammar_bitmask(requests, to_device, vocab_size)
+    wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
+    if any(p.logprob_token_ids for p in params):
+        width = max(len(p.logprob_token_ids or ()) for p in params)
+        meta.label_token_ids = to_device([_repeat_to(p.logprob_token_ids or [0], width) for p in params],
+                                         torch.int64)
     return meta
 
 
-def _min_tokens_bans(requests: list[Request],
-                     to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that rows below their ``min_tokens`` may not sample: EOS and stop ids."""
+def _repeat_to(ids: list[int], width: int) -> list[int]:
+    return (ids * width)[:width]
+
+
+def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
+                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, packed bitmask) of the rows whose grammar still runs, filled from each matcher's
+    state: every token the request kept must have been accepted first. A request that finished
+    while this step was queued samples a token that is dropped, so its row stays unmasked."""
+    rows = [row for row, r in enumerate(requests)
+            if r.grammar is not None and not r.is_finished and not r.grammar.is_terminated]
+    if not rows:
+        return None
+    bitmask = grammar_bitmask([requests[row].grammar for row in rows], vocab_size)
+    return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
+
+
+def _bans(requests: list[Request], to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) that rows may not sample: EOS and stop ids below ``min_tokens``, and the
+    last token of each bad word whose other tokens end the output so far."""
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     for row, r in enumerate(requests):
         p = r.sampling_params
+        ids = []
         if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
             ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            banned_rows.extend([row] * len(ids))
-            banned_ids.extend(ids)
+        if r.bad_words_token_ids:
+            ids += bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
+        banned_rows.extend([row] * len(ids))
+        banned_ids.extend(ids)
     if not banned_rows:
         return None
     # device index tensors: indexing with host lists would wait for the GPU
     return to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64)
+
+
+def bad_word_bans(bad_words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """vLLM's rule: a bad word's last token is banned when the output ends with its other tokens
+    (a one-token bad word always)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(prefix) <= len(output_token_ids) and output_token_ids[-len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned
 
 
 def _logits_controls(params: list, to_device: HostToDevice):

@@ -242,7 +242,7 @@ def load_worker_runner(config: EngineConfig, device: torch.device) -> ModelRunne
     from transformers import AutoConfig
 
     source = resolve_model_source(config.model, config.load_format, config.revision, config.download_dir)
-    hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=config.trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)  # never repository code
     return load_model_runner(config, source, hf_config, device)
 
 

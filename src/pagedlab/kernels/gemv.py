@@ -67,14 +67,16 @@ def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_
 
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, K_PER_SPLIT,
-                       num_splits, stride_x, stride_w, stride_out, stride_partial_split, stride_partial_row,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, row_scale_ptr,
+                       col_scale_ptr, M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_w, stride_out,
+                       stride_partial_split, stride_partial_row, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                       SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end; with USE_DOT the
-    rows are padded to BLOCK_M for tensor cores."""
+    rows are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
+    multiplied by the row's and the output column's float32 scales."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -99,6 +101,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             products += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(products, axis=2)
+    if SCALED:
+        acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
+        acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
@@ -129,20 +134,32 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or default_dense_gemv_config(rows, out_features, in_features, num_sms(x.device))
-    config.check(rows, gemv=True)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows:
-        k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
-        tiles = triton.cdiv(out_features, config.block_n)
-        partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
-        _dense_gemv_kernel[(tiles, num_splits)](
-            x2d, weight, out if bias is None else bias, out, partial, counters, rows, out_features,
-            in_features, k_per_split, num_splits, x2d.stride(0), weight.stride(0), out.stride(0),
-            partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
-            BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            USE_DOT=config.block_m > 0, **dot_settings(x), num_warps=config.num_warps,
-            num_stages=config.num_stages)
+        launch_dense_gemv(x2d, weight, bias, out, config)
     return out.view(*x.shape[:-1], out_features)
+
+
+def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                      config: TileConfig, row_scales: torch.Tensor | None = None,
+                      col_scales: torch.Tensor | None = None) -> None:
+    """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` @ ``weight.T`` (times ``row_scales[m] *
+    col_scales[n]`` when given: FP8 operands) + ``bias``; shapes checked by the caller."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    config.check(rows, gemv=True)
+    k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
+    tiles = triton.cdiv(out_features, config.block_n)
+    partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
+    scaled = row_scales is not None
+    _dense_gemv_kernel[(tiles, num_splits)](
+        x, weight, out if bias is None else bias, out, partial, counters,
+        row_scales if scaled else out, col_scales if scaled else out, rows, out_features,
+        in_features, k_per_split, num_splits, x.stride(0), weight.stride(0), out.stride(0),
+        partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
+        BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        USE_DOT=config.block_m > 0, **dot_settings(x), num_warps=config.num_warps,
+        num_stages=config.num_stages)
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:
@@ -179,9 +196,10 @@ def split_k_scratch(rows: int, out_features: int, num_splits: int, tiles: int,
 
 def dot_settings(x: torch.Tensor) -> dict:
     """``DOT_DTYPE``/``DOT_PRECISION`` for x's dtype. The interpreter's tl.dot is wrong for bf16:
-    upcast there. fp32 wants exact products, not tf32."""
-    upcast = x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    dot_dtype = tl.float32 if upcast else TRITON_DTYPES[x.dtype]
+    upcast there. fp32 wants exact products, not tf32. FP8 operands become bf16 (exactly)."""
+    dtype = torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
+    upcast = dtype == torch.bfloat16 and x.device.type == "cpu"
+    dot_dtype = tl.float32 if upcast else TRITON_DTYPES[dtype]
     return dict(DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
 
 

@@ -66,17 +66,72 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
     return max(1, min(k_steps, -(-waves * num_sms // max(tiles, 1))))
 
 
-# (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels; measured on an H200.
-AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {}
+# The tables: ``benchmarks/gemv_bench.py`` on one H200 (2026-12-01), times of CUDA-graph replays
+# with the weights read from HBM (the comments: microseconds).
+# (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels. A batch of more than
+# GEMV_MAX_ROWS rows takes the dequantizing GEMM only where it is listed (it beat
+# dequantize-then-cuBLAS there); elsewhere the weight is dequantized for cuBLAS.
+AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
+    # Llama-3-8B, one GPU
+    (1, 6144, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=11, block_m=0, num_warps=2),  # 12.0
+    (4, 6144, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=11, block_m=16, num_warps=4),  # 25.8
+    (16, 6144, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=11, block_m=16, num_warps=4),  # 27.7
+    (1, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 10.3
+    (4, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.0
+    (16, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.7
+    (1, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=3, block_m=0, num_warps=4),  # 34.7
+    (4, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 103.9
+    (16, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 104.7
+    (64, 28672, 4096, 128): TileConfig(block_n=128, block_k=64, block_m=64, num_stages=3),  # 95.4
+    (1, 4096, 14336, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 21.5
+    (4, 4096, 14336, 128): TileConfig(block_n=256, block_k=128, split_k=17, block_m=16, num_warps=4),  # 53.0
+    (16, 4096, 14336, 128): TileConfig(block_n=256, block_k=128, split_k=17, block_m=16, num_warps=4),  # 55.4
+    # Llama-3-8B, one rank of two
+    (1, 3072, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=22, block_m=0, num_warps=2),  # 9.7
+    (1, 4096, 2048, 128): TileConfig(block_n=256, block_k=128, split_k=9, block_m=0, num_warps=4),  # 8.2
+    (1, 14336, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=0, num_warps=4),  # 22.0
+    (1, 4096, 7168, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 14.1
+}
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS.
-DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
+DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
+    (1, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.6 (cuBLAS 15.5)
+    (4, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.7 (cuBLAS 15.6)
+    (16, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.9 (cuBLAS 15.7)
+    (1, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 64.7 (cuBLAS 71.2)
+    (4, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 64.8 (cuBLAS 67.2)
+    (16, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 65.0 (cuBLAS 67.0)
+    (1, 128256, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 246.6 (cuBLAS 285.3)
+    (4, 128256, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 248.2 (cuBLAS 258.1)
+    (16, 128256, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 250.6 (cuBLAS 261.5)
+    (1, 3072, 4096): TileConfig(block_n=32, block_k=256, split_k=6, block_m=16),  # 12.4 (cuBLAS 14.1)
+    (1, 4096, 2048): TileConfig(block_n=8, block_k=512),  # 8.4 (cuBLAS 9.1)
+    (1, 4096, 7168): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 23.0 (cuBLAS 24.2)
+    (1, 64128, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 130.0 (cuBLAS 145.8)
+}
+# (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
+# row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
+# not listed, take ``torch._scaled_mm``.
+FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
+    (1, 6144, 4096): TileConfig(block_n=8, block_k=1024),  # 18.6
+    (1, 4096, 4096): TileConfig(block_n=8, block_k=1024),  # 13.2
+    (1, 28672, 4096): TileConfig(block_n=8, block_k=1024),  # 53.9
+    (1, 4096, 14336): TileConfig(block_n=8, block_k=1024),  # 34.0
+    (1, 3072, 4096): TileConfig(block_n=8, block_k=1024),  # 12.4
+    (1, 4096, 2048): TileConfig(block_n=8, block_k=1024),  # 9.1
+    (1, 14336, 4096): TileConfig(block_n=8, block_k=1024),  # 33.4
+    (1, 4096, 7168): TileConfig(block_n=8, block_k=1024),  # 20.7
+}
 
 
-def awq_config(rows: int, out_features: int, in_features: int, group_size: int, num_sms: int) -> TileConfig:
-    """The AWQ kernel config for this batch and weight: the table's, else the default."""
+def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
+               num_sms: int) -> TileConfig | None:
+    """The AWQ kernel config for this batch and weight: the table's, else the GEMV's default; None
+    for a batch over GEMV_MAX_ROWS rows that the table does not list (dequantize, then cuBLAS)."""
     found = AWQ_CONFIGS.get((row_bucket(rows), out_features, in_features, group_size))
-    return found or default_awq_config(rows, out_features, in_features, group_size, num_sms)
+    if found or rows > GEMV_MAX_ROWS:
+        return found
+    return default_awq_config(rows, out_features, in_features, group_size, num_sms)
 
 
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
@@ -104,6 +159,22 @@ def default_dense_gemv_config(rows: int, out_features: int, in_features: int, nu
     """For a direct call without a table entry: 16 weight rows per program, 512-byte row reads,
     K split when the rows alone make too few programs; tl.dot beyond 4 batch rows."""
     block_n, block_k = 16, 256
+    split_k = splits_for(-(-out_features // block_n), -(-in_features // block_k), num_sms)
+    return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k,
+                      block_m=0 if rows <= 4 else DOT_MIN_ROWS, num_warps=4, num_stages=2)
+
+
+def fp8_gemv_config(rows: int, out_features: int, in_features: int) -> TileConfig | None:
+    """The FP8 GEMV config for this batch and weight, or None: ``torch._scaled_mm`` runs it."""
+    if rows > GEMV_MAX_ROWS:
+        return None
+    return FP8_GEMV_CONFIGS.get((row_bucket(rows), out_features, in_features))
+
+
+def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_sms: int) -> TileConfig:
+    """The dense GEMV's tiles; one row reads K steps of 512 one-byte weights (512-byte rows, as
+    the 16-bit GEMV), more rows steps of 256 (the registers hold every row's products)."""
+    block_n, block_k = 16, 512 if rows == 1 else 256
     split_k = splits_for(-(-out_features // block_n), -(-in_features // block_k), num_sms)
     return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k,
                       block_m=0 if rows <= 4 else DOT_MIN_ROWS, num_warps=4, num_stages=2)

@@ -6,6 +6,12 @@ rows ``query_start_loc[i]:query_start_loc[i+1]``. Its keys and values (``seq_len
 the new ones already written) are read from the cache through ``block_tables[i]``.
 Query ``j`` of a sequence with context ``c = seq_len - query_len`` sees keys ``0..c+j``.
 Caches in FP8 (see ``kv_write``) are read times their ``k_scale``/``v_scale``.
+
+Two per-layer options: ``sliding_window`` W (Mistral, Gemma 2/3's local layers; HF's
+convention) lets the query at position p see only keys (p - W, p], and keys older than the
+first query's window are never read, since the KV manager may have freed their blocks;
+``softcap`` (Gemma 2's ``attn_logit_softcapping``) turns the scaled scores s into
+``softcap * tanh(s / softcap)`` before the mask.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ class TorchAttentionPlan:
 
 
 def plan_torch_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                         block_size: int) -> TorchAttentionPlan:
+                         block_size: int, sliding_window: int | None = None) -> TorchAttentionPlan:
+    """The masks and cache slots of one batch layout (for layers with ``sliding_window``)."""
     device = block_tables.device
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
@@ -39,11 +46,16 @@ def plan_torch_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
         rows = torch.tensor(decode, device=device)
         num_blocks = -(-max(lens[i] for i in decode) // block_size)
         tables = block_tables[rows, :num_blocks].long()
-        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < seq_lens[rows][:, None]
+        key_pos = torch.arange(num_blocks * block_size, device=device)[None, :]
+        ends = seq_lens[rows][:, None].long()
+        mask = key_pos < ends
+        if sliding_window is not None:
+            mask &= key_pos >= ends - sliding_window
         slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
         # Slots past a sequence's end hold stale data, maybe NaN, which a mask cannot cancel
-        # (0 * NaN): read the sequence's first key there instead, then mask it out.
-        slots = torch.where(mask, slots, slots[:, :1])
+        # (0 * NaN), and blocks before a window may be freed: read the sequence's last key there
+        # instead, then mask it out.
+        slots = torch.where(mask, slots, slots.gather(1, ends - 1))
         bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))[:, None, None, :]
         if len(decode) < starts[-1]:
             tokens = query_start_loc[rows].long()
@@ -51,9 +63,15 @@ def plan_torch_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, 
     for i, seq_len in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
-            blocks = block_tables[i, :-(-seq_len // block_size)].long()
+            first_block = 0  # the first block any query sees
+            if sliding_window is not None:
+                first_block = max(seq_len - (end - start) - sliding_window + 1, 0) // block_size
+            blocks = block_tables[i, first_block:-(-seq_len // block_size)].long()
             query_pos = torch.arange(seq_len - (end - start), seq_len, device=device)
-            causal = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            key_pos = torch.arange(first_block * block_size, seq_len, device=device)[None, :]
+            causal = key_pos <= query_pos[:, None]
+            if sliding_window is not None:
+                causal &= key_pos > query_pos[:, None] - sliding_window
             sequences.append((start, end, blocks, causal))
     return TorchAttentionPlan(tokens, slots, bias, sequences)
 
@@ -62,12 +80,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           block_tables: torch.Tensor, scale: float,
                           plan: TorchAttentionPlan | None = None, k_scale: float = 1.0,
-                          v_scale: float = 1.0) -> torch.Tensor:
+                          v_scale: float = 1.0, sliding_window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Reference implementation in float32: every single-token (decode) sequence in one batched
     masked SDPA, every other sequence in its own causal SDPA. FP8 caches are dequantized with
-    ``k_scale``/``v_scale``."""
+    ``k_scale``/``v_scale``. A given ``plan`` must be built for the same ``sliding_window``."""
     if plan is None:
-        plan = plan_torch_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1])
+        plan = plan_torch_attention(query_start_loc, seq_lens, block_tables, k_cache.shape[1], sliding_window)
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     if plan.decode_slots is not None:
@@ -76,7 +95,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         rows = plan.decode_tokens
         # The query heads sharing a KV head stand in the "query" axis: GQA without copying K/V.
         qd = (q[:k.shape[0]] if rows is None else q[rows]).float().unflatten(1, (k.shape[1], group))
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_bias, scale=scale).flatten(1, 2)
+        o = _attention(qd, k, v, plan.decode_bias, scale, softcap).flatten(1, 2)
         if rows is None and o.shape[0] == q.shape[0]:
             return o.to(q.dtype)
         out[rows if rows is not None else slice(0, o.shape[0])] = o.to(q.dtype)
@@ -85,20 +104,30 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         k = dequantize_kv_torch(k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), k_scale)
         v = dequantize_kv_torch(v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), v_scale)
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).float(), k, v, attn_mask=causal,
-                                           scale=scale)
+        o = _attention(q[start:end].transpose(0, 1).float(), k, v, causal, scale, softcap)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA, or with ``softcap`` the same written out (SDPA has no soft-capping); ``mask`` is
+    boolean (True: seen) or additive."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def paged_attention_rows_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                block_tables: torch.Tensor, scale: float, k_scale: float = 1.0,
-                               v_scale: float = 1.0) -> torch.Tensor:
+                               v_scale: float = 1.0, sliding_window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """``paged_attention_torch`` one query row at a time (batch-invariant mode): each token's
-    query heads attend in their own SDPA call over exactly the keys it sees, so the call, and
-    its result, is the same whether the token is decoded, prefilled whole or in chunks, or sits
-    in any batch. Slow for long prefills: meant for the CPU."""
+    query heads attend in their own call over exactly the keys it sees, so the call, and its
+    result, is the same whether the token is decoded, prefilled whole or in chunks, or sits in
+    any batch. Slow for long prefills: meant for the CPU."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -111,8 +140,10 @@ def paged_attention_rows_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         context_len = seq_len - (end - start)
         for row in range(start, end):
             visible = context_len + row - start + 1
+            first = 0 if sliding_window is None else max(0, visible - sliding_window)
             query = q[row].float().unflatten(0, (num_kv_heads, group))  # [kv_heads, group, head_dim]
-            o = F.scaled_dot_product_attention(query, k[:, :visible], v[:, :visible], scale=scale)
+            seen = torch.ones(1, visible - first, dtype=torch.bool)
+            o = _attention(query, k[:, first:visible], v[:, first:visible], seen, scale, softcap)
             out[row] = o.flatten(0, 1).to(q.dtype)
     return out
 
@@ -200,8 +231,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_query_len: int | None = None, max_seq_len: int | None = None,
                            split_kv_size: int | None = None, out: torch.Tensor | None = None,
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0,
-                           batch_invariant: bool = False) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
+                           softcap: float | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -211,13 +242,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reduce launch; see ``choose_split_kv_size``. ``out`` and ``scratch``
     (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
     ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
-    ``k_scale``/``v_scale``. ``batch_invariant`` (no split-KV allowed with it): one query tile
-    size for every batch, so a token's output is bitwise the same in decode, in a prefill chunk
-    and in any batch.
+    ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
+    ``batch_invariant`` (no split-KV allowed with it): one query tile size for every batch, so a
+    token's output is bitwise the same in decode, in a prefill chunk and in any batch.
     """
     if batch_invariant and split_kv_size is not None:
         raise ValueError("batch_invariant attention takes no split_kv_size: split-KV follows the batch")
-    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, batch_invariant)
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
+                                batch_invariant)
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -261,7 +293,8 @@ class _AttentionKernels:
     """Launches of the attention and reduce kernels for one (q, cache) pair, checked once."""
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 k_scale: float = 1.0, v_scale: float = 1.0, batch_invariant: bool = False):
+                 k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
+                 softcap: float | None = None, batch_invariant: bool = False):
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
@@ -292,9 +325,17 @@ class _AttentionKernels:
                            # the interpreter's tl.dot (numpy's BLAS) rounds a row by its place in the tile
                            BROADCAST_DOT=batch_invariant and q.device.type == "cpu")
         self.batch_invariant = batch_invariant
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be a positive number of keys or None")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap={softcap} must be positive or None")
+        self.common.update(SLIDING=sliding_window is not None, SOFTCAP=softcap is not None)
         fp8 = is_fp8(k_cache)
-        # log2(e): the kernel uses exp2; an FP8 cache's scales multiply the scores and the output
-        self.qk_scale = scale * 1.4426950408889634 * (k_scale if fp8 else 1.0)
+        # log2(e): the kernel uses exp2; an FP8 cache's scales multiply the scores and the output.
+        # With soft-capping the scale goes inside the tanh and only log2(e) stays outside.
+        score_scale = scale * (k_scale if fp8 else 1.0)
+        self.qk_scale = 1.4426950408889634 * (1.0 if softcap else score_scale)
+        self.window_args = (sliding_window or 0, score_scale / softcap if softcap else 1.0, softcap or 1.0)
         self.v_scale = v_scale if fp8 else 1.0
         self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
@@ -307,6 +348,8 @@ class _AttentionKernels:
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
         block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group,
                                                                  self.batch_invariant)
+        if self.head_dim_padded > 128:  # Gemma's 256: three stages of K and V tiles overflow shared memory
+            num_stages = 2
         num_seqs = seq_lens.shape[0]
         grid = ((self.q.shape[0] // block_q + num_seqs, self.num_kv_heads)
                 + ((num_segments,) if split_kv_size else ()))
@@ -324,7 +367,7 @@ class _AttentionKernels:
             query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
             num_seqs, self.qk_scale, self.v_scale, split_kv_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
-            block_tables.stride(0), *partial_strides, USE_SPLIT=bool(split_kv_size),
+            block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m,
             num_warps=num_warps, num_stages=num_stages, **self.common)
 
@@ -384,7 +427,8 @@ def cascade_prefix_split(max_seq_len: int) -> int:
 def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                              block_tables: torch.Tensor, buffers: CascadeBuffers, scale: float,
-                             max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                             max_seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                             softcap: float | None = None) -> torch.Tensor:
     """Decode attention (query row i is sequence i's last token; rows past the sequences are
     padding) over a batch whose first ``buffers.prefix_len`` keys are the same blocks in every
     row of ``block_tables``: the same result as ``paged_attention_torch``. ``max_seq_len`` bounds
@@ -393,8 +437,9 @@ def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     The prefix launch runs all query rows against the shared keys, split into segments of
     ``cascade_prefix_split(max_seq_len)`` keys so that a long prefix spreads over the GPU; the
     own-keys launch adds one partial per row; the split-KV reduce merges them. FP8 caches are
-    read at ``k_scale``/``v_scale``."""
-    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale)
+    read at ``k_scale``/``v_scale``; ``softcap`` as in ``paged_attention_torch`` (a sliding
+    window has no shared prefix to attend once)."""
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, softcap=softcap)
     num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
     if buffers.num_rows != num_rows:
         raise ValueError(f"cascade buffers for {buffers.num_rows} rows given {num_rows} query rows")

@@ -21,18 +21,33 @@ import triton.language as tl
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2 of -2|x| (no cancellation near 0, no overflow for large |x|)."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
                  k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
                  offs_d, dim_valid, qk_scale,
                  stride_k_block, stride_k_token, stride_v_block, stride_v_token,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_DIM: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 key_lo, sliding_window, softcap_scale, softcap,
+                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
     """One key tile of the online softmax. MASKED=False is for tiles every row sees in full.
-    BROADCAST_DOT multiplies and sums instead of ``tl.dot`` (batch-invariant mode under the
-    interpreter, whose ``tl.dot`` rounds a row by its place in the tile)."""
+    SLIDING: row r sees only keys after ``context_len + query_pos[r] - sliding_window``, and no
+    key below ``key_lo`` is read (its block may be freed); SOFTCAP: scores become
+    ``softcap * tanh(scores * softcap_scale)`` before the mask. BROADCAST_DOT multiplies and sums
+    instead of ``tl.dot`` (batch-invariant mode under the interpreter, whose ``tl.dot`` rounds a
+    row by its place in the tile)."""
     key_pos = tile_start + tl.arange(0, TILE_N)
     if MASKED:
         key_valid = key_pos < key_end
+        if SLIDING:
+            key_valid = key_valid & (key_pos >= key_lo)
         block_ids = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
     else:
         block_ids = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE)
@@ -66,8 +81,12 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
         scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
     else:
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        scores = softcap * _tanh(scores * softcap_scale)
     if MASKED:
         visible = (key_pos[None, :] <= context_len + query_pos[:, None]) & key_valid[None, :]
+        if SLIDING:
+            visible = visible & (key_pos[None, :] > context_len + query_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
     # Max and exponent in log2 units (qk_scale carries log2(e)); the scale folds into one FMA.
     new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
@@ -96,11 +115,13 @@ def paged_attention_kernel(
         stride_block_table,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
+        sliding_window, softcap_scale, softcap,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+        PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -117,6 +138,12 @@ def paged_attention_kernel(
 
     An FP8 cache's key scale is part of ``qk_scale`` and its value scale is ``v_scale`` (1.0
     for other caches), applied to the accumulated output.
+
+    SLIDING (a local-attention layer): query position p sees keys (p - sliding_window, p]. The
+    keys split in three runs of tiles: masked ones up to where the last row's window starts,
+    unmasked ones every row sees, masked ones to the causal end. Keys older than the first
+    row's window are never read: the KV manager may have freed their blocks. SOFTCAP (Gemma 2):
+    scores are ``softcap * tanh(q.k * softcap_scale)``; ``qk_scale`` is then log2(e) alone.
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,8 +194,16 @@ def paged_attention_kernel(
         key_end = tl.minimum(key_end, context_len)
     if KEY_OFFSET:
         key_start = tl.maximum(key_start, tl.load(key_offset_ptr))
+    key_lo = 0
+    full_start = key_start
+    if SLIDING:
+        key_lo = tl.maximum(context_len + first_pos - sliding_window + 1, 0)
+        key_start = tl.maximum(key_start, (key_lo // TILE_N) * TILE_N)
+        last_row_lo = tl.maximum(context_len + last_pos - sliding_window + 1, 0)
+        full_start = ((last_row_lo + TILE_N - 1) // TILE_N) * TILE_N
+        full_start = tl.minimum(tl.maximum(full_start, key_start), key_end)
     full_end = tl.minimum(all_rows_end, key_end)
-    masked_start = tl.maximum(all_rows_end, key_start)
+    masked_start = tl.maximum(all_rows_end, full_start)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -178,18 +213,28 @@ def paged_attention_kernel(
     v_head_offset = kv_head * stride_v_head
     PAD_DIM: tl.constexpr = HEAD_DIM != HEAD_DIM_PADDED
 
-    for tile_start in range(key_start, full_end, TILE_N):
+    if SLIDING:
+        for tile_start in range(key_start, full_start, TILE_N):
+            acc, row_sum, row_max = _attend_tile(
+                acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+                offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
+                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP)
+    for tile_start in range(full_start, full_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION, BROADCAST_DOT)
+            BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION,
+            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
     for tile_start in range(masked_start, key_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION, BROADCAST_DOT)
+            BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
+            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
 
     acc = acc * v_scale
     if USE_SPLIT:

@@ -21,8 +21,12 @@ launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table,
   ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``. One row (``block_m == 0``)
   multiplies on the CUDA cores, keeping a partial sum per row of threads until the end; 1 to 16
   rows (``block_m == 16``) go through ``tl.dot``.
-- more rows: a dequantize-in-the-loop GEMM: each K tile of the weight becomes ``(q - z) * s`` in
-  ``x``'s dtype in registers and feeds ``tl.dot`` with fp32 accumulation.
+- more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile
+  of the weight becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds ``tl.dot`` with
+  fp32 accumulation.
+- more rows otherwise (prefill chunks, most large decode batches): one kernel writes the
+  dequantized weight and cuBLAS multiplies; on an H200 that beat the dequantizing GEMM at 64 and
+  256 rows for every Llama-3-8B shape but gate/up at 64 (``benchmarks/gemv_bench.py``).
 
 This module imports triton when it loads; Triton decides at decoration time whether a kernel is
 compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after that is settled.
@@ -157,6 +161,42 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
 
+@triton.jit(do_not_specialize=["w_bits"])
+def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS, K, stride_qweight,
+                           stride_qzeros, stride_scales, stride_out, w_bits, GROUP_SIZE: tl.constexpr,
+                           BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (K tile within one group, column tile): ``(q - z) * s`` rounded to the output's dtype,
+    the same values the GEMM's tiles feed tl.dot."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    w_valid = offs_w < N_WORDS
+    n_valid = offs_n < N_WORDS * 8
+    words = tl.load(qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qweight + offs_w[None, :],
+                    mask=w_valid[None, :], other=0)
+    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, pid_k * BLOCK_K // GROUP_SIZE, offs_w, offs_n,
+                                        w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+    w = (_unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True) - zeros) * scales[None, :]
+    out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_valid[None, :])
+
+
+def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """Triton version of ``dequantize_awq``: the weight ``[in_features, out_features]`` in ``dtype``
+    (each value ``(q - z) * s`` computed in float32, then rounded), for cuBLAS to multiply."""
+    in_features, out_features = awq_shapes(qweight, qzeros, scales, group_size)
+    out = torch.empty(in_features, out_features, dtype=dtype, device=qweight.device)
+    block_k, block_w = min(group_size, 32), 32
+    grid = (in_features // block_k, triton.cdiv(qweight.shape[1], block_w))
+    _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, qweight.shape[1], in_features,
+                                 qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
+                                 _BITS_OF_128, GROUP_SIZE=group_size, BLOCK_W=block_w, BLOCK_K=block_k,
+                                 num_warps=4)
+    return out
+
 
 def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None = None,
@@ -166,7 +206,8 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
 
     The tensors may be views (e.g. tensor-parallel shards) as long as their last dimension is
     contiguous. ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
-    ``GEMV_MAX_ROWS`` rows it runs the GEMV, else the GEMM."""
+    ``GEMV_MAX_ROWS`` rows it runs the GEMV; more rows run the GEMM where the table lists it,
+    else the weight is dequantized and cuBLAS multiplies (measured faster for most shapes)."""
     in_features, out_features = awq_shapes(qweight, qzeros, scales, group_size)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the AWQ weight {in_features} inputs")
@@ -179,6 +220,9 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
+    if config is None:
+        out = x2d @ awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
+        return (out if bias is None else out + bias.to(x.dtype)).view(*x.shape[:-1], out_features)
     check_awq_config(config, rows, group_size)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows:

@@ -14,6 +14,7 @@ the results database.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedlab.lab.manifest import collect_manifest
+from pagedlab.lab.metrics import memory_efficiency
 from pagedlab.lab.monitor import GPUMonitor
+from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 from pagedlab.stats import latency_stats
@@ -55,10 +58,12 @@ class BenchmarkRun:
     telemetry: dict = field(default_factory=dict)  # GPUMonitor.summary()
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
+    profile: dict | None = None  # pagedlab.lab.profile.save_profile's record, when profiled
 
     def metrics(self) -> dict:
         """Every figure as one flat dict of scalars (what the results store keeps)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("latency", "memory", "telemetry")}
+        d = {k: v for k, v in dataclasses.asdict(self).items()
+             if k not in ("latency", "memory", "telemetry", "profile")}
         d.update(self.latency)
         d.update(self.memory)
         d.update(telemetry_metrics(self.telemetry))
@@ -287,14 +292,15 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                   num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
                   repeats: int = 1, *, beam_width: int = 4, temperature: float = 0.0, seed: int = 0,
                   detokenize: bool = True, monitor: bool = True, monitor_interval: float = 0.2,
-                  progress: bool = False) -> BenchmarkResult:
+                  progress: bool = False, profile_dir: str | Path | None = None) -> BenchmarkResult:
     """Benchmark ``llm`` at each batch size (see the module docstring).
 
     For a batch size ``b`` the engine runs at most ``b`` sequences at once: ``max_num_seqs`` is set
     to ``b`` (through ``set_model_args``, weights kept) when ``num_prompts`` exceeds ``b`` or the
     engine's own limit is below ``b``, and restored afterwards. ``warmup`` untimed runs of the same
     shape precede the ``repeats`` timed ones. ``temperature`` > 0 samples with per-request seeds
-    derived from ``seed``.
+    derived from ``seed``. ``profile_dir`` profiles each timed run into ``bs<B>-r<R>`` there (see
+    ``pagedlab.lab.profile``; the run's ``profile`` holds the record).
     """
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats)
@@ -320,11 +326,15 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                 llm.set_model_args(max_num_seqs=wanted)
             for phase in range(warmup + repeats):
                 prompts = random_prompts(llm, n, input_len, [seed, b, phase])
-                timed = _timed_run(llm, prompts, sampling, use_beam_search, monitor and phase >= warmup,
-                                   monitor_interval)
+                timed_dir = None if profile_dir is None or phase < warmup else \
+                    profile_subdir(profile_dir, f"bs{b}-r{phase - warmup}")
+                with profiled(llm, timed_dir) if timed_dir else contextlib.nullcontext() as record:
+                    timed = _timed_run(llm, prompts, sampling, use_beam_search, monitor and phase >= warmup,
+                                       monitor_interval)
                 if phase >= warmup:
                     runs.append(_make_run(llm, timed, b, phase - warmup, n, input_len, output_len,
                                           use_beam_search))
+                    runs[-1].profile = record
                 if progress_bar is not None:
                     progress_bar.update(1)
         # While the last batch size's plan is still active, so one batch size is recorded exactly.
@@ -450,6 +460,8 @@ def _make_run(llm, t: _Timed, batch_size, repeat, num_prompts, input_len, output
         "kv_tokens_at_peak": stats.kv_tokens_at_peak, "fragmentation_at_peak": stats.fragmentation_at_peak,
         "peak_allocated_bytes": t.peak_allocated, "peak_reserved_bytes": t.peak_reserved,
         "nvml_peak_used_bytes": nvml_peak, "memory_used_bytes": used, "memory_total_bytes": total,
+        **memory_efficiency(stats.weight_bytes, stats.kv_cache_bytes,
+                            stats.peak_kv_blocks_used * bytes_per_block, t.peak_reserved),
     }
     gpus = max(1, info.config.tensor_parallel_size)
     elapsed = max(t.elapsed, 1e-9)

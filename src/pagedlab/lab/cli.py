@@ -37,6 +37,10 @@ def _register_run(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the file, e.g. --set engine.device=cpu --set repeats=1")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or per-run lines")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile each run (torch profiler) into DIR/<experiment>/run<N>-<key>: a "
+                        "Chrome/Perfetto trace, profile.json and kernels.txt (kernels by kind, host-gap "
+                        "share per step kind), referenced from the run's manifest; profiling slows the runs")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run each model group as a Ray task on the cluster at ADDRESS (without one: "
                         "$RAY_ADDRESS, else a new local cluster); see docs/ray.md")
@@ -116,12 +120,15 @@ def cmd_run(args) -> int:
 
     try:
         spec = load_experiment(args.experiment, args.overrides)
+        if args.ray is not None and args.profile is not None:
+            raise ValueError("--profile runs here, not with --ray: profile the runs without --ray")
         if args.ray is not None and not args.dry_run:
             from pagedlab.lab.ray_runner import run_experiment_on_ray
 
             report = run_experiment_on_ray(spec, db=args.db, address=args.ray or None, quiet=args.quiet)
         else:
-            report = run_experiment(spec, db=args.db, dry_run=args.dry_run, quiet=args.quiet)
+            report = run_experiment(spec, db=args.db, dry_run=args.dry_run, quiet=args.quiet,
+                                    profile_dir=args.profile)
     except _errors() as e:
         return _fail(e)
     except KeyboardInterrupt:
@@ -233,6 +240,9 @@ def cmd_results_show(args) -> int:
         print(f"  tokenizer: {tok.get('class')}  {tok.get('checksum')}  chat template "
               f"{tok.get('chat_template_hash')}")
         print(f"  git: {git.get('commit')}{' (dirty)' if git.get('dirty') else ''}  seeds: {m.get('seeds')}")
+        if m.get("profile"):
+            print(f"  profile: {m['profile']['dir']}  (trace {Path(m['profile']['trace']).name}, "
+                  f"kernels.txt, host gap {m['profile']['host_gap_share']})")
     tel = run.get("telemetry") or {}
     if tel:
         print(f"\ntelemetry ({tel.get('backend')}, {tel.get('num_samples')} samples): "

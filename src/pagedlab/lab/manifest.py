@@ -33,6 +33,7 @@ from pathlib import Path
 import pagedlab
 from pagedlab.config import EngineInfo
 from pagedlab.lab.monitor import open_nvml
+from pagedlab.lab.plan import count_parameters, size_class
 from pagedlab.loader.gguf import cache_root
 
 MANIFEST_SCHEMA = 1
@@ -198,6 +199,8 @@ def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
         "config_hash": config_hash(path),
         "weight_bytes": info.weight_bytes,
     }
+    out["parameters"] = count_parameters(info.hf_config)
+    out["size_class"] = size_class(out["parameters"])
     if info.load_format == "dummy":
         out["weight_checksum"] = f"dummy:seed={info.config.seed}"
     elif not hash_weights:

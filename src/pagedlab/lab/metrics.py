@@ -36,6 +36,8 @@ class RunResult:
     elapsed_s: float
     stats: Any  # EngineStats
     peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None  # torch's allocator on a GPU; None on the CPU
+    num_gpus: int = 1  # the tensor-parallel size
 
     @property
     def texts(self) -> list[str]:
@@ -142,13 +144,14 @@ def output_length(res: RunResult) -> dict:
 
 
 @register_metric("throughput", workloads=("dataset", "benchmark"), doc="output and total tokens/s, "
-                                                                       "requests/s")
+                                                                       "output tokens/s per GPU, requests/s")
 def throughput(res: RunResult) -> dict:
     out_tokens = sum(len(c.token_ids) for o in res.outputs for c in o.outputs)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in res.outputs)
     elapsed = max(res.elapsed_s, 1e-9)
     return {"elapsed_s": res.elapsed_s, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
             "output_throughput": out_tokens / elapsed,
+            "output_throughput_per_gpu": out_tokens / elapsed / max(1, res.num_gpus),
             "total_throughput": (prompt_tokens + out_tokens) / elapsed,
             "requests_per_s": len(res.outputs) / elapsed}
 
@@ -170,12 +173,25 @@ def latency(res: RunResult) -> dict:
     return {**latency_stats(ttft, "ttft"), **latency_stats(tpot, "tpot"), **latency_stats(e2e, "e2e")}
 
 
+def memory_efficiency(weight_bytes: int, kv_cache_bytes: int, kv_peak_used_bytes: int,
+                      peak_reserved_bytes: int | None) -> dict:
+    """The seed's memory efficiency: the bytes holding weights and live KV at the peak over the bytes
+    reserved — torch's allocator at its peak on a GPU (weights, KV pool, activations, graphs), the
+    weights and the KV pool on the CPU. ``memory_reserved_bytes`` and ``memory_efficiency``."""
+    reserved = peak_reserved_bytes if peak_reserved_bytes else weight_bytes + kv_cache_bytes
+    return {"memory_reserved_bytes": reserved,
+            "memory_efficiency": (weight_bytes + kv_peak_used_bytes) / reserved if reserved else None}
+
+
 @register_metric("memory", workloads=("dataset", "benchmark"),
-                 doc="weights, KV cache allocated and used at peak, fragmentation, preemptions")
+                 doc="weights, KV cache allocated and used at peak, fragmentation, preemptions, memory "
+                     "efficiency")
 def memory(res: RunResult) -> dict:
     s = res.stats
     per_block = s.kv_cache_bytes // s.num_kv_blocks if s.num_kv_blocks else 0
-    return {"weight_bytes": s.weight_bytes, "kv_cache_bytes": s.kv_cache_bytes,
+    return {**memory_efficiency(s.weight_bytes, s.kv_cache_bytes, s.peak_kv_blocks_used * per_block,
+                                res.peak_reserved_bytes),
+            "weight_bytes": s.weight_bytes, "kv_cache_bytes": s.kv_cache_bytes,
             "num_kv_blocks": s.num_kv_blocks,
             "kv_peak_blocks": s.peak_kv_blocks_used, "kv_peak_used_bytes": s.peak_kv_blocks_used * per_block,
             "kv_tokens_at_peak": s.kv_tokens_at_peak, "fragmentation_at_peak": s.fragmentation_at_peak,

@@ -25,6 +25,10 @@ CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context and libraries, outside torch'
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 KV_BYTES = {"auto": None, "fp8": 1, "fp8_e4m3": 1}
 AWQ_GROUP = 128
+# The sizes models are published at (SmolLM2, Qwen, Llama, Mistral/Mixtral, Gemma, Phi, Pythia, ...).
+NOMINAL_SIZES = ("70M", "135M", "160M", "360M", "410M", "0.5B", "0.6B", "1B", "1.4B", "1.5B", "1.7B", "2B",
+                 "2.8B", "3B", "3.8B", "4B", "7B", "8B", "9B", "12B", "13B", "14B", "27B", "32B",
+                 "34B", "47B", "70B", "72B", "110B", "235B", "405B")
 NON_GATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi"}
 
 
@@ -184,6 +188,35 @@ def suggestions(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
                 found.append(plan)
                 break
     return found
+
+
+def count_parameters(hf_config) -> int | None:
+    """The model's parameters counted from its config as ``plan_memory`` counts them (linears,
+    vocabulary matrices, norms; biases and learned position tables are left out), or None for a
+    config without the usual fields."""
+    try:
+        return ModelSizes.from_config(hf_config).total_params
+    except (AttributeError, TypeError):
+        return None
+
+
+def size_class(parameters: int | None) -> str | None:
+    """The size a model is known by: the nearest of the sizes models are published at
+    (``NOMINAL_SIZES``: Llama-2-7B's 6.74e9 parameters are "7B", Llama-3-8B's 8.03e9 "8B") when
+    within 10% of it, else two significant digits in billions or three in millions or thousands."""
+    if parameters is None:
+        return None
+    nearest = min(NOMINAL_SIZES, key=lambda name: abs(math.log(parameters / _nominal_count(name))))
+    if abs(parameters / _nominal_count(nearest) - 1) <= 0.1:
+        return nearest
+    for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 3), (1e3, "K", 3)):
+        if parameters >= scale:
+            return f"{parameters / scale:.{digits}g}{suffix}"
+    return str(parameters)
+
+
+def _nominal_count(name: str) -> float:
+    return float(name[:-1]) * (1e9 if name.endswith("B") else 1e6)
 
 
 def gpu_memory_bytes(gpu: str) -> int:

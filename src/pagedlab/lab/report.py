@@ -6,6 +6,9 @@ Plots (each written as a PNG file and embedded in the page as a data URI):
   swept ``engine.max_num_seqs``), one line per model, mean over repeats with the spread as bars;
   without a batch-size sweep, output tokens/s per configuration;
 - ``latency.png``: TTFT, TPOT, ITL and end-to-end latency at P50/P90/P99 per configuration;
+- ``model_scaling.png`` (a study of several model sizes): the seed's
+  ``sns.lineplot(x="batch_size", y="throughput", hue="model_size")`` beside output tokens/s per
+  GPU, mean over repeats with a confidence band;
 - ``memory.png``: weights, KV cache allocated and KV cache used at peak per configuration;
 - ``seed_spread.png``: every repeat's value of the quality and speed metrics per configuration;
 - ``quality.png``: exact match, BLEU and chrF per configuration (mean and spread).
@@ -29,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pagedlab.lab.manifest import diff_manifests, flatten
+from pagedlab.lab.plan import size_class
 from pagedlab.lab.store import ResultStore
 
 # Manifest fields that differ for every run by nature; not shown as differences.
@@ -36,9 +40,10 @@ _UNINTERESTING = ("created_at", "experiment.run_key", "host.hostname_pid")
 _QUALITY = ("exact_match", "bleu", "chrf")
 _SPEED = ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms")
 _SUMMARY_METRICS = ("exact_match", "bleu", "chrf", "mean_output_tokens", "output_throughput",
-                    "total_throughput", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-                    "itl_p50_ms", "e2e_p50_ms", "kv_peak_used_bytes", "fragmentation_at_peak",
-                    "gpu_max_temperature_c", "gpu_mean_power_w")
+                    "output_throughput_per_gpu", "total_throughput", "model_parameters", "memory_efficiency",
+                    "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "e2e_p50_ms",
+                    "kv_peak_used_bytes", "fragmentation_at_peak", "gpu_max_temperature_c",
+                    "gpu_mean_power_w")
 _LATENCY_KINDS = (("ttft", "time to first token"), ("tpot", "time per output token"),
                   ("itl", "inter-token latency"), ("e2e", "end-to-end latency"))
 
@@ -65,8 +70,8 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _label_runs(runs)
-    plots = [p for p in (_plot_throughput(runs), _plot_latency(runs), _plot_memory(runs),
-                         _plot_seed_spread(runs), _plot_quality(runs)) if p is not None]
+    plots = [p for p in (_plot_throughput(runs), _plot_model_scaling(runs), _plot_latency(runs),
+                         _plot_memory(runs), _plot_seed_spread(runs), _plot_quality(runs)) if p is not None]
     for p in plots:
         (out / p.filename).write_bytes(p.png)
     page = out / "index.html"
@@ -85,7 +90,8 @@ def short_label(v) -> str:
 
 
 def _label_runs(runs: list[dict]) -> None:
-    """Give each run ``model_label`` (model, with dtype when dtypes differ), ``config`` (its varied
+    """Give each run ``model_label`` (model, with dtype when dtypes differ), ``model_size`` (its
+    size class, e.g. "135M", and parameter count ``model_parameters``), ``config`` (its varied
     params but the seed) and ``group`` (experiment + config), and ``batch`` when it has one."""
     dtypes = {r["params"].get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
               for r in runs}
@@ -95,6 +101,9 @@ def _label_runs(runs: list[dict]) -> None:
         dtype = p.get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
         r["model_label"] = (short_label(r["model"] or p.get("model") or "?")
                             + (f" ({dtype})" if len(dtypes) > 1 else ""))
+        model = (r.get("manifest") or {}).get("model") or {}
+        r["model_parameters"] = model.get("parameters") or r["metrics"].get("model_parameters")
+        r["model_size"] = model.get("size_class") or size_class(r["model_parameters"])
         varied = [k for k in p.get("varied", []) if k not in ("sampling.seed", "benchmark.seed")]
         r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={short_label(p.get(k))}" for k in varied) or "base"
         r["group"] = (f"{r['experiment']}: " if multi_exp else "") + r["config"]
@@ -205,6 +214,37 @@ def _plot_throughput(runs) -> Plot | None:
         caption = ("Output tokens per second per configuration (no batch-size sweep); bars show the spread "
                    "over repeats.")
     return Plot("throughput_vs_batch.png", "Throughput", caption, _png(fig))
+
+
+def _plot_model_scaling(runs) -> Plot | None:
+    """The seed's plot, for a study of several model sizes with a batch-size sweep."""
+    have = [r for r in runs if r["batch"] is not None and r["model_size"] is not None
+            and "output_throughput" in r["metrics"]]
+    if len({r["model_size"] for r in have}) < 2:
+        return None
+    import pandas as pd
+    import seaborn as sns
+
+    rows = [{"batch_size": r["batch"], "model_size": r["model_size"], "parameters": r["model_parameters"],
+             "throughput": r["metrics"]["output_throughput"],
+             "throughput_per_gpu": r["metrics"].get("output_throughput_per_gpu",
+                                                    r["metrics"]["output_throughput"])} for r in have]
+    df = pd.DataFrame(rows)
+    order = list(df.sort_values("parameters")["model_size"].drop_duplicates())
+    fig, axes = _figure(width=11.0, ncols=2)
+    for ax, column, label in ((axes[0, 0], "throughput", "output tokens/s"),
+                              (axes[0, 1], "throughput_per_gpu", "output tokens/s per GPU")):
+        sns.lineplot(data=df, x="batch_size", y=column, hue="model_size", hue_order=order, marker="o", ax=ax)
+        ax.set_xscale("log", base=2)
+        xs = sorted(df["batch_size"].unique())
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{label[0].upper()}{label[1:]} by model size", fontsize=10)
+    return Plot("model_scaling.png", "Throughput by model size",
+                "Output tokens per second (left) and per GPU (right) against batch size, one line per model "
+                "size class; the band is the confidence interval over repeats.", _png(fig))
 
 
 def _plot_latency(runs) -> Plot | None:

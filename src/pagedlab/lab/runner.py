@@ -9,6 +9,7 @@ experiment resumes where it stopped: a rerun skips the runs already finished.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -25,6 +26,7 @@ from pagedlab.lab.bench import run_benchmark, telemetry_metrics
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import RunResult, compute_metrics
 from pagedlab.lab.monitor import GPUMonitor
+from pagedlab.lab.profile import profiled
 from pagedlab.lab.runs import ResolvedRun, expand_runs, format_plan
 from pagedlab.lab.schema import ExperimentSpec
 from pagedlab.lab.store import ResultStore, RunRecord
@@ -61,6 +63,13 @@ class RunSession:
     report: ExperimentReport
     quiet: bool
     bar: Any = None  # a tqdm progress bar, or None
+    profile_dir: str | None = None  # profile each run into a directory of its own here
+
+    def profile_dir_of(self, run: ResolvedRun) -> Path | None:
+        """Where ``run``'s profile goes: ``<profile_dir>/<experiment>/run<index>-<key digest>``."""
+        if self.profile_dir is None:
+            return None
+        return Path(self.profile_dir) / self.spec.name / f"run{run.index}-{run.run_key.split(':')[-1][:12]}"
 
     def log(self, msg: str) -> None:
         _log(msg, self.quiet)
@@ -79,8 +88,8 @@ def _log(msg: str, quiet: bool) -> None:
 
 def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = False, quiet: bool = False,
                    llm_factory: Callable[..., Any] | None = None,
-                   run_groups: Callable[[RunSession, list[list[ResolvedRun]]], None] | None = None
-                   ) -> ExperimentReport:
+                   run_groups: Callable[[RunSession, list[list[ResolvedRun]]], None] | None = None,
+                   profile_dir: str | None = None) -> ExperimentReport:
     """Execute the pending runs of ``spec`` and store each in the database at ``db``.
 
     Runs are grouped by their weight-level settings (model, dtype, quantization, device, ...):
@@ -88,7 +97,9 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
     ``LLM.set_model_args``. ``dry_run`` prints the plan and executes nothing.
     ``llm_factory(model, **engine_kwargs)`` builds the LLM (default ``pagedlab.LLM``).
     ``run_groups(session, groups)`` executes the pending groups (default: one after the other
-    here; ``pagedlab.lab.ray_runner`` spreads them over a Ray cluster).
+    here; ``pagedlab.lab.ray_runner`` spreads them over a Ray cluster). ``profile_dir``: profile
+    each run (``pagedlab.lab.profile``) into a directory of its own there, referenced from the
+    run's manifest (``profile``).
     """
     t_start = time.perf_counter()
     runs = expand_runs(spec)
@@ -107,7 +118,7 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
         for run in pending:
             groups.setdefault(run.group_key, []).append(run)
         session = RunSession(spec, store, report, quiet,
-                           None if quiet else _progress_bar(spec.name, len(pending)))
+                             None if quiet else _progress_bar(spec.name, len(pending)), profile_dir)
         try:
             if run_groups is None:
                 run_groups = functools.partial(run_groups_here, llm_factory=llm_factory or LLM)
@@ -200,8 +211,9 @@ def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
     started = datetime.now(timezone.utc)
     try:
         replan_s = _replan(session, run, llm)
-        metrics, outputs, telemetry, samples, manifest = _execute(spec, run, llm)
+        metrics, outputs, telemetry, samples, manifest = _execute(spec, run, llm, session.profile_dir_of(run))
         metrics["replan_s"] = replan_s
+        metrics["model_parameters"] = (manifest.get("model") or {}).get("parameters")
     except KeyboardInterrupt:
         raise
     except Exception as e:
@@ -240,19 +252,21 @@ def store_failure(session: RunSession, run: ResolvedRun, msg: str, llm, started=
         error=msg + ("\n\n" + tb if tb else ""), started_at=started))
 
 
-def _execute(spec: ExperimentSpec, run: ResolvedRun, llm):
-    """Run one resolved run on ``llm``: (metrics, outputs, telemetry summary, samples, manifest)."""
+def _execute(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir: Path | None = None):
+    """Run one resolved run on ``llm``: (metrics, outputs, telemetry summary, samples, manifest);
+    with ``profile_dir``, under the profiler, its record in the manifest's ``profile``."""
     if run.config.get("benchmark") is not None:
-        return _execute_benchmark(spec, run, llm)
+        return _execute_benchmark(spec, run, llm, profile_dir)
     params = SamplingParams(**run.sampling_params)
-    result, telemetry, samples = _generate(spec, run, llm, params)
+    with profiled(llm, profile_dir) if profile_dir else contextlib.nullcontext() as profile:
+        result, telemetry, samples = _generate(spec, run, llm, params)
     metrics = compute_metrics(spec.metrics, result)
     metrics.update(telemetry_metrics(telemetry))
     outputs = [_output_record(it, o) for it, o in zip(run.dataset.items, result.outputs)]
     experiment = {"name": spec.name, "file": str(spec.path) if spec.path else None, "run_key": run.run_key,
                   "dataset_sha256": run.dataset.sha256}
-    manifest = collect_manifest(llm, sampling_params=params, seeds={"sampling": run.seed},
-                                extra={"experiment": experiment})
+    extra = {"experiment": experiment, **({"profile": profile} if profile else {})}
+    manifest = collect_manifest(llm, sampling_params=params, seeds={"sampling": run.seed}, extra=extra)
     return metrics, outputs, telemetry, samples, manifest
 
 
@@ -285,7 +299,10 @@ def _generate(spec: ExperimentSpec, run: ResolvedRun, llm, params: SamplingParam
     finally:
         telemetry, samples = _stop_monitor(mon)
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
-    return RunResult(outs, ds.items, elapsed, llm.get_stats(), peak), telemetry, samples
+    reserved = int(torch.cuda.max_memory_reserved(device)) if cuda else None
+    result = RunResult(outs, ds.items, elapsed, llm.get_stats(), peak, reserved,
+                       llm.get_engine_info().config.tensor_parallel_size)
+    return result, telemetry, samples
 
 
 def _output_record(item, output) -> dict:
@@ -305,19 +322,21 @@ def _output_record(item, output) -> dict:
             "token_ids": list(first.token_ids), "finish_reason": first.finish_reason, **extra}
 
 
-def _execute_benchmark(spec: ExperimentSpec, run: ResolvedRun, llm):
+def _execute_benchmark(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir: Path | None):
     b = run.config["benchmark"]
     result = run_benchmark(llm, batch_size=b["batch_size"], input_len=b["input_len"],
                            output_len=b["output_len"], num_prompts=b["num_prompts"],
                            use_beam_search=b["use_beam_search"], warmup=b["warmup"], repeats=1,
                            beam_width=b["beam_width"], temperature=b["temperature"], seed=run.seed,
                            detokenize=b["detokenize"], monitor=spec.monitor_interval is not None,
-                           monitor_interval=spec.monitor_interval or 1.0)
+                           monitor_interval=spec.monitor_interval or 1.0, profile_dir=profile_dir)
     bench_run = result.runs[0]
     metrics = bench_run.metrics()
     manifest = dict(result.manifest)
     manifest["experiment"] = {"name": spec.name, "file": str(spec.path) if spec.path else None,
                               "run_key": run.run_key}
+    if bench_run.profile:
+        manifest["profile"] = bench_run.profile
     return metrics, [], bench_run.telemetry, [], manifest
 
 

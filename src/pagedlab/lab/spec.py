@@ -107,7 +107,13 @@ def _read_identity(spec: ExperimentSpec, data: dict) -> None:
     if "model" not in data:
         raise ExperimentError(f"{spec.filename}: model is missing: give a local HF directory, a .gguf file "
                               "or an embedded model name")
-    spec.base["model"] = resolve_model(data["model"], spec, ("model",))
+    models = data["model"]
+    if isinstance(models, list):  # a multi-model study: the list is a grid over model (_read_grid)
+        if not models:
+            raise ExperimentError(f"{spec.where('model')}: the model list is empty: give one model or more")
+        models = models[0]
+    spec.base["model"] = resolve_model(models, spec, ("model", 0) if isinstance(data["model"], list)
+                                       else ("model",))
 
 
 def _read_sections(spec: ExperimentSpec, data: dict) -> None:
@@ -152,6 +158,14 @@ def _read_grid(spec: ExperimentSpec, data: dict) -> None:
     if not isinstance(grid, dict):
         raise ExperimentError(f"{spec.where('grid')}: must be a mapping of dotted keys to lists of values, "
                               "e.g. engine.block_size: [16, 32]")
+    if isinstance(data["model"], list):
+        if "model" in grid:
+            raise ExperimentError(f"{spec.where('grid', 'model')}: the models are listed twice (model: is a "
+                                  "list): give them in one place")
+        models = [resolve_model(m, spec, ("model", i)) for i, m in enumerate(data["model"])]
+        if len(set(models)) != len(models):
+            raise ExperimentError(f"{spec.where('model')}: a model appears twice in the list")
+        spec.grid["model"] = models  # first: each model's runs come together
     for key, values in grid.items():
         check_override_key(spec, key, ("grid", key))
         if not isinstance(values, list) or not values:

@@ -1,7 +1,14 @@
 """Rotary position embedding (NeoX layout: the two halves of each head are rotated together).
 
 Inverse frequencies come from transformers' own RoPE initialisers, so every scaling type the
-model config names (llama3, linear, yarn, ...) matches the reference implementation.
+model config names (llama3, linear, yarn, longrope, ...) matches the reference implementation.
+
+LongRoPE ("su", Phi-3 long-context and Phi-4-mini) has two sets of frequencies: the short
+factors while a sequence is at most ``original_max_position_embeddings`` long, the long ones
+past it, for every token of the sequence (transformers recomputes the whole cache when a
+sequence crosses that length). The table holds both, short rows first: position ``p`` of a
+sequence in the long regime reads row ``max_position + p`` (``long_rope_switch``; the scheduler
+sets each request's offset and recomputes a sequence that crosses).
 """
 
 from __future__ import annotations
@@ -11,16 +18,33 @@ from torch import nn
 
 from pagedlab.layers.fusion import fused
 
-_POSITION_DEPENDENT = ("dynamic", "longrope")
+_POSITION_DEPENDENT = ("dynamic",)
+_LONG_ROPE = ("longrope", "su")
 
 
-def rope_inverse_frequencies(hf_config, head_dim: int,
-                             layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling; ``layer_type`` picks one set of per-layer-type
-    ``rope_parameters`` (Gemma 3's local and global layers)."""
+def _rope_parameters(hf_config, layer_type: str | None = None) -> dict:
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if layer_type is not None:
-        params = dict(params[layer_type])
+    return dict(params[layer_type]) if layer_type is not None else params
+
+
+def long_rope_switch(hf_config) -> int | None:
+    """The sequence length past which LongRoPE switches to its long factors (the config's
+    ``original_max_position_embeddings``); None for every other RoPE."""
+    params = _rope_parameters(hf_config)
+    if params.get("rope_type") not in _LONG_ROPE:
+        return None
+    switch = (params.get("original_max_position_embeddings")
+              or getattr(hf_config, "original_max_position_embeddings", None)
+              or hf_config.max_position_embeddings)
+    return int(switch)
+
+
+def rope_inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None,
+                             seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling; ``layer_type`` picks one set of per-layer-type
+    ``rope_parameters`` (Gemma 3's local and global layers); ``seq_len`` past LongRoPE's switch
+    picks its long factors."""
+    params = _rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -28,12 +52,19 @@ def rope_inverse_frequencies(hf_config, head_dim: int,
         return inv_freq, 1.0
     if rope_type in _POSITION_DEPENDENT:
         raise ValueError(f"rope_type={rope_type!r} is not supported: its frequencies depend on the "
-                         "sequence length; supported: default, linear, llama3, yarn")
+                         "sequence length; supported: default, linear, llama3, yarn, longrope")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if rope_type in _LONG_ROPE and layer_type is not None:
+        raise ValueError(f"rope_type={rope_type!r} per layer type ({layer_type}) is not supported: only "
+                         "a model-wide LongRoPE switches between its short and long factors")
+    rope_type = "longrope" if rope_type in _LONG_ROPE else rope_type
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_type={rope_type!r} is unknown; supported: default, linear, llama3, yarn")
+        raise ValueError(f"rope_type={rope_type!r} is unknown; supported: default, linear, llama3, yarn, "
+                         "longrope")
     extra = {} if layer_type is None else {"layer_type": layer_type}
+    if seq_len is not None:
+        extra["seq_len"] = seq_len
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv_freq.float(), float(scaling)
 
@@ -43,12 +74,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim, layer_type)
+        switch = long_rope_switch(hf_config) if layer_type is None else None
+        lengths = [None] if switch is None else [None, switch + 1]  # LongRoPE: short, then long rows
         positions = torch.arange(max_position, dtype=torch.float)  # on the model's device
-        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        cos, sin = [], []
+        for seq_len in lengths:
+            inv_freq, scaling = rope_inverse_frequencies(hf_config, head_dim, layer_type, seq_len)
+            freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos.append(emb.cos() * scaling)
+            sin.append(emb.sin() * scaling)
+        self.register_buffer("cos_cache", torch.cat(cos), persistent=False)
+        self.register_buffer("sin_cache", torch.cat(sin), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for ``positions``, shaped ``[num_tokens, 1, head_dim]`` to broadcast over heads."""

@@ -1,8 +1,9 @@
 """From logits to tokens: logits controls, penalties, temperature, min-p, top-k/top-p, per-request
 generators.
 
-The order follows vLLM: allowed token ids and logit bias, min-tokens masking, penalties, then (for
-sampled rows) temperature, min-p and top-k/top-p. Log-probabilities are those of the raw logits.
+The order follows vLLM: allowed token ids and logit bias, the grammar bitmask of structured
+outputs, min-tokens and bad-words masking, penalties, then (for sampled rows) temperature, min-p
+and top-k/top-p. Log-probabilities are those of the raw logits.
 Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), so a request with its own
 seeded generator draws the same numbers whatever else shares the batch.
 """
@@ -37,7 +38,10 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (restricted rows [R], index into them, allowed ids): all other ids of those rows are masked
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows [R], packed bitmask [R, ceil(V/32)] int32) of the rows under a grammar
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
+    label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
 
 
 @dataclass
@@ -48,6 +52,8 @@ class TopLogprobs:
     token_rank: torch.Tensor  # [N]
     top_ids: torch.Tensor  # [N, k]
     top_logprobs: torch.Tensor  # [N, k]
+    label_logprobs: torch.Tensor | None = None  # [N, L] of SamplingMetadata.label_token_ids
+    label_ranks: torch.Tensor | None = None  # [N, L]
 
 
 @dataclass
@@ -62,6 +68,29 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
         logprobs.new_empty(logprobs.shape[0], 0), token_ids.new_empty(logprobs.shape[0], 0))
     return TopLogprobs(token_logprob, token_rank, top_ids, top_logprobs)
+
+
+def gather_label_logprobs(logprobs: torch.Tensor, top: TopLogprobs, label_ids: torch.Tensor) -> None:
+    """Add the logprobs and ranks of each row's label ids (``logprob_token_ids``) to ``top``; one
+    label column at a time, so the rank comparison holds one ``[N, V]`` mask, not ``[N, L, V]``."""
+    top.label_logprobs = logprobs.gather(-1, label_ids)
+    top.label_ranks = torch.stack([(logprobs > top.label_logprobs[:, j:j + 1]).sum(-1) + 1
+                                   for j in range(label_ids.shape[1])], dim=1)
+
+
+BITS_PER_WORD = 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: in ``rows``, every id whose bit in the packed ``bitmask`` (bit ``t % 32``
+    of word ``t // 32``) is clear goes to -inf, in place; ids past the packed width too."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(BITS_PER_WORD, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -140,6 +169,8 @@ class Sampler:
         raw_logprobs = log_softmax(logits) if meta.max_num_logprobs is not None else None
         if meta.logit_bias is not None or meta.allowed_token_ids is not None:
             logits = apply_logits_controls(logits, meta)
+        if meta.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, *meta.grammar_bitmask)
         if meta.banned_token_ids is not None:
             logits[meta.banned_token_ids] = float("-inf")
         if meta.repetition_penalty is not None:
@@ -150,6 +181,8 @@ class Sampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+            if meta.label_token_ids is not None:
+                gather_label_logprobs(raw_logprobs, logprobs, meta.label_token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -7,9 +7,8 @@
   RoPE base per layer type (local ``sliding_attention`` layers 10k, global ones 1M);
 - final logit soft-capping ``cap * tanh(logits / cap)`` (Gemma 2).
 
-Attention is full: the local layers' sliding window is not masked yet, so ``model_max_len``
-caps the context at the window (within it the two agree). Attention logit soft-capping
-(Gemma 2's ``attn_logit_softcapping``) needs the attention kernels and is refused by name.
+The local layers attend within ``sliding_window`` keys (set by ``LlamaForCausalLM``); Gemma 2's
+attention logit soft-capping (``attn_logit_softcapping``) runs inside the attention kernels.
 """
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ class GemmaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
         scale = hf_config.query_pre_attn_scalar ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
+                              softcap=getattr(hf_config, "attn_logit_softcapping", None))
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,10 +82,6 @@ class GemmaDecoderModel(nn.Module):
     def __init__(self, hf_config, qkv_bias: bool, qk_norm: bool, max_position: int,
                  quantization: str | None = None):
         super().__init__()
-        cap = getattr(hf_config, "attn_logit_softcapping", None)
-        if cap is not None:
-            raise ValueError(f"attn_logit_softcapping={cap} (attention logit soft-capping) is not "
-                             "supported yet: only attn_logit_softcapping=None is")
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.embed_scale = hf_config.hidden_size ** 0.5
         num_layers = hf_config.num_hidden_layers

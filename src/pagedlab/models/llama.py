@@ -1,5 +1,8 @@
 """The Llama decoder family: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
+Layers with a sliding window (``config.attention_windows``: Mistral's ``sliding_window``, the
+local layers of Gemma and Qwen) attend only within it; every family built on this class gets it.
+
 They differ only in two switches, so one implementation serves them all. Built as one rank of
 a tensor-parallel group (``pagedlab.distributed.parallel_state``), each layer holds its shard:
 ``num_heads / N`` query heads and their KV heads, ``intermediate_size / N`` of the MLP, ``1 / N``
@@ -14,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagedlab.config import attention_windows
 from pagedlab.distributed.parallel_state import get_tp_world_size
 from pagedlab.distributed.sharding import divide_evenly
 from pagedlab.layers.activation import GatedActivation
@@ -150,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
                                       tie_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        for attn, window in zip(self.attention_layers(), attention_windows(hf_config)):
+            attn.sliding_window = window
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

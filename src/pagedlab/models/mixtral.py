@@ -5,8 +5,9 @@ A router picks each token's ``num_experts_per_tok`` experts by softmax probabili
 their outputs by those probabilities, renormalized over the chosen ones (always in Mixtral;
 where ``norm_topk_prob`` says in Qwen3-MoE). With tensor parallelism
 every rank holds every expert's slice of the intermediate dimension (gate/up by rows, down by
-columns) and the ranks' partial outputs are summed, as for the dense MLP. The experts run in
-plain PyTorch, one matmul pair per expert that has tokens (no fused MoE kernel yet).
+columns) and the ranks' partial outputs are summed, as for the dense MLP. With the Triton
+attention backend the experts run in the fused MoE kernel (``kernels.fused_moe``: two grouped
+GEMM launches over all experts), elsewhere in its plain-PyTorch reference.
 """
 
 from __future__ import annotations
@@ -21,31 +22,14 @@ from torch import nn
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
-from pagedlab.layers.batch_invariant import softmax
+from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
+from pagedlab.layers.attention import get_forward_context
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
-from pagedlab.quantization.linear_method import dense_linear
 
 # checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                             r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _UP, _DOWN = ("w3", "up_proj"), ("w2", "down_proj")
-
-
-def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE MLP, looping over experts: ``x`` ``[tokens, hidden]``, ``w13`` ``[experts,
-    2 * inter, hidden]`` (gate rows then up rows), ``w2`` ``[experts, hidden, inter]``."""
-    probs = softmax(router_logits)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights.to(x.dtype)
-    out = torch.zeros_like(x)
-    for expert in experts.unique().tolist():
-        token, slot = torch.where(experts == expert)
-        gate, up = dense_linear(x[token], w13[expert]).chunk(2, dim=-1)
-        out.index_add_(0, token, dense_linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None])
-    return out
 
 
 class SparseMoeBlock(nn.Module):
@@ -90,7 +74,8 @@ class SparseMoeBlock(nn.Module):
         param.data[shard_id].copy_(read_part(loaded, 1, self.inter_start, self.inter_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = moe_torch(x, dense_linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        experts = fused_moe_triton if get_forward_context().backend.name == "triton" else moe_torch
+        out = experts(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 

@@ -3,8 +3,8 @@ fused in the checkpoint (``qkv_proj``, ``gate_up_proj``) and, in Phi-4-mini, rot
 part of each head (``partial_rotary_factor``).
 
 The fused checkpoint tensors are split row-wise into the parts of the fused parameters, so each
-tensor-parallel rank reads only its own rows. LongRoPE ("su") scaling, whose frequencies change
-with the sequence length, is refused by name when the model is built.
+tensor-parallel rank reads only its own rows. LongRoPE ("su") scaling switches to its long
+factors for sequences past ``original_max_position_embeddings`` (see ``layers.rotary``).
 """
 
 from __future__ import annotations

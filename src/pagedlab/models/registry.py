@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 from pagedlab.models.gemma import GemmaForCausalLM
 from pagedlab.models.gpt2 import GPT2LMHeadModel
@@ -32,15 +34,33 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 
 
 def resolve_architecture(hf_config) -> str:
-    for arch in getattr(hf_config, "architectures", None) or []:
+    return architecture_of(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
+
+
+def architecture_of(architectures: list[str] | None, model_type: str | None) -> str:
+    """The registered architecture that serves a config's ``architectures`` / ``model_type``, or a
+    ValueError listing the supported ones."""
+    for arch in architectures or []:
         if arch in MODEL_REGISTRY:
             return arch
-    model_type = getattr(hf_config, "model_type", None)
     if model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
     raise ValueError(
-        f"architecture {getattr(hf_config, 'architectures', None)} (model_type={model_type!r}) is not "
-        f"supported; supported architectures: {sorted(MODEL_REGISTRY)}")
+        f"architecture {architectures} (model_type={model_type!r}) is not supported; supported "
+        f"architectures: {sorted(MODEL_REGISTRY)}. pagedlab runs its own implementation of each and never "
+        "a model repository's code: trust_remote_code=True is accepted and adds no architecture")
+
+
+def check_config_file(model_dir) -> None:
+    """Refuse an unsupported architecture from ``config.json`` itself, before transformers reads it
+    (a model type transformers does not know would otherwise ask for the repository's code)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # a missing or malformed file gets the loader's own error
+    if isinstance(config, dict):
+        architecture_of(config.get("architectures"), config.get("model_type"))
 
 
 def build_model(hf_config, max_position: int, quantization: str | None = None):

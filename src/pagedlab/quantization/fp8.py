@@ -1,6 +1,6 @@
 """FP8 (E4M3, ``torch.float8_e4m3fn``) weights and activations: the checkpoint config, the
 quantization, the plain-torch emulation (the CPU path and the reference) and the
-``torch._scaled_mm`` path on CUDA.
+CUDA path (Triton kernels and ``torch._scaled_mm``).
 
 A linear ``y = x W^T + b`` with ``W`` of shape ``[out_features, in_features]`` holds
 
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pagedlab.kernels.gemv_configs import fp8_gemv_config
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -130,7 +132,10 @@ def _matches(rule: str, name: str) -> bool:
 
 def fp8_row_scales(x: torch.Tensor) -> torch.Tensor:
     """One float32 scale per row of the 2-D ``x``: ``max|row| / 448``, shape ``[rows, 1]``."""
-    return (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # A tensor divisor: CUDA divides by a Python number as a product with its rounded reciprocal,
+    # which differs in the last bit from the division the CPU and the Triton kernel do.
+    return (amax / amax.new_tensor(FP8_MAX)).clamp(min=_MIN_SCALE)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -163,7 +168,7 @@ def _quantize_input(x2d: torch.Tensor, input_scale: torch.Tensor | None) -> tupl
 def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      quantize_input: bool = True) -> torch.Tensor:
-    """The emulation (CPU path and reference of ``fp8_linear_scaled_mm``): ``x`` quantized to FP8
+    """The emulation (CPU path and reference of ``fp8_linear_cuda``): ``x`` quantized to FP8
     and back (per token, or with the static ``input_scale``; not at all when ``quantize_input`` is
     False: FP8 weights with 16-bit activations), times the dequantized weight, both in ``x``'s dtype."""
     x2d = x.reshape(-1, x.shape[-1])
@@ -181,28 +186,34 @@ def _has_fp8_tensor_cores(device_index: int) -> bool:
 
 
 def scaled_mm_runs(weight: torch.Tensor) -> bool:
-    """Whether ``fp8_linear_scaled_mm`` can run on this FP8 ``weight``: a CUDA GPU with FP8 tensor
+    """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU with FP8 tensor
     cores (compute capability 8.9+) and both features multiples of 16 (cuBLASLt's rule)."""
     return (weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
             and _has_fp8_tensor_cores(weight.device.index or 0))
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         input_scale: torch.Tensor | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CUDA path (Hopper and later): ``torch._scaled_mm`` on FP8 activations and weights with
-    row-wise scales (``[tokens, 1]`` and ``[1, out_features]``, float32), accumulating in float32
-    and writing bfloat16 (the one output dtype row-wise scaling allows), cast to ``x``'s dtype.
-    ``weight`` is ``[out, in]`` row-major, so ``weight.t()`` is the column-major second operand
-    cuBLASLt needs; ``in_features`` and ``out_features`` must be multiples of 16."""
+def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA path (FP8 tensor cores, compute capability 8.9+): the activations quantized per
+    token (or at the static ``input_scale``) by one Triton kernel, then the shapes
+    ``FP8_GEMV_CONFIGS`` lists (one row) through the Triton FP8 GEMV, the rest through ``torch._scaled_mm``
+    (row-wise float32 scales ``[tokens, 1]`` and ``[1, out_features]``, bf16 output, the one
+    dtype row-wise scaling allows). Both sum exact E4M3 products in float32, so they differ from
+    each other only in summation order. ``weight`` is ``[out, in]`` row-major, so ``weight.t()``
+    is the column-major operand cuBLASLt needs; both features must be multiples of 16."""
+    from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
+
     x2d = x.reshape(-1, x.shape[-1])
     out_features = weight.shape[0]
-    if x2d.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
-    values, scale = _quantize_input(x2d, input_scale)
-    out = torch._scaled_mm(values, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.t(),
-                           out_dtype=torch.bfloat16)
-    out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias.to(x.dtype)
+    values, scale = quantize_fp8_per_token_triton(x2d if x2d.stride(-1) == 1 else x2d.contiguous(),
+                                                  None if input_scale is None else input_scale.float())
+    config = fp8_gemv_config(x2d.shape[0], *weight.shape)
+    if config is not None:
+        out = fp8_gemv_triton(values, scale, weight, weight_scale, bias, x.dtype, config)
+    else:
+        out = torch._scaled_mm(values, weight.t(), scale_a=scale, scale_b=weight_scale.t(),
+                               out_dtype=torch.bfloat16).to(x.dtype)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pagedlab.kernels.gemv_configs import dense_gemv_config
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
-from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_scaled_mm, fp8_linear_torch,
+from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_cuda, fp8_linear_torch,
                                        quantize_fp8_per_row, scaled_mm_runs)
 
 
@@ -146,7 +146,7 @@ class FP8LinearMethod(LinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.activations == "static" else None
         if self.activations != "none" and scaled_mm_runs(layer.weight):
-            return fp8_linear_scaled_mm(x, layer.weight, layer.weight_scale, input_scale, bias)
+            return fp8_linear_cuda(x, layer.weight, layer.weight_scale, input_scale, bias)
         return fp8_linear_torch(x, layer.weight, layer.weight_scale, input_scale, bias,
                                 quantize_input=self.activations != "none")
 

@@ -349,6 +349,8 @@ async def _until_disconnect(events: AsyncIterator[str], disconnected: asyncio.Fu
         if step is not None and not step.done():
             step.cancel()  # the event generator sees the cancellation and aborts its requests
         else:
+            if step is not None and not step.cancelled():
+                step.exception()  # it ended as the client left: its outcome is seen, not logged as lost
             await iterator.aclose()
 
 

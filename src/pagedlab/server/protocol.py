@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
+from pagedlab.server.protocol_vllm import VLLMOutputFields
 
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
 MAX_N = 128  # OpenAI's limit for n (and best_of)
@@ -164,8 +165,9 @@ class StreamOptions(OpenAIRequest):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIRequest):
-    """The fields both endpoints share: OpenAI's sampling parameters and vLLM's extensions."""
+class SamplingRequest(OpenAIRequest, VLLMOutputFields):
+    """The fields both endpoints share: OpenAI's sampling parameters and vLLM's extensions
+    (structured outputs, bad_words and logprob_token_ids in ``VLLMOutputFields``)."""
 
     model: str | None = None
     stream: bool = False
@@ -240,6 +242,8 @@ class SamplingRequest(OpenAIRequest):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.logprob_token_ids and logprobs is None:
+            logprobs = 0  # the label ids' logprobs come back where the top logprobs do
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -249,7 +253,8 @@ class SamplingRequest(OpenAIRequest):
                 min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
-                extra_args=self.vllm_xargs,
+                extra_args=self.vllm_xargs, bad_words=self.bad_words,
+                logprob_token_ids=self.logprob_token_ids, structured_outputs=self.structured_outputs_params(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens)
         except ValueError as e:
@@ -338,7 +343,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict | None = None
     tools: list | None = None
     functions: list | None = None
     # vLLM's extensions
@@ -351,13 +355,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
         if not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict) -> dict:
-        if value.get("type", "text") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported: only 'text'")
         return value
 
     @field_validator("tools", "functions")

@@ -43,6 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render(request)
         self.validate_prompt(prompt, params.max_tokens, "messages")
         self.check_request([prompt], params)
+        await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)
         streams = self.add_requests([prompt], params, run.request_id, request.stream)
         if request.stream:
@@ -74,7 +75,8 @@ class _ChatRun:
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.admission = admission
         self.prompt, self.params = prompt, params
-        self.top_logprobs = request.top_logprobs or 0
+        # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
+        self.top_logprobs = None if request.logprob_token_ids else request.top_logprobs or 0
         self.return_token_ids = request.return_token_ids
         self.prompt_logprobs = request.prompt_logprobs is not None
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage

@@ -30,12 +30,13 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         model = self.check_model(request.model)
         params = request.to_sampling_params()
-        if params.logprobs is not None or params.stop:
-            self.require_tokenizer("logprobs and stop strings")
+        if params.logprobs is not None or params.stop or params.bad_words:
+            self.require_tokenizer("logprobs, stop strings and bad_words")
         prompts = [self.encode(p, "prompt") for p in request.prompt_list()]
         for p in prompts:
             self.validate_prompt(p, params.max_tokens, "prompt")
         self.check_request(prompts, params)
+        await self.compile_grammar(params)
         if request.echo:
             tokenizer = self.engine.tokenizer
             for p in prompts:

@@ -128,6 +128,17 @@ class OpenAIServing:
             raise bad_request(str(e), param=param_of(e)) from None
         self.admission.check(sequences)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output grammar in a worker thread, so neither the event
+        loop nor the engine thread waits for it (the engine then finds it in xgrammar's cache); a
+        400 for a bad schema, regex or grammar, or when xgrammar is not installed."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
     def check_model(self, model: str | None) -> str:
         """The served name the response carries; 404 for a model this server does not serve."""
         if model is None:

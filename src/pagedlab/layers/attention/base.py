@@ -89,8 +89,11 @@ class AttentionBackend:
         raise NotImplementedError
 
     def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0) -> torch.Tensor:
-        """Attention of ``q`` over the paged cache (an FP8 cache read at the scales)."""
+               v_scale: float = 1.0, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``q`` over the paged cache (an FP8 cache read at the scales), local to
+        ``sliding_window`` keys and soft-capped at ``softcap`` where given (see
+        ``kernels.paged_attention``)."""
         raise NotImplementedError
 
 
@@ -124,12 +127,16 @@ class Attention(nn.Module):
     """Paged attention for one layer; its ``k_cache``/``v_cache`` are views the runner assigns.
 
     ``k_scale``/``v_scale``: the per-tensor scales of an FP8 cache (vLLM's): 1.0, or the
-    checkpoint's ``self_attn.k_scale``/``v_scale``; a cache in the model's dtype ignores them."""
+    checkpoint's ``self_attn.k_scale``/``v_scale``; a cache in the model's dtype ignores them.
+    ``sliding_window``: a local layer's window (HF's: a query sees itself and the W - 1 keys
+    before it), None for full attention; ``softcap``: attention logit soft-capping (Gemma 2)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.scale = head_dim, scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
 
@@ -139,7 +146,7 @@ class Attention(nn.Module):
         ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping, self.k_scale,
                              self.v_scale)
         return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale, self.k_scale,
-                                  self.v_scale)
+                                  self.v_scale, self.sliding_window, self.softcap)
 
     def load_kv_scale(self, name: str, tensor) -> None:
         """Set ``k_scale`` or ``v_scale`` (``name``) from a checkpoint's one-element tensor."""

@@ -75,15 +75,19 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         kv_write.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0):
+    def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0, sliding_window=None,
+               softcap=None):
         if isinstance(metadata.plan, CascadeBuffers):
+            if sliding_window is not None:  # the engine turns cascade off for windowed models
+                raise ValueError("cascade attention cannot run a sliding-window layer")
             return paged_attention.cascade_attention_triton(
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale)
+                metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
         invariant = batch_invariant_enabled()
         split_kv_size = None if invariant else paged_attention.choose_split_kv_size(
             metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len)
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, batch_invariant=invariant)
+            split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            softcap=softcap, batch_invariant=invariant)

@@ -1,0 +1,130 @@
+"""Structured outputs: a grammar per request, compiled by xgrammar, and a token bitmask per step.
+
+A request with ``SamplingParams.structured_outputs`` gets a ``RequestGrammar`` (an xgrammar
+matcher over its compiled grammar). The output processor feeds it every token the request
+keeps; before a step samples, each grammar row of the batch fills one row of a packed bitmask
+(32 token ids per int32 word), which the sampler unpacks on the device and applies to the logits.
+With asynchronous scheduling the runner queues the forward pass first and fills the bitmask while
+the device computes it (see ``ModelRunner.finish_sampling``). Requests without a grammar pay nothing.
+
+xgrammar is imported on the first structured request; without it such a request is a ValueError
+naming the package, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import threading
+
+import torch
+
+from pagedlab.sampling_params import StructuredOutputsParams
+
+INSTALL_HINT = ("structured outputs need the xgrammar package, which is not installed: "
+                "pip install 'pagedlab[structured]' (or pip install xgrammar)")
+
+
+def import_xgrammar():
+    """The xgrammar module, or a ValueError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError(f"{INSTALL_HINT} ({e})") from None
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary (xgrammar caches
+    compiled grammars, so the same schema compiles once). Thread-safe, so a server may compile
+    off the engine thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _xgrammar_compiler(self):
+        xgr = import_xgrammar()
+        with self._lock:
+            if self._compiler is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer, and this model has none")
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled grammar of ``spec``; a schema, regex or grammar xgrammar rejects is a
+        ValueError naming the field."""
+        compiler = self._xgrammar_compiler()
+        kind = spec.kind
+        try:
+            if kind == "json":
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return compiler.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}',
+                                                    any_whitespace=not spec.disable_any_whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError / its own errors for bad input
+            value = getattr(spec, kind)
+            shown = repr(value if len(repr(value)) <= 80 else repr(value)[:80] + "...")
+            raise ValueError(f"{kind}={shown} is invalid: xgrammar could not compile it: "
+                             f"{_first_line(e)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher for one request (each of ``n`` completions gets its own)."""
+        xgr = import_xgrammar()
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+
+
+def _first_line(error: Exception) -> str:
+    """An xgrammar error's message without its C++ time and source-location prefix."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(error).__name__
+
+
+class RequestGrammar:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it (or has ended)."""
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+@functools.cache
+def _batch_matcher():
+    """xgrammar's batch filler (a small thread pool), made once."""
+    return import_xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+
+
+def grammar_bitmask(grammars: list[RequestGrammar], vocab_size: int) -> torch.Tensor:
+    """``[len(grammars), ceil(vocab/32)]`` int32 on the host: bit ``t % 32`` of word ``t // 32``
+    of row i says whether token t may come next for ``grammars[i]`` (``apply_token_bitmask``).
+    The rows are filled together, on xgrammar's threads."""
+    bitmask = import_xgrammar().allocate_token_bitmask(len(grammars), vocab_size)
+    _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+    return bitmask
+

@@ -1,0 +1,101 @@
+"""FP8 linear kernels: per-token activation quantization in one launch, and an FP8 GEMV for
+decode-sized batches, both with the numerics of ``pagedlab.quantization.fp8`` (whose
+``quantize_fp8_per_row`` and ``fp8_linear_torch`` are their references).
+
+- ``quantize_fp8_per_token_triton``: one program per row finds ``max|x|``, divides by 448 for the
+  row's float32 scale (``1e-12`` at least), and writes ``fp8(x / scale)`` (or uses a static
+  scale); a row of up to 16k values is read once. The plain-torch version takes about seven
+  launches and as many round trips of the activations, which at batch 1 cost more than the
+  matmul itself.
+- ``fp8_gemv_triton``: at most ``GEMV_MAX_ROWS`` rows of FP8 activations times FP8 weights
+  ``[N, K]`` (one byte per weight: the decode step reads half of bf16's bytes), accumulated in
+  float32 from exact products (E4M3 values are exact in bf16 and fp32), then times the row's
+  and the output channel's scales. It is the dense GEMV kernel of ``kernels/gemv.py`` with its
+  scaled epilogue; it runs the shapes ``gemv_configs.FP8_GEMV_CONFIGS`` lists (one row), and
+  ``torch._scaled_mm`` (cuBLASLt) the rest.
+
+This module imports triton when it loads: import it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlab.kernels.gemv import launch_dense_gemv, num_sms
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_fp8_gemv_config
+from pagedlab.kernels.triton_kernels import _round_to_e4m3
+from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
+                            BLOCK_K: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
+                            MIN_SCALE: tl.constexpr):
+    """Row ``program_id(0)``: its scale (``max|x| / FP8_MAX``, or the static one) and its FP8 values.
+    A row of at most BLOCK_K values is read once and kept in registers; a longer one twice.
+    Divisions are IEEE (``div_rn``), as torch's, so both round to the same E4M3 values."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK_K)
+    first = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.abs(first)
+        for k_start in range(BLOCK_K, K, BLOCK_K):
+            x = tl.load(x_row + k_start + offs, mask=k_start + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    q = _round_to_e4m3(tl.math.div_rn(first, scale), FP8_MAX)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    for k_start in range(BLOCK_K, K, BLOCK_K):
+        x = tl.load(x_row + k_start + offs, mask=k_start + offs < K, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.math.div_rn(x, scale), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k_start + offs, q.to(q_ptr.dtype.element_ty),
+                 mask=k_start + offs < K)
+
+
+def quantize_fp8_per_token_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``quantize_fp8_per_row`` (per-token dynamic scales) or, with
+    ``static_scale`` (one float32 value), of ``quantize_fp8`` at that scale: the 2-D ``x``
+    (contiguous rows) -> ``(values float8_e4m3fn [rows, K], scales float32 [rows, 1])``."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x of shape {tuple(x.shape)} must be 2-D with contiguous rows")
+    rows, in_features = x.shape
+    values = torch.empty(rows, in_features, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    # whole rows in registers up to 16k values (Llama's widest K is 14336), 16 per thread
+    block_k = min(1 << 14, triton.next_power_of_2(in_features)) if x.is_cuda else 256
+    if rows:
+        _per_token_quant_kernel[(rows,)](
+            x, values, scales,
+            scales if static_scale is None else static_scale, in_features, x.stride(0), values.stride(0),
+            BLOCK_K=block_k, STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+            num_warps=max(4, min(16, block_k // 1024)))
+    return values, scales
+
+
+def fp8_gemv_triton(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                    config: TileConfig | None = None) -> torch.Tensor:
+    """``(values * scales) @ (weight * weight_scale).T + bias`` for at most ``GEMV_MAX_ROWS`` rows:
+    FP8 ``values`` ``[rows, K]`` with float32 ``scales`` ``[rows, 1]`` (from
+    ``quantize_fp8_per_token_triton``), FP8 ``weight`` ``[N, K]`` with float32 ``weight_scale``
+    ``[N, 1]``; the output in ``out_dtype``. ``config`` defaults to ``default_fp8_gemv_config``."""
+    rows, in_features = values.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != in_features or weight.dtype != FP8_DTYPE or values.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 values {tuple(values.shape)} {values.dtype} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype}: both float8_e4m3fn, with one K")
+    if rows > GEMV_MAX_ROWS:
+        raise ValueError(f"{rows} rows is over the GEMV's {GEMV_MAX_ROWS}: use torch._scaled_mm")
+    config = config or default_fp8_gemv_config(rows, out_features, in_features, num_sms(values.device))
+    out = torch.empty(rows, out_features, dtype=out_dtype, device=values.device)
+    if rows:
+        launch_dense_gemv(values, weight, bias, out, config, row_scales=scales.reshape(-1),
+                          col_scales=weight_scale.reshape(-1))
+    return out

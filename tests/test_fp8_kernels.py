@@ -1,0 +1,108 @@
+"""The FP8 linear kernels (``pagedlab.kernels.fp8_linear``) against their torch references on fresh
+random inputs: per-token activation quantization bit for bit (dynamic and static scales, an
+all-zero row, values past E4M3's range), and the FP8 GEMV against the float32 product of the
+dequantized operands, on the CUDA cores and through tl.dot, with K split and not.
+
+On a machine without CUDA the kernels run under the Triton interpreter at small sizes;
+TRITON_INTERPRET is set here, before the kernel modules are first imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for kernels in ("pagedlab.kernels.triton_kernels", "pagedlab.kernels.gemv",
+                    "pagedlab.kernels.fp8_linear"):
+        if kernels in sys.modules:  # built without the interpreter by another module
+            importlib.reload(sys.modules[kernels])
+
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig
+from pagedlab.quantization.fp8 import quantize_fp8, quantize_fp8_per_row
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def fp8_kernels():
+    pytest.importorskip("triton")
+    return importlib.import_module("pagedlab.kernels.fp8_linear")
+
+
+def _generator(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    return values.view(torch.uint8).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_features", [300, 2048 + 5])
+def test_per_token_quantization_equals_torch_bit_for_bit(fp8_kernels, dtype, in_features):
+    gen = _generator("dynamic", dtype, in_features)
+    x = (torch.randn(6, in_features, generator=gen) * torch.rand(6, 1, generator=gen) * 10).to(dtype)
+    x[1] = 0  # all-zero row: the minimum scale, zeros out
+    x[2, 7] = 6e4 if dtype == torch.float16 else 1e5  # one outlier sets its row's scale
+    x[3, ::3] *= 1e-4  # E4M3 subnormals
+    values, scales = fp8_kernels.quantize_fp8_per_token_triton(x.to(DEVICE))
+    expected_values, expected_scales = quantize_fp8_per_row(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (6, 1)
+    assert torch.equal(scales.cpu(), expected_scales)
+    assert torch.equal(_bits(values), _bits(expected_values))
+
+
+def test_static_scale_quantization_saturates_like_torch(fp8_kernels):
+    gen = _generator("static")
+    x = (torch.randn(4, 96, generator=gen) * 8).bfloat16()
+    static = torch.tensor([[0.005]])  # 8 / 0.005 is far past 448: values saturate, none is NaN
+    values, scales = fp8_kernels.quantize_fp8_per_token_triton(x.to(DEVICE), static.to(DEVICE))
+    expected = quantize_fp8(x, static.float())
+    assert torch.equal(_bits(values), _bits(expected))
+    assert torch.equal(scales.cpu(), torch.full((4, 1), 0.005))
+    assert values.float().abs().max().item() == 448.0
+
+
+# (rows, config): block_m=0 multiplies on the CUDA cores, 16 through tl.dot; split_k > 1 cuts K
+# into segments summed in-kernel. K=200 is not a multiple of block_k, N=40 leaves a partial tile.
+GEMV_CASES = [
+    (1, None),
+    (1, TileConfig(block_n=16, block_k=64, split_k=3)),
+    (4, TileConfig(block_n=8, block_k=32, split_k=1)),
+    (5, TileConfig(block_n=16, block_k=32, split_k=2, block_m=16)),
+    (GEMV_MAX_ROWS, None),
+]
+
+
+@pytest.mark.parametrize(("rows", "config"), GEMV_CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_gemv_equals_the_dequantized_product(fp8_kernels, rows, config, with_bias):
+    gen = _generator("gemv", rows, config, with_bias)
+    x = torch.randn(rows, 200, generator=gen).bfloat16()
+    weight = torch.randn(40, 200, generator=gen) * 0.05
+    bias = torch.randn(40, generator=gen).bfloat16() if with_bias else None
+    values, scales = quantize_fp8_per_row(x)
+    weight_values, weight_scales = quantize_fp8_per_row(weight)
+    out = fp8_kernels.fp8_gemv_triton(values.to(DEVICE), scales.to(DEVICE), weight_values.to(DEVICE),
+                                      weight_scales.to(DEVICE), None if bias is None else bias.to(DEVICE),
+                                      torch.float32, config)
+    expected = (values.float() * scales) @ (weight_values.float() * weight_scales).T
+    if bias is not None:
+        expected += bias.float()
+    assert out.shape == (rows, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_gemv_refuses_a_batch_over_its_rows(fp8_kernels):
+    values = torch.zeros(GEMV_MAX_ROWS + 1, 32, dtype=torch.float8_e4m3fn)
+    weight = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"17 rows is over the GEMV's 16: use torch._scaled_mm"):
+        fp8_kernels.fp8_gemv_triton(values, torch.ones(17, 1), weight, torch.ones(16, 1), None,
+                                    torch.bfloat16)

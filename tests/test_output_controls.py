@@ -1,0 +1,174 @@
+"""vLLM's bad_words, logprob_token_ids and output_kind, offline and through the AsyncEngine,
+against hand-computed expectations: HF's greedy generate with the same banned sequences, HF's
+float32 logits for the label logprobs, and the cumulative output for the deltas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from conftest import KV_BYTES, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.engine.step_inputs import bad_word_bans
+from pagedlab.sampling_params import RequestOutputKind
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+PROMPT = "Why is the sky blue? Because"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    import transformers
+
+    path = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, hf
+
+
+def test_bad_word_rule_by_hand():
+    words = [[7], [3, 4], [1, 2, 5]]
+    assert bad_word_bans(words, []) == [7]  # one-token words always; longer ones need their prefix
+    assert bad_word_bans(words, [9, 3]) == [7, 4]
+    assert bad_word_bans(words, [1, 2]) == [7, 5]
+    assert bad_word_bans(words, [2]) == [7]  # [1, 2, 5] needs both earlier tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_match_hf_bad_words_ids(chat_model, async_scheduling):
+    path, hf = chat_model
+    with LLM(path, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=async_scheduling) as llm:
+        tokenizer = llm.get_tokenizer()
+        prompt_ids = tokenizer.encode(PROMPT)
+        plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+        # ban the words the plain run generates: one word made of two of its tokens, one of one token
+        word_two = tokenizer.decode(plain[2:4])
+        word_one = tokenizer.decode(plain[6:7])
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word_two, word_one])
+        got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+        banned = llm.llm_engine._bad_words_token_ids([word_two, word_one])
+    assert banned[0] == tokenizer.encode(word_two.lstrip(), add_special_tokens=False)  # vLLM's first form
+    assert prompt_ids[-1] not in [w[0] for w in banned if len(w) > 1]  # HF also matches across the prompt
+    want = hf_greedy(hf, prompt_ids, 12, bad_words_ids=banned, min_new_tokens=12)
+    assert got == want
+    assert got != plain
+
+
+def _hf_step_logprobs(hf, ids: list[int], num_new: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -num_new - 1:-1].float()
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprob_token_ids_match_hf_logits(tiny_llama, async_scheduling):
+    labels = [5, 17, 999, 42]
+    prompts = random_prompts(3, max_len=20, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprob_token_ids=labels),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True, logprobs=2,
+                             logprob_token_ids=labels[:2])]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, async_scheduling=async_scheduling) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[1].outputs[0].logprobs is None
+    for out, p in ((outs[0], params[0]), (outs[2], params[2])):
+        c = out.outputs[0]
+        want = _hf_step_logprobs(tiny_llama.hf_model, out.prompt_token_ids + c.token_ids, len(c.token_ids))
+        assert len(c.logprobs) == len(c.token_ids)
+        for step, (token, position) in enumerate(zip(c.token_ids, c.logprobs)):
+            expected_ids = {token, *p.logprob_token_ids}
+            assert expected_ids <= set(position)
+            assert len(position) <= len(expected_ids) + (p.logprobs or 0)
+            for tid in expected_ids:
+                assert position[tid].logprob == pytest.approx(want[step, tid].item(), abs=1e-4)
+                assert position[tid].rank == int((want[step] > want[step, tid]).sum()) + 1
+
+
+def _drive(engine, request_id: str, params: SamplingParams, prompt_ids: list[int]):
+    engine.add_request(request_id, prompt_ids, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_output_kind_offline_engine(tiny_llama):
+    prompt = random_prompts(1, max_len=12, seed=8)[0]
+    base = dict(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        engine = llm.llm_engine
+        cumulative = _drive(engine, "c", SamplingParams(**base), prompt)
+        deltas = _drive(engine, "d", SamplingParams(**base, output_kind=RequestOutputKind.DELTA), prompt)
+        final = _drive(engine, "f", SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY), prompt)
+        offline = llm.generate({"prompt_token_ids": prompt},
+                               SamplingParams(**base, output_kind=RequestOutputKind.DELTA), use_tqdm=False)[0]
+    whole = cumulative[-1].outputs[0]
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 8))
+    assert [len(o.outputs[0].token_ids) for o in deltas] == [1] * 7  # one new token per step
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == whole.token_ids
+    assert [pos for o in deltas for pos in o.outputs[0].logprobs] == whole.logprobs
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+    assert offline.outputs[0].token_ids == whole.token_ids  # LLM.generate returns whole outputs, as vLLM
+
+
+def test_output_kind_async_engine(chat_model):
+    path, _ = chat_model
+
+    async def collect(engine, kind):
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=kind)
+        return [out async for out in engine.generate(PROMPT, params)]
+
+    with LLM(path, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+        engine = AsyncEngine.from_llm(llm)
+        try:
+            deltas = asyncio.run(collect(engine, RequestOutputKind.DELTA))
+            final = asyncio.run(collect(engine, RequestOutputKind.FINAL_ONLY))
+        finally:
+            engine.shutdown()
+    assert "".join(o.outputs[0].text for o in deltas) == want.text
+    assert [t for o in deltas for t in o.outputs[0].token_ids] == want.token_ids
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+    assert len(final) == 1 and final[0].outputs[0].text == want.text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(bad_words=["ok", "  "]), "bad_words"), (dict(bad_words="word"), "bad_words"),
+    (dict(logprob_token_ids=[]), "logprob_token_ids"), (dict(logprob_token_ids=[-1]), "logprob_token_ids"),
+    (dict(output_kind="delta"), "output_kind")])
+def test_bad_output_controls(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_output_controls_on_gpu_with_async_steps_and_graphs(chat_model, tiny_llama):
+    """The CUDA path: asynchronous steps, CUDA graphs, label logprobs copied back behind the
+    step's event, a multi-token bad word making the loop read each step back."""
+    path, hf = chat_model
+    labels = [5, 17, 42]
+    prompts = random_prompts(4, max_len=20, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprob_token_ids=labels)
+    with LLM(tiny_llama.path, dtype="float32", device="cuda", kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_engine_info().async_scheduling
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.token_ids == hf_greedy(tiny_llama.hf_model, out.prompt_token_ids, 8)
+        want = _hf_step_logprobs(tiny_llama.hf_model, out.prompt_token_ids + c.token_ids, len(c.token_ids))
+        for step, position in enumerate(c.logprobs):
+            for tid in labels:
+                assert position[tid].logprob == pytest.approx(want[step, tid].item(), abs=1e-3)
+    with LLM(path, dtype="float32", device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        word = tokenizer.decode(plain[2:4])
+        got = llm.generate(PROMPT, greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+        banned = llm.llm_engine._bad_words_token_ids([word])
+    assert got == hf_greedy(hf, tokenizer.encode(PROMPT), 12, bad_words_ids=banned, min_new_tokens=12)

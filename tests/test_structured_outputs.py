@@ -1,0 +1,251 @@
+"""Structured outputs (issue 18): every output parses and validates against its JSON schema, regex,
+choice or grammar; greedy tokens are the same with synchronous and asynchronous steps, offline
+and through the server; a request without a grammar is unchanged beside ones with; without
+xgrammar a structured request is a clear error and nothing else breaks. A tiny random Llama
+with a real tokenizer (test_server_support); SmolLM2 is in test_server_smollm2."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.layers.sampler import apply_token_bitmask
+from pagedlab.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from pagedlab.server.app import ServerThread, build_app  # noqa: E402
+
+# Finite languages, so even a random model ends each output within max_tokens.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "count", "ok"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+REGEX = r"(cat|dog)-[0-9]{2}"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= "x" | "yy"'
+PROMPTS = ["Why is the sky blue? Because", "Question: what is two plus two?"]
+MAX_TOKENS = 48
+
+
+def _specs() -> list[StructuredOutputsParams]:
+    return [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+            StructuredOutputsParams(regex=REGEX), StructuredOutputsParams(choice=CHOICES),
+            StructuredOutputsParams(grammar=GRAMMAR)]
+
+
+def check_output(spec: StructuredOutputsParams, text: str) -> None:
+    """``text`` is a sentence of ``spec``'s language."""
+    if spec.json is not None:
+        import jsonschema
+
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.json_object:
+        assert isinstance(json.loads(text), dict)
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text), text
+    elif spec.choice is not None:
+        assert text in spec.choice
+    else:
+        assert re.fullmatch(r"\((x|yy)(,(x|yy))?\)", text), text
+
+
+def test_token_bitmask_matches_a_boolean_mask():
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 77, torch.tensor([0, 2])
+    allowed = torch.rand(2, vocab, generator=g) < 0.3
+    words = []
+    for row in allowed.tolist():  # pack by hand: bit t % 32 of word t // 32
+        packed = [sum(1 << b for b in range(32) if w * 32 + b < vocab and row[w * 32 + b]) for w in range(3)]
+        words.append([p - (1 << 32) if p >= 1 << 31 else p for p in packed])  # as int32
+    logits = torch.randn(3, vocab, generator=g)
+    want = logits.clone()
+    want[rows] = want[rows].masked_fill(~allowed, float("-inf"))
+    got = apply_token_bitmask(logits.clone(), rows, torch.tensor(words, dtype=torch.int32))
+    assert torch.equal(got, want)
+    short = apply_token_bitmask(logits.clone(), rows, torch.tensor(words, dtype=torch.int32)[:, :2])
+    assert torch.isinf(short[rows, 64:]).all()  # ids past the packed width are not allowed
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    pytest.importorskip("xgrammar")
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    """Greedy outputs of each prompt under each grammar, with synchronous and asynchronous steps,
+    plus a plain request run alone and beside the structured ones."""
+    results = {}
+    for async_scheduling in (False, True):
+        with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=async_scheduling) as llm:
+            params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s)
+                      for s in _specs()]
+            plain = SamplingParams(temperature=0, max_tokens=12)
+            prompts = [p for p in PROMPTS for _ in params] + [PROMPTS[0]]
+            outs = llm.generate(prompts, params * len(PROMPTS) + [plain], use_tqdm=False)
+            alone = llm.generate(PROMPTS[0], plain, use_tqdm=False)[0]
+            results[async_scheduling] = {"outs": outs, "alone": alone}
+    return results
+
+
+def test_outputs_validate_and_sync_equals_async(offline):
+    specs = _specs() * len(PROMPTS)
+    for async_scheduling in (False, True):
+        outs = offline[async_scheduling]["outs"]
+        for spec, out in zip(specs, outs):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop", (spec.kind, c.text)
+            check_output(spec, c.text)
+        plain = outs[-1].outputs[0]
+        assert plain.token_ids == offline[async_scheduling]["alone"].outputs[0].token_ids
+    assert ([o.outputs[0].token_ids for o in offline[False]["outs"]]
+            == [o.outputs[0].token_ids for o in offline[True]["outs"]])
+
+
+def test_guided_decoding_is_the_older_name(tiny_dir):
+    assert GuidedDecodingParams is StructuredOutputsParams
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        spec = GuidedDecodingParams(choice=CHOICES)
+        out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=8,
+                                                      guided_decoding=spec), use_tqdm=False)[0]
+        assert all(c.text in CHOICES for c in out.outputs)
+        json_any = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, structured_outputs=(
+            StructuredOutputsParams(json_object=True))), use_tqdm=False)[0].outputs[0]
+        assert json_any.text.startswith("{")  # any JSON object: it need not end within 8 tokens
+        with pytest.raises(ValueError, match="regex"):
+            llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")),
+                         use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"json": SCHEMA, "regex": REGEX}, {"choice": []}, {"regex": ""},
+                                    {"json": 3}])
+def test_bad_structured_outputs_params(kwargs):
+    with pytest.raises(ValueError):
+        StructuredOutputsParams(**kwargs)
+
+
+def _bodies() -> list[dict]:
+    """The four grammars in the request spellings vLLM's clients use."""
+    return [{"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+            {"guided_regex": REGEX}, {"guided_choice": CHOICES}, {"guided_grammar": GRAMMAR}]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    llm = LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=True)
+    engine = AsyncEngine.from_llm(llm)
+    with ServerThread(build_app(engine, served_model_names=["tiny"])) as srv:
+        yield srv.url
+    engine.shutdown()
+    llm.close()
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def test_online_equals_offline(served, offline):
+    outs = offline[True]["outs"]
+    for i, prompt in enumerate(PROMPTS):
+        for j, extra in enumerate(_bodies()):
+            want = outs[i * 4 + j].outputs[0]
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+            r = _post(served, "/v1/completions", {**body, **extra})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
+    events = httpx.post(served + "/v1/completions", timeout=60, json={
+        "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **_bodies()[1]})
+    chunks = [json.loads(line[6:]) for line in events.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == outs[1].outputs[0].text
+
+
+def test_chat_response_format(served):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+    r = _post(served, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 64, "temperature": 0.7,
+        "seed": 1, "n": 2, "response_format": schema_format})
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        if choice["finish_reason"] == "stop":  # any whitespace is allowed here, so it may run long
+            check_output(StructuredOutputsParams(json=SCHEMA), choice["message"]["content"])
+        else:
+            assert choice["message"]["content"].startswith("{")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "("}, "regex"), ({"guided_json": {"type": "objectx"}}, "json"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"), ({"guided_choice": []}, "guided_choice")])
+def test_bad_structured_requests_are_400(served, extra, param):
+    r = _post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_without_xgrammar_structured_requests_fail_clearly(served, tiny_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    r = _post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_choice": CHOICES})
+    assert r.status_code == 400 and "xgrammar" in r.json()["error"]["message"]
+    r = _post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        with pytest.raises(ValueError, match="pip install"):
+            llm.generate("hi", SamplingParams(structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                         use_tqdm=False)
+        assert llm.generate("hi", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_structured_outputs_on_gpu(tiny_dir):
+    """Asynchronous steps with CUDA graphs: the bitmask is filled while the forward runs and
+    applied on the device; synchronous steps give the same tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s) for s in _specs()]
+    prompts = [p for p in PROMPTS for _ in params]
+    tokens = {}
+    for async_scheduling in (False, True):
+        with LLM(tiny_dir, dtype="float32", device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES,
+                 async_scheduling=async_scheduling) as llm:
+            outs = llm.generate(prompts, params * len(PROMPTS), use_tqdm=False)
+        for spec, out in zip(_specs() * len(PROMPTS), outs):
+            check_output(spec, out.outputs[0].text)
+        tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]
+
+
+def test_async_engine_streams_structured_deltas(tiny_dir, offline):
+    """AsyncEngine.generate compiles the grammar off the engine thread; DELTA outputs of a
+    structured request add up to the offline text."""
+    import asyncio
+
+    from pagedlab.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=_specs()[1],
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def deltas(engine):
+        return [out.outputs[0].text async for out in engine.generate(PROMPTS[0], params)]
+
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        engine = AsyncEngine.from_llm(llm)
+        try:
+            texts = asyncio.run(deltas(engine))
+        finally:
+            engine.shutdown()
+    assert "".join(texts) == offline[False]["outs"][1].outputs[0].text and len(texts) > 1
