@@ -220,7 +220,7 @@ def paged_attention_kernel(
                 k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
                 offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
                 BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
-                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP)
+                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
     for tile_start in range(full_start, full_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
