@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -12,7 +12,8 @@ for part in "$@"; do
   case "$part" in
     tests) nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
            python3 -m pytest -m gpu tests/test_gpu.py tests/test_kv_fp8_kernels.py tests/test_kv_fp8_engine.py \
-               tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py -q -s \
+               tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py \
+               tests/test_batch_invariant_gpu.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
     gemv)  python3 benchmarks/gemv_bench.py --out "$OUT/gemv.json" ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
@@ -29,6 +30,11 @@ for part in "$@"; do
     families) for shape in qwen3-30b-a3b mixtral-8x7b gemma2-9b; do
                 bench throughput --workload W-seed --shape $shape --batch-size 1 64 256 --json "$OUT/w_seed_$shape.json"
                 bench throughput --workload W-seed --shape $shape --batch-size 1 64 --backend hf --json "$OUT/w_seed_${shape}_hf.json"
+              done ;;
+    # batch-invariant mode against the default, same run: W-seed batch 256 output tok/s (target:
+    # at most 15% lower) and batch 1 TPOT p50 (target: at most 10% higher)
+    batchinv) for mode in no-batch-invariant batch-invariant; do
+                bench throughput --workload W-seed --batch-size 1 256 --$mode --json "$OUT/w_seed_$mode.json"
               done ;;
     serve) model=$(python3 -c "from pagedlab.workloads import shape_dir; print(shape_dir('llama3-8b'))")
            python3 -m pagedlab.cli serve --model "$model" --load-format dummy --dtype bfloat16 \

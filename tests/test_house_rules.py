@@ -36,6 +36,9 @@ LAZY_INTERNAL = {
                                    "on the CPU",
     "pagedlab.quantization.formats": "config resolves the weight format: config loads without torch, "
                                      "so the command line answers --help at once",
+    "pagedlab.kernels.batch_invariant": "batch-invariant matmul, norms and softmax on CUDA: triton is "
+                                        "optional on the CPU, and the interpreter must be settled before its "
+                                        "kernels are decorated",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
     "pagedlab.kernels.lora": "LoRA shrink/expand on CUDA: triton is optional on the CPU, and the interpreter "

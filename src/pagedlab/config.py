@@ -80,6 +80,10 @@ class EngineConfig:
         plan=True)
     enable_cascade_attention: bool = _setting(
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)
+    batch_invariant: bool = _setting(
+        False, "bitwise-identical logprobs for a prompt whatever else is in the batch, its place in it, "
+               "prefix caching and chunked prefill: fixed-order matmuls, norms, softmax and attention "
+               "(docs/repro.md: costs and limits)", plan=True)
     load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
     trust_remote_code: bool = _setting(
         False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an "
@@ -151,6 +155,10 @@ class EngineConfig:
             bad("seed", "an integer or None")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             bad("swap_space", "a number of GiB >= 0 (it is unused: preempted sequences are recomputed)")
+        if self.batch_invariant and self.tensor_parallel_size != 1:
+            raise ValueError(f"batch_invariant=True with tensor_parallel_size={self.tensor_parallel_size}: "
+                             "batch-invariant mode runs on one device (an all-reduce's summation order "
+                             "follows the message size); use tensor_parallel_size=1")
         if self.cpu_offload_gb:
             raise ValueError(f"cpu_offload_gb={self.cpu_offload_gb!r} is not supported: pagedlab keeps every "
                              "weight on the device; use 0, a smaller model, or tensor_parallel_size > 1")

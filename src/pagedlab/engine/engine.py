@@ -149,6 +149,9 @@ class LLMEngine:
         if self.scheduler is not None and self.scheduler.num_unfinished:
             raise RuntimeError("cannot re-plan while requests are unfinished")
         cfg = self.config
+        if cfg.batch_invariant and self.quantization is not None:
+            raise ValueError(f"batch_invariant=True with quantization={self.quantization!r}: batch-invariant "
+                             "mode runs dense weights only (its fixed-order matmul has no quantized form)")
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
@@ -161,7 +164,8 @@ class LLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cascade_attention=self.cascade_attention,
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
-            kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)))
+            kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
+            batch_invariant=cfg.batch_invariant))
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                        kv_release_window(self.hf_config))
         switch = long_rope_switch(self.hf_config)
@@ -189,9 +193,11 @@ class LLMEngine:
 
     @property
     def cascade_attention(self) -> bool:
-        """Cascade attention asked for, and the model has no sliding-window layer (a window
-        leaves no shared prefix that every query sees)."""
-        return self.config.enable_cascade_attention and not any(attention_windows(self.hf_config))
+        """Cascade attention asked for, not in batch-invariant mode (it sums a shared prefix apart),
+        and the model has no sliding-window layer (a window leaves no shared prefix that every
+        query sees)."""
+        return (self.config.enable_cascade_attention and not self.config.batch_invariant
+                and not any(attention_windows(self.hf_config)))
 
     @property
     def model(self) -> torch.nn.Module:

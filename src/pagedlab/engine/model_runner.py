@@ -26,6 +26,7 @@ from pagedlab.engine.profiling import StepRanges
 from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
+from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
 from pagedlab.layers.sampler import Sampler, TopLogprobs, gather_logprobs
 from pagedlab.loader import ModelSource, load_model
 from pagedlab.lora.manager import LoRAManager
@@ -46,6 +47,7 @@ class RunnerPlan:
     cascade_attention: bool  # decode batches attend a shared prefix once (if the backend can)
     cuda_graphs: bool  # decode steps replay CUDA graphs (if the backend supports them)
     kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
+    batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
 
 
 @dataclass
@@ -165,6 +167,15 @@ class ModelRunner:
         self.plan = plan
         if self.lora is not None:  # before the memory profile, whose forward runs without adapters
             self.lora.allocate_mapping(max(plan.max_num_batched_tokens, capture_sizes(plan.max_num_seqs)[-1]))
+        with self.numerics():  # the memory profile and the graphs run what the steps will
+            return self._allocate_and_capture(plan)
+
+    def numerics(self):
+        """The batch-invariant mode of the plan (``pagedlab.layers.batch_invariant``): the one
+        switch, entered around everything the runner runs on the model."""
+        return batch_invariant_mode(self.plan is not None and self.plan.batch_invariant)
+
+    def _allocate_and_capture(self, plan: RunnerPlan) -> int:
         num_blocks = tensor_parallel_min(self._num_kv_blocks(plan), self.device)  # ranks agree
         min_blocks = -(-plan.max_model_len // plan.block_size)
         if num_blocks < min_blocks:
@@ -348,6 +359,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
+        with self.numerics():
+            return self._launch_step(batch, previous)
+
+    def _launch_step(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         with self.ranges.range("prepare"):
             self.to_device.begin_step()
             inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
@@ -456,10 +471,11 @@ class ModelRunner:
         self.to_device.begin_step()
         ids = torch.empty(len(inputs.input_ids), dtype=torch.int64, device=self.device)
         tensor_parallel_broadcast(ids)
-        hidden = self._run_model(ids, inputs, table, query_lens)
-        rows = inputs.sample_rows + inputs.prompt_rows
-        if rows:
-            self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
+        with self.numerics():
+            hidden = self._run_model(ids, inputs, table, query_lens)
+            rows = inputs.sample_rows + inputs.prompt_rows
+            if rows:
+                self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
@@ -471,7 +487,7 @@ class ModelRunner:
         for request_id, (first, count, start) in prompt_rows.items():
             request = by_id[request_id]
             targets = request.prompt_token_ids[start + 1:start + 1 + count]
-            logprobs = logits[first:first + count].log_softmax(-1)
+            logprobs = log_softmax(logits[first:first + count])
             top = gather_logprobs(logprobs, self.to_device(targets, torch.int64),
                                   request.sampling_params.prompt_logprobs)
             result[request_id] = PromptLogprobsChunk(start + 1, targets, self._top_to_host(top))

@@ -178,3 +178,20 @@ def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_
     split_k = splits_for(-(-out_features // block_n), -(-in_features // block_k), num_sms)
     return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k,
                       block_m=0 if rows <= 4 else DOT_MIN_ROWS, num_warps=4, num_stages=2)
+
+
+# The batch-invariant matmul (``kernels/batch_invariant.py``): ONE tile for every row count, so a
+# row's reduction never depends on the batch; Hopper-sized (bf16: 128 x 128 x 64, 8 warps, 3
+# stages, as the persistent matmuls of vLLM's and Thinking Machines' batch-invariant modes).
+BATCH_INVARIANT_TILE = TileConfig(block_n=128, block_k=64, block_m=128, num_warps=8, num_stages=3)
+# Fewest K steps in one segment of the batch-invariant matmul.
+BATCH_INVARIANT_MIN_SEGMENT_STEPS = 4
+
+
+def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig, num_sms: int) -> int:
+    """K segments of the batch-invariant matmul for a weight of this shape: enough that one row
+    tile fills about one wave of SMs, each at least ``BATCH_INVARIANT_MIN_SEGMENT_STEPS`` K steps.
+    A function of the weight and the device alone, never of the row count."""
+    tiles = -(-out_features // tile.block_n)
+    k_steps = -(-in_features // tile.block_k)
+    return max(1, min(k_steps // BATCH_INVARIANT_MIN_SEGMENT_STEPS, -(-num_sms // tiles)))

@@ -119,6 +119,35 @@ def _attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tens
     return torch.softmax(scores, dim=-1) @ v
 
 
+def paged_attention_rows_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                               block_tables: torch.Tensor, scale: float, k_scale: float = 1.0,
+                               v_scale: float = 1.0, sliding_window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
+    """``paged_attention_torch`` one query row at a time (batch-invariant mode): each token's
+    query heads attend in their own call over exactly the keys it sees, so the call, and its
+    result, is the same whether the token is decoded, prefilled whole or in chunks, or sits in
+    any batch. Slow for long prefills: meant for the CPU."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = dequantize_kv_torch(k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), k_scale)
+        v = dequantize_kv_torch(v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1), v_scale)
+        context_len = seq_len - (end - start)
+        for row in range(start, end):
+            visible = context_len + row - start + 1
+            first = 0 if sliding_window is None else max(0, visible - sliding_window)
+            query = q[row].float().unflatten(0, (num_kv_heads, group))  # [kv_heads, group, head_dim]
+            seen = torch.ones(1, visible - first, dtype=torch.bool)
+            o = _attention(query, k[:, first:visible], v[:, first:visible], seen, scale, softcap)
+            out[row] = o.flatten(0, 1).to(q.dtype)
+    return out
+
+
 # Split-KV: decode batches too small to fill the GPU split each sequence's keys into segments of a
 # FIXED number of tokens (never a fixed count, so a row's arithmetic does not depend on the batch).
 # Measured on an H200 under CUDA graphs (bf16, 8 KV heads, GQA 4, head_dim 128): split 256 cuts
@@ -133,6 +162,8 @@ SPLIT_KV_MIN_PROGRAMS = 256
 TILE_N = 64
 # Query-start entries each program scans per step when it looks up its sequence.
 SEQUENCE_SEARCH_CHUNK = 256
+# Rows of every query tile in batch-invariant mode (prefill's tile; decode pads up to it).
+BATCH_INVARIANT_BLOCK_M = 64
 
 
 def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
@@ -176,8 +207,11 @@ def _padded_head_dim(head_dim: int) -> int:
     return max(16, _next_power_of_2(head_dim))
 
 
-def _launch_config(max_query_len: int, group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, num_warps, num_stages) for a batch whose longest query is max_query_len.
+def _launch_config(max_query_len: int, group: int,
+                   batch_invariant: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_Q, num_warps, num_stages) for a batch whose longest query is max_query_len;
+    ``batch_invariant``: ``BATCH_INVARIANT_BLOCK_M`` rows whatever the batch, so a token's dots
+    are the same instructions in decode and in any prefill.
 
     Rows are query tokens x the query heads of one KV head, at least 16 so that tl.dot runs on
     tensor cores in decode. Measured on an H200 (bf16, head_dim 128, GQA 4, TILE_N 64): 64 rows
@@ -185,6 +219,8 @@ def _launch_config(max_query_len: int, group: int) -> tuple[int, int, int, int]:
     sequences) and for a 2,048-token chunk over 30k keys (334 vs 305 TFLOP/s).
     """
     block_m = max(16, min(64, _next_power_of_2(max_query_len * group)), _next_power_of_2(group))
+    if batch_invariant:
+        block_m = max(BATCH_INVARIANT_BLOCK_M, _next_power_of_2(group))
     num_warps = 8 if block_m >= 128 else 4
     return block_m, block_m // group, num_warps, 3
 
@@ -196,7 +232,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_kv_size: int | None = None, out: torch.Tensor | None = None,
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -207,8 +243,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
     ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
     ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
+    ``batch_invariant`` (no split-KV allowed with it): one query tile size for every batch, so a
+    token's output is bitwise the same in decode, in a prefill chunk and in any batch.
     """
-    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap)
+    if batch_invariant and split_kv_size is not None:
+        raise ValueError("batch_invariant attention takes no split_kv_size: split-KV follows the batch")
+    kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
+                                batch_invariant)
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -253,7 +294,7 @@ class _AttentionKernels:
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                  k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, batch_invariant: bool = False):
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
@@ -280,7 +321,10 @@ class _AttentionKernels:
         self.common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=self.head_dim_padded, GROUP=self.group,
                            TILE_N=TILE_N, BLOCK_SIZE=block_size, UPCAST=upcast,
                            DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-                           SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK)
+                           SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK,
+                           # the interpreter's tl.dot (numpy's BLAS) rounds a row by its place in the tile
+                           BROADCAST_DOT=batch_invariant and q.device.type == "cpu")
+        self.batch_invariant = batch_invariant
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be a positive number of keys or None")
         if softcap is not None and not softcap > 0:
@@ -302,7 +346,8 @@ class _AttentionKernels:
         """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
         partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
-        block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group)
+        block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group,
+                                                                 self.batch_invariant)
         if self.head_dim_padded > 128:  # Gemma's 256: three stages of K and V tiles overflow shared memory
             num_stages = 2
         num_seqs = seq_lens.shape[0]

@@ -36,11 +36,13 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_DIM: tl.constexpr,
                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  key_lo, sliding_window, softcap_scale, softcap,
-                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+                 SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
     """One key tile of the online softmax. MASKED=False is for tiles every row sees in full.
     SLIDING: row r sees only keys after ``context_len + query_pos[r] - sliding_window``, and no
     key below ``key_lo`` is read (its block may be freed); SOFTCAP: scores become
-    ``softcap * tanh(scores * softcap_scale)`` before the mask."""
+    ``softcap * tanh(scores * softcap_scale)`` before the mask. BROADCAST_DOT multiplies and sums
+    instead of ``tl.dot`` (batch-invariant mode under the interpreter, whose ``tl.dot`` rounds a
+    row by its place in the tile)."""
     key_pos = tile_start + tl.arange(0, TILE_N)
     if MASKED:
         key_valid = key_pos < key_end
@@ -75,7 +77,10 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if BROADCAST_DOT:
+        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+    else:
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFTCAP:
         scores = softcap * _tanh(scores * softcap_scale)
     if MASKED:
@@ -91,7 +96,10 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
     alpha = tl.math.exp2(row_max - new_max)
     p = tl.math.exp2(scores * qk_scale - new_max[:, None])
     row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if BROADCAST_DOT:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, row_sum, new_max
 
 
@@ -113,7 +121,7 @@ def paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
-        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -212,21 +220,21 @@ def paged_attention_kernel(
                 k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
                 offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
                 BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
-                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP)
+                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
     for tile_start in range(full_start, full_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
             BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION,
-            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP)
+            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
     for tile_start in range(masked_start, key_end, TILE_N):
         acc, row_sum, row_max = _attend_tile(
             acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
             offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
             BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
-            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP)
+            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
 
     acc = acc * v_scale
     if USE_SPLIT:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlab.layers.batch_invariant import invariant_norm, runs_invariant_kernels
 from pagedlab.layers.fusion import fused
 
 
@@ -47,10 +48,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _norm_parameter(hidden_size, 0.0 if unit_offset else 1.0)
+        self.unit_offset = unit_offset
         self._norm, self._add_norm = _RMS_NORMS[unit_offset]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual)."""
+        if runs_invariant_kernels(x):
+            return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)
@@ -82,6 +86,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual)."""
+        if runs_invariant_kernels(x):
+            return invariant_norm(x, self.weight, self.eps, bias=self.bias, residual=residual)
         if residual is None:
             return _layer_norm(x, self.weight, self.bias, self.eps)
         return _add_layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlab.layers.batch_invariant import log_softmax, softmax
+
 
 @dataclass
 class SamplingMetadata:
@@ -125,7 +127,7 @@ def apply_logits_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(-1)
+    probs = softmax(logits)
     threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
@@ -164,7 +166,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        raw_logprobs = log_softmax(logits) if meta.max_num_logprobs is not None else None
         if meta.logit_bias is not None or meta.allowed_token_ids is not None:
             logits = apply_logits_controls(logits, meta)
         if meta.grammar_bitmask is not None:
@@ -189,4 +191,4 @@ class Sampler:
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        return random_sample(logits.softmax(-1), meta.generators, self.default_generator)
+        return random_sample(softmax(logits), meta.generators, self.default_generator)

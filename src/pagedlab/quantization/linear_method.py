@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlab.kernels.gemv_configs import dense_gemv_config
+from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
 from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_cuda, fp8_linear_torch,
                                        quantize_fp8_per_row, scaled_mm_runs)
@@ -67,7 +68,10 @@ class DenseLinearMethod(LinearMethod):
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, or on CUDA the Triton GEMV (``pagedlab.kernels.gemv``) for the batch sizes and
     weight shapes where ``gemv_configs.DENSE_GEMV_CONFIGS`` records it beating cuBLAS. The choice
-    depends on shapes alone, so CUDA graphs capture it."""
+    depends on shapes alone, so CUDA graphs capture it. In batch-invariant mode: the fixed-order
+    matmul of ``pagedlab.layers.batch_invariant``."""
+    if batch_invariant_enabled():
+        return invariant_linear(x, weight, bias)
     if x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1:
         config = dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
         if config is not None:

@@ -16,11 +16,15 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     """Greedy outputs of ``prompts`` run one at a time (the reference) against: one full batch,
     the batch shuffled, prefix caching on (cache warmed by a first pass) and off, chunked prefill
     with a ``chunk_tokens`` budget, and chunked prefill off. A variant differs when any token differs
-    or a chosen-token logprob moves by more than ``logprob_tolerance``. The engine's plan is
-    restored afterwards. ``progress`` (see ``NoProgress``) counts the batch-1 prompts and variants."""
+    or a chosen-token logprob moves by more than ``logprob_tolerance``; on an engine in
+    batch-invariant mode (``batch_invariant=True``), which promises bitwise-equal logprobs, by any
+    amount at all. The engine's plan is restored afterwards. ``progress`` (see ``NoProgress``)
+    counts the batch-1 prompts and variants."""
     ids = encode_all(llm, prompts)
     params = greedy_params(max_tokens)
     info = llm.get_engine_info()
+    if info.config.batch_invariant:
+        logprob_tolerance = 0.0
     original = {"enable_prefix_caching": info.config.enable_prefix_caching,
                 "enable_chunked_prefill": info.config.enable_chunked_prefill,
                 "max_num_batched_tokens": info.config.max_num_batched_tokens}
@@ -49,7 +53,9 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
             progress.update()
     finally:
         llm.set_model_args(**original)
-    return _result(details, len(ids), names, max_tokens, logprob_tolerance, chunk_tokens)
+    result = _result(details, len(ids), names, max_tokens, logprob_tolerance, chunk_tokens)
+    result.params["batch_invariant"] = info.config.batch_invariant
+    return result
 
 
 def _variant_plans(original: dict, chunk_tokens: int, unchunked_budget: int) -> dict[str, dict]:

@@ -6,7 +6,8 @@ attention: ``cascade_prefix_len``), and which forms decode CUDA graphs are captu
 size in the plain form, sizes of ``CASCADE_MIN_SEQS`` and up in the cascade form too, whose
 shared length lives in device memory (``CascadeBuffers``) and is set before each replay. The
 split-KV layout of a launch is chosen from host ints alone (``choose_split_kv_size``), so a
-graph and an eager step of the same shape run the same kernels.
+graph and an eager step of the same shape run the same kernels. In batch-invariant mode there is
+no cascade and no split-KV, and every launch uses the same query tile (``batch_invariant=True``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from pagedlab.kernels import kv_write, paged_attention
 from pagedlab.kernels.paged_attention import TILE_N, CascadeBuffers
 from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
+from pagedlab.layers.batch_invariant import batch_invariant_enabled
 
 # Cascade attention pays from 16 sequences sharing 2^17 (sequences x prefix keys) keys: below
 # that the extra launch and reduce cost more than the prefix reads they save.
@@ -51,7 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.plan = buffers
 
     def graph_forms(self, num_seqs: int, allow_cascade: bool) -> tuple[str, ...]:
-        return ("plain", "cascade") if allow_cascade and num_seqs >= CASCADE_MIN_SEQS else ("plain",)
+        cascade = allow_cascade and num_seqs >= CASCADE_MIN_SEQS and not batch_invariant_enabled()
+        return ("plain", "cascade") if cascade else ("plain",)
 
     def graph_plan(self, form: str, num_seqs: int, device: torch.device) -> CascadeBuffers | None:
         return CascadeBuffers.allocate(num_seqs, device) if form == "cascade" else None
@@ -65,7 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _shared_prefix_len(layout: BatchLayout) -> int:
-        if not layout.allow_cascade or not layout.decode_only:
+        if not layout.allow_cascade or not layout.decode_only or batch_invariant_enabled():
             return 0
         return cascade_prefix_len(layout.block_table, layout.seq_lens, layout.block_size)
 
@@ -80,10 +83,11 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_attention.cascade_attention_triton(
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
-        split_kv_size = paged_attention.choose_split_kv_size(metadata.seq_lens.shape[0], k_cache.shape[2],
-                                                             metadata.max_query_len, metadata.max_seq_len)
+        invariant = batch_invariant_enabled()
+        split_kv_size = None if invariant else paged_attention.choose_split_kv_size(
+            metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len)
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-            softcap=softcap)
+            softcap=softcap, batch_invariant=invariant)

@@ -1,0 +1,222 @@
+"""Batch-invariant mode (``batch_invariant=True``): a prompt's logprobs are bitwise the same alone,
+in batches of any size and order, with prefix caching and chunked prefill on or off; the default
+mode is not (the control that lets these tests fail); the kernels against their torch references.
+
+On a machine without CUDA the Triton kernels run under the interpreter (set here, before pagedlab
+first imports them; modules another test built without it are rebuilt).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for module in ("gemv", "batch_invariant", "triton_kernels"):  # in import order
+        if f"pagedlab.kernels.{module}" in sys.modules:
+            importlib.reload(sys.modules[f"pagedlab.kernels.{module}"])
+
+pytest.importorskip("triton")
+
+from conftest import KV_BYTES, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.config import EngineConfig
+from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_TILE, TileConfig,
+                                           batch_invariant_splits)
+from pagedlab.layers import batch_invariant
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Small tiles for the interpreter: 3 column tiles, K of 5 steps (the last one partial) cut in 3.
+SMALL_TILE = TileConfig(block_n=32, block_k=16, block_m=16, num_warps=4, num_stages=2)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+# Batches run against the prompts alone: all of them in order, reversed, the first two swapped, shuffled.
+ORDERS = ("all", "reversed", "pair", "shuffled")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return importlib.import_module("pagedlab.kernels.batch_invariant")
+
+
+# ---- kernels ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, in_features, with_bias",
+                         [(torch.float32, 80, True), (torch.float32, 64, False), (torch.float16, 80, True)])
+def test_fixed_tile_matmul_matches_torch(kernels, dtype, in_features, with_bias):
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(21, in_features, generator=g).to(DEVICE, dtype)
+    weight = torch.randn(72, in_features, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(72, generator=g).to(DEVICE, dtype) if with_bias else None
+    out = kernels.fixed_tile_matmul_triton(x, weight, bias, SMALL_TILE, num_segments=3)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-3)
+    expected = kernels.fixed_tile_matmul_torch(x, weight, bias)
+    torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+
+
+def test_fixed_tile_matmul_rows_do_not_depend_on_the_batch(kernels):
+    """Every row alone, in batches of several sizes and permuted, and through either launch (K
+    split across programs or looped in one), is bitwise the full batch's row; torch's own CPU
+    matmul is not (a batch of one rounds differently), so the property is not free."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 80, generator=g).to(DEVICE)
+    weight, bias = torch.randn(72, 80, generator=g).to(DEVICE), torch.randn(72, generator=g).to(DEVICE)
+
+    def run(rows, split=None):
+        return kernels.fixed_tile_matmul_triton(rows, weight, bias, SMALL_TILE, num_segments=3,
+                                                split_across_programs=split)
+
+    full = run(x, split=False)
+    assert torch.equal(run(x, split=True), full)
+    for size in (1, 3, 17):
+        assert torch.equal(run(x[:size]), full[:size]), size
+        assert torch.equal(run(x[-size:], split=True), full[-size:]), size
+    order = torch.randperm(40, generator=g)
+    assert torch.equal(run(x[order]), full[order])
+    cpu_x, cpu_w = x.cpu(), weight.cpu()
+    assert not torch.equal(F.linear(cpu_x[:1], cpu_w), F.linear(cpu_x, cpu_w)[:1])
+
+
+def test_norm_and_softmax_kernels_match_torch_per_row(kernels):
+    g = torch.Generator().manual_seed(2)
+    x, residual = torch.randn(2, 9, 96, generator=g).to(DEVICE), torch.randn(2, 9, 96, generator=g).to(DEVICE)
+    weight, bias = torch.randn(96, generator=g).to(DEVICE), torch.randn(96, generator=g).to(DEVICE)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.rows_norm_triton(x, weight, 1e-6),
+                               kernels.rows_norm_torch(x, weight, 1e-6), **close)
+    torch.testing.assert_close(kernels.rows_norm_triton(x, weight, 1e-6, unit_offset=True),
+                               kernels.rows_norm_torch(x, weight, 1e-6, unit_offset=True), **close)
+    torch.testing.assert_close(kernels.rows_norm_triton(x, weight, 1e-5, bias=bias),
+                               kernels.rows_norm_torch(x, weight, 1e-5, bias=bias), **close)
+    normed, summed = kernels.rows_norm_triton(x, weight, 1e-6, residual=residual)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(kernels.rows_norm_triton(x[1, 3:4], weight, 1e-6, residual=residual[1, 3:4])[0],
+                       normed[1, 3:4])
+    logits = torch.randn(5, 9000, generator=g).to(DEVICE) * 4
+    logits[2, :100] = float("-inf")
+    for log in (True, False):
+        full = kernels.softmax_triton(logits, log)
+        torch.testing.assert_close(full, kernels.softmax_torch(logits, log), atol=1e-5, rtol=1e-5)
+        assert torch.equal(kernels.softmax_triton(logits[3:4], log), full[3:4])
+
+
+def test_matmul_segments_follow_the_weight_shape_alone():
+    """Llama-3-8B's linears on 132 SMs: K cut so a row tile fills about one wave; the wide ones
+    (gate_up, the LM head) need no cut. No row count enters."""
+    assert BATCH_INVARIANT_TILE.block_m == 128 and BATCH_INVARIANT_TILE.split_k == 1
+    shapes = {(6144, 4096): 3, (4096, 4096): 5, (28672, 4096): 1, (4096, 14336): 5, (128256, 4096): 1}
+    for (n, k), splits in shapes.items():
+        assert batch_invariant_splits(n, k, BATCH_INVARIANT_TILE, 132) == splits, (n, k)
+    assert batch_invariant_splits(64, 64, BATCH_INVARIANT_TILE, 132) == 1
+
+
+# ---- the engine -------------------------------------------------------------------------------------
+def _outputs(llm, prompts, order):
+    """{prompt index: (token ids, top-2 logprobs with the chosen one)} of the prompts run in ``order``."""
+    outs = llm.generate([prompts[i] for i in order], PARAMS, use_tqdm=False)
+    by_prompt = {}
+    for i, out in zip(order, outs):
+        c = out.outputs[0]
+        by_prompt[i] = (c.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs])
+    return by_prompt
+
+
+def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS) -> list[str]:
+    """The batch variants whose outputs are not bitwise the batch-1 ones: the batches of ``orders``,
+    then the prefix cache (warm) and chunked prefill with a ``chunk_tokens`` budget."""
+    llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=None)
+    alone = {i: _outputs(llm, [p], [0])[0] for i, p in enumerate(prompts)}
+    n = len(prompts)
+    variants = {"all": list(range(n)), "reversed": list(range(n))[::-1], "pair": [1, 0],
+                "shuffled": random.Random(0).sample(range(n), n)}
+    differing = []
+    for name in orders:
+        order = variants[name]
+        got = _outputs(llm, prompts, order)
+        if any(got[i] != alone[i] for i in order):
+            differing.append(name)
+    llm.set_model_args(enable_prefix_caching=True)
+    llm.reset_prefix_cache()
+    _outputs(llm, prompts, list(range(n)))  # warms the cache: the second pass reads the prompts from it
+    if _outputs(llm, prompts, list(range(n))[::-1]) != alone:
+        differing.append("prefix_cache")
+    llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=chunk_tokens)
+    if _outputs(llm, prompts, list(range(n))) != alone:
+        differing.append("chunked_prefill")
+    return differing
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts():
+    prefix = random_prompts(1, min_len=20, max_len=20, seed=7)[0]
+    return [prefix + tail for tail in random_prompts(2, min_len=2, max_len=9, seed=8)] + random_prompts(
+        3, min_len=4, max_len=30, seed=9)
+
+
+def test_torch_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts):
+    """The torch backend on the CPU: every variant bitwise equal under the mode, and not without it."""
+    with LLM(tiny_llama.path, attention_backend="torch", kv_cache_memory_bytes=KV_BYTES,
+             batch_invariant=True) as llm:
+        assert _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16) == []
+        llm.set_model_args(batch_invariant=False)
+        assert _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16) != []
+
+
+def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts):
+    """The Triton attention backend (interpreted): bitwise equal under the mode, and not without it."""
+    prompts = shared_prefix_prompts[:3]
+    with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
+             batch_invariant=True) as llm:
+        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) == []
+        llm.set_model_args(batch_invariant=False)
+        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) != []
+
+
+@pytest.mark.slow
+def test_triton_kernels_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts, monkeypatch):
+    """Every Triton kernel of the mode (attention, matmul, norms, log-softmax), interpreted on the
+    CPU: bitwise equal alone, reversed, from the prefix cache and in chunks."""
+    monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
+    with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
+             batch_invariant=True) as llm:
+        assert _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",)) == []
+
+
+# ---- settings, the repro check ------------------------------------------------------------------------
+def test_batch_invariant_setting_flag_yaml_and_limits(tiny_llama, tmp_path):
+    from pagedlab.cli.engine_args import CommandParser, add_engine_args, engine_kwargs
+    from pagedlab.lab.spec import experiment_from_dict
+
+    parser = CommandParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args([]))["batch_invariant"] is False
+    (tmp_path / "model").mkdir()
+    spec = experiment_from_dict({"name": "x", "model": "model", "dataset": {"prompts": ["a"]},
+                                 "engine": {"batch_invariant": True}}, tmp_path)
+    assert spec.base["engine"] == {"batch_invariant": True}
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, quantization="fp8", batch_invariant=True)
+    with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
+             batch_invariant=True) as llm:
+        info = llm.get_engine_info()
+        assert info.resolved_settings()["batch_invariant"] is True
+        assert not info.cascade_attention
+
+
+def test_repro_batch_check_reports_same_with_zero_difference(tiny_llama):
+    from pagedlab.lab import repro
+
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, min_len=5, max_len=25, seed=11)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, batch_invariant=True) as llm:
+        result = repro.batch_consistency(llm, prompts, max_tokens=4, chunk_tokens=8)
+    assert result.verdict == "same", result.format()
+    assert result.metrics["max_logprob_diff"] == 0.0
+    assert result.params["batch_invariant"] is True and result.params["logprob_tolerance"] == 0.0

@@ -1,0 +1,57 @@
+"""Batch-invariant mode on the GPU (``pytest -m gpu``): the Llama-3-8B shape (4 of its 32 layers,
+dummy weights, bfloat16, CUDA graphs) gives bitwise-equal logprobs alone and in batches, with
+prefix caching and chunked prefill; the default mode does not (the control); the fixed-tile
+matmul's rows at the 8B linears' shapes do not depend on the row count or the launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from pagedlab import LLM
+from test_batch_invariant import _differing_runs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# (out, in) of Llama-3-8B's qkv, o, gate_up and down projections and its LM head
+LINEARS_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+@pytest.fixture(scope="module")
+def llama8b_layers4(tmp_path_factory) -> str:
+    from pagedlab.workloads import model_shape
+
+    config = model_shape("llama3-8b")
+    config.num_hidden_layers = 4
+    path = tmp_path_factory.mktemp("llama3_8b_4_layers")
+    config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("out_features, in_features", LINEARS_8B)
+def test_fixed_tile_matmul_rows_are_invariant_at_8b_shapes(out_features, in_features):
+    from pagedlab.kernels.batch_invariant import fixed_tile_matmul_torch, fixed_tile_matmul_triton
+
+    g = torch.Generator(device="cuda").manual_seed(out_features)
+    x = torch.randn(700, in_features, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.02).bfloat16()
+    full = fixed_tile_matmul_triton(x, weight, split_across_programs=False)
+    torch.testing.assert_close(full.float(), fixed_tile_matmul_torch(x, weight).float(), atol=0.05, rtol=0.02)
+    for rows in (1, 3, 64, 129, 300):
+        for split in (None, True, False):
+            got = fixed_tile_matmul_triton(x[-rows:], weight, split_across_programs=split)
+            assert torch.equal(got, full[-rows:]), (rows, split)
+
+
+def test_8b_shape_bf16_logprobs_are_bitwise_batch_invariant_with_cuda_graphs(llama8b_layers4):
+    prefix = random_prompts(1, vocab=128256, min_len=300, max_len=300, seed=21)[0]
+    prompts = ([prefix + tail for tail in random_prompts(5, vocab=128256, min_len=10, max_len=80, seed=22)]
+               + random_prompts(19, vocab=128256, min_len=20, max_len=600, seed=23))
+    with LLM(llama8b_layers4, load_format="dummy", dtype="bfloat16", max_model_len=2048,
+             gpu_memory_utilization=0.6, batch_invariant=True) as llm:
+        info = llm.get_engine_info()
+        assert info.cuda_graphs and info.attention_backend == "triton" and not info.cascade_attention
+        assert _differing_runs(llm, prompts, chunk_tokens=256) == []
+        llm.set_model_args(batch_invariant=False)
+        assert _differing_runs(llm, prompts, chunk_tokens=256) != []
