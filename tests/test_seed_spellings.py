@@ -102,7 +102,7 @@ ABLATION_PARAMS = [
     {"kv_cache_memory_bytes": 8 << 20}, {"max_num_seqs": 3}, {"max_num_batched_tokens": 64},
     {"enable_prefix_caching": False}, {"enable_chunked_prefill": False}, {"chunked_prefill_size": 32},
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
-    {"enable_cascade_attention": False}, {"disable_log_stats": False},
+    {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
 ]
 
 
@@ -140,6 +140,11 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
         assert info.max_model_len == value
     elif field == "kv_cache_dtype":
         assert info.kv_cache_dtype == torch.float8_e4m3fn
+    elif field == "batch_invariant":  # a prompt's logprobs do not move with its batch
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        alone = llm.generate([[5] * 20], params, use_tqdm=False)[0].prompt_logprobs
+        mixed = llm.generate([[7] * 33, [5] * 20, [3] * 9], params, use_tqdm=False)[1].prompt_logprobs
+        assert alone == mixed
     elif field == "enable_prefix_caching":
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)
