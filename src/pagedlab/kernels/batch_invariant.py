@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import (TRITON_DTYPES, _store_output, dot_settings, k_segments, num_sms,
+from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_TILE, TileConfig, batch_invariant_splits
 
@@ -112,11 +112,7 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     ``split_across_programs`` (None: when the output tiles alone fill less than half the SMs)
     picks the launch, not the result."""
     out_features, in_features = weight.shape
-    if x.shape[-1] != in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features} inputs")
-    if x.dtype not in TRITON_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x dtype {x.dtype} with weight dtype {weight.dtype}: both must be one of "
-                         "float16, bfloat16, float32")
+    check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
     if x2d.stride(-1) != 1 or weight.stride(-1) != 1:
         x2d, weight = x2d.contiguous(), weight.contiguous()

@@ -121,11 +121,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     rows (float16, bfloat16 or float32, ``weight``'s dtype); ``config`` defaults to
     ``default_dense_gemv_config``."""
     out_features, in_features = weight.shape
-    if x.shape[-1] != in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight {in_features} inputs")
-    if x.dtype not in TRITON_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x dtype {x.dtype} with weight dtype {weight.dtype}: both must be one of "
-                         "float16, bfloat16, float32")
+    check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
     rows = x2d.shape[0]
     if rows > GEMV_MAX_ROWS:
@@ -138,6 +134,16 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if rows:
         launch_dense_gemv(x2d, weight, bias, out, config)
     return out.view(*x.shape[:-1], out_features)
+
+
+def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ValueError unless ``x`` ``[..., K]`` fits ``weight`` ``[N, K]`` and both are float16,
+    bfloat16 or float32 of one dtype."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]} inputs")
+    if x.dtype not in TRITON_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x dtype {x.dtype} with weight dtype {weight.dtype}: both must be one of "
+                         "float16, bfloat16, float32")
 
 
 def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,

@@ -130,6 +130,18 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
 
 
+@triton.jit
+def _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid, group,
+                      stride_qweight, stride_qzeros, stride_scales, w_bits):
+    """The float32 weights ``(q - z) * s`` of rows ``offs_k`` (one group) and words ``offs_w``."""
+    words = tl.load(qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qweight + offs_w[None, :],
+                    mask=w_valid[None, :], other=0)
+    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, n_valid,
+                                        stride_qzeros, stride_scales, w_bits)
+    # 128 + q, as in the GEMV, less 128 + z
+    return (_unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True) - zeros) * scales[None, :]
+
+
 @triton.jit(do_not_specialize=["w_bits"])
 def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N_WORDS, K,
                      stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
@@ -150,16 +162,14 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     acc = tl.zeros((BLOCK_M, BLOCK_W * 8), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
-                        mask=w_valid[None, :], other=0)
-        zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
-                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
-        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)  # 128 + q, as in the GEMV
-        w = ((w - zeros) * scales[None, :]).to(DOT_DTYPE)
+        w = _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid,
+                              k_start // GROUP_SIZE, stride_qweight, stride_qzeros, stride_scales,
+                              w_bits).to(DOT_DTYPE)
         x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision=DOT_PRECISION)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
+
 
 @triton.jit(do_not_specialize=["w_bits"])
 def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS, K, stride_qweight,
@@ -174,11 +184,8 @@ def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS
     offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     w_valid = offs_w < N_WORDS
     n_valid = offs_n < N_WORDS * 8
-    words = tl.load(qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qweight + offs_w[None, :],
-                    mask=w_valid[None, :], other=0)
-    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, pid_k * BLOCK_K // GROUP_SIZE, offs_w, offs_n,
-                                        w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
-    w = (_unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True) - zeros) * scales[None, :]
+    w = _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid,
+                          pid_k * BLOCK_K // GROUP_SIZE, stride_qweight, stride_qzeros, stride_scales, w_bits)
     out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_valid[None, :])
 
