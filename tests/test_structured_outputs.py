@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,39 @@ def test_outputs_validate_and_sync_equals_async(offline):
         assert plain.token_ids == offline[async_scheduling]["alone"].outputs[0].token_ids
     assert ([o.outputs[0].token_ids for o in offline[False]["outs"]]
             == [o.outputs[0].token_ids for o in offline[True]["outs"]])
+
+
+def test_padded_vocabulary_outside_the_grammar(tiny_dir, tmp_path):
+    """A model whose embedding has rows past its tokenizer (as Qwen's 151,936 over 151,665 ids):
+    the grammar covers the tokenizer's ids only, and the padded ids are banned under it, however
+    likely the model makes them."""
+    import shutil
+
+    import transformers
+
+    from pagedlab.engine.structured_output import GrammarCompiler
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    config = transformers.AutoConfig.from_pretrained(tiny_dir)
+    config.vocab_size = len(tokenizer) + 70
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[len(tokenizer):] *= 50  # the padded ids would win every argmax
+    model.save_pretrained(tmp_path)
+    for source in Path(tiny_dir).glob("*token*"):
+        shutil.copy(source, tmp_path / source.name)
+    compiler = GrammarCompiler(tokenizer, config.vocab_size, (2,))
+    assert compiler.vocab_size == len(tokenizer)
+    with LLM(str(tmp_path), kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+                  for spec in _specs()]
+        outs = llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False)
+        plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    for spec, out in zip(_specs(), outs):
+        assert max(out.outputs[0].token_ids) < len(tokenizer)
+        check_output(spec, out.outputs[0].text)
+    assert min(plain.outputs[0].token_ids) >= len(tokenizer)  # the control: unconstrained, they win
 
 
 def test_guided_decoding_is_the_older_name(tiny_dir):

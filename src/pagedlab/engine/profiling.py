@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 STEP_NAME = "pagedlab.step"
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "process_output")
 KIND_PREFIX = "pagedlab.kind:"
 # Kinds of kernels (or, on the CPU, of aten operators) by a fragment of their name, first match wins.
 KERNEL_KINDS = (
@@ -89,12 +90,14 @@ _IDLE = contextlib.nullcontext()
 class ProfileSummary:
     """A profiled stretch: the Chrome/Perfetto trace file, the kernels (on the CPU: the aten
     operators) by total time, their time by kind, and per step kind the steps' count, wall time,
-    device time and the share of wall time the device sat idle waiting on the host."""
+    device time and the share of wall time the device sat idle waiting on the host, and the host
+    time spent in each phase of the steps (``STEP_PHASES``)."""
 
     trace_path: str
     kernels: list[dict] = field(default_factory=list)
     time_by_kind_us: dict[str, float] = field(default_factory=dict)
     steps: dict[str, dict] = field(default_factory=dict)
+    host_us_by_phase: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +112,9 @@ class ProfileSummary:
         total = sum(self.time_by_kind_us.values()) or 1.0
         shares = ", ".join(f"{k} {v / total:.0%}" for k, v in self.time_by_kind_us.items())
         lines.append(f"time by kind: {shares}")
+        if self.host_us_by_phase:
+            lines.append("host time by phase: " + ", ".join(
+                f"{k} {v / 1e3:.1f} ms" for k, v in self.host_us_by_phase.items()))
         lines += [f"  {k['total_us'] / 1e3:9.3f} ms {k['calls']:7d} calls  {k['kind']:<13} {k['name'][:80]}"
                   for k in self.kernels[:top]]
         return "\n".join(lines)
@@ -163,6 +169,10 @@ def summarize(events, trace_path: str) -> ProfileSummary:
             s["count"] += 1
             s["wall_us"] += e.time_range.elapsed_us()
             s["device_us"] += e.device_time_total
+    phases = {name: 0.0 for name in STEP_PHASES}
+    for e in events:
+        if e.name in phases and e.device_type == torch.autograd.DeviceType.CPU:
+            phases[e.name] += e.time_range.elapsed_us()
     for s in steps.values():
         s["host_gap_share"] = max(0.0, 1 - s["device_us"] / s["wall_us"]) if device and s["wall_us"] else None
-    return ProfileSummary(trace_path, table, by_kind, steps)
+    return ProfileSummary(trace_path, table, by_kind, steps, phases if any(phases.values()) else {})

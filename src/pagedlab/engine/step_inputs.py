@@ -104,7 +104,7 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
-        meta.grammar_bitmask = _grammar_bitmask(requests, to_device, vocab_size)
+        meta.grammar_bitmask = _grammar_bitmask(requests, to_device)
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
     if any(p.logprob_token_ids for p in params):
@@ -118,8 +118,8 @@ def _repeat_to(ids: list[int], width: int) -> list[int]:
     return (ids * width)[:width]
 
 
-def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
-                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _grammar_bitmask(requests: list[Request],
+                     to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, packed bitmask) of the rows whose grammar still runs, filled from each matcher's
     state: every token the request kept must have been accepted first. A request that finished
     while this step was queued samples a token that is dropped, so its row stays unmasked."""
@@ -127,7 +127,7 @@ def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
             if r.grammar is not None and not r.is_finished and not r.grammar.is_terminated]
     if not rows:
         return None
-    bitmask = grammar_bitmask([requests[row].grammar for row in rows], vocab_size)
+    bitmask = grammar_bitmask([requests[row].grammar for row in rows])
     return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
 
 
