@@ -306,21 +306,15 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
     engine's own limit is below ``b``, and restored afterwards. ``warmup`` untimed runs of the same
     shape precede the ``repeats`` timed ones. ``temperature`` > 0 samples with per-request seeds
     derived from ``seed``. ``profile_dir`` profiles each timed run into ``bs<B>-r<R>`` there (see
-    ``pagedlab.lab.profile``; the run's ``profile`` holds the record). ``lora_requests`` (a
-    ``LoRARequest`` or a list of them; the LLM built with ``enable_lora``) spreads LoRA adapters
-    round-robin over each run's prompts (prompt ``i`` runs adapter ``i mod len``): a run records
-    how many its batch used (``lora_adapters``), the manifest each adapter's config and checksum.
-    """
+    ``pagedlab.lab.profile``; the run's ``profile`` holds the record). ``lora_requests`` (one
+    ``LoRARequest`` or a list; LLM with ``enable_lora``): prompt ``i`` of a run runs adapter ``i mod
+    len``; runs record how many they used, the manifest each adapter's config and checksum."""
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats)
     if llm.llm_engine.has_unfinished_requests():
         raise RuntimeError("the engine has unfinished requests: benchmark an idle LLM")
     adapters = _read_adapters(llm, lora_requests)
-    if use_beam_search:
-        sampling = BeamSearchParams(beam_width=beam_width, max_tokens=output_len, ignore_eos=True)
-    else:
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature,
-                                  seed=seed if temperature > 0 else None, detokenize=detokenize)
+    sampling = _sampling(use_beam_search, beam_width, output_len, temperature, seed, detokenize)
     settings = {"batch_size": batch_sizes, "input_len": input_len, "output_len": output_len,
                 "num_prompts": num_prompts, "use_beam_search": use_beam_search, "beam_width": beam_width,
                 "warmup": warmup, "repeats": repeats, "temperature": temperature, "seed": seed,
@@ -337,28 +331,33 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                 llm.set_model_args(max_num_seqs=wanted)
             for phase in range(warmup + repeats):
                 prompts = random_prompts(llm, n, input_len, [seed, b, phase])
-                loras = round_robin(adapters, n) if adapters else None
                 timed_dir = None if profile_dir is None or phase < warmup else \
                     profile_subdir(profile_dir, f"bs{b}-r{phase - warmup}")
                 with profiled(llm, timed_dir) if timed_dir else contextlib.nullcontext() as record:
-                    timed = _timed_run(llm, prompts, loras, sampling, use_beam_search,
-                                       monitor and phase >= warmup, monitor_interval)
+                    timed = _timed_run(llm, prompts, round_robin(adapters, n) if adapters else None, sampling,
+                                       use_beam_search, monitor and phase >= warmup, monitor_interval)
                 if phase >= warmup:
                     runs.append(_make_run(llm, timed, b, phase - warmup, n, input_len, output_len,
                                           use_beam_search))
-                    runs[-1].profile, runs[-1].lora_adapters = record, len(set(loras or []))
+                    runs[-1].profile, runs[-1].lora_adapters = record, min(n, len(adapters))
                 if progress_bar is not None:
                     progress_bar.update(1)
         # While the last batch size's plan is still active, so one batch size is recorded exactly.
         manifest = collect_manifest(llm, sampling_params=sampling, seeds={"benchmark_prompts": seed})
-        if adapters:
-            manifest["lora"] = [adapter_manifest(llm, a) for a in adapters]
+        manifest.update({"lora": [adapter_manifest(llm, a) for a in adapters]} if adapters else {})
     finally:
         if progress_bar is not None:
             progress_bar.close()
         if llm.get_engine_info().config.max_num_seqs != original_max_seqs:
             llm.set_model_args(max_num_seqs=original_max_seqs)
     return BenchmarkResult(runs, settings, manifest)
+
+
+def _sampling(use_beam_search, beam_width, output_len, temperature, seed, detokenize):
+    if use_beam_search:
+        return BeamSearchParams(beam_width=beam_width, max_tokens=output_len, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature,
+                          seed=seed if temperature > 0 else None, detokenize=detokenize)
 
 
 def _read_adapters(llm, lora_requests) -> list[LoRARequest]:
