@@ -74,7 +74,7 @@ def write_random_adapter(directory: str | Path, shapes: dict[str, tuple[int, int
     generator = torch.Generator().manual_seed(seed)
 
     def uniform(rows: int, cols: int, bound: float) -> torch.Tensor:
-        return ((torch.rand(rows, cols, generator=generator) * 2 - 1) * bound).to(dtype)
+        return torch.empty(rows, cols, dtype=dtype).uniform_(-bound, bound, generator=generator)
 
     tensors = {}
     for name, (fan_in, fan_out) in shapes.items():
