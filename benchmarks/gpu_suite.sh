@@ -39,7 +39,8 @@ for part in "$@"; do
     # issue 16's targets, same run: W-seed with 8 random rank-16 adapters on all seven projections
     # spread round-robin over the batch against the engine without LoRA (batch 256 output tok/s: at
     # least 0.8x; batch 1, which runs one adapter, TPOT p50: at most 1.15x), and the HF+PEFT peer
-    # (unmerged) at batch 1 (one adapter) and 64 (8 adapters, PEFT's mixed batch). Estimated 4 minutes, not yet timed.
+    # (unmerged) at batch 1 (one adapter) and 64 (8 adapters, PEFT's mixed batch). Estimated at
+    # 4 minutes, not yet timed.
     lora) bench throughput --workload W-seed --batch-size 1 256 --json "$OUT/w_seed_lora_off.json"
           bench throughput --workload W-seed --batch-size 1 256 --num-loras 8 --lora-rank 16 \
               --json "$OUT/w_seed_lora_8xr16.json"
