@@ -1,15 +1,20 @@
 """LoRA on the GPU (``pytest -m gpu``): a small random Llama in float32 with the Triton
-shrink/expand kernels inside CUDA graphs, against HF transformers + PEFT in float32 on the CPU.
-A random model rather than the embedded SmolLM2, whose GGUF packages the GPU image may lack."""
+shrink/expand kernels inside CUDA graphs, against HF transformers + PEFT in float32 on the CPU,
+in ``generate`` and in the benchmark with random adapters spread over the batch. A random model
+rather than the embedded SmolLM2, whose GGUF packages the GPU image may lack."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from conftest import build_tiny_model, hf_greedy, random_prompts
 from lora_fixtures import ALL_TARGETS, make_adapter
-from pagedlab import LLM, LoRARequest, SamplingParams
+from pagedlab import LLM, LoRARequest, SamplingParams, workloads
+from pagedlab.lora.bench import LoRABench, peft_peer
+from pagedlab.lora.random_adapter import write_random_adapters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("peft")
@@ -48,3 +53,20 @@ def test_mixed_adapters_with_cuda_graphs_match_peft(small_llama, small_adapters)
         assert [o.outputs[0].token_ids for o in outs] == expected
         alone = llm.generate(prompts[1:2], GREEDY, use_tqdm=False, lora_request=loras[0])
         assert alone[0].outputs[0].token_ids == expected[1]
+
+
+def test_bench_with_random_adapters_gives_peft_tokens(small_llama, tmp_path):
+    """``pagedlab bench --num-loras 2 --lora-rank 8`` on the GPU (graphs, both adapters in slots
+    from the warm-up): each request's tokens are HF+PEFT's under adapter ``i mod 2``."""
+    lora = LoRABench(2, rank=8)
+    [row] = workloads.run_bench("custom", [4], 16, 8, None, ["pagedlab"], model=small_llama.path,
+                                engine_args={"dtype": "float32", "kv_cache_memory_bytes": 256 << 20},
+                                progress=lambda _: None, lora=lora)
+    assert row.extra["lora"]["adapters_in_batch"] == 2 and row.label == "bs=4 loras=2"
+    adapters = write_random_adapters(tmp_path, small_llama.hf_model.config, 2, 8, lora.targets, torch.float32)
+    peer = peft_peer(copy.deepcopy(small_llama.hf_model), adapters)
+    expected = []
+    for i, prompt in enumerate(workloads.make_workload("custom", 1000, 4, 16, 8).prompts):
+        peer.set_adapter(adapters[i % 2].lora_name)
+        expected.append(hf_greedy(peer, prompt, 8, min_new_tokens=8))
+    assert row.extra["output_tokens_sha256"] == workloads.tokens_sha256(expected)
