@@ -496,9 +496,8 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
         raise ValueError(f"backend {sorted(unknown)} is unknown; choose from pagedlab, hf")
-    if lora is not None and "hf" in backends and workload_name == "W-nano":
-        raise ValueError("the HF peer of W-nano (generate_batch) takes no LoRA adapters: LoRA on W-nano runs "
-                         "with --backend pagedlab")
+    if lora is not None and "hf" in backends:
+        lora_bench.check_hf_peer(workload_name)
     if model is None:
         model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
         engine_args = {"load_format": "dummy", **(engine_args or {})}

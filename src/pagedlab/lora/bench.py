@@ -9,6 +9,7 @@ batch runs adapter ``i mod N``, so a batch of ``b`` requests runs ``min(b, N)`` 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,16 @@ class LoRABench:
                               resolve_device(engine_args.get("device", "auto")))
         loras = write_random_adapters(root, hf_config, self.num_loras, self.rank, self.targets, dtype)
         return [dataclasses.replace(w, loras=round_robin(loras, len(w.prompts))) for w in workloads]
+
+
+def check_hf_peer(workload_name: str) -> None:
+    """A ValueError, before anything runs, where the HF peer cannot apply adapters."""
+    if workload_name == "W-nano":
+        raise ValueError("the HF peer of W-nano (generate_batch) takes no LoRA adapters: LoRA on W-nano runs "
+                         "with --backend pagedlab")
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError("the HF peer applies LoRA adapters with peft, which is not installed: pip install "
+                         "peft (or run --backend pagedlab alone)")
 
 
 def peft_peer(model, loras: Sequence[LoRARequest]):
