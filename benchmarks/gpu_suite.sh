@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -36,6 +36,16 @@ for part in "$@"; do
     batchinv) for mode in no-batch-invariant batch-invariant; do
                 bench throughput --workload W-seed --batch-size 1 256 --$mode --json "$OUT/w_seed_$mode.json"
               done ;;
+    # issue 16's targets, same run: W-seed with 8 random rank-16 adapters on all seven projections
+    # spread round-robin over the batch against the engine without LoRA (batch 256 output tok/s: at
+    # least 0.8x; batch 1, which runs one adapter, TPOT p50: at most 1.15x), and the HF+PEFT peer
+    # (unmerged) at batch 1 (one adapter) and 64 (8 adapters, PEFT's mixed batch). Estimated at
+    # 4 minutes, not yet timed.
+    lora) bench throughput --workload W-seed --batch-size 1 256 --json "$OUT/w_seed_lora_off.json"
+          bench throughput --workload W-seed --batch-size 1 256 --num-loras 8 --lora-rank 16 \
+              --json "$OUT/w_seed_lora_8xr16.json"
+          bench throughput --workload W-seed --batch-size 1 64 --backend hf --num-loras 8 --lora-rank 16 \
+              --json "$OUT/w_seed_lora_8xr16_hf.json" ;;
     serve) model=$(python3 -c "from pagedlab.workloads import shape_dir; print(shape_dir('llama3-8b'))")
            python3 -m pagedlab.cli serve --model "$model" --load-format dummy --dtype bfloat16 \
                --max-model-len 2048 --port 8000 > "$OUT/serve_log.txt" 2>&1 &

@@ -188,7 +188,9 @@ class LLM:
                   output_len: int = 128, num_prompts: int | None = None, use_beam_search: bool = False,
                   warmup: int = 1, repeats: int = 1, **kwargs):
         """Throughput, latency percentiles, memory and GPU telemetry on random prompts, with the
-        provenance manifest; see ``pagedlab.lab.bench.BenchmarkResult``."""
+        provenance manifest; see ``pagedlab.lab.bench.run_benchmark`` for the keyword arguments
+        (``lora_requests=[...]`` spreads LoRA adapters round-robin over each run's prompts) and
+        ``pagedlab.lab.bench.BenchmarkResult``."""
         from pagedlab.lab.bench import run_benchmark
 
         return run_benchmark(self, batch_size=batch_size, input_len=input_len, output_len=output_len,

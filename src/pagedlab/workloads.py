@@ -9,6 +9,7 @@ FLOPs at the matmul peak).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import platform
@@ -23,6 +24,8 @@ import torch
 import pagedlab
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
+from pagedlab.lora import bench as lora_bench
+from pagedlab.lora.request import LoRARequest
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
 
@@ -120,6 +123,7 @@ class Workload:
     output_lens: list[int]
     temperature: float = 0.0
     engine_args: dict = field(default_factory=dict)
+    loras: list[LoRARequest] | None = None  # the LoRA adapter of each request (pagedlab.lora.bench)
 
 
 def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -326,7 +330,8 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
         # generator in one batched call instead of one call per request.
         params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True,
                                 detokenize=False)
-        engine.add_request(f"bench-{i}", prompt, params)
+        engine.add_request(f"bench-{i}", prompt, params,
+                           lora_request=workload.loras[i] if workload.loras else None)
         stamps[f"bench-{i}"] = []
     while engine.has_unfinished_requests():
         outputs = engine.step(stream=per_token_times)
@@ -343,11 +348,14 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
             for o in finished if len(o.outputs[0].token_ids) > 1]
     itl = [b - a for s in stamps.values() for a, b in itertools.pairwise(s)]
     stats = llm.get_stats()
+    finished.sort(key=lambda o: int(o.request_id.removeprefix("bench-")))
     return WorkloadResult(
         workload.name, "pagedlab", label, len(workload.prompts), sum(map(len, workload.prompts)),
         sum(len(o.outputs[0].token_ids) for o in finished), elapsed, percentile_ms(ttft, 50),
         percentile_ms(ttft, 99), percentile_ms(tpot, 50), percentile_ms(tpot, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
+        extra={**lora_bench.row_record(workload.loras, max_loras=llm.get_engine_info().config.max_loras),
+               "output_tokens_sha256": tokens_sha256([o.outputs[0].token_ids for o in finished]),
+               "itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate, "num_preemptions": stats.num_preemptions,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
                "kv_cache_gib": stats.kv_cache_bytes / 2**30, "weight_gib": stats.weight_bytes / 2**30,
@@ -367,7 +375,8 @@ def load_hf_peer(hf_config, dtype: torch.dtype = torch.bfloat16):
 
 
 def run_hf_generate(model, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
-    """HF static-batch ``generate`` (prompts of equal length, so no padding), greedy, per-step timing."""
+    """HF static-batch ``generate`` (prompts of equal length, so no padding), greedy, per-step timing;
+    with ``workload.loras``, ``model`` is ``lora_bench.peft_peer``'s and each row runs its adapter."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
@@ -384,6 +393,7 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
                          "lengths")
     out_len = max(workload.output_lens)
     ids = torch.tensor(workload.prompts, device=model.device)
+    peft_kwargs = lora_bench.peft_generate_kwargs(model, workload.loras) if workload.loras else {}
     _sync()
     _reset_peak()
     start = time.perf_counter()
@@ -391,7 +401,7 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
                              min_new_tokens=out_len,
                              do_sample=False, logits_processor=LogitsProcessorList([StepClock()]),
-                             pad_token_id=0)
+                             pad_token_id=0, **peft_kwargs)
     _sync()
     elapsed = time.perf_counter() - start
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -401,7 +411,15 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
     return WorkloadResult(
         workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000,
         ttft * 1000, None if tpot is None else tpot * 1000, percentile_ms(itl, 99), _peak_gib(), floor,
-        extra={"itl_p50_ms": percentile_ms(itl, 50)})
+        extra={**lora_bench.row_record(workload.loras, peft_mixed_batch="adapter_names" in peft_kwargs),
+               "output_tokens_sha256": tokens_sha256(out[:, ids.shape[1]:].tolist()),
+               "itl_p50_ms": percentile_ms(itl, 50)})
+
+
+def tokens_sha256(outputs: list[list[int]]) -> str:
+    """A fingerprint of every request's output token ids, in request order: rows with equal values
+    generated the same tokens."""
+    return hashlib.sha256(json.dumps([[int(t) for t in ids] for ids in outputs]).encode()).hexdigest()
 
 
 def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int,
@@ -466,15 +484,20 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
               num_prompts: int | None, backends: list[str], model: str | None = None,
               shape: str | None = None,
               repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
-              progress=print, profile_dir: str | None = None) -> list[WorkloadResult]:
+              progress=print, profile_dir: str | None = None,
+              lora: lora_bench.LoRABench | None = None) -> list[WorkloadResult]:
     """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
     ``latency`` stamps every token too (ITL percentiles); ``profile_dir`` profiles each pagedlab
-    row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``)."""
+    row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``);
+    ``lora`` writes random adapters for the model and spreads them over each batch's requests
+    (the row's ``extra["lora"]``; on HF through PEFT, unmerged)."""
     from transformers import AutoConfig
 
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
         raise ValueError(f"backend {sorted(unknown)} is unknown; choose from pagedlab, hf")
+    if lora is not None and "hf" in backends:
+        lora_bench.check_hf_peer(workload_name)
     if model is None:
         model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
         engine_args = {"load_format": "dummy", **(engine_args or {})}
@@ -487,14 +510,18 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     args = {"dtype": "bfloat16", "max_model_len": -(-longest // 64) * 64,
             "max_num_seqs": max(256, max(len(w.prompts) for w in workloads))}
     args.update(workloads[0].engine_args)
+    args.update(lora.engine_args() if lora is not None else {})
     args.update(engine_args or {})
     results: list[WorkloadResult] = []
-    if "pagedlab" in backends:
-        with LLM(model, **args) as llm:
-            _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress,
-                            profile_dir)
-    if "hf" in backends:
-        _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
+    with tempfile.TemporaryDirectory(prefix="pagedlab-lora-") as lora_root:
+        if lora is not None:
+            workloads = lora.spread_over(workloads, lora_root, hf_config, args)
+        if "pagedlab" in backends:
+            with LLM(model, **args) as llm:
+                _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress,
+                                profile_dir)
+        if "hf" in backends:
+            _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
     return results
 
 
@@ -502,6 +529,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     latency: bool, results: list[WorkloadResult], progress, profile_dir: str | None) -> None:
     """Every workload under every plan variant of ``workload_name``, warmed up first."""
     warm = workloads[0]
+    # every adapter of the run is read and put in its slot here, not in a timed run
+    loras = lora_bench.distinct(w.loras for w in workloads) or [None] * len(warm.prompts[:2])
     for w in workloads:
         for variant, changes, cached in _variants(workload_name):
             if changes or w is warm:
@@ -509,7 +538,9 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     llm.set_model_args(**changes)
                 # warm-up on the workload's own shapes (and this plan's block size):
                 # compiles kernels before timing
-                llm.generate(warm.prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+                llm.generate([warm.prompts[i % len(warm.prompts)] for i in range(len(loras))],
+                             SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                             lora_request=loras)
             info = llm.get_engine_info()
             # the floor is the H200's: a ratio to it means nothing on a CPU
             floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
@@ -518,7 +549,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                                    decode_weight_bytes=decode_weight_bytes(info)) \
                 if info.device.type == "cuda" else None
             for r in range(repeats):
-                label = f"bs={len(w.prompts)} {variant}".strip() + (f" #{r + 1}" if repeats > 1 else "")
+                label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
+                         + (f" #{r + 1}" if repeats > 1 else ""))
                 if profile_dir is None:
                     results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
                 else:
@@ -532,11 +564,14 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
               results: list[WorkloadResult], progress) -> None:
     """Every workload on the HF transformers peer (static batches; generate_batch for W-nano)."""
     peer = load_hf_peer(hf_config)
+    loras = lora_bench.distinct(w.loras for w in workloads)
+    if loras:
+        peer = lora_bench.peft_peer(peer, loras)
     for w in workloads:
         on_gpu = torch.cuda.is_available()
         floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens) if on_gpu else None
         for r in range(repeats):
-            label = f"bs={len(w.prompts)}" + (f" #{r + 1}" if repeats > 1 else "")
+            label = f"bs={len(w.prompts)}{lora_bench.label(w.loras)}" + (f" #{r + 1}" if repeats > 1 else "")
             if workload_name == "W-nano":
                 fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
                 floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)

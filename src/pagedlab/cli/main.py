@@ -131,7 +131,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
         args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
         model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
-        latency=args.bench_command == "latency", profile_dir=args.profile)
+        latency=args.bench_command == "latency", profile_dir=args.profile, lora=bench_lora(args))
     for row in results:
         if "profile" in row.extra:
             print(f"{row.label}: profile in {row.extra['profile']['dir']} (kernels by kind: "
@@ -139,6 +139,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         workloads.write_json(args.json, results, " ".join(sys.argv))
     return 0
+
+
+def bench_lora(args: argparse.Namespace):
+    """The random LoRA adapters ``--num-loras`` asks for (``pagedlab.lora.bench.LoRABench``), or None."""
+    given = {key: value for key, value in (("rank", args.lora_rank), ("targets", args.lora_targets))
+             if value is not None}
+    if args.num_loras is None:
+        if given:
+            raise ValueError("--lora-rank and --lora-targets shape the random adapters of --num-loras N: "
+                             "give --num-loras too")
+        return None
+    from pagedlab.lora.bench import LoRABench
+
+    return LoRABench(args.num_loras, **given)
 
 
 def warn_cpu_shape(shape: str, device: str) -> None:
@@ -190,6 +204,15 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
+        p.add_argument("--num-loras", type=int, default=None, metavar="N",
+                       help="LoRA: write N random PEFT adapters for the model's shape and spread them "
+                            "round-robin over each batch's requests (pagedlab: enable_lora, max_loras N, "
+                            "max_lora_rank R unless given; hf: PEFT, unmerged); rows record them in "
+                            "extra.lora")
+        p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                       help="rank of the --num-loras adapters (default 16)")
+        p.add_argument("--lora-targets", default=None, metavar="q,k,v,o,gate,up,down",
+                       help="modules the --num-loras adapters adapt, comma-separated (default: all seven)")
         p.add_argument("--profile", default=None, metavar="DIR",
                        help="profile each pagedlab row (torch profiler) into a directory of its own under "
                             "DIR: a Chrome/Perfetto trace, profile.json and kernels.txt (kernels by kind, "

@@ -25,11 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedlab.lab.lora import adapter_manifest
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import memory_efficiency
 from pagedlab.lab.monitor import GPUMonitor
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.lab.store import ResultStore, RunRecord
+from pagedlab.lora.bench import as_list, round_robin
+from pagedlab.lora.request import LoRARequest
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
 from pagedlab.stats import latency_stats
 
@@ -58,6 +61,7 @@ class BenchmarkRun:
     telemetry: dict = field(default_factory=dict)  # GPUMonitor.summary()
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
+    lora_adapters: int = 0  # distinct LoRA adapters the run's requests used (lora_requests)
     profile: dict | None = None  # pagedlab.lab.profile.save_profile's record, when profiled
 
     def metrics(self) -> dict:
@@ -220,8 +224,9 @@ def format_result(result: BenchmarkResult) -> str:
     where = gpus[0]["name"] if gpus else f"CPU ({m.get('hardware', {}).get('cpu', '?')})"
     mode = f"beam search (width {s.get('beam_width')})" if s.get("use_beam_search") else (
         "greedy" if not s.get("temperature") else f"temperature {s.get('temperature')}")
+    loras = f", {len(s['lora_requests'])} LoRA adapter(s) round-robin" if s.get("lora_requests") else ""
     lines = [f"pagedlab benchmark: {model.get('name')} ({engine.get('dtype')}, {where}), "
-             f"input {s.get('input_len')} / output {s.get('output_len')} tokens, {mode}, "
+             f"input {s.get('input_len')} / output {s.get('output_len')} tokens, {mode}{loras}, "
              f"{s.get('repeats')} repeat(s)"]
     header = ["batch", "reqs", "out tok/s", "total tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
               "ITL p50/p99 ms", "E2E p50/p99 ms", "KV peak GB", "frag", "memory GB"]
@@ -292,7 +297,8 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                   num_prompts: int | None = None, use_beam_search: bool = False, warmup: int = 1,
                   repeats: int = 1, *, beam_width: int = 4, temperature: float = 0.0, seed: int = 0,
                   detokenize: bool = True, monitor: bool = True, monitor_interval: float = 0.2,
-                  progress: bool = False, profile_dir: str | Path | None = None) -> BenchmarkResult:
+                  progress: bool = False, profile_dir: str | Path | None = None,
+                  lora_requests: LoRARequest | Sequence[LoRARequest] | None = None) -> BenchmarkResult:
     """Benchmark ``llm`` at each batch size (see the module docstring).
 
     For a batch size ``b`` the engine runs at most ``b`` sequences at once: ``max_num_seqs`` is set
@@ -300,21 +306,20 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
     engine's own limit is below ``b``, and restored afterwards. ``warmup`` untimed runs of the same
     shape precede the ``repeats`` timed ones. ``temperature`` > 0 samples with per-request seeds
     derived from ``seed``. ``profile_dir`` profiles each timed run into ``bs<B>-r<R>`` there (see
-    ``pagedlab.lab.profile``; the run's ``profile`` holds the record).
-    """
+    ``pagedlab.lab.profile``; the run's ``profile`` holds the record). ``lora_requests`` (one
+    ``LoRARequest`` or a list; LLM with ``enable_lora``): prompt ``i`` of a run runs adapter ``i mod
+    len``; runs record how many they used, the manifest each adapter's config and checksum."""
     batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
     _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats)
     if llm.llm_engine.has_unfinished_requests():
         raise RuntimeError("the engine has unfinished requests: benchmark an idle LLM")
-    if use_beam_search:
-        sampling = BeamSearchParams(beam_width=beam_width, max_tokens=output_len, ignore_eos=True)
-    else:
-        sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature,
-                                  seed=seed if temperature > 0 else None, detokenize=detokenize)
+    adapters = _read_adapters(llm, lora_requests)
+    sampling = _sampling(use_beam_search, beam_width, output_len, temperature, seed, detokenize)
     settings = {"batch_size": batch_sizes, "input_len": input_len, "output_len": output_len,
                 "num_prompts": num_prompts, "use_beam_search": use_beam_search, "beam_width": beam_width,
                 "warmup": warmup, "repeats": repeats, "temperature": temperature, "seed": seed,
-                "detokenize": detokenize, "monitor_interval": monitor_interval if monitor else None}
+                "detokenize": detokenize, "monitor_interval": monitor_interval if monitor else None,
+                "lora_requests": [dataclasses.asdict(a) for a in adapters]}
     original_max_seqs = llm.get_engine_info().config.max_num_seqs
     runs: list[BenchmarkRun] = []
     progress_bar = _progress_bar(len(batch_sizes) * (warmup + repeats), progress)
@@ -329,22 +334,41 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                 timed_dir = None if profile_dir is None or phase < warmup else \
                     profile_subdir(profile_dir, f"bs{b}-r{phase - warmup}")
                 with profiled(llm, timed_dir) if timed_dir else contextlib.nullcontext() as record:
-                    timed = _timed_run(llm, prompts, sampling, use_beam_search, monitor and phase >= warmup,
-                                       monitor_interval)
+                    timed = _timed_run(llm, prompts, round_robin(adapters, n) if adapters else None, sampling,
+                                       use_beam_search, monitor and phase >= warmup, monitor_interval)
                 if phase >= warmup:
                     runs.append(_make_run(llm, timed, b, phase - warmup, n, input_len, output_len,
                                           use_beam_search))
-                    runs[-1].profile = record
+                    runs[-1].profile, runs[-1].lora_adapters = record, min(n, len(adapters))
                 if progress_bar is not None:
                     progress_bar.update(1)
         # While the last batch size's plan is still active, so one batch size is recorded exactly.
         manifest = collect_manifest(llm, sampling_params=sampling, seeds={"benchmark_prompts": seed})
+        manifest.update({"lora": [adapter_manifest(llm, a) for a in adapters]} if adapters else {})
     finally:
         if progress_bar is not None:
             progress_bar.close()
         if llm.get_engine_info().config.max_num_seqs != original_max_seqs:
             llm.set_model_args(max_num_seqs=original_max_seqs)
     return BenchmarkResult(runs, settings, manifest)
+
+
+def _sampling(use_beam_search, beam_width, output_len, temperature, seed, detokenize):
+    if use_beam_search:
+        return BeamSearchParams(beam_width=beam_width, max_tokens=output_len, ignore_eos=True)
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature,
+                          seed=seed if temperature > 0 else None, detokenize=detokenize)
+
+
+def _read_adapters(llm, lora_requests) -> list[LoRARequest]:
+    """The distinct adapters of ``lora_requests`` (none: []), each read now, so that a bad one
+    (or LoRA not enabled) fails before any run."""
+    if lora_requests is None:
+        return []
+    adapters = list(dict.fromkeys(as_list(lora_requests)))
+    for adapter in adapters:
+        llm.llm_engine.validate_lora_request(adapter)
+    return adapters
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -368,7 +392,7 @@ class _Timed:
     telemetry: dict
 
 
-def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interval) -> _Timed:
+def _timed_run(llm, prompts, loras, sampling, use_beam_search, monitor, monitor_interval) -> _Timed:
     import torch
 
     device = llm.get_engine_info().device
@@ -382,11 +406,11 @@ def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interva
     try:
         t0, arrival = time.perf_counter(), time.time()
         if use_beam_search:
-            outputs = llm.beam_search(prompts, sampling)
+            outputs = llm.beam_search(prompts, sampling, lora_request=loras)
             token_times = [[] for _ in prompts]
             output_tokens = sum(len(o.sequences[0].tokens) - len(p) for o, p in zip(outputs, prompts))
         else:
-            token_times = _drive_engine(llm.llm_engine, prompts, sampling, arrival)
+            token_times = _drive_engine(llm.llm_engine, prompts, loras, sampling, arrival)
             output_tokens = sum(len(t) for t in token_times)
         if cuda:
             torch.cuda.synchronize(device)
@@ -404,15 +428,16 @@ def _timed_run(llm, prompts, sampling, use_beam_search, monitor, monitor_interva
                   total, telemetry)
 
 
-def _drive_engine(engine, prompts, params, arrival) -> list[list[float]]:
-    """Add every prompt at once and step until all finish, stamping each returned token."""
+def _drive_engine(engine, prompts, loras, params, arrival) -> list[list[float]]:
+    """Add every prompt at once (prompt ``i`` under ``loras[i]``, if given) and step until all
+    finish, stamping each returned token."""
     prefix = f"bench-{uuid.uuid4().hex[:8]}-"
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
     token_times: list[list[float]] = [[] for _ in prompts]
     try:
-        for rid, prompt in zip(ids, prompts):
-            engine.add_request(rid, prompt, params, arrival_time=arrival)
+        for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
+            engine.add_request(rid, prompt, params, arrival_time=arrival, lora_request=lora)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.time()
