@@ -195,17 +195,22 @@ def measure(llm, workload, floor_s: float, top: int) -> dict:
     llm.reset_prefix_cache()
     events = profile_workload(llm, workload, "profiled")
     records = step_records(events)
+    kinds = breakdown(records, busy_intervals(events))
+    kernels_ms = sum(e.time_range.end - e.time_range.start for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
     output_tokens = sum(workload.output_lens)
     return {"run_s": seconds, "output_tok_s": output_tokens / seconds, "floor_s": floor_s,
             "floor_share": floor_s / seconds,
             "mixed_cuda_graphs": llm.get_engine_info().mixed_cuda_graphs,
-            "step_kinds": breakdown(records, busy_intervals(events)),
-            "top_kernels": top_kernels(events, top)}
+            # kernel time no step range claims (e.g. warm-up copies); large would mean lost links
+            "unattributed_gpu_ms": kernels_ms - sum(s["gpu_ms"] for s in kinds.values()),
+            "step_kinds": kinds, "top_kernels": top_kernels(events, top)}
 
 
 def print_setting(label: str, result: dict) -> None:
     print(f"\n== {label}: {result['run_s']:.3f} s, {result['output_tok_s']:,.0f} output tok/s, "
-          f"floor {result['floor_s']:.3f} s ({result['floor_share']:.0%} of the time)")
+          f"floor {result['floor_s']:.3f} s ({result['floor_share']:.0%} of the time), "
+          f"{result['unattributed_gpu_ms']:.1f} ms of kernels outside the steps")
     print(f"{'kind':<8} {'steps':>6} {'wall ms':>10} {'gpu ms':>10} {'busy ms':>10} {'host gap':>10}  "
           "kernel time by kind (ms)")
     for kind, s in result["step_kinds"].items():

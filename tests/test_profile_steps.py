@@ -54,17 +54,17 @@ def test_kernels_go_to_the_step_that_launched_them_whenever_they_ran():
     assert result["decode"]["busy_ms"] == 0.006 and result["decode"]["host_gap_share"] == 0
 
 
-def test_every_engine_step_is_found_with_its_kind(tiny_llama):
+def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
     prompts = random_prompts(4, min_len=20, max_len=40, seed=2)
     workload = Workload("custom", prompts, [6, 3, 8, 2])
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=32) as llm:
-        engine, steps = llm.llm_engine, []
+        engine, profiled_steps = llm.llm_engine, []
         step = engine.step
-        engine.step = lambda **kwargs: steps.append(1) or step(**kwargs)
-        events = profile_steps.profile_workload(llm, workload, "t")
-    records = profile_steps.step_records(events)
-    assert len(records) == len(steps)
-    result = profile_steps.breakdown(records, profile_steps.busy_intervals(events))
-    assert set(result) == {"prefill", "mixed", "decode"}
-    assert sum(s["steps"] for s in result.values()) == len(steps)
-    assert all(s["wall_ms"] > 0 and s["host_gap_ms"] == s["wall_ms"] for s in result.values())  # no GPU
+        engine.step = lambda **kwargs: profiled_steps.append(engine.ranges.recording) or step(**kwargs)
+        result = profile_steps.measure(llm, workload, floor_s=0.5, top=5)
+    kinds = result["step_kinds"]
+    assert set(kinds) == {"prefill", "mixed", "decode"}
+    assert sum(s["steps"] for s in kinds.values()) == sum(profiled_steps) > 0
+    assert all(s["wall_ms"] > 0 and s["host_gap_ms"] == s["wall_ms"] for s in kinds.values())  # no GPU
+    assert result["unattributed_gpu_ms"] == 0 and result["output_tok_s"] == 19 / result["run_s"]
+    assert not result["mixed_cuda_graphs"]  # the CPU runs eagerly
