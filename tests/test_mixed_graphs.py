@@ -17,6 +17,7 @@ from lora_fixtures import ALL_TARGETS, make_adapter
 from pagedlab import LLM, LoRARequest, SamplingParams
 from pagedlab.engine import cuda_graph
 from pagedlab.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS, mixed_capture_sizes, padded_sequences
+from pagedlab.engine.model_runner import ModelRunner
 from pagedlab.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -123,6 +124,39 @@ def test_padded_mixed_steps_give_hf_tokens(tiny_models, prefix_prompts, padded_r
     assert stats.prefix_cache_hit_tokens > 0
     if num_blocks is not None:
         assert stats.num_preemptions > 0
+
+
+class _RerunGraph:
+    """A CUDA graph's stand-in on the CPU: ``replay`` runs the captured forward again on the static
+    buffers and writes its result where the capture's output lives, as a replay would."""
+
+    def __init__(self, forward, args, output: torch.Tensor):
+        self.forward, self.args, self.output = forward, args, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward(*self.args))
+
+
+def _rerun_capture(graph_pool, forward, *args):
+    forward(*args)  # the warm-up
+    output = forward(*args)
+    return _RerunGraph(forward, args, output), output
+
+
+def test_captured_graph_plumbing_gives_hf_tokens(tiny_llama, prefix_prompts, padded_runs, monkeypatch):
+    """The capture and replay path (buckets captured largest first, one static output, decode
+    outputs per size) with replays that rerun the captured forward: HF's tokens."""
+    monkeypatch.setattr(ModelRunner, "uses_cuda_graphs", property(lambda self: self.plan is not None))
+    monkeypatch.setattr(cuda_graph, "_capture", _rerun_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: 0)
+    expected = [hf_greedy(tiny_llama.hf_model, p, GREEDY.max_tokens) for p in prefix_prompts]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=100) as llm:
+        runner = llm.llm_engine.runner
+        assert sorted(runner.mixed_graphs.graphs) == runner.mixed_graphs.sizes and runner.cuda_graphs.graphs
+        outs = llm.generate(prefix_prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert padded_runs["mixed"] > 0 and padded_runs["decode"] > 0
 
 
 def test_mixed_steps_off_leaves_them_eager(tiny_llama, padded_runs):
