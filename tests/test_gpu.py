@@ -32,7 +32,8 @@ def test_float32_greedy_on_gpu_matches_hf(tiny_models, arch):
 
 # float32: 37 requests pad up to the 48 graph. bf16: 32, a captured size, so eager and graph run
 # the same matmul shapes (cuBLAS picks kernels by shape, and bf16 greedy on a random model has
-# near-ties that any reordering flips).
+# near-ties that any reordering flips); for the same reason its prefill runs eagerly (mixed-step
+# graphs pad it to a token bucket; test_mixed_graphs_gpu.py checks them in float32).
 @pytest.mark.parametrize("dtype, num_prompts", [("float32", 37), ("bfloat16", 32)])
 def test_cuda_graphs_give_the_eager_tokens(tiny_models, dtype, num_prompts):
     tiny = tiny_models("qwen3")
@@ -40,7 +41,8 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_models, dtype, num_prompts):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV, enforce_eager=True) as llm:
         eager = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV) as llm:
+    with LLM(tiny.path, dtype=dtype, device="cuda", kv_cache_memory_bytes=KV,
+             cuda_graph_mixed_steps=dtype == "float32") as llm:
         graphed = _tokens(llm.generate(prompts, params, use_tqdm=False))
         sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=16) for i in range(num_prompts)]
         twice = []

@@ -58,6 +58,8 @@ def test_profiles_do_not_nest(tiny_llama, tmp_path):
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>",
      "sampling"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "element-wise"),
+    ("Memcpy HtoD (Pinned -> Device)", "other"),
+    ("Memset (Device)", "other"),
 ])
 def test_kernels_are_grouped_by_kind(name, kind):
     assert kernel_kind(name) == kind

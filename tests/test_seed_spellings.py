@@ -103,6 +103,7 @@ ABLATION_PARAMS = [
     {"enable_prefix_caching": False}, {"enable_chunked_prefill": False}, {"chunked_prefill_size": 32},
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
     {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
+    {"cuda_graph_mixed_steps": False},
 ]
 
 

@@ -75,6 +75,10 @@ class EngineConfig:
         "auto", "auto (the model's dtype) or fp8 (alias fp8_e4m3: E4M3 with per-layer scales, twice the "
                 "tokens per byte)", plan=True)
     enforce_eager: bool = _setting(False, "no CUDA graphs", plan=True)
+    cuda_graph_mixed_steps: bool = _setting(
+        True, "steps with prefill tokens (mixed and prefill steps) replay CUDA graphs at padded token "
+              "counts too, not only decode steps (off: they run eagerly; enforce_eager turns both off)",
+        plan=True)
     async_scheduling: bool | None = _setting(
         None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU)",
         plan=True)
@@ -240,6 +244,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # the ids that end a sequence (config, generation config, tokenizer)
     quantization: str | None = None  # the weight format loaded, resolved from the request and config.json
     weight_bytes: int = 0  # the parameters as stored (this rank's shard under tensor parallelism)
+    mixed_cuda_graphs: bool = False  # steps with prefill tokens replay CUDA graphs too
 
     def resolved_settings(self) -> dict:
         """The engine settings with every "auto"/None replaced by what the engine uses."""

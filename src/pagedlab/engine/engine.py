@@ -164,6 +164,7 @@ class LLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cascade_attention=self.cascade_attention,
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
+            mixed_cuda_graphs=cfg.cuda_graph_mixed_steps,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
             batch_invariant=cfg.batch_invariant))
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
@@ -218,7 +219,8 @@ class LLMEngine:
             cascade_attention=self.cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
-            quantization=self.quantization, weight_bytes=self.runner.weight_bytes)
+            quantization=self.quantization, weight_bytes=self.runner.weight_bytes,
+            mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

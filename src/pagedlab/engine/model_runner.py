@@ -19,7 +19,8 @@ import torch
 
 from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
 from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
-from pagedlab.engine.cuda_graph import CudaGraphRunner, capture_sizes
+from pagedlab.engine import cuda_graph
+from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all, capture_sizes
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
@@ -48,6 +49,7 @@ class RunnerPlan:
     cuda_graphs: bool  # decode steps replay CUDA graphs (if the backend supports them)
     kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
     batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
+    mixed_cuda_graphs: bool = False  # with cuda_graphs: steps with prefill tokens replay graphs too
 
 
 @dataclass
@@ -140,7 +142,8 @@ class ModelRunner:
         self.plan: RunnerPlan | None = None
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: CudaGraphRunner | None = None
-        self._profiled_peaks: dict[tuple[int, int], int] = {}
+        self.mixed_graphs: MixedGraphs | None = None
+        self._profiled_peaks: dict[tuple[int, int], tuple[int, int]] = {}
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.to_device = HostToDevice(device)
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
@@ -184,19 +187,33 @@ class ModelRunner:
                 f"max_model_len ({plan.max_model_len}) sequence needs ({min_blocks}); raise "
                 "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
         self.allocate_kv_cache(num_blocks)
-        if self.uses_cuda_graphs:
+        if self.uses_cuda_graphs or cuda_graph.PAD_WITHOUT_CAPTURE:
+            self._build_graphs(plan, capture=self.uses_cuda_graphs)
+        return num_blocks
+
+    def _build_graphs(self, plan: RunnerPlan, capture: bool) -> None:
+        """The decode graphs, and the mixed-step graphs where the plan asks for them; captured, or
+        (``cuda_graph.PAD_WITHOUT_CAPTURE``) left to run their padded inputs eagerly."""
+        self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, plan.max_num_seqs,
+                                           plan.max_model_len, plan.block_size, plan.cascade_attention)
+        if plan.mixed_cuda_graphs:
+            self.mixed_graphs = MixedGraphs(self.model, self.backend, self.device, plan.max_num_seqs,
+                                            plan.max_model_len, plan.block_size, plan.max_num_batched_tokens)
+        if capture:
             if self.lora is not None:
                 self.lora.prepare_capture()
-            self.cuda_graphs = CudaGraphRunner(self.model, self.backend, self.device, plan.max_num_seqs,
-                                               plan.max_model_len, plan.block_size, plan.cascade_attention)
-            self.cuda_graphs.capture()
-        return num_blocks
+            capture_all(self.cuda_graphs, self.mixed_graphs, self.device)
 
     @property
     def uses_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs: asked for, and the backend can be captured (the torch
         backend syncs with the host inside attention, so it always runs eagerly)."""
         return self.plan is not None and self.plan.cuda_graphs and self.backend.supports_cuda_graphs
+
+    @property
+    def uses_mixed_cuda_graphs(self) -> bool:
+        """Steps with prefill tokens replay CUDA graphs too (``cuda_graph_mixed_steps``)."""
+        return self.uses_cuda_graphs and self.plan.mixed_cuda_graphs
 
     @property
     def block_size(self) -> int:
@@ -266,9 +283,10 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def free_kv_cache(self) -> None:
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.close()
-            self.cuda_graphs = None
+        for graphs in (self.cuda_graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.cuda_graphs = self.mixed_graphs = None
         self._block_table_rows.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
@@ -278,22 +296,27 @@ class ModelRunner:
 
     def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int,
                               gpu_memory_utilization: float) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU next to the weights and the
-        activations' peak of the largest step (``num_tokens`` tokens)."""
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU next to the weights, the
+        activations' peak of the largest step (``num_tokens`` tokens) and, with mixed-step CUDA
+        graphs, their pool: it keeps the largest bucket's forward activations for itself, apart
+        from the memory the eager LM head and sampler allocate."""
         key = (num_tokens, min(num_tokens, max_model_len))
         if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
             self._profiled_peaks[key] = self._profile_peak_memory(*key)
-        peak = self._profiled_peaks[key]
+        forward_activations, peak = self._profiled_peaks[key]
+        graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        available = total * gpu_memory_utilization - used_by_others - peak
-        logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens)",
-                    available / 2**30, peak / 2**30, num_tokens)
+        available = total * gpu_memory_utilization - used_by_others - peak - graph_pool
+        logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
+                    "mixed-step graph pool %.2f GiB)", available / 2**30, peak / 2**30, num_tokens,
+                    graph_pool / 2**30)
         return int(available // self.bytes_per_block)
 
-    def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> int:
-        """Bytes allocated at the peak of a forward over ``num_tokens`` tokens, KV cache excluded."""
+    def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
+        """Bytes a forward over ``num_tokens`` tokens allocates at its peak (its activations), and
+        bytes allocated at the peak of it and its logits (the weights included, the KV cache not)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -310,14 +333,17 @@ class ModelRunner:
         layout = BatchLayout(lens, lens, block_tables.cpu().numpy(), self.block_size, self.plan.max_model_len,
                              allow_cascade=False)
         metadata = self._metadata(slot_mapping, layout, block_tables)
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        before_forward = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode(), forward_context(metadata, self.backend):
             hidden = self.model(torch.zeros_like(positions), positions)
+            torch.cuda.synchronize(self.device)
+            forward_activations = torch.cuda.max_memory_allocated(self.device) - before_forward
             self.model.compute_logits(hidden[-min(num_seqs * 256, len(hidden)):])
         torch.cuda.synchronize(self.device)
-        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         peak = torch.cuda.max_memory_allocated(self.device) - kv_bytes
         self.free_kv_cache()
-        return peak
+        return forward_activations, peak
 
     # ---- one step -------------------------------------------------------------------------
     def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout,
@@ -451,16 +477,20 @@ class ModelRunner:
 
     def _run_model(self, ids: torch.Tensor, inputs: StepInputs, table: np.ndarray,
                    query_lens: list[int]) -> torch.Tensor:
-        """The model over the step's tokens: a decode batch replays a CUDA graph where one fits."""
+        """The model over the step's tokens: a decode batch replays a decode CUDA graph where one
+        fits, any other step a mixed-step graph where one fits (``cuda_graph_mixed_steps``)."""
         positions = self.to_device(inputs.positions, torch.int64)
         slot_mapping = self.to_device(inputs.slots, torch.int64)
         block_tables = self.to_device(table, torch.int32)
         layout = BatchLayout(query_lens, inputs.seq_lens, table, self.block_size,
                              self.plan.max_model_len, self.plan.cascade_attention)
-        graphs = self.cuda_graphs
+        graphs, mixed = self.cuda_graphs, self.mixed_graphs
         if inputs.decode_only and graphs is not None and graphs.can_run(len(inputs.input_ids)):
             seq_lens = self.to_device(inputs.seq_lens, torch.int32)
             return graphs.run(ids, positions, slot_mapping, seq_lens, block_tables, layout)
+        if mixed is not None and mixed.can_run(len(inputs.input_ids), len(query_lens)):
+            return mixed.run(ids, positions, slot_mapping, block_tables, query_lens, inputs.seq_lens,
+                             self.to_device)
         with forward_context(self._metadata(slot_mapping, layout, block_tables), self.backend):
             return self.model(ids, positions)
 

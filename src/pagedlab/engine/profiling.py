@@ -21,8 +21,10 @@ import torch
 STEP_NAME = "pagedlab.step"
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "process_output")
 KIND_PREFIX = "pagedlab.kind:"
-# Kinds of kernels (or, on the CPU, of aten operators) by a fragment of their name, first match wins.
+# Kinds of kernels (or, on the CPU, of aten operators) by a fragment of their name, first match wins;
+# the rest (norms, activations, rotary, residual adds) is element-wise.
 KERNEL_KINDS = (
+    ("other", ("memcpy", "memset")),  # the profiler's copy and fill activities
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "c10d")),
     ("attention", ("attention", "split_kv", "write_kv", "cascade", "sdpa", "flash")),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
@@ -32,7 +34,7 @@ KERNEL_KINDS = (
 
 
 def kernel_kind(name: str) -> str:
-    """attention, gemm, communication, sampling or element-wise."""
+    """attention, gemm, communication, sampling, other (copies and fills) or element-wise."""
     lowered = name.lower()
     for kind, fragments in KERNEL_KINDS:
         if any(fragment in lowered for fragment in fragments):

@@ -6,7 +6,7 @@ the torch profiler (``LLM.start_profile()`` / ``stop_profile()``), written to a 
 - ``profile.json``: the ``ProfileSummary`` (kernels, time by kind, each step kind's count, wall
   and device time and host-gap share);
 - ``kernels.txt``: the kernel table grouped by kind (attention, GEMM, element-wise,
-  communication, sampling) and the host-gap share of each step kind.
+  communication, sampling, other: copies and fills) and the host-gap share of each step kind.
 
 ``profiled(llm, directory)`` wraps the code to profile and yields the record a result keeps of
 it (the files and the headline figures).
