@@ -60,10 +60,13 @@ def _assert_same_routing(got, expected):
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, renormalize, skew", [
+    # one token block (the route kernel sorts too):
     (1, 8, 2, 16, True, 0.0),  # decode
     (37, 8, 2, 32, True, 3.0),  # crowded expert 0: several row blocks, some experts empty
     (70, 16, 3, 16, False, 0.0),  # top_k not a power of two, unnormalized
     (5, 6, 6, 16, False, 0.0),  # every expert chosen; experts not a power of two
+    # several token blocks (route, then align):
+    (600, 8, 2, 64, False, 3.0),  # two blocks, crowded expert 0
     (300, 128, 8, 16, True, 0.0),  # Qwen3-MoE routing: 19 token blocks, counts summed in chunks
 ])
 def test_route_and_align_triton_matches_torch(num_tokens, num_experts, top_k, block_m, renormalize, skew):

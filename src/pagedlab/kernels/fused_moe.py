@@ -113,8 +113,9 @@ def _next_power_of_2(n: int) -> int:
 
 def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
                            dtype: torch.dtype) -> ExpertRouting:
-    """Routing and the sort by expert in two Triton launches; the same experts, sorted pairs and
-    row blocks as ``route_and_align_torch`` (weights within float rounding; int32 experts)."""
+    """Routing and the sort by expert in two Triton launches (one when the tokens fit one route
+    program: decode); the same experts, sorted pairs and row blocks as ``route_and_align_torch``
+    (weights within float rounding; int32 experts)."""
     from pagedlab.kernels import fused_moe_kernels
 
     num_tokens, num_experts = router_logits.shape
@@ -133,13 +134,17 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
     block_counts = torch.empty(num_token_blocks, num_experts, dtype=torch.int32, device=device)
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    sizes = dict(TOP_K=top_k, TOKENS_BLOCK=tokens_block, EXPERTS_BLOCK=experts_block, TOP_K_BLOCK=top_k_block)
+    sizes = dict(TOP_K=top_k, TOKENS_BLOCK=tokens_block, EXPERTS_BLOCK=experts_block, TOP_K_BLOCK=top_k_block,
+                 BLOCK_M=block_m)
+    # one token block holds every count: the route kernel sorts too (one launch instead of two)
     fused_moe_kernels.moe_route_kernel[(num_token_blocks,)](
-        logits, weights, experts, local_rank, block_counts, num_tokens, num_experts, logits.stride(0),
-        RENORMALIZE=renormalize, **sizes)
-    fused_moe_kernels.moe_align_kernel[(num_token_blocks,)](
-        experts, local_rank, block_counts, sorted_pairs, block_experts, num_pairs, num_experts,
-        num_token_blocks, capacity, BLOCK_M=block_m, COUNT_ROWS=max(1, 2048 // experts_block), **sizes)
+        logits, weights, experts, local_rank, block_counts, sorted_pairs, block_experts, num_tokens,
+        num_experts, logits.stride(0), capacity, RENORMALIZE=renormalize, ALIGN=num_token_blocks == 1,
+        **sizes)
+    if num_token_blocks > 1:
+        fused_moe_kernels.moe_align_kernel[(num_token_blocks,)](
+            experts, local_rank, block_counts, sorted_pairs, block_experts, num_pairs, num_experts,
+            num_token_blocks, capacity, COUNT_ROWS=max(1, 2048 // experts_block), **sizes)
     return ExpertRouting(weights, experts, sorted_pairs, block_experts, block_m)
 
 

@@ -8,7 +8,8 @@ count of the block's pairs and each pair's rank among them. The align kernel, on
 token block, sums every block's counts into padded runs and writes its block's pairs at
 ``run start + pairs of that expert in earlier blocks + rank``; program 0 also writes the
 padding and each row block's expert. Every address is written once, so no program waits on
-another.
+another. When one token block holds every token (decode), the route kernel does the align
+kernel's work itself from its registers: one launch.
 
 The grouped GEMMs (``moe_gate_up_kernel``, ``moe_down_kernel``) run over row blocks of pairs
 sorted by expert: a program reads its block's expert, gathers the rows it names (padding rows
@@ -24,12 +25,14 @@ import triton.language as tl
 
 
 @triton.jit
-def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block_counts_ptr, num_tokens,
-                     num_experts, stride_logits, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                     TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, TOP_K_BLOCK: tl.constexpr):
+def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs_ptr,
+                     block_experts_ptr, num_tokens, num_experts, stride_logits, capacity, TOP_K: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
+                     TOP_K_BLOCK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per token: the ``TOP_K`` experts of highest softmax probability (the lowest index among
     equals) and their weights; per pair ``token * TOP_K + slot``: its rank among this block's
-    pairs of the same expert; per expert: this block's count of pairs."""
+    pairs of the same expert; per expert: this block's count of pairs. With ``ALIGN`` (one token
+    block, so its counts are all the counts) it also does the align kernel's work."""
     block = tl.program_id(0)
     offs_t = block * TOKENS_BLOCK + tl.arange(0, TOKENS_BLOCK)
     offs_e = tl.arange(0, EXPERTS_BLOCK)
@@ -60,8 +63,32 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
     flat_experts = tl.reshape(tl.where(pair_valid, chosen, -1), [TOKENS_BLOCK * TOP_K_BLOCK])
     onehot = (flat_experts[:, None] == offs_e[None, :]).to(tl.int32)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-    tl.store(local_rank_ptr + flat_pairs, rank, mask=flat_pairs >= 0)
-    tl.store(block_counts_ptr + block * num_experts + offs_e, tl.sum(onehot, axis=0), mask=expert_valid)
+    if ALIGN:
+        _place_pairs(sorted_pairs_ptr, block_experts_ptr, flat_pairs, flat_experts, rank, flat_pairs >= 0,
+                     tl.sum(onehot, axis=0), tl.zeros([EXPERTS_BLOCK], dtype=tl.int32), True,
+                     num_tokens * TOP_K, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
+    else:
+        tl.store(local_rank_ptr + flat_pairs, rank, mask=flat_pairs >= 0)
+        tl.store(block_counts_ptr + block * num_experts + offs_e, tl.sum(onehot, axis=0), mask=expert_valid)
+
+
+@triton.jit
+def _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
+                 with_padding, num_pairs, num_experts, capacity, BLOCK_M: tl.constexpr,
+                 EXPERTS_BLOCK: tl.constexpr):
+    """Each pair at row ``its expert's run start + earlier[expert] + rank``, the runs being the
+    experts' ``counts`` each padded to a multiple of BLOCK_M, in expert order; with
+    ``with_padding`` also the padding and the row blocks' experts."""
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
+    expert_valid = offs_e < num_experts
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_ends = tl.cumsum(padded, axis=0)
+    first_row = tl.where(expert_valid, run_ends - padded + earlier, 0)
+    row = tl.sum(tl.where(experts[:, None] == offs_e[None, :], first_row[None, :], 0), axis=1) + rank
+    tl.store(sorted_pairs_ptr + row, pairs, mask=pair_valid)
+    if with_padding:
+        _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
+                       num_experts, capacity, BLOCK_M)
 
 
 @triton.jit
@@ -104,19 +131,13 @@ def moe_align_kernel(experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs
                        mask=(rows < num_token_blocks)[:, None] & expert_valid[None, :], other=0)
         counts += tl.sum(tile, axis=0)
         earlier += tl.sum(tl.where((rows < block)[:, None], tile, 0), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    run_ends = tl.cumsum(padded, axis=0)
     offs_p = tl.arange(0, TOKENS_BLOCK * TOP_K_BLOCK)
     pairs = block * (TOKENS_BLOCK * TOP_K) + offs_p
     pair_valid = (offs_p < TOKENS_BLOCK * TOP_K) & (pairs < num_pairs)
     experts = tl.load(experts_ptr + pairs, mask=pair_valid, other=-1)
     rank = tl.load(local_rank_ptr + pairs, mask=pair_valid, other=0)
-    first_row = tl.where(expert_valid, run_ends - padded + earlier, 0)
-    row = tl.sum(tl.where(experts[:, None] == offs_e[None, :], first_row[None, :], 0), axis=1) + rank
-    tl.store(sorted_pairs_ptr + row, pairs, mask=pair_valid)
-    if block == 0:
-        _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
-                       num_experts, capacity, BLOCK_M)
+    _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
+                 block == 0, num_pairs, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
 
 
 @triton.jit
