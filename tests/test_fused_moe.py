@@ -34,12 +34,21 @@ def _moe_inputs(num_tokens, hidden, inter, num_experts, dtype=torch.float32, see
     return x, logits, w13.to(dtype), w2.to(dtype)
 
 
-def _activations(num_tokens, hidden, num_experts, dtype, seed=0, skew=0.0, logits_dtype=None):
+def _activations(num_tokens, hidden, num_experts, dtype, seed=0, skew=0.0):
     g = torch.Generator(DEVICE).manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=g, device=DEVICE)
     logits = torch.randn(num_tokens, num_experts, generator=g, device=DEVICE)
     logits[:, 0] += skew  # skew > 0 crowds expert 0 (several row blocks), leaving others empty
-    return x.to(dtype), logits.to(logits_dtype or dtype)
+    return x.to(dtype), logits.to(dtype)
+
+
+def _distinct_logits(num_tokens, num_experts, seed):
+    """Float32 logits 0.05 apart within each token (a random order of the experts): at GPU sizes
+    random ones come within exp's rounding of each other somewhere (and bf16 ones tie), where two
+    top-k's may choose differently."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    order = torch.rand(num_tokens, num_experts, generator=g, device=DEVICE)
+    return torch.argsort(order, dim=-1).float() * 0.05
 
 
 def test_align_by_expert_sorts_pairs_into_padded_runs():
@@ -112,15 +121,14 @@ def test_fused_moe_rejects_mismatched_weights():
 def test_fused_moe_at_model_sizes_on_gpu(shape):
     """Real expert shapes in bf16 (two layers' worth of weights), decode to prefill token counts
     (each with its table or default config): the routing and sort equal to the torch ops, the
-    fused MLP within bf16 rounding of the float32 reference. The logits are float32 (bf16 ones
-    tie often enough that the two top-k's may break a tie differently)."""
+    fused MLP within bf16 rounding of the float32 reference (``_distinct_logits``)."""
     hidden, inter, num_experts, top_k, renormalize = shape
     for layer in range(2):
         _, _, w13, w2 = _moe_inputs(1, hidden, inter, num_experts, torch.bfloat16, seed=2 * layer)
         w13_ref, w2_ref = w13.float(), w2.float()
         for num_tokens in (1, 8, 64, 256, 2048):
-            x, logits = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed=num_tokens,
-                                     logits_dtype=torch.float32)
+            x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed=num_tokens)
+            logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
             _assert_same_routing(route_and_align_triton(logits, top_k, renormalize, 16, torch.float32),
                                  route_and_align_torch(logits, top_k, renormalize, 16, torch.float32))
             expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
@@ -141,8 +149,8 @@ def test_fused_moe_replays_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = fused_moe_triton(x, logits, w13, w2, top_k, True)
     for seed in (1, 2):
-        new_x, new_logits = _activations(8, hidden, num_experts, torch.bfloat16, seed,
-                                         logits_dtype=torch.float32)
+        new_x, _ = _activations(8, hidden, num_experts, torch.bfloat16, seed)
+        new_logits = _distinct_logits(8, num_experts, seed)
         x.copy_(new_x)
         logits.copy_(new_logits)
         graph.replay()

@@ -30,7 +30,7 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
                      RENORMALIZE: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
                      TOP_K_BLOCK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per token: the ``TOP_K`` experts of highest softmax probability (the lowest index among
-    equals) and their weights; per pair ``token * TOP_K + slot``: its rank among this block's
+    equal logits) and their weights; per pair ``token * TOP_K + slot``: its rank among this block's
     pairs of the same expert; per expert: this block's count of pairs. With ``ALIGN`` (one token
     block, so its counts are all the counts) it also does the align kernel's work."""
     block = tl.program_id(0)
@@ -42,16 +42,19 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
     logits = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_logits + offs_e[None, :],
                      mask=token_valid[:, None] & expert_valid[None, :], other=0.0).to(tl.float32)
     logits = tl.where(expert_valid[None, :], logits, float("-inf"))
-    exps = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    remaining = tl.where(expert_valid[None, :], exps / tl.sum(exps, axis=1)[:, None], -1.0)
+    row_max = tl.max(logits, axis=1)
+    denominator = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+    # chosen by logit (softmax keeps the order, and the logits carry no rounding of exp)
+    remaining = logits
     chosen = tl.zeros([TOKENS_BLOCK, TOP_K_BLOCK], dtype=tl.int32)
     chosen_probs = tl.zeros([TOKENS_BLOCK, TOP_K_BLOCK], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):
         best = tl.max(remaining, axis=1)
         best_expert = tl.min(tl.where(remaining == best[:, None], offs_e[None, :], EXPERTS_BLOCK), axis=1)
         chosen = tl.where(offs_k[None, :] == slot, best_expert[:, None], chosen)
-        chosen_probs = tl.where(offs_k[None, :] == slot, best[:, None], chosen_probs)
-        remaining = tl.where(offs_e[None, :] == best_expert[:, None], -2.0, remaining)
+        probs = tl.exp(best - row_max) / denominator
+        chosen_probs = tl.where(offs_k[None, :] == slot, probs[:, None], chosen_probs)
+        remaining = tl.where(offs_e[None, :] == best_expert[:, None], float("-inf"), remaining)
     if RENORMALIZE:
         chosen_probs = chosen_probs / tl.sum(chosen_probs, axis=1)[:, None]
     pair_valid = token_valid[:, None] & (offs_k[None, :] < TOP_K)
