@@ -11,8 +11,9 @@ default heuristic. Then the lines to paste into ``src/pagedlab/kernels/fused_moe
 CUDA-graph replays (``graph_seconds`` of gemv_bench.py: weights read from HBM, no launch gaps,
 as in a decode step's graph).
 
-The sweep is two rounds per launch: a few tiles at fixed warps and stages, then the best tile's
-neighbours (stages, warps, row grouping; K splits of the down projection throughout). The first
+The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
+size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
+K splits of the down projection throughout). The first
 run compiles every config (Triton caches them: a second run is mostly timing).
 
     PYTHONPATH=src python3 benchmarks/moe_bench.py --out moe_bench.json
@@ -89,9 +90,10 @@ def try_config(config: MoeGemmConfig, check, timed, tolerance: float, moved_byte
                 ok=result["max_error"] <= tolerance)
 
 
-def sweep_launch(launch: str, candidates: list[MoeGemmConfig], check, timed, tolerance: float,
+def sweep_launch(candidates: list[MoeGemmConfig], refine: bool, check, timed, tolerance: float,
                  moved_bytes: int, flops: int) -> dict:
-    """Both rounds for one launch; the fastest correct config and every result."""
+    """The first round for one launch (with ``refine`` the second too); the fastest correct
+    config and every result."""
     results = {}
 
     def run(configs):
@@ -102,12 +104,13 @@ def sweep_launch(launch: str, candidates: list[MoeGemmConfig], check, timed, tol
         return min(good, key=lambda c: results[c]["us"]) if good else None
 
     best = run(candidates)
-    if best is not None:
+    if refine and best is not None:
         best = run(second_round(best))
     return dict(best=results[best] if best else None, candidates=list(results.values()))
 
 
-def bench_block_m(block_m: int, x, logits, w13, w2, spec: tuple, reference: torch.Tensor, sms: int) -> dict:
+def bench_block_m(block_m: int, refine: bool, x, logits, w13, w2, spec: tuple, reference: torch.Tensor,
+                  sms: int) -> dict:
     """Both grouped GEMMs' sweeps at one row-block size, the other launch at its default."""
     num_experts, hidden, inter, top_k, renormalize, _ = spec
     num_tokens = x.shape[0]
@@ -122,12 +125,12 @@ def bench_block_m(block_m: int, x, logits, w13, w2, spec: tuple, reference: torc
     def error(out):
         return (out.float() - reference).abs().max().item()
     gate_up = sweep_launch(
-        "gate_up", first_round("gate_up", block_m, inter, hidden, row_blocks, sms),
+        first_round("gate_up", block_m, inter, hidden, row_blocks, sms), refine,
         lambda c: error(moe_down_triton(moe_gate_up_triton(x, w13, routing, c), w2, routing, default.down)),
         lambda c: moe_gate_up_triton(x, w13, routing, c), tolerance, active * 2 * inter * hidden * 2,
         4 * pairs * hidden * inter)
     down = sweep_launch(
-        "down", first_round("down", block_m, hidden, inter, row_blocks, sms),
+        first_round("down", block_m, hidden, inter, row_blocks, sms), refine,
         lambda c: error(moe_down_triton(activated, w2, routing, c)),
         lambda c: moe_down_triton(activated, w2, routing, c), tolerance, active * hidden * inter * 2,
         2 * pairs * hidden * inter)
@@ -146,8 +149,13 @@ def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int,
     default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
     route = {kind: graph_seconds(lambda f=f: f(logits, top_k, renormalize, default.block_m, x.dtype)) * 1e6
              for kind, f in (("triton_us", route_and_align_triton), ("torch_us", route_and_align_torch))}
-    per_block_m = {bm: bench_block_m(bm, x, logits, w13, w2, spec, reference, sms)
+    # the first round at every row-block size, then both rounds at the best one's
+    per_block_m = {bm: bench_block_m(bm, False, x, logits, w13, w2, spec, reference, sms)
                    for bm in block_m_candidates(num_tokens, num_experts, top_k)}
+    first = best_config(per_block_m)
+    if first:
+        bm = first.block_m
+        per_block_m[bm] = bench_block_m(bm, True, x, logits, w13, w2, spec, reference, sms)
     experts_read = torch.unique(torch.topk(logits, top_k, dim=-1).indices).numel()
     record = dict(shape=name, tokens=num_tokens, route=route, experts_read=experts_read,
                   expert_mb=experts_read * 3 * hidden * inter * 2 / 1e6,
