@@ -51,7 +51,6 @@ def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     return out
 
 
-
 class ExpertRouting(NamedTuple):
     """Each token's experts and weights, and its pairs sorted by expert into padded runs."""
 
