@@ -1,5 +1,6 @@
-"""The fused MoE Triton kernel against its plain-torch reference (``moe_torch``), under the
-Triton interpreter on the CPU (float32, small) and at real model sizes on a GPU."""
+"""The fused MoE Triton kernels against their plain-torch references (``moe_torch``; the routing
+and sort by expert against ``select_experts`` + ``align_by_expert``), under the Triton
+interpreter on the CPU (float32, small) and at real model sizes on a GPU; the config table."""
 
 from __future__ import annotations
 
@@ -17,19 +18,37 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from pagedlab.kernels.fused_moe import align_by_expert, fused_moe_triton, moe_torch
+from pagedlab.kernels import fused_moe_configs
+from pagedlab.kernels.fused_moe import (align_by_expert, fused_moe_triton, moe_torch, route_and_align_torch,
+                                        route_and_align_triton)
+from pagedlab.kernels.fused_moe_configs import MoeConfig, MoeGemmConfig, default_moe_config, moe_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _moe_inputs(num_tokens, hidden, inter, num_experts, dtype=torch.float32, seed=0, skew=0.0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=g)
-    logits = torch.randn(num_tokens, num_experts, generator=g)
+    x, logits = _activations(num_tokens, hidden, num_experts, dtype, seed, skew)
+    g = torch.Generator(DEVICE).manual_seed(seed + 1)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=DEVICE) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g, device=DEVICE) * inter ** -0.5
+    return x, logits, w13.to(dtype), w2.to(dtype)
+
+
+def _activations(num_tokens, hidden, num_experts, dtype, seed=0, skew=0.0):
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g, device=DEVICE)
+    logits = torch.randn(num_tokens, num_experts, generator=g, device=DEVICE)
     logits[:, 0] += skew  # skew > 0 crowds expert 0 (several row blocks), leaving others empty
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5
-    return [t.to(DEVICE, dtype) for t in (x, logits, w13, w2)]
+    return x.to(dtype), logits.to(dtype)
+
+
+def _distinct_logits(num_tokens, num_experts, seed):
+    """Float32 logits 0.05 apart within each token (a random order of the experts): at GPU sizes
+    random ones come within exp's rounding of each other somewhere (and bf16 ones tie), where two
+    top-k's may choose differently."""
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    order = torch.rand(num_tokens, num_experts, generator=g, device=DEVICE)
+    return torch.argsort(order, dim=-1).float() * 0.05
 
 
 def test_align_by_expert_sorts_pairs_into_padded_runs():
@@ -41,16 +60,51 @@ def test_align_by_expert_sorts_pairs_into_padded_runs():
     assert (block_experts[3:] == -1).all() and (sorted_pairs[12:] == pad).all()
 
 
-@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k, renormalize, skew", [
-    (1, 64, 48, 8, 2, True, 0.0),  # decode: one pair per expert block
-    (37, 64, 48, 8, 2, True, 0.0),  # Mixtral-like routing, ragged intermediate size
-    (70, 96, 80, 8, 2, False, 3.0),  # Qwen3-MoE-like unnormalized weights, crowded and empty experts
-    (9, 32, 16, 16, 4, True, 0.0),  # hidden and intermediate below one tile
+def _assert_same_routing(got, expected):
+    """Exactly the same experts, sorted pairs and row blocks; weights within float rounding."""
+    assert torch.equal(got.experts.long(), expected.experts.long())
+    assert torch.equal(got.sorted_pairs, expected.sorted_pairs)
+    assert torch.equal(got.block_experts, expected.block_experts)
+    torch.testing.assert_close(got.weights, expected.weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, block_m, renormalize, skew", [
+    # one token block (the route kernel sorts too):
+    (1, 8, 2, 16, True, 0.0),  # decode
+    (37, 8, 2, 32, True, 3.0),  # crowded expert 0: several row blocks, some experts empty
+    (70, 16, 3, 16, False, 0.0),  # top_k not a power of two, unnormalized
+    (5, 6, 6, 16, False, 0.0),  # every expert chosen; experts not a power of two
+    # several token blocks (route, then align):
+    (600, 8, 2, 64, False, 3.0),  # two blocks, crowded expert 0
+    (300, 128, 8, 16, True, 0.0),  # Qwen3-MoE routing: 19 token blocks, counts summed in chunks
 ])
-def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top_k, renormalize, skew):
+def test_route_and_align_triton_matches_torch(num_tokens, num_experts, top_k, block_m, renormalize, skew):
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens))
+    logits[:, 0] += skew
+    logits = logits.to(DEVICE)
+    _assert_same_routing(route_and_align_triton(logits, top_k, renormalize, block_m, torch.float32),
+                         route_and_align_torch(logits, top_k, renormalize, block_m, torch.float32))
+
+
+def test_route_and_align_rejects_top_k_above_experts():
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and the number of experts \\(8\\)"):
+        route_and_align_triton(torch.zeros(2, 8, device=DEVICE), 9, True, 16, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k, renormalize, skew, config", [
+    (1, 64, 48, 8, 2, True, 0.0, None),  # decode: one pair per expert block
+    (37, 64, 48, 8, 2, True, 0.0, None),  # Mixtral-like routing, ragged intermediate size
+    (70, 96, 80, 8, 2, False, 3.0, None),  # Qwen3-MoE-like unnormalized weights, crowded and empty experts
+    (9, 32, 16, 16, 4, True, 0.0, None),  # hidden and intermediate below one tile
+    # explicit tiles: K split 3 (a ragged last segment, one empty), grouped row blocks, 32-row blocks
+    (37, 64, 80, 8, 2, False, 3.0, MoeConfig(32, MoeGemmConfig(16, 32, 4), MoeGemmConfig(32, 16, 2, 3))),
+    (37, 64, 48, 8, 2, True, 0.0, MoeConfig(16, MoeGemmConfig(32, 64, 2), MoeGemmConfig(16, 32, 1, 2))),
+])
+def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top_k, renormalize, skew,
+                                     config):
     x, logits, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, skew=skew)
     expected = moe_torch(x, logits, w13, w2, top_k, renormalize)
-    got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize)
+    got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -64,16 +118,79 @@ def test_fused_moe_rejects_mismatched_weights():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(2048, 768, 128, 8, True), (4096, 14336, 8, 2, True)],
                          ids=["qwen3-30b-a3b", "mixtral-8x7b"])
-@pytest.mark.parametrize("num_tokens", [1, 64, 512])
-def test_fused_moe_at_model_sizes_on_gpu(shape, num_tokens):
-    """Real expert shapes in bf16 (two layers' worth of weights): the fused kernel within bf16
-    rounding of the reference."""
+def test_fused_moe_at_model_sizes_on_gpu(shape):
+    """Real expert shapes in bf16 (two layers' worth of weights), decode to prefill token counts
+    (each with its table or default config): the routing and sort equal to the torch ops, the
+    fused MLP within bf16 rounding of the float32 reference (``_distinct_logits``)."""
     hidden, inter, num_experts, top_k, renormalize = shape
     for layer in range(2):
-        x, logits, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, torch.bfloat16, seed=layer)
-        expected = moe_torch(x.float(), logits.float(), w13.float(), w2.float(), top_k, renormalize)
-        got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize).float()
-        torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+        _, _, w13, w2 = _moe_inputs(1, hidden, inter, num_experts, torch.bfloat16, seed=2 * layer)
+        w13_ref, w2_ref = w13.float(), w2.float()
+        for num_tokens in (1, 8, 64, 256, 2048):
+            x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed=num_tokens)
+            logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
+            _assert_same_routing(route_and_align_triton(logits, top_k, renormalize, 16, torch.float32),
+                                 route_and_align_torch(logits, top_k, renormalize, 16, torch.float32))
+            expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
+            got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize).float()
+            torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_moe_replays_in_a_cuda_graph():
+    """Captured once at a decode batch (Qwen3-30B-A3B experts), replayed on new tokens and logits:
+    no host sync, no shape from the routing, so each replay equals the reference on its inputs."""
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+    x, _, w13, w2 = _moe_inputs(8, hidden, inter, num_experts, torch.bfloat16)
+    logits = torch.zeros(8, num_experts, device=DEVICE)
+    fused_moe_triton(x, logits, w13, w2, top_k, True)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, logits, w13, w2, top_k, True)
+    for seed in (1, 2):
+        new_x, _ = _activations(8, hidden, num_experts, torch.bfloat16, seed)
+        new_logits = _distinct_logits(8, num_experts, seed)
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        expected = moe_torch(new_x.float(), new_logits, w13.float(), w2.float(), top_k, True)
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_moe_config_takes_the_nearest_measured_token_count(monkeypatch):
+    small = MoeConfig(16, MoeGemmConfig(32, 128), MoeGemmConfig(64, 128, split_k=2))
+    large = MoeConfig(64, MoeGemmConfig(128, 64, 8), MoeGemmConfig(128, 64, 8))
+    table = {(8, 64, 48, 2, 1): small, (8, 64, 48, 2, 256): large}
+    monkeypatch.setattr(fused_moe_configs, "MOE_CONFIGS", table)
+    assert moe_config(1, 8, 64, 48, 2) is small
+    assert moe_config(16, 8, 64, 48, 2) is small  # as near 1 as 256 in log2: the smaller
+    assert moe_config(17, 8, 64, 48, 2) is large
+    assert moe_config(4096, 8, 64, 48, 2) is large
+    assert moe_config(1, 8, 64, 96, 2) == default_moe_config(1, 8, 64, 96, 2)  # a shape not measured
+
+
+@pytest.mark.parametrize("num_experts, hidden, inter, top_k", [(128, 2048, 768, 8), (8, 4096, 14336, 2)])
+def test_default_and_table_configs_are_valid_and_fill_the_sms_at_decode(num_experts, hidden, inter, top_k):
+    for config in fused_moe_configs.MOE_CONFIGS.values():
+        config.check()
+    for num_tokens in (1, 2, 8, 64, 256, 2048, 16384):
+        default_moe_config(num_tokens, num_experts, hidden, inter, top_k).check()
+    decode = default_moe_config(1, num_experts, hidden, inter, top_k)
+    programs = {launch: top_k * -(-n // gemm.block_n) * gemm.split_k
+                for launch, n, gemm in (("gate_up", inter, decode.gate_up), ("down", hidden, decode.down))}
+    assert min(programs.values()) >= 132, programs
+
+
+@pytest.mark.parametrize("config, message", [
+    (MoeConfig(16, MoeGemmConfig(32, 64, split_k=2), MoeGemmConfig(32, 64)), "gate/up cannot split K"),
+    (MoeConfig(16, MoeGemmConfig(48, 64), MoeGemmConfig(32, 64)), "block_n=48 must be a power of two"),
+    (MoeConfig(8, MoeGemmConfig(32, 64), MoeGemmConfig(32, 64)), "block_m=8 must be >= 16"),
+    (MoeConfig(16, MoeGemmConfig(32, 64), MoeGemmConfig(32, 8)), "need block_n and block_k >= 16"),
+])
+def test_moe_config_check_rejects_what_cannot_run(config, message):
+    with pytest.raises(ValueError, match=message):
+        config.check()
 
 
 @pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
@@ -85,8 +202,8 @@ def test_triton_backend_runs_the_fused_kernel_with_hf_tokens(tiny_models, arch, 
     from pagedlab.kernels import fused_moe
 
     calls = []
-    monkeypatch.setattr(fused_moe, "align_by_expert",
-                        lambda *args: calls.append(1) or align_by_expert(*args))
+    gate_up = fused_moe.moe_gate_up_triton
+    monkeypatch.setattr(fused_moe, "moe_gate_up_triton", lambda *args: calls.append(1) or gate_up(*args))
     tiny = tiny_models(arch)
     prompts = random_prompts(2, min_len=5, max_len=20, seed=13)
     tp = 2 if arch == "mixtral" else 1

@@ -1,23 +1,31 @@
 """The mixture-of-experts MLP: routing, a plain-torch reference that loops over experts, and the
-fused Triton version (two grouped GEMM launches over all experts).
+fused Triton version.
 
 ``x`` is ``[tokens, hidden]``; ``w13`` ``[experts, 2 * inter, hidden]`` holds each expert's gate
 rows then up rows, ``w2`` ``[experts, hidden, inter]`` its down projection (under tensor
 parallelism ``inter`` is this rank's slice; the caller sums the ranks' outputs). A token's
 output is the sum over its ``top_k`` experts of ``weight * down(silu(gate(x)) * up(x))``.
 
-The fused version sorts the (token, expert) pairs by expert, each expert's run padded to a
-whole number of ``BLOCK_M`` rows (``align_by_expert``), so that every row block of the grouped
-GEMMs belongs to one expert: the gate/up launch writes ``silu(gate) * up`` per pair, the down
-launch multiplies by the router weight, and the ``top_k`` rows of each token are summed. The
-sort runs on the device without host syncs and the grids are sized from ``tokens`` alone, so a
-decode step can be captured in a CUDA graph.
+The fused version runs five launches: routing (softmax, top-k, renormalize) and the sort of the
+(token, expert) pairs by expert, each expert's run padded to a whole number of ``block_m`` rows
+(two Triton kernels, ``route_and_align_triton``; the torch ops ``select_experts`` +
+``align_by_expert`` are their reference, and run instead for very many pairs); a grouped GEMM
+writing ``silu(gate) * up`` per pair; a grouped GEMM of the down projection (K optionally split);
+a reduce summing each token's splits and ``top_k`` pairs weighted by the router. Tiles and
+splits come from ``fused_moe_configs`` by shape and token count. Everything runs on the device
+without host syncs and every shape follows from the token count, so a decode step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from pagedlab.kernels.fused_moe_configs import (ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig, MoeGemmConfig,
+                                                moe_config)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -43,15 +51,31 @@ def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w
     return out
 
 
+class ExpertRouting(NamedTuple):
+    """Each token's experts and weights, and its pairs sorted by expert into padded runs."""
+
+    weights: torch.Tensor  # [tokens, top_k] router weights, x's dtype
+    experts: torch.Tensor  # [tokens, top_k] expert indices, highest weight first
+    sorted_pairs: torch.Tensor  # [capacity] int32 pair index token * top_k + slot; padding tokens * top_k
+    block_experts: torch.Tensor  # [capacity // block_m] int32 each row block's expert, -1 past the last run
+    block_m: int
+
+
+def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted layout, sized for the worst case (every expert that can have a pair
+    has one, each run padded by ``block_m - 1``), so the shapes depend on the token count alone."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
 def align_by_expert(experts: torch.Tensor, num_experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
-    ``block_m``: ``sorted_pairs`` (flat pair index ``token * top_k + slot``; padding holds
-    ``tokens * top_k``) and ``block_experts`` (each row block's expert, -1 past the last run).
-    Sized for the worst case, so the shapes depend on the token count alone."""
-    flat = experts.flatten()
+    """The (token, slot) pairs sorted by expert (in pair order within an expert), each expert's
+    run padded to a multiple of ``block_m``: ``sorted_pairs`` and ``block_experts`` as in
+    ``ExpertRouting`` (the reference of ``moe_align_kernel``)."""
+    flat = experts.flatten().long()
     num_pairs = flat.numel()
-    capacity = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    capacity = align_capacity(num_pairs, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -67,38 +91,137 @@ def align_by_expert(experts: torch.Tensor, num_experts: int,
     return sorted_pairs, block_experts
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: small when each expert gets few pairs (decode), up to 64 for prefills."""
-    per_expert = max(num_pairs // num_experts, 1)
-    return min(64, max(16, 1 << (per_expert - 1).bit_length()))
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+
+
+def route_and_align_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                          dtype: torch.dtype) -> ExpertRouting:
+    """``select_experts`` then ``align_by_expert``: the reference of ``route_and_align_triton``."""
+    num_experts = router_logits.shape[1]
+    _check_top_k(top_k, num_experts)
+    weights, experts = select_experts(router_logits, top_k, renormalize, dtype)
+    sorted_pairs, block_experts = align_by_expert(experts, num_experts, block_m)
+    return ExpertRouting(weights.contiguous(), experts, sorted_pairs, block_experts, block_m)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                           dtype: torch.dtype) -> ExpertRouting:
+    """Routing and the sort by expert in two Triton launches (one when the tokens fit one route
+    program: decode); the same experts, sorted pairs and row blocks as ``route_and_align_torch``
+    (weights within float rounding; int32 experts)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    num_tokens, num_experts = router_logits.shape
+    _check_top_k(top_k, num_experts)
+    logits = router_logits.contiguous()
+    device, num_pairs = logits.device, num_tokens * top_k
+    experts_block, top_k_block = _next_power_of_2(num_experts), _next_power_of_2(top_k)
+    # a block's logits and its pairs-by-experts one-hot stay a few thousand values a program
+    tokens_block = max(1, min(_next_power_of_2(num_tokens), 4096 // experts_block,
+                              16384 // (experts_block * top_k_block)))
+    num_token_blocks = -(-num_tokens // tokens_block)
+    capacity = align_capacity(num_pairs, num_experts, block_m)
+    weights = torch.empty(num_tokens, top_k, dtype=dtype, device=device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=device)
+    local_rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    block_counts = torch.empty(num_token_blocks, num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    sizes = dict(TOP_K=top_k, TOKENS_BLOCK=tokens_block, EXPERTS_BLOCK=experts_block, TOP_K_BLOCK=top_k_block,
+                 BLOCK_M=block_m)
+    # one token block holds every count: the route kernel sorts too (one launch instead of two)
+    fused_moe_kernels.moe_route_kernel[(num_token_blocks,)](
+        logits, weights, experts, local_rank, block_counts, sorted_pairs, block_experts, num_tokens,
+        num_experts, logits.stride(0), capacity, RENORMALIZE=renormalize, ALIGN=num_token_blocks == 1,
+        **sizes)
+    if num_token_blocks > 1:
+        fused_moe_kernels.moe_align_kernel[(num_token_blocks,)](
+            experts, local_rank, block_counts, sorted_pairs, block_experts, num_pairs, num_experts,
+            num_token_blocks, capacity, COUNT_ROWS=max(1, 2048 // experts_block), **sizes)
+    return ExpertRouting(weights, experts, sorted_pairs, block_experts, block_m)
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                    dtype: torch.dtype) -> ExpertRouting:
+    """The Triton routing and sort up to ``ROUTE_ALIGN_TRITON_MAX_PAIRS`` pairs, else the torch ops."""
+    num_pairs = router_logits.shape[0] * top_k
+    in_triton = 0 < num_pairs <= ROUTE_ALIGN_TRITON_MAX_PAIRS
+    routed = route_and_align_triton if in_triton else route_and_align_torch
+    return routed(router_logits, top_k, renormalize, block_m, dtype)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def moe_gate_up_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRouting,
+                       gemm: MoeGemmConfig) -> torch.Tensor:
+    """``silu(gate) * up`` of every pair, ``[tokens * top_k, inter]`` in pair order (one launch)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    num_tokens, hidden = x.shape
+    inter, top_k = w13.shape[1] // 2, routing.weights.shape[1]
+    num_row_blocks = routing.block_experts.shape[0]
+    activated = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    grid = (num_row_blocks * -(-inter // gemm.block_n),)
+    fused_moe_kernels.moe_gate_up_kernel[grid](
+        x, w13, activated, routing.sorted_pairs, routing.block_experts, num_tokens * top_k, top_k, hidden,
+        inter, num_row_blocks, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+    return activated
+
+
+def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRouting,
+                    gemm: MoeGemmConfig) -> torch.Tensor:
+    """Each token's router-weighted sum of its pairs' down projections, ``[tokens, hidden]``: the
+    grouped GEMM (per K split, float32 partial sums when split) and the reduce (two launches)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    num_pairs, inter = activated.shape
+    hidden = w2.shape[1]
+    num_tokens, top_k = routing.weights.shape
+    num_row_blocks = routing.block_experts.shape[0]
+    k_steps = -(-inter // gemm.block_k)
+    k_per_split = -(-k_steps // gemm.split_k) * gemm.block_k
+    partial = torch.empty(gemm.split_k, num_pairs, hidden, device=activated.device,
+                          dtype=activated.dtype if gemm.split_k == 1 else torch.float32)
+    grid = (num_row_blocks * -(-hidden // gemm.block_n), gemm.split_k)
+    fused_moe_kernels.moe_down_kernel[grid](
+        activated, w2, partial, routing.sorted_pairs, routing.block_experts, num_pairs, hidden, inter,
+        num_row_blocks, k_per_split, activated.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+        partial.stride(1), BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+        GROUP_M=gemm.group_m, DOT_PRECISION=_dot_precision(activated.dtype), num_warps=gemm.num_warps,
+        num_stages=gemm.num_stages)
+    out = torch.empty(num_tokens, hidden, dtype=activated.dtype, device=activated.device)
+    top_k_block = _next_power_of_2(top_k)
+    block_h = min(max(128, 2048 // top_k_block), _next_power_of_2(hidden))
+    fused_moe_kernels.moe_reduce_kernel[(num_tokens, -(-hidden // block_h))](
+        partial, routing.weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
+        SPLIT_K=gemm.split_k, TOP_K=top_k, TOP_K_BLOCK=top_k_block, BLOCK_H=block_h)
+    return out
 
 
 def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE MLP in two grouped GEMM launches over all experts; same result as ``moe_torch``."""
-    from pagedlab.kernels import fused_moe_kernels
-
+                     top_k: int, renormalize: bool, config: MoeConfig | None = None) -> torch.Tensor:
+    """The MoE MLP in five launches; same result as ``moe_torch``. ``config``: the tiles (default:
+    ``fused_moe_configs.moe_config`` for this shape and token count)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [experts, 2 * inter, "
                          f"hidden={hidden}] and [experts, hidden, inter]")
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        config = moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
+    config.check()
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    weights, experts = select_experts(router_logits, top_k, renormalize, x.dtype)
-    num_pairs = num_tokens * top_k
-    block_m = _block_m(num_pairs, num_experts)
-    sorted_pairs, block_experts = align_by_expert(experts, num_experts, block_m)
-    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    common = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64 if hidden >= 64 else 32,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    num_blocks = block_experts.shape[0]
-    fused_moe_kernels.moe_gate_up_kernel[(num_blocks, -(-inter // 64))](
-        x, w13, activated, sorted_pairs, block_experts, num_pairs, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0), **common)
-    fused_moe_kernels.moe_down_kernel[(num_blocks, -(-hidden // 64))](
-        activated, w2, per_pair, sorted_pairs, block_experts, weights.reshape(-1), num_pairs, hidden, inter,
-        activated.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        **{**common, "BLOCK_K": 64 if inter >= 64 else 32})
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    routing = route_and_align(router_logits, top_k, renormalize, config.block_m, x.dtype)
+    return moe_down_triton(moe_gate_up_triton(x, w13, routing, config.gate_up), w2, routing, config.down)

@@ -1,9 +1,21 @@
 """Triton kernels of the fused MoE MLP (entry point: ``fused_moe.fused_moe_triton``), imported
 only when it first runs, like ``triton_kernels``.
 
-Both are grouped GEMMs over row blocks of (token, expert) pairs sorted by expert: program
-(row block, column block) reads its block's expert, gathers the rows it names (padding rows
-hold ``num_pairs`` and are masked off) and multiplies them by that expert's weights.
+Routing and the sort by expert (``moe_route_kernel``, ``moe_align_kernel``): two launches in
+place of some twenty torch ops, which at decode cost more than the GEMMs. The route kernel
+takes a block of tokens per program: softmax, top-k, renormalization, then per expert the
+count of the block's pairs and each pair's rank among them. The align kernel, one program per
+token block, sums every block's counts into padded runs and writes its block's pairs at
+``run start + pairs of that expert in earlier blocks + rank``; program 0 also writes the
+padding and each row block's expert. Every address is written once, so no program waits on
+another. When one token block holds every token (decode), the route kernel does the align
+kernel's work itself from its registers: one launch.
+
+The grouped GEMMs (``moe_gate_up_kernel``, ``moe_down_kernel``) run over row blocks of pairs
+sorted by expert: a program reads its block's expert, gathers the rows it names (padding rows
+hold ``num_pairs`` and are masked off) and multiplies them by that expert's weights. The down
+kernel may split K; ``moe_reduce_kernel`` then sums each token's splits and ``top_k`` pairs,
+weighted by the router, in a fixed order (the same result every run).
 """
 
 from __future__ import annotations
@@ -12,67 +24,225 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs_ptr,
+                     block_experts_ptr, num_tokens, num_experts, stride_logits, capacity, TOP_K: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
+                     TOP_K_BLOCK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per token: the ``TOP_K`` experts of highest softmax probability (the lowest index among
+    equal logits) and their weights; per pair ``token * TOP_K + slot``: its rank among this block's
+    pairs of the same expert; per expert: this block's count of pairs. With ``ALIGN`` (one token
+    block, so its counts are all the counts) it also does the align kernel's work."""
+    block = tl.program_id(0)
+    offs_t = block * TOKENS_BLOCK + tl.arange(0, TOKENS_BLOCK)
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
+    offs_k = tl.arange(0, TOP_K_BLOCK)
+    token_valid = offs_t < num_tokens
+    expert_valid = offs_e < num_experts
+    logits = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * stride_logits + offs_e[None, :],
+                     mask=token_valid[:, None] & expert_valid[None, :], other=0.0).to(tl.float32)
+    logits = tl.where(expert_valid[None, :], logits, float("-inf"))
+    row_max = tl.max(logits, axis=1)
+    denominator = tl.sum(tl.exp(logits - row_max[:, None]), axis=1)
+    # chosen by logit (softmax keeps the order, and the logits carry no rounding of exp)
+    remaining = logits
+    chosen = tl.zeros([TOKENS_BLOCK, TOP_K_BLOCK], dtype=tl.int32)
+    chosen_probs = tl.zeros([TOKENS_BLOCK, TOP_K_BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=1)
+        best_expert = tl.min(tl.where(remaining == best[:, None], offs_e[None, :], EXPERTS_BLOCK), axis=1)
+        chosen = tl.where(offs_k[None, :] == slot, best_expert[:, None], chosen)
+        probs = tl.exp(best - row_max) / denominator
+        chosen_probs = tl.where(offs_k[None, :] == slot, probs[:, None], chosen_probs)
+        remaining = tl.where(offs_e[None, :] == best_expert[:, None], float("-inf"), remaining)
+    if RENORMALIZE:
+        chosen_probs = chosen_probs / tl.sum(chosen_probs, axis=1)[:, None]
+    pair_valid = token_valid[:, None] & (offs_k[None, :] < TOP_K)
+    pairs = offs_t[:, None] * TOP_K + offs_k[None, :]
+    tl.store(weights_ptr + pairs, chosen_probs.to(weights_ptr.dtype.element_ty), mask=pair_valid)
+    tl.store(experts_ptr + pairs, chosen, mask=pair_valid)
+    # flat in pair order (t * TOP_K_BLOCK + slot grows with t * TOP_K + slot); -1 marks no pair
+    flat_pairs = tl.reshape(tl.where(pair_valid, pairs, -1), [TOKENS_BLOCK * TOP_K_BLOCK])
+    flat_experts = tl.reshape(tl.where(pair_valid, chosen, -1), [TOKENS_BLOCK * TOP_K_BLOCK])
+    onehot = (flat_experts[:, None] == offs_e[None, :]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    if ALIGN:
+        _place_pairs(sorted_pairs_ptr, block_experts_ptr, flat_pairs, flat_experts, rank, flat_pairs >= 0,
+                     tl.sum(onehot, axis=0), tl.zeros([EXPERTS_BLOCK], dtype=tl.int32), True,
+                     num_tokens * TOP_K, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
+    else:
+        tl.store(local_rank_ptr + flat_pairs, rank, mask=flat_pairs >= 0)
+        tl.store(block_counts_ptr + block * num_experts + offs_e, tl.sum(onehot, axis=0), mask=expert_valid)
+
+
+@triton.jit
+def _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
+                 with_padding, num_pairs, num_experts, capacity, BLOCK_M: tl.constexpr,
+                 EXPERTS_BLOCK: tl.constexpr):
+    """Each pair at row ``its expert's run start + earlier[expert] + rank``, the runs being the
+    experts' ``counts`` each padded to a multiple of BLOCK_M, in expert order; with
+    ``with_padding`` also the padding and the row blocks' experts."""
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
+    expert_valid = offs_e < num_experts
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    run_ends = tl.cumsum(padded, axis=0)
+    first_row = tl.where(expert_valid, run_ends - padded + earlier, 0)
+    row = tl.sum(tl.where(experts[:, None] == offs_e[None, :], first_row[None, :], 0), axis=1) + rank
+    tl.store(sorted_pairs_ptr + row, pairs, mask=pair_valid)
+    if with_padding:
+        _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
+                       num_experts, capacity, BLOCK_M)
+
+
+@triton.jit
+def _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
+                   num_experts, capacity, BLOCK_M: tl.constexpr):
+    """``num_pairs`` into each run's rows past its pairs and every row past the last run; each
+    row block's expert (the run holding its first row; -1 past the last run)."""
+    offs_r = tl.arange(0, BLOCK_M)
+    pad_rows = (run_ends - padded + counts)[:, None] + offs_r[None, :]
+    tl.store(sorted_pairs_ptr + pad_rows, num_pairs,
+             mask=expert_valid[:, None] & (offs_r[None, :] < (padded - counts)[:, None]))
+    total = tl.sum(padded, axis=0)
+    for start in range(0, capacity, 1024):
+        rows = start + tl.arange(0, 1024)
+        tl.store(sorted_pairs_ptr + rows, num_pairs, mask=(rows >= total) & (rows < capacity))
+    num_row_blocks = capacity // BLOCK_M
+    for start in range(0, num_row_blocks, 128):
+        blocks = start + tl.arange(0, 128)
+        before = (run_ends[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_valid[None, :]
+        expert = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.where(expert < num_experts, expert, -1),
+                 mask=blocks < num_row_blocks)
+
+
+@triton.jit
+def moe_align_kernel(experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs_ptr, block_experts_ptr,
+                     num_pairs, num_experts, num_token_blocks, capacity, TOP_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
+                     TOP_K_BLOCK: tl.constexpr, COUNT_ROWS: tl.constexpr):
+    """Program ``block`` writes its token block's pairs into their experts' padded runs (the
+    same layout as ``align_by_expert``); program 0 also the padding and the row blocks' experts."""
+    block = tl.program_id(0)
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
+    expert_valid = offs_e < num_experts
+    counts = tl.zeros([EXPERTS_BLOCK], dtype=tl.int32)
+    earlier = tl.zeros([EXPERTS_BLOCK], dtype=tl.int32)
+    for start in range(0, num_token_blocks, COUNT_ROWS):
+        rows = start + tl.arange(0, COUNT_ROWS)
+        tile = tl.load(block_counts_ptr + rows[:, None] * num_experts + offs_e[None, :],
+                       mask=(rows < num_token_blocks)[:, None] & expert_valid[None, :], other=0)
+        counts += tl.sum(tile, axis=0)
+        earlier += tl.sum(tl.where((rows < block)[:, None], tile, 0), axis=0)
+    offs_p = tl.arange(0, TOKENS_BLOCK * TOP_K_BLOCK)
+    pairs = block * (TOKENS_BLOCK * TOP_K) + offs_p
+    pair_valid = (offs_p < TOKENS_BLOCK * TOP_K) & (pairs < num_pairs)
+    experts = tl.load(experts_ptr + pairs, mask=pair_valid, other=-1)
+    rank = tl.load(local_rank_ptr + pairs, mask=pair_valid, other=0)
+    _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
+                 block == 0, num_pairs, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
+
+
+@triton.jit
+def _tile_position(num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program: ``GROUP_M`` row blocks walk each column tile
+    together (so the row blocks of one expert share its weight tile in L2)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_col_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_row_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, top_k,
-                       hidden, inter, stride_x, stride_w_expert, stride_w_row, stride_out,
+                       hidden, inter, num_row_blocks, stride_x, stride_w_expert, stride_w_row, stride_out,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for columns
     ``n`` of this program, the expert's gate rows at ``n`` and up rows at ``inter + n``."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_valid = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = offs_n < inter
-    w_base = w13_ptr + expert.to(tl.int64) * stride_w_expert
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    # columns past inter wrap onto real rows (loaded, never stored): no column mask in the loop
+    gate_ptrs = (w13_ptr + expert.to(tl.int64) * stride_w_expert
+                 + (offs_n % inter).to(tl.int64)[None, :] * stride_w_row + offs_k[:, None])
+    up_ptrs = gate_ptrs + inter * stride_w_row
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, hidden, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_valid = offs_k < hidden
-        a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
-                    mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w_mask = k_valid[:, None] & col_valid[None, :]
-        gate = tl.load(w_base + offs_n[None, :] * stride_w_row + offs_k[:, None], mask=w_mask, other=0.0)
-        up = tl.load(w_base + (inter + offs_n)[None, :] * stride_w_row + offs_k[:, None], mask=w_mask,
-                     other=0.0)
+        k_valid = offs_k < hidden - k_start
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        gate = tl.load(gate_ptrs, mask=k_valid[:, None], other=0.0)
+        up = tl.load(up_ptrs, mask=k_valid[:, None], other=0.0)
         acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
     activated = acc_gate * tl.sigmoid(acc_gate) * acc_up
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
-             activated.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+             activated.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_n < inter)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def moe_down_kernel(h_ptr, w2_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, weights_ptr, num_pairs,
-                    hidden, inter, stride_h, stride_w_expert, stride_w_row, stride_out,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """``out[pair, n] = weight[pair] * (h[pair] . down[n])`` for hidden columns ``n``."""
-    expert = tl.load(block_experts_ptr + tl.program_id(0))
+def moe_down_kernel(h_ptr, w2_ptr, partial_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, hidden, inter,
+                    num_row_blocks, k_per_split, stride_h, stride_w_expert, stride_w_row, stride_split,
+                    stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``partial[split, pair, n] = h[pair, K segment] . down[n, K segment]`` for hidden
+    columns ``n``; segment ``program_id(1)`` of ``k_per_split`` (a multiple of BLOCK_K)."""
+    pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_valid = pairs < num_pairs
     pairs = pairs.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_valid = offs_n < hidden
-    w_base = w2_ptr + expert.to(tl.int64) * stride_w_expert
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(inter, k_begin + k_per_split)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + pairs[:, None] * stride_h + (k_begin + offs_k)[None, :]
+    w_ptrs = (w2_ptr + expert.to(tl.int64) * stride_w_expert
+              + (offs_n % hidden).to(tl.int64)[None, :] * stride_w_row + (k_begin + offs_k)[:, None])
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, inter, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_valid = offs_k < inter
-        a = tl.load(h_ptr + pairs[:, None] * stride_h + offs_k[None, :],
-                    mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :] * stride_w_row + offs_k[:, None],
-                    mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        k_valid = offs_k < k_end - k_start
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_valid[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    weight = tl.load(weights_ptr + pairs, mask=row_valid, other=0.0).to(tl.float32)
-    out = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + pairs[:, None] * stride_out + offs_n[None, :], out,
-             mask=row_valid[:, None] & col_valid[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = (partial_ptr + tl.program_id(1) * stride_split + pairs[:, None] * stride_partial
+                + offs_n[None, :])
+    tl.store(out_ptrs, acc.to(partial_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & (offs_n < hidden)[None, :])
+
+
+@triton.jit
+def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, stride_partial, stride_out,
+                      SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_BLOCK: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """``out[token, n] = sum over slots of weight[pair] * (sum over splits of partial[split, pair, n])``
+    with ``pair = token * TOP_K + slot``, splits then slots in order."""
+    token = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_k = tl.arange(0, TOP_K_BLOCK)
+    pairs = (token * TOP_K + offs_k).to(tl.int64)
+    mask = (offs_k < TOP_K)[:, None] & (offs_h < hidden)[None, :]
+    ptrs = partial_ptr + pairs[:, None] * stride_partial + offs_h[None, :]
+    acc = tl.zeros([TOP_K_BLOCK, BLOCK_H], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(ptrs + split * stride_split, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weights_ptr + pairs, mask=offs_k < TOP_K, other=0.0).to(tl.float32)
+    out = tl.sum(acc * weight[:, None], axis=0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_h, out.to(out_ptr.dtype.element_ty),
+             mask=offs_h < hidden)

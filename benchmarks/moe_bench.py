@@ -1,0 +1,277 @@
+"""The fused MoE kernels (``kernels/fused_moe.py``) at the Qwen3-30B-A3B and Mixtral-8x7B expert
+shapes on one GPU, bf16, like vLLM's benchmark_moe.py: per token count, a sweep of launch
+configs for each grouped GEMM, each checked against ``moe_torch`` (float32), then the best
+config of the whole layer.
+
+Per (shape, tokens) it prints the routing + sort by expert in the two Triton kernels against
+the torch ops they replace; per row-block size the best gate/up and down configs (time, GB/s of
+the routed experts' weights, TFLOP/s); the whole fused layer with the best config and with the
+default heuristic. Then the lines to paste into ``src/pagedlab/kernels/fused_moe_configs.py``
+(``MOE_CONFIGS``) and the MoE time of a batch-1 decode step (all layers). Times are medians of
+CUDA-graph replays (``graph_seconds`` of gemv_bench.py: weights read from HBM, no launch gaps,
+as in a decode step's graph).
+
+The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
+size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
+K splits of the down projection throughout). The first
+run compiles every config (Triton caches them: a second run is mostly timing).
+
+    PYTHONPATH=src python3 benchmarks/moe_bench.py --out moe_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+
+import torch
+from gemv_bench import graph_seconds
+
+from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_triton, moe_gate_up_triton, moe_torch,
+                                        route_and_align_torch, route_and_align_triton)
+from pagedlab.kernels.fused_moe_configs import MoeConfig, MoeGemmConfig, default_moe_config
+
+# name: (experts, hidden, expert intermediate, top_k, renormalize, layers)
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, True, 48), "mixtral-8x7b": (8, 4096, 14336, 2, True, 32)}
+TOKENS = (1, 8, 64, 256, 2048)
+DEVICE = "cuda"
+
+
+def block_m_candidates(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
+    """Row-block sizes worth trying for this many pairs per expert."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 8:
+        return [16]
+    if per_expert <= 32:
+        return [16, 32]
+    return [32, 64] if per_expert <= 96 else [64, 128]
+
+
+def first_round(launch: str, block_m: int, n: int, k: int, row_blocks: int, sms: int) -> list[MoeGemmConfig]:
+    """Tiles at fixed warps/stages: narrow ones with long K steps where few rows per expert make
+    the launch a weight stream (16-row blocks), tensor-core tiles otherwise; for the down
+    projection each with K split for about 1, 2 and 4 programs per SM."""
+    if block_m == 16:
+        tiles = [MoeGemmConfig(bn, bk, num_stages=4) for bn in (16, 32, 64) for bk in (128, 256)]
+    else:
+        shapes = [(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4)]
+        if launch == "down" or block_m <= 64:
+            shapes.append((256, 64, 8))
+        tiles = [MoeGemmConfig(bn, bk, 8, num_warps=w) for bn, bk, w in shapes]
+    if launch == "gate_up":
+        return tiles
+    found = []
+    for tile in tiles:
+        k_steps = -(-k // tile.block_k)
+        programs = row_blocks * -(-n // tile.block_n)
+        for waves in (1, 2, 4):
+            split = max(1, min(k_steps // 2, -(-waves * sms // programs)))
+            found.append(replace(tile, split_k=split))
+    return list(dict.fromkeys(found))
+
+
+def second_round(best: MoeGemmConfig) -> list[MoeGemmConfig]:
+    """The best tile's neighbours: other stage counts, twice the warps, the other row grouping."""
+    return [replace(best, num_stages=s) for s in (2, 3, 5) if s != best.num_stages] + [
+        replace(best, num_warps=best.num_warps * 2), replace(best, group_m=1 if best.group_m > 1 else 8)]
+
+
+def try_config(config: MoeGemmConfig, check, timed, tolerance: float, moved_bytes: int, flops: int) -> dict:
+    """One candidate: the largest error of the layer's output it gives, its launch's time."""
+    result = dict(config=asdict(config))
+    try:
+        result["max_error"] = check(config)
+        seconds = graph_seconds(lambda: timed(config))
+    except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
+        return dict(result, us=float("inf"), ok=False, failed=f"{type(error).__name__}: {str(error)[:120]}")
+    return dict(result, us=seconds * 1e6, gbps=moved_bytes / seconds / 1e9, tflops=flops / seconds / 1e12,
+                ok=result["max_error"] <= tolerance)
+
+
+def sweep_launch(candidates: list[MoeGemmConfig], refine: bool, check, timed, tolerance: float,
+                 moved_bytes: int, flops: int) -> dict:
+    """The first round for one launch (with ``refine`` the second too); the fastest correct
+    config and every result."""
+    results = {}
+
+    def run(configs):
+        for config in configs:
+            if config not in results:
+                results[config] = try_config(config, check, timed, tolerance, moved_bytes, flops)
+        good = [c for c, r in results.items() if r["ok"]]
+        return min(good, key=lambda c: results[c]["us"]) if good else None
+
+    best = run(candidates)
+    if refine and best is not None:
+        best = run(second_round(best))
+    return dict(best=results[best] if best else None, candidates=list(results.values()))
+
+
+def bench_block_m(block_m: int, refine: bool, x, logits, w13, w2, spec: tuple, reference: torch.Tensor,
+                  sms: int) -> dict:
+    """Both grouped GEMMs' sweeps at one row-block size, the other launch at its default."""
+    num_experts, hidden, inter, top_k, renormalize, _ = spec
+    num_tokens = x.shape[0]
+    routing = route_and_align_triton(logits, top_k, renormalize, block_m, x.dtype)
+    default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
+    activated = moe_gate_up_triton(x, w13, routing, default.gate_up)
+    active = routing.experts.unique().numel()
+    row_blocks = (routing.block_experts >= 0).sum().item()
+    pairs = num_tokens * top_k
+    tolerance = 2e-2 * reference.abs().max().item()
+
+    def error(out):
+        return (out.float() - reference).abs().max().item()
+    gate_up = sweep_launch(
+        first_round("gate_up", block_m, inter, hidden, row_blocks, sms), refine,
+        lambda c: error(moe_down_triton(moe_gate_up_triton(x, w13, routing, c), w2, routing, default.down)),
+        lambda c: moe_gate_up_triton(x, w13, routing, c), tolerance, active * 2 * inter * hidden * 2,
+        4 * pairs * hidden * inter)
+    down = sweep_launch(
+        first_round("down", block_m, hidden, inter, row_blocks, sms), refine,
+        lambda c: error(moe_down_triton(activated, w2, routing, c)),
+        lambda c: moe_down_triton(activated, w2, routing, c), tolerance, active * hidden * inter * 2,
+        2 * pairs * hidden * inter)
+    return dict(gate_up=gate_up, down=down)
+
+
+def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int, gen) -> dict:
+    """Routing, both launches' sweeps at each row-block size, the whole layer best and default."""
+    spec = SHAPES[name]
+    num_experts, hidden, inter, top_k, renormalize, _ = spec
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+    # a random order of the experts, logits 0.05 apart: no near-ties, where two top-k's may differ
+    order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
+    logits = torch.argsort(order, dim=-1).float() * 0.05
+    reference = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
+    default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
+    route = {kind: graph_seconds(lambda f=f: f(logits, top_k, renormalize, default.block_m, x.dtype)) * 1e6
+             for kind, f in (("triton_us", route_and_align_triton), ("torch_us", route_and_align_torch))}
+    # the first round at every row-block size, then both rounds at the best one's
+    per_block_m = {bm: bench_block_m(bm, False, x, logits, w13, w2, spec, reference, sms)
+                   for bm in block_m_candidates(num_tokens, num_experts, top_k)}
+    first = best_config(per_block_m)
+    if first:
+        bm = first.block_m
+        per_block_m[bm] = bench_block_m(bm, True, x, logits, w13, w2, spec, reference, sms)
+    experts_read = torch.unique(torch.topk(logits, top_k, dim=-1).indices).numel()
+    record = dict(shape=name, tokens=num_tokens, route=route, experts_read=experts_read,
+                  expert_mb=experts_read * 3 * hidden * inter * 2 / 1e6,
+                  block_m={str(bm): r for bm, r in per_block_m.items()})
+    configs = {"default": default}
+    best = best_config(per_block_m)
+    if best:
+        configs["best"] = best
+    for kind, config in configs.items():
+        def layer(c=config):
+            return fused_moe_triton(x, logits, w13, w2, top_k, renormalize, c)
+        seconds = graph_seconds(layer)
+        record[kind] = dict(config=asdict(config), us=seconds * 1e6, gbps=record["expert_mb"] / seconds / 1e3,
+                            tflops=6 * num_tokens * top_k * hidden * inter / seconds / 1e12,
+                            max_error=(layer().float() - reference).abs().max().item())
+    return record
+
+
+def best_config(per_block_m: dict) -> MoeConfig | None:
+    """The row-block size whose best gate/up and down sum least, with those two configs."""
+    complete = {bm: r for bm, r in per_block_m.items() if r["gate_up"]["best"] and r["down"]["best"]}
+    if not complete:
+        return None
+
+    def total_us(bm):
+        return complete[bm]["gate_up"]["best"]["us"] + complete[bm]["down"]["best"]["us"]
+    bm = min(complete, key=total_us)
+    return MoeConfig(bm, MoeGemmConfig(**complete[bm]["gate_up"]["best"]["config"]),
+                     MoeGemmConfig(**complete[bm]["down"]["best"]["config"]))
+
+
+def _describe(result: dict | None) -> str:
+    if not result:
+        return "no correct config"
+    return (f"{result['us']:8.1f} us {result['gbps']:6.0f} GB/s {result['tflops']:6.1f} TFLOP/s "
+            f"err {result['max_error']:.1e}")
+
+
+def format_record(record: dict) -> str:
+    route = record["route"]
+    lines = [f"{record['shape']} {record['tokens']:>5} tokens ({record['experts_read']} experts read, "
+             f"{record['expert_mb']:.0f} MB): route+align Triton {route['triton_us']:.1f} us, "
+             f"torch {route['torch_us']:.1f} us"]
+    for bm, result in record["block_m"].items():
+        for launch in ("gate_up", "down"):
+            best = result[launch]["best"]
+            config = MoeGemmConfig(**best["config"]) if best else ""
+            lines.append(f"    block_m {bm:>3} {launch:>7} {_describe(best)} {config}")
+    for kind in ("best", "default"):
+        if kind in record:
+            lines.append(f"    fused layer {kind:>7} {_describe(record[kind])}")
+    return "\n".join(lines)
+
+
+def config_source(config: dict) -> str:
+    """A MoeConfig as the table writes it (positional fields)."""
+    def gemm(g):
+        return (f"MoeGemmConfig({g['block_n']}, {g['block_k']}, {g['group_m']}, {g['split_k']}, "
+                f"{g['num_warps']}, {g['num_stages']})")
+    return f"MoeConfig({config['block_m']}, {gemm(config['gate_up'])}, {gemm(config['down'])})"
+
+
+def table_lines(records: list[dict]) -> list[str]:
+    """The MOE_CONFIGS entries: every measured (shape, tokens), the swept best config or the
+    default where the whole layer ran faster with it."""
+    lines = []
+    for record in records:
+        num_experts, hidden, inter, top_k, _, _ = SHAPES[record["shape"]]
+        default = record["default"]
+        best = min(record.get("best", default), default, key=lambda r: r["us"])
+        key = (num_experts, hidden, inter, top_k, record["tokens"])
+        lines.append(f"    {key}:  # {record['shape']}: {best['us']:.1f} us, {best['gbps']:.0f} GB/s "
+                     f"(default {default['us']:.1f} us)")
+        lines.append(f"        {config_source(best['config'])},")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="moe_bench.json", help="JSON file of every measurement")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    args = parser.parse_args()
+    start = time.perf_counter()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16 activations and weights, float32 logits")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    records = []
+    for name in args.shapes:
+        num_experts, hidden, inter, _, _, _ = SHAPES[name]
+        w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
+        w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        w13_ref, w2_ref = w13.float(), w2.float()
+        for num_tokens in args.tokens:
+            records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
+            print(format_record(records[-1]), flush=True)
+        del w13, w2, w13_ref, w2_ref
+        torch.cuda.empty_cache()
+    lines = table_lines(records)
+    print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
+    estimates = {}
+    for record in records:
+        if record["tokens"] == 1:
+            layers = SHAPES[record["shape"]][5]
+            best_us = min(record.get("best", record["default"])["us"], record["default"]["us"])
+            estimates[record["shape"]] = ms = layers * best_us / 1e3
+            print(f"{record['shape']}: batch-1 MoE per decode step ({layers} layers) {ms:.2f} ms "
+                  f"(default config {layers * record['default']['us'] / 1e3:.2f} ms)")
+    elapsed = time.perf_counter() - start
+    print(f"{len(records)} (shape, tokens) in {elapsed:.0f} s; JSON in {args.out}")
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, records=records, table=lines,
+                       batch1_moe_ms=estimates, seconds=elapsed), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

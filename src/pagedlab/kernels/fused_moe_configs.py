@@ -1,0 +1,115 @@
+"""Launch configurations of the fused MoE kernels (``kernels/fused_moe.py``): the row block
+shared by both grouped GEMMs, and per GEMM the column and K tiles, the row-block grouping, the
+K split (down projection only), warps and pipeline stages. Chosen per (experts, hidden,
+intermediate, top_k) and token count from a measured table, else from a default heuristic.
+Pure Python (no torch, no triton).
+
+Every choice depends on host ints only (the token count, the weights' shapes), never on the
+routing, so a CUDA graph captures the same launches a later replay of that batch size runs.
+The table is filled from ``benchmarks/moe_bench.py``, which prints the lines to paste here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Above this many (token, expert) pairs the routing and the sort by expert run as torch ops
+# (``select_experts`` + ``align_by_expert``) instead of the two Triton kernels, whose sort scans
+# every earlier token block's counts in each program.
+ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
+# Rows of a tl.dot tile: the smallest M tensor cores take; also the smallest column and K tiles.
+DOT_MIN = 16
+
+
+def _check_powers(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two")
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """One grouped GEMM launch. ``block_n``/``block_k``: output columns and K per step of a
+    program; ``group_m``: row blocks walked together down each column tile (1: a row block
+    sweeps every column tile before the next); ``split_k``: K segments, each its own program,
+    summed by the reduce kernel (the down projection only: gate/up needs whole sums for silu);
+    ``num_warps``/``num_stages`` as in Triton. Positional order is the table's."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, launch: str) -> None:
+        """Raise ValueError if this config cannot run as ``launch`` ("gate_up" or "down")."""
+        _check_powers(block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps)
+        if min(self.block_n, self.block_k) < DOT_MIN:
+            raise ValueError(f"{self}: tl.dot tiles need block_n and block_k >= {DOT_MIN}")
+        if self.group_m < 1 or self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"{self}: group_m, split_k and num_stages must be >= 1")
+        if launch == "gate_up" and self.split_k != 1:
+            raise ValueError(f"{self}: gate/up cannot split K (silu needs the whole sums); split_k must be 1")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Both launches of one MoE layer: ``block_m`` rows of (token, expert) pairs per row block
+    (each expert's run is padded to it), then the gate/up and down GEMMs' configs."""
+
+    block_m: int
+    gate_up: MoeGemmConfig
+    down: MoeGemmConfig
+
+    def check(self) -> None:
+        """Raise ValueError if this config cannot run."""
+        _check_powers(block_m=self.block_m)
+        if self.block_m < DOT_MIN:
+            raise ValueError(f"{self}: block_m={self.block_m} must be >= {DOT_MIN} (a tl.dot tile)")
+        self.gate_up.check("gate_up")
+        self.down.check("down")
+
+
+def _fill_block_n(active_experts: int, n: int, sms: int) -> int:
+    """The widest column tile (64, 32 or 16) that still gives every SM a program."""
+    return next((b for b in (64, 32) if active_experts * -(-n // b) >= sms), 16)
+
+
+def default_moe_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                       sms: int = 132) -> MoeConfig:
+    """The heuristic for shapes the table lacks. Few pairs per expert (decode): 16-row blocks,
+    narrow column tiles and a K split of the down projection so the few routed experts' weights
+    are streamed by every SM; many: tensor-core tiles of 32 or 64 rows."""
+    pairs = num_tokens * top_k
+    per_expert = pairs / num_experts
+    if per_expert <= 16:
+        active = min(num_experts, pairs)
+        down_n = _fill_block_n(active, hidden, sms)
+        k_steps = -(-inter // 128)
+        split = max(1, min(k_steps // 2, -(-2 * sms // (active * -(-hidden // down_n)))))
+        return MoeConfig(16, MoeGemmConfig(_fill_block_n(active, inter, sms), 128, num_stages=4),
+                         MoeGemmConfig(down_n, 128, split_k=split, num_stages=4))
+    if per_expert <= 64:
+        return MoeConfig(32, MoeGemmConfig(64, 64, 8, num_stages=4), MoeGemmConfig(128, 64, 8, num_stages=4))
+    return MoeConfig(64, MoeGemmConfig(128, 64, 8, num_warps=8), MoeGemmConfig(128, 64, 8))
+
+
+# (num_experts, hidden, intermediate per rank, top_k, tokens) -> config, from
+# ``benchmarks/moe_bench.py`` on one H200 (times of CUDA-graph replays, weights read from HBM).
+# A token count takes the measured entry nearest it (in log2; a tie takes the smaller).
+# MoeGemmConfig fields: block_n, block_k, group_m, split_k, num_warps, num_stages.
+MOE_CONFIGS: dict[tuple[int, int, int, int, int], MoeConfig] = {}
+
+
+def moe_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k: int,
+               sms: int = 132) -> MoeConfig:
+    """The table's config for this shape at the measured token count nearest ``num_tokens``, else
+    ``default_moe_config``."""
+    measured = [(key[4], config) for key, config in MOE_CONFIGS.items()
+                if key[:4] == (num_experts, hidden, inter, top_k)]
+    if not measured:
+        return default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
+    target = math.log2(max(num_tokens, 1))
+    return min(measured, key=lambda entry: (abs(math.log2(entry[0]) - target), entry[0]))[1]
