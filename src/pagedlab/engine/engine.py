@@ -332,7 +332,8 @@ class LLMEngine:
             if previous is not None:
                 changed += self._process_output(previous)
             if launched is not None:
-                # a batch with grammars samples only now: its bitmask needs the tokens just read back
+                # a batch with grammars builds its sampling inputs only now (its bitmask needs the
+                # tokens just read back); the next launch or its read-back queues the sampler
                 self.runner.finish_sampling(launched)
                 if self.async_scheduling:
                     self._in_flight = launched

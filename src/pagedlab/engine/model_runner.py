@@ -11,7 +11,9 @@ host memory behind an event that ``LaunchedStep.result`` waits for.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +30,7 @@ from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
 from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
-from pagedlab.layers.sampler import Sampler, TopLogprobs, gather_logprobs
+from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
 from pagedlab.loader import ModelSource, load_model
 from pagedlab.lora.manager import LoRAManager
 
@@ -102,12 +104,20 @@ class LaunchedStep:
     logprobs: TopLogprobs | None = None  # host tensors, likewise
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     done: torch.cuda.Event | None = None  # recorded after the copies; None where work is synchronous
-    unsampled: tuple | None = None  # (inputs, logits) until ModelRunner.finish_sampling queues sampling
+    unsampled: tuple | None = None  # (inputs, logits) until ModelRunner.finish_sampling
+    pending_sampler: Callable[[], None] | None = None  # queues the sampler (see finish_sampling)
 
     def sample_rows(self) -> dict[Request, int]:
         return {request: row for row, request in enumerate(self.sampled_requests)}
 
+    def queue_sampler(self) -> None:
+        """Queue the sampler if ``finish_sampling`` left it pending; a no-op otherwise."""
+        if self.pending_sampler is not None:
+            queue, self.pending_sampler = self.pending_sampler, None
+            queue()
+
     def result(self) -> StepOutput:
+        self.queue_sampler()
         if self.done is not None:
             self.done.synchronize()
         token_ids = self.host_token_ids.tolist() if self.host_token_ids is not None else []
@@ -373,9 +383,10 @@ class ModelRunner:
             top.label_ranks)))
 
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's forward pass and sampling (sampling waits for ``finish_sampling`` when a
-        request has a grammar). A request whose input token is still pending takes it from
-        ``previous``'s sampled ids on the device, without a round trip to the host."""
+        """Queue the step's forward pass and sampling (when a request has a grammar, sampling
+        waits for ``finish_sampling`` and then this method's next call). A request whose input
+        token is still pending takes it from ``previous``'s sampled ids on the device, without a
+        round trip to the host."""
         try:
             return self._launch(batch, previous)
         except RuntimeError as e:
@@ -398,6 +409,8 @@ class ModelRunner:
                                        self.to_device)
             if self.workers is not None:
                 self.workers.send_step(inputs, table, batch.num_new_tokens)
+        if previous is not None:
+            previous.queue_sampler()  # its ids feed this step's inputs on the device
         with self.ranges.range("forward"):
             hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
             rows = inputs.sample_rows + inputs.prompt_rows
@@ -410,31 +423,42 @@ class ModelRunner:
         step.unsampled = (inputs, logits if rows else None)
         if not any(r.grammar is not None for r in inputs.sampled):
             self.finish_sampling(step)
+            step.queue_sampler()
         return step
 
     @torch.inference_mode()
     def finish_sampling(self, step: LaunchedStep) -> None:
-        """Queue the sampling of a launched step, if ``launch`` left it for later: a batch with
-        grammar rows samples only after the previous step was read back and its tokens advanced
-        the grammars, which the host does while the device runs this step's forward pass."""
+        """Sample a launched step that ``launch`` left unsampled (a batch with grammar rows, whose
+        bitmask needs the tokens of the step before, just read back). Its sampling inputs are
+        built and staged now, while the device runs its forward pass; the sampler itself is queued
+        by the next ``launch``, after that step's host preparation, so the device does not wait
+        for it (or by ``result()``, whichever comes first)."""
         if step.unsampled is None:
             return
         (inputs, logits), step.unsampled = step.unsampled, None
         with self.ranges.range("sample"):
-            self._sample(step, inputs, logits)
+            meta = build_sampling_metadata(inputs.sampled, self.to_device, self.vocab_size) \
+                if inputs.sampled else None
         if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
-            step.done.record()
-            self.to_device.end_step(step.done)
+            staged = torch.cuda.Event()
+            staged.record()
+            self.to_device.end_step(staged)
+        step.pending_sampler = functools.partial(self._queue_sampler, step, inputs, logits, meta)
 
-    def _sample(self, step: LaunchedStep, inputs: StepInputs, logits: torch.Tensor | None) -> None:
-        """Queue the sampling of the step's sampled rows; the token ids go to the host asynchronously."""
-        if inputs.sampled:
-            out = self.sampler(logits[:len(inputs.sample_rows)],
-                               build_sampling_metadata(inputs.sampled, self.to_device, self.vocab_size))
-            step.sampled_token_ids = out.token_ids
-            step.host_token_ids = self._to_host(out.token_ids)
-            step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
+    @torch.inference_mode()
+    def _queue_sampler(self, step: LaunchedStep, inputs: StepInputs, logits: torch.Tensor | None,
+                       meta: SamplingMetadata | None) -> None:
+        """Queue the sampling of the step's sampled rows; the token ids go to the host
+        asynchronously, and ``step.done`` marks the end of it all."""
+        with self.numerics(), self.ranges.range("sample"):
+            if inputs.sampled:
+                out = self.sampler(logits[:len(inputs.sample_rows)], meta)
+                step.sampled_token_ids = out.token_ids
+                step.host_token_ids = self._to_host(out.token_ids)
+                step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
 
     def _prepare_inputs(self, batch: ScheduledBatch, previous_rows: dict[Request, int]) -> StepInputs:
         inputs = StepInputs()

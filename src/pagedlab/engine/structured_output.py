@@ -5,7 +5,9 @@ matcher over its compiled grammar). The output processor feeds it every token th
 keeps; before a step samples, each grammar row of the batch fills one row of a packed bitmask
 (32 token ids per int32 word), which the sampler unpacks on the device and applies to the logits.
 With asynchronous scheduling the runner queues the forward pass first and fills the bitmask while
-the device computes it (see ``ModelRunner.finish_sampling``). Requests without a grammar pay nothing.
+the device computes it; the sampler is queued after the host has prepared the next step, so the
+device does not sit idle while it does (see ``ModelRunner.finish_sampling``). Requests without a
+grammar pay nothing.
 
 xgrammar is imported on the first structured request; without it such a request is a ValueError
 naming the package, and nothing else changes.
