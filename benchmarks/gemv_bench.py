@@ -1,16 +1,18 @@
-"""Decode GEMVs and small GEMMs of Llama-3-8B's linear layers on one GPU: cuBLAS bf16 (F.linear),
-the Triton dense GEMV (``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``),
-each Triton kernel over a small sweep of ``TileConfig``s, checked against its torch reference.
+"""Decode GEMVs and small GEMMs of a model's linear layers (Llama-3-8B's by default; ``--shape``
+names another known shape) on one GPU: cuBLAS bf16 (F.linear), the Triton dense GEMV
+(``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``), each Triton kernel over
+a small sweep of ``TileConfig``s, checked against its torch reference.
 
 Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
 achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
 time) and its fraction of 4.8 TB/s, the best config and the largest error; then the lines to paste
 into ``src/pagedlab/kernels/gemv_configs.py`` and the batch-1 decode GEMV time per token summed
-over the 32 layers and the LM head. Times are medians of CUDA-graph replays (``graph_seconds``:
+over the layers and the LM head. Times are medians of CUDA-graph replays (``graph_seconds``:
 weights read from HBM, no launch gaps, as in a decode step's graph). The first run compiles every
 config (Triton caches them).
 
     PYTHONPATH=src python3 benchmarks/gemv_bench.py --out gemv.json
+    PYTHONPATH=src python3 benchmarks/gemv_bench.py --shape gemma2-9b --tp 1 --out gemv_gemma2.json
 """
 
 from __future__ import annotations
@@ -31,16 +33,21 @@ from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_aw
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
 from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row
+from pagedlab.workloads import model_shape
 
 PEAK_BYTES_PER_S = 4.8e12
-HIDDEN, INTERMEDIATE, VOCAB, LAYERS, Q_SIZE, KV_SIZE = 4096, 14336, 128256, 32, 4096, 1024
-
-
-def llama3_8b_linears(tp: int) -> list[tuple[str, int, int]]:
-    """(name, N, K) of each linear on one rank: column-parallel ones cut N, row-parallel ones K."""
-    return [("qkv", (Q_SIZE + 2 * KV_SIZE) // tp, HIDDEN), ("o", HIDDEN, Q_SIZE // tp),
-            ("gate_up", 2 * INTERMEDIATE // tp, HIDDEN), ("down", HIDDEN, INTERMEDIATE // tp),
-            ("lm_head", VOCAB // tp, HIDDEN)]
+def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each linear of a known shape (``pagedlab.workloads.model_shape``) on one
+    rank: column-parallel ones cut N, row-parallel ones K. A mixture of experts lists its
+    attention and LM head only (its experts run in the fused MoE kernels)."""
+    c = model_shape(shape)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    linears = [("qkv", (q + 2 * kv) // tp, c.hidden_size), ("o", c.hidden_size, q // tp)]
+    if not getattr(c, "num_local_experts", None) and not getattr(c, "num_experts", None):
+        linears += [("gate_up", 2 * c.intermediate_size // tp, c.hidden_size),
+                    ("down", c.hidden_size, c.intermediate_size // tp)]
+    return linears + [("lm_head", c.vocab_size // tp, c.hidden_size)]
 
 
 def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[TileConfig]:
@@ -244,8 +251,8 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
     return lines(awq), lines(dense), lines(fp8)
 
 
-def decode_estimates(records: list[dict]) -> dict:
-    """Per TP size: the batch-1 linear time of one token, 32 layers plus the LM head, for bf16
+def decode_estimates(records: list[dict], num_layers: int) -> dict:
+    """Per TP size: the batch-1 linear time of one token, every layer plus the LM head, for bf16
     (the faster of cuBLAS and the GEMV), FP8 and AWQ (their kernels, the LM head in bf16)."""
     estimates = {}
     for tp in sorted({r["tp"] for r in records}):
@@ -257,11 +264,11 @@ def decode_estimates(records: list[dict]) -> dict:
             gemv = r.get("gemv", {}).get("best")
             return min(r["cublas"]["us"], gemv["us"] if gemv else float("inf"))
         layers = ("qkv", "o", "gate_up", "down")
-        bf16 = LAYERS * sum(bf16_us(one[name]) for name in layers) + bf16_us(one["lm_head"])
+        bf16 = num_layers * sum(bf16_us(one[name]) for name in layers) + bf16_us(one["lm_head"])
         awq_ok = all(one[name]["awq"]["best"] for name in layers)
-        awq = (LAYERS * sum(one[name]["awq"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
+        awq = (num_layers * sum(one[name]["awq"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
                if awq_ok else None)
-        fp8 = LAYERS * sum(one[name]["fp8"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
+        fp8 = num_layers * sum(one[name]["fp8"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
         estimates[tp] = dict(bf16_ms=bf16 / 1e3, awq_ms=awq / 1e3 if awq else None, fp8_ms=fp8 / 1e3)
     return estimates
 
@@ -270,6 +277,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gemv_bench.json", help="JSON file of every measurement")
+    parser.add_argument("--shape", default="llama3-8b", help="a known model shape (pagedlab.workloads)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
@@ -281,17 +289,17 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     records = []
     for tp in args.tp:
-        for name, n, k in llama3_8b_linears(tp):
+        for name, n, k in model_linears(args.shape, tp):
             if name in args.layers:
                 records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen)
     awq_lines, dense_lines, fp8_lines = table_lines(records, args.group_size)
-    estimates = decode_estimates(records)
+    estimates = decode_estimates(records, model_shape(args.shape).num_hidden_layers)
     print("\n# paste into src/pagedlab/kernels/gemv_configs.py\nAWQ_CONFIGS = {", *awq_lines, "}", sep="\n")
     print("DENSE_GEMV_CONFIGS = {", *dense_lines, "}", sep="\n")
     print("FP8_GEMV_CONFIGS = {", *fp8_lines, "}", sep="\n")
     for tp, estimate in estimates.items():
         awq = f"{estimate['awq_ms']:.2f} ms" if estimate["awq_ms"] else "n/a"
-        print(f"TP={tp} batch-1 linears per token (32 layers + LM head, per rank): "
+        print(f"TP={tp} batch-1 linears per token (every layer + LM head, per rank): "
               f"bf16 {estimate['bf16_ms']:.2f} ms, FP8 {estimate['fp8_ms']:.2f} ms, AWQ {awq}")
     elapsed = time.perf_counter() - start
     print(f"{len(records)} shapes in {elapsed:.0f} s; JSON in {args.out}")
