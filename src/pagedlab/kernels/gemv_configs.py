@@ -11,7 +11,7 @@ The tables are filled from ``benchmarks/gemv_bench.py``, which prints the lines 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Batches of at most this many rows take a GEMV kernel (all rows in one program, K split).
 GEMV_MAX_ROWS = 16
@@ -180,12 +180,52 @@ def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_
                       block_m=0 if rows <= 4 else DOT_MIN_ROWS, num_warps=4, num_stages=2)
 
 
-# The batch-invariant matmul (``kernels/batch_invariant.py``): ONE tile for every row count, so a
-# row's reduction never depends on the batch; Hopper-sized (bf16: 128 x 128 x 64, 8 warps, 3
-# stages, as the persistent matmuls of vLLM's and Thinking Machines' batch-invariant modes).
+# The batch-invariant matmul (``kernels/batch_invariant.py``). A row's sum over K is fixed by the
+# config's block_k and split_k (K segments, summed in segment order) and by the tensor-core
+# instruction its tiles compile to, never by the batch. The default: ONE Hopper-sized tile for
+# every row count (bf16: 128 x 128 x 64, 8 warps, 3 stages, as the persistent matmuls of vLLM's
+# and Thinking Machines' batch-invariant modes), K segments from ``batch_invariant_splits``.
 BATCH_INVARIANT_TILE = TileConfig(block_n=128, block_k=64, block_m=128, num_warps=8, num_stages=3)
 # Fewest K steps in one segment of the batch-invariant matmul.
 BATCH_INVARIANT_MIN_SEGMENT_STEPS = 4
+# Row buckets of BATCH_INVARIANT_CONFIGS: a batch takes the smallest bucket that holds it.
+BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024)
+# (row bucket, N, K) -> config of the batch-invariant matmul (split_k: its K segments), pasted
+# from ``benchmarks/batch_invariant_bench.py``. All entries of one (N, K) share block_k and
+# split_k, and the bench (and tests/test_batch_invariant_gpu.py) found their outputs bitwise
+# equal on the GPU: tiles of other rows or columns, warps or stages may differ only where they
+# compile to an instruction that rounds the same. A shape not listed takes the default.
+BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
+
+
+def batch_invariant_row_bucket(rows: int) -> int:
+    """The BATCH_INVARIANT_CONFIGS bucket of a batch of ``rows`` rows (the largest for more)."""
+    return next((bucket for bucket in BATCH_INVARIANT_ROW_BUCKETS if rows <= bucket),
+                BATCH_INVARIANT_ROW_BUCKETS[-1])
+
+
+def batch_invariant_config(rows: int, out_features: int, in_features: int, num_sms: int,
+                           table: dict[tuple[int, int, int], TileConfig] | None = None) -> TileConfig:
+    """The batch-invariant matmul's config for a batch of ``rows`` rows: the table's entry for its
+    bucket; for a shape the table lists at other buckets only, the entry of the nearest listed
+    bucket (never the default, whose sum may round differently); else ``BATCH_INVARIANT_TILE``
+    with ``batch_invariant_splits`` segments."""
+    table = BATCH_INVARIANT_CONFIGS if table is None else table
+    shape = (out_features, in_features)
+    listed = {bucket: config for (bucket, *weight), config in table.items() if tuple(weight) == shape}
+    if not listed:
+        splits = batch_invariant_splits(out_features, in_features, BATCH_INVARIANT_TILE, num_sms)
+        return replace(BATCH_INVARIANT_TILE, split_k=splits)
+    wanted = batch_invariant_row_bucket(rows)
+    return listed[min(listed, key=lambda bucket: (abs(bucket - wanted), bucket))]
+
+
+def check_batch_invariant_config(config: TileConfig) -> None:
+    """Raise ValueError unless ``config`` can run the batch-invariant matmul: ``tl.dot`` tiles of
+    at least 16 rows, powers of two, split_k >= 1 K segments."""
+    if config.block_m < DOT_MIN_ROWS:
+        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}")
+    config.check(config.block_m, gemv=True)
 
 
 def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig, num_sms: int) -> int:
