@@ -198,6 +198,22 @@ BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024)
 BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
 
 
+def check_batch_invariant_table(table: dict[tuple[int, int, int], TileConfig]) -> None:
+    """Raise ValueError unless every key's bucket is in BATCH_INVARIANT_ROW_BUCKETS, every config
+    can run (``check_batch_invariant_config``) and the entries of one (N, K) share block_k and
+    split_k: the K steps and segments that fix a row's sum."""
+    segments: dict[tuple[int, int], tuple[int, int]] = {}
+    for (bucket, n, k), config in table.items():
+        if bucket not in BATCH_INVARIANT_ROW_BUCKETS:
+            raise ValueError(f"row bucket {bucket} of ({n}, {k}) is not one of {BATCH_INVARIANT_ROW_BUCKETS}")
+        check_batch_invariant_config(config)
+        found = segments.setdefault((n, k), (config.block_k, config.split_k))
+        if found != (config.block_k, config.split_k):
+            raise ValueError(f"({n}, {k}) has entries with (block_k, split_k) {found} and "
+                             f"{(config.block_k, config.split_k)}: one shape needs one, or its rows' sums "
+                             "would follow the batch")
+
+
 def batch_invariant_row_bucket(rows: int) -> int:
     """The BATCH_INVARIANT_CONFIGS bucket of a batch of ``rows`` rows (the largest for more)."""
     return next((bucket for bucket in BATCH_INVARIANT_ROW_BUCKETS if rows <= bucket),
@@ -235,3 +251,6 @@ def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig
     tiles = -(-out_features // tile.block_n)
     k_steps = -(-in_features // tile.block_k)
     return max(1, min(k_steps // BATCH_INVARIANT_MIN_SEGMENT_STEPS, -(-num_sms // tiles)))
+
+
+check_batch_invariant_table(BATCH_INVARIANT_CONFIGS)
