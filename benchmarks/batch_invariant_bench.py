@@ -47,8 +47,11 @@ CANDIDATE_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 
                    (64, 64, 64, 4, 4), (16, 64, 64, 4, 4), (16, 128, 64, 4, 4), (128, 128, 128, 8, 3),
                    (64, 128, 128, 4, 3), (16, 64, 128, 4, 4)]
 DEVICE = "cuda"
-# (sequences, keys) of the decode attention timed: W-seed's batch 1 near its end, batch 256 halfway
-DECODE_ATTENTION = ((1, 640), (256, 576))
+# (phase, sequences, new tokens each, keys each) of the attention timed: W-seed's decode at batch
+# 1 near its end and at batch 256 halfway, and a prefill step of the default 8,192-token budget
+ATTENTION_CASES = (("decode", 1, 1, 640), ("decode", 256, 1, 576), ("prefill", 16, 512, 512))
+# Query-tile rows of batch-invariant attention timed (the mode's is paged_attention.BATCH_INVARIANT_BLOCK_M)
+INVARIANT_ATTENTION_ROWS = (16, 32, 64)
 # A config this many times slower than the default mode at some row count is not timed at more rows.
 GIVE_UP_SLOWDOWN = 3.0
 # The LM head runs on one row per sequence: never more rows than the largest decode batch.
@@ -250,42 +253,54 @@ def step_estimates(results: list[dict]) -> dict:
     return estimates
 
 
-def decode_attention_inputs(batch: int, keys: int, gen: torch.Generator, heads: int = 32, kv_heads: int = 8,
-                            head_dim: int = 128, block_size: int = 16) -> dict:
-    """A decode step's attention inputs (bf16): ``batch`` sequences of ``keys`` to ``keys + 63``
-    keys in shuffled cache blocks."""
-    seq_lens = keys + torch.randint(0, 64 if batch > 1 else 1, (batch,), device=DEVICE, generator=gen)
+def attention_inputs(seqs: int, query_len: int, keys: int, gen: torch.Generator, heads: int = 32,
+                     kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> tuple:
+    """``paged_attention_triton``'s positional inputs (bf16): ``seqs`` sequences of ``query_len``
+    new tokens and ``keys`` keys (decode batches: up to 63 more, varied) in shuffled cache blocks."""
+    spread = 64 if seqs > 1 and query_len == 1 else 1
+    seq_lens = keys + torch.randint(0, spread, (seqs,), device=DEVICE, generator=gen)
     blocks_per_seq = -(-int(seq_lens.max()) // block_size)
-    num_blocks = batch * blocks_per_seq
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
-    return dict(q=torch.randn(batch, heads, head_dim, device=DEVICE, generator=gen).bfloat16(),
-                k_cache=torch.randn(cache_shape, device=DEVICE, generator=gen).bfloat16(),
-                v_cache=torch.randn(cache_shape, device=DEVICE, generator=gen).bfloat16(),
-                query_start_loc=torch.arange(batch + 1, device=DEVICE, dtype=torch.int32),
-                seq_lens=seq_lens.int(),
-                block_tables=torch.randperm(num_blocks, device=DEVICE, generator=gen).int().view(batch, -1))
+    cache_shape = (seqs * blocks_per_seq, block_size, kv_heads, head_dim)
+    blocks = torch.randperm(seqs * blocks_per_seq, device=DEVICE, generator=gen).int().view(seqs, -1)
+    return (torch.randn(seqs * query_len, heads, head_dim, device=DEVICE, generator=gen).bfloat16(),
+            torch.randn(cache_shape, device=DEVICE, generator=gen).bfloat16(),
+            torch.randn(cache_shape, device=DEVICE, generator=gen).bfloat16(),
+            torch.arange(0, seqs * query_len + 1, query_len, device=DEVICE, dtype=torch.int32),
+            seq_lens.int(), blocks)
 
 
 def bench_attention(gen: torch.Generator) -> list[dict]:
-    """Decode attention in both modes: the default picks split-KV as the backend does."""
-    from pagedlab.kernels.paged_attention import choose_split_kv_size, paged_attention_triton
+    """Attention of one layer in the default mode (split-KV where the backend picks it) and in
+    batch-invariant mode at each query-tile size of ``INVARIANT_ATTENTION_ROWS`` (the mode uses
+    ``paged_attention.BATCH_INVARIANT_BLOCK_M`` for every launch, decode and prefill alike)."""
+    from pagedlab.kernels import paged_attention
 
     found = []
-    for batch, keys in DECODE_ATTENTION:
-        args = tuple(decode_attention_inputs(batch, keys, gen).values())
-        seq_lens = args[4]
-        max_seq_len = int(seq_lens.max())
-        kv_bytes = 2 * int(seq_lens.sum()) * 8 * 128 * 2
-        split = choose_split_kv_size(batch, 8, 1, max_seq_len)
-        times = {}
-        modes = {"default": dict(split_kv_size=split), "invariant": dict(batch_invariant=True)}
-        for mode, kwargs in modes.items():
-            kwargs.update(max_query_len=1, max_seq_len=max_seq_len)
-            seconds = graph_seconds(lambda a=args, kw=kwargs: paged_attention_triton(*a, 128 ** -0.5, **kw))
-            times[mode] = dict(us=seconds * 1e6, gbps=kv_bytes / seconds / 1e9)
-        found.append(dict(kernel="decode attention (one layer)", batch=batch, keys=max_seq_len,
-                          split_kv=split, **times))
+    tile_rows = paged_attention.BATCH_INVARIANT_BLOCK_M
+    for phase, seqs, query_len, keys in ATTENTION_CASES:
+        args = attention_inputs(seqs, query_len, keys, gen)
+        max_seq_len = int(args[4].max())
+        split = paged_attention.choose_split_kv_size(seqs, 8, query_len, max_seq_len)
+        bounds = dict(max_query_len=query_len, max_seq_len=max_seq_len)
+        record = dict(kernel=f"{phase} attention (one layer)", batch=seqs, query_len=query_len,
+                      keys=max_seq_len, split_kv=split,
+                      default=dict(us=_attention_us(args, split_kv_size=split, **bounds)))
+        try:
+            for rows in INVARIANT_ATTENTION_ROWS:
+                paged_attention.BATCH_INVARIANT_BLOCK_M = rows
+                invariant_us = _attention_us(args, batch_invariant=True, **bounds)
+                record[f"invariant_{rows}_rows"] = dict(us=invariant_us)
+        finally:
+            paged_attention.BATCH_INVARIANT_BLOCK_M = tile_rows
+        record["invariant"] = record[f"invariant_{tile_rows}_rows"]
+        found.append(record)
     return found
+
+
+def _attention_us(args: tuple, **kwargs) -> float:
+    from pagedlab.kernels.paged_attention import paged_attention_triton
+
+    return graph_seconds(lambda: paged_attention_triton(*args, 128 ** -0.5, **kwargs)) * 1e6
 
 
 def bench_norm_and_softmax(gen: torch.Generator) -> list[dict]:
@@ -318,8 +333,11 @@ def _both_modes(kernel: str, rows: int, fn) -> dict:
 
 def format_other(record: dict) -> str:
     default, invariant = record["default"]["us"], record["invariant"]["us"]
-    return (f"{record['kernel']:>32} batch {record['batch']:>4}: default {default:7.1f} us, invariant "
-            f"{invariant:7.1f} us ({invariant / default:.2f}x)")
+    text = (f"{record['kernel']:>32} batch {record['batch']:>4}: default {default:8.1f} us, invariant "
+            f"{invariant:8.1f} us ({invariant / default:.2f}x)")
+    tiles = [f"{key.split('_')[1]} rows {found['us']:.1f} us" for key, found in record.items()
+             if key.startswith("invariant_")]
+    return text + (f"; invariant query tile of {', '.join(tiles)}" if tiles else "")
 
 
 def main() -> None:

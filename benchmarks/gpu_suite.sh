@@ -13,7 +13,7 @@ for part in "$@"; do
     tests) nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
            python3 -m pytest -m gpu tests/test_gpu.py tests/test_kv_fp8_kernels.py tests/test_kv_fp8_engine.py \
                tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py \
-               tests/test_batch_invariant_gpu.py -q -s \
+               tests/test_batch_invariant_gpu.py tests/test_batch_invariant_attention.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
     gemv)  python3 benchmarks/gemv_bench.py --out "$OUT/gemv.json" ;;
     # the batch-invariant matmul's configs (verified bitwise, the BATCH_INVARIANT_CONFIGS lines to

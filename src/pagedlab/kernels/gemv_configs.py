@@ -188,8 +188,9 @@ def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_
 BATCH_INVARIANT_TILE = TileConfig(block_n=128, block_k=64, block_m=128, num_warps=8, num_stages=3)
 # Fewest K steps in one segment of the batch-invariant matmul.
 BATCH_INVARIANT_MIN_SEGMENT_STEPS = 4
-# Row buckets of BATCH_INVARIANT_CONFIGS: a batch takes the smallest bucket that holds it.
-BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024)
+# Row buckets of BATCH_INVARIANT_CONFIGS: a batch takes the smallest bucket that holds it (8192:
+# a prefill step at the default token budget).
+BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024, 8192)
 # (row bucket, N, K) -> config of the batch-invariant matmul (split_k: its K segments), pasted
 # from ``benchmarks/batch_invariant_bench.py``. All entries of one (N, K) share block_k and
 # split_k, and the bench (and tests/test_batch_invariant_gpu.py) found their outputs bitwise
