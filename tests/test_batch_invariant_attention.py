@@ -1,8 +1,10 @@
 """Batch-invariant attention (``paged_attention_triton(batch_invariant=True)``): a token's output
-is bitwise the same prefilled with its whole prompt, in a later prefill chunk, decoded alone and
-decoded beside other sequences, at each query-tile size the mode may be given
-(``paged_attention.BATCH_INVARIANT_BLOCK_M``: 16 rows cost a decode step least, 64 a long prefill).
-Small heads under the interpreter on the CPU; Llama-3-8B's heads in bf16 on the GPU (``-m gpu``)."""
+is bitwise the same prefilled with its whole prompt, in a later prefill chunk, decoded beside
+other sequences and decoded with its keys split across programs (the mode's fixed key segments,
+``BATCH_INVARIANT_SPLIT_KV_SIZE``, which every launch folds in one order), at each query-tile
+size the mode may be given (``BATCH_INVARIANT_BLOCK_M``: 16 rows cost a decode step least, 64 a
+long prefill). Small heads under the interpreter on the CPU; Llama-3-8B's heads in bf16 on the
+GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -13,27 +15,29 @@ from test_batch_invariant import DEVICE  # sets the interpreter up on a machine 
 
 BLOCK_SIZE = 16
 CASES = [
-    pytest.param(dict(heads=4, kv_heads=2, head_dim=16, tokens=40, dtype=torch.float32, tile_rows=(16, 64)),
-                 id="small"),
+    pytest.param(dict(heads=4, kv_heads=2, head_dim=16, tokens=150, dtype=torch.float32, tile_rows=(16, 64),
+                      segment=64), id="small"),
     pytest.param(dict(heads=32, kv_heads=8, head_dim=128, tokens=700, dtype=torch.bfloat16,
-                      tile_rows=(16, 32, 64)), id="llama3-8b-bf16",
+                      tile_rows=(16, 32, 64), segment=256), id="llama3-8b-bf16",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                             reason="needs a CUDA GPU")]),
 ]
 
 
-def _attend(q, k_cache, v_cache, query_lens, seq_lens, block_tables):
+def _attend(q, k_cache, v_cache, query_lens, seq_lens, block_tables, split_kv_size=None):
     from pagedlab.kernels.paged_attention import paged_attention_triton
 
     starts = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).int()
     return paged_attention_triton(q, k_cache, v_cache, starts, torch.tensor(seq_lens, device=DEVICE).int(),
-                                  block_tables, q.shape[-1] ** -0.5, batch_invariant=True)
+                                  block_tables, q.shape[-1] ** -0.5, split_kv_size=split_kv_size,
+                                  batch_invariant=True)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_token_has_the_same_bits_prefilled_chunked_and_decoded(case, monkeypatch):
     from pagedlab.kernels import paged_attention
 
+    monkeypatch.setattr(paged_attention, "BATCH_INVARIANT_SPLIT_KV_SIZE", case["segment"])
     g = torch.Generator().manual_seed(5)
     tokens, heads, dim = case["tokens"], case["heads"], case["head_dim"]
     blocks_per_seq = -(-tokens // BLOCK_SIZE)
@@ -51,5 +55,8 @@ def test_a_token_has_the_same_bits_prefilled_chunked_and_decoded(case, monkeypat
             assert torch.equal(chunk, full[context:]), (tile_rows, context)
         decode_batch = torch.stack([others_q[0], q[-1], others_q[1]])
         lengths = [tokens // 2, tokens, tokens - 5]
-        decoded = _attend(decode_batch, k_cache, v_cache, [1, 1, 1], lengths, tables)
-        assert torch.equal(decoded[1], full[-1]), tile_rows
+        for split in (None, case["segment"]):
+            decoded = _attend(decode_batch, k_cache, v_cache, [1, 1, 1], lengths, tables, split)
+            assert torch.equal(decoded[1], full[-1]), (tile_rows, split)
+    with pytest.raises(ValueError, match="split_kv_size=128"):
+        _attend(q[-1:], k_cache, v_cache, [1], [tokens], tables[1:2], split_kv_size=128)
