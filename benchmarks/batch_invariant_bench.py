@@ -274,9 +274,10 @@ def attention_inputs(seqs: int, query_len: int, keys: int, gen: torch.Generator,
 
 
 def bench_attention(gen: torch.Generator) -> list[dict]:
-    """Attention of one layer in the default mode (split-KV where the backend picks it) and in
-    batch-invariant mode at each query-tile size of ``INVARIANT_ATTENTION_ROWS`` (the mode uses
-    ``paged_attention.BATCH_INVARIANT_BLOCK_M`` for every launch, decode and prefill alike)."""
+    """Attention of one layer in the default mode and in batch-invariant mode (each splitting keys
+    where the backend would: the mode into its fixed segments) at each query-tile size of
+    ``INVARIANT_ATTENTION_ROWS`` (the mode uses ``paged_attention.BATCH_INVARIANT_BLOCK_M`` for
+    every launch, decode and prefill alike)."""
     from pagedlab.kernels import paged_attention
 
     found = []
@@ -285,14 +286,17 @@ def bench_attention(gen: torch.Generator) -> list[dict]:
         args = attention_inputs(seqs, query_len, keys, gen)
         max_seq_len = int(args[4].max())
         split = paged_attention.choose_split_kv_size(seqs, 8, query_len, max_seq_len)
+        invariant_split = paged_attention.choose_split_kv_size(seqs, 8, query_len, max_seq_len,
+                                                               paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE)
         bounds = dict(max_query_len=query_len, max_seq_len=max_seq_len)
+        invariant = dict(batch_invariant=True, split_kv_size=invariant_split, **bounds)
         record = dict(kernel=f"{phase} attention (one layer)", batch=seqs, query_len=query_len,
-                      keys=max_seq_len, split_kv=split,
+                      keys=max_seq_len, split_kv=split, split_kv_invariant=invariant_split,
                       default=dict(us=_attention_us(args, split_kv_size=split, **bounds)))
         try:
             for rows in sorted({*INVARIANT_ATTENTION_ROWS, tile_rows}):
                 paged_attention.BATCH_INVARIANT_BLOCK_M = rows
-                invariant_us = _attention_us(args, batch_invariant=True, **bounds)
+                invariant_us = _attention_us(args, **invariant)
                 record[f"invariant_{rows}_rows"] = dict(us=invariant_us)
         finally:
             paged_attention.BATCH_INVARIANT_BLOCK_M = tile_rows
