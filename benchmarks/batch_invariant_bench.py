@@ -275,34 +275,41 @@ def attention_inputs(seqs: int, query_len: int, keys: int, gen: torch.Generator,
 
 def bench_attention(gen: torch.Generator) -> list[dict]:
     """Attention of one layer in the default mode and in batch-invariant mode (each splitting keys
-    where the backend would: the mode into its fixed segments) at each query-tile size of
-    ``INVARIANT_ATTENTION_ROWS`` (the mode uses ``paged_attention.BATCH_INVARIANT_BLOCK_M`` for
-    every launch, decode and prefill alike)."""
+    where the backend would: the mode only into its fixed key segments) at each query-tile size
+    of ``INVARIANT_ATTENTION_ROWS``, with the mode's key segments (``BATCH_INVARIANT_SPLIT_KV_SIZE``)
+    and without any (0). Both constants hold for every launch of the mode, decode and prefill."""
     from pagedlab.kernels import paged_attention
 
     found = []
-    tile_rows = paged_attention.BATCH_INVARIANT_BLOCK_M
+    settings = (paged_attention.BATCH_INVARIANT_BLOCK_M, paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE)
     for phase, seqs, query_len, keys in ATTENTION_CASES:
         args = attention_inputs(seqs, query_len, keys, gen)
-        max_seq_len = int(args[4].max())
-        split = paged_attention.choose_split_kv_size(seqs, 8, query_len, max_seq_len)
-        invariant_split = paged_attention.choose_split_kv_size(seqs, 8, query_len, max_seq_len,
-                                                               paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE)
-        bounds = dict(max_query_len=query_len, max_seq_len=max_seq_len)
-        invariant = dict(batch_invariant=True, split_kv_size=invariant_split, **bounds)
+        bounds = dict(max_query_len=query_len, max_seq_len=int(args[4].max()))
+        split = paged_attention.choose_split_kv_size(seqs, 8, query_len, bounds["max_seq_len"])
         record = dict(kernel=f"{phase} attention (one layer)", batch=seqs, query_len=query_len,
-                      keys=max_seq_len, split_kv=split, split_kv_invariant=invariant_split,
+                      keys=bounds["max_seq_len"], split_kv=split, invariant_tiles={},
                       default=dict(us=_attention_us(args, split_kv_size=split, **bounds)))
         try:
-            for rows in sorted({*INVARIANT_ATTENTION_ROWS, tile_rows}):
-                paged_attention.BATCH_INVARIANT_BLOCK_M = rows
-                invariant_us = _attention_us(args, **invariant)
-                record[f"invariant_{rows}_rows"] = dict(us=invariant_us)
+            for rows in sorted({*INVARIANT_ATTENTION_ROWS, settings[0]}):
+                for segment in sorted({0, settings[1]}):
+                    paged_attention.BATCH_INVARIANT_BLOCK_M = rows
+                    paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE = segment
+                    invariant_split = None
+                    if segment:
+                        invariant_split = paged_attention.choose_split_kv_size(seqs, 8, query_len,
+                                                                               bounds["max_seq_len"], segment)
+                    us = _attention_us(args, batch_invariant=True, split_kv_size=invariant_split, **bounds)
+                    tiles = record["invariant_tiles"]
+                    tiles[_tile_name(rows, segment)] = dict(us=us, split_kv=invariant_split)
         finally:
-            paged_attention.BATCH_INVARIANT_BLOCK_M = tile_rows
-        record["invariant"] = record[f"invariant_{tile_rows}_rows"]
+            paged_attention.BATCH_INVARIANT_BLOCK_M, paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE = settings
+        record["invariant"] = record["invariant_tiles"][_tile_name(*settings)]
         found.append(record)
     return found
+
+
+def _tile_name(rows: int, segment: int) -> str:
+    return f"{rows}-row query tile, key segments {segment or 'off'}"
 
 
 def _attention_us(args: tuple, **kwargs) -> float:
@@ -343,9 +350,9 @@ def format_other(record: dict) -> str:
     default, invariant = record["default"]["us"], record["invariant"]["us"]
     text = (f"{record['kernel']:>32} batch {record['batch']:>4}: default {default:8.1f} us, invariant "
             f"{invariant:8.1f} us ({invariant / default:.2f}x)")
-    tiles = [f"{key.split('_')[1]} rows {found['us']:.1f} us" for key, found in record.items()
-             if key.startswith("invariant_")]
-    return text + (f"; invariant query tile of {', '.join(tiles)}" if tiles else "")
+    tiles = [f"\n{'':>36}invariant, {name}: {found['us']:8.1f} us ({found['us'] / default:.2f}x)"
+             for name, found in record.get("invariant_tiles", {}).items()]
+    return text + "".join(tiles)
 
 
 def main() -> None:

@@ -167,6 +167,7 @@ BATCH_INVARIANT_BLOCK_M = 64
 # Key segment of batch-invariant mode (tokens, from key 0; no window): every launch, split or
 # not, attends each segment from a fresh softmax state and folds them in segment order, so a small
 # decode batch may split its keys (``split_kv_size`` = this) and still match a prefill bitwise.
+# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0).
 BATCH_INVARIANT_SPLIT_KV_SIZE = 256
 
 

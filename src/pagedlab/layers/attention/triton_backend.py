@@ -85,11 +85,14 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
         invariant = batch_invariant_enabled()
+        split_size = paged_attention.SPLIT_KV_SIZE
+        if invariant:  # the mode splits only into its key segments, which a windowed layer has not
+            split_size = paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
         split_kv_size = None
-        if not (invariant and sliding_window is not None):  # the mode splits only its fixed segments
+        if split_size:
             split_kv_size = paged_attention.choose_split_kv_size(
                 metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len,
-                paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE if invariant else paged_attention.SPLIT_KV_SIZE)
+                split_size)
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
