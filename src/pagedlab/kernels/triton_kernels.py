@@ -114,7 +114,7 @@ def _merge_segment(acc, total_sum, total_max, segment_acc, segment_sum, segment_
     alpha = tl.math.exp2(total_max - new_max)
     weight = tl.math.exp2(segment_max - new_max)
     total_sum = tl.fma(total_sum, alpha, weight * segment_sum)
-    acc = tl.fma(acc, alpha[:, None], weight[:, None] * segment_acc)
+    acc = tl.fma(acc, tl.broadcast_to(alpha[:, None], acc.shape), weight[:, None] * segment_acc)
     return acc, total_sum, new_max
 
 
