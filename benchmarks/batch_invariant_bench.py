@@ -40,7 +40,8 @@ from gemv_bench import LAYERS, PEAK_BYTES_PER_S, graph_seconds, llama3_8b_linear
 from pagedlab.kernels.batch_invariant import fixed_tile_matmul_triton
 from pagedlab.kernels.gemv import k_segments, num_sms
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_ROW_BUCKETS, BATCH_INVARIANT_TILE, TileConfig,
-                                           batch_invariant_config, batch_invariant_row_bucket)
+                                           batch_invariant_config, batch_invariant_row_bucket,
+                                           batch_invariant_split_launch)
 from pagedlab.layers.batch_invariant import batch_invariant_mode
 from pagedlab.quantization.linear_method import dense_linear
 
@@ -109,18 +110,31 @@ def bench_config(config: TileConfig, x: torch.Tensor, weight: torch.Tensor, rows
         hopeless = False
         for rows in rows_list:
             part = x[:rows]
-            alone = fixed_tile_matmul_triton(part, weight, None, config)
-            record["invariant_rows"][rows] = torch.equal(alone, full[:rows])
+            record["invariant_rows"][rows] = True
             record["times"][rows] = None
-            if not hopeless:
-                seconds = graph_seconds(lambda p=part: fixed_tile_matmul_triton(p, weight, None, config))
-                record["times"][rows] = timing(seconds, rows, *weight.shape)
-                hopeless = seconds * 1e6 > GIVE_UP_SLOWDOWN * default_times[rows]["us"]
+            for split in launch_forms(config, rows, weight.shape[0], x.device):
+                def run(p=part, split=split):
+                    return fixed_tile_matmul_triton(p, weight, None, config, split_across_programs=split)
+                record["invariant_rows"][rows] &= torch.equal(run(), full[:rows])
+                if hopeless:
+                    continue
+                found = dict(timing(graph_seconds(run), rows, *weight.shape), split=split)
+                if not record["times"][rows] or found["us"] < record["times"][rows]["us"]:
+                    record["times"][rows] = found
+            if record["times"][rows]:
+                hopeless = record["times"][rows]["us"] > GIVE_UP_SLOWDOWN * default_times[rows]["us"]
         record["invariant"] = all(record["invariant_rows"].values())
         return record, full
     except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
         record.update(correct=False, invariant=False, failed=f"{type(error).__name__}: {str(error)[:150]}")
         return record, None
+
+
+def launch_forms(config: TileConfig, rows: int, n: int, device: torch.device) -> tuple[bool, ...]:
+    """The launches to time: segments looped in one program, and split across programs where
+    there are segments and the output tiles alone make fewer than 4 programs per SM."""
+    tiles = -(-rows // config.block_m) * -(-n // config.block_n)
+    return (False, True) if config.split_k > 1 and tiles < 4 * num_sms(device) else (False,)
 
 
 def assign_classes(records: list[dict], outputs: list[torch.Tensor | None]) -> None:
@@ -164,16 +178,19 @@ def choose_table(records: list[dict], default_times: dict[int, dict], rows_list:
     return per_bucket(min(viable, key=cost)) if viable else {}
 
 
-def verify_table(table: dict[tuple[int, int, int], TileConfig], x: torch.Tensor, weight: torch.Tensor,
-                 rows_list: list[int]) -> bool:
-    """Through the dispatch (``batch_invariant_config`` with this table), every row count's rows
-    bitwise equal to the full batch's."""
+def verify_table(table: dict[tuple[int, int, int], TileConfig], split_launch: set[tuple[int, int, int]],
+                 x: torch.Tensor, weight: torch.Tensor, rows_list: list[int]) -> bool:
+    """Through the dispatch (``batch_invariant_config`` and ``batch_invariant_split_launch`` with
+    these tables), every row count's rows bitwise equal to the full batch's."""
     n, k = weight.shape
     sms = num_sms(x.device)
 
     def run(part):
-        config = batch_invariant_config(part.shape[0], n, k, sms, table)
-        return fixed_tile_matmul_triton(part, weight, None, config)
+        rows = part.shape[0]
+        config = batch_invariant_config(rows, n, k, sms, table)
+        tiles = -(-rows // config.block_m) * -(-n // config.block_n)
+        split = batch_invariant_split_launch(rows, n, k, tiles, sms, table, split_launch)
+        return fixed_tile_matmul_triton(part, weight, None, config, split_across_programs=split)
     full = run(x)
     return all(torch.equal(run(x[:rows]), full[:rows]) for rows in rows_list)
 
@@ -197,9 +214,12 @@ def bench_linear(name: str, n: int, k: int, rows_list: list[int], sms: int, gen:
     del outputs
     chosen = choose_table(records, default_times, rows_list)
     table = {(bucket, n, k): TileConfig(**record["config"]) for bucket, record in chosen.items()}
+    split_launch = {(batch_invariant_row_bucket(rows), n, k) for rows in rows_list
+                    if chosen and chosen[batch_invariant_row_bucket(rows)]["times"][rows]["split"]}
     result = dict(layer=name, n=n, k=k, rows=rows_list, default_mode=default_times, candidates=records,
-                  table_verified=bool(table) and verify_table(table, x, weight, rows_list),
-                  chosen={bucket: record["config"] for bucket, record in chosen.items()})
+                  table_verified=bool(table) and verify_table(table, split_launch, x, weight, rows_list),
+                  chosen={bucket: record["config"] for bucket, record in chosen.items()},
+                  split_launch=sorted(split_launch))
     result["table_lines"] = table_lines(result, chosen, default_times)
     print(format_linear(result, records, chosen), flush=True)
     return result
@@ -379,8 +399,11 @@ def main() -> None:
     results = [bench_linear(name, n, k, args.rows, sms, gen) for name, n, k in llama3_8b_linears(1)
                if name in args.layers]
     lines = [line for result in results for line in result["table_lines"]]
+    splits = [f"    {tuple(key)}," for result in results for key in result["split_launch"]]
+    split_set = "BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = "
     print("\n# paste into src/pagedlab/kernels/gemv_configs.py",
-          "BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {", *lines, "}", sep="\n")
+          "BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {", *lines, "}",
+          *([split_set + "{", *splits, "}"] if splits else [split_set + "set()"]), sep="\n")
     if not all(result["table_verified"] for result in results):
         print("WARNING: a shape's table failed the bitwise check through the dispatch: do not paste it")
     estimates = step_estimates(results)

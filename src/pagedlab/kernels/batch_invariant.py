@@ -31,7 +31,8 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
-from pagedlab.kernels.gemv_configs import TileConfig, batch_invariant_config, check_batch_invariant_config
+from pagedlab.kernels.gemv_configs import (TileConfig, batch_invariant_config, batch_invariant_split_launch,
+                                           check_batch_invariant_config)
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096
@@ -112,8 +113,9 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """``x @ weight.T + bias`` (``weight`` ``[N, K]``, float16/bfloat16/float32 like ``x``) with
     one reduction order per weight shape, whatever ``x``'s row count: see the module docstring.
     ``config`` defaults to ``batch_invariant_config``'s for this batch and weight,
-    ``num_segments`` to the config's ``split_k``; ``split_across_programs`` (None: when the
-    output tiles alone fill less than half the SMs) picks the launch, not the result."""
+    ``num_segments`` to the config's ``split_k``; ``split_across_programs`` picks the launch, not
+    the result (None: ``batch_invariant_split_launch``'s choice for the dispatched config; for a
+    given one, when its output tiles alone fill less than half the SMs)."""
     out_features, in_features = weight.shape
     check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
@@ -121,6 +123,7 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         x2d, weight = x2d.contiguous(), weight.contiguous()
     rows = x2d.shape[0]
     sms = num_sms(x.device)
+    dispatched = config is None
     config = config or batch_invariant_config(rows, out_features, in_features, sms)
     check_batch_invariant_config(config)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
@@ -129,7 +132,8 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     k_per_segment, num_segments = k_segments(in_features, config.block_k, num_segments or config.split_k)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_features, config.block_n)
     if split_across_programs is None:
-        split_across_programs = 2 * tiles <= sms
+        split_across_programs = (batch_invariant_split_launch(rows, out_features, in_features, tiles, sms)
+                                 if dispatched else 2 * tiles <= sms)
     split = split_across_programs and num_segments > 1
     partial, counters = split_k_scratch(rows, out_features, num_segments if split else 1, tiles, out)
     _fixed_tile_matmul_kernel[(tiles, num_segments if split else 1)](

@@ -197,12 +197,20 @@ BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024, 8192)
 # equal on the GPU: tiles of other rows or columns, warps or stages may differ only where they
 # compile to an instruction that rounds the same. A shape not listed takes the default.
 BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
+# The entries of BATCH_INVARIANT_CONFIGS whose launch splits K across programs (the segments'
+# sums meet in a scratch buffer), where the bench measured that faster than one program looping
+# over the segments; the sum is the same either way.
+BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = set()
 
 
-def check_batch_invariant_table(table: dict[tuple[int, int, int], TileConfig]) -> None:
+def check_batch_invariant_table(table: dict[tuple[int, int, int], TileConfig],
+                                split_launch: set[tuple[int, int, int]] = frozenset()) -> None:
     """Raise ValueError unless every key's bucket is in BATCH_INVARIANT_ROW_BUCKETS, every config
-    can run (``check_batch_invariant_config``) and the entries of one (N, K) share block_k and
-    split_k: the K steps and segments that fix a row's sum."""
+    can run (``check_batch_invariant_config``), the entries of one (N, K) share block_k and
+    split_k (the K steps and segments that fix a row's sum) and ``split_launch`` names entries."""
+    unknown = sorted(set(split_launch) - set(table))
+    if unknown:
+        raise ValueError(f"split launches {unknown} have no config in the table")
     segments: dict[tuple[int, int], tuple[int, int]] = {}
     for (bucket, n, k), config in table.items():
         if bucket not in BATCH_INVARIANT_ROW_BUCKETS:
@@ -228,13 +236,36 @@ def batch_invariant_config(rows: int, out_features: int, in_features: int, num_s
     bucket (never the default, whose sum may round differently); else ``BATCH_INVARIANT_TILE``
     with ``batch_invariant_splits`` segments."""
     table = BATCH_INVARIANT_CONFIGS if table is None else table
-    shape = (out_features, in_features)
-    listed = {bucket: config for (bucket, *weight), config in table.items() if tuple(weight) == shape}
-    if not listed:
+    bucket = _listed_bucket(rows, out_features, in_features, table)
+    if bucket is None:
         splits = batch_invariant_splits(out_features, in_features, BATCH_INVARIANT_TILE, num_sms)
         return replace(BATCH_INVARIANT_TILE, split_k=splits)
+    return table[(bucket, out_features, in_features)]
+
+
+def batch_invariant_split_launch(rows: int, out_features: int, in_features: int, tiles: int, num_sms: int,
+                                 table: dict[tuple[int, int, int], TileConfig] | None = None,
+                                 split_launch: set[tuple[int, int, int]] | None = None) -> bool:
+    """Whether ``batch_invariant_config``'s launch for this batch splits K across programs: as
+    measured (BATCH_INVARIANT_SPLIT_LAUNCH) for a shape of the table, else when its ``tiles``
+    output tiles alone fill less than half the SMs. The launch never changes the result."""
+    table = BATCH_INVARIANT_CONFIGS if table is None else table
+    split_launch = BATCH_INVARIANT_SPLIT_LAUNCH if split_launch is None else split_launch
+    bucket = _listed_bucket(rows, out_features, in_features, table)
+    if bucket is None:
+        return 2 * tiles <= num_sms
+    return (bucket, out_features, in_features) in split_launch
+
+
+def _listed_bucket(rows: int, out_features: int, in_features: int,
+                   table: dict[tuple[int, int, int], TileConfig]) -> int | None:
+    """The table's bucket for the batch: its own, else the nearest one listed for the shape."""
+    shape = (out_features, in_features)
+    listed = [bucket for (bucket, *weight) in table if tuple(weight) == shape]
+    if not listed:
+        return None
     wanted = batch_invariant_row_bucket(rows)
-    return listed[min(listed, key=lambda bucket: (abs(bucket - wanted), bucket))]
+    return min(listed, key=lambda bucket: (abs(bucket - wanted), bucket))
 
 
 def check_batch_invariant_config(config: TileConfig) -> None:
@@ -254,4 +285,4 @@ def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig
     return max(1, min(k_steps // BATCH_INVARIANT_MIN_SEGMENT_STEPS, -(-num_sms // tiles)))
 
 
-check_batch_invariant_table(BATCH_INVARIANT_CONFIGS)
+check_batch_invariant_table(BATCH_INVARIANT_CONFIGS, BATCH_INVARIANT_SPLIT_LAUNCH)
