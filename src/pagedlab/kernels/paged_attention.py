@@ -256,6 +256,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     segment_size = 0
     if batch_invariant:
         segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
+        if segment_size < 0 or segment_size % TILE_N:
+            raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
+                             f"of {TILE_N}")
         if split_kv_size not in (None, segment_size or None):
             raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
                              f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
