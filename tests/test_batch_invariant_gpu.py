@@ -31,17 +31,24 @@ def llama8b_layers4(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("out_features, in_features", LINEARS_8B)
 def test_fixed_tile_matmul_rows_are_invariant_at_8b_shapes(out_features, in_features):
+    """Through the dispatch, so each row count takes its bucket's config of BATCH_INVARIANT_CONFIGS
+    (the full batch the largest bucket's): a pasted table whose tiles round differently fails here.
+    Every config the table lists for the shape, run on all rows, gives the same bits too."""
     from pagedlab.kernels.batch_invariant import fixed_tile_matmul_torch, fixed_tile_matmul_triton
+    from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_CONFIGS
 
     g = torch.Generator(device="cuda").manual_seed(out_features)
     x = torch.randn(700, in_features, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.02).bfloat16()
     full = fixed_tile_matmul_triton(x, weight, split_across_programs=False)
     torch.testing.assert_close(full.float(), fixed_tile_matmul_torch(x, weight).float(), atol=0.05, rtol=0.02)
-    for rows in (1, 3, 64, 129, 300):
+    for rows in (1, 3, 8, 9, 64, 65, 129, 256, 300):
         for split in (None, True, False):
             got = fixed_tile_matmul_triton(x[-rows:], weight, split_across_programs=split)
             assert torch.equal(got, full[-rows:]), (rows, split)
+    for (bucket, n, k), config in BATCH_INVARIANT_CONFIGS.items():
+        if (n, k) == (out_features, in_features):
+            assert torch.equal(fixed_tile_matmul_triton(x, weight, config=config), full), (bucket, config)
 
 
 def test_8b_shape_bf16_logprobs_are_bitwise_batch_invariant_with_cuda_graphs(llama8b_layers4):

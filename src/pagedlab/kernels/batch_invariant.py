@@ -4,12 +4,15 @@ produces one output row is the same whatever the other rows are and however many
 a prompt's numbers do not depend on the batch it runs in (``pagedlab.layers.batch_invariant``
 switches the model onto them).
 
-The matmul ``y = x @ weight.T + bias`` always multiplies ``TileConfig`` tiles of fixed
-``block_m`` x ``block_n`` x ``block_k`` (``gemv_configs.BATCH_INVARIANT_TILE``, never chosen from
-the row count M) and cuts K into a number of segments fixed per weight shape
-(``batch_invariant_splits``: enough programs for a decode batch to fill the GPU). Each segment is
-accumulated from zero over its K steps, and the segments are added in segment order. Two
-launches compute exactly that sum:
+The matmul ``y = x @ weight.T + bias`` multiplies ``TileConfig`` tiles of ``block_m`` x
+``block_n`` x ``block_k`` and cuts K into ``split_k`` segments, both fixed per weight shape
+(``gemv_configs.batch_invariant_config``: the measured ``BATCH_INVARIANT_CONFIGS``, else
+``BATCH_INVARIANT_TILE`` with ``batch_invariant_splits`` segments, enough programs for a decode
+batch to fill the GPU). Each segment is accumulated from zero over its K steps, and the segments
+are added in segment order. The table may give a batch bucket other tiles (fewer rows, so that a
+decode step does not pay for 128-row tensor-core tiles) only with the same ``block_k`` and
+``split_k`` and where the GPU found the result bitwise the same (``benchmarks/
+batch_invariant_bench.py``, ``tests/test_batch_invariant_gpu.py``). Two launches compute the sum:
 
 - in-program: one program per output tile loops over the segments itself (large M);
 - split across programs: one program per (tile, segment), the fp32 segment sums meet in a scratch
@@ -28,7 +31,8 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
-from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_TILE, TileConfig, batch_invariant_splits
+from pagedlab.kernels.gemv_configs import (TileConfig, batch_invariant_config, batch_invariant_split_launch,
+                                           check_batch_invariant_config)
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096
@@ -108,27 +112,28 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              split_across_programs: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``weight`` ``[N, K]``, float16/bfloat16/float32 like ``x``) with
     one reduction order per weight shape, whatever ``x``'s row count: see the module docstring.
-    ``config`` defaults to ``BATCH_INVARIANT_TILE``, ``num_segments`` to ``batch_invariant_splits``;
-    ``split_across_programs`` (None: when the output tiles alone fill less than half the SMs)
-    picks the launch, not the result."""
+    ``config`` defaults to ``batch_invariant_config``'s for this batch and weight,
+    ``num_segments`` to the config's ``split_k``; ``split_across_programs`` picks the launch, not
+    the result (None: ``batch_invariant_split_launch``'s choice for the dispatched config; for a
+    given one, when its output tiles alone fill less than half the SMs)."""
     out_features, in_features = weight.shape
     check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
     if x2d.stride(-1) != 1 or weight.stride(-1) != 1:
         x2d, weight = x2d.contiguous(), weight.contiguous()
-    config = config or BATCH_INVARIANT_TILE
-    config.check(config.block_m, gemv=False)
     rows = x2d.shape[0]
+    sms = num_sms(x.device)
+    dispatched = config is None
+    config = config or batch_invariant_config(rows, out_features, in_features, sms)
+    check_batch_invariant_config(config)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.view(*x.shape[:-1], out_features)
-    sms = num_sms(x.device)
-    if num_segments is None:
-        num_segments = batch_invariant_splits(out_features, in_features, config, sms)
-    k_per_segment, num_segments = k_segments(in_features, config.block_k, num_segments)
+    k_per_segment, num_segments = k_segments(in_features, config.block_k, num_segments or config.split_k)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_features, config.block_n)
     if split_across_programs is None:
-        split_across_programs = 2 * tiles <= sms
+        split_across_programs = (batch_invariant_split_launch(rows, out_features, in_features, tiles, sms)
+                                 if dispatched else 2 * tiles <= sms)
     split = split_across_programs and num_segments > 1
     partial, counters = split_k_scratch(rows, out_features, num_segments if split else 1, tiles, out)
     _fixed_tile_matmul_kernel[(tiles, num_segments if split else 1)](

@@ -11,7 +11,7 @@ The tables are filled from ``benchmarks/gemv_bench.py``, which prints the lines 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Batches of at most this many rows take a GEMV kernel (all rows in one program, K split).
 GEMV_MAX_ROWS = 16
@@ -180,12 +180,100 @@ def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_
                       block_m=0 if rows <= 4 else DOT_MIN_ROWS, num_warps=4, num_stages=2)
 
 
-# The batch-invariant matmul (``kernels/batch_invariant.py``): ONE tile for every row count, so a
-# row's reduction never depends on the batch; Hopper-sized (bf16: 128 x 128 x 64, 8 warps, 3
-# stages, as the persistent matmuls of vLLM's and Thinking Machines' batch-invariant modes).
+# The batch-invariant matmul (``kernels/batch_invariant.py``). A row's sum over K is fixed by the
+# config's block_k and split_k (K segments, summed in segment order) and by the tensor-core
+# instruction its tiles compile to, never by the batch. The default: ONE Hopper-sized tile for
+# every row count (bf16: 128 x 128 x 64, 8 warps, 3 stages, as the persistent matmuls of vLLM's
+# and Thinking Machines' batch-invariant modes), K segments from ``batch_invariant_splits``.
 BATCH_INVARIANT_TILE = TileConfig(block_n=128, block_k=64, block_m=128, num_warps=8, num_stages=3)
 # Fewest K steps in one segment of the batch-invariant matmul.
 BATCH_INVARIANT_MIN_SEGMENT_STEPS = 4
+# Row buckets of BATCH_INVARIANT_CONFIGS: a batch takes the smallest bucket that holds it (8192:
+# a prefill step at the default token budget).
+BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024, 8192)
+# (row bucket, N, K) -> config of the batch-invariant matmul (split_k: its K segments), pasted
+# from ``benchmarks/batch_invariant_bench.py``. All entries of one (N, K) share block_k and
+# split_k, and the bench (and tests/test_batch_invariant_gpu.py) found their outputs bitwise
+# equal on the GPU: tiles of other rows or columns, warps or stages may differ only where they
+# compile to an instruction that rounds the same. A shape not listed takes the default.
+BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
+# The entries of BATCH_INVARIANT_CONFIGS whose launch splits K across programs (the segments'
+# sums meet in a scratch buffer), where the bench measured that faster than one program looping
+# over the segments; the sum is the same either way.
+BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = set()
+
+
+def check_batch_invariant_table(table: dict[tuple[int, int, int], TileConfig],
+                                split_launch: set[tuple[int, int, int]] = frozenset()) -> None:
+    """Raise ValueError unless every key's bucket is in BATCH_INVARIANT_ROW_BUCKETS, every config
+    can run (``check_batch_invariant_config``), the entries of one (N, K) share block_k and
+    split_k (the K steps and segments that fix a row's sum) and ``split_launch`` names entries."""
+    unknown = sorted(set(split_launch) - set(table))
+    if unknown:
+        raise ValueError(f"split launches {unknown} have no config in the table")
+    segments: dict[tuple[int, int], tuple[int, int]] = {}
+    for (bucket, n, k), config in table.items():
+        if bucket not in BATCH_INVARIANT_ROW_BUCKETS:
+            raise ValueError(f"row bucket {bucket} of ({n}, {k}) is not one of {BATCH_INVARIANT_ROW_BUCKETS}")
+        check_batch_invariant_config(config)
+        found = segments.setdefault((n, k), (config.block_k, config.split_k))
+        if found != (config.block_k, config.split_k):
+            raise ValueError(f"({n}, {k}) has entries with (block_k, split_k) {found} and "
+                             f"{(config.block_k, config.split_k)}: one shape needs one, or its rows' sums "
+                             "would follow the batch")
+
+
+def batch_invariant_row_bucket(rows: int) -> int:
+    """The BATCH_INVARIANT_CONFIGS bucket of a batch of ``rows`` rows (the largest for more)."""
+    return next((bucket for bucket in BATCH_INVARIANT_ROW_BUCKETS if rows <= bucket),
+                BATCH_INVARIANT_ROW_BUCKETS[-1])
+
+
+def batch_invariant_config(rows: int, out_features: int, in_features: int, num_sms: int,
+                           table: dict[tuple[int, int, int], TileConfig] | None = None) -> TileConfig:
+    """The batch-invariant matmul's config for a batch of ``rows`` rows: the table's entry for its
+    bucket; for a shape the table lists at other buckets only, the entry of the nearest listed
+    bucket (never the default, whose sum may round differently); else ``BATCH_INVARIANT_TILE``
+    with ``batch_invariant_splits`` segments."""
+    table = BATCH_INVARIANT_CONFIGS if table is None else table
+    bucket = _listed_bucket(rows, out_features, in_features, table)
+    if bucket is None:
+        splits = batch_invariant_splits(out_features, in_features, BATCH_INVARIANT_TILE, num_sms)
+        return replace(BATCH_INVARIANT_TILE, split_k=splits)
+    return table[(bucket, out_features, in_features)]
+
+
+def batch_invariant_split_launch(rows: int, out_features: int, in_features: int, tiles: int, num_sms: int,
+                                 table: dict[tuple[int, int, int], TileConfig] | None = None,
+                                 split_launch: set[tuple[int, int, int]] | None = None) -> bool:
+    """Whether ``batch_invariant_config``'s launch for this batch splits K across programs: as
+    measured (BATCH_INVARIANT_SPLIT_LAUNCH) for a shape of the table, else when its ``tiles``
+    output tiles alone fill less than half the SMs. The launch never changes the result."""
+    table = BATCH_INVARIANT_CONFIGS if table is None else table
+    split_launch = BATCH_INVARIANT_SPLIT_LAUNCH if split_launch is None else split_launch
+    bucket = _listed_bucket(rows, out_features, in_features, table)
+    if bucket is None:
+        return 2 * tiles <= num_sms
+    return (bucket, out_features, in_features) in split_launch
+
+
+def _listed_bucket(rows: int, out_features: int, in_features: int,
+                   table: dict[tuple[int, int, int], TileConfig]) -> int | None:
+    """The table's bucket for the batch: its own, else the nearest one listed for the shape."""
+    shape = (out_features, in_features)
+    listed = [bucket for (bucket, *weight) in table if tuple(weight) == shape]
+    if not listed:
+        return None
+    wanted = batch_invariant_row_bucket(rows)
+    return min(listed, key=lambda bucket: (abs(bucket - wanted), bucket))
+
+
+def check_batch_invariant_config(config: TileConfig) -> None:
+    """Raise ValueError unless ``config`` can run the batch-invariant matmul: ``tl.dot`` tiles of
+    at least 16 rows, powers of two, split_k >= 1 K segments."""
+    if config.block_m < DOT_MIN_ROWS:
+        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}")
+    config.check(config.block_m, gemv=True)
 
 
 def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig, num_sms: int) -> int:
@@ -195,3 +283,6 @@ def batch_invariant_splits(out_features: int, in_features: int, tile: TileConfig
     tiles = -(-out_features // tile.block_n)
     k_steps = -(-in_features // tile.block_k)
     return max(1, min(k_steps // BATCH_INVARIANT_MIN_SEGMENT_STEPS, -(-num_sms // tiles)))
+
+
+check_batch_invariant_table(BATCH_INVARIANT_CONFIGS, BATCH_INVARIANT_SPLIT_LAUNCH)

@@ -164,6 +164,13 @@ TILE_N = 64
 SEQUENCE_SEARCH_CHUNK = 256
 # Rows of every query tile in batch-invariant mode (prefill's tile; decode pads up to it).
 BATCH_INVARIANT_BLOCK_M = 64
+# Key segment of batch-invariant mode (tokens, from key 0; no window): every launch, split or
+# not, attends each segment from a fresh softmax state and folds them in segment order, so a small
+# decode batch may split its keys (``split_kv_size`` = this) and still match a prefill bitwise.
+# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0): the form the
+# H200 has verified bitwise (BENCHMARKS.md); segments stay off until
+# tests/test_batch_invariant_attention.py and benchmarks/batch_invariant_bench.py run there.
+BATCH_INVARIANT_SPLIT_KV_SIZE = 0
 
 
 def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
@@ -243,11 +250,21 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
     ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
     ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
-    ``batch_invariant`` (no split-KV allowed with it): one query tile size for every batch, so a
-    token's output is bitwise the same in decode, in a prefill chunk and in any batch.
+    ``batch_invariant``: one query tile size for every batch and, without a window, keys in
+    segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
+    programs or not, so a token's output is bitwise the same in decode, in a prefill chunk and in
+    any batch; ``split_kv_size`` may then only be that size (no split with a window).
     """
-    if batch_invariant and split_kv_size is not None:
-        raise ValueError("batch_invariant attention takes no split_kv_size: split-KV follows the batch")
+    segment_size = 0
+    if batch_invariant:
+        segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
+        if segment_size < 0 or segment_size % TILE_N:
+            raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
+                             f"of {TILE_N}")
+        if split_kv_size not in (None, segment_size or None):
+            raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
+                             f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
+                             "window")
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
                                 batch_invariant)
     if out is None:
@@ -260,7 +277,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
     if split_kv_size is None:
-        kernels.attend(out, query_start_loc, seq_lens, block_tables, max_query_len)
+        kernels.attend(out, query_start_loc, seq_lens, block_tables, max_query_len, segment_size=segment_size)
         return out
 
     if split_kv_size <= 0 or split_kv_size % TILE_N:
@@ -342,10 +359,12 @@ class _AttentionKernels:
 
     def attend(self, target, query_start_loc, seq_lens, block_tables, max_query_len: int,
                split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
-               prefix_only: bool = False, key_offset: torch.Tensor | None = None) -> None:
+               prefix_only: bool = False, key_offset: torch.Tensor | None = None,
+               segment_size: int = 0) -> None:
         """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
         partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
-        ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel)."""
+        ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel);
+        ``segment_size``: the normalized output folded from key segments of that size (SEGMENTED)."""
         block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group,
                                                                  self.batch_invariant)
         if self.head_dim_padded > 128:  # Gemma's 256: three stages of K and V tiles overflow shared memory
@@ -365,19 +384,23 @@ class _AttentionKernels:
         self.triton_kernels.paged_attention_kernel[grid](
             q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
             query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
-            num_seqs, self.qk_scale, self.v_scale, split_kv_size, segment_offset,
+            num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m,
-            num_warps=num_warps, num_stages=num_stages, **self.common)
+            SEGMENTED=segment_size > 0, num_warps=num_warps, num_stages=num_stages, **self.common)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch
-        self.triton_kernels.split_kv_reduce_kernel[(out.shape[0], out.shape[1])](
-            out, partial_acc, partial_max, partial_sum, query_start_loc, num_seqs, num_segments,
-            out.stride(0), out.stride(1), partial_acc.stride(0), partial_acc.stride(1), partial_acc.stride(2),
-            partial_max.stride(0), partial_max.stride(1),
-            HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, SEGMENT_CHUNK=16, num_warps=4)
+        args = (out, partial_acc, partial_max, partial_sum, query_start_loc, num_seqs, num_segments,
+                out.stride(0), out.stride(1), *partial_acc.stride()[:3], partial_max.stride(0),
+                partial_max.stride(1))
+        grid = (out.shape[0], out.shape[1])
+        dims = dict(HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, num_warps=4)
+        if self.batch_invariant:  # one segment at a time, as a SEGMENTED program folds them
+            self.triton_kernels.invariant_split_kv_reduce_kernel[grid](*args, **dims)
+        else:
+            self.triton_kernels.split_kv_reduce_kernel[grid](*args, SEGMENT_CHUNK=16, **dims)
 
 
 # Cascade attention: in a decode batch whose sequences start with the same cache blocks (a shared

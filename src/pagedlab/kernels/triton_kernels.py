@@ -103,6 +103,60 @@ def _attend_tile(acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table
     return acc, row_sum, new_max
 
 
+@triton.jit
+def _merge_segment(acc, total_sum, total_max, segment_acc, segment_sum, segment_max):
+    """Fold one key segment's softmax partials (unnormalized ``[rows, dim]`` output, sum, max in
+    log2 units; max -inf: no key) into the running ones. The same code in a SEGMENTED attention
+    program and in ``invariant_split_kv_reduce_kernel``, with explicit FMAs, so that the compiler
+    has no contraction left to choose differently in the two."""
+    new_max = tl.maximum(total_max, segment_max)
+    new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    alpha = tl.math.exp2(total_max - new_max)
+    weight = tl.math.exp2(segment_max - new_max)
+    total_sum = tl.fma(total_sum, alpha, weight * segment_sum)
+    acc = tl.fma(acc, tl.broadcast_to(alpha[:, None], acc.shape), weight[:, None] * segment_acc)
+    return acc, total_sum, new_max
+
+
+@triton.jit
+def _attend_segments(q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, k_head_offset, v_head_offset,
+                     all_rows_end, key_end, segment_size, query_pos, context_len, offs_d, dim_valid, qk_scale,
+                     v_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                     BLOCK_M: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     TILE_N: tl.constexpr, PAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     softcap_scale, softcap, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+    """Keys [0, key_end) in segments of ``segment_size`` from key 0, each attended from a fresh
+    state with the tiles a split program of that segment runs (unmasked below ``all_rows_end``,
+    masked after), scaled by ``v_scale`` and folded in segment order. Returns the unnormalized
+    output and its softmax sum."""
+    total_acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    total_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for segment_start in range(0, key_end, segment_size):
+        segment_end = tl.minimum(segment_start + segment_size, key_end)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for tile_start in range(segment_start, tl.minimum(all_rows_end, segment_end), TILE_N):
+            acc, row_sum, row_max = _attend_tile(
+                acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                k_head_offset, v_head_offset, tile_start, segment_end, query_pos, context_len,
+                offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION,
+                0, 0, softcap_scale, softcap, False, SOFTCAP, BROADCAST_DOT)
+        for tile_start in range(tl.maximum(all_rows_end, segment_start), segment_end, TILE_N):
+            acc, row_sum, row_max = _attend_tile(
+                acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                k_head_offset, v_head_offset, tile_start, segment_end, query_pos, context_len,
+                offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
+                0, 0, softcap_scale, softcap, False, SOFTCAP, BROADCAST_DOT)
+        segment_max = tl.where(row_sum > 0, row_max, float("-inf"))  # as a split program stores it
+        total_acc, total_sum, total_max = _merge_segment(total_acc, total_sum, total_max, acc * v_scale,
+                                                         row_sum, segment_max)
+    return total_acc, total_sum
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -121,7 +175,8 @@ def paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
-        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr,
+        SEGMENTED: tl.constexpr = False):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -144,6 +199,12 @@ def paged_attention_kernel(
     unmasked ones every row sees, masked ones to the causal end. Keys older than the first
     row's window are never read: the KV manager may have freed their blocks. SOFTCAP (Gemma 2):
     scores are ``softcap * tanh(q.k * softcap_scale)``; ``qk_scale`` is then log2(e) alone.
+
+    SEGMENTED (batch-invariant mode, no window, no split): the program itself cuts the keys into
+    segments of ``split_kv_size`` from key 0, attends each from a fresh softmax state exactly as
+    a split program would, and folds them in segment order with ``_merge_segment``, as
+    ``invariant_split_kv_reduce_kernel`` folds a split launch's partials: a token's output is
+    then bitwise the same whichever launch computed it.
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -213,30 +274,37 @@ def paged_attention_kernel(
     v_head_offset = kv_head * stride_v_head
     PAD_DIM: tl.constexpr = HEAD_DIM != HEAD_DIM_PADDED
 
-    if SLIDING:
-        for tile_start in range(key_start, full_start, TILE_N):
+    if SEGMENTED:
+        acc, row_sum = _attend_segments(
+            q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, k_head_offset, v_head_offset,
+            all_rows_end, key_end, split_kv_size, query_pos, context_len, offs_d, dim_valid, qk_scale,
+            v_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token, BLOCK_M,
+            HEAD_DIM_PADDED, BLOCK_SIZE, TILE_N, PAD_DIM, DOT_PRECISION, softcap_scale, softcap, SOFTCAP,
+            BROADCAST_DOT)
+    else:
+        if SLIDING:
+            for tile_start in range(key_start, full_start, TILE_N):
+                acc, row_sum, row_max = _attend_tile(
+                    acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                    k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+                    offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block,
+                    stride_v_token, BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
+                    key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
+        for tile_start in range(full_start, full_end, TILE_N):
+            acc, row_sum, row_max = _attend_tile(
+                acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
+                offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION,
+                key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
+        for tile_start in range(masked_start, key_end, TILE_N):
             acc, row_sum, row_max = _attend_tile(
                 acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
                 k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
                 offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
                 BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
                 key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
-    for tile_start in range(full_start, full_end, TILE_N):
-        acc, row_sum, row_max = _attend_tile(
-            acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-            k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
-            offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION,
-            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
-    for tile_start in range(masked_start, key_end, TILE_N):
-        acc, row_sum, row_max = _attend_tile(
-            acc, row_sum, row_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-            k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len,
-            offs_d, dim_valid, qk_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
-            BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION,
-            key_lo, sliding_window, softcap_scale, softcap, SLIDING, SOFTCAP, BROADCAST_DOT)
-
-    acc = acc * v_scale
+        acc = acc * v_scale  # (SEGMENTED scales each segment, as a split launch does)
     if USE_SPLIT:
         # int64: scratch for many tokens x segments can pass 2**31 elements
         token = token.to(tl.int64)
@@ -296,6 +364,42 @@ def split_kv_reduce_kernel(
     out = acc / total_sum
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_segments"])
+def invariant_split_kv_reduce_kernel(
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
+        num_seqs, num_segments,
+        stride_out_token, stride_out_head,
+        stride_pacc_token, stride_pacc_head, stride_pacc_segment,
+        stride_pstat_token, stride_pstat_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    """Program (token, head), batch-invariant mode: the segments' partials folded one at a time in
+    segment order by ``_merge_segment``, the arithmetic a SEGMENTED attention program does."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):
+        return  # padding rows past the last sequence own no partials
+    row = tl.arange(0, 1)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = offs_d < HEAD_DIM
+    stat_base = token.to(tl.int64) * stride_pstat_token + head * stride_pstat_head
+    acc_ptrs = (partial_acc_ptr + token.to(tl.int64) * stride_pacc_token + head * stride_pacc_head
+                + row[:, None] * 0 + offs_d[None, :])
+    acc = tl.zeros([1, HEAD_DIM_PADDED], dtype=tl.float32)
+    total_sum = tl.zeros([1], dtype=tl.float32)
+    total_max = tl.full([1], float("-inf"), dtype=tl.float32)
+    for segment in range(0, num_segments):
+        segment_max = tl.load(partial_max_ptr + stat_base + segment + row)
+        segment_sum = tl.load(partial_sum_ptr + stat_base + segment + row)
+        # An empty segment (max -inf) never wrote its acc: read zeros, which fold in as nothing.
+        segment_acc = tl.load(acc_ptrs + segment * stride_pacc_segment,
+                              mask=(segment_max > float("-inf"))[:, None] & dim_valid[None, :], other=0.0)
+        acc, total_sum, total_max = _merge_segment(acc, total_sum, total_max, segment_acc, segment_sum,
+                                                   segment_max)
+    out = acc / total_sum[:, None]
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + row[:, None] * 0 + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=dim_valid[None, :])
 
 
 @triton.jit

@@ -7,7 +7,8 @@ size in the plain form, sizes of ``CASCADE_MIN_SEQS`` and up in the cascade form
 shared length lives in device memory (``CascadeBuffers``) and is set before each replay. The
 split-KV layout of a launch is chosen from host ints alone (``choose_split_kv_size``), so a
 graph and an eager step of the same shape run the same kernels. In batch-invariant mode there is
-no cascade and no split-KV, and every launch uses the same query tile (``batch_invariant=True``).
+no cascade, every launch uses the same query tile, and a split is only into the mode's fixed key
+segments, which unsplit launches fold in the same order (``batch_invariant=True``).
 """
 
 from __future__ import annotations
@@ -84,8 +85,14 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
         invariant = batch_invariant_enabled()
-        split_kv_size = None if invariant else paged_attention.choose_split_kv_size(
-            metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len)
+        split_size = paged_attention.SPLIT_KV_SIZE
+        if invariant:  # the mode splits only into its key segments, which a windowed layer has not
+            split_size = paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
+        split_kv_size = None
+        if split_size:
+            split_kv_size = paged_attention.choose_split_kv_size(
+                metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len,
+                split_size)
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
