@@ -36,7 +36,7 @@ from dataclasses import asdict
 
 import torch
 
-from gemv_bench import LAYERS, PEAK_BYTES_PER_S, graph_seconds, llama3_8b_linears
+from gemv_bench import PEAK_BYTES_PER_S, graph_seconds, model_linears
 from pagedlab.kernels.batch_invariant import fixed_tile_matmul_triton
 from pagedlab.kernels.gemv import k_segments, num_sms
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_ROW_BUCKETS, BATCH_INVARIANT_TILE, TileConfig,
@@ -44,6 +44,7 @@ from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_ROW_BUCKETS, BATCH_IN
                                            batch_invariant_split_launch)
 from pagedlab.layers.batch_invariant import batch_invariant_mode
 from pagedlab.quantization.linear_method import dense_linear
+from pagedlab.workloads import model_shape
 
 # (block_m, block_n, block_k, warps, stages): 128- and 256-row tiles for prefill, 64 rows (one
 # wgmma warpgroup) and 16 rows (mma.sync on Hopper) for decode; block_k 64 and 128.
@@ -266,6 +267,7 @@ def step_estimates(results: list[dict]) -> dict:
     """Linear time of one decode step (32 layers + the LM head) at each decode batch, ms: the
     default mode, the one-tile invariant config, the chosen table."""
     by_layer = {r["layer"]: r for r in results}
+    num_layers = model_shape("llama3-8b").num_hidden_layers
     if set(by_layer) != {"qkv", "o", "gate_up", "down", "lm_head"}:
         return {}
 
@@ -282,7 +284,7 @@ def step_estimates(results: list[dict]) -> dict:
             times = {name: time_of(result, rows) for name, result in by_layer.items()}
             us = {name: found["us"] if found else math.nan for name, found in times.items()}
             layers = us["qkv"] + us["o"] + us["gate_up"] + us["down"]
-            estimates[rows][path] = (LAYERS * layers + us["lm_head"]) / 1e3
+            estimates[rows][path] = (num_layers * layers + us["lm_head"]) / 1e3
     return estimates
 
 
@@ -396,7 +398,7 @@ def main() -> None:
     sms = num_sms(torch.device(DEVICE))
     print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16; one-tile config {BATCH_INVARIANT_TILE}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    results = [bench_linear(name, n, k, args.rows, sms, gen) for name, n, k in llama3_8b_linears(1)
+    results = [bench_linear(name, n, k, args.rows, sms, gen) for name, n, k in model_linears("llama3-8b", 1)
                if name in args.layers]
     lines = [line for result in results for line in result["table_lines"]]
     splits = [f"    {tuple(key)}," for result in results for key in result["split_launch"]]

@@ -36,6 +36,8 @@ from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantiz
 from pagedlab.workloads import model_shape
 
 PEAK_BYTES_PER_S = 4.8e12
+
+
 def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
     """(name, N, K) of each linear of a known shape (``pagedlab.workloads.model_shape``) on one
     rank: column-parallel ones cut N, row-parallel ones K. A mixture of experts lists its

@@ -108,6 +108,12 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 4096, 2048): TileConfig(block_n=8, block_k=512),  # 8.4 (cuBLAS 9.1)
     (1, 4096, 7168): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 23.0 (cuBLAS 24.2)
     (1, 64128, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 130.0 (cuBLAS 145.8)
+    (1, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 13.3 (cuBLAS 14.4)
+    (4, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 13.4 (cuBLAS 14.4)
+    (1, 28672, 3584): TileConfig(block_n=32, block_k=256, block_m=16),  # 57.5 (cuBLAS 60.7)
+    (16, 3584, 14336): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 36.2 (cuBLAS 37.5)
+    (1, 256000, 3584): TileConfig(block_n=64, block_k=128, block_m=16),  # 410.2 (cuBLAS 469.5)
+    (16, 256000, 3584): TileConfig(block_n=64, block_k=128, block_m=16),  # 425.4 (cuBLAS 439.3)
 }
 # (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
 # row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
@@ -195,12 +201,46 @@ BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024, 8192)
 # from ``benchmarks/batch_invariant_bench.py``. All entries of one (N, K) share block_k and
 # split_k, and the bench (and tests/test_batch_invariant_gpu.py) found their outputs bitwise
 # equal on the GPU: tiles of other rows or columns, warps or stages may differ only where they
-# compile to an instruction that rounds the same. A shape not listed takes the default.
-BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {}
+# compile to an instruction that rounds the same. A shape not listed takes the default. Entries:
+# TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages); bench times on one H200.
+BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
+    (1, 6144, 4096): TileConfig(64, 64, 3, 16, 4, 4),  # 20.2 us (default 19.6)
+    (8, 6144, 4096): TileConfig(32, 64, 3, 16, 4, 4),  # 20.6 us (default 19.5)
+    (64, 6144, 4096): TileConfig(64, 64, 3, 64, 4, 4),  # 24.4 us (default 20.4)
+    (256, 6144, 4096): TileConfig(64, 64, 3, 64, 4, 4),  # 37.5 us (default 25.7)
+    (1024, 6144, 4096): TileConfig(128, 64, 3, 64, 4, 4),  # 113.3 us (default 67.8)
+    (8192, 6144, 4096): TileConfig(256, 64, 3, 128, 8, 4),  # 824.6 us (default 516.2)
+    (1, 4096, 4096): TileConfig(32, 64, 5, 16, 4, 4),  # 15.0 us (default 15.7)
+    (8, 4096, 4096): TileConfig(32, 64, 5, 16, 4, 4),  # 15.2 us (default 15.5)
+    (64, 4096, 4096): TileConfig(64, 64, 5, 64, 4, 4),  # 19.9 us (default 14.8)
+    (256, 4096, 4096): TileConfig(64, 64, 5, 64, 4, 4),  # 32.9 us (default 20.9)
+    (1024, 4096, 4096): TileConfig(128, 64, 5, 256, 8, 3),  # 77.2 us (default 44.5)
+    (8192, 4096, 4096): TileConfig(128, 64, 5, 256, 8, 3),  # 593.4 us (default 342.9)
+    (1, 28672, 4096): TileConfig(128, 64, 1, 16, 4, 4),  # 65.5 us (default 64.5)
+    (8, 28672, 4096): TileConfig(128, 64, 1, 16, 4, 4),  # 65.5 us (default 67.3)
+    (64, 28672, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 68.6 us (default 67.9)
+    (256, 28672, 4096): TileConfig(256, 64, 1, 128, 8, 4),  # 133.4 us (default 93.5)
+    (1024, 28672, 4096): TileConfig(256, 64, 1, 128, 8, 3),  # 447.6 us (default 304.5)
+    (8192, 28672, 4096): TileConfig(128, 64, 1, 256, 8, 3),  # 3900.7 us (default 2781.8)
+    (1, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 38.8 us (default 42.0)
+    (8, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 39.6 us (default 41.8)
+    (64, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 44.4 us (default 41.8)
+    (256, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 88.7 us (default 49.6)
+    (1024, 4096, 14336): TileConfig(256, 64, 5, 128, 8, 3),  # 220.5 us (default 147.3)
+    (8192, 4096, 14336): TileConfig(128, 64, 5, 256, 8, 3),  # 1919.3 us (default 1347.7)
+    (1, 128256, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 240.2 us (default 242.6)
+    (8, 128256, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 243.1 us (default 250.6)
+    (64, 128256, 4096): TileConfig(128, 128, 1, 64, 4, 3),  # 265.8 us (default 276.6)
+    (256, 128256, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 540.2 us (default 381.7)
+}
 # The entries of BATCH_INVARIANT_CONFIGS whose launch splits K across programs (the segments'
 # sums meet in a scratch buffer), where the bench measured that faster than one program looping
 # over the segments; the sum is the same either way.
-BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = set()
+BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = {
+    (1, 6144, 4096), (8, 6144, 4096), (64, 6144, 4096),
+    (1, 4096, 4096), (8, 4096, 4096), (64, 4096, 4096),
+    (1, 4096, 14336), (8, 4096, 14336), (64, 4096, 14336),
+}
 
 
 def check_batch_invariant_table(table: dict[tuple[int, int, int], TileConfig],
