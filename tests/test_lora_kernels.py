@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
     if "pagedlab.kernels.lora" in sys.modules:  # built without the interpreter by another module
         importlib.reload(sys.modules["pagedlab.kernels.lora"])
 
-from pagedlab.lora.ops import (TILE_BLOCK_MS, LoRAMapping, add_lora_torch, lora_expand_torch, lora_shrink_torch,
-                               max_tiles, sort_tokens_by_slot, tile_table)
+from pagedlab.lora.ops import (TILE_BLOCK_MS, LoRAMapping, add_lora_torch, lora_expand_torch,
+                               lora_shrink_torch, max_tiles, sort_tokens_by_slot, tile_table)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -121,9 +121,9 @@ def test_split_count_fits_the_workspace(kernels):
 def random_layer(num_slots: int, sizes: list[int], rank: int, k: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     slices = len(sizes)
-    lora_a = (torch.randn(num_slots, slices, rank, k, device=DEVICE, generator=gen) / k ** 0.5).to(dtype)
-    lora_b = (torch.randn(num_slots, slices, max(sizes), rank, device=DEVICE, generator=gen) / rank ** 0.5).to(dtype)
-    return lora_a, lora_b
+    lora_a = torch.randn(num_slots, slices, rank, k, device=DEVICE, generator=gen) / k ** 0.5
+    lora_b = torch.randn(num_slots, slices, max(sizes), rank, device=DEVICE, generator=gen) / rank ** 0.5
+    return lora_a.to(dtype), lora_b.to(dtype)
 
 
 # (tokens, slice sizes, rank, K, config overrides: None = choose_config, with a workspace)
@@ -147,7 +147,8 @@ def test_kernels_match_the_torch_reference(kernels, dtype, num_tokens, sizes, ra
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     y = torch.randn(num_tokens, sum(sizes), device=DEVICE).to(dtype)
     config = kernels.LoRAKernelConfig(**overrides) if overrides is not None else None
-    workspace = None if overrides else torch.empty(kernels.workspace_numel(num_tokens, 3, rank), device=DEVICE)
+    workspace = None if overrides else torch.empty(kernels.workspace_numel(num_tokens, 3, rank),
+                                                   device=DEVICE)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     sorted_rows = mapping.sorted_token_ids[:int((mapping.token_slots[:num_tokens] >= 0).sum())].long()
     has_slot = mapping.token_slots[:num_tokens] >= 0
