@@ -4,132 +4,221 @@ shrink then expand, as vLLM's sgmv kernels do).
 A LoRA linear holds every GPU slot's weights stacked: ``lora_a`` ``[slots, slices, rank, in]``
 and ``lora_b`` ``[slots, slices, out, rank]`` (``lora_alpha`` scaling folded into B, ranks below
 the maximum zero-padded). A fused linear (q/k/v, gate/up) has one slice per part, each with its
-own A and B, written to its own column range of the output. Each token of a step belongs to one
-slot, or to none (-1: the base model only).
+own A and B, written to its own column range of the output (the slices' ranges follow each
+other). Each token of a step belongs to one slot, or to none (-1: the base model only).
 
-``LoRAMapping`` describes the tokens of one step sorted by slot: ``sorted_token_ids`` lists the
-tokens of slot 0, then slot 1, ...; slot s owns ``slot_counts[s]`` of them from
-``slot_starts[s]``. The kernels' grids depend only on the number of tokens and slots, never on
-the mapping, so a CUDA graph captures them with the mapping in static buffers; a program whose
-tile lies past its slot's tokens returns at once.
+The kernels run over the row tiles of ``LoRAMapping`` (``pagedlab.lora.ops``): the step's tokens
+sorted by slot, cut into tiles of at most ``block_m`` rows that never span two slots, so no
+program works for a slot without tokens. Grids depend only on the number of tokens and slots
+(``max_tiles``), never on the mapping, so a CUDA graph captures them with the mapping in static
+buffers; programs past the table's tile count return at once.
 
-- ``lora_shrink``: ``h[slice, t] = x[t] @ A[slot(t), slice].T`` (fp32, ``[slices, tokens, rank]``);
-- ``lora_expand``: ``y[t, offset[slice]:+size[slice]] += h[slice, t] @ B[slot(t), slice].T``.
+- ``lora_shrink`` (split-K): program (tile, K split, slice) writes the fp32 partial sum
+  ``h[split, slice, row] = x[t] @ A[slot(t), slice, :, k range].T`` of each of its rows (``row``:
+  the token's place in ``sorted_token_ids``). Many splits at few tokens, so the weights'
+  read spreads over the whole GPU instead of one program walking all of K.
+- ``lora_expand``: program (tile, output tile) sums the tile's rows of ``h`` over the splits in
+  split order (deterministic), then adds ``h @ B[slot, slice].T`` to its ``block_n`` columns of
+  ``y``. Output tiles are numbered across the slices, so none is wasted on a short slice.
 
-``pagedlab.lora.ops`` holds ``LoRAMapping`` and the plain-torch references of both kernels
-(``lora_shrink_torch``/``lora_expand_torch``, the CPU path), which read only ``token_slots``.
-This module imports triton when it loads: import it lazily.
+``add_lora`` is the two in a row, with ``h`` in a caller's static workspace (``workspace_numel``).
+``pagedlab.lora.ops`` holds the plain-torch references (the CPU path). This module imports triton
+when it loads: import it lazily.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedlab.lora.ops import LoRAMapping
+from pagedlab.lora.ops import TILE_BLOCK_MS, LoRAMapping, max_tiles
 
-BLOCK_M = 16
+TARGET_PROGRAMS = 512  # shrink programs to aim for: about four per SM of an H100/H200 (132 SMs)
+MAX_SPLITS = 64
+LARGE_STEP_TOKENS = 1024  # from here tiles of 64 rows: each slot's A and B read by fewer programs
+MAX_SLICES = 3
+
+
+@dataclass(frozen=True)
+class LoRAKernelConfig:
+    """Launch parameters of one shrink + expand: rows per tile (one of ``TILE_BLOCK_MS``), K
+    splits of the shrink, its K step, and the expand's output columns per program."""
+
+    block_m: int = 16
+    num_splits: int = 1
+    block_k: int = 128
+    block_n: int = 128
+
+
+def block_m_for(num_tokens: int) -> int:
+    """Rows per tile for a step of ``num_tokens`` tokens."""
+    return TILE_BLOCK_MS[0] if num_tokens < LARGE_STEP_TOKENS else TILE_BLOCK_MS[1]
+
+
+def choose_config(num_tokens: int, num_slots: int, slices: int, k: int) -> LoRAKernelConfig:
+    """The config for ``num_tokens`` tokens (a captured graph's token count: the grids must not
+    depend on the mapping): K split until the shrink has about ``TARGET_PROGRAMS`` programs, each
+    split at least one K step, a power of two (few compiled variants of the expand)."""
+    config = LoRAKernelConfig(block_m=block_m_for(num_tokens))
+    wanted = min(TARGET_PROGRAMS // (max_tiles(num_tokens, num_slots, config.block_m) * slices),
+                 k // config.block_k, MAX_SPLITS)
+    return LoRAKernelConfig(block_m=config.block_m, num_splits=1 << (max(wanted, 1).bit_length() - 1))
+
+
+def workspace_numel(max_tokens: int, max_slices: int, rank: int) -> int:
+    """fp32 elements of ``h`` that ``choose_config``'s split count needs for up to ``max_tokens``
+    tokens: splits x slices x tiles <= TARGET_PROGRAMS and tokens <= tiles x block_m, or one split."""
+    return max(TARGET_PROGRAMS * max(TILE_BLOCK_MS), max_slices * max_tokens) * rank
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_rank(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, counts_ptr, starts_ptr, K, R,
-                        stride_x, stride_a_slot, stride_a_slice, stride_a_rank, stride_h_slice, stride_h_row,
+def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_split,
+                        stride_x, stride_a_slot, stride_a_slice, stride_a_rank,
+                        stride_h_split, stride_h_slice, stride_h_row,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
-    """Program (token tile, slice, slot): ``BLOCK_M`` tokens of one slot times its A of one slice."""
-    pid_m = tl.program_id(0)
-    part = tl.program_id(1)
-    slot = tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count:
+    """Program (tile, split, slice): the tile's rows times its slot's A over one K range."""
+    tile = tl.program_id(0)
+    if tile >= tl.load(tiles_ptr):
         return
-    # This program's tokens among the slot's.
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = offs_m < count
-    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=valid, other=0).to(tl.int64)
+    split = tl.program_id(1)
+    part = tl.program_id(2)
+    entry = tiles_ptr + 1 + 3 * tile
+    slot = tl.load(entry).to(tl.int64)
+    start = tl.load(entry + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < tl.load(entry + 2)
+    tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
-    a_base = a_ptr + slot.to(tl.int64) * stride_a_slot + part * stride_a_slice
+    r_valid = offs_r < R
+    a_base = a_ptr + slot * stride_a_slot + part * stride_a_slice
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
     # tl.full, not tl.zeros: the standard library's jit functions cannot be interpreted when triton
     # was imported before TRITON_INTERPRET was set (as in a test session that loaded peft first).
     acc = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < k_end
         x = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
-                    mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
+                    mask=valid[:, None] & k_valid[None, :], other=0.0)
         a = tl.load(a_base + offs_r[None, :] * stride_a_rank + offs_k[:, None],
-                    mask=(offs_r < R)[None, :] & (offs_k < K)[:, None], other=0.0)
+                    mask=r_valid[None, :] & k_valid[:, None], other=0.0)
         acc = tl.dot(x, a.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    out = h_ptr + part * stride_h_slice + tokens[:, None] * stride_h_row + offs_r[None, :]
-    tl.store(out, acc, mask=valid[:, None] & (offs_r < R)[None, :])
+    out = h_ptr + split * stride_h_split + part * stride_h_slice + (start + offs_m)[:, None] * stride_h_row
+    tl.store(out + offs_r[None, :], acc, mask=valid[:, None] & r_valid[None, :])
 
 
 @triton.jit
-def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, counts_ptr, starts_ptr, offsets_ptr, sizes_ptr,
-                        R, num_n_tiles, stride_h_slice, stride_h_row, stride_b_slot, stride_b_slice,
-                        stride_b_row, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Program (token tile x output tile, slice, slot): adds ``h @ B.T`` into ``BLOCK_N`` columns
-    of the slice's range of ``y``. Each output element has exactly one program: no atomics."""
-    pid = tl.program_id(0)
-    pid_m = pid // num_n_tiles
-    pid_n = pid % num_n_tiles
-    part = tl.program_id(1)
-    slot = tl.program_id(2)
-    size = tl.load(sizes_ptr + part)
-    count = tl.load(counts_ptr + slot)
-    if pid_m * BLOCK_M >= count or pid_n * BLOCK_N >= size:
+def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SIZE1, SIZE2,
+                        stride_h_split, stride_h_slice, stride_h_row, stride_b_slot, stride_b_slice,
+                        stride_b_row, stride_y, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (tile, output tile): adds ``h @ B.T`` into ``BLOCK_N`` columns of one slice for
+    the tile's rows. Output tiles run over slice 0's columns, then slice 1's, then slice 2's.
+    Each output element has exactly one program: no atomics."""
+    tile = tl.program_id(0)
+    if tile >= tl.load(tiles_ptr):
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = offs_m < count
-    tokens = tl.load(sorted_ptr + tl.load(starts_ptr + slot) + offs_m, mask=valid, other=0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    tiles0 = (SIZE0 + BLOCK_N - 1) // BLOCK_N
+    tiles1 = (SIZE1 + BLOCK_N - 1) // BLOCK_N
+    in1 = pid_n >= tiles0
+    in2 = pid_n >= tiles0 + tiles1
+    part = in1.to(tl.int32) + in2.to(tl.int32)
+    first = tl.where(in2, tiles0 + tiles1, tl.where(in1, tiles0, 0))
+    offset = tl.where(in2, SIZE0 + SIZE1, tl.where(in1, SIZE0, 0))
+    size = tl.where(in2, SIZE2, tl.where(in1, SIZE1, SIZE0))
+    entry = tiles_ptr + 1 + 3 * tile
+    slot = tl.load(entry).to(tl.int64)
+    start = tl.load(entry + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < tl.load(entry + 2)
+    tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_valid = offs_r < R
+    h_rows = h_ptr + part * stride_h_slice + (start + offs_m)[:, None] * stride_h_row + offs_r[None, :]
+    h = tl.full((BLOCK_M, BLOCK_R), 0.0, tl.float32)
+    for split in tl.static_range(SPLITS):  # unrolled: the loads issue together, summed in split order
+        h += tl.load(h_rows + split * stride_h_split, mask=valid[:, None] & r_valid[None, :], other=0.0)
+    offs_n = (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < size
-    h = tl.load(h_ptr + part * stride_h_slice + tokens[:, None] * stride_h_row + offs_r[None, :],
-                mask=valid[:, None] & (offs_r < R)[None, :], other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + part * stride_b_slice
-                + offs_n[None, :] * stride_b_row + offs_r[:, None],
-                mask=n_valid[None, :] & (offs_r < R)[:, None], other=0.0)
+    b = tl.load(b_ptr + slot * stride_b_slot + part * stride_b_slice + offs_n[None, :] * stride_b_row
+                + offs_r[:, None], mask=n_valid[None, :] & r_valid[:, None], other=0.0)
     delta = tl.dot(h.to(b.dtype), b, input_precision=DOT_PRECISION)
-    out = y_ptr + tokens[:, None] * stride_y + tl.load(offsets_ptr + part) + offs_n[None, :]
+    out = y_ptr + tokens[:, None] * stride_y + offset + offs_n[None, :]
     mask = valid[:, None] & n_valid[None, :]
     y = tl.load(out, mask=mask, other=0.0)
     tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _block_rank(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))
-
-
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-    """``[slices, tokens, rank]`` fp32: each token's input times its slot's A of every slice (rows
-    of tokens without a slot are left unwritten)."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
+                config: LoRAKernelConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[splits, slices, tokens, rank]`` fp32 partial sums (rows in ``sorted_token_ids`` order;
+    rows past the step's tokens with a slot are left unwritten) of each token's input times its
+    slot's A of every slice; their sum over the splits is ``lora_shrink_torch``'s ``h``. In a
+    view of ``out`` (fp32, at least ``workspace_numel`` elements) when given."""
     x = x.contiguous()
     slots, slices, rank, k = lora_a.shape
-    h = torch.empty(slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(x.shape[0], BLOCK_M), slices, slots)
+    if mapping.num_slots != slots:
+        raise ValueError(f"the LoRA mapping has {mapping.num_slots} slots, the weights {slots}")
+    num_tokens = x.shape[0]
+    config = config or choose_config(num_tokens, slots, slices, k)
+    shape = (config.num_splits, slices, num_tokens, rank)
+    needed = config.num_splits * slices * num_tokens * rank
+    if out is None:
+        h = torch.empty(shape, dtype=torch.float32, device=x.device)
+    elif out.numel() < needed:
+        raise ValueError(f"the LoRA workspace holds {out.numel()} values; {config} for {num_tokens} tokens "
+                         f"and {slices} slices of rank {rank} needs {needed}")
+    else:
+        h = out[:needed].view(shape)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.num_splits), config.block_k) * config.block_k
+    grid = (max_tiles(num_tokens, mapping.num_slots, config.block_m), config.num_splits, slices)
     _lora_shrink_kernel[grid](
-        x, lora_a, h, mapping.sorted_token_ids, mapping.slot_counts, mapping.slot_starts, k, rank,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0), h.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_R=_block_rank(rank), BLOCK_K=32, DOT_PRECISION=_dot_precision(x.dtype))
+        x, lora_a, h, mapping.sorted_token_ids, mapping.tiles(config.block_m), k, rank, k_per_split,
+        x.stride(0), *lora_a.stride()[:3], *h.stride()[:3], BLOCK_M=config.block_m, BLOCK_R=_block_rank(rank),
+        BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype))
     return h
 
 
 def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping, y: torch.Tensor,
-                slice_offsets: torch.Tensor, slice_sizes: torch.Tensor) -> None:
-    """``y[t, offset_j:offset_j + size_j] += h[j, t] @ B[slot(t), j].T`` for every slice ``j``
-    (offsets and sizes: int32 device tensors), in place."""
-    slots, slices, max_out, rank = lora_b.shape
-    block_n = 64
-    num_n_tiles = triton.cdiv(max_out, block_n)
-    grid = (triton.cdiv(y.shape[0], BLOCK_M) * num_n_tiles, slices, slots)
+                slice_sizes: Sequence[int], config: LoRAKernelConfig | None = None) -> None:
+    """``y[t, offset_j:offset_j + size_j] += (sum of h[:, j, row(t)]) @ B[slot(t), j].T`` for every
+    slice ``j`` (``h``: ``lora_shrink``'s partial sums; ``offset_j`` the sum of the sizes before),
+    in place. ``config.block_m`` must be the shrink's."""
+    _, slices, max_out, rank = lora_b.shape
+    if len(slice_sizes) != slices or not 1 <= slices <= MAX_SLICES or max(slice_sizes) > max_out:
+        raise ValueError(f"slice_sizes {list(slice_sizes)} do not fit LoRA B of shape {tuple(lora_b.shape)} "
+                         f"(1 to {MAX_SLICES} slices, each at most {max_out} outputs)")
+    num_tokens = y.shape[0]
+    config = config or LoRAKernelConfig(block_m=block_m_for(num_tokens))
+    sizes = [*slice_sizes, 0, 0][:MAX_SLICES]
+    grid = (max_tiles(num_tokens, mapping.num_slots, config.block_m),
+            sum(triton.cdiv(size, config.block_n) for size in slice_sizes))
     _lora_expand_kernel[grid](
-        h, lora_b, y, mapping.sorted_token_ids, mapping.slot_counts, mapping.slot_starts, slice_offsets,
-        slice_sizes, rank, num_n_tiles, h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1),
-        lora_b.stride(2), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_rank(rank),
-        DOT_PRECISION=_dot_precision(lora_b.dtype))
+        h, lora_b, y, mapping.sorted_token_ids, mapping.tiles(config.block_m), rank, *sizes,
+        *h.stride()[:3], *lora_b.stride()[:3], y.stride(0), SPLITS=h.shape[0], BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_R=_block_rank(rank), DOT_PRECISION=_dot_precision(lora_b.dtype))
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             mapping: LoRAMapping, slice_sizes: Sequence[int], workspace: torch.Tensor | None = None,
+             config: LoRAKernelConfig | None = None) -> None:
+    """``y += `` each token's adapter delta: ``lora_shrink`` into ``workspace``, then ``lora_expand``."""
+    slots, slices, _, k = lora_a.shape
+    config = config or choose_config(x.shape[0], slots, slices, k)
+    h = lora_shrink(x, lora_a, mapping, config, workspace)
+    lora_expand(h, lora_b, mapping, y, slice_sizes, config)

@@ -16,25 +16,38 @@ from torch import nn
 
 from pagedlab.layers.linear import OutputShardedLinear, RowParallelLinear
 from pagedlab.lora.adapter import SUPPORTED_TARGETS, LoRAModuleWeights
-from pagedlab.lora.ops import LoRAMapping, lora_expand_torch, lora_shrink_torch
+from pagedlab.lora.ops import LoRAMapping, add_lora_torch
 
 
 class LoRABatch:
     """What every ``LoRALinear`` of a model reads in a forward: the step's token-to-slot mapping
-    (static buffers) and whether any token has an adapter (eager steps without one skip LoRA;
-    a captured graph always runs the kernels, which return at once for slots without tokens)."""
+    and the shrink's fp32 workspace (static buffers, from ``allocate``), and whether any token has
+    an adapter (eager steps without one skip LoRA; a captured graph always runs the kernels, which
+    return at once when the mapping has no tiles)."""
 
     def __init__(self, num_slots: int, device: torch.device):
         self.num_slots = num_slots
         self.device = device
         self.mapping = LoRAMapping.empty(1, num_slots, device)
+        self.workspace: torch.Tensor | None = None
         self.active = False
         if device.type == "cuda":
-            from pagedlab.kernels.lora import lora_expand, lora_shrink
+            from pagedlab.kernels.lora import add_lora
 
-            self.shrink, self.expand = lora_shrink, lora_expand
+            self.add_lora = add_lora
         else:
-            self.shrink, self.expand = lora_shrink_torch, lora_expand_torch
+            self.add_lora = add_lora_torch
+
+    def allocate(self, max_tokens: int, max_slices: int, max_rank: int) -> None:
+        """Static buffers for steps of up to ``max_tokens`` tokens (before graph capture)."""
+        self.mapping = LoRAMapping.empty(max_tokens, self.num_slots, self.device)
+        self.workspace = None
+        if self.device.type == "cuda":
+            from pagedlab.kernels.lora import workspace_numel
+
+            numel = workspace_numel(max_tokens, max_slices, max_rank)
+            self.workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self.active = False
 
 
 @dataclass(frozen=True)
@@ -56,22 +69,16 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.slice_sizes = list(slice_sizes)
         device, slots, slices = batch.device, batch.num_slots, len(slice_sizes)
-        offsets = [sum(slice_sizes[:i]) for i in range(slices)]
         self.register_buffer("lora_a", torch.zeros(slots, slices, max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(slots, slices, max(slice_sizes), max_rank, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("slice_offsets", torch.tensor(offsets, dtype=torch.int32, device=device),
-                             persistent=False)
-        self.register_buffer("slice_sizes_t", torch.tensor(slice_sizes, dtype=torch.int32, device=device),
-                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.batch
         if batch.active:
-            h = batch.shrink(x, self.lora_a, batch.mapping)
-            batch.expand(h, self.lora_b, batch.mapping, y, self.slice_offsets, self.slice_sizes_t)
+            batch.add_lora(x, y, self.lora_a, self.lora_b, batch.mapping, self.slice_sizes, batch.workspace)
         return y
 
     def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:

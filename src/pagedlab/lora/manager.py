@@ -19,7 +19,6 @@ from torch import nn
 
 from pagedlab.lora.adapter import LoRAAdapter, load_adapter
 from pagedlab.lora.layers import LoRABatch, wrap_lora_linears
-from pagedlab.lora.ops import LoRAMapping, sort_tokens_by_slot
 from pagedlab.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -103,13 +102,14 @@ class LoRAManager:
 
     # ---- steps ----------------------------------------------------------------------------
     def allocate_mapping(self, max_tokens: int) -> None:
-        """Static mapping buffers for steps of up to ``max_tokens`` tokens (before graph capture)."""
-        self.batch.mapping = LoRAMapping.empty(max_tokens, self.max_loras, self.device)
-        self.batch.active = False
+        """Static mapping and workspace buffers for steps of up to ``max_tokens`` tokens (before
+        graph capture)."""
+        max_slices = max(len(layer.slice_sizes) for layer in self.layers)
+        self.batch.allocate(max_tokens, max_slices, self.max_lora_rank)
 
     def prepare_capture(self) -> None:
         """No token has a slot, yet the LoRA kernels run: what a graph captures."""
-        self.batch.mapping.slot_counts.zero_()
+        self.batch.mapping.clear()
         self.batch.active = True
 
     def prepare_step(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int],
@@ -121,16 +121,8 @@ class LoRAManager:
         slot_of = self._activate(present) if present else {}
         per_request = [slot_of[r.lora_int_id] if r is not None else -1 for r in lora_requests]
         token_slots = np.repeat(np.asarray(per_request, dtype=np.int32), num_tokens)
-        mapping = self.batch.mapping
-        if len(token_slots) > mapping.token_slots.shape[0]:
-            raise RuntimeError(f"a step of {len(token_slots)} tokens exceeds the LoRA mapping's "
-                               f"{mapping.token_slots.shape[0]}")
         self.batch.active = bool(present)
-        if not present:
-            mapping.slot_counts.zero_()
-            return
-        order, counts, starts = sort_tokens_by_slot(token_slots, self.max_loras)
-        mapping.token_slots[:len(token_slots)].copy_(to_device(token_slots, torch.int32), non_blocking=True)
-        mapping.sorted_token_ids[:len(order)].copy_(to_device(order, torch.int32), non_blocking=True)
-        mapping.slot_counts.copy_(to_device(counts, torch.int32), non_blocking=True)
-        mapping.slot_starts.copy_(to_device(starts, torch.int32), non_blocking=True)
+        if present:
+            self.batch.mapping.fill(token_slots, to_device)
+        else:
+            self.batch.mapping.clear()
