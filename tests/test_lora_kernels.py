@@ -114,7 +114,8 @@ def test_split_count_fits_the_workspace(kernels):
             assert config.num_splits & (config.num_splits - 1) == 0
             assert config.num_splits * config.block_k <= max(k, config.block_k)
     assert kernels.choose_config(1, 8, 3, 4096).num_splits == 32  # one token: K spread wide
-    assert kernels.choose_config(1, 8, 1, 14336).num_splits == 64
+    assert kernels.choose_config(1, 8, 1, 14336).num_splits == 32  # at most MAX_SPLITS
+    assert kernels.choose_config(4, 8, 3, 4096).num_splits == 8  # 4 tiles x 3 slices
     assert kernels.choose_config(8192, 8, 3, 4096).num_splits == 1  # a long prefill: enough tiles
 
 
@@ -131,6 +132,7 @@ CASES = [
     (1, [40], 8, 48, None),
     (5, [40, 24, 24], 16, 300, dict(num_splits=4, block_k=32)),  # the last split a partial block
     (37, [64, 24], 12, 300, dict(num_splits=8, block_k=32)),  # three splits without any K
+    (37, [64, 24], 12, 300, dict(num_splits=3, block_k=32)),  # a split count not a power of two
     (37, [40, 24, 24], 16, 300, None),  # two splits of the default K step
     (130, [40, 24, 24], 16, 200, dict(num_splits=2, block_k=64)),
     (130, [72], 8, 100, dict(block_m=64, block_k=32, block_n=32)),
