@@ -167,9 +167,9 @@ BATCH_INVARIANT_BLOCK_M = 64
 # Key segment of batch-invariant mode (tokens, from key 0; no window): every launch, split or
 # not, attends each segment from a fresh softmax state and folds them in segment order, so a small
 # decode batch may split its keys (``split_kv_size`` = this) and still match a prefill bitwise.
-# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0): the form the
-# H200 has verified bitwise (BENCHMARKS.md); segments stay off until
-# tests/test_batch_invariant_attention.py and benchmarks/batch_invariant_bench.py run there.
+# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). The H200
+# verified 256 bitwise too, but it cost W-seed batch 256 8% more for a batch-1 TPOT already
+# within the mode's target (BENCHMARKS.md, issue 14), so segments stay off.
 BATCH_INVARIANT_SPLIT_KV_SIZE = 0
 
 
