@@ -116,6 +116,8 @@ def test_split_count_fits_the_workspace(kernels):
     assert kernels.choose_config(1, 8, 3, 4096).num_splits == 32  # one token: K spread wide
     assert kernels.choose_config(1, 8, 1, 14336).num_splits == 32  # at most MAX_SPLITS
     assert kernels.choose_config(4, 8, 3, 4096).num_splits == 8  # 4 tiles x 3 slices
+    assert kernels.choose_config(256, 8, 3, 4096).num_splits == 4  # a decode batch: <= 1024 of K each
+    assert kernels.choose_config(256, 8, 1, 14336).num_splits == 8  # ... up to 8 splits
     assert kernels.choose_config(8192, 8, 3, 4096).num_splits == 1  # a long prefill: enough tiles
 
 

@@ -41,6 +41,10 @@ from pagedlab.lora.ops import TILE_BLOCK_MS, LoRAMapping, max_tiles
 # expand pair was fastest near 64-100 programs (qkv: 8 splits of 4 tiles x 3 slices; down: 16).
 TARGET_PROGRAMS = 128
 MAX_SPLITS = 32
+# At decode batches (16-256 tokens) the target alone left qkv one split at 256 tokens (shrink
+# 16.6 us against 7.8 with 4): no shrink program walks more than this much of K there.
+DECODE_SPLIT_K = 1024
+DECODE_MIN_SPLITS_CAP = 8
 LARGE_STEP_TOKENS = 1024  # from here tiles of 64 rows: each slot's A and B read by fewer programs
 MAX_SLICES = 3
 
@@ -64,17 +68,24 @@ def block_m_for(num_tokens: int) -> int:
 def choose_config(num_tokens: int, num_slots: int, slices: int, k: int) -> LoRAKernelConfig:
     """The config for ``num_tokens`` tokens (a captured graph's token count: the grids must not
     depend on the mapping): K split until the shrink has about ``TARGET_PROGRAMS`` programs, each
-    split at least one K step, a power of two (few compiled variants of the expand)."""
+    split at least one K step, a power of two (few compiled variants of the expand). Below
+    ``LARGE_STEP_TOKENS`` no program walks more than about ``DECODE_SPLIT_K`` of K (up to
+    ``DECODE_MIN_SPLITS_CAP`` splits), however many tiles the batch has."""
     config = LoRAKernelConfig(block_m=block_m_for(num_tokens))
     wanted = min(TARGET_PROGRAMS // (max_tiles(num_tokens, num_slots, config.block_m) * slices),
                  k // config.block_k, MAX_SPLITS)
+    if num_tokens < LARGE_STEP_TOKENS:
+        wanted = max(wanted, min(k // DECODE_SPLIT_K, DECODE_MIN_SPLITS_CAP))
     return LoRAKernelConfig(block_m=config.block_m, num_splits=1 << (max(wanted, 1).bit_length() - 1))
 
 
 def workspace_numel(max_tokens: int, max_slices: int, rank: int) -> int:
     """fp32 elements of ``h`` that ``choose_config``'s split count needs for up to ``max_tokens``
-    tokens: splits x slices x tiles <= TARGET_PROGRAMS and tokens <= tiles x block_m, or one split."""
-    return max(TARGET_PROGRAMS * max(TILE_BLOCK_MS), max_slices * max_tokens) * rank
+    tokens: splits x slices x tiles <= TARGET_PROGRAMS and tokens <= tiles x block_m, or at most
+    ``DECODE_MIN_SPLITS_CAP`` splits below ``LARGE_STEP_TOKENS`` tokens, or one split."""
+    decode_tokens = min(max_tokens, LARGE_STEP_TOKENS - 1)
+    return max(TARGET_PROGRAMS * max(TILE_BLOCK_MS), DECODE_MIN_SPLITS_CAP * max_slices * decode_tokens,
+               max_slices * max_tokens) * rank
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
