@@ -20,7 +20,7 @@ from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import VocabParallelEmbedding
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
-from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused, rotary_dim_of
+from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate_queries_and_keys
 from pagedlab.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
 from pagedlab.quantization.formats import resolve_quant_config
 from pagedlab.quantization.linear_method import linear_method_for
@@ -50,9 +50,7 @@ class GemmaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_fused(q, k, *rope)
+        q, k = rotate_queries_and_keys(q, k, rope, self.q_norm, self.k_norm)
         out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(out.reshape(-1, self.q_size))
 
