@@ -235,23 +235,47 @@ def test_kernels_at_llama_8b_sizes_on_gpu(kernels, dtype, layer, num_tokens):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_captured_graph_serves_any_mapping(kernels):
-    """Captured with no tiles; replayed after writing other mappings of fewer tokens into the
-    static buffers, each replay gives that mapping's reference."""
+    """Captured with no tiles, the shrink on a side stream beside the base linear; replayed after
+    writing other mappings of fewer tokens into the static buffers, each replay gives the base
+    output plus that mapping's reference delta."""
     num_tokens, sizes = 64, [4096, 1024, 1024]
     mapping = LoRAMapping.empty(num_tokens, 8, torch.device(DEVICE))
     lora_a, lora_b = random_layer(8, sizes, 16, 4096, torch.bfloat16, 0)
     x = torch.randn(num_tokens, 4096, device=DEVICE).bfloat16()
-    y = torch.zeros(num_tokens, sum(sizes), device=DEVICE).bfloat16()
+    weight = (torch.randn(sum(sizes), 4096, device=DEVICE) / 64).bfloat16()
+
+    def base(t):
+        return torch.nn.functional.linear(t, weight)
+
     workspace = torch.empty(kernels.workspace_numel(num_tokens, 3, 16), device=DEVICE)
+    side = torch.cuda.Stream()
     mapping.clear()
-    kernels.add_lora(x, y, lora_a, lora_b, mapping, sizes, workspace)  # compile outside the capture
+    kernels.linear_with_lora(base, x, lora_a, lora_b, mapping, sizes, workspace, side)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.add_lora(x, y, lora_a, lora_b, mapping, sizes, workspace)
+        out = kernels.linear_with_lora(base, x, lora_a, lora_b, mapping, sizes, workspace, side)
     for seed, used in [(1, 64), (2, 17), (3, 1)]:
         mapping.fill(random_slots(used, 8, seed), host_to_device)
-        y.zero_()
         graph.replay()
-        y_ref = torch.zeros(num_tokens, sum(sizes), device=DEVICE)
+        y_ref = base(x).float()
         add_lora_torch(x.float()[:used], y_ref[:used], lora_a.float(), lora_b.float(), mapping, sizes)
-        torch.testing.assert_close(y.float(), y_ref, atol=6e-2, rtol=2e-2)
+        torch.testing.assert_close(out.float(), y_ref, atol=6e-2, rtol=2e-2)
+
+
+def test_linear_with_lora_is_the_base_plus_the_delta(kernels):
+    """Outside a graph capture (and on the CPU) ``linear_with_lora`` runs the base, the shrink and
+    the expand in order: the base output plus the reference delta."""
+    sizes, k = [40, 24, 24], 96
+    mapping = random_mapping(7, 4, 3)
+    lora_a, lora_b = random_layer(4, sizes, 8, k, torch.float32, 3)
+    x = torch.randn(7, k, device=DEVICE)
+    weight = torch.randn(sum(sizes), k, device=DEVICE)
+
+    def base(t):
+        return torch.nn.functional.linear(t, weight)
+
+    out = kernels.linear_with_lora(base, x, lora_a, lora_b, mapping, sizes)
+    y_ref = base(x)
+    add_lora_torch(x, y_ref, lora_a, lora_b, mapping, sizes)
+    torch.testing.assert_close(out, y_ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(out, base(x), atol=1e-3)

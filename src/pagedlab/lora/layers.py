@@ -31,12 +31,21 @@ class LoRABatch:
         self.mapping = LoRAMapping.empty(1, num_slots, device)
         self.workspace: torch.Tensor | None = None
         self.active = False
-        if device.type == "cuda":
-            from pagedlab.kernels.lora import add_lora
+        # The LoRA shrinks' branch of captured graphs (``linear_with_lora``).
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-            self.add_lora = add_lora
-        else:
-            self.add_lora = add_lora_torch
+    def linear(self, base: nn.Module, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               slice_sizes: list[int]) -> torch.Tensor:
+        """``base(x)`` plus each token's adapter delta: the Triton kernels on CUDA, the torch
+        references elsewhere."""
+        if self.device.type == "cuda":
+            from pagedlab.kernels.lora import linear_with_lora
+
+            return linear_with_lora(base, x, lora_a, lora_b, self.mapping, slice_sizes, self.workspace,
+                                    self.side_stream)
+        y = base(x)
+        add_lora_torch(x, y, lora_a, lora_b, self.mapping, slice_sizes)
+        return y
 
     def allocate(self, max_tokens: int, max_slices: int, max_rank: int) -> None:
         """Static buffers for steps of up to ``max_tokens`` tokens (before graph capture)."""
@@ -75,11 +84,9 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        batch = self.batch
-        if batch.active:
-            batch.add_lora(x, y, self.lora_a, self.lora_b, batch.mapping, self.slice_sizes, batch.workspace)
-        return y
+        if not self.batch.active:
+            return self.base(x)
+        return self.batch.linear(self.base, x, self.lora_a, self.lora_b, self.slice_sizes)
 
     def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:
         """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared)."""
