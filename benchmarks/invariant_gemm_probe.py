@@ -21,7 +21,9 @@ config (``fixed_tile_matmul_triton``, dispatched) and each candidate with the ta
 and ``split_k``, and checks the candidate's output is bitwise equal (``torch.equal``) to the
 current kernel's on the same input, and that its rows computed from 1, 8 and 256 rows of input
 equal the same rows of the full batch. Every candidate runs under its own try/except; past
-``--budget-s`` seconds the rest are skipped (and listed).
+``--budget-s`` seconds the rest are skipped (and listed); ``--shapes``/``--rows`` pick a subset.
+The summary gives per shape the fastest candidate that is bitwise equal and row-invariant, and
+per row count the sum over the four shapes (one layer's linears).
 
     PYTHONPATH=src:benchmarks python3 benchmarks/invariant_gemm_probe.py --out probe.json
     PYTHONPATH=src:benchmarks python3 benchmarks/invariant_gemm_probe.py --quick   # gate_up, 8,192 rows
@@ -75,18 +77,20 @@ class Candidate:
         return f"{kind} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
 
 
-# A handful per shape (each new one compiles: a few seconds). Scratch-total only where split_k > 1.
+# A handful per shape, the likeliest first (each new one compiles: a few seconds; the budget may
+# cut the tail). Pointer loads one program per tile run only for one segment (else it is the
+# current kernel); scratch totals only for more.
 GPU_CANDIDATES = (
-    Candidate(False, False, False, 256, 128, 8, 3),  # the current launch minus `total` (split_k 1 only)
-    Candidate(False, True, False, 128, 256, 8, 3),
+    Candidate(False, False, False, 256, 128, 8, 3),  # the 8,192-row gate_up launch minus `total`
     Candidate(True, True, False, 128, 256, 8, 3),
+    Candidate(True, True, True, 128, 256, 8, 3),
+    Candidate(True, True, False, 128, 128, 8, 4),
+    Candidate(False, True, False, 128, 256, 8, 3),
     Candidate(True, True, False, 128, 256, 8, 4),
     Candidate(True, True, False, 256, 128, 8, 3),
-    Candidate(True, True, False, 128, 128, 8, 4),
+    Candidate(True, True, True, 256, 128, 8, 3),
     Candidate(True, True, False, 128, 128, 8, 5),
     Candidate(True, False, False, 128, 256, 8, 3),
-    Candidate(True, True, True, 128, 256, 8, 3),
-    Candidate(True, True, True, 256, 128, 8, 3),
 )
 
 
@@ -403,17 +407,21 @@ def print_summary(lines: list[dict]) -> None:
 
 
 def run_gpu(args) -> dict:
-    """The probe on the GPU: every shape at 8,192 rows first, then 1,024 (--quick: gate_up at
-    8,192 rows)."""
+    """The probe on the GPU: every shape (``--shapes``) at 8,192 rows first, then 1,024
+    (``--rows``; --quick: gate_up at 8,192 rows). Past the budget, shapes not begun are skipped."""
     if not torch.cuda.is_available():
         raise SystemExit("the probe needs a CUDA GPU (--cpu-check runs the kernels under the interpreter)")
     use_torch_allocator("cuda")
     probe = Probe(args.budget_s)
     probe.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
               f"{probe.sms} SMs")
-    shapes, rows_list = (SHAPES[:1], ROWS[:1]) if args.quick else (SHAPES, ROWS)
-    for rows in rows_list:
+    shapes = [shape for shape in SHAPES if shape[0] in (["gate_up"] if args.quick else args.shapes)]
+    for rows in [8192] if args.quick else args.rows:
         for name, n, k in shapes:
+            if time.time() - probe.start > probe.budget_s:
+                probe.add(dict(shape=name, n=n, k=k, rows=rows, kernel="all",
+                               skipped=f"over the {probe.budget_s:.0f} s budget"))
+                continue
             try:
                 probe.shape(name, n, k, rows, GPU_CANDIDATES)
             except Exception as error:  # cuBLAS or the table's kernel failed: on to the next shape
@@ -432,12 +440,20 @@ def run_gpu(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="gate_up at 8,192 rows only")
-    parser.add_argument("--budget-s", type=float, default=130.0,
-                        help="seconds after which the remaining candidates are skipped")
+    names = [name for name, _, _ in SHAPES]
+    parser.add_argument("--shapes", type=lambda text: text.split(","), default=names,
+                        help=f"comma-separated, of {','.join(names)}")
+    parser.add_argument("--rows", type=lambda text: [int(r) for r in text.split(",")], default=list(ROWS),
+                        help="comma-separated row counts (default 8192,1024)")
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="seconds after which the remaining candidates and shapes are skipped")
     parser.add_argument("--cpu-check", action="store_true",
                         help="every variant under TRITON_INTERPRET=1 at tiny sizes, no GPU")
     parser.add_argument("--out", help="write the records and summary as JSON here")
     args = parser.parse_args()
+    unknown = sorted(set(args.shapes) - set(names))
+    if unknown:
+        parser.error(f"--shapes {','.join(unknown)}: not one of {','.join(names)}")
     if args.cpu_check:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--cpu-check needs TRITON_INTERPRET=1 set before the kernels load")
