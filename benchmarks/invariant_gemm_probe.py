@@ -265,10 +265,19 @@ def _cpu_case(x, weight, candidate: Candidate, split_k: int, reference, expected
         return dict(error=error_text(error))
 
 
-def error_text(error: Exception) -> str:
-    """The exception's type and last line (a compile error's cause), cut to 300 characters."""
-    message = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {message[-1] if message else ''}"[:300]
+def error_text(error: BaseException, limit: int = 4000) -> str:
+    """The exception's type and whole message (a CUDA error's first line names it; a compile
+    error's last line), then those of the exceptions it was raised from or while handling (a
+    failed CUDA graph capture's end reports the capture's first error that way), each cut to its
+    beginning and end past ``limit`` characters."""
+    parts: list[str] = []
+    link = ""
+    while error is not None and len(parts) < 4:
+        text = f"{link}{type(error).__name__}: {str(error).strip()}"
+        parts.append(text if len(text) <= limit else f"{text[:limit // 2]}\n[...]\n{text[-limit // 2:]}")
+        link = "raised from " if error.__cause__ else "raised while handling "
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return "\n  ".join(parts)
 
 
 class Probe:
@@ -293,7 +302,12 @@ class Probe:
         print(f"[{time.time() - self.start:6.1f}s] {text}", flush=True)
 
     def timed(self, record: dict, fn, flops: float, cublas_s: float | None) -> None:
-        """Add ``fn``'s graph-replay time to ``record`` (fewer calls per graph for big GEMMs)."""
+        """Add ``fn``'s graph-replay time to ``record`` (fewer calls per graph for big GEMMs). One
+        eager call first: cuBLAS creates its handle and workspace at its first call, which inside
+        a graph capture fails (CUBLAS_STATUS_NOT_INITIALIZED, then the capture's end), and Triton
+        compiles there."""
+        fn()
+        self.synchronize()
         seconds = self.seconds(fn, calls=4 if flops > 1e12 else 16)
         record.update(us=seconds * 1e6, tflops=flops / seconds / 1e12,
                       vs_cublas=seconds / cublas_s if cublas_s else 1.0)

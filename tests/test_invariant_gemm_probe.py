@@ -76,3 +76,31 @@ def test_probe_driver_records_checks_and_summary():
     late.shape("tiny", 96, 512, 40, probe.CPU_CANDIDATES)
     assert all("skipped" in r for r in late.records[2:])
     assert probe.summarize(late.records)[0]["best"] is None
+
+
+def test_timed_calls_once_eagerly_before_the_graph():
+    """cuBLAS's first call (handle, workspace) and Triton's compile must not be in the capture."""
+    made, made_when_timed = [], []
+    runner = probe.Probe(budget_s=1e9, device="cpu",
+                         seconds=lambda fn, calls: (made_when_timed.append(len(made)), 1e-3)[1])
+    record: dict = {}
+    runner.timed(record, lambda: made.append(1), 1e9, None)
+    assert made_when_timed == [1] and record["us"] == pytest.approx(1e3)
+
+
+def test_error_text_keeps_the_cuda_error_and_the_one_it_was_raised_while_handling():
+    """A failed capture's end raises while handling the capture's first error: both, whole."""
+    capture_end = ("CUDA error: operation failed due to a previous error during capture\n"
+                   "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+    cublas = "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"
+    try:
+        try:
+            raise RuntimeError(cublas)
+        except RuntimeError:
+            raise RuntimeError(capture_end)  # noqa: B904 - as torch.cuda.graph's __exit__ does
+    except RuntimeError as error:
+        lines = probe.error_text(error).splitlines()
+    assert lines[0] == "RuntimeError: CUDA error: operation failed due to a previous error during capture"
+    assert "TORCH_USE_CUDA_DSA" in lines[1]
+    assert lines[2] == f"  raised while handling RuntimeError: {cublas}"
+
