@@ -20,7 +20,9 @@ replays (``gemv_bench.graph_seconds``), cuBLAS (``F.linear``), the current kerne
 config (``fixed_tile_matmul_triton``, dispatched) and each candidate with the table's ``block_k``
 and ``split_k``, and checks the candidate's output is bitwise equal (``torch.equal``) to the
 current kernel's on the same input, and that its rows computed from 1, 8 and 256 rows of input
-equal the same rows of the full batch. Every candidate runs under its own try/except; past
+equal the same rows of the full batch. Each (shape, rows) runs in a child process (``--one``,
+``child_runs``): a candidate that kills its CUDA context or hangs loses itself only (an error
+record; a new child goes on from the next), and every error keeps its whole message. Past
 ``--budget-s`` seconds the rest are skipped (and listed); ``--shapes``/``--rows`` pick a subset.
 The summary gives per shape the fastest candidate that is bitwise equal and row-invariant, and
 per row count the sum over the four shapes (one layer's linears).
@@ -36,8 +38,10 @@ against the current kernel (bitwise) and torch (close), no GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from child_runs import emit, run_resumable
 from pagedlab.kernels.batch_invariant import fixed_tile_matmul_torch, fixed_tile_matmul_triton
 from pagedlab.kernels.gemv import dot_settings, k_segments, num_sms
 from pagedlab.kernels.gemv_configs import TileConfig, batch_invariant_config
@@ -281,16 +286,20 @@ def error_text(error: BaseException, limit: int = 4000) -> str:
 
 
 class Probe:
-    """The GPU run: records, progress lines against the clock, and the budget. ``seconds(fn,
-    calls)`` times a call (default: ``gemv_bench.graph_seconds``; the CPU test passes its own)."""
+    """The GPU run of one process: records, progress lines against the clock (from ``start``,
+    epoch seconds: the parent's) and the budget. ``seconds(fn, calls)`` times a call (default:
+    ``gemv_bench.graph_seconds``; the CPU test passes its own); ``emit`` (a child's
+    ``child_runs.emit``) reports each record and each candidate begun to the parent."""
 
-    def __init__(self, budget_s: float, device: str = "cuda", seconds=None):
+    def __init__(self, budget_s: float, device: str = "cuda", seconds=None, start: float | None = None,
+                 emit=None):
         if seconds is None:
             from gemv_bench import graph_seconds as seconds  # benchmarks/ is on the path for the GPU run
         self.seconds = seconds
         self.device = torch.device(device)
-        self.start = time.time()
+        self.start = time.time() if start is None else start
         self.budget_s = budget_s
+        self.emit = emit
         self.records: list[dict] = []
         self.sms = num_sms(self.device)
 
@@ -312,38 +321,72 @@ class Probe:
         record.update(us=seconds * 1e6, tflops=flops / seconds / 1e12,
                       vs_cublas=seconds / cublas_s if cublas_s else 1.0)
 
-    def shape(self, name: str, n: int, k: int, rows: int, candidates) -> None:
-        """cuBLAS, the current kernel (dispatched: the table's config) and every candidate."""
+    def inputs(self, n: int, k: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 activations and weight, the same in every process for the same shape."""
         generator = torch.Generator(device=self.device).manual_seed(rows + n + k)
         x = torch.randn(rows, k, device=self.device, generator=generator).to(torch.bfloat16)
         weight = (torch.randn(n, k, device=self.device, generator=generator) / k ** 0.5).to(torch.bfloat16)
-        flops = 2.0 * rows * n * k
-        base = dict(shape=name, n=n, k=k, rows=rows)
+        return x, weight
+
+    def baselines(self, base: dict, x, weight, config: TileConfig, flops: float) -> float:
+        """Time cuBLAS and the current kernel (dispatched: the table's config); cuBLAS's us."""
         cublas = dict(base, kernel="cublas")
         self.timed(cublas, lambda: F.linear(x, weight), flops, None)
         self.add(cublas)
-        config = batch_invariant_config(rows, n, k, self.sms)
         table = dict(base, kernel="table", config=asdict(config))
         started = time.time()
-        table_out = fixed_tile_matmul_triton(x, weight)
+        fixed_tile_matmul_triton(x, weight)
         self.synchronize()
         table["first_call_s"] = time.time() - started
         self.timed(table, lambda: fixed_tile_matmul_triton(x, weight), flops, cublas["us"] * 1e-6)
         self.add(table)
+        return cublas["us"]
+
+    def shape(self, name: str, n: int, k: int, rows: int, candidates, first: int = 0,
+              cublas_us: float | None = None) -> bool:
+        """cuBLAS, the current kernel and ``candidates[first:]``; with ``cublas_us`` (a resumed
+        run) cuBLAS and the current kernel are not timed again. False when a candidate's error
+        left the CUDA context unusable: the rest need a fresh process."""
+        x, weight = self.inputs(n, k, rows)
+        flops = 2.0 * rows * n * k
+        base = dict(shape=name, n=n, k=k, rows=rows)
+        config = batch_invariant_config(rows, n, k, self.sms)
+        if cublas_us is None:
+            cublas_us = self.baselines(base, x, weight, config, flops)
+        table_out = fixed_tile_matmul_triton(x, weight)
         segments = k_segments(k, config.block_k, config.split_k)[1]
-        for candidate in candidates:
-            if candidate.scratch_total and segments == 1:
-                continue  # the same kernel as without: no total to keep
+        for index, candidate in enumerate(candidates):
+            if index < first or (candidate.scratch_total and segments == 1):
+                continue  # done by an earlier process; or the same kernel as without: no total to keep
             if not candidate.tma and not candidate.persistent and segments > 1:
                 continue  # the current kernel itself
-            record = dict(base, kernel=candidate.name, candidate=asdict(candidate), block_k=config.block_k,
-                          split_k=config.split_k)
+            record = dict(base, kernel=candidate.name, index=index, candidate=asdict(candidate),
+                          block_k=config.block_k, split_k=config.split_k)
             if time.time() - self.start > self.budget_s:
                 record["skipped"] = f"over the {self.budget_s:.0f} s budget"
             else:
-                self.candidate(record, candidate, x, weight, config, table_out, flops, cublas["us"] * 1e-6)
+                if self.emit:
+                    self.emit("begin", record=record)
+                self.candidate(record, candidate, x, weight, config, table_out, flops, cublas_us * 1e-6)
             self.add(record)
-        del table_out
+            if "error" in record and not self.context_usable():
+                return False
+        return True
+
+    def context_usable(self) -> bool:
+        """Whether this process can still run and capture CUDA work after an error."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            value = torch.zeros(1, device=self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                value.add_(1)
+            graph.replay()
+            return value.item() == 1.0
+        except Exception as error:
+            self.log(f"CUDA context unusable: {error_text(error)}")
+            return False
 
     def candidate(self, record: dict, candidate: Candidate, x, weight, config: TileConfig, table_out,
                   flops: float, cublas_s: float) -> None:
@@ -365,18 +408,25 @@ class Probe:
 
     def add(self, record: dict) -> None:
         self.records.append(record)
-        where = f"{record['shape']} {record['rows']} {record['kernel']}"
-        if "error" in record or "skipped" in record:
-            self.log(f"{where}: {record.get('error') or record['skipped']}")
-            return
-        checks = ""
-        if "bitwise_vs_table" in record:
-            rows_ok = ",".join(f"{r}:{'ok' if ok else 'DIFF'}" for r, ok in record["row_invariant"].items())
-            checks = (f" bitwise={'yes' if record['bitwise_vs_table'] else 'NO'}"
-                      f" (max diff {record['max_abs_diff_vs_table']:.3g}) rows {rows_ok}")
-        first = f" first call {record['first_call_s']:.1f}s" if "first_call_s" in record else ""
-        self.log(f"{where}: {record['us']:9.1f} us {record['tflops']:6.1f} TFLOP/s "
-                 f"{record['vs_cublas']:.2f}x cuBLAS{checks}{first}")
+        log_record(record, self.log)
+        if self.emit:
+            self.emit("record", record=record)
+
+
+def log_record(record: dict, log) -> None:
+    """One progress line for ``record``."""
+    where = f"{record['shape']} {record['rows']} {record['kernel']}"
+    if "error" in record or "skipped" in record:
+        log(f"{where}: {record.get('error') or record['skipped']}")
+        return
+    checks = ""
+    if "bitwise_vs_table" in record:
+        rows_ok = ",".join(f"{r}:{'ok' if ok else 'DIFF'}" for r, ok in record["row_invariant"].items())
+        checks = (f" bitwise={'yes' if record['bitwise_vs_table'] else 'NO'}"
+                  f" (max diff {record['max_abs_diff_vs_table']:.3g}) rows {rows_ok}")
+    first = f" first call {record['first_call_s']:.1f}s" if "first_call_s" in record else ""
+    log(f"{where}: {record['us']:9.1f} us {record['tflops']:6.1f} TFLOP/s "
+        f"{record['vs_cublas']:.2f}x cuBLAS{checks}{first}")
 
 
 def valid(record: dict) -> bool:
@@ -420,38 +470,79 @@ def print_summary(lines: list[dict]) -> None:
               f"{line['best'] or ('(sum; table where none)' if line['shape'] == 'layer' else 'none valid')}")
 
 
+# Past the budget, the candidate under way gets this much more before its child is killed.
+GRACE_S = 25.0
+
+
+def child_argv(name: str, rows: int, started: float, budget_s: float, first: int,
+               records: list[dict]) -> list[str]:
+    """The command of a child that runs ``name`` at ``rows`` rows from candidate ``first`` on
+    (after ``records``: with cuBLAS's time from them, not measured again)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--one", f"{name},{rows}", "--first-candidate",
+            str(first), "--started", repr(started), "--budget-s", repr(budget_s)]
+    cublas = [r["us"] for r in records if r["kernel"] == "cublas" and "us" in r]
+    return argv + (["--cublas-us", repr(cublas[0])] if cublas else [])
+
+
 def run_gpu(args) -> dict:
     """The probe on the GPU: every shape (``--shapes``) at 8,192 rows first, then 1,024
-    (``--rows``; --quick: gate_up at 8,192 rows). Past the budget, shapes not begun are skipped."""
+    (``--rows``; --quick: gate_up at 8,192 rows), each (shape, rows) in child processes
+    (``child_runs.run_resumable``). Past the budget, shapes not begun are skipped."""
     if not torch.cuda.is_available():
         raise SystemExit("the probe needs a CUDA GPU (--cpu-check runs the kernels under the interpreter)")
-    use_torch_allocator("cuda")
-    probe = Probe(args.budget_s)
-    probe.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-              f"{probe.sms} SMs")
+    start = time.time()
+
+    def log(text: str) -> None:
+        print(f"[{time.time() - start:6.1f}s] {text}", flush=True)
     shapes = [shape for shape in SHAPES if shape[0] in (["gate_up"] if args.quick else args.shapes)]
+    records: list[dict] = []
+    info: dict = {}
     for rows in [8192] if args.quick else args.rows:
         for name, n, k in shapes:
-            if time.time() - probe.start > probe.budget_s:
-                probe.add(dict(shape=name, n=n, k=k, rows=rows, kernel="all",
-                               skipped=f"over the {probe.budget_s:.0f} s budget"))
+            base = dict(shape=name, n=n, k=k, rows=rows)
+            if time.time() - start > args.budget_s:
+                records.append(dict(base, kernel="all", skipped=f"over the {args.budget_s:.0f} s budget"))
+                log_record(records[-1], log)
                 continue
-            try:
-                probe.shape(name, n, k, rows, GPU_CANDIDATES)
-            except Exception as error:  # cuBLAS or the table's kernel failed: on to the next shape
-                probe.log(f"{name} {rows}: {error_text(error)}")
-            torch.cuda.empty_cache()
-    lines = summarize(probe.records)
+            argv_for = functools.partial(child_argv, name, rows, start, args.budget_s)
+            found, found_info = run_resumable(base, argv_for, len(GPU_CANDIDATES),
+                                              start + args.budget_s + GRACE_S,
+                                              functools.partial(log_record, log=log))
+            records += found
+            info = info or found_info
+    lines = summarize(records)
     print_summary(lines)
-    skipped = [f"{r['shape']} {r['rows']} {r['kernel']}" for r in probe.records if "skipped" in r]
+    skipped = [f"{r['shape']} {r['rows']} {r['kernel']}" for r in records if "skipped" in r]
     if skipped:
         print(f"\nskipped past the budget: {', '.join(skipped)}")
-    probe.log("done")
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                records=probe.records, summary=lines)
+    log("done")
+    return dict(device=info.get("device"), torch=info.get("torch"), triton=info.get("triton"),
+                records=records, summary=lines)
 
 
-def main() -> None:
+def run_one(args) -> None:
+    """A child of ``run_gpu``: one (shape, rows) from ``--first-candidate`` on, each record and
+    each candidate begun reported to the parent (``child_runs.emit``); exit status 3 when a
+    candidate left the CUDA context unusable."""
+    name, n, k, rows = args.one
+    use_torch_allocator("cuda")
+    probe = Probe(args.budget_s, start=args.started, emit=emit)
+    if args.first_candidate == 0:
+        probe.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+                  f"{probe.sms} SMs")
+    emit("info", device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+         sms=probe.sms)
+    try:
+        finished = probe.shape(name, n, k, rows, GPU_CANDIDATES, args.first_candidate, args.cublas_us)
+    except Exception as error:  # cuBLAS or the current kernel failed: nothing to compare with
+        probe.add(dict(shape=name, n=n, k=k, rows=rows, kernel="all", error=error_text(error)))
+        finished = True
+    if not finished:
+        raise SystemExit(3)
+    emit("done")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="gate_up at 8,192 rows only")
     names = [name for name, _, _ in SHAPES]
@@ -464,10 +555,27 @@ def main() -> None:
     parser.add_argument("--cpu-check", action="store_true",
                         help="every variant under TRITON_INTERPRET=1 at tiny sizes, no GPU")
     parser.add_argument("--out", help="write the records and summary as JSON here")
+    parser.add_argument("--one", help="SHAPE,ROWS: run one in this process, reporting to a parent probe")
+    parser.add_argument("--first-candidate", type=int, default=0, help="with --one: GPU_CANDIDATES index")
+    parser.add_argument("--started", type=float, help="with --one: the parent's start (epoch seconds)")
+    parser.add_argument("--cublas-us", type=float, help="with --one: cuBLAS's time, already measured")
     args = parser.parse_args()
     unknown = sorted(set(args.shapes) - set(names))
     if unknown:
         parser.error(f"--shapes {','.join(unknown)}: not one of {','.join(names)}")
+    if args.one:
+        name, _, rows = args.one.partition(",")
+        if name not in names or not rows.isdigit() or int(rows) == 0:
+            parser.error(f"--one {args.one}: want SHAPE,ROWS, SHAPE one of {','.join(names)}, ROWS > 0")
+        args.one = (*next(shape for shape in SHAPES if shape[0] == name), int(rows))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.one:
+        run_one(args)
+        return
     if args.cpu_check:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--cpu-check needs TRITON_INTERPRET=1 set before the kernels load")
