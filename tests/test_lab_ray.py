@@ -69,19 +69,19 @@ def _start_cluster(temp: str, attempts: int = 3):
 def cluster():
     """One two-node cluster for the module (Ray start-up is slow)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    saved_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = SRC  # the raylets' workers import this checkout
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths live under it
-    nodes = _start_cluster(temp)
-    ray.init(address=nodes.address, runtime_env={"env_vars": {"PYTHONPATH": SRC}})
-    yield nodes
-    ray.shutdown()
-    nodes.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", SRC)  # the raylets' workers import this checkout
+        # Ray 2.60's cluster utilities write the head's address into $RAY_TMPDIR/ray (default
+        # /tmp/ray), which nothing creates on a fresh machine: keep it inside this directory.
+        env.setenv("RAY_TMPDIR", temp)
+        os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
+        nodes = _start_cluster(temp)
+        ray.init(address=nodes.address, runtime_env={"env_vars": {"PYTHONPATH": SRC}})
+        yield nodes
+        ray.shutdown()
+        nodes.shutdown()
     shutil.rmtree(temp, ignore_errors=True)
-    if saved_path is None:
-        os.environ.pop("PYTHONPATH")
-    else:
-        os.environ["PYTHONPATH"] = saved_path
 
 
 @pytest.fixture(scope="module")
