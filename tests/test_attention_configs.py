@@ -24,8 +24,7 @@ MAX_SEQ_LEN = 384
 # (block_size, head_dim, group, dtype): GQA 1/2/4, a padded head dim, both test dtypes.
 SHAPES = [(16, 64, 1, torch.float32), (32, 128, 2, torch.float16), (16, 64, 4, torch.float32),
           (32, 80, 2, torch.float32)]
-# (interpreted, so stages only have to pass the table check, which bounds fp32 caches tightly)
-TUNED = [DecodeConfig(128, 2, 1), DecodeConfig(128, 8, 1), DecodeConfig(64, 2, 2)]
+TUNED = [DecodeConfig(128, 2, 2), DecodeConfig(128, 8, 4), DecodeConfig(64, 2, 4)]
 
 
 def _shape_id(shape):
@@ -150,8 +149,8 @@ def test_batch_invariant_and_cascade_launches_ignore_the_table(launches, monkeyp
     ((128, 2, 16), DecodeConfig(128, 4, 0), "num_stages=0"),
     ((128, 2, 12), DecodeConfig(), "kv_dtype_bits=12"),
     ((0, 2, 16), DecodeConfig(), "head_dim and group"),
-    ((256, 2, 16), DecodeConfig(128, 4, 3), "shared memory"),
-    ((128, 2, 32), DecodeConfig(128, 4, 2), "shared memory"),
+    ((128, 0, 16), DecodeConfig(), "head_dim and group"),
+    ((128, 2, 16), DecodeConfig(128, 4, 9), "num_stages=9"),
 ])
 def test_impossible_decode_configs_are_refused(key, config, message):
     with pytest.raises(ValueError, match=message):
@@ -164,4 +163,5 @@ def test_possible_decode_configs_pass_and_the_table_is_valid():
     for config in (DecodeConfig(), DecodeConfig(128, 8, 3), DecodeConfig(128, 2, 2), DecodeConfig(64, 2, 4)):
         check_decode_config((128, 2, 16), config)
     check_decode_config((256, 2, 8), DecodeConfig(128, 4, 2))
+    check_decode_config((80, 1, 32), DecodeConfig(128, 1, 1))
     check_decode_configs(attention_configs.DECODE_ATTENTION_CONFIGS)

@@ -218,11 +218,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sync: ``max_query_len`` (picks the query tile; default ``num_tokens``) and ``max_seq_len``
     (sizes split-KV; default ``block_tables.shape[1] * block_size``) are upper bounds given as
     ints. ``split_kv_size`` (tokens, a multiple of ``TILE_N``) turns on split-KV with a second
-    reduce launch; see ``choose_split_kv_size``. A decode launch (``max_query_len == 1``, not
-    ``batch_invariant``) takes its key tile, warps and stages from
-    ``attention_configs.DECODE_ATTENTION_CONFIGS`` where its shape is listed. ``out`` and ``scratch``
-    (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
-    ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
+    reduce launch; see ``choose_split_kv_size``. Decode (``max_query_len == 1``) takes its key tile,
+    warps and stages from ``DECODE_ATTENTION_CONFIGS`` (attention_configs.py) where it lists the
+    shape. ``out``, ``scratch`` (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA
+    graphs. Output rows past ``query_start_loc[-1]`` (padding) stay untouched. FP8 caches are read at
     ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
     ``batch_invariant``: one query tile size for every batch and, without a window, keys in
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
