@@ -179,6 +179,7 @@ def bench_batch(shape: str, batch_name: str, sweep: dict) -> dict:
         return run
     calls = {(config, split): under(config, decode_call(batch, most, split))
              for config in candidates(sweep, key, current) for split in modes}
+    print(f"{shape} {batch_name}: compiling, checking and timing {len(calls)} launches", flush=True)
     start = time.perf_counter()
     precompile(calls.values())
     compile_s = time.perf_counter() - start
