@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|lorabench|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|lorabench|attnbench|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -23,6 +23,9 @@ for part in "$@"; do
     # the LoRA shrink/expand kernels per Llama-3-8B linear at 1/16/64/256 tokens over 8 slots,
     # checked against the torch reference, and their sum per decode step next to the base linears
     lorabench) python3 benchmarks/lora_bench.py --out "$OUT/lora_bench.json" ;;
+    # decode attention per DecodeConfig (key tile x warps x stages) on W-nano-like batches, checked
+    # against the current config, and the DECODE_ATTENTION_CONFIGS lines to paste
+    attnbench) python3 benchmarks/attention_bench.py --out "$OUT/attention_bench.json" ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;

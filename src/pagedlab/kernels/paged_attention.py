@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedlab.kernels.attention_configs import TILE_N, attention_launch, padded_head_dim
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
 
 
@@ -157,9 +158,6 @@ def paged_attention_rows_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 SPLIT_KV_SIZE = 256
 # Split only below this many (sequence, KV head) programs: about one wave of resident programs.
 SPLIT_KV_MIN_PROGRAMS = 256
-# Key tile of the attention loop, the same for every launch shape so that a row's softmax is
-# accumulated in the same order whatever batch it is in.
-TILE_N = 64
 # Query-start entries each program scans per step when it looks up its sequence.
 SEQUENCE_SEARCH_CHUNK = 256
 # Rows of every query tile in batch-invariant mode (prefill's tile; decode pads up to it).
@@ -198,38 +196,12 @@ def allocate_split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, ma
     Allocate once at the largest sizes to reuse it (e.g. across CUDA-graph replays).
     """
     num_segments = -(-max_seq_len // split_kv_size)
-    head_dim_padded = _padded_head_dim(head_dim)
+    head_dim_padded = padded_head_dim(head_dim)
     acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_padded, dtype=torch.float32,
                       device=device)
     row_max = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=device)
     row_sum = torch.empty(num_tokens, num_heads, num_segments, dtype=torch.float32, device=device)
     return acc, row_max, row_sum
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def _padded_head_dim(head_dim: int) -> int:
-    return max(16, _next_power_of_2(head_dim))
-
-
-def _launch_config(max_query_len: int, group: int,
-                   batch_invariant: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_Q, num_warps, num_stages) for a batch whose longest query is max_query_len;
-    ``batch_invariant``: ``BATCH_INVARIANT_BLOCK_M`` rows whatever the batch, so a token's dots
-    are the same instructions in decode and in any prefill.
-
-    Rows are query tokens x the query heads of one KV head, at least 16 so that tl.dot runs on
-    tensor cores in decode. Measured on an H200 (bf16, head_dim 128, GQA 4, TILE_N 64): 64 rows
-    with 4 warps beat 128 rows with 8 warps for 512-token prefills (2.85 vs 3.04 ms for 256
-    sequences) and for a 2,048-token chunk over 30k keys (334 vs 305 TFLOP/s).
-    """
-    block_m = max(16, min(64, _next_power_of_2(max_query_len * group)), _next_power_of_2(group))
-    if batch_invariant:
-        block_m = max(BATCH_INVARIANT_BLOCK_M, _next_power_of_2(group))
-    num_warps = 8 if block_m >= 128 else 4
-    return block_m, block_m // group, num_warps, 3
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -246,9 +218,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sync: ``max_query_len`` (picks the query tile; default ``num_tokens``) and ``max_seq_len``
     (sizes split-KV; default ``block_tables.shape[1] * block_size``) are upper bounds given as
     ints. ``split_kv_size`` (tokens, a multiple of ``TILE_N``) turns on split-KV with a second
-    reduce launch; see ``choose_split_kv_size``. ``out`` and ``scratch``
-    (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output rows past
-    ``query_start_loc[-1]`` (padding) are left untouched. FP8 caches are read at
+    reduce launch; see ``choose_split_kv_size``. Decode (``max_query_len == 1``) takes its key tile,
+    warps and stages from ``DECODE_ATTENTION_CONFIGS`` (attention_configs.py) where it lists the
+    shape. ``out``, ``scratch`` (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA
+    graphs. Output rows past ``query_start_loc[-1]`` (padding) stay untouched. FP8 caches are read at
     ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
     ``batch_invariant``: one query tile size for every batch and, without a window, keys in
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
@@ -332,11 +305,12 @@ class _AttentionKernels:
             raise ValueError("q, k_cache and v_cache need a contiguous head_dim")
         self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
         self.num_kv_heads, self.group = num_kv_heads, num_heads // num_kv_heads
-        self.head_dim, self.head_dim_padded = head_dim, _padded_head_dim(head_dim)
+        self.head_dim, self.head_dim_padded = head_dim, padded_head_dim(head_dim)
         # The interpreter's tl.dot is wrong for bf16; fp32 caches want exact fp32 products, not tf32.
         upcast = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+        self.kv_dtype_bits = k_cache.element_size() * 8
         self.common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=self.head_dim_padded, GROUP=self.group,
-                           TILE_N=TILE_N, BLOCK_SIZE=block_size, UPCAST=upcast,
+                           BLOCK_SIZE=block_size, UPCAST=upcast,
                            DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
                            SEQ_CHUNK=SEQUENCE_SEARCH_CHUNK,
                            # the interpreter's tl.dot (numpy's BLAS) rounds a row by its place in the tile
@@ -364,11 +338,13 @@ class _AttentionKernels:
         """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
         partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel);
-        ``segment_size``: the normalized output folded from key segments of that size (SEGMENTED)."""
-        block_m, block_q, num_warps, num_stages = _launch_config(max_query_len, self.group,
-                                                                 self.batch_invariant)
-        if self.head_dim_padded > 128:  # Gemma's 256: three stages of K and V tiles overflow shared memory
-            num_stages = 2
+        ``segment_size``: the normalized output folded from key segments of that size (SEGMENTED).
+        A default-mode decode launch may take a tuned key tile (``attention_launch``)."""
+        launch = attention_launch(
+            max_query_len, self.group, self.head_dim, self.kv_dtype_bits,
+            batch_invariant_rows=BATCH_INVARIANT_BLOCK_M if self.batch_invariant else 0,
+            tunable=not prefix_only and key_offset is None, split_kv_size=split_kv_size)
+        block_q = launch.block_q
         num_seqs = seq_lens.shape[0]
         grid = ((self.q.shape[0] // block_q + num_seqs, self.num_kv_heads)
                 + ((num_segments,) if split_kv_size else ()))
@@ -387,8 +363,9 @@ class _AttentionKernels:
             num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
-            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q, BLOCK_M=block_m,
-            SEGMENTED=segment_size > 0, num_warps=num_warps, num_stages=num_stages, **self.common)
+            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q,
+            BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch
