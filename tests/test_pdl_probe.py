@@ -71,3 +71,20 @@ def test_chain_check_catches_a_stale_or_poisoned_output():
 def test_gemv_rejects_more_than_one_row():
     with pytest.raises(ValueError, match="one contiguous row of 8"):
         probe.probe_gemv(torch.zeros(2, 8), torch.zeros(4, 8), probe.GemvConfig(4, 8))
+
+
+def test_summary_reports_the_saving_per_kernel_boundary_and_the_race_control():
+    record = {"graph_ms": 5.0, "eager_ms": 6.0, "error": 1e-3, "eager_error": 1e-3}
+    chain = {"no-pdl": record, "pdl": {**record, "graph_ms": 5.0 - 0.127, "eager_ms": 6.0 - 0.254},
+             "pdl-prefetch": {"exception": "boom"},
+             "pdl-no-wait": {**record, "error": float("nan")}}
+    lines = probe.summarize(chain, 128, 4.25e9)
+    saving = next(line for line in lines if line.startswith("pdl: saves"))
+    for expected in ("1.00 us per kernel boundary", "127 us per chain", "eager 2.00 us"):
+        assert expected in saving
+    assert not any(line.startswith("pdl-prefetch: saves") for line in lines)
+    assert any(line.startswith("pdl-prefetch ") and "FAILED" in line for line in lines)
+    row = next(line for line in lines if line.startswith("no-pdl "))
+    assert " 850 " in row and "20.0%" in row and " ok " in row  # 4.25 GB in 5 ms; the floor is 1 ms
+    assert "WRONG" in next(line for line in lines if line.startswith("pdl-no-wait "))
+    assert lines[-1].endswith("PDL overlap is live")
