@@ -340,6 +340,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed replays per variant (median)")
     parser.add_argument("--out", help="write every record to this JSON file")
     args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise SystemExit("pdl_probe needs a Hopper or newer GPU (PDL); on a CPU run tests/test_pdl_probe.py")
     started = time.perf_counter()
     torch.manual_seed(0)
     layers = make_layers(args.layers)
