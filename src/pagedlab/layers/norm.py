@@ -60,6 +60,25 @@ class RMSNorm(nn.Module):
         return self._add_norm(x, residual, self.weight, self.eps)
 
 
+def rms_norm_then_add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor, first: torch.Tensor,
+                                           second: torch.Tensor, eps: float):
+    """Gemma's norm after a block, the residual add and the norm before the next:
+    (second(first(x) + residual), first(x) + residual)."""
+    return add_rms_norm_unit_offset(rms_norm_unit_offset(x, first, eps), residual, second, eps)
+
+
+_norm_then_add_norm = fused(rms_norm_then_add_rms_norm_unit_offset)
+
+
+def norm_then_add_norm(x: torch.Tensor, residual: torch.Tensor, first: RMSNorm, second: RMSNorm):
+    """``second(first(x), residual)``: Gemma's post-attention norm, residual add and
+    pre-feed-forward norm, one compiled kernel on the GPU instead of two launches a layer
+    (batch-invariant mode, and norms other than Gemma's, run the two modules)."""
+    if runs_invariant_kernels(x) or not (first.unit_offset and second.unit_offset) or first.eps != second.eps:
+        return second(first(x), residual)
+    return _norm_then_add_norm(x, residual, first.weight, second.weight, first.eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), weight.shape, weight.float(), bias.float(), eps).to(x.dtype)
 

@@ -19,7 +19,7 @@ from torch import nn
 from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import VocabParallelEmbedding
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
-from pagedlab.layers.norm import RMSNorm
+from pagedlab.layers.norm import RMSNorm, norm_then_add_norm
 from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate_queries_and_keys
 from pagedlab.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
 from pagedlab.quantization.formats import resolve_quant_config
@@ -71,8 +71,8 @@ class GemmaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, residual = norm_then_add_norm(self.self_attn(rope, hidden), residual,
+                                              self.post_attention_layernorm, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
