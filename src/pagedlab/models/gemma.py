@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlab.layers.fusion import fused
 from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import VocabParallelEmbedding
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -108,6 +109,14 @@ class GemmaDecoderModel(nn.Module):
         return hidden
 
 
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)``, as transformers computes it."""
+    return torch.tanh(logits / cap) * cap
+
+
+_soft_cap = fused(soft_cap)  # one kernel over the vocabulary instead of three
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3 (text) causal LM over flat varlen batches; ``qk_norm`` switches Gemma 3's
     q/k norms on."""
@@ -119,4 +128,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
         (``final_logit_softcapping``)."""
         logits = self.lm_head(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else _soft_cap(logits, cap)
