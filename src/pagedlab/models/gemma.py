@@ -66,15 +66,13 @@ class GemmaDecoderLayer(nn.Module):
                      "post_feedforward_layernorm"):
             self.add_module(name, RMSNorm(hidden, eps, unit_offset=True))
 
-    def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """Takes and returns (this layer's output, the residual stream before it)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+    def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor):
+        """Takes (this layer's normalized input, the residual stream before it); returns (the
+        MLP's output before ``post_feedforward_layernorm``, the residual stream after attention):
+        the model applies that norm together with the next residual add and norm."""
         hidden, residual = norm_then_add_norm(self.self_attn(rope, hidden), residual,
                                               self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.mlp(hidden), residual
 
 
 class GemmaDecoderModel(nn.Module):
@@ -102,10 +100,12 @@ class GemmaDecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # rounded as transformers does
         ropes = {key: emb(positions, hidden.dtype) for key, emb in self.rotary_emb.items()}
-        residual = None
-        for layer, key in zip(self.layers, self.rope_keys):
+        hidden, residual = self.layers[0].input_layernorm(hidden), hidden
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, key, next_norm in zip(self.layers, self.rope_keys, next_norms):
             hidden, residual = layer(ropes[key], hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual = norm_then_add_norm(hidden, residual, layer.post_feedforward_layernorm,
+                                                  next_norm)
         return hidden
 
 
