@@ -97,6 +97,19 @@ def _block_rank(rank: int) -> int:
 
 
 @triton.jit
+def _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr):
+    """Tile ``tile`` of the table: its slot, its first row in ``sorted_token_ids``, the row
+    offsets, which of them are real, and their token indices."""
+    entry = tiles_ptr + 1 + 3 * tile
+    slot = tl.load(entry).to(tl.int64)
+    start = tl.load(entry + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    valid = offs_m < tl.load(entry + 2)
+    tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
+    return slot, start, offs_m, valid, tokens
+
+
+@triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_split,
                         stride_x, stride_a_slot, stride_a_slice, stride_a_rank,
                         stride_h_split, stride_h_slice, stride_h_row,
@@ -108,12 +121,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
         return
     split = tl.program_id(1)
     part = tl.program_id(2)
-    entry = tiles_ptr + 1 + 3 * tile
-    slot = tl.load(entry).to(tl.int64)
-    start = tl.load(entry + 1)
-    offs_m = tl.arange(0, BLOCK_M)
-    valid = offs_m < tl.load(entry + 2)
-    tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
+    slot, start, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     a_base = a_ptr + slot * stride_a_slot + part * stride_a_slice
@@ -155,12 +163,7 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
     first = tl.where(in2, tiles0 + tiles1, tl.where(in1, tiles0, 0))
     offset = tl.where(in2, SIZE0 + SIZE1, tl.where(in1, SIZE0, 0))
     size = tl.where(in2, SIZE2, tl.where(in1, SIZE1, SIZE0))
-    entry = tiles_ptr + 1 + 3 * tile
-    slot = tl.load(entry).to(tl.int64)
-    start = tl.load(entry + 1)
-    offs_m = tl.arange(0, BLOCK_M)
-    valid = offs_m < tl.load(entry + 2)
-    tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
+    slot, start, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     h_rows = h_ptr + part * stride_h_slice + (start + offs_m)[:, None] * stride_h_row + offs_r[None, :]
@@ -253,13 +256,13 @@ def linear_with_lora(base, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.
     config = choose_config(x.shape[0], slots, slices, k)
     if side_stream is None or not torch.cuda.is_current_stream_capturing():
         y = base(x)
+        add_lora(x, y, lora_a, lora_b, mapping, slice_sizes, workspace, config)
+        return y
+    main = torch.cuda.current_stream()
+    side_stream.wait_stream(main)
+    with torch.cuda.stream(side_stream):
         h = lora_shrink(x, lora_a, mapping, config, workspace)
-    else:
-        main = torch.cuda.current_stream()
-        side_stream.wait_stream(main)
-        with torch.cuda.stream(side_stream):
-            h = lora_shrink(x, lora_a, mapping, config, workspace)
-        y = base(x)
-        main.wait_stream(side_stream)
+    y = base(x)
+    main.wait_stream(side_stream)
     lora_expand(h, lora_b, mapping, y, slice_sizes, config)
     return y

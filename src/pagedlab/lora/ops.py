@@ -129,8 +129,6 @@ def lora_expand_torch(h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMappin
 
 
 def add_lora_torch(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   mapping: LoRAMapping, slice_sizes: Sequence[int],
-                   workspace: torch.Tensor | None = None) -> None:
-    """``y += `` each token's adapter delta (shrink then expand; ``workspace`` is unused here, as
-    ``pagedlab.kernels.lora.add_lora`` takes it)."""
+                   mapping: LoRAMapping, slice_sizes: Sequence[int]) -> None:
+    """``y += `` each token's adapter delta (shrink then expand)."""
     lora_expand_torch(lora_shrink_torch(x, lora_a, mapping), lora_b, mapping, y, slice_sizes)

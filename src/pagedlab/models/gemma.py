@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedlab.layers.fusion import fused
 from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import VocabParallelEmbedding
+from pagedlab.layers.fusion import fused
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm, norm_then_add_norm
 from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate_queries_and_keys
