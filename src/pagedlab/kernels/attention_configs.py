@@ -44,8 +44,13 @@ class AttentionLaunch:
 
 
 # (head_dim, GQA group, bits of a KV-cache element) -> config of default-mode decode launches
-# (longest query 1, no cascade). A shape not listed runs the default ``_default_launch``.
-DECODE_ATTENTION_CONFIGS: dict[tuple[int, int, int], DecodeConfig] = {}
+# (longest query 1, no cascade). A shape not listed runs the default ``_default_launch``. Measured
+# by attention_bench.py on one H200 (2026-12-01) over 256x[100,2048], 64x[100,2048] and 16x8192
+# keys; the comments: decode attention time saved against the default.
+DECODE_ATTENTION_CONFIGS: dict[tuple[int, int, int], DecodeConfig] = {
+    (128, 2, 16): DecodeConfig(tile_n=64, num_warps=4, num_stages=2),  # qwen3-0.6b: 9.1%
+    (128, 4, 16): DecodeConfig(tile_n=128, num_warps=4, num_stages=2),  # llama3-8b: 5.9%
+}
 
 
 def padded_head_dim(head_dim: int) -> int:
