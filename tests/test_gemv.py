@@ -193,3 +193,47 @@ def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_
         captured.zero_()
         graph.replay()
         torch.testing.assert_close(captured, out, atol=0, rtol=0)
+
+
+def test_pdl_launch_is_off_on_the_cpu_and_when_switched_off(monkeypatch):
+    from pagedlab.kernels import pdl
+    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: index == 0)
+    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_launch(torch.device("cuda", 1)) == {"PDL": False}
+    monkeypatch.setenv("PAGEDLAB_PDL", "0")
+    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_gemv_chain_in_a_cuda_graph_reads_each_input_after_it_is_written(gemv):
+    """Eight layers of Llama-3-8B's batch-1 linears (tabled GEMVs, PDL-launched on Hopper), each fed
+    the previous output, captured in one graph: every output, poisoned before the replay, equals
+    the float32 product of the input it should have read (an early read would give NaN or stale
+    values)."""
+    from pagedlab.kernels.pdl import pdl_enabled
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert pdl_enabled(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+               for _ in range(8) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
+    assert all(dense_gemv_config(1, *w.shape) for w in weights), "the chain must run the tabled GEMVs"
+    x0 = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
+
+    def chain():
+        outputs, x = [], x0
+        for weight in weights:
+            x = dense_linear(x[:, :weight.shape[1]], weight)
+            outputs.append(x)
+        return outputs
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = chain()
+    for out in outputs:
+        out.fill_(float("nan"))
+    graph.replay()
+    for x, weight, out in zip([x0, *outputs[:-1]], weights, outputs, strict=True):
+        expected = x[:, :weight.shape[1]].float() @ weight.float().T
+        torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])

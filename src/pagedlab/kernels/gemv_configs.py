@@ -93,12 +93,17 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 4096, 7168, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 14.1
 }
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
-# a shape not listed runs cuBLAS.
+# a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
+# benchmarks/pdl_probe.py instead: in a chain of 32 layers' linears, each reading its own weights
+# as decode does, one program per few weight rows over all of K beat both cuBLAS and the split-K
+# entries gemv_bench picked (times per linear in the chain, without PDL).
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    (1, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.6 (cuBLAS 15.5)
+    (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
+    (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
+    (1, 28672, 4096): TileConfig(block_n=16, block_k=256, num_stages=3),  # chain 54.5 (cuBLAS 56.2)
+    (1, 4096, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 28.3 (cuBLAS 30.4)
     (4, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.7 (cuBLAS 15.6)
     (16, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.9 (cuBLAS 15.7)
-    (1, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 64.7 (cuBLAS 71.2)
     (4, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 64.8 (cuBLAS 67.2)
     (16, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 65.0 (cuBLAS 67.0)
     (1, 128256, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 246.6 (cuBLAS 285.3)
