@@ -68,13 +68,20 @@ def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
-def _gemv_step(acc, x_rows, w_rows, offs_k, m_valid, n_valid, K, w, USE_DOT: tl.constexpr,
+def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_ROW: tl.constexpr,
                DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x."""
-    x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
-    if USE_DOT:
-        return tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
-    return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    k_valid = offs_k < K
+    if ONE_ROW:
+        x = tl.load(x_rows + offs_k, mask=k_valid, other=0.0)
+        acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
+    else:
+        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "num_splits"])
@@ -83,10 +90,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        stride_partial_split, stride_partial_row, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                        SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
-    (not USE_DOT) the products are kept per K lane and summed once at the end; with USE_DOT the
-    rows are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
+    (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
+    tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
+    are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
     multiplied by the row's and the output column's float32 scales. The first weight tile is read
     before the PDL wait (``kernels/pdl.py``): weights do not depend on the previous kernel."""
     pid_n = tl.program_id(0)
@@ -96,24 +105,29 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     m_valid = offs_m < M
     n_valid = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    x_rows = x_ptr + offs_m[:, None] * stride_x
     k_begin = split * K_PER_SPLIT
     offs_k = k_begin + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ONE_ROW:
+        x_rows = x_ptr
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc = _gemv_step(acc, x_rows, w_rows, offs_k, m_valid, n_valid, K, w, USE_DOT, DOT_DTYPE, DOT_PRECISION)
+        x_rows = x_ptr + offs_m[:, None] * stride_x
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
     for k_start in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = _gemv_step(acc, x_rows, w_rows, offs_k, m_valid, n_valid, K, w, USE_DOT, DOT_DTYPE,
-                         DOT_PRECISION)
-    if not USE_DOT:
+        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+    if ONE_ROW:
+        acc = tl.sum(acc, axis=1)[None, :]
+    elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
     if SCALED:
         acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
@@ -178,8 +192,8 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         in_features, k_per_split, num_splits, x.stride(0), weight.stride(0), out.stride(0),
         partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.block_m > 0, **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        USE_DOT=config.block_m > 0, ONE_ROW=rows == 1 and config.block_m == 0, **dot_settings(x),
+        **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:
