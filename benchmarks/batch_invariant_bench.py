@@ -1,5 +1,10 @@
 """Where batch-invariant mode's time goes on one GPU, and the config table that makes it fast.
 
+First the mode's matmul as the model calls it (``fixed_tile_matmul_triton`` dispatched: the
+table's config, or the persistent TMA launch for prefill) against cuBLAS at 256, 1,024 and 8,192
+rows per Llama-3-8B linear but the LM head, with the launch it took, a bitwise check against the
+in-program launch and the sum of the four (one layer); ``--dispatch-only`` stops there.
+
 Linears (Llama-3-8B's qkv, o, gate_up, down and the LM head, bf16): every candidate config of
 the fixed-tile matmul (``kernels/batch_invariant.py``; tiles, warps, stages and a K segment count
 fixed per shape) at each batch of rows, against the default mode's linear (cuBLAS or the dense
@@ -24,6 +29,7 @@ gaps). The first run compiles every config (Triton caches them); ``--layers`` an
 a run short.
 
     PYTHONPATH=src python3 benchmarks/batch_invariant_bench.py --out binv_bench.json
+    PYTHONPATH=src python3 benchmarks/batch_invariant_bench.py --dispatch-only --out binv_dispatch.json
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ import time
 from dataclasses import asdict
 
 import torch
+import torch.nn.functional as F
 
 from gemv_bench import PEAK_BYTES_PER_S, graph_seconds, model_linears
-from pagedlab.kernels.batch_invariant import fixed_tile_matmul_triton
+from pagedlab.kernels.batch_invariant import fixed_tile_matmul_launch, fixed_tile_matmul_triton
 from pagedlab.kernels.gemv import k_segments, num_sms
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_ROW_BUCKETS, BATCH_INVARIANT_TILE, TileConfig,
                                            batch_invariant_config, batch_invariant_row_bucket,
@@ -62,6 +69,9 @@ INVARIANT_ATTENTION_ROWS = (16, 32, 64)
 GIVE_UP_SLOWDOWN = 4.0
 # The LM head runs on one row per sequence: never more rows than the largest decode batch.
 LM_HEAD_MAX_ROWS = 256
+# Row counts of the dispatched matmul timed against cuBLAS: a decode batch of 256 (the table's
+# tiles) and prefill steps of 1,024 and 8,192 tokens (the persistent launch on Hopper)
+DISPATCH_ROWS = (256, 1024, 8192)
 
 
 def segment_counts(n: int, k: int, sms: int) -> list[int]:
@@ -288,6 +298,53 @@ def step_estimates(results: list[dict]) -> dict:
     return estimates
 
 
+def bench_dispatch(gen: torch.Generator) -> list[dict]:
+    """The mode's matmul as the model calls it (``fixed_tile_matmul_triton``, dispatched: the
+    table's config, or the persistent launch from BATCH_INVARIANT_PERSISTENT_MIN_ROWS rows)
+    against cuBLAS (``F.linear``) per Llama-3-8B linear but the LM head and row count of
+    DISPATCH_ROWS: the launch it took, its output bitwise against the in-program launch with the
+    table's config; then per row count the four summed (one layer's linears)."""
+    found = []
+    for name, n, k in model_linears("llama3-8b", 1):
+        if name == "lm_head":
+            continue
+        weight = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).bfloat16()
+        x = torch.randn(max(DISPATCH_ROWS), k, device=DEVICE, generator=gen).bfloat16()
+        for rows in DISPATCH_ROWS:
+            found.append(dict(layer=name, n=n, k=k, rows=rows, **dispatch_timing(x[:rows], weight)))
+            print(format_dispatch(found[-1]), flush=True)
+    for rows in DISPATCH_ROWS:
+        mine = [record for record in found if record["rows"] == rows]
+        found.append(dict(layer="layer", rows=rows, cublas_us=sum(r["cublas_us"] for r in mine),
+                          invariant_us=sum(r["invariant_us"] for r in mine)))
+        print(format_dispatch(found[-1]), flush=True)
+    return found
+
+
+def dispatch_timing(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The launch and config ``fixed_tile_matmul_triton(x, weight)`` takes, whether its output is
+    bitwise the in-program launch's with the table's config, its time and cuBLAS's."""
+    config, split, persistent = fixed_tile_matmul_launch(x, weight)
+    in_program = fixed_tile_matmul_triton(x, weight, split_across_programs=False, persistent=False)
+    launch = "persistent" if persistent else "split" if split else "in-program"
+    return dict(config=asdict(config), launch=launch,
+                bitwise_vs_in_program=torch.equal(fixed_tile_matmul_triton(x, weight), in_program),
+                cublas_us=eager_then_graph_seconds(lambda: F.linear(x, weight)) * 1e6,
+                invariant_us=eager_then_graph_seconds(lambda: fixed_tile_matmul_triton(x, weight)) * 1e6)
+
+
+def format_dispatch(record: dict) -> str:
+    cublas_us, invariant_us = record["cublas_us"], record["invariant_us"]
+    text = (f"dispatched {record['layer']:>7} M={record['rows']:>5}: cuBLAS {cublas_us:8.1f} us, invariant "
+            f"{invariant_us:8.1f} us ({invariant_us / cublas_us:.2f}x)")
+    if "launch" not in record:
+        return text + " (sum of the four)"
+    config = TileConfig(**record["config"])
+    return (text + f" {record['launch']} {config.block_m}x{config.block_n}x{config.block_k} split_k "
+            f"{config.split_k} w{config.num_warps} s{config.num_stages}, bitwise vs in-program: "
+            f"{'yes' if record['bitwise_vs_in_program'] else 'NO'}")
+
+
 def attention_inputs(seqs: int, query_len: int, keys: int, gen: torch.Generator, heads: int = 32,
                      kv_heads: int = 8, head_dim: int = 128, block_size: int = 16) -> tuple:
     """``paged_attention_triton``'s positional inputs (bf16): ``seqs`` sequences of ``query_len``
@@ -385,19 +442,9 @@ def format_other(record: dict) -> str:
     return text + "".join(tiles)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="binv_bench.json", help="JSON file of every measurement")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(BATCH_INVARIANT_ROW_BUCKETS))
-    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
-    parser.add_argument("--skip-others", action="store_true",
-                        help="linears only (no attention, norm or softmax)")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    sms = num_sms(torch.device(DEVICE))
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16; one-tile config {BATCH_INVARIANT_TILE}")
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+def bench_tables(args: argparse.Namespace, sms: int, gen: torch.Generator) -> tuple[list, list, dict]:
+    """Every candidate config per linear of ``args.layers`` at ``args.rows``: the results, the
+    BATCH_INVARIANT_CONFIGS lines (printed to paste) and the decode-step estimates."""
     results = [bench_linear(name, n, k, args.rows, sms, gen) for name, n, k in model_linears("llama3-8b", 1)
                if name in args.layers]
     lines = [line for result in results for line in result["table_lines"]]
@@ -413,14 +460,35 @@ def main() -> None:
         print(f"decode step at batch {rows}, linears (32 layers + LM head): default mode "
               f"{estimate['default_ms']:.2f} ms, one-tile invariant {estimate['one_tile_ms']:.2f} ms, "
               f"chosen invariant {estimate['invariant_ms']:.2f} ms")
-    others = [] if args.skip_others else bench_attention(gen) + bench_norm_and_softmax(gen)
+    return results, lines, estimates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="binv_bench.json", help="JSON file of every measurement")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(BATCH_INVARIANT_ROW_BUCKETS))
+    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
+    parser.add_argument("--skip-others", action="store_true",
+                        help="linears only (no attention, norm or softmax)")
+    parser.add_argument("--dispatch-only", action="store_true",
+                        help="only the dispatched matmul against cuBLAS (about a minute)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    sms = num_sms(torch.device(DEVICE))
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16; one-tile config {BATCH_INVARIANT_TILE}")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    dispatched = bench_dispatch(gen)
+    results, lines, estimates = ([], [], {}) if args.dispatch_only else bench_tables(args, sms, gen)
+    skip_others = args.skip_others or args.dispatch_only
+    others = [] if skip_others else bench_attention(gen) + bench_norm_and_softmax(gen)
     for record in others:
         print(format_other(record))
     elapsed = time.perf_counter() - start
     print(f"done in {elapsed:.0f} s; JSON in {args.out}")
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, linears=results, table=lines,
-                       step_estimates=estimates, others=others, seconds=elapsed), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, dispatched=dispatched, linears=results,
+                       table=lines, step_estimates=estimates, others=others, seconds=elapsed), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|lorabench|attnbench|invgemm|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -20,15 +20,17 @@ for part in "$@"; do
     # the batch-invariant matmul's configs (verified bitwise, the BATCH_INVARIANT_CONFIGS lines to
     # paste) and every kernel the mode swaps, timed against the default mode
     binvbench) python3 benchmarks/batch_invariant_bench.py --out "$OUT/binv_bench.json" ;;
+    # the mode's matmul as dispatched (the persistent TMA launch for prefill) against cuBLAS at
+    # 256/1,024/8,192 rows per 8B linear, each checked bitwise against the in-program launch
+    binvdispatch) python3 benchmarks/batch_invariant_bench.py --dispatch-only --out "$OUT/binv_dispatch.json" ;;
     # the LoRA shrink/expand kernels per Llama-3-8B linear at 1/16/64/256 tokens over 8 slots,
     # checked against the torch reference, and their sum per decode step next to the base linears
     lorabench) python3 benchmarks/lora_bench.py --out "$OUT/lora_bench.json" ;;
     # decode attention per DecodeConfig (key tile x warps x stages) on W-nano-like batches, checked
     # against the current config, and the DECODE_ATTENTION_CONFIGS lines to paste
     attnbench) python3 benchmarks/attention_bench.py --out "$OUT/attention_bench.json" ;;
-    # probes for the next kernels (docs/benchmarks.md): launches of the batch-invariant matmul that
-    # keep its sum (issue 14), programmatic dependent launch between batch-1 GEMVs (issue 13)
-    invgemm) python3 benchmarks/invariant_gemm_probe.py --out "$OUT/invariant_gemm_probe.json" ;;
+    # probe for a next kernel (docs/benchmarks.md): programmatic dependent launch between batch-1
+    # GEMVs (issue 13)
     pdl)   python3 benchmarks/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;

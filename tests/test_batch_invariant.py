@@ -29,7 +29,7 @@ from conftest import KV_BYTES, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_TILE, TileConfig,
-                                           batch_invariant_splits)
+                                           batch_invariant_persistent_config, batch_invariant_splits)
 from pagedlab.layers import batch_invariant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,6 +80,49 @@ def test_fixed_tile_matmul_rows_do_not_depend_on_the_batch(kernels):
     assert torch.equal(run(x[order]), full[order])
     cpu_x, cpu_w = x.cpu(), weight.cpu()
     assert not torch.equal(F.linear(cpu_x[:1], cpu_w), F.linear(cpu_x, cpu_w)[:1])
+
+
+@pytest.mark.parametrize("dtype, in_features, tma",
+                         [(torch.float32, 112, True), (torch.float16, 112, True), (torch.float32, 100, True),
+                          (torch.float16, 100, False)])
+def test_persistent_launch_is_bitwise_the_in_program_launch(kernels, dtype, in_features, tma):
+    """4 programs looping over 3 x 3 tiles (the last row and column tiles partial), operands
+    through TMA descriptors (K steps past K zero-filled at 100 features) or, where a row is not a
+    multiple of 16 bytes (float16, 100 features), through pointer loads: bitwise the in-program
+    launch with 1 and 3 K segments, and a batch's first rows equal a run on those rows alone. In
+    float32 the two segment counts differ (the control: the check tells sums apart)."""
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(40, in_features, generator=g).to(DEVICE, dtype)
+    weight = (torch.randn(72, in_features, generator=g) / 8).to(DEVICE, dtype)
+    bias = torch.randn(72, generator=g).to(DEVICE, dtype)
+    assert kernels._tma_loads(x, weight) == tma
+    outputs = {}
+    for segments in (1, 3):
+        def run(rows, persistent=True, segments=segments):
+            return kernels.fixed_tile_matmul_triton(rows, weight, bias, SMALL_TILE, num_segments=segments,
+                                                    split_across_programs=False, persistent=persistent,
+                                                    max_programs=4)
+        outputs[segments] = run(x)
+        assert torch.equal(outputs[segments], run(x, persistent=False)), segments
+        for rows in (1, 8, 17):
+            assert torch.equal(run(x[:rows]), outputs[segments][:rows]), (segments, rows)
+    if dtype == torch.float32:  # float16 outputs may round the difference away
+        assert not torch.equal(outputs[1], outputs[3])
+        torch.testing.assert_close(outputs[1], outputs[3])
+
+
+def test_persistent_launch_runs_only_where_the_dispatch_measured_it(kernels):
+    """Never on the CPU, nor for a config given, nor together with the split launch; its config
+    keeps the table's block_k and split_k (the sum) with the persistent tile."""
+    x, weight = torch.zeros(2048, 64), torch.zeros(96, 64)
+    assert kernels.fixed_tile_matmul_launch(x, weight)[2] is False
+    forced = kernels.fixed_tile_matmul_launch(x, weight, SMALL_TILE, persistent=True)
+    assert forced == (SMALL_TILE, False, True)
+    assert kernels.fixed_tile_matmul_launch(x, weight, SMALL_TILE)[2] is False
+    with pytest.raises(ValueError, match="split_across_programs=True"):
+        kernels.fixed_tile_matmul_launch(x, weight, split_across_programs=True, persistent=True)
+    config = batch_invariant_persistent_config(TileConfig(block_n=32, block_k=32, split_k=5, block_m=16))
+    assert config == TileConfig(block_n=256, block_k=32, split_k=5, block_m=128, num_warps=8, num_stages=4)
 
 
 def test_norm_and_softmax_kernels_match_torch_per_row(kernels):

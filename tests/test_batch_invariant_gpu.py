@@ -51,6 +51,42 @@ def test_fixed_tile_matmul_rows_are_invariant_at_8b_shapes(out_features, in_feat
             assert torch.equal(fixed_tile_matmul_triton(x, weight, config=config), full), (bucket, config)
 
 
+@pytest.mark.parametrize("out_features, in_features", LINEARS_8B[:4])
+def test_persistent_prefill_launch_is_bitwise_the_in_program_launch_at_8b_shapes(out_features, in_features):
+    """At 1,024 and 4,096 rows the dispatch takes the persistent TMA launch (128 x 256 tiles) on a
+    Hopper GPU, and its output is bitwise the in-program launch's with the table's tiles; the first
+    1, 8 and 256 rows, run alone (other launches), equal the same rows; a CUDA graph of it replays
+    on new input to the eager output (the TMA descriptors are captured by value)."""
+    from pagedlab.kernels import batch_invariant as kernels
+    from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_PERSISTENT_TILE
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the persistent launch needs TMA (Hopper or later)")
+    g = torch.Generator(device="cuda").manual_seed(out_features + 1)
+    x = torch.randn(4096, in_features, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.02).bfloat16()
+    for rows in (1024, 4096):
+        config, split, persistent = kernels.fixed_tile_matmul_launch(x[:rows], weight)
+        assert persistent and not split, rows
+        assert (config.block_m, config.block_n) == (BATCH_INVARIANT_PERSISTENT_TILE.block_m,
+                                                    BATCH_INVARIANT_PERSISTENT_TILE.block_n)
+        got = kernels.fixed_tile_matmul_triton(x[:rows], weight)
+        in_program = kernels.fixed_tile_matmul_triton(x[:rows], weight, split_across_programs=False,
+                                                      persistent=False)
+        assert torch.equal(got, in_program), rows
+    torch.testing.assert_close(got.float(), kernels.fixed_tile_matmul_torch(x, weight).float(), atol=0.05,
+                               rtol=0.02)
+    for rows in (1, 8, 256):
+        assert torch.equal(kernels.fixed_tile_matmul_triton(x[:rows], weight), got[:rows]), rows
+    static = x[:1024].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = kernels.fixed_tile_matmul_triton(static, weight)
+    static.copy_(x[-1024:])
+    graph.replay()
+    assert torch.equal(replayed, got[-1024:])
+
+
 def test_8b_shape_bf16_logprobs_are_bitwise_batch_invariant_with_cuda_graphs(llama8b_layers4):
     prefix = random_prompts(1, vocab=128256, min_len=300, max_len=300, seed=21)[0]
     prompts = ([prefix + tail for tail in random_prompts(5, vocab=128256, min_len=10, max_len=80, seed=22)]

@@ -12,27 +12,38 @@ batch to fill the GPU). Each segment is accumulated from zero over its K steps, 
 are added in segment order. The table may give a batch bucket other tiles (fewer rows, so that a
 decode step does not pay for 128-row tensor-core tiles) only with the same ``block_k`` and
 ``split_k`` and where the GPU found the result bitwise the same (``benchmarks/
-batch_invariant_bench.py``, ``tests/test_batch_invariant_gpu.py``). Two launches compute the sum:
+batch_invariant_bench.py``, ``tests/test_batch_invariant_gpu.py``). One kernel computes the
+sum through three launches:
 
-- in-program: one program per output tile loops over the segments itself (large M);
+- in-program: one program per output tile loops over the segments itself;
+- persistent (prefill: ``BATCH_INVARIANT_PERSISTENT_MIN_ROWS`` rows or more, on Hopper): one
+  program per SM loops over the output tiles in the same grouped order, each summed as the
+  in-program launch does, in ``BATCH_INVARIANT_PERSISTENT_TILE``'s 128 x 256 tiles with the
+  table's ``block_k`` and ``split_k``; the operands come through TMA descriptors made on the
+  host (``TensorDescriptor``: no device-side scratch, passed by value, so a CUDA graph keeps them);
 - split across programs: one program per (tile, segment), the fp32 segment sums meet in a scratch
   buffer and the last program of each tile adds them in segment order (``split_k_epilogue``, as
   the GEMVs do) - for batches whose tiles alone would leave most SMs idle.
 
-Which launch runs may depend on M; what is computed may not, and the tests check that both give
-bitwise the same output. This module imports triton when it loads: import it lazily.
+Which launch runs may depend on M; what is computed may not, and the tests check that all three
+give bitwise the same output. This module imports triton when it loads: import it lazily.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
-from pagedlab.kernels.gemv_configs import (TileConfig, batch_invariant_config, batch_invariant_split_launch,
-                                           check_batch_invariant_config)
+from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
+                                           BATCH_INVARIANT_PERSISTENT_TILE, TileConfig,
+                                           batch_invariant_config, batch_invariant_persistent_config,
+                                           batch_invariant_split_launch, check_batch_invariant_config)
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096
@@ -40,43 +51,28 @@ SOFTMAX_BLOCK = 4096
 MAX_NORM_WIDTH = 1 << 16
 
 
-@triton.jit(do_not_specialize=["M", "num_segments"])
-def _fixed_tile_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-                              K_PER_SEGMENT, num_segments, stride_x, stride_w, stride_out,
-                              stride_partial_split, stride_partial_row,
-                              HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              BROADCAST_DOT: tl.constexpr):
-    """Program (output tile[, segment]). Tiles run in groups of GROUP_M row tiles per column
-    tile (L2 reuse of the weight); SPLIT: this program adds only segment ``program_id(1)``.
-    BROADCAST_DOT multiplies and sums instead of ``tl.dot``: the interpreter's ``tl.dot`` is
-    numpy's BLAS, which rounds a row differently depending on its place in the tile."""
-    tile = tl.program_id(0)
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    num_n_tiles = tl.cdiv(N, BLOCK_N)
-    tiles_per_group = GROUP_M * num_n_tiles
-    first_m = (tile // tiles_per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (tile % tiles_per_group) % group_rows
-    pid_n = (tile % tiles_per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid = offs_m < M
-    n_valid = offs_n < N
+@triton.jit
+def _segment_sum(x_ptr, w_ptr, x_desc, w_desc, first_row, first_col, M, N, K, k_begin, k_end, stride_x,
+                 stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+    """One K segment's fp32 sum from zero, K steps chained in order through ``tl.dot``'s
+    accumulator. TMA fills the rows past M or N and the columns past K with zeros, as the
+    pointer loads' masks do. BROADCAST_DOT multiplies and sums instead of ``tl.dot``: the
+    interpreter's ``tl.dot`` is numpy's BLAS, which rounds a row differently depending on its
+    place in the tile."""
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    offs_n = first_col + tl.arange(0, BLOCK_N)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    if SPLIT:
-        first_segment = tl.program_id(1)
-        last_segment = first_segment + 1
-    else:
-        first_segment = 0
-        last_segment = num_segments
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for segment in range(first_segment, last_segment):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_begin = segment * K_PER_SEGMENT
-        for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SEGMENT, K), BLOCK_K):
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        if USE_TMA:
+            x = x_desc.load([first_row, k_start])
+            w = w_desc.load([first_col, k_start])
+        else:
             offs_k = k_start + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
@@ -85,18 +81,81 @@ def _fixed_tile_matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, coun
                 k_valid = offs_k < K
                 x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-            if BROADCAST_DOT:
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-            else:
-                acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
-        total += acc
+        if BROADCAST_DOT:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        else:
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _matmul_tile(tile, x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+                 K_PER_SEGMENT, num_segments, stride_x, stride_w, stride_out, stride_partial_split,
+                 stride_partial_row, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, ONE_SEGMENT: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BROADCAST_DOT: tl.constexpr):
+    """Output tile number ``tile``: tiles run in groups of GROUP_M row tiles per column tile (L2
+    reuse of the weight). Its value is ``((0 + s0) + s1) + ...`` over the segment sums, or ``s0``
+    for ONE_SEGMENT (equal but for the sign of a zero, without a second fp32 tile live over the K
+    loop); SPLIT: only segment ``program_id(1)``, the epilogue adds them."""
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    tiles_per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    first_row = (first_m + (tile % tiles_per_group) % group_rows) * BLOCK_M
+    first_col = ((tile % tiles_per_group) // group_rows) * BLOCK_N
+    offs_m = first_row + tl.arange(0, BLOCK_M)
+    offs_n = first_col + tl.arange(0, BLOCK_N)
+    if ONE_SEGMENT:
+        total = _segment_sum(x_ptr, w_ptr, x_desc, w_desc, first_row, first_col, M, N, K, 0, K, stride_x,
+                             stride_w, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, DOT_DTYPE, DOT_PRECISION,
+                             BROADCAST_DOT)
+    else:
+        if SPLIT:
+            first_segment = tl.program_id(1)
+            last_segment = first_segment + 1
+        else:
+            first_segment = 0
+            last_segment = num_segments
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for segment in range(first_segment, last_segment):
+            k_begin = segment * K_PER_SEGMENT
+            total += _segment_sum(x_ptr, w_ptr, x_desc, w_desc, first_row, first_col, M, N, K, k_begin,
+                                  tl.minimum(k_begin + K_PER_SEGMENT, K), stride_x, stride_w, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, EVEN_K, USE_TMA, DOT_DTYPE, DOT_PRECISION, BROADCAST_DOT)
     if SPLIT:  # total is this segment's sum plus 0.0, which the epilogue's sum adds the same way
-        split_k_epilogue(total, offs_m, offs_n, m_valid, n_valid, tile, first_segment, num_segments,
+        split_k_epilogue(total, offs_m, offs_n, offs_m < M, offs_n < N, tile, tl.program_id(1), num_segments,
                          partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                          bias_ptr, out_ptr, stride_out, HAS_BIAS, True)
     else:
-        _store_output(total, offs_m, offs_n, m_valid[:, None] & n_valid[None, :], n_valid, bias_ptr,
-                      out_ptr, stride_out, HAS_BIAS)
+        _store_output(total, offs_m, offs_n, (offs_m < M)[:, None] & (offs_n < N)[None, :], offs_n < N,
+                      bias_ptr, out_ptr, stride_out, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "num_segments"])
+def _fixed_tile_matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N,
+                              K, K_PER_SEGMENT, num_segments, stride_x, stride_w, stride_out,
+                              stride_partial_split, stride_partial_row, HAS_BIAS: tl.constexpr,
+                              SPLIT: tl.constexpr, ONE_SEGMENT: tl.constexpr, PERSISTENT: tl.constexpr,
+                              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                              DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              BROADCAST_DOT: tl.constexpr):
+    """Program (output tile[, segment]), or with PERSISTENT program p of P computing tiles p,
+    p + P, ... in the same grouped order. USE_TMA: ``x_desc``/``w_desc`` are tensor descriptors
+    of x and the weight (``[BLOCK_M | BLOCK_N, BLOCK_K]`` blocks) that the loads go through."""
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+            _matmul_tile(tile, x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, partial_ptr, counter_ptr, M,
+                         N, K, K_PER_SEGMENT, num_segments, stride_x, stride_w, stride_out,
+                         stride_partial_split, stride_partial_row, HAS_BIAS, SPLIT, ONE_SEGMENT, EVEN_K,
+                         USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_DTYPE, DOT_PRECISION, BROADCAST_DOT)
+    else:
+        _matmul_tile(tl.program_id(0), x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, partial_ptr,
+                     counter_ptr, M, N, K, K_PER_SEGMENT, num_segments, stride_x, stride_w, stride_out,
+                     stride_partial_split, stride_partial_row, HAS_BIAS, SPLIT, ONE_SEGMENT, EVEN_K, USE_TMA,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, DOT_DTYPE, DOT_PRECISION, BROADCAST_DOT)
 
 
 def fixed_tile_matmul_torch(x: torch.Tensor, weight: torch.Tensor,
@@ -109,42 +168,102 @@ def fixed_tile_matmul_torch(x: torch.Tensor, weight: torch.Tensor,
 
 def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                              config: TileConfig | None = None, num_segments: int | None = None,
-                             split_across_programs: bool | None = None) -> torch.Tensor:
+                             split_across_programs: bool | None = None, persistent: bool | None = None,
+                             max_programs: int | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``weight`` ``[N, K]``, float16/bfloat16/float32 like ``x``) with
     one reduction order per weight shape, whatever ``x``'s row count: see the module docstring.
     ``config`` defaults to ``batch_invariant_config``'s for this batch and weight,
-    ``num_segments`` to the config's ``split_k``; ``split_across_programs`` picks the launch, not
-    the result (None: ``batch_invariant_split_launch``'s choice for the dispatched config; for a
-    given one, when its output tiles alone fill less than half the SMs)."""
+    ``num_segments`` to the config's ``split_k``. ``split_across_programs`` and ``persistent``
+    pick the launch, not the result: None leaves them to ``fixed_tile_matmul_launch``;
+    ``persistent=True`` runs ``config``'s tiles on at most ``max_programs`` programs (default:
+    one per SM), each looping over the output tiles."""
     out_features, in_features = weight.shape
     check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
     if x2d.stride(-1) != 1 or weight.stride(-1) != 1:
         x2d, weight = x2d.contiguous(), weight.contiguous()
     rows = x2d.shape[0]
-    sms = num_sms(x.device)
-    dispatched = config is None
-    config = config or batch_invariant_config(rows, out_features, in_features, sms)
-    check_batch_invariant_config(config)
+    config, split, persistent = fixed_tile_matmul_launch(x2d, weight, config, split_across_programs,
+                                                         persistent)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out.view(*x.shape[:-1], out_features)
     k_per_segment, num_segments = k_segments(in_features, config.block_k, num_segments or config.split_k)
+    split = split and num_segments > 1
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_features, config.block_n)
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"max_programs={max_programs}: want at least 1")
+    programs = min(tiles, max_programs or num_sms(x.device)) if persistent else tiles
+    tma = persistent and _tma_loads(x2d, weight)
+    x_desc, w_desc = x2d, weight  # stand-ins the kernel does not read without TMA
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x2d, [config.block_m, config.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
+    partial, counters = split_k_scratch(rows, out_features, num_segments if split else 1, tiles, out)
+    _fixed_tile_matmul_kernel[(programs, num_segments if split else 1)](
+        x2d, weight, x_desc, w_desc, out if bias is None else bias, out, partial, counters, rows,
+        out_features, in_features, k_per_segment, num_segments, x2d.stride(0), weight.stride(0),
+        out.stride(0), partial.stride(0) if split else 0, partial.stride(1) if split else 0,
+        HAS_BIAS=bias is not None, SPLIT=split, ONE_SEGMENT=num_segments == 1, PERSISTENT=persistent,
+        EVEN_K=in_features % config.block_k == 0, USE_TMA=tma, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8, BROADCAST_DOT=x.device.type == "cpu",
+        **dot_settings(x), num_warps=config.num_warps, num_stages=config.num_stages)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def fixed_tile_matmul_launch(x2d: torch.Tensor, weight: torch.Tensor, config: TileConfig | None = None,
+                             split_across_programs: bool | None = None,
+                             persistent: bool | None = None) -> tuple[TileConfig, bool, bool]:
+    """``(config, split across programs, persistent)`` of ``fixed_tile_matmul_triton(x2d, weight,
+    ...)`` (``x2d`` 2-D, rows contiguous). Left to the dispatch (``config`` None), the split
+    launch is ``batch_invariant_split_launch``'s choice, and a batch the in-program launch would
+    run takes the persistent one where ``_persistent_launch_fits``, with
+    BATCH_INVARIANT_PERSISTENT_TILE's tiles and the table's block_k and split_k. For a given
+    ``config``: split when its output tiles alone fill less than half the SMs, never persistent."""
+    rows, (out_features, in_features) = x2d.shape[0], weight.shape
+    sms = num_sms(x2d.device)
+    dispatched = config is None
+    config = config or batch_invariant_config(rows, out_features, in_features, sms)
+    check_batch_invariant_config(config)
+    if persistent:
+        if split_across_programs:
+            raise ValueError("persistent=True with split_across_programs=True: the launches exclude "
+                             "each other")
+        return config, False, True
     if split_across_programs is None:
+        tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(out_features, config.block_n)
         split_across_programs = (batch_invariant_split_launch(rows, out_features, in_features, tiles, sms)
                                  if dispatched else 2 * tiles <= sms)
-    split = split_across_programs and num_segments > 1
-    partial, counters = split_k_scratch(rows, out_features, num_segments if split else 1, tiles, out)
-    _fixed_tile_matmul_kernel[(tiles, num_segments if split else 1)](
-        x2d, weight, out if bias is None else bias, out, partial, counters, rows, out_features, in_features,
-        k_per_segment, num_segments, x2d.stride(0), weight.stride(0), out.stride(0),
-        partial.stride(0) if split else 0, partial.stride(1) if split else 0,
-        HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=in_features % config.block_k == 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
-        BROADCAST_DOT=x.device.type == "cpu", **dot_settings(x), num_warps=config.num_warps,
-        num_stages=config.num_stages)
-    return out.view(*x.shape[:-1], out_features)
+    if (persistent is None and dispatched and not split_across_programs
+            and _persistent_launch_fits(x2d, weight, config)):
+        return batch_invariant_persistent_config(config), False, True
+    return config, split_across_programs, False
+
+
+def _persistent_launch_fits(x2d: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> bool:
+    """Whether the dispatch runs this batch on the persistent launch: as measured (16-bit operands
+    through TMA, whole K steps of BATCH_INVARIANT_PERSISTENT_TILE's block_k) from
+    BATCH_INVARIANT_PERSISTENT_MIN_ROWS rows, on a CUDA GPU. Host facts only, so a CUDA graph
+    replays the launch it captured."""
+    return (x2d.is_cuda and x2d.shape[0] >= BATCH_INVARIANT_PERSISTENT_MIN_ROWS
+            and x2d.dtype in (torch.float16, torch.bfloat16)
+            and config.block_k == BATCH_INVARIANT_PERSISTENT_TILE.block_k
+            and weight.shape[1] % config.block_k == 0 and _tma_loads(x2d, weight))
+
+
+def _tma_loads(*operands: torch.Tensor) -> bool:
+    """Whether the persistent launch reads these 2-D operands through TMA descriptors: on Hopper
+    or later (and in the interpreter, which runs them on the CPU), where each starts on 16 bytes
+    and its rows lie a multiple of 16 bytes apart, as TMA requires."""
+    device = operands[0].device
+    if device.type == "cuda" and _compute_capability(device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in operands)
+
+
+@cache
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @triton.jit

@@ -197,6 +197,17 @@ def default_fp8_gemv_config(rows: int, out_features: int, in_features: int, num_
 # every row count (bf16: 128 x 128 x 64, 8 warps, 3 stages, as the persistent matmuls of vLLM's
 # and Thinking Machines' batch-invariant modes), K segments from ``batch_invariant_splits``.
 BATCH_INVARIANT_TILE = TileConfig(block_n=128, block_k=64, block_m=128, num_warps=8, num_stages=3)
+# The batch-invariant matmul's persistent launch for prefill (``kernels/batch_invariant.py``): one
+# program per SM looping over 128 x 256 output tiles, operands through TMA descriptors (Hopper).
+# Its block_k and split_k are always the table's (they fix the sum), so its rows are bitwise the
+# other launches'; it runs only where the table's block_k is this one (four stages of 128 x 256 x
+# 128 tiles would not fit in shared memory). On one H200 at Llama-3-8B's four linears it ran
+# 0.94-1.27x cuBLAS's time at 1,024 and 8,192 rows, where the table's tiles run 1.40-1.71x.
+BATCH_INVARIANT_PERSISTENT_TILE = TileConfig(block_n=256, block_k=64, block_m=128, num_warps=8, num_stages=4)
+# Fewest rows that take the persistent launch: the smallest row count it was measured at, where it
+# beat the table's tiles at every shape. Fewer rows make few 128 x 256 tiles for 132 SMs (256 rows
+# of an o projection: 32), where the table's smaller tiles make more programs.
+BATCH_INVARIANT_PERSISTENT_MIN_ROWS = 1024
 # Fewest K steps in one segment of the batch-invariant matmul.
 BATCH_INVARIANT_MIN_SEGMENT_STEPS = 4
 # Row buckets of BATCH_INVARIANT_CONFIGS: a batch takes the smallest bucket that holds it (8192:
@@ -286,6 +297,13 @@ def batch_invariant_config(rows: int, out_features: int, in_features: int, num_s
         splits = batch_invariant_splits(out_features, in_features, BATCH_INVARIANT_TILE, num_sms)
         return replace(BATCH_INVARIANT_TILE, split_k=splits)
     return table[(bucket, out_features, in_features)]
+
+
+def batch_invariant_persistent_config(config: TileConfig) -> TileConfig:
+    """The persistent launch's config for a batch whose table config is ``config``: the tiles,
+    warps and stages of BATCH_INVARIANT_PERSISTENT_TILE with ``config``'s block_k and split_k,
+    which fix the sum."""
+    return replace(BATCH_INVARIANT_PERSISTENT_TILE, block_k=config.block_k, split_k=config.split_k)
 
 
 def batch_invariant_split_launch(rows: int, out_features: int, in_features: int, tiles: int, num_sms: int,
