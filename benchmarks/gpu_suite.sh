@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -41,6 +41,17 @@ for part in "$@"; do
     # kv_cache_gib in each row's "extra" show the cached tokens (2x), output tok/s the speed
     nano-fp8) for kv in auto fp8; do bench throughput --workload W-nano --kv-cache-dtype $kv --json "$OUT/w_nano_kv_$kv.json"; done ;;
     long-fp8) for kv in auto fp8; do bench throughput --workload W-long --kv-cache-dtype $kv --json "$OUT/w_long_kv_$kv.json"; done ;;
+    # issue 13's FP8 peers, same run: W-seed batch 1 and 256 on pagedlab bf16, pagedlab fp8 and HF
+    # transformers' FineGrainedFP8Config (hf fp8), HF bf16 at batch 1. Where transformers' FP8
+    # matmul kernel cannot load (it comes from the Hub through the `kernels` package) the hf fp8
+    # step stops at once with that reason and writes no JSON; its GPU tests say the same.
+    fp8-peer) python3 -m pytest -m gpu tests/test_hf_fp8_peer.py -q -rs -s -p no:cacheprovider 2>&1 | tail -12
+              bench throughput --workload W-seed --batch-size 1 256 --json "$OUT/fp8peer_pagedlab_bf16.json"
+              bench throughput --workload W-seed --batch-size 1 256 --quantization fp8 \
+                  --json "$OUT/fp8peer_pagedlab_fp8.json"
+              bench throughput --workload W-seed --batch-size 1 256 --backend hf --quantization fp8 \
+                  --json "$OUT/fp8peer_hf_fp8.json"
+              bench throughput --workload W-seed --batch-size 1 --backend hf --json "$OUT/fp8peer_hf_bf16.json" ;;
     # issue 15's targets: the MoE and Gemma 2 shapes (dummy bf16) at batch 1/64/256, in 512 / out 128,
     # against HF generate in the same run (batch 256 skipped for HF: minutes per row)
     families) for shape in qwen3-30b-a3b mixtral-8x7b gemma2-9b; do

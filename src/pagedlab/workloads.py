@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import pagedlab
+from pagedlab import hf_peer
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
@@ -363,17 +364,6 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
                "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
 
 
-def load_hf_peer(hf_config, dtype: torch.dtype = torch.bfloat16):
-    """HF transformers model of the same shape with random weights, on the GPU, sdpa attention."""
-    import transformers
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
-                                                              attn_implementation="sdpa")
-    return model.eval()
-
-
 def run_hf_generate(model, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
     """HF static-batch ``generate`` (prompts of equal length, so no padding), greedy, per-step timing;
     with ``workload.loras``, ``model`` is ``lora_bench.peft_peer``'s and each row runs its adapter."""
@@ -496,6 +486,9 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
         raise ValueError(f"backend {sorted(unknown)} is unknown; choose from pagedlab, hf")
+    quantization = (engine_args or {}).get("quantization")
+    if "hf" in backends:
+        hf_peer.check_hf_quantization(quantization, with_lora=lora is not None)
     if lora is not None and "hf" in backends:
         lora_bench.check_hf_peer(workload_name)
     if model is None:
@@ -521,7 +514,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
                 _bench_pagedlab(llm, workload_name, workloads, hf_config, repeats, latency, results, progress,
                                 profile_dir)
         if "hf" in backends:
-            _bench_hf(workload_name, workloads, hf_config, repeats, results, progress)
+            _bench_hf(workload_name, workloads, hf_config, repeats, results, progress, quantization)
     return results
 
 
@@ -561,26 +554,31 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
 
 
 def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats: int,
-              results: list[WorkloadResult], progress) -> None:
-    """Every workload on the HF transformers peer (static batches; generate_batch for W-nano)."""
-    peer = load_hf_peer(hf_config)
+              results: list[WorkloadResult], progress, quantization: str | None = None) -> None:
+    """Every workload on the HF transformers peer (static batches; generate_batch for W-nano),
+    ``quantization`` "fp8" through transformers' FineGrainedFP8Config (``pagedlab.hf_peer``)."""
+    peer = hf_peer.load_hf_peer(hf_config, quantization=quantization)
+    weights, tag = (hf_peer.decode_weight_bytes(peer), f" {quantization}") if quantization else (None, "")
     loras = lora_bench.distinct(w.loras for w in workloads)
     if loras:
         peer = lora_bench.peft_peer(peer, loras)
     for w in workloads:
         on_gpu = torch.cuda.is_available()
-        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens) if on_gpu else None
+        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
+                               decode_weight_bytes=weights) if on_gpu else None
         for r in range(repeats):
-            label = f"bs={len(w.prompts)}{lora_bench.label(w.loras)}" + (f" #{r + 1}" if repeats > 1 else "")
+            label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}"
+                     + (f" #{r + 1}" if repeats > 1 else ""))
             if workload_name == "W-nano":
                 fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
-                floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens)
-                         if on_gpu else None)
+                floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens,
+                                        decode_weight_bytes=weights) if on_gpu else None)
                 results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
             elif workload_name == "W-prefix":
                 break  # the peer of W-prefix is pagedlab with prefix caching off
             else:
                 results.append(run_hf_generate(peer, w, label, floor))
+            results[-1].extra.update(hf_peer.row_record(peer, quantization))
             progress(format_row(results[-1]))
     del peer
     if torch.cuda.is_available():
