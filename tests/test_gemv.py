@@ -195,24 +195,26 @@ def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_
         torch.testing.assert_close(captured, out, atol=0, rtol=0)
 
 
-def test_pdl_launch_is_off_on_the_cpu_and_when_switched_off(monkeypatch):
+def test_pdl_launch_only_when_switched_on_and_on_hopper(monkeypatch):
     from pagedlab.kernels import pdl
-    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: index == 0)
+    monkeypatch.delenv("PAGEDLAB_PDL", raising=False)
+    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.setenv("PAGEDLAB_PDL", "1")
+    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
     assert pdl.pdl_launch(torch.device("cuda", 1)) == {"PDL": False}
-    monkeypatch.setenv("PAGEDLAB_PDL", "0")
-    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_pdl_gemv_chain_in_a_cuda_graph_reads_each_input_after_it_is_written(gemv):
+def test_pdl_gemv_chain_in_a_cuda_graph_reads_each_input_after_it_is_written(gemv, monkeypatch):
     """Eight layers of Llama-3-8B's batch-1 linears (tabled GEMVs, PDL-launched on Hopper), each fed
     the previous output, captured in one graph: every output, poisoned before the replay, equals
     the float32 product of the input it should have read (an early read would give NaN or stale
     values)."""
     from pagedlab.kernels.pdl import pdl_enabled
+    monkeypatch.setenv("PAGEDLAB_PDL", "1")
     if torch.cuda.get_device_capability()[0] >= 9:
         assert pdl_enabled(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)

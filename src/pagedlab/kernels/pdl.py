@@ -10,7 +10,9 @@ it on an H200: 1.4 us less per kernel boundary in a chain of batch-1 GEMVs.
 
 A kernel opts in with a ``PDL: tl.constexpr`` flag that guards its wait and trigger, and is
 launched with ``**pdl_launch(device)``: the flag and the launch option come from one place, so a
-kernel never runs early without waiting. ``PAGEDLAB_PDL=0`` turns it off (to measure it).
+kernel never runs early without waiting. It is off unless ``PAGEDLAB_PDL=1``: in the engine the
+GEMVs sit between kernels that do not take part (norms, attention), and W-seed batch-1 TPOT was
+0.06 ms worse with it on (BENCHMARKS.md, 2026-12-01); it pays once the whole step's chain does.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ def _device_supports_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: a CUDA device of compute capability 9 or
-    more (never the CPU interpreter, which has no ``gdc_*``), unless ``PAGEDLAB_PDL=0``."""
-    if device.type != "cuda" or os.environ.get("PAGEDLAB_PDL", "1") == "0":
+    """Whether kernels on ``device`` launch with PDL: with ``PAGEDLAB_PDL=1``, on a CUDA device of
+    compute capability 9 or more (never the CPU interpreter, which has no ``gdc_*``)."""
+    if device.type != "cuda" or os.environ.get("PAGEDLAB_PDL", "0") != "1":
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 
