@@ -165,11 +165,10 @@ BATCH_INVARIANT_BLOCK_M = 64
 # Key segment of batch-invariant mode (tokens, from key 0; no window): every launch, split or
 # not, attends each segment from a fresh softmax state and folds them in segment order, so a small
 # decode batch may split its keys (``split_kv_size`` = this) and still match a prefill bitwise.
-# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). Without
-# segments a batch-1 decode step ran each head's keys in one program (19 us a layer at 640 keys,
-# twice the default mode's split launch); 256-key segments cost W-seed batch 256 8% (every prompt
-# folded twice), 512-key ones fold only past the 512th key (BENCHMARKS.md, issue 14).
-BATCH_INVARIANT_SPLIT_KV_SIZE = 512
+# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). The H200
+# verified 256 and 512 bitwise too, but neither paid: 256 cost W-seed batch 256 8%; 512 left
+# batch-1 TPOT where it was (5.09 ms against 5.11) and cost batch 256 6% (BENCHMARKS.md, issue 14).
+BATCH_INVARIANT_SPLIT_KV_SIZE = 0
 
 
 def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
