@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
 
+from pagedlab.kernels import attention_configs
 from pagedlab.kernels.attention_configs import DecodeConfig
 from pagedlab.kernels.paged_attention import SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SIZE
 
@@ -19,7 +20,8 @@ attention_bench = pytest.importorskip("attention_bench")
 KEY = (128, 2, 16)
 
 
-def test_candidates_cover_the_sweep_current_first():
+def test_candidates_cover_the_sweep_current_first(monkeypatch):
+    monkeypatch.setattr(attention_configs, "DECODE_ATTENTION_CONFIGS", {})  # KEY untuned: the default
     current = DecodeConfig()
     found = attention_bench.candidates(attention_bench.SWEEP, KEY, current)
     assert found[0] == current and len(found) == len(set(found)) == 18
