@@ -39,7 +39,7 @@ from pagedlab.workloads import model_shape
 
 PEAK_BYTES_PER_S = 4.8e12
 # decode_seconds: at least this many calls in a graph, and at most this many bytes of weight
-# copies a measurement (two copies of Gemma-2-9B's LM head, the largest weight benched: 3.7 GB).
+# copies a measurement (two copies of Gemma-2-9B's LM head, the largest weight benched: 3.4 GiB).
 MIN_GRAPH_CALLS = 32
 COPY_CAP_BYTES = 4 << 30
 # The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_one_row_tiles``).
