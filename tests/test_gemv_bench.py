@@ -185,8 +185,8 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
     for name in ("dense_candidates", "awq_candidates"):
         monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
     gen = torch.Generator().manual_seed(1)
-    weight = (torch.randn(256, 128, generator=gen) * 0.1).bfloat16()
-    x = torch.randn(1, 128, generator=gen).bfloat16()
+    weight = (torch.randn(256, 128, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, 128, generator=gen).bfloat16().to(DEVICE)
     awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
     found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2)
     for path in ("gemv", "fp8", "awq"):
@@ -256,3 +256,23 @@ def test_decode_seconds_reads_the_weights_from_hbm(n, k):
     seconds = gemv_bench.decode_seconds(lambda w: F.linear(x, w), (weight,))
     bandwidth = weight.numel() * 2 / seconds
     assert gemv_bench.PEAK_BYTES_PER_S / 3 < bandwidth < gemv_bench.PEAK_BYTES_PER_S
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_rows_on_the_gpu(monkeypatch):
+    """One row of an o projection through every path, the sweeps cut short: every candidate
+    correct, each path's time no faster than its bytes at HBM's peak."""
+    from pagedlab.kernels.gemv import num_sms
+
+    for name in ("dense_candidates", "awq_candidates"):
+        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
+    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 128)
+    found = gemv_bench.bench_rows(x, weight, awq, True, 128, num_sms(x.device))
+    for path in ("gemv", "fp8", "awq"):
+        assert all(r["ok"] for r in found[path]["candidates"]), found[path]
+        assert 0 < found[path]["best"]["peak_fraction"] < 1
+    assert 0.3 < found["cublas"]["peak_fraction"] < 1
