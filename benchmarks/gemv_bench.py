@@ -93,7 +93,7 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
 def awq_one_row_tiles(n: int, group_size: int, sms: int) -> list[TileConfig]:
     """One-row AWQ GEMV tiles without a K split (as ``one_row_tiles``): 4, 8 or 16 int32 words
     (16-64 bytes) of each packed K row a program, K steps of one group at most (the kernel's
-    limit), and only where the column tiles alone give every SM a program: a K step reads just
+    limit), and only where the column tiles alone give every SM a program: a K step reads at most
     64 x block_n bytes, so fewer programs than SMs would leave SMs idle for the whole read."""
     return [TileConfig(block_n=block_n, block_k=min(128, group_size), split_k=1, block_m=0, num_warps=4,
                        num_stages=3)

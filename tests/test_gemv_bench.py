@@ -2,7 +2,8 @@
 through (over twice the L2, at least two, the byte cap), the calls in its graph, the candidate
 sweeps with the one-row no-split tiles (each accepted by its kernel and run under the interpreter
 against torch), the correctness gate of the sweep, one batch through the whole measurement path
-(the GPU timing replaced by a fake clock), and the decode-step sums. ``-m gpu``: the timing itself.
+(the GPU timing replaced by a fake clock), and the decode-step sums. ``-m gpu``: the timing
+itself (no faster than HBM) and one o projection through the whole path.
 """
 
 from __future__ import annotations
