@@ -6,13 +6,15 @@ a small sweep of ``TileConfig``s, checked against its torch reference.
 Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
 achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
 time) and its fraction of 4.8 TB/s, the best config and the largest error; then the lines to paste
-into ``src/pagedlab/kernels/gemv_configs.py`` and the batch-1 decode GEMV time per token summed
-over the layers and the LM head. Times are medians of CUDA-graph replays (``graph_seconds``:
-weights read from HBM, no launch gaps, as in a decode step's graph). The first run compiles every
+into ``src/pagedlab/kernels/gemv_configs.py`` and the batch-1 linear time of one decode step
+summed over the layers and the LM head (``--chain``: linear by linear, cuBLAS against the path the
+table picks). Times are decode-like (``decode_seconds``): one CUDA graph calls the kernel on
+copies of its weights in turn, as a decode step calls each layer's own weights, so every weight
+comes from HBM with no launch gaps and nothing else in the graph. The first run compiles every
 config (Triton caches them).
 
     PYTHONPATH=src python3 benchmarks/gemv_bench.py --out gemv.json
-    PYTHONPATH=src python3 benchmarks/gemv_bench.py --shape gemma2-9b --tp 1 --out gemv_gemma2.json
+    PYTHONPATH=src python3 benchmarks/gemv_bench.py --shape gemma2-9b --tp 1 --rows 1 4 16 --chain
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantiz
 from pagedlab.workloads import model_shape
 
 PEAK_BYTES_PER_S = 4.8e12
+# decode_seconds: at least this many calls in a graph, and at most this many bytes of weight
+# copies a measurement (two copies of Gemma-2-9B's LM head, the largest weight benched: 3.4 GiB).
+MIN_GRAPH_CALLS = 32
+COPY_CAP_BYTES = 4 << 30
+# The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_one_row_tiles``).
+ONE_ROW_BLOCK_N = (4, 8, 16)
+ONE_ROW_BLOCK_K = (256, 512, 1024)
+AWQ_ONE_ROW_BLOCK_N = (32, 64, 128)
 
 
 def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
@@ -54,11 +64,12 @@ def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
 
 def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[TileConfig]:
     """The sweep: a few tiles, each with K cut for about 1, 2 and 4 programs per SM (GEMV), or
-    Hopper-sized GEMM tiles; the default heuristic's choice first."""
+    Hopper-sized GEMM tiles; for one row also ``awq_one_row_tiles``; the default heuristic's
+    choice first."""
     if rows > GEMV_MAX_ROWS:
         tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
                  (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
-        found = [TileConfig(block_m=m, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+        found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s)
                  for m, bn, bk, w, s in tiles if m <= max(64, rows)]
     else:
         # (block_m, block_n, block_k, warps): at most 32 words a thread per K step (no spills in
@@ -73,12 +84,25 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
                 split = splits_for(-(-n // block_n), steps, sms, waves)
                 found.append(TileConfig(block_n=block_n, block_k=min(block_k, group_size), split_k=split,
                                         block_m=block_m, num_warps=warps))
+        if rows == 1:
+            found += awq_one_row_tiles(n, group_size, sms)
     default = default_awq_config(rows, n, k, group_size, sms)
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
+def awq_one_row_tiles(n: int, group_size: int, sms: int) -> list[TileConfig]:
+    """One-row AWQ GEMV tiles without a K split (as ``one_row_tiles``): 4, 8 or 16 int32 words
+    (16-64 bytes) of each packed K row a program, K steps of one group at most (the kernel's
+    limit), and only where the column tiles alone give every SM a program: a K step reads at most
+    64 x block_n bytes, so fewer programs than SMs would leave SMs idle for the whole read."""
+    return [TileConfig(block_n=block_n, block_k=min(128, group_size), split_k=1, block_m=0, num_warps=4,
+                       num_stages=3)
+            for block_n in AWQ_ONE_ROW_BLOCK_N if -(-n // block_n) >= sms]
+
+
 def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> list[TileConfig]:
-    """The dense (or, with ``fp8``, the FP8) GEMV sweep, the default first."""
+    """The dense (or, with ``fp8``, the FP8) GEMV sweep, the default first; for one row also
+    ``one_row_tiles``."""
     tiles = [(16, 16, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)]
     if rows <= 4:
         tiles += [(0, 16, 256, 4), (0, 8, 512, 4), (0, 32, 256, 8)]
@@ -91,55 +115,126 @@ def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> 
             split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
             found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
                                     num_warps=warps))
+    if rows == 1:
+        found += one_row_tiles(ONE_ROW_BLOCK_K + ((2048,) if fp8 else ()))
     default = (default_fp8_gemv_config if fp8 else default_dense_gemv_config)(rows, n, k, sms)
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
+def one_row_tiles(block_ks: tuple[int, ...]) -> list[TileConfig]:
+    """One-row GEMV tiles without a K split: a program per 4-16 weight rows over all of K, 3
+    stages, 4 warps, each K step one ``block_ks`` (an FP8 weight row is half the bytes, so its
+    steps go to 2048). In ``pdl_probe.py``'s chain of Llama-3-8B's decode linears such tiles beat
+    cuBLAS and the split-K tiles at every shape."""
+    return [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=4, num_stages=3)
+            for block_n in ONE_ROW_BLOCK_N for block_k in block_ks]
+
+
 def graph_seconds(fn, calls: int = 16) -> float:
-    """Seconds one ``fn()`` takes on the GPU as a decode step's CUDA graph runs it: ``calls`` of
-    it captured in one graph, each after a write of 64 MiB (more than the H200's 50 MB L2, so
-    weights come from HBM), less the same graph without ``fn``. A graph has no launch gaps, which
-    a timing of eager calls adds to every small kernel (more for two launches than for one)."""
+    """Seconds one ``fn()`` takes on the GPU in a CUDA graph: ``calls`` of it captured in one
+    graph, each after a write of 64 MiB (more than the H200's 50 MB L2, so its inputs come from
+    HBM), less the same graph without ``fn``. A graph has no launch gaps, which a timing of eager
+    calls adds to every small kernel. The linear layers' tables use ``decode_seconds`` instead:
+    on an H200 this timing put Llama-3-8B's batch-1 linears 22-28% above their time in
+    ``pdl_probe.py``'s chain of decode-step linears and picked split-K tiles that lost there."""
     flush = torch.empty(64 << 20, dtype=torch.int8, device="cuda")
 
-    def replay_seconds(with_fn: bool) -> float:
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 flush.zero_()
                 if with_fn:
                     fn()
+        return graph
+    return max(replay_seconds(capture(True)) - replay_seconds(capture(False)), 1e-9) / calls
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
+    """The median seconds of ``repeats`` replays of ``graph``, after one untimed replay."""
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return sorted(times)[2]
-    return max(replay_seconds(True) - replay_seconds(False), 1e-9) / calls
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return sorted(times)[repeats // 2]
 
 
-def measure(fn, reference: torch.Tensor, moved_bytes: int) -> dict:
-    """Time ``fn`` (``graph_seconds``) and compare its output with ``reference`` (fp32), before
-    and after the timed calls (a split-K counter left wrong by one call would spoil the next)."""
-    error = (fn().float() - reference).abs().max().item()
-    seconds = graph_seconds(fn)
-    error = max(error, (fn().float() - reference).abs().max().item())
+def operand_copies(copy_bytes: int, l2_bytes: int, cap_bytes: int = COPY_CAP_BYTES) -> int:
+    """How many copies of a call's weights (``copy_bytes`` a copy) ``decode_seconds`` cycles
+    through: the fewest, and at least two, whose total exceeds twice the L2, so that between two
+    reads of one copy the others stream more than the L2 holds and every read comes from HBM.
+    Where that total would pass ``cap_bytes``: one copy, if it alone exceeds twice the L2."""
+    if copy_bytes < 1 or l2_bytes < 1 or cap_bytes < 1:
+        raise ValueError(f"copy_bytes={copy_bytes}, l2_bytes={l2_bytes} and cap_bytes={cap_bytes} "
+                         "must be positive")
+    copies = max(2, 2 * l2_bytes // copy_bytes + 1)
+    if copies * copy_bytes <= cap_bytes:
+        return copies
+    if 2 * l2_bytes < copy_bytes <= cap_bytes:
+        return 1
+    raise ValueError(f"copies of {copy_bytes} bytes totalling over twice the L2 ({2 * l2_bytes} bytes) do "
+                     f"not fit in the cap of {cap_bytes} bytes a measurement")
+
+
+def graph_calls(copies: int, min_calls: int = MIN_GRAPH_CALLS) -> int:
+    """Calls in ``decode_seconds``'s graph: whole rounds over the copies, at least ``min_calls``."""
+    if copies < 1 or min_calls < 1:
+        raise ValueError(f"copies={copies} and min_calls={min_calls} must be >= 1")
+    return copies * -(-min_calls // copies)
+
+
+def operand_sets(operands: tuple[torch.Tensor, ...], l2_bytes: int,
+                 cap_bytes: int = COPY_CAP_BYTES) -> list[tuple[torch.Tensor, ...]]:
+    """``operands`` (a call's weights and scales) and ``operand_copies - 1`` clones of them, each
+    in its own memory: the sets ``decode_seconds`` calls in turn."""
+    copy_bytes = sum(t.numel() * t.element_size() for t in operands)
+    copies = operand_copies(copy_bytes, l2_bytes, cap_bytes)
+    return [tuple(operands)] + [tuple(t.clone() for t in operands) for _ in range(copies - 1)]
+
+
+def decode_seconds(fn, operands: tuple[torch.Tensor, ...], min_calls: int = MIN_GRAPH_CALLS,
+                   cap_bytes: int = COPY_CAP_BYTES) -> float:
+    """Seconds one ``fn(*operands)`` takes as a decode step's CUDA graph runs it, where each layer
+    reads its own weights from HBM and nothing else writes between the linears: one graph calls
+    ``fn`` on each of ``operand_sets`` (copies of the weights, together over twice the GPU's L2)
+    in turn, ``graph_calls`` calls, with no flush; the replay's time over the calls. ``fn`` must
+    have run once eagerly (Triton compiles, the split-K counters are made)."""
+    sets = operand_sets(operands, torch.cuda.get_device_properties(operands[0].device).L2_cache_size,
+                        cap_bytes)
+    calls = graph_calls(len(sets), min_calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in range(calls):
+            fn(*sets[call % len(sets)])
+    return replay_seconds(graph) / calls
+
+
+def measure(fn, operands: tuple[torch.Tensor, ...], reference: torch.Tensor, moved_bytes: int) -> dict:
+    """Time ``fn(*operands)`` (``decode_seconds``) and compare its output with ``reference``
+    (fp32), before and after the timed calls (a split-K counter left wrong by one call would
+    spoil the next)."""
+    error = (fn(*operands).float() - reference).abs().max().item()
+    seconds = decode_seconds(fn, operands)
+    error = max(error, (fn(*operands).float() - reference).abs().max().item())
     return dict(us=seconds * 1e6, gbps=moved_bytes / seconds / 1e9, peak_fraction=moved_bytes / seconds /
                 PEAK_BYTES_PER_S, max_error=error)
 
 
-def sweep(candidates, run, reference: torch.Tensor, moved_bytes: int) -> dict:
-    """The fastest correct candidate (and the default's result, the first candidate). Correct:
-    within 1% of the largest output of the fp32 reference (bf16 rounding is 0.4%)."""
+def sweep(candidates, run, operands: tuple[torch.Tensor, ...], reference: torch.Tensor,
+          moved_bytes: int) -> dict:
+    """The fastest correct candidate of ``run(config, *operands)`` (and the default's result, the
+    first candidate). Correct: within 1% of the largest output of the fp32 reference (bf16
+    rounding is 0.4%)."""
     tolerance = 1e-2 * reference.abs().max().item()
     results = []
     for config in candidates:
         try:
-            result = measure(lambda c=config: run(c), reference, moved_bytes)
+            result = measure(lambda *ops, c=config: run(c, *ops), operands, reference, moved_bytes)
         except Exception as error:  # a config the compiler rejects (e.g. out of shared memory)
             result = dict(us=float("inf"), failed=f"{type(error).__name__}: {str(error)[:120]}")
         result["config"] = asdict(config)
@@ -172,10 +267,11 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool
     io_bytes = (rows * k + rows * n) * 2
     dense_bytes = weight.numel() * 2 + io_bytes
     dense_ref = x.float() @ weight.float().T
-    found = dict(cublas=measure(lambda: F.linear(x, weight), dense_ref, dense_bytes))
+    found = dict(cublas=measure(lambda w: F.linear(x, w), (weight,), dense_ref, dense_bytes))
     if rows <= GEMV_MAX_ROWS:
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
-                              lambda c: dense_gemv_triton(x, weight, None, c), dense_ref, dense_bytes)
+                              lambda c, w: dense_gemv_triton(x, w, None, c), (weight,), dense_ref,
+                              dense_bytes)
     found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
     if with_awq:  # AWQ checkpoints keep the LM head in 16 bits
         qweight, qzeros, scales = awq
@@ -184,11 +280,13 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool
         for config in candidates:
             check_awq_config(config, rows, group_size)
         awq_bytes = sum(t.numel() * t.element_size() for t in awq) + io_bytes
-        found["awq"] = sweep(candidates, lambda c: awq_linear_triton(x, *awq, group_size, None, c), awq_ref,
-                             awq_bytes)
+        found["awq"] = sweep(candidates,
+                             lambda c, *packed: awq_linear_triton(x, *packed, group_size, None, c), awq,
+                             awq_ref, awq_bytes)
         if rows > GEMV_MAX_ROWS:  # the other way for more rows: dequantize, then cuBLAS
-            found["awq_dequant"] = measure(lambda: x @ awq_dequantize_triton(*awq, group_size, x.dtype),
-                                           awq_ref, awq_bytes)
+            def dequantized(*packed):
+                return x @ awq_dequantize_triton(*packed, group_size, x.dtype)
+            found["awq_dequant"] = measure(dequantized, awq, awq_ref, awq_bytes)
     return found
 
 
@@ -200,12 +298,12 @@ def bench_fp8(x: torch.Tensor, weight: torch.Tensor, io_bytes: int, sms: int) ->
     moved = values.numel() + scale.numel() * 4 + io_bytes // 2 * 3  # FP8 in, 16-bit out, the quantization
     rows = x.shape[0]
     if rows > GEMV_MAX_ROWS:
-        return dict(best=measure(lambda: fp8_linear_cuda(x, values, scale), reference, moved))
+        return dict(best=measure(lambda v, s: fp8_linear_cuda(x, v, s), (values, scale), reference, moved))
 
-    def run(config):
-        q, s = quantize_fp8_per_token_triton(x)
-        return fp8_gemv_triton(q, s, values, scale, None, x.dtype, config)
-    return sweep(dense_candidates(rows, *weight.shape, sms, fp8=True), run, reference, moved)
+    def run(config, v, s):
+        q, q_scale = quantize_fp8_per_token_triton(x)
+        return fp8_gemv_triton(q, q_scale, v, s, None, x.dtype, config)
+    return sweep(dense_candidates(rows, *weight.shape, sms, fp8=True), run, (values, scale), reference, moved)
 
 
 def _describe(result: dict | None) -> str:
@@ -231,48 +329,90 @@ def format_record(record: dict) -> str:
     return "\n    ".join(parts)
 
 
-def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str]]:
+def bf16_choice(record: dict) -> tuple[str, float]:
+    """The 16-bit path DENSE_GEMV_CONFIGS gives this (shape, rows) and its microseconds: the GEMV
+    where its best beat cuBLAS by 3% or more (a margin over the timing's noise), else cuBLAS."""
+    gemv = record.get("gemv", {}).get("best")
+    if gemv and gemv["us"] < 0.97 * record["cublas"]["us"]:
+        return "gemv", gemv["us"]
+    return "cublas", record["cublas"]["us"]
+
+
+def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str], list[str]]:
     """The entries of AWQ_CONFIGS and FP8_GEMV_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS
-    (only where the GEMV beat cuBLAS by 3% or more), one per (row bucket, N, K)."""
+    (where ``bf16_choice`` takes the GEMV), one per (row bucket, N, K)."""
     awq, dense, fp8 = {}, {}, {}
     for record in records:
-        bucket = row_bucket(record["rows"])
+        key = (row_bucket(record["rows"]), record["n"], record["k"])
         awq_best = record.get("awq", {}).get("best")
         if awq_best:
-            awq[(bucket, record["n"], record["k"], group_size)] = awq_best
+            awq[(*key, group_size)] = awq_best, ""
         fp8_best = record["fp8"]["best"]
         if fp8_best and "config" in fp8_best:
-            fp8[(bucket, record["n"], record["k"])] = fp8_best
-        gemv_best = record.get("gemv", {}).get("best")
-        if gemv_best and gemv_best["us"] < 0.97 * record["cublas"]["us"]:
-            dense[(bucket, record["n"], record["k"])] = gemv_best
+            fp8[key] = fp8_best, ""
+        if bf16_choice(record)[0] == "gemv":
+            dense[key] = record["gemv"]["best"], f" (cuBLAS {record['cublas']['us']:.1f})"
 
     def lines(table):
-        return [f"    {key}: {TileConfig(**best['config'])},  # {best['us']:.1f} us, "
-                f"{100 * best['peak_fraction']:.0f}% of 4.8 TB/s" for key, best in table.items()]
+        return [f"    {key}: {TileConfig(**best['config'])},  # {best['us']:.1f} us{cublas}, "
+                f"{100 * best['peak_fraction']:.0f}% of 4.8 TB/s" for key, (best, cublas) in table.items()]
     return lines(awq), lines(dense), lines(fp8)
 
 
+def linear_times(record: dict) -> dict:
+    """One batch-1 linear's microseconds per path: ``cublas``, ``bf16`` (``bf16_choice``, its
+    path in ``bf16_path``), ``fp8`` and ``awq`` (their best configs; None without a correct one).
+    The LM head runs bf16 in the FP8 and AWQ models (their checkpoints keep it in 16 bits)."""
+    path, bf16 = bf16_choice(record)
+    times = dict(cublas=record["cublas"]["us"], bf16=bf16, bf16_path=path)
+    for name in ("fp8", "awq"):
+        best = record.get(name, {}).get("best")
+        times[name] = bf16 if record["layer"] == "lm_head" else best["us"] if best else None
+    return times
+
+
 def decode_estimates(records: list[dict], num_layers: int) -> dict:
-    """Per TP size: the batch-1 linear time of one token, every layer plus the LM head, for bf16
-    (the faster of cuBLAS and the GEMV), FP8 and AWQ (their kernels, the LM head in bf16)."""
+    """Per TP size, one decode step's batch-1 linear time per rank in ms: every measured layer
+    linear ``num_layers`` times, the LM head once, for cuBLAS alone and for the bf16, FP8 and AWQ
+    paths (``linear_times``; None where a linear has no correct config); ``linears``: each
+    linear's ``linear_times``. A mixture of experts' experts are not among the linears."""
     estimates = {}
     for tp in sorted({r["tp"] for r in records}):
-        one = {r["layer"]: r for r in records if r["tp"] == tp and r["rows"] == 1}
-        if len(one) < 5:
+        linears = {r["layer"]: linear_times(r) for r in records if r["tp"] == tp and r["rows"] == 1}
+        if not linears:
             continue
-
-        def bf16_us(r):
-            gemv = r.get("gemv", {}).get("best")
-            return min(r["cublas"]["us"], gemv["us"] if gemv else float("inf"))
-        layers = ("qkv", "o", "gate_up", "down")
-        bf16 = num_layers * sum(bf16_us(one[name]) for name in layers) + bf16_us(one["lm_head"])
-        awq_ok = all(one[name]["awq"]["best"] for name in layers)
-        awq = (num_layers * sum(one[name]["awq"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
-               if awq_ok else None)
-        fp8 = num_layers * sum(one[name]["fp8"]["best"]["us"] for name in layers) + bf16_us(one["lm_head"])
-        estimates[tp] = dict(bf16_ms=bf16 / 1e3, awq_ms=awq / 1e3 if awq else None, fp8_ms=fp8 / 1e3)
+        estimate = dict(linears=linears)
+        for path in ("cublas", "bf16", "fp8", "awq"):
+            times = [(1 if name == "lm_head" else num_layers, t[path]) for name, t in linears.items()]
+            found = None if any(us is None for _, us in times) else sum(c * us for c, us in times) / 1e3
+            estimate[f"{path}_ms"] = found
+        estimates[tp] = estimate
     return estimates
+
+
+def _us(value: float | None) -> str:
+    return f"{value:9.1f}" if value is not None else "      n/a"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.2f} ms" if value is not None else "n/a"
+
+
+def step_summary(estimates: dict, num_layers: int, chain: bool) -> list[str]:
+    """Per TP size, one decode step's batch-1 linear time (cuBLAS alone, the bf16 paths the tables
+    pick, FP8, AWQ); with ``chain`` first each linear's microseconds on those paths."""
+    lines = []
+    for tp, estimate in estimates.items():
+        if chain:
+            lines.append(f"TP={tp} batch-1 linears, us per call (a step: {num_layers} x each layer's, "
+                         "the LM head once)")
+            lines.append(f"    {'linear':>8} {'cuBLAS':>9} {'bf16':>9} {'(path)':8} {'FP8':>9} {'AWQ':>9}")
+            lines += [f"    {name:>8} {_us(t['cublas'])} {_us(t['bf16'])} {t['bf16_path']:8} {_us(t['fp8'])} "
+                      f"{_us(t['awq'])}" for name, t in estimate["linears"].items()]
+        lines.append(f"TP={tp} batch-1 linears per token ({', '.join(estimate['linears'])}; per rank): "
+                     f"cuBLAS {_ms(estimate['cublas_ms'])}, bf16 {_ms(estimate['bf16_ms'])}, "
+                     f"FP8 {_ms(estimate['fp8_ms'])}, AWQ {_ms(estimate['awq_ms'])}")
+    return lines
 
 
 def main() -> None:
@@ -284,6 +424,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--chain", action="store_true",
+                        help="print each batch-1 linear's time and the decode step's sum, cuBLAS against "
+                             "the paths the tables pick")
     args = parser.parse_args()
     start = time.perf_counter()
     sms = num_sms(torch.device("cuda"))
@@ -295,20 +438,20 @@ def main() -> None:
             if name in args.layers:
                 records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen)
     awq_lines, dense_lines, fp8_lines = table_lines(records, args.group_size)
-    estimates = decode_estimates(records, model_shape(args.shape).num_hidden_layers)
+    num_layers = model_shape(args.shape).num_hidden_layers
+    estimates = decode_estimates(records, num_layers)
     print("\n# paste into src/pagedlab/kernels/gemv_configs.py\nAWQ_CONFIGS = {", *awq_lines, "}", sep="\n")
     print("DENSE_GEMV_CONFIGS = {", *dense_lines, "}", sep="\n")
     print("FP8_GEMV_CONFIGS = {", *fp8_lines, "}", sep="\n")
-    for tp, estimate in estimates.items():
-        awq = f"{estimate['awq_ms']:.2f} ms" if estimate["awq_ms"] else "n/a"
-        print(f"TP={tp} batch-1 linears per token (every layer + LM head, per rank): "
-              f"bf16 {estimate['bf16_ms']:.2f} ms, FP8 {estimate['fp8_ms']:.2f} ms, AWQ {awq}")
+    print(*step_summary(estimates, num_layers, args.chain), sep="\n")
     elapsed = time.perf_counter() - start
     print(f"{len(records)} shapes in {elapsed:.0f} s; JSON in {args.out}")
+    timing = dict(method="decode_seconds", min_calls=MIN_GRAPH_CALLS, copy_cap_bytes=COPY_CAP_BYTES,
+                  l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size)
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, group_size=args.group_size,
-                       records=records, awq_table=awq_lines, dense_table=dense_lines, fp8_table=fp8_lines,
-                       decode_estimates=estimates, seconds=elapsed), f, indent=1)
+                       timing=timing, records=records, awq_table=awq_lines, dense_table=dense_lines,
+                       fp8_table=fp8_lines, decode_estimates=estimates, seconds=elapsed), f, indent=1)
 
 
 if __name__ == "__main__":

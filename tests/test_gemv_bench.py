@@ -1,0 +1,279 @@
+"""``benchmarks/gemv_bench.py`` on the CPU: how many weight copies its decode-like timing cycles
+through (over twice the L2, at least two, the byte cap), the calls in its graph, the candidate
+sweeps with the one-row no-split tiles (each accepted by its kernel and run under the interpreter
+against torch), the correctness gate of the sweep, one batch through the whole measurement path
+(the GPU timing replaced by a fake clock), and the decode-step sums. ``-m gpu``: the timing
+itself (no faster than HBM) and one o projection through the whole path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+import torch
+
+from pagedlab.kernels.gemv_configs import TileConfig
+from pagedlab.kernels.w4a16 import check_awq_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+gemv_bench = pytest.importorskip("gemv_bench")
+
+H200_L2 = 50 << 20
+H200_SMS = 132
+MIB = 1 << 20
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (N, K) of Llama-3-8B's linears on one GPU and one rank of two, and Gemma-2-9B's LM head.
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (3072, 4096),
+          (4096, 2048), (14336, 4096), (4096, 7168), (256000, 3584)]
+
+
+@pytest.mark.parametrize(("copy_bytes", "expected"), [
+    (6144 * 4096 * 2, 3),  # qkv bf16, 48 MiB
+    (4096 * 4096 * 2, 4),  # o bf16, 32 MiB
+    (4096 * 4096, 7),  # o FP8, 16 MiB
+    (28672 * 4096 * 2, 2),  # gate_up bf16, 224 MiB: two copies at least
+    (256000 * 3584 * 2, 2),  # Gemma-2-9B's LM head: two copies, 3.4 GiB, under the cap
+])
+def test_operand_copies_for_h200_shapes(copy_bytes, expected):
+    assert gemv_bench.operand_copies(copy_bytes, H200_L2) == expected
+
+
+@pytest.mark.parametrize("copy_bytes", [1, 1000, 3 * MIB, 33 * MIB, 50 * MIB, 51 * MIB, 99 * MIB, 100 * MIB,
+                                        101 * MIB, 700 * MIB])
+def test_operand_copies_stream_every_read_from_hbm_and_are_the_fewest(copy_bytes):
+    copies = gemv_bench.operand_copies(copy_bytes, H200_L2)
+    assert copies >= 2 and copies * copy_bytes > 2 * H200_L2
+    # between two reads of one copy the others pass more bytes than the L2 holds
+    assert (copies - 1) * copy_bytes > H200_L2
+    assert copies == 2 or (copies - 1) * copy_bytes <= 2 * H200_L2
+
+
+def test_operand_copies_keep_to_the_byte_cap():
+    assert gemv_bench.COPY_CAP_BYTES == 4 << 30
+    # two copies of 2.5 GiB pass the cap: one, as it alone is over twice the L2
+    assert gemv_bench.operand_copies(5 << 29, H200_L2) == 1
+    assert gemv_bench.operand_copies(10 * MIB, H200_L2, cap_bytes=200 * MIB) == 11
+    with pytest.raises(ValueError, match="do not fit in the cap"):
+        gemv_bench.operand_copies(10 * MIB, H200_L2, cap_bytes=100 * MIB)
+    with pytest.raises(ValueError, match="do not fit in the cap"):
+        gemv_bench.operand_copies(5 << 30, H200_L2)
+    with pytest.raises(ValueError, match="copy_bytes=0"):
+        gemv_bench.operand_copies(0, H200_L2)
+
+
+@pytest.mark.parametrize(("copies", "calls"), [(1, 32), (2, 32), (3, 33), (7, 35), (40, 40)])
+def test_graph_calls_are_whole_rounds_of_at_least_32(copies, calls):
+    assert gemv_bench.graph_calls(copies) == calls
+    with pytest.raises(ValueError, match="copies=0"):
+        gemv_bench.graph_calls(0)
+
+
+def test_operand_sets_are_equal_copies_in_their_own_memory():
+    weight, scale = torch.randn(10, 25), torch.randn(10, 1)  # 1,040 bytes a set
+    sets = gemv_bench.operand_sets((weight, scale), l2_bytes=1500)
+    assert len(sets) == 3 and sets[0][0] is weight and sets[0][1] is scale
+    pointers = {t.data_ptr() for s in sets for t in s}
+    assert len(pointers) == 6
+    for copy_weight, copy_scale in sets[1:]:
+        assert torch.equal(copy_weight, weight) and torch.equal(copy_scale, scale)
+
+
+def _one_row(configs):
+    return [c for c in configs if c.block_m == 0 and c.split_k == 1 and c.num_stages == 3]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_row_candidates_join_the_sweep_at_one_row_only(fp8):
+    block_ks = {256, 512, 1024} | ({2048} if fp8 else set())
+    for n, k in SHAPES:
+        one = gemv_bench.dense_candidates(1, n, k, H200_SMS, fp8=fp8)
+        four = gemv_bench.dense_candidates(4, n, k, H200_SMS, fp8=fp8)
+        assert len(one) == len(set(one)) and len(four) == len(set(four))
+        tiles = _one_row(one)
+        assert {(c.block_n, c.block_k) for c in tiles} == {(n_, k_) for n_ in (4, 8, 16) for k_ in block_ks}
+        assert all(c.num_warps == 4 for c in tiles) and not _one_row(four)
+        # the earlier sweep is kept: at one row it is the four-row sweep plus one-row tiles
+        assert set(four) - {four[0]} <= set(one)
+        sixteen = gemv_bench.dense_candidates(16, n, k, H200_SMS, fp8=fp8)
+        for rows, configs in ((1, one), (4, four), (16, sixteen)):
+            for config in configs:
+                config.check(rows, gemv=True)
+
+
+@pytest.mark.parametrize(("n", "group_size", "expected"), [
+    (28672, 128, {32, 64, 128}), (14336, 128, {32, 64}), (6144, 128, {32}), (4096, 128, set()),
+    (28672, 64, {32, 64, 128})])
+def test_awq_one_row_tiles_where_every_sm_gets_a_program(n, group_size, expected):
+    one = gemv_bench.awq_candidates(1, n, 4096, group_size, H200_SMS)
+    tiles = _one_row(one)
+    assert {c.block_n for c in tiles} == expected
+    assert all(c.block_k == min(128, group_size) for c in tiles)
+    assert not _one_row(gemv_bench.awq_candidates(4, n, 4096, group_size, H200_SMS))
+    for rows in (1, 4, 16, 64):
+        for config in gemv_bench.awq_candidates(rows, n, 4096, group_size, H200_SMS):
+            check_awq_config(config, rows, group_size)
+
+
+def test_one_row_tiles_run_and_match_torch():
+    """Every new dense and FP8 tile (K ragged against every block_k, N against block_n) and the
+    AWQ ones, on the kernels the bench times."""
+    from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
+    from pagedlab.kernels.gemv import dense_gemv_triton
+    from pagedlab.kernels.w4a16 import awq_linear_triton
+    from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
+    from pagedlab.quantization.fp8 import fp8_linear_torch, quantize_fp8_per_row
+
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(36, 1100, generator=gen), torch.randn(1, 1100, generator=gen)
+    for config in gemv_bench.one_row_tiles(gemv_bench.ONE_ROW_BLOCK_K):
+        out = dense_gemv_triton(x.to(DEVICE), weight.to(DEVICE), None, config).cpu()
+        torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-4)
+    values, scale = quantize_fp8_per_row(weight)
+    q, q_scale = quantize_fp8_per_token_triton(x.to(DEVICE))
+    reference = fp8_linear_torch(x, values, scale)
+    for config in gemv_bench.one_row_tiles((*gemv_bench.ONE_ROW_BLOCK_K, 2048)):
+        out = fp8_gemv_triton(q, q_scale, values.to(DEVICE), scale.to(DEVICE), None, torch.float32, config)
+        torch.testing.assert_close(out.cpu(), reference, atol=0.1, rtol=0.05)
+    awq_weight, awq_x = torch.randn(256, 256, generator=gen), torch.randn(1, 256, generator=gen)
+    packed = quantize_awq(awq_weight.T.contiguous(), 64)
+    tiles = gemv_bench.awq_one_row_tiles(256, 64, sms=2)
+    assert len(tiles) == 3
+    for config in tiles:
+        out = awq_linear_triton(awq_x.to(DEVICE), *(t.to(DEVICE) for t in packed), 64, None, config)
+        torch.testing.assert_close(out.cpu(), awq_linear_torch(awq_x, *packed, 64), atol=1e-3, rtol=1e-3)
+
+
+def test_sweep_counts_only_correct_candidates(monkeypatch):
+    """A faster wrong candidate and one that raises are recorded but never chosen."""
+    times = {}
+    monkeypatch.setattr(gemv_bench, "decode_seconds", lambda fn, operands: times[fn(*operands).sum().item()])
+    weight, x = torch.randn(8, 16), torch.randn(1, 16)
+    right, wrong, broken = TileConfig(16, 16), TileConfig(8, 16), TileConfig(4, 16)
+    reference = x @ weight.T
+    times.update({reference.sum().item(): 2e-6, (reference + 1).sum().item(): 1e-6})
+
+    def run(config, w):
+        if config == broken:
+            raise RuntimeError("out of shared memory")
+        return x @ w.T + (1 if config == wrong else 0)
+    found = gemv_bench.sweep([right, wrong, broken], run, (weight,), reference, moved_bytes=1000)
+    assert found["best"]["config"] == vars(right) and found["best"]["us"] == pytest.approx(2.0)
+    assert [r["ok"] for r in found["candidates"]] == [True, False, False]
+    assert "out of shared memory" in found["candidates"][2]["failed"]
+
+
+def _cut(candidates):
+    """``candidates`` cut to the first two and the first one-row tile."""
+    def cut(*args, **kwargs):
+        found = candidates(*args, **kwargs)
+        return found[:2] + _one_row(found)[:1]
+    return cut
+
+
+def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
+    """One row through cuBLAS, the GEMV, FP8 and AWQ sweeps (cut to their first two candidates and
+    one one-row tile), each timed on the tensors its copies are made of."""
+    seen = []
+
+    def fake_seconds(fn, operands):
+        seen.append(tuple((tuple(t.shape), t.dtype) for t in operands))
+        fn(*operands)
+        return 1e-5
+    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
+    for name in ("dense_candidates", "awq_candidates"):
+        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(256, 128, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, 128, generator=gen).bfloat16().to(DEVICE)
+    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2)
+    for path in ("gemv", "fp8", "awq"):
+        assert [r["ok"] for r in found[path]["candidates"]] == [True] * 3, path
+    assert found["cublas"]["us"] == pytest.approx(10.0)
+    assert set(seen) == {(((256, 128), torch.bfloat16),),
+                         (((256, 128), torch.float8_e4m3fn), ((256, 1), torch.float32)),
+                         (((128, 32), torch.int32), ((2, 32), torch.int32), ((2, 256), torch.bfloat16))}
+
+
+def _record(layer, cublas, gemv=None, fp8=None, awq=None, tp=1, rows=1):
+    record = dict(tp=tp, layer=layer, n=64, k=64, rows=rows, cublas=dict(us=cublas))
+    record["gemv"] = dict(best=dict(us=gemv) if gemv else None)
+    record["fp8"] = dict(best=dict(us=fp8) if fp8 else None)
+    if layer != "lm_head":
+        record["awq"] = dict(best=dict(us=awq) if awq else None)
+    return record
+
+
+def test_decode_estimates_sum_the_paths_the_tables_pick():
+    records = [_record("qkv", 16.0, gemv=13.9, fp8=12.0, awq=9.0),
+               _record("o", 12.7, gemv=12.5, fp8=9.0, awq=7.0), _record("lm_head", 250.0, gemv=240.0),
+               _record("qkv", 99.0, gemv=1.0, rows=4)]
+    estimate = gemv_bench.decode_estimates(records, num_layers=2)[1]
+    # o's GEMV beat cuBLAS by under 3%: cuBLAS; the LM head runs bf16 in the FP8 and AWQ models
+    assert estimate["linears"]["o"]["bf16_path"] == "cublas"
+    assert estimate["cublas_ms"] == pytest.approx((2 * (16.0 + 12.7) + 250.0) / 1e3)
+    assert estimate["bf16_ms"] == pytest.approx((2 * (13.9 + 12.7) + 240.0) / 1e3)
+    assert estimate["fp8_ms"] == pytest.approx((2 * (12.0 + 9.0) + 240.0) / 1e3)
+    assert estimate["awq_ms"] == pytest.approx((2 * (9.0 + 7.0) + 240.0) / 1e3)
+    lines = gemv_bench.step_summary({1: estimate}, 2, chain=True)
+    assert any("qkv" in line and "gemv" in line for line in lines)
+    assert "cuBLAS 0.31 ms, bf16 0.29 ms" in lines[-1]
+    assert gemv_bench.step_summary({1: estimate}, 2, chain=False) == lines[-1:]
+
+
+def test_decode_estimates_say_n_a_without_a_correct_config():
+    records = [_record("qkv", 16.0, fp8=12.0), _record("o", 12.7, fp8=9.0, awq=7.0)]
+    estimate = gemv_bench.decode_estimates(records, num_layers=2)[1]
+    assert estimate["awq_ms"] is None and estimate["bf16_ms"] == estimate["cublas_ms"]
+    assert "AWQ n/a" in gemv_bench.step_summary({1: estimate}, 2, chain=False)[0]
+
+
+def test_table_lines_list_the_gemv_only_where_it_beat_cublas_by_3_percent():
+    records = [_record("qkv", 16.0, gemv=13.9, fp8=12.0), _record("o", 12.7, gemv=12.5, fp8=9.0)]
+    for record in records:
+        for path in ("gemv", "fp8"):
+            record[path]["best"].update(config=vars(TileConfig(8, 512, num_stages=3)), peak_fraction=0.8)
+        record["n"] = 6144 if record["layer"] == "qkv" else 4096
+    awq, dense, fp8 = gemv_bench.table_lines(records, 128)
+    assert awq == [] and len(fp8) == 2
+    assert dense == ["    (1, 6144, 64): TileConfig(block_n=8, block_k=512, split_k=1, block_m=0, "
+                     "num_warps=4, num_stages=3),  # 13.9 us (cuBLAS 16.0), 80% of 4.8 TB/s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (28672, 4096)])
+def test_decode_seconds_reads_the_weights_from_hbm(n, k):
+    """cuBLAS at batch 1: no faster than the weight read at HBM's peak (an L2-resident weight
+    would be), and over a third of it."""
+    import torch.nn.functional as F
+
+    weight = torch.randn(n, k, device="cuda").bfloat16()
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    F.linear(x, weight)
+    seconds = gemv_bench.decode_seconds(lambda w: F.linear(x, w), (weight,))
+    bandwidth = weight.numel() * 2 / seconds
+    assert gemv_bench.PEAK_BYTES_PER_S / 3 < bandwidth < gemv_bench.PEAK_BYTES_PER_S
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_rows_on_the_gpu(monkeypatch):
+    """One row of an o projection through every path, the sweeps cut short: every candidate
+    correct, each path's time no faster than its bytes at HBM's peak."""
+    from pagedlab.kernels.gemv import num_sms
+
+    for name in ("dense_candidates", "awq_candidates"):
+        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
+    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 128)
+    found = gemv_bench.bench_rows(x, weight, awq, True, 128, num_sms(x.device))
+    for path in ("gemv", "fp8", "awq"):
+        assert all(r["ok"] for r in found[path]["candidates"]), found[path]
+        assert 0 < found[path]["best"]["peak_fraction"] < 1
+    assert 0.3 < found["cublas"]["peak_fraction"] < 1
