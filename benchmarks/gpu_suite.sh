@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -15,7 +15,15 @@ for part in "$@"; do
                tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py \
                tests/test_batch_invariant_gpu.py tests/test_batch_invariant_attention.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
-    gemv)  python3 benchmarks/gemv_bench.py --out "$OUT/gemv.json" ;;
+    # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
+    # and row count runs past a device call's 10 minutes)
+    gemv)  python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 4 16 --chain --out "$OUT/gemv.json" ;;
+    gemv-tp2) python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 2 --rows 1 4 16 --chain \
+                  --out "$OUT/gemv_tp2.json" ;;
+    gemv-families) for shape in gemma2-9b qwen3-30b-a3b mixtral-8x7b; do
+                     python3 benchmarks/gemv_bench.py --shape $shape --tp 1 --rows 1 4 16 --chain \
+                         --out "$OUT/gemv_$shape.json"
+                   done ;;
     moebench) python3 benchmarks/moe_bench.py --out "$OUT/moe_bench.json" ;;
     # the batch-invariant matmul's configs (verified bitwise, the BATCH_INVARIANT_CONFIGS lines to
     # paste) and every kernel the mode swaps, timed against the default mode
