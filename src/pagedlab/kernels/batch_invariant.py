@@ -44,7 +44,8 @@ from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
                                            BATCH_INVARIANT_PERSISTENT_TILE, TileConfig,
                                            batch_invariant_config, batch_invariant_persistent_config,
                                            batch_invariant_split_launch, check_batch_invariant_config)
-from pagedlab.kernels.pdl import pdl_launch, pdl_wait_and_trigger
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096

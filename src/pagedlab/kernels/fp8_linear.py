@@ -25,7 +25,8 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv import launch_dense_gemv, num_sms
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_fp8_gemv_config
-from pagedlab.kernels.pdl import pdl_launch, pdl_wait_and_trigger
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.kernels.triton_kernels import _round_to_e4m3
 from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 

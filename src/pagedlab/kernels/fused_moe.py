@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.fused_moe_configs import (ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig, MoeGemmConfig,
                                                 moe_config)
+from pagedlab.kernels.pdl import pdl_launch
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -116,7 +117,6 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
     program: decode); the same experts, sorted pairs and row blocks as ``route_and_align_torch``
     (weights within float rounding; int32 experts)."""
     from pagedlab.kernels import fused_moe_kernels
-    from pagedlab.kernels.pdl import pdl_launch
 
     num_tokens, num_experts = router_logits.shape
     _check_top_k(top_k, num_experts)
@@ -166,7 +166,6 @@ def moe_gate_up_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRoutin
                        gemm: MoeGemmConfig) -> torch.Tensor:
     """``silu(gate) * up`` of every pair, ``[tokens * top_k, inter]`` in pair order (one launch)."""
     from pagedlab.kernels import fused_moe_kernels
-    from pagedlab.kernels.pdl import pdl_launch
 
     num_tokens, hidden = x.shape
     inter, top_k = w13.shape[1] // 2, routing.weights.shape[1]
@@ -187,7 +186,6 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
     """Each token's router-weighted sum of its pairs' down projections, ``[tokens, hidden]``: the
     grouped GEMM (per K split, float32 partial sums when split) and the reduce (two launches)."""
     from pagedlab.kernels import fused_moe_kernels
-    from pagedlab.kernels.pdl import pdl_launch
 
     num_pairs, inter = activated.shape
     pdl = pdl_launch(activated.device)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.pdl import pdl_wait_and_trigger
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
-from pagedlab.kernels.pdl import pdl_launch, pdl_wait_and_trigger
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 SPLIT_K_COUNTERS = 1 << 16
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

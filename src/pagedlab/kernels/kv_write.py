@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from pagedlab.kernels.pdl import pdl_launch
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 
@@ -59,7 +61,6 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     head_dim is contiguous. No host sync, so it can be captured in a CUDA graph.
     """
     from pagedlab.kernels import triton_kernels
-    from pagedlab.kernels.pdl import pdl_launch
 
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.pdl import pdl_launch, pdl_wait_and_trigger
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.lora.ops import TILE_BLOCK_MS, LoRAMapping, max_tiles
 
 # Shrink programs to aim for, and the most K splits: on the H200 at 1-4 tokens the shrink +

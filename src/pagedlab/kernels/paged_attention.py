@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.attention_configs import TILE_N, attention_launch, padded_head_dim
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
+from pagedlab.kernels.pdl import pdl_launch
 
 
 @dataclass
@@ -286,7 +287,6 @@ class _AttentionKernels:
                  k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
                  softcap: float | None = None, batch_invariant: bool = False):
         from pagedlab.kernels import triton_kernels
-        from pagedlab.kernels.pdl import pdl_launch
 
         self.triton_kernels = triton_kernels
         self.pdl = pdl_launch(q.device)

@@ -9,26 +9,27 @@ CUDA graph keeps the launch attribute as a programmatic edge. ``benchmarks/pdl_p
 it on an H200: 1.4 us less per kernel boundary in a chain of batch-1 GEMVs.
 
 A kernel opts in with a ``PDL: tl.constexpr`` parameter (no default: a launch that forgets
-``**pdl_launch(device)`` fails instead of running without PDL) and calls ``pdl_wait_and_trigger(PDL)``;
-``pdl_launch`` sets the flag and the launch option from one place, so a kernel never runs early
-without waiting. The rule: before the wait a program reads only data no kernel of the step writes
-(weights, scales) and writes nothing (not even scratch: the caching allocator may hand the
-previous kernel's buffers to this one); the trigger right after the wait is safe, since the next
-kernel still waits for this whole grid. Every pagedlab Triton kernel of a step takes part:
+``**pdl_launch(device)`` fails instead of running without PDL) and calls
+``pdl_wait_and_trigger(PDL)`` (``kernels/pdl_jit.py``; this module stays importable without
+triton). ``pdl_launch`` sets the flag and the launch option from one place, so a kernel never runs
+early without waiting. The rule: before the wait a program reads only data that no kernel of the
+step writes (weights, scales) and writes nothing (not even scratch: the caching allocator may hand
+the previous kernel's buffers to this one); the trigger right after the wait is safe, since the
+next kernel still waits for this whole grid. Every pagedlab Triton kernel of a step takes part:
 
 - waiting after a constant read: the dense/FP8 GEMV (its first weight tile), the AWQ GEMV (its
-  first K step's words, zero points and scales), the AWQ dequantize kernel (its whole tile,
-  written after the wait), the batch-invariant norm (its weight row);
+  first K step's words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored
+  after the wait), the batch-invariant norm (its weight row);
 - waiting first: paged attention, the split-KV reduces, the KV write, the AWQ GEMM, FP8
   per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels (their weights hang on the step's routing).
 
 The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
-flags that other GPUs raise, and no multi-GPU race test covers an early start.
-``layers/fusion.py`` switches the torch.compile kernels (norms, rotary, SiLU-mul) to Inductor's
-own PDL code with the same switch.
-Off unless ``PAGEDLAB_PDL=1``: with only the GEMVs taking part, W-seed batch-1 TPOT was 0.06 ms
-worse (BENCHMARKS.md, 2026-12-01).
+flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
+kernels (norms, rotary, SiLU-mul) follow the same switch through Inductor's own PDL code
+(``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: with only the GEMVs taking part, W-seed
+batch-1 TPOT was 0.06 ms worse (BENCHMARKS.md, 2026-12-01); ``tests/test_kernels_hopper_compile.py``
+checks every kernel's PDL code on the CPU, ``tests/test_pdl_gpu.py`` the engine's tokens.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ import os
 from functools import cache
 
 import torch
-import triton
-import triton.language as tl
 
 
 @cache
@@ -58,11 +57,3 @@ def pdl_launch(device: torch.device) -> dict:
     """The keyword arguments of a PDL-aware kernel's launch on ``device``: its ``PDL`` flag and,
     where on, Triton's ``launch_pdl`` option."""
     return dict(PDL=True, launch_pdl=True) if pdl_enabled(device) else dict(PDL=False)
-
-
-@triton.jit
-def pdl_wait_and_trigger(PDL: tl.constexpr):
-    """With PDL: wait for the previous grid (its writes visible), then let the next kernel launch."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.pdl import pdl_wait_and_trigger
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def paged_attention_kernel(
     ``invariant_split_kv_reduce_kernel`` folds a split launch's partials: a token's output is
     then bitwise the same whichever launch computed it.
 
-    PDL (``kernels/pdl.py``): everything it reads but the scales is the step's, so it waits first.
+    PDL (``kernels/pdl.py``): everything it loads is the step's data, so it waits first.
     """
     pdl_wait_and_trigger(PDL)
     q_block_global = tl.program_id(0)

@@ -41,7 +41,8 @@ import triton.language as tl
 from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
-from pagedlab.kernels.pdl import pdl_launch, pdl_wait_and_trigger
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.quantization.awq import VALUES_PER_INT32, awq_shapes
 
 # fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
