@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -13,7 +13,7 @@ for part in "$@"; do
     tests) nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpu.txt"
            python3 -m pytest -m gpu tests/test_gpu.py tests/test_kv_fp8_kernels.py tests/test_kv_fp8_engine.py \
                tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py \
-               tests/test_batch_invariant_gpu.py tests/test_batch_invariant_attention.py -q -s \
+               tests/test_batch_invariant_gpu.py tests/test_batch_invariant_attention.py tests/test_pdl.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
     # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
     # and row count runs past a device call's 10 minutes)
@@ -40,6 +40,10 @@ for part in "$@"; do
     # probe for a next kernel (docs/benchmarks.md): programmatic dependent launch between batch-1
     # GEMVs (issue 13)
     pdl)   python3 benchmarks/pdl_probe.py --out "$OUT/pdl_probe.json" ;;
+    # PDL across the whole decode step (kernels/pdl.py): W-seed batch 1 without, then with
+    pdlseed) for pdl in 0 1; do
+               PAGEDLAB_PDL=$pdl bench throughput --workload W-seed --batch-size 1 --json "$OUT/w_seed_pdl$pdl.json"
+             done ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     # Built earlier without the interpreter (e.g. by another test module)? Rebuild them, gemv (whose
     # helpers w4a16's kernels call) first.
-    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
         if kernels in sys.modules:
             importlib.reload(sys.modules[kernels])
 

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):  # w4a16 uses gemv's helpers
+    # in import order: w4a16 uses gemv's helpers, both pdl_jit's
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
         if kernels in sys.modules:  # built without the interpreter by another module
             importlib.reload(sys.modules[kernels])
 

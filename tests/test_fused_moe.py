@@ -13,8 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedlab.kernels.fused_moe_kernels" in sys.modules:
-        importlib.reload(sys.modules["pagedlab.kernels.fused_moe_kernels"])
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.fused_moe_kernels"):
+        if kernels in sys.modules:
+            importlib.reload(sys.modules[kernels])
 
 pytest.importorskip("triton")
 

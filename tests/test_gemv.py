@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
         if kernels in sys.modules:  # built without the interpreter by another module
             importlib.reload(sys.modules[kernels])
 

@@ -22,8 +22,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedlab.kernels.triton_kernels" in sys.modules:
-        importlib.reload(sys.modules["pagedlab.kernels.triton_kernels"])
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels"):
+        if kernels in sys.modules:
+            importlib.reload(sys.modules[kernels])
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, EngineConfig, SamplingParams

@@ -21,8 +21,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "pagedlab.kernels.lora" in sys.modules:  # built without the interpreter by another module
-        importlib.reload(sys.modules["pagedlab.kernels.lora"])
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.lora"):
+        if kernels in sys.modules:  # built without the interpreter by another module
+            importlib.reload(sys.modules[kernels])
 
 from pagedlab.lora.ops import (TILE_BLOCK_MS, LoRAMapping, add_lora_torch, lora_expand_torch,
                                lora_shrink_torch, max_tiles, sort_tokens_by_slot, tile_table)

@@ -44,6 +44,8 @@ from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
                                            BATCH_INVARIANT_PERSISTENT_TILE, TileConfig,
                                            batch_invariant_config, batch_invariant_persistent_config,
                                            batch_invariant_split_launch, check_batch_invariant_config)
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096
@@ -141,10 +143,12 @@ def _fixed_tile_matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, p
                               EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              BROADCAST_DOT: tl.constexpr):
+                              BROADCAST_DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (output tile[, segment]), or with PERSISTENT program p of P computing tiles p,
     p + P, ... in the same grouped order. USE_TMA: ``x_desc``/``w_desc`` are tensor descriptors
-    of x and the weight (``[BLOCK_M | BLOCK_N, BLOCK_K]`` blocks) that the loads go through."""
+    of x and the weight (``[BLOCK_M | BLOCK_N, BLOCK_K]`` blocks) that the loads go through.
+    PDL: waits first."""
+    pdl_wait_and_trigger(PDL)
     if PERSISTENT:
         for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
             _matmul_tile(tile, x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, partial_ptr, counter_ptr, M,
@@ -207,7 +211,7 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         HAS_BIAS=bias is not None, SPLIT=split, ONE_SEGMENT=num_segments == 1, PERSISTENT=persistent,
         EVEN_K=in_features % config.block_k == 0, USE_TMA=tma, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8, BROADCAST_DOT=x.device.type == "cpu",
-        **dot_settings(x), num_warps=config.num_warps, num_stages=config.num_stages)
+        **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -270,18 +274,20 @@ def _compute_capability(device: torch.device) -> tuple[int, int]:
 def _norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
                  stride_x, stride_residual, stride_out, stride_residual_out,
                  LAYER_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row): ``x (+ residual)``, then RMSNorm (scaled by ``weight``, or by ``1 + weight``
-    with UNIT_OFFSET) or LayerNorm (``weight``, ``bias``), reduced in float32 in one fixed tree."""
+    with UNIT_OFFSET) or LayerNorm (``weight``, ``bias``), reduced in float32 in one fixed tree.
+    The weight row is read before the PDL wait."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < N
+    weight = tl.load(weight_ptr + cols, mask=valid, other=0.0)
+    pdl_wait_and_trigger(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + row * stride_residual + cols, mask=valid, other=0.0)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=valid)
     xf = x.to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=valid, other=0.0)
     if LAYER_NORM:
         centred = tl.where(valid, xf - tl.sum(xf, 0) / N, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 0) / N + eps)
@@ -324,16 +330,19 @@ def rows_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: to
             x2d, res2d, weight, weight if bias is None else bias, out, residual_out, width, eps,
             x2d.stride(0), res2d.stride(0), out.stride(0), residual_out.stride(0),
             LAYER_NORM=bias is not None, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)))
+            BLOCK=block, **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), residual_out.view(x.shape)
 
 
 @triton.jit
-def _softmax_kernel(x_ptr, out_ptr, N, stride_x, stride_out, LOG: tl.constexpr, BLOCK: tl.constexpr):
+def _softmax_kernel(x_ptr, out_ptr, N, stride_x, stride_out, LOG: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (row): the row's max and sum of exponentials in one pass over chunks of BLOCK
-    columns (per lane, combined in a fixed tree at the end), then log-softmax or softmax."""
+    columns (per lane, combined in a fixed tree at the end), then log-softmax or softmax. PDL:
+    waits first."""
+    pdl_wait_and_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     lane_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
@@ -369,5 +378,5 @@ def softmax_triton(x: torch.Tensor, log: bool) -> torch.Tensor:
     if x2d.numel():
         _softmax_kernel[(x2d.shape[0],)](x2d, out, x2d.shape[1], x2d.stride(0), out.stride(0), LOG=log,
                                          BLOCK=min(SOFTMAX_BLOCK, triton.next_power_of_2(x2d.shape[1])),
-                                         num_warps=8)
+                                         **pdl_launch(x.device), num_warps=8)
     return out.view(x.shape)

@@ -25,6 +25,8 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv import launch_dense_gemv, num_sms
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_fp8_gemv_config
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.kernels.triton_kernels import _round_to_e4m3
 from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
@@ -32,10 +34,12 @@ from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 @triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
                             BLOCK_K: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
-                            MIN_SCALE: tl.constexpr):
+                            MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
     """Row ``program_id(0)``: its scale (``max|x| / FP8_MAX``, or the static one) and its FP8 values.
     A row of at most BLOCK_K values is read once and kept in registers; a longer one twice.
-    Divisions are IEEE (``div_rn``), as torch's, so both round to the same E4M3 values."""
+    Divisions are IEEE (``div_rn``), as torch's, so both round to the same E4M3 values. PDL: waits
+    first (its input is the previous kernel's output)."""
+    pdl_wait_and_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK_K)
@@ -75,7 +79,7 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, static_scale: torch.Tensor | 
             x, values, scales,
             scales if static_scale is None else static_scale, in_features, x.stride(0), values.stride(0),
             BLOCK_K=block_k, STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
-            num_warps=max(4, min(16, block_k // 1024)))
+            **pdl_launch(x.device), num_warps=max(4, min(16, block_k // 1024)))
     return values, scales
 
 

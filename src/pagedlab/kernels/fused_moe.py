@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.fused_moe_configs import (ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig, MoeGemmConfig,
                                                 moe_config)
+from pagedlab.kernels.pdl import pdl_launch
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -139,11 +140,12 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
     fused_moe_kernels.moe_route_kernel[(num_token_blocks,)](
         logits, weights, experts, local_rank, block_counts, sorted_pairs, block_experts, num_tokens,
         num_experts, logits.stride(0), capacity, RENORMALIZE=renormalize, ALIGN=num_token_blocks == 1,
-        **sizes)
+        **sizes, **pdl_launch(device))
     if num_token_blocks > 1:
         fused_moe_kernels.moe_align_kernel[(num_token_blocks,)](
             experts, local_rank, block_counts, sorted_pairs, block_experts, num_pairs, num_experts,
-            num_token_blocks, capacity, COUNT_ROWS=max(1, 2048 // experts_block), **sizes)
+            num_token_blocks, capacity, COUNT_ROWS=max(1, 2048 // experts_block), **sizes,
+            **pdl_launch(device))
     return ExpertRouting(weights, experts, sorted_pairs, block_experts, block_m)
 
 
@@ -174,7 +176,8 @@ def moe_gate_up_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRoutin
         x, w13, activated, routing.sorted_pairs, routing.block_experts, num_tokens * top_k, top_k, hidden,
         inter, num_row_blocks, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=gemm.num_warps, num_stages=gemm.num_stages)
+        DOT_PRECISION=_dot_precision(x.dtype), **pdl_launch(x.device), num_warps=gemm.num_warps,
+        num_stages=gemm.num_stages)
     return activated
 
 
@@ -185,6 +188,7 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
     from pagedlab.kernels import fused_moe_kernels
 
     num_pairs, inter = activated.shape
+    pdl = pdl_launch(activated.device)
     hidden = w2.shape[1]
     num_tokens, top_k = routing.weights.shape
     num_row_blocks = routing.block_experts.shape[0]
@@ -197,14 +201,14 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
         activated, w2, partial, routing.sorted_pairs, routing.block_experts, num_pairs, hidden, inter,
         num_row_blocks, k_per_split, activated.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
         partial.stride(1), BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
-        GROUP_M=gemm.group_m, DOT_PRECISION=_dot_precision(activated.dtype), num_warps=gemm.num_warps,
+        GROUP_M=gemm.group_m, DOT_PRECISION=_dot_precision(activated.dtype), **pdl, num_warps=gemm.num_warps,
         num_stages=gemm.num_stages)
     out = torch.empty(num_tokens, hidden, dtype=activated.dtype, device=activated.device)
     top_k_block = _next_power_of_2(top_k)
     block_h = min(max(128, 2048 // top_k_block), _next_power_of_2(hidden))
     fused_moe_kernels.moe_reduce_kernel[(num_tokens, -(-hidden // block_h))](
         partial, routing.weights, out, hidden, partial.stride(0), partial.stride(1), out.stride(0),
-        SPLIT_K=gemm.split_k, TOP_K=top_k, TOP_K_BLOCK=top_k_block, BLOCK_H=block_h)
+        SPLIT_K=gemm.split_k, TOP_K=top_k, TOP_K_BLOCK=top_k_block, BLOCK_H=block_h, **pdl)
     return out
 
 

@@ -16,6 +16,9 @@ sorted by expert: a program reads its block's expert, gathers the rows it names 
 hold ``num_pairs`` and are masked off) and multiplies them by that expert's weights. The down
 kernel may split K; ``moe_reduce_kernel`` then sums each token's splits and ``top_k`` pairs,
 weighted by the router, in a fixed order (the same result every run).
+
+Every kernel takes part in programmatic dependent launch (``kernels/pdl.py``) and waits first:
+even the grouped GEMMs' weights hang on the step's routing.
 """
 
 from __future__ import annotations
@@ -23,16 +26,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
+
 
 @triton.jit
 def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs_ptr,
                      block_experts_ptr, num_tokens, num_experts, stride_logits, capacity, TOP_K: tl.constexpr,
                      RENORMALIZE: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
-                     TOP_K_BLOCK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr):
+                     TOP_K_BLOCK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr,
+                     PDL: tl.constexpr):
     """Per token: the ``TOP_K`` experts of highest softmax probability (the lowest index among
     equal logits) and their weights; per pair ``token * TOP_K + slot``: its rank among this block's
     pairs of the same expert; per expert: this block's count of pairs. With ``ALIGN`` (one token
     block, so its counts are all the counts) it also does the align kernel's work."""
+    pdl_wait_and_trigger(PDL)
     block = tl.program_id(0)
     offs_t = block * TOKENS_BLOCK + tl.arange(0, TOKENS_BLOCK)
     offs_e = tl.arange(0, EXPERTS_BLOCK)
@@ -120,9 +127,10 @@ def _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends
 def moe_align_kernel(experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs_ptr, block_experts_ptr,
                      num_pairs, num_experts, num_token_blocks, capacity, TOP_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, TOKENS_BLOCK: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
-                     TOP_K_BLOCK: tl.constexpr, COUNT_ROWS: tl.constexpr):
+                     TOP_K_BLOCK: tl.constexpr, COUNT_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Program ``block`` writes its token block's pairs into their experts' padded runs (the
     same layout as ``align_by_expert``); program 0 also the padding and the row blocks' experts."""
+    pdl_wait_and_trigger(PDL)
     block = tl.program_id(0)
     offs_e = tl.arange(0, EXPERTS_BLOCK)
     expert_valid = offs_e < num_experts
@@ -158,9 +166,10 @@ def _tile_position(num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
 def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, top_k,
                        hidden, inter, num_row_blocks, stride_x, stride_w_expert, stride_w_row, stride_out,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for columns
     ``n`` of this program, the expert's gate rows at ``n`` and up rows at ``inter + n``."""
+    pdl_wait_and_trigger(PDL)
     pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -196,9 +205,10 @@ def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_
 def moe_down_kernel(h_ptr, w2_ptr, partial_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, hidden, inter,
                     num_row_blocks, k_per_split, stride_h, stride_w_expert, stride_w_row, stride_split,
                     stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """``partial[split, pair, n] = h[pair, K segment] . down[n, K segment]`` for hidden
     columns ``n``; segment ``program_id(1)`` of ``k_per_split`` (a multiple of BLOCK_K)."""
+    pdl_wait_and_trigger(PDL)
     pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m)
     if expert < 0:
@@ -230,9 +240,10 @@ def moe_down_kernel(h_ptr, w2_ptr, partial_ptr, sorted_pairs_ptr, block_experts_
 @triton.jit
 def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, stride_partial, stride_out,
                       SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_BLOCK: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """``out[token, n] = sum over slots of weight[pair] * (sum over splits of partial[split, pair, n])``
     with ``pair = token * TOP_K + slot``, splits then slots in order."""
+    pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_k = tl.arange(0, TOP_K_BLOCK)

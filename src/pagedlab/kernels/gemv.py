@@ -28,6 +28,7 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
 from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 SPLIT_K_COUNTERS = 1 << 16
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -108,9 +109,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     k_begin = split * K_PER_SPLIT
     offs_k = k_begin + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait_and_trigger(PDL)
     if ONE_ROW:
         x_rows = x_ptr
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from pagedlab.kernels.pdl import pdl_launch
+
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
 
@@ -79,7 +81,8 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PADDED=1 << (num_kv_heads - 1).bit_length(),
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=1 << (head_dim - 1).bit_length(),
-        BLOCK_SIZE=k_cache.shape[1], FP8=is_fp8(k_cache), FP8_MAX=FP8_E4M3_MAX, num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], FP8=is_fp8(k_cache), FP8_MAX=FP8_E4M3_MAX, **pdl_launch(key.device),
+        num_warps=4)
 
 
 def check_fp8_supported(cache: torch.Tensor) -> None:

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.lora.ops import TILE_BLOCK_MS, LoRAMapping, max_tiles
 
 # Shrink programs to aim for, and the most K splits: on the H200 at 1-4 tokens the shrink +
@@ -114,8 +116,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
                         stride_x, stride_a_slot, stride_a_slice, stride_a_rank,
                         stride_h_split, stride_h_slice, stride_h_row,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """Program (tile, split, slice): the tile's rows times its slot's A over one K range."""
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile, split, slice): the tile's rows times its slot's A over one K range. PDL:
+    waits first (which A it reads depends on the step's tile table)."""
+    pdl_wait_and_trigger(PDL)
     tile = tl.program_id(0)
     if tile >= tl.load(tiles_ptr):
         return
@@ -147,10 +151,11 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
                         stride_h_split, stride_h_slice, stride_h_row, stride_b_slot, stride_b_slice,
                         stride_b_row, stride_y, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, output tile): adds ``h @ B.T`` into ``BLOCK_N`` columns of one slice for
     the tile's rows. Output tiles run over slice 0's columns, then slice 1's, then slice 2's.
-    Each output element has exactly one program: no atomics."""
+    Each output element has exactly one program: no atomics. PDL: waits first."""
+    pdl_wait_and_trigger(PDL)
     tile = tl.program_id(0)
     if tile >= tl.load(tiles_ptr):
         return
@@ -211,7 +216,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
     _lora_shrink_kernel[grid](
         x, lora_a, h, mapping.sorted_token_ids, mapping.tiles(config.block_m), k, rank, k_per_split,
         x.stride(0), *lora_a.stride()[:3], *h.stride()[:3], BLOCK_M=config.block_m, BLOCK_R=_block_rank(rank),
-        BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype))
+        BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype), **pdl_launch(x.device))
     return h
 
 
@@ -233,7 +238,7 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping, y: 
         h, lora_b, y, mapping.sorted_token_ids, mapping.tiles(config.block_m), rank, *sizes,
         *h.stride()[:3], *lora_b.stride()[:3], y.stride(0), SPLITS=h.shape[0],
         SPLITS_POW2=triton.next_power_of_2(h.shape[0]), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_R=_block_rank(rank), DOT_PRECISION=_dot_precision(lora_b.dtype))
+        BLOCK_R=_block_rank(rank), DOT_PRECISION=_dot_precision(lora_b.dtype), **pdl_launch(y.device))
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

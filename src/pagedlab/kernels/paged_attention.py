@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.attention_configs import TILE_N, attention_launch, padded_head_dim
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
+from pagedlab.kernels.pdl import pdl_launch
 
 
 @dataclass
@@ -288,6 +289,7 @@ class _AttentionKernels:
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
+        self.pdl = pdl_launch(q.device)
         _num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -365,7 +367,7 @@ class _AttentionKernels:
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q,
             BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common)
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch
@@ -373,7 +375,7 @@ class _AttentionKernels:
                 out.stride(0), out.stride(1), *partial_acc.stride()[:3], partial_max.stride(0),
                 partial_max.stride(1))
         grid = (out.shape[0], out.shape[1])
-        dims = dict(HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, num_warps=4)
+        dims = dict(HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, num_warps=4, **self.pdl)
         if self.batch_invariant:  # one segment at a time, as a SEGMENTED program folds them
             self.triton_kernels.invariant_split_kv_reduce_kernel[grid](*args, **dims)
         else:

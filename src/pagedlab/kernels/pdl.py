@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the decode-step kernels.
+"""Programmatic dependent launch (PDL, Hopper and later) for the step's kernels.
 
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it on the stream
 drains: its programs run until ``tl.extra.cuda.gdc_wait()``, which returns once the previous grid
@@ -8,11 +8,28 @@ has finished and its writes are visible. A kernel that reads only constant data 
 CUDA graph keeps the launch attribute as a programmatic edge. ``benchmarks/pdl_probe.py`` measured
 it on an H200: 1.4 us less per kernel boundary in a chain of batch-1 GEMVs.
 
-A kernel opts in with a ``PDL: tl.constexpr`` flag that guards its wait and trigger, and is
-launched with ``**pdl_launch(device)``: the flag and the launch option come from one place, so a
-kernel never runs early without waiting. It is off unless ``PAGEDLAB_PDL=1``: in the engine the
-GEMVs sit between kernels that do not take part (norms, attention), and W-seed batch-1 TPOT was
-0.06 ms worse with it on (BENCHMARKS.md, 2026-12-01); it pays once the whole step's chain does.
+A kernel opts in with a ``PDL: tl.constexpr`` parameter (no default: a launch that forgets
+``**pdl_launch(device)`` fails instead of running without PDL) and calls
+``pdl_wait_and_trigger(PDL)`` (``kernels/pdl_jit.py``; this module stays importable without
+triton). ``pdl_launch`` sets the flag and the launch option from one place, so a kernel never runs
+early without waiting. The rule: before the wait a program reads only data that no kernel of the
+step writes (weights, scales) and writes nothing (not even scratch: the caching allocator may hand
+the previous kernel's buffers to this one); the trigger right after the wait is safe, since the
+next kernel still waits for this whole grid. Every pagedlab Triton kernel of a step takes part:
+
+- waiting after a constant read: the dense/FP8 GEMV (its first weight tile), the AWQ GEMV (its
+  first K step's words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored
+  after the wait), the batch-invariant norm (its weight row);
+- waiting first: paged attention, the split-KV reduces, the KV write, the AWQ GEMM, FP8
+  per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
+  route, align, gate-up, down and reduce kernels (their weights hang on the step's routing).
+
+The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
+flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
+kernels (norms, rotary, SiLU-mul) follow the same switch through Inductor's own PDL code
+(``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: with only the GEMVs taking part, W-seed
+batch-1 TPOT was 0.06 ms worse (BENCHMARKS.md, 2026-12-01); ``tests/test_kernels_hopper_compile.py``
+checks every kernel's PDL code on the CPU, ``tests/test_pdl_gpu.py`` the engine's tokens.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
+
 
 @triton.jit
 def _tanh(x):
@@ -175,7 +177,7 @@ def paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr, USE_SPLIT: tl.constexpr, SEQ_CHUNK: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
-        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr,
+        SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr, PDL: tl.constexpr,
         SEGMENTED: tl.constexpr = False):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
@@ -205,7 +207,10 @@ def paged_attention_kernel(
     a split program would, and folds them in segment order with ``_merge_segment``, as
     ``invariant_split_kv_reduce_kernel`` folds a split launch's partials: a token's output is
     then bitwise the same whichever launch computed it.
+
+    PDL (``kernels/pdl.py``): everything it loads is the step's data, so it waits first.
     """
+    pdl_wait_and_trigger(PDL)
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -331,8 +336,10 @@ def split_kv_reduce_kernel(
         stride_out_token, stride_out_head,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr):
-    """Program (token, head): merge the per-segment partials of one output row."""
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr,
+        PDL: tl.constexpr):
+    """Program (token, head): merge the per-segment partials of one output row (PDL: waits first)."""
+    pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
@@ -373,9 +380,11 @@ def invariant_split_kv_reduce_kernel(
         stride_out_token, stride_out_head,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head), batch-invariant mode: the segments' partials folded one at a time in
-    segment order by ``_merge_segment``, the arithmetic a SEGMENTED attention program does."""
+    segment order by ``_merge_segment``, the arithmetic a SEGMENTED attention program does
+    (PDL: waits first)."""
+    pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
@@ -429,10 +438,11 @@ def write_kv_kernel(
         stride_vc_block, stride_vc_token, stride_vc_head,
         NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PADDED: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+        FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Program (token): copy all KV heads of one token into its cache slot; slot < 0 skips. An
     FP8 cache gets ``x * scale_inverse`` clamped to +-FP8_MAX (saturated, never inf/NaN) and
-    rounded to nearest even."""
+    rounded to nearest even. PDL: waits first."""
+    pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:

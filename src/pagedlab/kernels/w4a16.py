@@ -41,6 +41,8 @@ import triton.language as tl
 from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
+from pagedlab.kernels.pdl import pdl_launch
+from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.quantization.awq import VALUES_PER_INT32, awq_shapes
 
 # fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
@@ -80,6 +82,39 @@ def _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, 
     return zeros, scales
 
 
+@triton.jit
+def _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_w, offs_n, w_valid, n_valid,
+                   stride_qweight, stride_qzeros, stride_scales, w_bits, GROUP_SIZE: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The GEMV's K step at ``k_start`` (within one group): its weight words, zero points, scales."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :], mask=w_valid[None, :],
+                    other=0)
+    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
+                                        w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
+    return words, zeros, scales
+
+
+@triton.jit
+def _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_start, m_valid, w_bits, BLOCK_K: tl.constexpr,
+                   BLOCK_W: tl.constexpr, USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
+    w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
+    if USE_DOT:
+        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
+        dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        x_sums = tl.sum(x.to(tl.float32), axis=1)
+    else:  # one row
+        x = tl.reshape(tl.load(x_ptr + offs_k).to(tl.float32), (BLOCK_K // ROW_THREADS, ROW_THREADS))
+        w = tl.reshape(w, (BLOCK_K // ROW_THREADS, ROW_THREADS, BLOCK_W * 8))
+        dots = tl.sum(x[:, :, None] * w, axis=0)
+        x_sums = tl.sum(x, axis=0)
+    return acc + scales[None, :] * (dots - zeros * x_sums[:, None])
+
+
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                      M, N_WORDS, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
@@ -87,42 +122,37 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
                      USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows (tl.dot), or
-    for the one row (CUDA cores). Each K step (within one group) adds
-    ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``. ``w_bits`` (the bits of 128.0) is a runtime
-    value so that the compiler merges its OR with the nibble's AND into one logic op."""
+    for the one row (CUDA cores), one ``_awq_gemv_step`` per K step. ``w_bits`` (the bits of 128.0)
+    is a runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
+    The first K step's weights are read before the PDL wait (``kernels/pdl.py``); segments are
+    never empty, so that step always exists."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     w_valid = offs_w < N_WORDS
     n_valid = offs_n < N_WORDS * 8
+    k_begin = split * K_PER_SPLIT
+    words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_begin, offs_w, offs_n,
+                                          w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
+                                          w_bits, GROUP_SIZE, BLOCK_K)
+    pdl_wait_and_trigger(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
     x_rows = x_ptr + offs_m[:, None] * stride_x
     # The CUDA cores keep one partial sum per row of threads (ROW_THREADS of them split a K step)
     # and add them up once at the end, not across threads at every step.
     acc = tl.zeros((BLOCK_M if USE_DOT else ROW_THREADS, BLOCK_W * 8), dtype=tl.float32)
-    k_begin = split * K_PER_SPLIT
-    for k_start in range(k_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :],
-                        mask=w_valid[None, :], other=0)
-        zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
-                                            w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
-        # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
-        w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
-        if USE_DOT:
-            x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
-            dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            x_sums = tl.sum(x.to(tl.float32), axis=1)
-        else:  # one row
-            x = tl.reshape(tl.load(x_ptr + offs_k).to(tl.float32), (BLOCK_K // ROW_THREADS, ROW_THREADS))
-            w = tl.reshape(w, (BLOCK_K // ROW_THREADS, ROW_THREADS, BLOCK_W * 8))
-            dots = tl.sum(x[:, :, None] * w, axis=0)
-            x_sums = tl.sum(x, axis=0)
-        acc += scales[None, :] * (dots - zeros * x_sums[:, None])
+    acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_begin, m_valid, w_bits, BLOCK_K, BLOCK_W,
+                         USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
+    for k_start in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
+        words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_w, offs_n,
+                                              w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
+                                              w_bits, GROUP_SIZE, BLOCK_K)
+        acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_start, m_valid, w_bits, BLOCK_K,
+                             BLOCK_W, USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
     if not USE_DOT:
         acc = tl.sum(acc, axis=0)[None, :]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
@@ -147,9 +177,11 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (row tile, column tile) of the output. Row tiles vary fastest over the grid, so
-    programs running together share a weight tile (dequantized from L2, read from HBM once)."""
+    programs running together share a weight tile (dequantized from L2, read from HBM once).
+    PDL: waits first (a prefill-sized GEMM has nothing to gain from one early weight tile)."""
+    pdl_wait_and_trigger(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -174,9 +206,10 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
 @triton.jit(do_not_specialize=["w_bits"])
 def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS, K, stride_qweight,
                            stride_qzeros, stride_scales, stride_out, w_bits, GROUP_SIZE: tl.constexpr,
-                           BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (K tile within one group, column tile): ``(q - z) * s`` rounded to the output's dtype,
-    the same values the GEMM's tiles feed tl.dot."""
+    the same values the GEMM's tiles feed tl.dot. It reads only the weight, so with PDL it computes
+    the tile before the wait and only stores after it."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -186,6 +219,7 @@ def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS
     n_valid = offs_n < N_WORDS * 8
     w = _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid,
                           pid_k * BLOCK_K // GROUP_SIZE, stride_qweight, stride_qzeros, stride_scales, w_bits)
+    pdl_wait_and_trigger(PDL)
     out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_valid[None, :])
 
@@ -201,7 +235,7 @@ def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, qweight.shape[1], in_features,
                                  qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
                                  _BITS_OF_128, GROUP_SIZE=group_size, BLOCK_W=block_w, BLOCK_K=block_k,
-                                 num_warps=4)
+                                 **pdl_launch(qweight.device), num_warps=4)
     return out
 
 
@@ -274,8 +308,7 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         BLOCK_M=gemv_block_m(rows, config), BLOCK_W=config.block_n // VALUES_PER_INT32,
         BLOCK_K=config.block_k, USE_DOT=config.block_m > 0,
         ROW_THREADS=row_threads(config.block_n // VALUES_PER_INT32, config.block_k, config.num_warps),
-        **dot_settings(x),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
@@ -286,4 +319,4 @@ def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
         BLOCK_W=config.block_n // VALUES_PER_INT32, BLOCK_K=config.block_k, **dot_settings(x),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)

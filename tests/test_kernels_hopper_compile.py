@@ -1,0 +1,193 @@
+"""Every pagedlab Triton kernel of a step compiles for Hopper (sm_90) with PDL on, with its wait
+and trigger in the PTX and no global write before the wait (``kernels/pdl.py``'s rule).
+
+The CPU interpreter never runs the ``gdc_*`` code (PDL is off there), so this is the check that
+the GPU path compiles. Triton compiles for CUDA without a GPU; the kernels must be decorated
+without the interpreter, which this session's conftest turns on, so one subprocess (this file run
+as a script) compiles them all, once per session, and writes each kernel's PTX (or its error).
+Each kernel compiles in its decode launch's constexprs (Llama-3-8B / Qwen3-30B-A3B shapes, bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+_F, _I = "*fp32", "*i32"
+_PARTIALS = dict(partial_acc_ptr=_F, partial_max_ptr=_F, partial_sum_ptr=_F, query_start_loc_ptr=_I)
+_ROUTING = dict(experts_ptr=_I, local_rank_ptr=_I, block_counts_ptr=_I, sorted_pairs_ptr=_I,
+                block_experts_ptr=_I)
+
+
+class Spec(NamedTuple):
+    """A kernel and its decode launch: constexprs, pointer types by argument name (others bf16),
+    float scalars (others int32), warps, and whether it reads constant data before its wait."""
+
+    module: str
+    kernel: str
+    constexprs: dict
+    pointers: dict | None = None
+    floats: tuple = ()
+    num_warps: int = 4
+    reads_before_wait: bool = False
+
+
+_TF32 = dict(DOT_PRECISION="tf32")
+KERNELS = {
+    "dense_gemv": Spec("gemv", "_dense_gemv_kernel",
+                       dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+                            USE_DOT=False, ONE_ROW=True, DOT_DTYPE="bf16", **_TF32),
+                       dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F),
+                       reads_before_wait=True),
+    "awq_gemv": Spec("w4a16", "_awq_gemv_kernel",
+                     dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=True, BLOCK_M=1, BLOCK_W=16, BLOCK_K=128,
+                          USE_DOT=False, ROW_THREADS=32, DOT_DTYPE="bf16", **_TF32),
+                     dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
+                     reads_before_wait=True),
+    "awq_gemm": Spec("w4a16", "_awq_gemm_kernel",
+                     dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_W=16, BLOCK_K=64,
+                          DOT_DTYPE="bf16", **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
+    "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_W=32, BLOCK_K=32),
+                           dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
+    "paged_attention": Spec("triton_kernels", "paged_attention_kernel",
+                            dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=1, BLOCK_M=16, TILE_N=64,
+                                 BLOCK_SIZE=16, USE_SPLIT=True, SEQ_CHUNK=256, UPCAST=False,
+                                 PREFIX_ONLY=False, KEY_OFFSET=False, SLIDING=False, SOFTCAP=False,
+                                 BROADCAST_DOT=False,
+                                 SEGMENTED=False, **_TF32),
+                            dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
+                            ("qk_scale", "v_scale", "softcap_scale", "softcap")),
+    "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
+                            dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, SEGMENT_CHUNK=16), _PARTIALS),
+    "invariant_split_kv_reduce": Spec("triton_kernels", "invariant_split_kv_reduce_kernel",
+                                      dict(HEAD_DIM=128, HEAD_DIM_PADDED=128), _PARTIALS),
+    "write_kv": Spec("triton_kernels", "write_kv_kernel",
+                     dict(NUM_KV_HEADS=8, NUM_KV_HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
+                          BLOCK_SIZE=16, FP8=False, FP8_MAX=448.0),
+                     dict(slot_mapping_ptr="*i64"), ("k_scale_inverse", "v_scale_inverse")),
+    "fp8_per_token_quant": Spec("fp8_linear", "_per_token_quant_kernel",
+                                dict(BLOCK_K=4096, STATIC=False, FP8_MAX=448.0, MIN_SCALE=1e-12),
+                                dict(q_ptr="*fp8e4nv", scale_ptr=_F, static_scale_ptr=_F)),
+    "lora_shrink": Spec("lora", "_lora_shrink_kernel", dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, **_TF32),
+                        dict(h_ptr=_F, sorted_ptr=_I, tiles_ptr=_I)),
+    "lora_expand": Spec("lora", "_lora_expand_kernel",
+                        dict(SPLITS=8, SPLITS_POW2=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, **_TF32),
+                        dict(h_ptr=_F, sorted_ptr=_I, tiles_ptr=_I)),
+    "fixed_tile_matmul": Spec("batch_invariant", "_fixed_tile_matmul_kernel",
+                              dict(HAS_BIAS=False, SPLIT=True, ONE_SEGMENT=False, PERSISTENT=False,
+                                   EVEN_K=True, USE_TMA=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8,
+                                   DOT_DTYPE="bf16", BROADCAST_DOT=False, **_TF32),
+                              dict(partial_ptr=_F, counter_ptr=_I)),
+    "rows_norm": Spec("batch_invariant", "_norm_kernel",
+                      dict(LAYER_NORM=False, HAS_RESIDUAL=True, UNIT_OFFSET=False, BLOCK=4096), {}, ("eps",),
+                      num_warps=16, reads_before_wait=True),
+    "softmax": Spec("batch_invariant", "_softmax_kernel", dict(LOG=True, BLOCK=4096), dict(out_ptr=_F),
+                    num_warps=8),
+    "moe_route": Spec("fused_moe_kernels", "moe_route_kernel",
+                      dict(TOP_K=8, RENORMALIZE=True, TOKENS_BLOCK=1, EXPERTS_BLOCK=128, TOP_K_BLOCK=8,
+                           ALIGN=True, BLOCK_M=16), _ROUTING),
+    "moe_align": Spec("fused_moe_kernels", "moe_align_kernel",
+                      dict(TOP_K=8, BLOCK_M=16, TOKENS_BLOCK=16, EXPERTS_BLOCK=128, TOP_K_BLOCK=8,
+                           COUNT_ROWS=16), _ROUTING),
+    "moe_gate_up": Spec("fused_moe_kernels", "moe_gate_up_kernel",
+                        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
+                        dict(sorted_pairs_ptr=_I, block_experts_ptr=_I)),
+    "moe_down": Spec("fused_moe_kernels", "moe_down_kernel",
+                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
+                     dict(partial_ptr=_F, sorted_pairs_ptr=_I, block_experts_ptr=_I)),
+    "moe_reduce": Spec("fused_moe_kernels", "moe_reduce_kernel",
+                       dict(SPLIT_K=2, TOP_K=8, TOP_K_BLOCK=8, BLOCK_H=256), dict(partial_ptr=_F)),
+}
+_WAIT, _TRIGGER = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+# global writes (plain stores and atomics) and global reads, as PTX spells them
+_WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
+_READ = re.compile(r"\b(ld\.global|cp\.async)")
+
+
+def _compile_all(out_dir: Path) -> None:
+    """Compile every kernel of KERNELS for sm_90 with PDL on; writes ``<id>.ptx`` or ``<id>.error``,
+    or only ``unavailable`` when this triton cannot compile for CUDA at all."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    for name, spec in KERNELS.items():
+        try:
+            kernel = getattr(importlib.import_module(f"pagedlab.kernels.{spec.module}"), spec.kernel)
+            const = {**spec.constexprs, "PDL": True}
+            if "DOT_DTYPE" in const:
+                const["DOT_DTYPE"] = tl.bfloat16
+            missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in const]
+            if missing:
+                raise ValueError(f"no constexpr value given for {missing}")
+            signature = {a: "constexpr" if a in const else (spec.pointers or {}).get(a, "*bf16")
+                         if a.endswith(("_ptr", "_desc")) else "fp32" if a in spec.floats else "i32"
+                         for a in kernel.arg_names}
+            source = ASTSource(fn=kernel, signature=signature,
+                               constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()})
+            options = dict(num_warps=spec.num_warps, num_stages=3)
+            compiled = triton.compile(source, target=target, options=options)
+            (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
+        except Exception as e:  # reported per kernel by the test
+            if name == "dense_gemv" and "ptxas" in str(e).lower():
+                (out_dir / "unavailable").write_text(f"triton cannot compile for CUDA here: {e}")
+                return
+            (out_dir / f"{name}.error").write_text(f"{type(e).__name__}: {e}")
+
+
+@pytest.fixture(scope="module")
+def ptx_dir(tmp_path_factory) -> Path:
+    pytest.importorskip("triton")
+    out_dir = tmp_path_factory.mktemp("hopper_ptx")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__, str(out_dir)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    if result.returncode:
+        pytest.fail(f"the compile subprocess failed:\n{result.stderr[-4000:]}")
+    if (out_dir / "unavailable").exists():
+        pytest.skip((out_dir / "unavailable").read_text()[:500])
+    return out_dir
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_compiles_for_hopper_with_its_pdl_wait_before_any_global_write(ptx_dir, name):
+    error = ptx_dir / f"{name}.error"
+    assert not error.exists(), error.read_text()
+    ptx = (ptx_dir / f"{name}.ptx").read_text()
+    assert _WAIT in ptx and _TRIGGER in ptx
+    wait = ptx.index(_WAIT)
+    assert wait < ptx.index(_TRIGGER)
+    first_write = _WRITE.search(ptx)
+    assert first_write is not None and wait < first_write.start(), f"{name} writes before its wait"
+    if not KERNELS[name].reads_before_wait:  # a kernel that waits first reads nothing before it either
+        first_read = _READ.search(ptx)
+        assert first_read is None or wait < first_read.start(), f"{name} reads before its wait"
+
+
+def test_every_pdl_kernel_of_the_package_is_checked_and_needs_its_flag():
+    """A kernel given a PDL parameter later must get an entry here too; no PDL parameter has a
+    default (a launch without ``**pdl_launch(device)`` fails with a TypeError)."""
+    source = Path(__file__).resolve().parents[1] / "src" / "pagedlab" / "kernels"
+    with_pdl = set()
+    for path in source.glob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"\bPDL: tl\.constexpr\s*=", text), f"{path.name}: PDL with a default"
+        for match in re.finditer(r"@triton\.jit[^\n]*\ndef (\w+)\(([^)]*)\)", text):
+            takes_pdl = re.search(r"\bPDL: tl\.constexpr", match.group(2))
+            if takes_pdl and match.group(1) != "pdl_wait_and_trigger":
+                with_pdl.add(match.group(1))
+    assert with_pdl == {spec.kernel for spec in KERNELS.values()}
+
+
+if __name__ == "__main__":
+    _compile_all(Path(sys.argv[1]))
