@@ -3,8 +3,10 @@
 
 Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 128) and decode
 batch (256 and 64 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as W-nano's
-steps; 16 sequences of 8,192 keys), every candidate runs with the split-KV choice of the current
-policy (``choose_split_kv_size``) and, where that splits, without the split too. Each is checked
+steps; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1 decode near its end), every
+candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
+where that splits, with half and a quarter of its split size and without the split too (the
+report's "split" lines; the table takes the policy's split only). Each is checked
 against the current config's output (within 1% of its largest value: bf16 rounds at 0.4%) and
 timed as CUDA-graph replays with the KV cache read from HBM (``gemv_bench.graph_seconds``); it
 prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
@@ -39,7 +41,8 @@ from pagedlab.kernels.paged_attention import (allocate_split_kv_scratch, choose_
 # (query heads, KV heads, head_dim)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
 # name -> (sequences, fewest keys, most keys)
-BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048), "16x8192": (16, 8192, 8192)}
+BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048), "16x8192": (16, 8192, 8192),
+           "1x640": (1, 640, 640)}
 QUICK_BATCHES = ("256x[100,2048]", "16x8192")
 SWEEP = dict(tile_n=(64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
 QUICK_SWEEP = dict(tile_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
@@ -149,10 +152,18 @@ def candidates(sweep: dict, key: tuple[int, int, int], current: DecodeConfig) ->
     return found
 
 
+# Smallest split size tried beside the policy's (one 64-key tile a program)
+MIN_SPLIT_TRIED = 64
+
+
 def split_modes(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> list[int | None]:
-    """The policy's split (None: unsplit) first, then unsplit where the policy splits."""
+    """The policy's split (None: unsplit) first; where the policy splits, then its half and
+    quarter (down to MIN_SPLIT_TRIED: more programs for a tiny batch of short sequences) and
+    unsplit."""
     policy = choose_split_kv_size(num_seqs, num_kv_heads, 1, max_seq_len)
-    return [policy] if policy is None else [policy, None]
+    if policy is None:
+        return [None]
+    return [policy, *[size for size in (policy // 2, policy // 4) if size >= MIN_SPLIT_TRIED], None]
 
 
 def current_config(key: tuple[int, int, int], split: int | None) -> DecodeConfig:
@@ -219,7 +230,7 @@ def report(record: dict) -> None:
         if not result.get("correct", True) or "failed" in result:
             print(f"  bad     {_describe(result)}")
     if record["policy_split"]:
-        for split in (record["policy_split"], None):
+        for split in dict.fromkeys(r["split"] for r in results):
             best = next((r for r in timed if r["split"] == split), None)
             print(f"  split {split}: best {_describe(best) if best else 'none correct'}")
 
