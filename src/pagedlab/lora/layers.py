@@ -31,8 +31,11 @@ class LoRABatch:
         self.mapping = LoRAMapping.empty(1, num_slots, device)
         self.workspace: torch.Tensor | None = None
         self.active = False
-        # The LoRA shrinks' branch of captured graphs (``linear_with_lora``).
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The LoRA shrinks' branch of captured graphs (``linear_with_lora``), at high priority: a
+        # batch-1 base GEMV holds every SM with hundreds of programs, and torch replays graphs
+        # with the priorities captured, so the shrink's few programs take SMs as they free up
+        # rather than after the base's last program.
+        self.side_stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
 
     def linear(self, base: nn.Module, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                slice_sizes: list[int]) -> torch.Tensor:
