@@ -1,5 +1,6 @@
-"""Every pagedlab Triton kernel of a step compiles for Hopper (sm_90) with PDL on, with its wait
-and trigger in the PTX and no global write before the wait (``kernels/pdl.py``'s rule).
+"""Every pagedlab Triton kernel of a step compiles for Hopper (sm_90): with PDL off, as every GPU
+runs it by default, and with PDL on, its wait and trigger in the PTX and no global write before
+the wait (``kernels/pdl.py``'s rule).
 
 The CPU interpreter never runs the ``gdc_*`` code (PDL is off there), so this is the check that
 the GPU path compiles. Triton compiles for CUDA without a GPU; the kernels must be decorated
@@ -10,6 +11,7 @@ Each kernel compiles in its decode launch's constexprs (Llama-3-8B / Qwen3-30B-A
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -111,7 +113,8 @@ _READ = re.compile(r"\b(ld\.global|cp\.async)")
 
 
 def _compile_all(out_dir: Path) -> None:
-    """Compile every kernel of KERNELS for sm_90 with PDL on; writes ``<id>.ptx`` or ``<id>.error``,
+    """Compile every kernel of KERNELS for sm_90 with PDL on and off (the default launch); writes
+    ``<id>.ptx``/``<id>-nopdl.ptx`` or ``.error``,
     or only ``unavailable`` when this triton cannot compile for CUDA at all."""
     import importlib
 
@@ -121,10 +124,11 @@ def _compile_all(out_dir: Path) -> None:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    for name, spec in KERNELS.items():
+    for (name, spec), pdl in itertools.product(KERNELS.items(), (True, False)):
+        stem = name if pdl else f"{name}-nopdl"
         try:
             kernel = getattr(importlib.import_module(f"pagedlab.kernels.{spec.module}"), spec.kernel)
-            const = {**spec.constexprs, "PDL": True}
+            const = {**spec.constexprs, "PDL": pdl}
             if "DOT_DTYPE" in const:
                 const["DOT_DTYPE"] = tl.bfloat16
             missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in const]
@@ -137,12 +141,12 @@ def _compile_all(out_dir: Path) -> None:
                                constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()})
             options = dict(num_warps=spec.num_warps, num_stages=3)
             compiled = triton.compile(source, target=target, options=options)
-            (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
+            (out_dir / f"{stem}.ptx").write_text(compiled.asm["ptx"])
         except Exception as e:  # reported per kernel by the test
             if name == "dense_gemv" and "ptxas" in str(e).lower():
                 (out_dir / "unavailable").write_text(f"triton cannot compile for CUDA here: {e}")
                 return
-            (out_dir / f"{name}.error").write_text(f"{type(e).__name__}: {e}")
+            (out_dir / f"{stem}.error").write_text(f"{type(e).__name__}: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +161,15 @@ def ptx_dir(tmp_path_factory) -> Path:
     if (out_dir / "unavailable").exists():
         pytest.skip((out_dir / "unavailable").read_text()[:500])
     return out_dir
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_compiles_for_hopper_without_pdl(ptx_dir, name):
+    """The launch every GPU runs by default (PAGEDLAB_PDL unset) compiles, and waits for nothing."""
+    error = ptx_dir / f"{name}-nopdl.error"
+    assert not error.exists(), error.read_text()
+    ptx = (ptx_dir / f"{name}-nopdl.ptx").read_text()
+    assert _WAIT not in ptx and _TRIGGER not in ptx
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

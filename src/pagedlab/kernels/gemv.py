@@ -97,8 +97,10 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
     are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
-    multiplied by the row's and the output column's float32 scales. The first weight tile is read
-    before the PDL wait (``kernels/pdl.py``): weights do not depend on the previous kernel."""
+    multiplied by the row's and the output column's float32 scales. With PDL the first weight tile
+    is read before the wait (``kernels/pdl.py``: weights do not depend on the previous kernel). The
+    first step is peeled out of the loop there and for one row (the form measured fastest on the
+    H200); the other paths loop over the whole K segment, as they were measured."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -106,10 +108,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     m_valid = offs_m < M
     n_valid = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    k_begin = split * K_PER_SPLIT
-    offs_k = k_begin + tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
-    pdl_wait_and_trigger(PDL)
     if ONE_ROW:
         x_rows = x_ptr
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -119,8 +117,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
-    for k_start in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
+    k_begin = split * K_PER_SPLIT
+    loop_begin = k_begin
+    if PDL or ONE_ROW:  # the first weight tile (before the PDL wait), the rest in the loop
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        pdl_wait_and_trigger(PDL)
+        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        loop_begin = k_begin + BLOCK_K
+    for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)

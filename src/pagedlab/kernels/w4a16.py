@@ -126,28 +126,31 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows (tl.dot), or
     for the one row (CUDA cores), one ``_awq_gemv_step`` per K step. ``w_bits`` (the bits of 128.0)
     is a runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
-    The first K step's weights are read before the PDL wait (``kernels/pdl.py``); segments are
-    never empty, so that step always exists."""
+    With PDL the first K step's weights are read before the wait (``kernels/pdl.py``; segments
+    are never empty, so that step always exists); without, the loop is the whole K segment."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
     w_valid = offs_w < N_WORDS
     n_valid = offs_n < N_WORDS * 8
-    k_begin = split * K_PER_SPLIT
-    words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_begin, offs_w, offs_n,
-                                          w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
-                                          w_bits, GROUP_SIZE, BLOCK_K)
-    pdl_wait_and_trigger(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
     x_rows = x_ptr + offs_m[:, None] * stride_x
     # The CUDA cores keep one partial sum per row of threads (ROW_THREADS of them split a K step)
     # and add them up once at the end, not across threads at every step.
     acc = tl.zeros((BLOCK_M if USE_DOT else ROW_THREADS, BLOCK_W * 8), dtype=tl.float32)
-    acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_begin, m_valid, w_bits, BLOCK_K, BLOCK_W,
-                         USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
-    for k_start in range(k_begin + BLOCK_K, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
+    k_begin = split * K_PER_SPLIT
+    loop_begin = k_begin
+    if PDL:  # the first K step's weights before the wait, the rest in the loop
+        words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_begin, offs_w, offs_n,
+                                              w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
+                                              w_bits, GROUP_SIZE, BLOCK_K)
+        pdl_wait_and_trigger(PDL)
+        acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_begin, m_valid, w_bits, BLOCK_K,
+                             BLOCK_W, USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
+        loop_begin = k_begin + BLOCK_K
+    for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_w, offs_n,
                                               w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
                                               w_bits, GROUP_SIZE, BLOCK_K)
