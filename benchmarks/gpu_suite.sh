@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -15,6 +15,10 @@ for part in "$@"; do
                tests/test_model_families.py tests/test_fused_moe.py tests/test_attention_variants.py \
                tests/test_batch_invariant_gpu.py tests/test_batch_invariant_attention.py tests/test_pdl.py -q -s \
                -p no:cacheprovider 2>&1 | tail -30 ;;
+    # the linear-layer and LoRA kernels and their benches' GPU paths (the tests part covers the engine)
+    tests-kernels) python3 -m pytest -m gpu tests/test_gemv.py tests/test_gemv_bench.py tests/test_awq.py \
+                       tests/test_fp8.py tests/test_lora_kernels.py tests/test_lora_gpu.py tests/test_hf_fp8_peer.py \
+                       -q -s -rs -p no:cacheprovider 2>&1 | tail -30 ;;
     # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
     # and row count runs past a device call's 10 minutes)
     gemv)  python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 4 16 --chain --out "$OUT/gemv.json" ;;
