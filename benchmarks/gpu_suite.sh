@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -48,6 +48,14 @@ for part in "$@"; do
     pdlseed) for pdl in 0 1; do
                PAGEDLAB_PDL=$pdl bench throughput --workload W-seed --batch-size 1 --json "$OUT/w_seed_pdl$pdl.json"
              done ;;
+    # the same for the batch-1 targets of issue 15, where ~12 small kernels a layer are most of the
+    # gap (Qwen3-30B-A3B: 48 layers, 2.9x its floor)
+    pdlfamilies) for shape in qwen3-30b-a3b gemma2-9b; do
+                   for pdl in 0 1; do
+                     PAGEDLAB_PDL=$pdl bench throughput --workload W-seed --shape $shape --batch-size 1 \
+                         --json "$OUT/w_seed_${shape}_pdl$pdl.json"
+                   done
+                 done ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;
