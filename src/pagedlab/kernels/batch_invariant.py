@@ -31,13 +31,12 @@ give bitwise the same output. This module imports triton when it loads: import i
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagedlab.kernels.device import compute_capability
 from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
@@ -260,14 +259,9 @@ def _tma_loads(*operands: torch.Tensor) -> bool:
     or later (and in the interpreter, which runs them on the CPU), where each starts on 16 bytes
     and its rows lie a multiple of 16 bytes apart, as TMA requires."""
     device = operands[0].device
-    if device.type == "cuda" and _compute_capability(device)[0] < 9:
+    if device.type == "cuda" and compute_capability(device)[0] < 9:
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in operands)
-
-
-@cache
-def _compute_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 @triton.jit

@@ -13,10 +13,9 @@ a cache in the model's dtype stores the values as they are.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from pagedlab.kernels.device import compute_capability
 from pagedlab.kernels.pdl import pdl_launch
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
@@ -90,14 +89,8 @@ def check_fp8_supported(cache: torch.Tensor) -> None:
     GPUs an FP8 cache is refused here, by name, instead of failing inside the compiler."""
     if not is_fp8(cache) or cache.device.type != "cuda":
         return
-    major, minor = _capability(cache.device.index if cache.device.index is not None
-                               else torch.cuda.current_device())
+    major, minor = compute_capability(cache.device)
     if (major, minor) < (8, 9):
         raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer for the "
                          f"Triton kernels; this one is {major}.{minor}: use kv_cache_dtype='auto' or "
                          "attention_backend='torch'")
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)

@@ -29,20 +29,20 @@ flags that other GPUs raise, and no multi-GPU race test covers an early start. T
 kernels (norms, rotary, SiLU-mul) follow the same switch through Inductor's own PDL code
 (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: with only the GEMVs taking part, W-seed
 batch-1 TPOT was 0.06 ms worse (BENCHMARKS.md, 2026-12-01); ``tests/test_kernels_hopper_compile.py``
-checks every kernel's PDL code on the CPU, ``tests/test_pdl_gpu.py`` the engine's tokens.
+checks every kernel's PDL code on the CPU, ``tests/test_pdl.py`` the engine's tokens.
 """
 
 from __future__ import annotations
 
 import os
-from functools import cache
 
 import torch
 
+from pagedlab.kernels.device import compute_capability
 
-@cache
+
 def _device_supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return compute_capability(torch.device("cuda", index))[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -26,7 +26,6 @@ maxima in every row-parallel layer), so TP=N is not bit-identical to TP=1 there.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedlab.kernels.device import compute_capability
 from pagedlab.kernels.gemv_configs import fp8_gemv_config
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -180,16 +180,11 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@functools.cache
-def _has_fp8_tensor_cores(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)  # Ada, Hopper and later
-
-
 def scaled_mm_runs(weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU with FP8 tensor
     cores (compute capability 8.9+) and both features multiples of 16 (cuBLASLt's rule)."""
     return (weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-            and _has_fp8_tensor_cores(weight.device.index or 0))
+            and compute_capability(weight.device) >= (8, 9))  # FP8 tensor cores: Ada, Hopper and later
 
 
 def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
