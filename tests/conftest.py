@@ -99,6 +99,17 @@ def build_tiny_model(directory: Path, arch: str, seed: int = 0, **overrides) -> 
     return TinyModel(arch, str(directory), model)
 
 
+def shape_config_dir(directory: Path, shape: str, num_layers: int) -> str:
+    """``directory`` holding only the config.json of a known model shape (``pagedlab.workloads``)
+    cut to ``num_layers`` layers: a real-width model for dummy weights on the GPU."""
+    from pagedlab.workloads import model_shape
+
+    config = model_shape(shape)
+    config.num_hidden_layers = num_layers
+    config.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Builds each tiny architecture once per session: ``tiny_models("qwen3")``."""

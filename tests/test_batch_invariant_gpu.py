@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import random_prompts, shape_config_dir
 from pagedlab import LLM
 from test_batch_invariant import _differing_runs
 
@@ -20,13 +20,7 @@ LINEARS_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256,
 
 @pytest.fixture(scope="module")
 def llama8b_layers4(tmp_path_factory) -> str:
-    from pagedlab.workloads import model_shape
-
-    config = model_shape("llama3-8b")
-    config.num_hidden_layers = 4
-    path = tmp_path_factory.mktemp("llama3_8b_4_layers")
-    config.save_pretrained(path)
-    return str(path)
+    return shape_config_dir(tmp_path_factory.mktemp("llama3_8b_4_layers"), "llama3-8b", 4)
 
 
 @pytest.mark.parametrize("out_features, in_features", LINEARS_8B)

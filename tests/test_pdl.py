@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, random_prompts, shape_config_dir
 from pagedlab import LLM, SamplingParams
 from pagedlab.kernels.pdl import pdl_enabled
 from pagedlab.layers.fusion import inductor_options
@@ -72,13 +72,7 @@ def test_pdl_decode_of_tiny_models_gives_the_tokens_without_pdl_and_hf(tiny_mode
 
 @pytest.fixture(scope="module")
 def llama8b_layers2(tmp_path_factory) -> str:
-    from pagedlab.workloads import model_shape
-
-    config = model_shape("llama3-8b")
-    config.num_hidden_layers = 2
-    path = tmp_path_factory.mktemp("llama3_8b_2_layers")
-    config.save_pretrained(path)
-    return str(path)
+    return shape_config_dir(tmp_path_factory.mktemp("llama3_8b_2_layers"), "llama3-8b", 2)
 
 
 @pytest.mark.gpu
