@@ -69,6 +69,12 @@ def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
+def _weight_tile(w_rows, offs_k, n_valid, K):
+    """The weight rows ``w_rows`` at columns ``offs_k`` (zero past N and K)."""
+    return tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_ROW: tl.constexpr,
                DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x."""
@@ -121,13 +127,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     loop_begin = k_begin
     if PDL or ONE_ROW:  # the first weight tile (before the PDL wait), the rest in the loop
         offs_k = k_begin + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = _weight_tile(w_rows, offs_k, n_valid, K)
         pdl_wait_and_trigger(PDL)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
         loop_begin = k_begin + BLOCK_K
     for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        w = _weight_tile(w_rows, offs_k, n_valid, K)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
     if ONE_ROW:
         acc = tl.sum(acc, axis=1)[None, :]
