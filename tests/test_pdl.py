@@ -23,16 +23,34 @@ from pagedlab.layers.fusion import inductor_options
 KV = 256 << 20
 
 
-def test_inductor_pdl_option_only_where_asked_and_known(monkeypatch):
+def test_inductor_options_deterministic_always_pdl_only_where_asked_and_known(monkeypatch):
     import torch._inductor
     from torch._inductor import config
 
-    assert inductor_options(False) == {}
-    known = hasattr(config.triton, "enable_pdl")  # torch 2.13 here: yes
-    assert inductor_options(True) == ({"triton.enable_pdl": True} if known else {})
+    assert hasattr(config, "deterministic") and hasattr(config.triton, "enable_pdl")  # torch 2.13 here
+    assert inductor_options(False) == {"deterministic": True}
+    assert inductor_options(True) == {"deterministic": True, "triton.enable_pdl": True}
     torch.compile(lambda x: x + 1, options=inductor_options(True))  # raises on an option Inductor lacks
     monkeypatch.setattr(torch._inductor, "config", SimpleNamespace(triton=SimpleNamespace()))
     assert inductor_options(True) == {}
+
+
+def test_fused_layers_raise_dynamo_recompile_limits_and_never_lower_them(monkeypatch):
+    """A process that loads several models compiles each fused layer per shape, dtype and PDL
+    setting; at dynamo's default limit of 8 the rest ran eagerly (other roundings: on the H200 the
+    8B PDL test below then failed)."""
+    import torch._dynamo
+
+    from pagedlab.layers import fusion
+
+    config = torch._dynamo.config
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    monkeypatch.setattr(config, "accumulated_recompile_limit", 256)
+    fusion._allow_recompiles()
+    assert (config.recompile_limit, config.accumulated_recompile_limit) == (64, 1024)
+    monkeypatch.setattr(config, "recompile_limit", 500)
+    fusion._allow_recompiles()
+    assert config.recompile_limit == 500
 
 
 def _hopper() -> bool:

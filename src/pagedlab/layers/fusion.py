@@ -14,7 +14,10 @@ indexing by a symbolic head size costs integer divisions per element.
 Where pagedlab's kernels launch with programmatic dependent launch (``kernels/pdl.py``:
 ``PAGEDLAB_PDL=1`` on Hopper), these kernels do too, through Inductor's ``triton.enable_pdl``
 (compiled separately from the PDL-off version, so the switch may change between calls). A torch
-whose Inductor lacks the option compiles them without it.
+whose Inductor lacks the option compiles them without it. Inductor runs in its deterministic mode:
+the PDL-on and PDL-off kernels, and every process, sum a norm in the same order (the race test in
+``tests/test_pdl.py`` compares them bitwise; with Inductor's timed choice of reduction configs a
+batch-3 step on the H200 differed by one bfloat16 step in a logprob).
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ from pagedlab.kernels.pdl import pdl_enabled
 
 
 def inductor_options(pdl: bool) -> dict:
-    """The ``torch.compile`` options of a fused layer: Inductor's PDL code where ``pdl`` and this
-    torch has it (``torch._inductor.config.triton.enable_pdl``), else none."""
-    if not pdl:
-        return {}
+    """The ``torch.compile`` options of a fused layer, each where this torch's Inductor has it:
+    ``deterministic`` always (no on-device benchmarking of configs that change the numbers: a
+    reduction's config otherwise depends on timings taken at compile time, so two processes, or
+    the PDL and PDL-off compilations of one norm, could sum in different orders), and Inductor's
+    PDL code (``triton.enable_pdl``) where ``pdl``."""
     from torch._inductor import config
 
-    return {"triton.enable_pdl": True} if hasattr(config.triton, "enable_pdl") else {}
+    options = {"deterministic": True} if hasattr(config, "deterministic") else {}
+    if pdl and hasattr(config.triton, "enable_pdl"):
+        options["triton.enable_pdl"] = True
+    return options
 
 
 def fused(fn):
@@ -43,6 +50,7 @@ def fused(fn):
 
     @functools.cache
     def compiled(pdl: bool):  # built on first GPU use, so CPU-only runs never import the compiler
+        _allow_recompiles()
         return torch.compile(fn, options=inductor_options(pdl) or None)
 
     @functools.wraps(fn)
@@ -50,3 +58,17 @@ def fused(fn):
         return compiled(pdl_enabled(x.device))(x, *args) if x.is_cuda else fn(x, *args)
 
     return dispatch
+
+
+def _allow_recompiles(per_function: int = 64, in_all: int = 1024) -> None:
+    """Raise dynamo's recompile limits (8 per function, 256 in all by default). Each model shape,
+    dtype and PDL setting compiles a fused layer anew, and all share one cache per function: a
+    process that loads a few models (a lab sweep, the GPU tests) would otherwise run the rest
+    eagerly, slower and with other roundings than a fresh process (on the H200 the PDL race test
+    of the 8B shape hit the limit and its PDL-on and PDL-off logprobs differed)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, per_function)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, in_all)
+
