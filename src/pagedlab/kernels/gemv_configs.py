@@ -80,7 +80,7 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (4, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.0
     (16, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.7
     (1, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=3, block_m=0, num_warps=4),  # 34.7
-    (4, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 103.9
+    (4, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=16, num_warps=4),  # decode 99.8
     (16, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 104.7
     (64, 28672, 4096, 128): TileConfig(block_n=128, block_k=64, block_m=64, num_stages=3),  # 95.4
     (1, 4096, 14336, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 21.5
@@ -96,7 +96,9 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
 # benchmarks/pdl_probe.py instead: in a chain of 32 layers' linears, each reading its own weights
 # as decode does, one program per few weight rows over all of K beat both cuBLAS and the split-K
-# entries gemv_bench picked (times per linear in the chain, without PDL).
+# entries gemv_bench picked (times per linear in the chain, without PDL). Entries marked "decode"
+# come from gemv_bench's decode-like timing (2026-12-01, session 10: each call on its own weight
+# copy, the copies over twice the L2); its one-row picks for qkv, o and down equal the chain's.
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -106,7 +108,7 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (16, 4096, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 14.9 (cuBLAS 15.7)
     (4, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 64.8 (cuBLAS 67.2)
     (16, 28672, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 65.0 (cuBLAS 67.0)
-    (1, 128256, 4096): TileConfig(block_n=32, block_k=256, block_m=16),  # 246.6 (cuBLAS 285.3)
+    (1, 128256, 4096): TileConfig(block_n=16, block_k=256, num_stages=3),  # decode 235.0 (cuBLAS 254.6)
     (4, 128256, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 248.2 (cuBLAS 258.1)
     (16, 128256, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 250.6 (cuBLAS 261.5)
     (1, 3072, 4096): TileConfig(block_n=32, block_k=256, split_k=6, block_m=16),  # 12.4 (cuBLAS 14.1)
@@ -124,10 +126,10 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
 # row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
 # not listed, take ``torch._scaled_mm``.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    (1, 6144, 4096): TileConfig(block_n=8, block_k=1024),  # 18.6
-    (1, 4096, 4096): TileConfig(block_n=8, block_k=1024),  # 13.2
-    (1, 28672, 4096): TileConfig(block_n=8, block_k=1024),  # 53.9
-    (1, 4096, 14336): TileConfig(block_n=8, block_k=1024),  # 34.0
+    (1, 6144, 4096): TileConfig(block_n=4, block_k=512, num_stages=3),  # decode 12.3
+    (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 9.9
+    (1, 28672, 4096): TileConfig(block_n=16, block_k=256),  # decode 35.9
+    (1, 4096, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 22.9
     (1, 3072, 4096): TileConfig(block_n=8, block_k=1024),  # 12.4
     (1, 4096, 2048): TileConfig(block_n=8, block_k=1024),  # 9.1
     (1, 14336, 4096): TileConfig(block_n=8, block_k=1024),  # 33.4
