@@ -80,7 +80,7 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (4, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.0
     (16, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.7
     (1, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=3, block_m=0, num_warps=4),  # 34.7
-    (4, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=16, num_warps=4),  # decode 99.8
+    (4, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=16),  # decode 99.8
     (16, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 104.7
     (64, 28672, 4096, 128): TileConfig(block_n=128, block_k=64, block_m=64, num_stages=3),  # 95.4
     (1, 4096, 14336, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 21.5
