@@ -1,22 +1,27 @@
 """The fused MoE kernels (``kernels/fused_moe.py``) at the Qwen3-30B-A3B and Mixtral-8x7B expert
 shapes on one GPU, bf16, like vLLM's benchmark_moe.py: per token count, a sweep of launch
 configs for each grouped GEMM, each checked against ``moe_torch`` (float32), then the best
-config of the whole layer.
+config of the whole layer; at decode batches (at most ``MOE_GEMV_MAX_TOKENS`` tokens) also the
+GEMV path's two launches and its whole layer.
 
 Per (shape, tokens) it prints the routing + sort by expert in the two Triton kernels against
 the torch ops they replace; per row-block size the best gate/up and down configs (time, GB/s of
 the routed experts' weights, TFLOP/s); the whole fused layer with the best config and with the
-default heuristic. Then the lines to paste into ``src/pagedlab/kernels/fused_moe_configs.py``
-(``MOE_CONFIGS``) and the MoE time of a batch-1 decode step (all layers). Times are medians of
+default heuristic; at decode batches the best GEMV launches and the GEMV layer. Then the lines
+to paste into ``src/pagedlab/kernels/fused_moe_configs.py``: ``MOE_CONFIGS`` (every measured
+batch) and ``MOE_GEMV_CONFIGS`` (only the batches where the GEMV layer beat the best grouped
+layer), and the MoE time of a batch-1 decode step (all layers, the faster path). Times are medians of
 CUDA-graph replays (``graph_seconds`` of gemv_bench.py: weights read from HBM, no launch gaps,
 as in a decode step's graph).
 
 The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
 size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
-K splits of the down projection throughout). The first
-run compiles every config (Triton caches them: a second run is mostly timing).
+K splits of the down projection throughout). The GEMV launches are swept in one round
+(``gemv_candidates``: block_n 4-32, block_k 256-1024, 2 or 3 stages, 4 warps), each checked
+through the whole layer with the other launch at ``GEMV_CHECK``. The first run compiles every
+config (Triton caches them: a second run is mostly timing).
 
-    PYTHONPATH=src python3 benchmarks/moe_bench.py --out moe_bench.json
+    PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --out moe_bench.json
 """
 
 from __future__ import annotations
@@ -29,14 +34,21 @@ from dataclasses import asdict, replace
 import torch
 from gemv_bench import graph_seconds
 
-from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_triton, moe_gate_up_triton, moe_torch,
+from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_gemv_triton, moe_down_triton,
+                                        moe_gate_up_gemv_triton, moe_gate_up_triton, moe_torch,
                                         route_and_align_torch, route_and_align_triton)
-from pagedlab.kernels.fused_moe_configs import MoeConfig, MoeGemmConfig, default_moe_config
+from pagedlab.kernels.fused_moe_configs import (DOT_MIN, MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig,
+                                                MoeGemvConfig, MoeGemvLaunch, default_moe_config)
 
 # name: (experts, hidden, expert intermediate, top_k, renormalize, layers)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, True, 48), "mixtral-8x7b": (8, 4096, 14336, 2, True, 32)}
-TOKENS = (1, 8, 64, 256, 2048)
+TOKENS = (1, 2, 4, 8, 64, 256, 2048)
 DEVICE = "cuda"
+DTYPE = torch.bfloat16
+# The GEMV sweep's tiles, and the launch the other GEMV runs at while one is swept.
+GEMV_BLOCK_N = (4, 8, 16, 32)
+GEMV_BLOCK_K = (256, 512, 1024)
+GEMV_CHECK = MoeGemvLaunch(8, 256)
 
 
 def block_m_candidates(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
@@ -70,6 +82,14 @@ def first_round(launch: str, block_m: int, n: int, k: int, row_blocks: int, sms:
             split = max(1, min(k_steps // 2, -(-waves * sms // programs)))
             found.append(replace(tile, split_k=split))
     return list(dict.fromkeys(found))
+
+
+def gemv_candidates(k: int) -> list[MoeGemvLaunch]:
+    """The GEMV launches for K ``k``: block_n x block_k (capped at the power of two that holds
+    K) x 2 or 3 stages, 4 warps."""
+    cap = 1 << max(k - 1, 0).bit_length()
+    block_ks = sorted({min(bk, cap) for bk in GEMV_BLOCK_K})
+    return [MoeGemvLaunch(bn, bk, 4, stages) for bn in GEMV_BLOCK_N for bk in block_ks for stages in (2, 3)]
 
 
 def second_round(best: MoeGemmConfig) -> list[MoeGemmConfig]:
@@ -109,6 +129,33 @@ def sweep_launch(candidates: list[MoeGemmConfig], refine: bool, check, timed, to
     return dict(best=results[best] if best else None, candidates=list(results.values()))
 
 
+def sweep_both(candidates: dict, refine: bool, launchers: tuple, fixed: dict, x, w13, w2, routing,
+               reference: torch.Tensor) -> dict:
+    """The sweeps of one path's gate/up and down launches (``launchers``: its gate/up and down
+    functions), each candidate checked through the whole layer against ``reference`` with the
+    other launch at its ``fixed`` config; moved bytes are the routed experts' weights."""
+    gate_up_fn, down_fn = launchers
+    num_tokens, hidden = x.shape
+    inter, top_k = w13.shape[1] // 2, routing.experts.shape[1]
+    activated = gate_up_fn(x, w13, routing, fixed["gate_up"])
+    active = routing.experts.unique().numel()
+    pairs = num_tokens * top_k
+    tolerance = 2e-2 * reference.abs().max().item()
+
+    def error(out):
+        return (out.float() - reference).abs().max().item()
+    gate_up = sweep_launch(
+        candidates["gate_up"], refine,
+        lambda c: error(down_fn(gate_up_fn(x, w13, routing, c), w2, routing, fixed["down"])),
+        lambda c: gate_up_fn(x, w13, routing, c), tolerance, active * 2 * inter * hidden * w13.element_size(),
+        4 * pairs * hidden * inter)
+    down = sweep_launch(
+        candidates["down"], refine, lambda c: error(down_fn(activated, w2, routing, c)),
+        lambda c: down_fn(activated, w2, routing, c), tolerance, active * hidden * inter * w2.element_size(),
+        2 * pairs * hidden * inter)
+    return dict(gate_up=gate_up, down=down)
+
+
 def bench_block_m(block_m: int, refine: bool, x, logits, w13, w2, spec: tuple, reference: torch.Tensor,
                   sms: int) -> dict:
     """Both grouped GEMMs' sweeps at one row-block size, the other launch at its default."""
@@ -116,32 +163,36 @@ def bench_block_m(block_m: int, refine: bool, x, logits, w13, w2, spec: tuple, r
     num_tokens = x.shape[0]
     routing = route_and_align_triton(logits, top_k, renormalize, block_m, x.dtype)
     default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
-    activated = moe_gate_up_triton(x, w13, routing, default.gate_up)
-    active = routing.experts.unique().numel()
     row_blocks = (routing.block_experts >= 0).sum().item()
-    pairs = num_tokens * top_k
-    tolerance = 2e-2 * reference.abs().max().item()
+    candidates = {"gate_up": first_round("gate_up", block_m, inter, hidden, row_blocks, sms),
+                  "down": first_round("down", block_m, hidden, inter, row_blocks, sms)}
+    return sweep_both(candidates, refine, (moe_gate_up_triton, moe_down_triton),
+                      {"gate_up": default.gate_up, "down": default.down}, x, w13, w2, routing, reference)
 
-    def error(out):
-        return (out.float() - reference).abs().max().item()
-    gate_up = sweep_launch(
-        first_round("gate_up", block_m, inter, hidden, row_blocks, sms), refine,
-        lambda c: error(moe_down_triton(moe_gate_up_triton(x, w13, routing, c), w2, routing, default.down)),
-        lambda c: moe_gate_up_triton(x, w13, routing, c), tolerance, active * 2 * inter * hidden * 2,
-        4 * pairs * hidden * inter)
-    down = sweep_launch(
-        first_round("down", block_m, hidden, inter, row_blocks, sms), refine,
-        lambda c: error(moe_down_triton(activated, w2, routing, c)),
-        lambda c: moe_down_triton(activated, w2, routing, c), tolerance, active * hidden * inter * 2,
-        2 * pairs * hidden * inter)
-    return dict(gate_up=gate_up, down=down)
+
+def bench_gemv(x, logits, w13, w2, spec: tuple, reference: torch.Tensor) -> dict:
+    """Both GEMV launches' sweeps (one round each)."""
+    _, hidden, inter, top_k, renormalize, _ = spec
+    routing = route_and_align_triton(logits, top_k, renormalize, DOT_MIN, x.dtype)
+    candidates = {"gate_up": gemv_candidates(hidden), "down": gemv_candidates(inter)}
+    return sweep_both(candidates, False, (moe_gate_up_gemv_triton, moe_down_gemv_triton),
+                      {"gate_up": GEMV_CHECK, "down": GEMV_CHECK}, x, w13, w2, routing, reference)
+
+
+def best_gemv_config(launches: dict) -> MoeGemvConfig | None:
+    """The GEMV config of both launches' best, if each has a correct one."""
+    if not (launches["gate_up"]["best"] and launches["down"]["best"]):
+        return None
+    return MoeGemvConfig(*(MoeGemvLaunch(**launches[launch]["best"]["config"])
+                           for launch in ("gate_up", "down")))
 
 
 def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int, gen) -> dict:
-    """Routing, both launches' sweeps at each row-block size, the whole layer best and default."""
+    """Routing, both launches' sweeps at each row-block size (and on the GEMV path at decode
+    batches), the whole layer best, default (and GEMV)."""
     spec = SHAPES[name]
     num_experts, hidden, inter, top_k, renormalize, _ = spec
-    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).to(DTYPE)
     # a random order of the experts, logits 0.05 apart: no near-ties, where two top-k's may differ
     order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
     logits = torch.argsort(order, dim=-1).float() * 0.05
@@ -158,13 +209,16 @@ def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int,
         per_block_m[bm] = bench_block_m(bm, True, x, logits, w13, w2, spec, reference, sms)
     experts_read = torch.unique(torch.topk(logits, top_k, dim=-1).indices).numel()
     record = dict(shape=name, tokens=num_tokens, route=route, experts_read=experts_read,
-                  expert_mb=experts_read * 3 * hidden * inter * 2 / 1e6,
+                  expert_mb=experts_read * 3 * hidden * inter * w13.element_size() / 1e6,
                   block_m={str(bm): r for bm, r in per_block_m.items()})
-    configs = {"default": default}
-    best = best_config(per_block_m)
-    if best:
-        configs["best"] = best
+    configs = {"default": default, "best": best_config(per_block_m)}
+    if num_tokens <= MOE_GEMV_MAX_TOKENS:
+        record["gemv_launches"] = bench_gemv(x, logits, w13, w2, spec, reference)
+        configs["gemv"] = best_gemv_config(record["gemv_launches"])
     for kind, config in configs.items():
+        if config is None:
+            continue
+
         def layer(c=config):
             return fused_moe_triton(x, logits, w13, w2, top_k, renormalize, c)
         seconds = graph_seconds(layer)
@@ -204,7 +258,11 @@ def format_record(record: dict) -> str:
             best = result[launch]["best"]
             config = MoeGemmConfig(**best["config"]) if best else ""
             lines.append(f"    block_m {bm:>3} {launch:>7} {_describe(best)} {config}")
-    for kind in ("best", "default"):
+    for launch, result in record.get("gemv_launches", {}).items():
+        best = result["best"]
+        config = MoeGemvLaunch(**best["config"]) if best else ""
+        lines.append(f"    GEMV        {launch:>7} {_describe(best)} {config}")
+    for kind in ("best", "default", "gemv"):
         if kind in record:
             lines.append(f"    fused layer {kind:>7} {_describe(record[kind])}")
     return "\n".join(lines)
@@ -218,19 +276,63 @@ def config_source(config: dict) -> str:
     return f"MoeConfig({config['block_m']}, {gemm(config['gate_up'])}, {gemm(config['down'])})"
 
 
+def gemv_config_source(config: dict) -> str:
+    """A MoeGemvConfig as the table writes it (positional fields)."""
+    def launch(g):
+        return f"MoeGemvLaunch({g['block_n']}, {g['block_k']}, {g['num_warps']}, {g['num_stages']})"
+    return f"MoeGemvConfig({launch(config['gate_up'])}, {launch(config['down'])})"
+
+
+def grouped_layer(record: dict) -> dict:
+    """The faster of the grouped layer's swept best and default configs."""
+    default = record["default"]
+    return min(record.get("best", default), default, key=lambda r: r["us"])
+
+
+def _table_key(record: dict) -> tuple[int, ...]:
+    num_experts, hidden, inter, top_k, _, _ = SHAPES[record["shape"]]
+    return (num_experts, hidden, inter, top_k, record["tokens"])
+
+
 def table_lines(records: list[dict]) -> list[str]:
     """The MOE_CONFIGS entries: every measured (shape, tokens), the swept best config or the
     default where the whole layer ran faster with it."""
     lines = []
     for record in records:
-        num_experts, hidden, inter, top_k, _, _ = SHAPES[record["shape"]]
-        default = record["default"]
-        best = min(record.get("best", default), default, key=lambda r: r["us"])
-        key = (num_experts, hidden, inter, top_k, record["tokens"])
-        lines.append(f"    {key}:  # {record['shape']}: {best['us']:.1f} us, {best['gbps']:.0f} GB/s "
-                     f"(default {default['us']:.1f} us)")
+        best = grouped_layer(record)
+        lines.append(f"    {_table_key(record)}:  # {record['shape']}: {best['us']:.1f} us, "
+                     f"{best['gbps']:.0f} GB/s (default {record['default']['us']:.1f} us)")
         lines.append(f"        {config_source(best['config'])},")
     return lines
+
+
+def gemv_table_lines(records: list[dict]) -> list[str]:
+    """The MOE_GEMV_CONFIGS entries: the (shape, tokens) whose GEMV layer beat the grouped
+    layer (``grouped_layer``), with the best GEMV launches."""
+    lines = []
+    for record in records:
+        gemv, grouped = record.get("gemv"), grouped_layer(record)
+        if gemv is None or gemv["us"] >= grouped["us"]:
+            continue
+        lines.append(f"    {_table_key(record)}:  # {record['shape']}: {gemv['us']:.1f} us, "
+                     f"{gemv['gbps']:.0f} GB/s (grouped {grouped['us']:.1f} us)")
+        lines.append(f"        {gemv_config_source(gemv['config'])},")
+    return lines
+
+
+def batch1_estimates(records: list[dict]) -> dict[str, float]:
+    """Per shape, the MoE milliseconds of a batch-1 decode step (every layer at the faster path)."""
+    estimates = {}
+    for record in records:
+        if record["tokens"] == 1:
+            layers = SHAPES[record["shape"]][5]
+            grouped_us = grouped_layer(record)["us"]
+            best_us = min(grouped_us, record.get("gemv", {"us": grouped_us})["us"])
+            estimates[record["shape"]] = ms = layers * best_us / 1e3
+            print(f"{record['shape']}: batch-1 MoE per decode step ({layers} layers) {ms:.2f} ms "
+                  f"(grouped {layers * grouped_us / 1e3:.2f} ms, default config "
+                  f"{layers * record['default']['us'] / 1e3:.2f} ms)")
+    return estimates
 
 
 def main() -> None:
@@ -249,28 +351,23 @@ def main() -> None:
         num_experts, hidden, inter, _, _, _ = SHAPES[name]
         w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
         w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
-        w13, w2 = w13.bfloat16(), w2.bfloat16()
+        w13, w2 = w13.to(DTYPE), w2.to(DTYPE)
         w13_ref, w2_ref = w13.float(), w2.float()
         for num_tokens in args.tokens:
             records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
             print(format_record(records[-1]), flush=True)
         del w13, w2, w13_ref, w2_ref
         torch.cuda.empty_cache()
-    lines = table_lines(records)
+    lines, gemv_lines = table_lines(records), gemv_table_lines(records)
     print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
-    estimates = {}
-    for record in records:
-        if record["tokens"] == 1:
-            layers = SHAPES[record["shape"]][5]
-            best_us = min(record.get("best", record["default"])["us"], record["default"]["us"])
-            estimates[record["shape"]] = ms = layers * best_us / 1e3
-            print(f"{record['shape']}: batch-1 MoE per decode step ({layers} layers) {ms:.2f} ms "
-                  f"(default config {layers * record['default']['us'] / 1e3:.2f} ms)")
+    print("\n# paste into MOE_GEMV_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py (batches where the "
+          "GEMV layer beat the grouped one)", *gemv_lines, sep="\n")
+    estimates = batch1_estimates(records)
     elapsed = time.perf_counter() - start
     print(f"{len(records)} (shape, tokens) in {elapsed:.0f} s; JSON in {args.out}")
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, records=records, table=lines,
-                       batch1_moe_ms=estimates, seconds=elapsed), f, indent=1)
+                       gemv_table=gemv_lines, batch1_moe_ms=estimates, seconds=elapsed), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The fused MoE Triton kernels against their plain-torch references (``moe_torch``; the routing
 and sort by expert against ``select_experts`` + ``align_by_expert``), under the Triton
-interpreter on the CPU (float32, small) and at real model sizes on a GPU; the config table."""
+interpreter on the CPU (float32, small) and at real model sizes on a GPU, on both the grouped
+path and the decode GEMV path; the config tables and the choice between the paths."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from pagedlab.kernels import fused_moe_configs
+from pagedlab.kernels import fused_moe
 from pagedlab.kernels.fused_moe import (align_by_expert, fused_moe_triton, moe_torch, route_and_align_torch,
                                         route_and_align_triton)
-from pagedlab.kernels.fused_moe_configs import MoeConfig, MoeGemmConfig, default_moe_config, moe_config
+from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig, MoeGemvConfig,
+                                                MoeGemvLaunch, default_moe_config, moe_config,
+                                                moe_gemv_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -192,6 +196,112 @@ def test_default_and_table_configs_are_valid_and_fill_the_sms_at_decode(num_expe
 def test_moe_config_check_rejects_what_cannot_run(config, message):
     with pytest.raises(ValueError, match=message):
         config.check()
+
+
+def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
+    return MoeGemvConfig(MoeGemvLaunch(*gate_up), MoeGemvLaunch(*down))
+
+
+@pytest.mark.parametrize("num_tokens, top_k, renormalize, config", [
+    (1, 2, True, _gemv((4, 16), (8, 32))),  # decode; several K steps, 48 = 12 tiles of 4
+    (2, 2, False, _gemv((16, 128), (32, 64))),  # block_k past hidden 64 and inter 48: one masked step
+    (3, 3, True, _gemv((32, 32), (16, 16))),  # top_k 3; 48 columns in tiles of 32 (a ragged one)
+    (4, 2, True, _gemv((8, 64, 2, 3), (4, 256, 8))),  # block_k = hidden; other warps and stages
+    (5, 3, False, _gemv((16, 16), (8, 128))),  # 15 pairs of 8 experts: pairs share experts
+])
+def test_fused_moe_gemv_matches_reference(num_tokens, top_k, renormalize, config):
+    x, logits, w13, w2 = _moe_inputs(num_tokens, 64, 48, 8, seed=10 * num_tokens + top_k)
+    expected = moe_torch(x, logits, w13, w2, top_k, renormalize)
+    got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def _count_paths(monkeypatch) -> dict[str, int]:
+    """Counts of calls of the grouped and the GEMV gate/up launcher (each still runs)."""
+    calls = {"grouped": 0, "gemv": 0}
+
+    def counted(path, launcher):
+        def launch(*args):
+            calls[path] += 1
+            return launcher(*args)
+        return launch
+    for path, name in (("grouped", "moe_gate_up_triton"), ("gemv", "moe_gate_up_gemv_triton")):
+        monkeypatch.setattr(fused_moe, name, counted(path, getattr(fused_moe, name)))
+    return calls
+
+
+def test_default_config_takes_the_gemv_path_only_at_a_listed_token_count(monkeypatch):
+    gemv = _gemv((8, 32), (16, 64))
+    monkeypatch.setattr(fused_moe_configs, "MOE_GEMV_CONFIGS", {(8, 64, 48, 2, 2): gemv})
+    assert moe_gemv_config(2, 8, 64, 48, 2) is gemv
+    assert moe_gemv_config(1, 8, 64, 48, 2) is None and moe_gemv_config(2, 8, 64, 96, 2) is None
+    calls = _count_paths(monkeypatch)
+    for num_tokens, path in ((2, "gemv"), (1, "grouped"), (3, "grouped")):
+        x, logits, w13, w2 = _moe_inputs(num_tokens, 64, 48, 8, seed=num_tokens)
+        before = dict(calls)
+        got = fused_moe_triton(x, logits, w13, w2, 2, True)
+        torch.testing.assert_close(got, moe_torch(x, logits, w13, w2, 2, True), atol=1e-5, rtol=1e-4)
+        assert {p: calls[p] - before[p] for p in calls} == {p: int(p == path) for p in calls}, num_tokens
+
+
+def test_gemv_table_ignores_batches_above_its_maximum(monkeypatch):
+    key = (8, 64, 48, 2, MOE_GEMV_MAX_TOKENS + 1)
+    monkeypatch.setattr(fused_moe_configs, "MOE_GEMV_CONFIGS", {key: _gemv((8, 32), (8, 32))})
+    assert moe_gemv_config(MOE_GEMV_MAX_TOKENS + 1, *key[:4]) is None
+
+
+def test_gemv_table_entries_are_valid_decode_batches():
+    for (_, _, _, _, num_tokens), config in fused_moe_configs.MOE_GEMV_CONFIGS.items():
+        assert 1 <= num_tokens <= MOE_GEMV_MAX_TOKENS
+        config.check()
+
+
+@pytest.mark.parametrize("config, message", [
+    (_gemv((12, 64), (8, 64)), "gate_up .*block_n=12 must be a power of two"),
+    (_gemv((8, 64), (8, 96)), "down .*block_k=96 must be a power of two"),
+    (_gemv((8, 0), (8, 64)), "gate_up .*block_k=0 must be a power of two"),
+    (_gemv((8, 64, 3), (8, 64)), "gate_up .*num_warps=3 must be a power of two"),
+    (_gemv((8, 64), (8, 64, 4, 0)), "down .*num_stages=0 must be >= 1"),
+])
+def test_moe_gemv_config_check_rejects_what_cannot_run(config, message):
+    with pytest.raises(ValueError, match=message):
+        config.check()
+    x, logits, w13, w2 = _moe_inputs(1, 64, 48, 8)
+    with pytest.raises(ValueError, match=message):
+        fused_moe_triton(x, logits, w13, w2, 2, True, config)
+
+
+_GPU_GEMV = _gemv((8, 512), (8, 1024, 4, 3))  # down: block_k past Qwen3-30B-A3B's inter 768 (masked)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(2048, 768, 128, 8, True), (4096, 14336, 8, 2, True)],
+                         ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_fused_moe_gemv_at_model_sizes_on_gpu(shape):
+    """The GEMV path in bf16 at real expert shapes and decode batches, eager and replayed from a
+    CUDA graph on new tokens and logits, within bf16 rounding of the float32 reference."""
+    hidden, inter, num_experts, top_k, renormalize = shape
+    _, _, w13, w2 = _moe_inputs(1, hidden, inter, num_experts, torch.bfloat16)
+    w13_ref, w2_ref = w13.float(), w2.float()
+    for num_tokens in (1, 2, 8):
+        x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed=num_tokens)
+        logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
+        expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
+        got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV).float()
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens eager")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV)
+        for seed in (100, 101):
+            new_x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed)
+            new_logits = _distinct_logits(num_tokens, num_experts, seed)
+            x.copy_(new_x)
+            logits.copy_(new_logits)
+            graph.replay()
+            expected = moe_torch(new_x.float(), new_logits, w13_ref, w2_ref, top_k, renormalize)
+            torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2,
+                                       msg=f"{num_tokens} tokens replayed")
 
 
 @pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])

@@ -6,15 +6,22 @@ rows then up rows, ``w2`` ``[experts, hidden, inter]`` its down projection (unde
 parallelism ``inter`` is this rank's slice; the caller sums the ranks' outputs). A token's
 output is the sum over its ``top_k`` experts of ``weight * down(silu(gate(x)) * up(x))``.
 
-The fused version runs five launches: routing (softmax, top-k, renormalize) and the sort of the
-(token, expert) pairs by expert, each expert's run padded to a whole number of ``block_m`` rows
-(two Triton kernels, ``route_and_align_triton``; the torch ops ``select_experts`` +
-``align_by_expert`` are their reference, and run instead for very many pairs); a grouped GEMM
-writing ``silu(gate) * up`` per pair; a grouped GEMM of the down projection (K optionally split);
-a reduce summing each token's splits and ``top_k`` pairs weighted by the router. Tiles and
-splits come from ``fused_moe_configs`` by shape and token count. Everything runs on the device
-without host syncs and every shape follows from the token count, so a decode step can be
-captured in a CUDA graph.
+The fused version has two paths. The grouped path runs five launches: routing (softmax, top-k,
+renormalize) and the sort of the (token, expert) pairs by expert, each expert's run padded to a
+whole number of ``block_m`` rows (two Triton kernels, ``route_and_align_triton``; the torch ops
+``select_experts`` + ``align_by_expert`` are their reference, and run instead for very many
+pairs); a grouped GEMM writing ``silu(gate) * up`` per pair; a grouped GEMM of the down
+projection (K optionally split); a reduce summing each token's splits and ``top_k`` pairs
+weighted by the router. The GEMV path, for decode batches, runs three: the same routing (one
+launch at decode; only its experts and weights are read), a GEMV per (pair, column tile) writing
+``silu(gate) * up`` in the same layout, and a GEMV per (token, column tile) summing the token's
+pairs' down projections weighted by the router (no reduce). At batch 1 the grouped GEMMs' 16-row
+tiles hold one real row each; the GEMVs stream the routed experts' weights with CUDA-core FMAs,
+like the dense one-row GEMV (``kernels/gemv.py``). ``fused_moe_configs`` picks the path, tiles
+and splits by shape and token count (the GEMV path only where ``MOE_GEMV_CONFIGS``, measured by
+``benchmarks/moe_bench.py``, lists that exact batch). Everything runs on the device without host
+syncs and every shape follows from the token count, so a decode step can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.fused_moe_configs import (ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig, MoeGemmConfig,
-                                                moe_config)
+from pagedlab.kernels.fused_moe_configs import (DOT_MIN, ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig,
+                                                MoeGemmConfig, MoeGemvConfig, MoeGemvLaunch, moe_config,
+                                                moe_gemv_config)
 from pagedlab.kernels.pdl import pdl_launch
 
 
@@ -212,10 +220,57 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
     return out
 
 
+# CUDA's limit on a grid's second axis, which holds the GEMV path's pairs (gate/up) and tokens (down)
+_GRID_Y_MAX = 65535
+
+
+def moe_gate_up_gemv_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRouting,
+                            launch: MoeGemvLaunch) -> torch.Tensor:
+    """``silu(gate) * up`` of every pair, ``[tokens * top_k, inter]`` in pair order, as
+    ``moe_gate_up_triton`` but one GEMV program per (column tile, pair) reading only
+    ``routing.experts`` (one launch)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    num_tokens, hidden = x.shape
+    inter, top_k = w13.shape[1] // 2, routing.experts.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs > _GRID_Y_MAX:
+        raise ValueError(f"{num_pairs} (token, expert) pairs is over the GEMV path's {_GRID_Y_MAX}: "
+                         "use a MoeConfig")
+    activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
+        x, w13, activated, routing.experts, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        activated.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        **pdl_launch(x.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return activated
+
+
+def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRouting,
+                         launch: MoeGemvLaunch) -> torch.Tensor:
+    """Each token's router-weighted sum of its pairs' down projections, ``[tokens, hidden]``, as
+    ``moe_down_triton`` but one GEMV program per (column tile, token) summing its pairs in slot
+    order (one launch, no reduce)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    inter = activated.shape[1]
+    hidden = w2.shape[1]
+    num_tokens, top_k = routing.weights.shape
+    out = torch.empty(num_tokens, hidden, dtype=activated.dtype, device=activated.device)
+    fused_moe_kernels.moe_down_gemv_kernel[(-(-hidden // launch.block_n), num_tokens)](
+        activated, w2, out, routing.weights, routing.experts, hidden, inter, activated.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, **pdl_launch(activated.device), num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     top_k: int, renormalize: bool, config: MoeConfig | None = None) -> torch.Tensor:
-    """The MoE MLP in five launches; same result as ``moe_torch``. ``config``: the tiles (default:
-    ``fused_moe_configs.moe_config`` for this shape and token count)."""
+                     top_k: int, renormalize: bool,
+                     config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
+    """The MoE MLP, the same result as ``moe_torch``: the grouped path (five launches) for a
+    ``MoeConfig``, the GEMV path (three) for a ``MoeGemvConfig``. ``config`` defaults to
+    ``fused_moe_configs.moe_gemv_config`` for this shape and token count where it has one, else
+    ``fused_moe_configs.moe_config``."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -223,9 +278,16 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [experts, 2 * inter, "
                          f"hidden={hidden}] and [experts, hidden, inter]")
     if config is None:
+        config = moe_gemv_config(num_tokens, num_experts, hidden, inter, top_k)
+    if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
         config = moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
     config.check()
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    if isinstance(config, MoeGemvConfig):
+        # the GEMVs read only the experts and weights; at decode the sort rides in the same launch
+        routing = route_and_align(router_logits, top_k, renormalize, DOT_MIN, x.dtype)
+        activated = moe_gate_up_gemv_triton(x, w13, routing, config.gate_up)
+        return moe_down_gemv_triton(activated, w2, routing, config.down)
     routing = route_and_align(router_logits, top_k, renormalize, config.block_m, x.dtype)
     return moe_down_triton(moe_gate_up_triton(x, w13, routing, config.gate_up), w2, routing, config.down)

@@ -1,12 +1,20 @@
-"""Launch configurations of the fused MoE kernels (``kernels/fused_moe.py``): the row block
-shared by both grouped GEMMs, and per GEMM the column and K tiles, the row-block grouping, the
-K split (down projection only), warps and pipeline stages. Chosen per (experts, hidden,
-intermediate, top_k) and token count from a measured table, else from a default heuristic.
-Pure Python (no torch, no triton).
+"""Launch configurations of the fused MoE kernels (``kernels/fused_moe.py``). Pure Python (no
+torch, no triton).
+
+The grouped path (``MoeConfig``): the row block shared by both grouped GEMMs, and per GEMM the
+column and K tiles, the row-block grouping, the K split (down projection only), warps and
+pipeline stages. Chosen per (experts, hidden, intermediate, top_k) and token count from a
+measured table (``MOE_CONFIGS``, nearest token count), else from a default heuristic.
+
+The GEMV path (``MoeGemvConfig``), for decode batches of at most ``MOE_GEMV_MAX_TOKENS``
+tokens: per launch (gate/up, down) the weight rows and K step of a program, warps and stages.
+Taken only from ``MOE_GEMV_CONFIGS``, at exact token counts where the bench measured it faster
+than the best grouped layer; there is no heuristic, so a shape or batch size not listed runs
+the grouped path.
 
 Every choice depends on host ints only (the token count, the weights' shapes), never on the
 routing, so a CUDA graph captures the same launches a later replay of that batch size runs.
-The table is filled from ``benchmarks/moe_bench.py``, which prints the lines to paste here.
+Both tables are filled from ``benchmarks/moe_bench.py``, which prints the lines to paste here.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from dataclasses import dataclass
 # (``select_experts`` + ``align_by_expert``) instead of the two Triton kernels, whose sort scans
 # every earlier token block's counts in each program.
 ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
+# The largest batch the GEMV path may take (``MOE_GEMV_CONFIGS`` keys): each (token, expert) pair
+# reads its expert's weights on its own, which pays only while pairs rarely share an expert.
+MOE_GEMV_MAX_TOKENS = 8
 # Rows of a tl.dot tile: the smallest M tensor cores take; also the smallest column and K tiles.
 DOT_MIN = 16
 
@@ -134,3 +145,54 @@ def moe_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
         return default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
     target = math.log2(max(num_tokens, 1))
     return min(measured, key=lambda entry: (abs(math.log2(entry[0]) - target), entry[0]))[1]
+
+
+@dataclass(frozen=True)
+class MoeGemvLaunch:
+    """One GEMV launch of the GEMV path: ``block_n`` weight rows per program (of each of gate and
+    up for the gate/up launch), walked over all of K in ``block_k`` steps; ``num_warps`` and
+    ``num_stages`` as in Triton. Positional order is the table's."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def check(self, launch: str) -> None:
+        """Raise ValueError if this launch cannot run (``launch`` names it in the message)."""
+        try:
+            _check_powers(block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps)
+            if self.num_stages < 1:
+                raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        except ValueError as error:
+            raise ValueError(f"{launch} {self}: {error}") from None
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """The GEMV path of one MoE layer: a gate/up launch of one program per (column tile, pair)
+    and a down launch of one program per (column tile, token) that sums the token's pairs."""
+
+    gate_up: MoeGemvLaunch
+    down: MoeGemvLaunch
+
+    def check(self) -> None:
+        """Raise ValueError if this config cannot run."""
+        self.gate_up.check("gate_up")
+        self.down.check("down")
+
+
+# (num_experts, hidden, intermediate per rank, top_k, tokens) -> GEMV config, from
+# ``benchmarks/moe_bench.py`` on one H200: only where the GEMV layer beat the best grouped one,
+# tokens at most MOE_GEMV_MAX_TOKENS, exact token counts (no nearest match).
+# MoeGemvLaunch fields: block_n, block_k, num_warps, num_stages.
+MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {}
+
+
+def moe_gemv_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
+                    top_k: int) -> MoeGemvConfig | None:
+    """The table's GEMV config for exactly this shape and token count, else None (the grouped
+    path)."""
+    if num_tokens > MOE_GEMV_MAX_TOKENS:
+        return None
+    return MOE_GEMV_CONFIGS.get((num_experts, hidden, inter, top_k, num_tokens))

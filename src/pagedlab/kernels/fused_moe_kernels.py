@@ -17,6 +17,13 @@ hold ``num_pairs`` and are masked off) and multiplies them by that expert's weig
 kernel may split K; ``moe_reduce_kernel`` then sums each token's splits and ``top_k`` pairs,
 weighted by the router, in a fixed order (the same result every run).
 
+The GEMV path (``moe_gate_up_gemv_kernel``, ``moe_down_gemv_kernel``), for decode batches, skips
+the sort: a gate/up program takes one pair and a column tile, reads the pair's expert from the
+routing and walks all of K with one row of x (the dense one-row GEMV's form: a 2-D float32
+product tile, summed once at the end); a down program takes one token and a column tile and sums
+its ``top_k`` pairs' down projections, weighted by the router, in slot order (no reduce launch,
+no atomics).
+
 Every kernel takes part in programmatic dependent launch (``kernels/pdl.py``) and waits first:
 even the grouped GEMMs' weights hang on the step's routing.
 """
@@ -257,3 +264,70 @@ def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, s
     out = tl.sum(acc * weight[:, None], axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_h, out.to(out_ptr.dtype.element_ty),
              mask=offs_h < hidden)
+
+
+
+@triton.jit
+def _weight_products(acc, w_rows, x, offs_k, w_mask):
+    """``acc`` plus the products of the weight rows ``w_rows`` at columns ``offs_k`` (zero where
+    not ``w_mask``) and the float32 vector ``x`` of those columns, per K lane."""
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    return acc + x[None, :] * w.to(tl.float32)
+
+
+@triton.jit
+def moe_gate_up_gemv_kernel(x_ptr, w13_ptr, out_ptr, experts_ptr, hidden, inter, stride_x, stride_w_expert,
+                            stride_w_row, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of
+    tile ``program_id(0)`` and pair ``program_id(1)`` (``token = pair // TOP_K``), with the
+    pair's expert's gate rows at ``n`` and up rows at ``inter + n``."""
+    pdl_wait_and_trigger(PDL)
+    pair = tl.program_id(1)
+    expert = tl.load(experts_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < inter
+    gate_rows = w13_ptr + expert * stride_w_expert + offs_n.to(tl.int64)[:, None] * stride_w_row
+    up_rows = gate_rows + inter * stride_w_row
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, hidden, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < hidden
+        x = tl.load(x_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+        w_mask = n_valid[:, None] & k_valid[None, :]
+        acc_gate = _weight_products(acc_gate, gate_rows, x, offs_k, w_mask)
+        acc_up = _weight_products(acc_up, up_rows, x, offs_k, w_mask)
+    gate = tl.sum(acc_gate, axis=1)
+    activated = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, activated.to(out_ptr.dtype.element_ty),
+             mask=n_valid)
+
+
+@triton.jit
+def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter, stride_h,
+                         stride_w_expert, stride_w_row, stride_out, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """``out[token, n] = sum over slots of weight[pair] * (h[pair] . down[n])`` with ``pair =
+    token * TOP_K + slot`` and the pair's expert's down rows, for the hidden columns ``n`` of tile
+    ``program_id(0)`` and token ``program_id(1)``; float32 sums, slots in order."""
+    pdl_wait_and_trigger(PDL)
+    token = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < hidden
+    out = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + slot
+        expert = tl.load(experts_ptr + pair).to(tl.int64)
+        w_rows = w2_ptr + expert * stride_w_expert + offs_n.to(tl.int64)[:, None] * stride_w_row
+        h_row = h_ptr + pair * stride_h
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, inter, BLOCK_K):
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_valid = offs_k < inter
+            h = tl.load(h_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+            acc = _weight_products(acc, w_rows, h, offs_k, n_valid[:, None] & k_valid[None, :])
+        out += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty),
+             mask=n_valid)

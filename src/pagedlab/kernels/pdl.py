@@ -23,7 +23,8 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   after the wait), the batch-invariant norm (its weight row);
 - waiting first: paged attention, the split-KV reduces, the KV write, the AWQ GEMM, FP8
   per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
-  route, align, gate-up, down and reduce kernels (their weights hang on the step's routing).
+  route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the
+  step's routing).
 
 The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
 flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile

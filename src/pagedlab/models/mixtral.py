@@ -6,8 +6,9 @@ their outputs by those probabilities, renormalized over the chosen ones (always 
 where ``norm_topk_prob`` says in Qwen3-MoE). With tensor parallelism
 every rank holds every expert's slice of the intermediate dimension (gate/up by rows, down by
 columns) and the ranks' partial outputs are summed, as for the dense MLP. With the Triton
-attention backend the experts run in the fused MoE kernel (``kernels.fused_moe``: two grouped
-GEMM launches over all experts), elsewhere in its plain-PyTorch reference.
+attention backend the experts run in the fused MoE kernels (``kernels.fused_moe``: two grouped
+GEMM launches over all experts, or at measured decode batches two GEMVs over the routed pairs),
+elsewhere in their plain-PyTorch reference.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""``benchmarks/moe_bench.py`` on the CPU: the GEMV candidates, a decode batch and a larger one
+through the whole measurement path at a tiny shape under the Triton interpreter (float32, the
+GPU timing replaced by a fake clock): every GEMV candidate checked against ``moe_torch``, the
+GEMV layer timed beside the grouped one at decode batches only; and which batches the
+``MOE_GEMV_CONFIGS`` lines take.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import test_fused_moe  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+import torch
+
+from pagedlab.kernels.fused_moe_configs import MOE_GEMV_MAX_TOKENS, MoeGemvConfig, MoeGemvLaunch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+moe_bench = pytest.importorskip("moe_bench")
+
+# experts, hidden, inter (not a multiple of block_n), top_k, renormalize, layers
+TINY = (8, 64, 48, 2, True, 3)
+
+
+@pytest.mark.parametrize("k, block_ks", [(2048, [256, 512, 1024]), (768, [256, 512, 1024]), (300, [256, 512]),
+                                         (64, [64])])
+def test_gemv_candidates_sweep_every_tile_with_block_k_capped_at_k(k, block_ks):
+    candidates = moe_bench.gemv_candidates(k)
+    assert len(candidates) == len(set(candidates)) == 4 * len(block_ks) * 2
+    assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in candidates} == set(
+        itertools.product((4, 8, 16, 32), block_ks, (4,), (2, 3)))
+    for candidate in candidates:
+        candidate.check("gate_up")
+
+
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    """moe_bench at the TINY shape on the CPU in float32, one grouped candidate per launch, and a
+    fake clock under which every timing is faster than the one before (so the last candidate of
+    a sweep wins, and the GEMV layer, timed last, beats the grouped one)."""
+    monkeypatch.setattr(moe_bench, "SHAPES", {"tiny": TINY})
+    monkeypatch.setattr(moe_bench, "DEVICE", "cpu")
+    monkeypatch.setattr(moe_bench, "DTYPE", torch.float32)
+    first_round = moe_bench.first_round
+    monkeypatch.setattr(moe_bench, "first_round", lambda *args: first_round(*args)[:1])
+    monkeypatch.setattr(moe_bench, "second_round", lambda best: [])
+    clock = itertools.count(1)
+
+    def fake_seconds(fn):
+        fn()
+        return 1e-3 / next(clock)
+    monkeypatch.setattr(moe_bench, "graph_seconds", fake_seconds)
+    gen = torch.Generator().manual_seed(0)
+    num_experts, hidden, inter = TINY[:3]
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    return lambda num_tokens: moe_bench.bench_tokens("tiny", num_tokens, w13, w2, w13, w2, 132, gen)
+
+
+def test_bench_tokens_sweeps_the_gemv_path_at_a_decode_batch(tiny_bench):
+    record = tiny_bench(2)
+    sweeps = record["gemv_launches"]
+    expected = {}
+    for launch, k in (("gate_up", TINY[1]), ("down", TINY[2])):
+        results = sweeps[launch]["candidates"]
+        assert [MoeGemvLaunch(**r["config"]) for r in results] == moe_bench.gemv_candidates(k)
+        assert all(r["ok"] and r["max_error"] < 1e-4 for r in results), results
+        expected[launch] = MoeGemvLaunch(**results[-1]["config"])
+    gemv = MoeGemvConfig(**expected)
+    assert record["gemv"]["config"] == moe_bench.asdict(gemv)
+    assert record["gemv"]["max_error"] < 1e-4 and record["gemv"]["us"] < record["best"]["us"]
+    text = moe_bench.format_record(record)
+    assert "GEMV" in text and "fused layer    gemv" in text
+    lines = moe_bench.gemv_table_lines([record])
+    assert lines[0].startswith(f"    {TINY[:4] + (2,)}:  # tiny:")
+    assert eval(lines[1].strip().rstrip(","), vars(moe_bench)) == gemv
+
+
+def test_bench_tokens_leaves_the_gemv_path_out_above_its_batches(tiny_bench):
+    record = tiny_bench(MOE_GEMV_MAX_TOKENS + 1)
+    assert "gemv_launches" not in record and "gemv" not in record
+    assert "best" in record and moe_bench.gemv_table_lines([record]) == []
+
+
+def _record(tokens: int, default_us: float, best_us: float, gemv_us: float | None) -> dict:
+    layer = dict(gbps=1.0, config={})
+    record = dict(shape="tiny", tokens=tokens, default=dict(layer, us=default_us),
+                  best=dict(layer, us=best_us))
+    if gemv_us is not None:
+        launch = dict(block_n=8, block_k=256, num_warps=4, num_stages=2)
+        record["gemv"] = dict(layer, us=gemv_us, config=dict(gate_up=launch, down=dict(launch, block_n=16)))
+    return record
+
+
+def test_gemv_table_lines_only_where_the_gemv_layer_beat_the_best_grouped_one(monkeypatch):
+    monkeypatch.setattr(moe_bench, "SHAPES", {"tiny": TINY})
+    records = [_record(1, 30.0, 20.0, 10.0),  # beats both
+               _record(2, 30.0, 20.0, 25.0),  # beats the default only
+               _record(4, 20.0, 30.0, 25.0),  # beats the swept best only, not the default
+               _record(8, 30.0, 20.0, None)]  # not measured
+    lines = moe_bench.gemv_table_lines(records)
+    assert lines == ["    (8, 64, 48, 2, 1):  # tiny: 10.0 us, 1 GB/s (grouped 20.0 us)",
+                     "        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(16, 256, 4, 2)),"]
