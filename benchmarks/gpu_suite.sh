@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -28,7 +28,15 @@ for part in "$@"; do
                      python3 benchmarks/gemv_bench.py --shape $shape --tp 1 --rows 1 4 16 --chain \
                          --out "$OUT/gemv_$shape.json"
                    done ;;
-    moebench) python3 benchmarks/moe_bench.py --out "$OUT/moe_bench.json" ;;
+    # the MoE decode GEMVs against the grouped GEMMs at 1-8 tokens (MOE_GEMV_CONFIGS lines to paste
+    # where the GEMV layer wins); then the grouped tables at larger batches (each shape's whole
+    # default token list runs past a device call's 10 minutes)
+    moegemv) python3 benchmarks/moe_bench.py --shapes qwen3-30b-a3b --tokens 1 2 4 8 --out "$OUT/moe_qwen3_small.json" ;;
+    moegemv-mixtral) python3 benchmarks/moe_bench.py --shapes mixtral-8x7b --tokens 1 2 4 8 \
+                         --out "$OUT/moe_mixtral_small.json" ;;
+    moebench) for shape in qwen3-30b-a3b mixtral-8x7b; do
+                python3 benchmarks/moe_bench.py --shapes $shape --tokens 64 256 2048 --out "$OUT/moe_$shape.json"
+              done ;;
     # the batch-invariant matmul's configs (verified bitwise, the BATCH_INVARIANT_CONFIGS lines to
     # paste) and every kernel the mode swaps, timed against the default mode
     binvbench) python3 benchmarks/batch_invariant_bench.py --out "$OUT/binv_bench.json" ;;
