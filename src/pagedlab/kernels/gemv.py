@@ -183,13 +183,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         offs_k = k_begin + tl.arange(0, BLOCK_K)
         w = _weight_tile(w_rows, offs_k, n_valid, K)
         if LORA:
-            part, lora_rows, lora_b = _lora_b_tile(lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid,
-                                                   pid_n * BLOCK_N, split, lora_rank, lora_size0, lora_size1,
-                                                   stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
+            part, lora_rows, lora_b = _lora_b_tile(
+                lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid, pid_n * BLOCK_N, split,
+                lora_rank, lora_size0, lora_size1, stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
         pdl_wait_and_trigger(PDL)
         if LORA:
-            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank, stride_h_split,
-                                    stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
+            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+                                    stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
         loop_begin = k_begin + BLOCK_K
     else:
@@ -207,11 +207,11 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
     if LORA:
         if not ONE_ROW:
-            part, lora_rows, lora_b = _lora_b_tile(lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid,
-                                                   pid_n * BLOCK_N, split, lora_rank, lora_size0, lora_size1,
-                                                   stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
-            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank, stride_h_split,
-                                    stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
+            part, lora_rows, lora_b = _lora_b_tile(
+                lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid, pid_n * BLOCK_N, split,
+                lora_rank, lora_size0, lora_size1, stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
+            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+                                    stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         acc += _lora_delta(lora_h, lora_b)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
@@ -246,8 +246,9 @@ class GemvLoRA:
                              f"{tuple(self.h.shape)} and {out_features} outputs (1 to 3 slices)")
         if any(size % block_n for size in sizes[:-1]):
             raise ValueError(f"LoRA slices {sizes}: block_n={block_n} must divide each but the last")
-        if self.h.dtype != torch.float32 or self.h.shape[2] < rows or self.token_slots.numel() < rows or \
-                self.h.shape[3] != self.lora_b.shape[3] or self.h.stride(3) != 1 or self.lora_b.stride(3) != 1:
+        h, b = self.h, self.lora_b
+        if h.dtype != torch.float32 or h.shape[2] < rows or self.token_slots.numel() < rows or \
+                h.shape[3] != b.shape[3] or h.stride(3) != 1 or b.stride(3) != 1:
             raise ValueError(f"LoRA h {tuple(self.h.shape)} {self.h.dtype}, B {tuple(self.lora_b.shape)} and "
                              f"{self.token_slots.numel()} token slots do not fit {rows} rows")
 
@@ -258,8 +259,9 @@ class GemvLoRA:
         return dict(lora_h_ptr=h, lora_b_ptr=b, lora_slots_ptr=self.token_slots, lora_rank=b.shape[3],
                     lora_splits=h.shape[0], lora_size0=sizes[0], lora_size1=sizes[1],
                     stride_h_split=h.stride(0), stride_h_slice=h.stride(1), stride_h_row=h.stride(2),
-                    stride_b_slot=b.stride(0), stride_b_slice=b.stride(1), stride_b_row=b.stride(2), LORA=True,
-                    LORA_BLOCK_S=triton.next_power_of_2(h.shape[0]), LORA_BLOCK_R=triton.next_power_of_2(b.shape[3]))
+                    stride_b_slot=b.stride(0), stride_b_slice=b.stride(1), stride_b_row=b.stride(2),
+                    LORA=True, LORA_BLOCK_S=triton.next_power_of_2(h.shape[0]),
+                    LORA_BLOCK_R=triton.next_power_of_2(b.shape[3]))
 
 
 def _no_lora_args(out: torch.Tensor) -> dict:

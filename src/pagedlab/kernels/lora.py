@@ -109,7 +109,7 @@ def _block_rank(rank: int) -> int:
 
 @triton.jit
 def _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr):
-    """Tile ``tile`` of the table: its slot, the row offsets, which of them are real, and their
+    """Tile ``tile`` of the table: its slot, which of its ``BLOCK_M`` rows are real, and their
     token indices."""
     entry = tiles_ptr + 1 + 3 * tile
     slot = tl.load(entry).to(tl.int64)
@@ -117,7 +117,7 @@ def _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     valid = offs_m < tl.load(entry + 2)
     tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
-    return slot, offs_m, valid, tokens
+    return slot, valid, tokens
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
         return
     split = tl.program_id(1)
     part = tl.program_id(2)
-    slot, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
+    slot, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     a_base = a_ptr + slot * stride_a_slot + part * stride_a_slice
@@ -177,7 +177,7 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
     first = tl.where(in2, tiles0 + tiles1, tl.where(in1, tiles0, 0))
     offset = tl.where(in2, SIZE0 + SIZE1, tl.where(in1, SIZE0, 0))
     size = tl.where(in2, SIZE2, tl.where(in1, SIZE1, SIZE0))
-    slot, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
+    slot, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     h_rows = h_ptr + part * stride_h_slice + tokens[:, None] * stride_h_row + offs_r[None, :]
