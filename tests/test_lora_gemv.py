@@ -22,7 +22,7 @@ from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedlab.lora.ops import LoRAMapping, add_lora_torch
 
 pytest.importorskip("triton")
-from pagedlab.kernels import gemv, lora  # noqa: E402  (after TRITON_INTERPRET is set)
+from pagedlab.kernels import gemv, lora
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=1e-2),
              torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
@@ -66,9 +66,10 @@ FUSED_CASES = [
     ([2, -1, 0], [48, 48], 200, TileConfig(block_n=8, block_k=64, split_k=2)),
     ([0, 1, 1], [64, 32, 32], 96, TileConfig(block_n=16, block_k=32)),
     ([0, 2, -1], [80], 200, TileConfig(block_n=16, block_k=64, split_k=2, block_m=16)),
-    (random_slots(16, NUM_SLOTS, 5).tolist(), [64, 32, 32], 200, TileConfig(block_n=32, block_k=32, block_m=16)),
-    (random_slots(16, NUM_SLOTS, 6).tolist(), [48, 48], 160, TileConfig(block_n=16, block_k=32, split_k=4,
-                                                                        block_m=16)),
+    (random_slots(16, NUM_SLOTS, 5).tolist(), [64, 32, 32], 200,
+     TileConfig(block_n=32, block_k=32, block_m=16)),
+    (random_slots(16, NUM_SLOTS, 6).tolist(), [48, 48], 160,
+     TileConfig(block_n=16, block_k=32, split_k=4, block_m=16)),
 ]
 
 
@@ -85,7 +86,8 @@ def test_fused_gemv_is_the_base_plus_the_reference_delta(dtype, case):
     mapping = filled_mapping(slots)
     h = lora.lora_shrink(x, lora_a, mapping, lora.choose_config(rows, NUM_SLOTS, len(sizes), k),
                          poisoned_workspace(rows, len(sizes)))
-    out = gemv.dense_gemv_triton(x, weight, bias, config, gemv.GemvLoRA(h, lora_b, mapping.token_slots, sizes))
+    fused = gemv.GemvLoRA(h, lora_b, mapping.token_slots, sizes)
+    out = gemv.dense_gemv_triton(x, weight, bias, config, fused)
     expected = reference(x, weight, bias, lora_a, lora_b, mapping, sizes)
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
     has_slot = torch.tensor(slots, device=DEVICE) >= 0
@@ -100,11 +102,11 @@ def test_gemv_lora_refuses_what_does_not_fit():
     lora_a, lora_b = lora_weights([48, 48], 64, torch.float32, 0)
     mapping = filled_mapping([0, 1])
     h = lora.lora_shrink(x, lora_a, mapping)
-    config = TileConfig(block_n=32, block_k=32)
+    config, slots = TileConfig(block_n=32, block_k=32), mapping.token_slots
     with pytest.raises(ValueError, match=r"block_n=32 must divide each but the last"):
-        gemv.dense_gemv_triton(x, weight, None, config, gemv.GemvLoRA(h, lora_b, mapping.token_slots, [48, 48]))
+        gemv.dense_gemv_triton(x, weight, None, config, gemv.GemvLoRA(h, lora_b, slots, [48, 48]))
     with pytest.raises(ValueError, match=r"LoRA slices \[64, 32\] do not fit"):
-        gemv.dense_gemv_triton(x, weight, None, config, gemv.GemvLoRA(h, lora_b, mapping.token_slots, [64, 32]))
+        gemv.dense_gemv_triton(x, weight, None, config, gemv.GemvLoRA(h, lora_b, slots, [64, 32]))
     with pytest.raises(ValueError, match="do not fit 2 rows"):
         gemv.dense_gemv_triton(x, weight, None, TileConfig(block_n=16, block_k=32),
                                gemv.GemvLoRA(h, lora_b, mapping.token_slots[:1], [48, 48]))
@@ -113,8 +115,10 @@ def test_gemv_lora_refuses_what_does_not_fit():
 def dense_layer(k: int, sizes: list[int], dtype: torch.dtype, bias: bool, seed: int):
     """A column-parallel linear of ``sizes`` (one slice: row-parallel) with random weights."""
     gen = torch.Generator().manual_seed(seed)
-    layer = ColumnParallelLinear(k, sizes, bias=bias) if len(sizes) > 1 else RowParallelLinear(k, sizes[0],
-                                                                                             bias=bias)
+    if len(sizes) > 1:
+        layer = ColumnParallelLinear(k, sizes, bias=bias)
+    else:
+        layer = RowParallelLinear(k, sizes[0], bias=bias)
     for param in layer.parameters():
         param.data = (torch.randn(param.shape, generator=gen) * k ** -0.5).to(DEVICE, dtype)
     return layer
@@ -143,7 +147,8 @@ def test_linear_with_lora_fuses_where_the_base_runs_the_gemv(monkeypatch, sizes,
                         lambda *args: calls.__setitem__("fused", calls["fused"] + 1) or fused_gemv(*args))
     monkeypatch.setattr(lora, "lora_expand",
                         lambda *args: calls.__setitem__("expand", calls["expand"] + 1) or expand(*args))
-    out = lora.linear_with_lora(layer, x, lora_a, lora_b, mapping, sizes, poisoned_workspace(rows, len(sizes)))
+    workspace = poisoned_workspace(rows, len(sizes))
+    out = lora.linear_with_lora(layer, x, lora_a, lora_b, mapping, sizes, workspace)
     assert calls == ({"fused": 1, "expand": 0} if fused else {"fused": 0, "expand": 1})
     expected = reference(x, layer.weight, layer.bias, lora_a, lora_b, mapping, sizes)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
@@ -182,8 +187,9 @@ def test_fused_gemv_at_llama_8b_sizes_eager_and_in_a_graph(monkeypatch, layer_na
     k, sizes = LLAMA_8B[layer_name]
     key = (row_bucket(rows), sum(sizes), k)
     if key not in gemv_configs.DENSE_GEMV_CONFIGS:
-        default = gemv_configs.default_dense_gemv_config(rows, sum(sizes), k, gemv.num_sms(torch.device("cuda")))
-        monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, key, default)
+        sms = gemv.num_sms(torch.device("cuda"))
+        monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, key,
+                            gemv_configs.default_dense_gemv_config(rows, sum(sizes), k, sms))
     layer = dense_layer(k, sizes, torch.bfloat16, bias=False, seed=rows)
     x = torch.randn(rows, k, device=DEVICE).bfloat16()
     assert lora.fused_gemv_config(layer, x, sizes) is not None, "the fused path must run"
@@ -196,8 +202,8 @@ def test_fused_gemv_at_llama_8b_sizes_eager_and_in_a_graph(monkeypatch, layer_na
         return lora.linear_with_lora(layer, x, lora_a, lora_b, mapping, sizes, workspace, torch.cuda.Stream())
     eager = run()
     assert torch.equal(run(), eager)
-    torch.testing.assert_close(eager.float(), reference(x, layer.weight, None, lora_a, lora_b, mapping, sizes),
-                               **TOLERANCE[torch.bfloat16])
+    expected = reference(x, layer.weight, None, lora_a, lora_b, mapping, sizes)
+    torch.testing.assert_close(eager.float(), expected, **TOLERANCE[torch.bfloat16])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
