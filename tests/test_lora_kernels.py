@@ -95,6 +95,18 @@ def test_fill_writes_tiles_covering_each_sorted_row_once(num_tokens):
     assert mapping.tile_tables[:, 0].tolist() == [0] * len(TILE_BLOCK_MS)
 
 
+def test_token_slots_are_none_past_the_step_and_after_clear():
+    """What a graph of more rows than the step's tokens, or replayed without adapters, reads."""
+    mapping = LoRAMapping.empty(6, 3, torch.device(DEVICE))
+    assert mapping.token_slots.tolist() == [-1] * 6
+    mapping.fill([2, 0, 1, 1, 0], host_to_device)
+    mapping.fill([1, -1], host_to_device)
+    assert mapping.token_slots.tolist() == [1, -1, -1, -1, -1, -1]
+    mapping.fill([0, 2, 2], host_to_device)
+    mapping.clear()
+    assert mapping.token_slots.tolist() == [-1] * 6
+
+
 def test_fill_refuses_bad_steps():
     mapping = LoRAMapping.empty(4, 2, torch.device(DEVICE))
     with pytest.raises(RuntimeError, match="a step of 5 tokens exceeds the LoRA mapping's 4"):
