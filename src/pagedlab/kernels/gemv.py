@@ -101,27 +101,22 @@ def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_RO
 
 
 @triton.jit
-def _lora_b_tile(b_ptr, slots_ptr, offs_m, offs_n, m_valid, n_valid, tile_start, split, rank, size0, size1,
-                 stride_b_slot, stride_b_slice, stride_b_row, BLOCK_R: tl.constexpr):
-    """The column tile's LoRA slice (the tile lies in one), the rows that add a delta (those with
-    a slot, in K segment 0 only) and their slots' B rows ``[BLOCK_M, BLOCK_N, BLOCK_R]`` for the
-    tile's columns (zero elsewhere)."""
-    part = (tile_start >= size0).to(tl.int32) + (tile_start >= size0 + size1).to(tl.int32)
-    first = tl.where(part == 2, size0 + size1, tl.where(part == 1, size0, 0))
+def _lora_rows(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
+    """The rows that add a LoRA delta (those with a slot, in K segment 0 only: it is added once),
+    their slots, and the column tile's slice (the tile lies in one) with its first column."""
     slot = tl.load(slots_ptr + offs_m, mask=m_valid, other=-1).to(tl.int64)
     rows = tl.where(split == 0, slot, -1) >= 0
-    offs_r = tl.arange(0, BLOCK_R)
-    b = tl.load(b_ptr + slot[:, None, None] * stride_b_slot + part * stride_b_slice
-                + (offs_n - first)[None, :, None] * stride_b_row + offs_r[None, None, :],
-                mask=rows[:, None, None] & n_valid[None, :, None] & (offs_r < rank)[None, None, :], other=0.0)
-    return part, rows, b
+    part = (tile_start >= size0).to(tl.int32) + (tile_start >= size0 + size1).to(tl.int32)
+    first = tl.where(part == 2, size0 + size1, tl.where(part == 1, size0, 0))
+    return rows, slot, part, first
 
 
 @triton.jit
 def _lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, stride_h_slice, stride_h_row,
                    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """The LoRA shrink's fp32 partial sums ``[BLOCK_S, BLOCK_M, BLOCK_R]`` of ``rows`` (token
-    order) in slice ``part``, every split's in one load (zero elsewhere)."""
+    order) in slice ``part``, every split's in one load (zero elsewhere), to be summed over the
+    splits (axis 0: one fixed order)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
     cells = (h_ptr + part * stride_h_slice + offs_s[:, None, None] * stride_h_split
@@ -131,9 +126,14 @@ def _lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, stri
 
 
 @triton.jit
-def _lora_delta(partials, b):
-    """``[BLOCK_M, BLOCK_N]`` fp32: the partial sums summed over the splits (one fixed order), times B."""
-    h = tl.sum(partials, axis=0)
+def _lora_delta(h, b_ptr, rows, slot, part, first, offs_n, n_valid, rank, stride_b_slot, stride_b_slice,
+                stride_b_row, BLOCK_R: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` fp32: the rows' shrink sums ``h`` ``[BLOCK_M, BLOCK_R]`` times their
+    slots' B rows for the tile's columns (zero for the other rows)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(b_ptr + slot[:, None, None] * stride_b_slot + part * stride_b_slice
+                + (offs_n - first)[None, :, None] * stride_b_row + offs_r[None, None, :],
+                mask=rows[:, None, None] & n_valid[None, :, None] & (offs_r < rank)[None, None, :], other=0.0)
     return tl.sum(h[:, None, :] * b.to(tl.float32), axis=2)
 
 
@@ -158,9 +158,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     and multi-row paths wait first and loop over the whole K segment, as measured without PDL:
     peeled under PDL (few K steps per split left to pipeline), Gemma-2-9B, whose GEMVs take these
     paths, ran a batch-1 step in 6.68 ms against 6.31 with PDL off (not yet isolated).
-    LORA: segment 0 adds each row's adapter delta (the module docstring). One row reads the slots
-    and B (the step's constants) with its first weight tile and the shrink's sums right after the
-    wait, used after the loop; more rows read them after the loop (not held through it)."""
+    LORA: segment 0 adds each row's adapter delta (the module docstring). One row reads its slot
+    (the step's constant) with its first weight tile, the shrink's partial sums right after the
+    wait, and sums them over the splits after its first K step (whose weights it waits for
+    anyway); B only after the loop: B, or the unsummed partial sums, held through the loop took
+    the one-row q/k/v tile (8 x 512) from 96 to 107-109 registers (ptxas, sm_90), one program less
+    per SM; as placed, no Llama-3-8B one-row tile needs more registers than without LoRA. More
+    rows read everything after the loop."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -183,14 +187,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         offs_k = k_begin + tl.arange(0, BLOCK_K)
         w = _weight_tile(w_rows, offs_k, n_valid, K)
         if LORA:
-            part, lora_rows, lora_b = _lora_b_tile(
-                lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid, pid_n * BLOCK_N, split,
-                lora_rank, lora_size0, lora_size1, stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
+            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
         if LORA:
             lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                     stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if LORA:
+            lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
     else:
         pdl_wait_and_trigger(PDL)
@@ -207,12 +212,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
     if LORA:
         if not ONE_ROW:
-            part, lora_rows, lora_b = _lora_b_tile(
-                lora_b_ptr, lora_slots_ptr, offs_m, offs_n, m_valid, n_valid, pid_n * BLOCK_N, split,
-                lora_rank, lora_size0, lora_size1, stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
-            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
-                                    stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
-        acc += _lora_delta(lora_h, lora_b)
+            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
+            lora_h = tl.sum(_lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+                                           stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S,
+                                           LORA_BLOCK_R), axis=0)
+        acc += _lora_delta(lora_h, lora_b_ptr, lora_rows, lora_slot, part, first, offs_n, n_valid, lora_rank,
+                           stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
