@@ -29,6 +29,7 @@ and the GEMV's column tiles do not straddle two slices, the shrink and then ONE 
 adds each row's delta (``GemvLoRA``): no expand launch. Everywhere else (cuBLAS shapes, FP8 and
 AWQ bases, batch-invariant mode, more rows) the base, the shrink and the expand; while a CUDA
 graph is captured the shrink runs there on a side stream beside the base.
+
 ``pagedlab.lora.ops`` holds the plain-torch references (the CPU path). This module imports triton
 when it loads: import it lazily.
 """
@@ -201,10 +202,10 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
                 config: LoRAKernelConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[splits, slices, tokens, rank]`` fp32 partial sums (token order; rows of tokens
-    without a slot are left unwritten) of each token's input times its
-    slot's A of every slice; their sum over the splits is ``lora_shrink_torch``'s ``h``. In a
-    view of ``out`` (fp32, at least ``workspace_numel`` elements) when given."""
+    """``[splits, slices, tokens, rank]`` fp32 partial sums (token order; rows of tokens without a
+    slot are left unwritten) of each token's input times its slot's A of every slice; their sum
+    over the splits is ``lora_shrink_torch``'s ``h``. In a view of ``out`` (fp32, at least
+    ``workspace_numel`` elements) when given."""
     x = x.contiguous()
     slots, slices, rank, k = lora_a.shape
     if mapping.num_slots != slots:
