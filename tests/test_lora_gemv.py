@@ -114,13 +114,13 @@ def test_gemv_lora_refuses_what_does_not_fit():
 
 def dense_layer(k: int, sizes: list[int], dtype: torch.dtype, bias: bool, seed: int):
     """A column-parallel linear of ``sizes`` (one slice: row-parallel) with random weights."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     if len(sizes) > 1:
         layer = ColumnParallelLinear(k, sizes, bias=bias)
     else:
         layer = RowParallelLinear(k, sizes[0], bias=bias)
     for param in layer.parameters():
-        param.data = (torch.randn(param.shape, generator=gen) * k ** -0.5).to(DEVICE, dtype)
+        param.data = (torch.randn(param.shape, device=DEVICE, generator=gen) * k ** -0.5).to(dtype)
     return layer
 
 
@@ -177,13 +177,15 @@ LLAMA_8B = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["pdl-off", "pdl-on"])
 @pytest.mark.parametrize("layer_name", list(LLAMA_8B))
 @pytest.mark.parametrize("rows", [1, 4])
-def test_fused_gemv_at_llama_8b_sizes_eager_and_in_a_graph(monkeypatch, layer_name, rows):
+def test_fused_gemv_at_llama_8b_sizes_eager_and_in_a_graph(monkeypatch, layer_name, rows, pdl):
     """bf16 at Llama-3-8B's linears through ``linear_with_lora`` (the table's GEMV config where it
-    lists the shape, else the default one put in the table): the fused path runs, eagerly and
-    from a captured graph replayed on other mappings (a cleared one: the base alone), each within
-    bf16 rounding of the float32 reference, and bitwise equal run to run."""
+    lists the shape, else the default one put in the table), PDL off and on (Hopper): the fused
+    path runs, eagerly and from a captured graph replayed on other mappings (a cleared one: the
+    base alone), each within bf16 rounding of the float32 reference, and bitwise equal run to run."""
+    monkeypatch.setenv("PAGEDLAB_PDL", pdl)
     k, sizes = LLAMA_8B[layer_name]
     key = (row_bucket(rows), sum(sizes), k)
     if key not in gemv_configs.DENSE_GEMV_CONFIGS:
@@ -196,10 +198,10 @@ def test_fused_gemv_at_llama_8b_sizes_eager_and_in_a_graph(monkeypatch, layer_na
     lora_a, lora_b = lora_weights(sizes, k, torch.bfloat16, rows)
     mapping = LoRAMapping.empty(16, NUM_SLOTS, torch.device(DEVICE))
     mapping.fill(random_slots(rows, NUM_SLOTS, rows), host_to_device)
-    workspace = poisoned_workspace(16, len(sizes))
+    workspace, side_stream = poisoned_workspace(16, len(sizes)), torch.cuda.Stream()
 
-    def run():
-        return lora.linear_with_lora(layer, x, lora_a, lora_b, mapping, sizes, workspace, torch.cuda.Stream())
+    def run():  # given a side stream, as the engine: the fused path does not use it
+        return lora.linear_with_lora(layer, x, lora_a, lora_b, mapping, sizes, workspace, side_stream)
     eager = run()
     assert torch.equal(run(), eager)
     expected = reference(x, layer.weight, None, lora_a, lora_b, mapping, sizes)
