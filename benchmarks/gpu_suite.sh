@@ -17,7 +17,8 @@ for part in "$@"; do
                -p no:cacheprovider 2>&1 | tail -30 ;;
     # the linear-layer and LoRA kernels and their benches' GPU paths (the tests part covers the engine)
     tests-kernels) python3 -m pytest -m gpu tests/test_gemv.py tests/test_gemv_bench.py tests/test_awq.py \
-                       tests/test_fp8.py tests/test_lora_kernels.py tests/test_lora_gpu.py tests/test_hf_fp8_peer.py \
+                       tests/test_fp8.py tests/test_lora_kernels.py tests/test_lora_gemv.py tests/test_lora_gpu.py \
+                       tests/test_hf_fp8_peer.py \
                        -q -s -rs -p no:cacheprovider 2>&1 | tail -30 ;;
     # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
     # and row count runs past a device call's 10 minutes)
@@ -43,8 +44,9 @@ for part in "$@"; do
     # the mode's matmul as dispatched (the persistent TMA launch for prefill) against cuBLAS at
     # 256/1,024/8,192 rows per 8B linear, each checked bitwise against the in-program launch
     binvdispatch) python3 benchmarks/batch_invariant_bench.py --dispatch-only --out "$OUT/binv_dispatch.json" ;;
-    # the LoRA shrink/expand kernels per Llama-3-8B linear at 1/16/64/256 tokens over 8 slots,
-    # checked against the torch reference, and their sum per decode step next to the base linears
+    # the LoRA shrink/expand kernels per Llama-3-8B linear at 1/4/16/64/256 tokens over 8 slots,
+    # checked against the torch reference, the LoRA linear as the engine runs it (fused into the
+    # base GEMV where that runs, else base + shrink + expand), and the sums per decode step
     lorabench) python3 benchmarks/lora_bench.py --out "$OUT/lora_bench.json" ;;
     # decode attention per DecodeConfig (key tile x warps x stages) on W-nano-like batches, checked
     # against the current config, and the DECODE_ATTENTION_CONFIGS lines to paste

@@ -55,6 +55,37 @@ def test_mixed_adapters_with_cuda_graphs_match_peft(small_llama, small_adapters)
         assert alone[0].outputs[0].token_ids == expected[1]
 
 
+def test_adapters_in_the_gemv_epilogue_match_peft(small_llama, small_adapters, monkeypatch):
+    """With GEMV table entries for the small model's linears (one row on the CUDA cores; 2-16 rows
+    split-K and through tl.dot), every LoRA linear of a decode step of at most 16 tokens runs the
+    GEMV that adds the deltas itself: the tokens are still PEFT's, alone and mixed with the base."""
+    from pagedlab.kernels import gemv_configs, lora
+    from pagedlab.kernels.gemv_configs import TileConfig
+
+    shapes = [(384, 256), (256, 256), (1024, 256), (256, 512)]  # qkv, o, gate_up, down (N, K)
+    for n, k in shapes:
+        monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, (1, n, k), TileConfig(block_n=16, block_k=128))
+        for bucket in (2, 4, 8, 16):
+            monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, (bucket, n, k),
+                                TileConfig(block_n=32, block_k=64, split_k=2, block_m=16))
+    fused, kernel = [], lora.dense_gemv_triton
+    monkeypatch.setattr(lora, "dense_gemv_triton",
+                        lambda *args: fused.append(args[0].shape[0]) or kernel(*args))
+    prompts = random_prompts(5, max_len=40, seed=12)
+    loras = [LoRARequest(f"a{i}", i + 1, a.path) for i, a in enumerate(small_adapters)]
+    choice = [loras[0], None, loras[1], loras[0], loras[1]]
+    models = [small_llama.hf_model] + [a.peft_model for a in small_adapters]
+    expected = [hf_greedy(models[request.lora_int_id if request else 0], p, GREEDY.max_tokens)
+                for p, request in zip(prompts, choice)]
+    with LLM(small_llama.path, dtype="float32", device="cuda", kv_cache_memory_bytes=256 << 20,
+             enable_lora=True, max_loras=2, max_lora_rank=16) as llm:
+        alone = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=choice[0])
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choice)
+    assert {1, 8} <= set(fused), "the decode graphs of 1 and 5 (padded to 8) sequences take the fused GEMV"
+    assert alone[0].outputs[0].token_ids == expected[0]
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_bench_with_random_adapters_gives_peft_tokens(small_llama, tmp_path):
     """``pagedlab bench --num-loras 2 --lora-rank 8`` on the GPU (graphs, both adapters in slots
     from the warm-up): each request's tokens are HF+PEFT's under adapter ``i mod 2``."""

@@ -21,7 +21,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.lora"):
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.lora"):
         if kernels in sys.modules:  # built without the interpreter by another module
             importlib.reload(sys.modules[kernels])
 
@@ -95,6 +95,18 @@ def test_fill_writes_tiles_covering_each_sorted_row_once(num_tokens):
     assert mapping.tile_tables[:, 0].tolist() == [0] * len(TILE_BLOCK_MS)
 
 
+def test_token_slots_are_none_past_the_step_and_after_clear():
+    """What a graph of more rows than the step's tokens, or replayed without adapters, reads."""
+    mapping = LoRAMapping.empty(6, 3, torch.device(DEVICE))
+    assert mapping.token_slots.tolist() == [-1] * 6
+    mapping.fill([2, 0, 1, 1, 0], host_to_device)
+    mapping.fill([1, -1], host_to_device)
+    assert mapping.token_slots.tolist() == [1, -1, -1, -1, -1, -1]
+    mapping.fill([0, 2, 2], host_to_device)
+    mapping.clear()
+    assert mapping.token_slots.tolist() == [-1] * 6
+
+
 def test_fill_refuses_bad_steps():
     mapping = LoRAMapping.empty(4, 2, torch.device(DEVICE))
     with pytest.raises(RuntimeError, match="a step of 5 tokens exceeds the LoRA mapping's 4"):
@@ -155,7 +167,6 @@ def test_kernels_match_the_torch_reference(kernels, dtype, num_tokens, sizes, ra
     workspace = None if overrides else torch.empty(kernels.workspace_numel(num_tokens, 3, rank),
                                                    device=DEVICE)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    sorted_rows = mapping.sorted_token_ids[:int((mapping.token_slots[:num_tokens] >= 0).sum())].long()
     has_slot = mapping.token_slots[:num_tokens] >= 0
 
     # the composed kernels (what a LoRALinear runs) against the composed reference
@@ -166,17 +177,18 @@ def test_kernels_match_the_torch_reference(kernels, dtype, num_tokens, sizes, ra
     assert torch.equal(y_out[~has_slot], y[~has_slot])  # rows without an adapter are untouched
     assert not torch.allclose(y_ref[has_slot], y[has_slot], **tol)  # the adapters do change the rows
 
-    # the shrink alone: its partial sums, summed and put back in token order
+    # the shrink alone: its partial sums (token order) summed, on the tokens with a slot
     config = config or kernels.choose_config(num_tokens, num_slots, len(sizes), k)
     partials = kernels.lora_shrink(x, lora_a, mapping, config)
     assert partials.shape[0] == config.num_splits
     h_ref = lora_shrink_torch(x, lora_a, mapping)
-    torch.testing.assert_close(partials[:, :, :len(sorted_rows)].sum(0), h_ref[:, sorted_rows], **tol)
+    torch.testing.assert_close(partials[:, :, has_slot].sum(0), h_ref[:, has_slot], **tol)
 
-    # the expand alone, from the reference h cut into random partial sums
-    cuts = torch.rand(config.num_splits, 1, len(sorted_rows), 1, device=DEVICE)
-    h_parts = torch.zeros(config.num_splits, len(sizes), num_tokens, rank, device=DEVICE)
-    h_parts[:, :, :len(sorted_rows)] = h_ref[:, sorted_rows] * (cuts / cuts.sum(0))
+    # the expand alone, from the reference h cut into random partial sums (NaN for tokens without
+    # a slot: the shrink leaves those rows unwritten, and the expand must not read them)
+    cuts = torch.rand(config.num_splits, 1, num_tokens, 1, device=DEVICE)
+    h_parts = (h_ref * (cuts / cuts.sum(0))).contiguous()
+    h_parts[:, :, ~has_slot] = float("nan")
     y_out, y_ref = y.clone(), y.clone()
     kernels.lora_expand(h_parts, lora_b, mapping, y_out, sizes, config)
     lora_expand_torch(h_ref, lora_b, mapping, y_ref, sizes)

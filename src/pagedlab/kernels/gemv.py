@@ -13,6 +13,13 @@ The counters live in one buffer per device made at the first split-K call (the m
 eager warm-up, before any capture); two split-K kernels must not run at once on one device
 (the engine runs one stream).
 
+With a ``GemvLoRA`` (``kernels/lora.py``'s ``linear_with_lora``, a LoRA linear whose base runs
+this kernel) the epilogue also adds each row's adapter delta, in fp32 before the output is rounded:
+the LoRA shrink's partial sums of the row (summed over the shrink's splits) times the B rows of
+the row's slot for the program's columns, a column tile lying in one fused slice. With split-K it
+rides in segment 0's partial sums, so the last program's in-order sum adds it once. Rows without
+a slot add nothing. This replaces the separate ``lora_expand`` launch after the GEMV.
+
 ``dense_gemv_torch`` is the reference; ``pagedlab.quantization.linear_method.dense_linear`` picks
 this kernel only where ``gemv_configs.DENSE_GEMV_CONFIGS`` (measured) says it beats cuBLAS.
 This module imports triton when it loads: import it lazily (see ``kernels/w4a16.py``).
@@ -20,6 +27,8 @@ This module imports triton when it loads: import it lazily (see ``kernels/w4a16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -91,13 +100,53 @@ def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_RO
     return acc
 
 
+@triton.jit
+def _lora_rows(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
+    """The rows that add a LoRA delta (those with a slot, in K segment 0 only: it is added once),
+    their slots, and the column tile's slice (the tile lies in one) with its first column."""
+    slot = tl.load(slots_ptr + offs_m, mask=m_valid, other=-1).to(tl.int64)
+    rows = tl.where(split == 0, slot, -1) >= 0
+    part = (tile_start >= size0).to(tl.int32) + (tile_start >= size0 + size1).to(tl.int32)
+    first = tl.where(part == 2, size0 + size1, tl.where(part == 1, size0, 0))
+    return rows, slot, part, first
+
+
+@triton.jit
+def _lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, stride_h_slice, stride_h_row,
+                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The LoRA shrink's fp32 partial sums ``[BLOCK_S, BLOCK_M, BLOCK_R]`` of ``rows`` (token
+    order) in slice ``part``, every split's in one load (zero elsewhere), to be summed over the
+    splits (axis 0: one fixed order)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    cells = (h_ptr + part * stride_h_slice + offs_s[:, None, None] * stride_h_split
+             + offs_m[None, :, None] * stride_h_row + offs_r[None, None, :])
+    mask = (offs_s < splits)[:, None, None] & rows[None, :, None] & (offs_r < rank)[None, None, :]
+    return tl.load(cells, mask=mask, other=0.0)
+
+
+@triton.jit
+def _lora_delta(h, b_ptr, rows, slot, part, first, offs_n, n_valid, rank, stride_b_slot, stride_b_slice,
+                stride_b_row, BLOCK_R: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` fp32: the rows' shrink sums ``h`` ``[BLOCK_M, BLOCK_R]`` times their
+    slots' B rows for the tile's columns (zero for the other rows)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b = tl.load(b_ptr + slot[:, None, None] * stride_b_slot + part * stride_b_slice
+                + (offs_n - first)[None, :, None] * stride_b_row + offs_r[None, None, :],
+                mask=rows[:, None, None] & n_valid[None, :, None] & (offs_r < rank)[None, None, :], other=0.0)
+    return tl.sum(h[:, None, :] * b.to(tl.float32), axis=2)
+
+
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, row_scale_ptr,
                        col_scale_ptr, M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_w, stride_out,
-                       stride_partial_split, stride_partial_row, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       stride_partial_split, stride_partial_row, lora_h_ptr, lora_b_ptr, lora_slots_ptr,
+                       lora_rank, lora_splits, lora_size0, lora_size1, stride_h_split, stride_h_slice,
+                       stride_h_row, stride_b_slot, stride_b_slice, stride_b_row, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
                        PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
@@ -108,7 +157,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     weights do not depend on the previous kernel), the form measured fastest on the H200. The dot
     and multi-row paths wait first and loop over the whole K segment, as measured without PDL:
     peeled under PDL (few K steps per split left to pipeline), Gemma-2-9B, whose GEMVs take these
-    paths, ran a batch-1 step in 6.68 ms against 6.31 with PDL off (not yet isolated)."""
+    paths, ran a batch-1 step in 6.68 ms against 6.31 with PDL off (not yet isolated).
+    LORA: segment 0 adds each row's adapter delta (the module docstring). One row reads its slot
+    (the step's constant) with its first weight tile, the shrink's partial sums right after the
+    wait, and sums them over the splits after its first K step (whose weights it waits for
+    anyway); B only after the loop: B, or the unsummed partial sums, held through the loop took
+    the one-row q/k/v tile (8 x 512) from 96 to 107-109 registers (ptxas, sm_90), one program less
+    per SM; as placed, no Llama-3-8B one-row tile needs more registers than without LoRA. More
+    rows read everything after the loop."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -130,8 +186,16 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     if ONE_ROW:  # the first weight tile (before the PDL wait), the rest in the loop
         offs_k = k_begin + tl.arange(0, BLOCK_K)
         w = _weight_tile(w_rows, offs_k, n_valid, K)
+        if LORA:
+            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
+        if LORA:
+            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+                                    stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if LORA:
+            lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
     else:
         pdl_wait_and_trigger(PDL)
@@ -146,6 +210,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     if SCALED:
         acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+    if LORA:
+        if not ONE_ROW:
+            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
+            lora_h = tl.sum(_lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+                                           stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S,
+                                           LORA_BLOCK_R), axis=0)
+        acc += _lora_delta(lora_h, lora_b_ptr, lora_rows, lora_slot, part, first, offs_n, n_valid, lora_rank,
+                           stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
@@ -157,11 +230,58 @@ def dense_gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out + bias.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class GemvLoRA:
+    """The adapter deltas the GEMV's epilogue adds (``kernels/lora.py``): ``h`` the LoRA shrink's
+    fp32 partial sums ``[splits, slices, tokens, rank]`` (token order), ``lora_b`` the stacked B
+    ``[slots, slices, max_out, rank]``, ``token_slots`` each row's slot (int32, -1: none) and the
+    output columns of each slice, in order (each slice but the last a whole number of column tiles)."""
+
+    h: torch.Tensor
+    lora_b: torch.Tensor
+    token_slots: torch.Tensor
+    slice_sizes: Sequence[int]
+
+    def check(self, rows: int, out_features: int, block_n: int) -> None:
+        """Raise ValueError unless this fits a GEMV of ``rows`` rows, ``out_features`` outputs and
+        column tiles of ``block_n``."""
+        sizes, slices = list(self.slice_sizes), self.lora_b.shape[1]
+        if not 1 <= len(sizes) <= 3 or len(sizes) != slices or self.h.shape[1] != slices or \
+                sum(sizes) != out_features or max(sizes) > self.lora_b.shape[2]:
+            raise ValueError(f"LoRA slices {sizes} do not fit B {tuple(self.lora_b.shape)}, h "
+                             f"{tuple(self.h.shape)} and {out_features} outputs (1 to 3 slices)")
+        if any(size % block_n for size in sizes[:-1]):
+            raise ValueError(f"LoRA slices {sizes}: block_n={block_n} must divide each but the last")
+        h, b = self.h, self.lora_b
+        if h.dtype != torch.float32 or h.shape[2] < rows or self.token_slots.numel() < rows or \
+                h.shape[3] != b.shape[3] or h.stride(3) != 1 or b.stride(3) != 1:
+            raise ValueError(f"LoRA h {tuple(self.h.shape)} {self.h.dtype}, B {tuple(self.lora_b.shape)} and "
+                             f"{self.token_slots.numel()} token slots do not fit {rows} rows")
+
+    def kernel_args(self) -> dict:
+        """The LoRA arguments of ``_dense_gemv_kernel``."""
+        h, b = self.h, self.lora_b
+        sizes = [*self.slice_sizes, 0][:2]
+        return dict(lora_h_ptr=h, lora_b_ptr=b, lora_slots_ptr=self.token_slots, lora_rank=b.shape[3],
+                    lora_splits=h.shape[0], lora_size0=sizes[0], lora_size1=sizes[1],
+                    stride_h_split=h.stride(0), stride_h_slice=h.stride(1), stride_h_row=h.stride(2),
+                    stride_b_slot=b.stride(0), stride_b_slice=b.stride(1), stride_b_row=b.stride(2),
+                    LORA=True, LORA_BLOCK_S=triton.next_power_of_2(h.shape[0]),
+                    LORA_BLOCK_R=triton.next_power_of_2(b.shape[3]))
+
+
+def _no_lora_args(out: torch.Tensor) -> dict:
+    names = ("lora_rank", "lora_splits", "lora_size0", "lora_size1", "stride_h_split", "stride_h_slice",
+             "stride_h_row", "stride_b_slot", "stride_b_slice", "stride_b_row")
+    return dict(dict.fromkeys(names, 0), lora_h_ptr=out, lora_b_ptr=out, lora_slots_ptr=out, LORA=False,
+                LORA_BLOCK_S=1, LORA_BLOCK_R=1)
+
+
 def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: TileConfig | None = None) -> torch.Tensor:
+                      config: TileConfig | None = None, lora: GemvLoRA | None = None) -> torch.Tensor:
     """Triton version of ``dense_gemv_torch`` for ``x`` ``[..., K]`` of at most ``GEMV_MAX_ROWS``
     rows (float16, bfloat16 or float32, ``weight``'s dtype); ``config`` defaults to
-    ``default_dense_gemv_config``."""
+    ``default_dense_gemv_config``. With ``lora``, plus each row's adapter delta."""
     out_features, in_features = weight.shape
     check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
@@ -174,7 +294,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     config = config or default_dense_gemv_config(rows, out_features, in_features, num_sms(x.device))
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows:
-        launch_dense_gemv(x2d, weight, bias, out, config)
+        launch_dense_gemv(x2d, weight, bias, out, config, lora=lora)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -190,12 +310,17 @@ def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       config: TileConfig, row_scales: torch.Tensor | None = None,
-                      col_scales: torch.Tensor | None = None) -> None:
+                      col_scales: torch.Tensor | None = None, lora: GemvLoRA | None = None) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` @ ``weight.T`` (times ``row_scales[m] *
-    col_scales[n]`` when given: FP8 operands) + ``bias``; shapes checked by the caller."""
+    col_scales[n]`` when given: FP8 operands) + ``bias`` (+ the ``lora`` deltas, not with FP8);
+    shapes checked by the caller."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config.check(rows, gemv=True)
+    if lora is not None:
+        if row_scales is not None:
+            raise ValueError("the GEMV adds LoRA deltas to 16-bit operands only, not FP8")
+        lora.check(rows, out_features, config.block_n)
     k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
     tiles = triton.cdiv(out_features, config.block_n)
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
@@ -207,7 +332,8 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=config.block_m > 0, ONE_ROW=rows == 1 and config.block_m == 0, **dot_settings(x),
-        **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
+        **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **pdl_launch(x.device),
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:

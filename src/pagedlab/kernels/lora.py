@@ -14,14 +14,22 @@ program works for a slot without tokens. Grids depend only on the number of toke
 buffers; programs past the table's tile count return at once.
 
 - ``lora_shrink`` (split-K): program (tile, K split, slice) writes the fp32 partial sum
-  ``h[split, slice, row] = x[t] @ A[slot(t), slice, :, k range].T`` of each of its rows (``row``:
-  the token's place in ``sorted_token_ids``). Many splits at few tokens, so the weights'
-  read spreads over the whole GPU instead of one program walking all of K.
+  ``h[split, slice, t] = x[t] @ A[slot(t), slice, :, k range].T`` of each of its tokens ``t``
+  (token order; rows of tokens without a slot are left unwritten). Many splits at few tokens, so
+  the weights' read spreads over the whole GPU instead of one program walking all of K.
 - ``lora_expand``: program (tile, output tile) sums the tile's rows of ``h`` over the splits in
   split order (deterministic), then adds ``h @ B[slot, slice].T`` to its ``block_n`` columns of
   ``y``. Output tiles are numbered across the slices, so none is wasted on a short slice.
 
 ``add_lora`` is the two in a row, with ``h`` in a caller's static workspace (``workspace_numel``).
+
+What a LoRA linear runs (``linear_with_lora``): where its base would run the dense 16-bit GEMV
+(``kernels/gemv.py``: a ``DENSE_GEMV_CONFIGS`` entry, at most 16 rows, a dense weight, one rank)
+and the GEMV's column tiles do not straddle two slices, the shrink and then ONE GEMV whose epilogue
+adds each row's delta (``GemvLoRA``): no expand launch. Everywhere else (cuBLAS shapes, FP8 and
+AWQ bases, batch-invariant mode, more rows) the base, the shrink and the expand; while a CUDA
+graph is captured the shrink runs there on a side stream beside the base.
+
 ``pagedlab.lora.ops`` holds the plain-torch references (the CPU path). This module imports triton
 when it loads: import it lazily.
 """
@@ -35,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.gemv import GemvLoRA, dense_gemv_triton
+from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.lora.ops import TILE_BLOCK_MS, LoRAMapping, max_tiles
@@ -100,15 +110,15 @@ def _block_rank(rank: int) -> int:
 
 @triton.jit
 def _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M: tl.constexpr):
-    """Tile ``tile`` of the table: its slot, its first row in ``sorted_token_ids``, the row
-    offsets, which of them are real, and their token indices."""
+    """Tile ``tile`` of the table: its slot, which of its ``BLOCK_M`` rows are real, and their
+    token indices."""
     entry = tiles_ptr + 1 + 3 * tile
     slot = tl.load(entry).to(tl.int64)
     start = tl.load(entry + 1)
     offs_m = tl.arange(0, BLOCK_M)
     valid = offs_m < tl.load(entry + 2)
     tokens = tl.load(sorted_ptr + start + offs_m, mask=valid, other=0).to(tl.int64)
-    return slot, start, offs_m, valid, tokens
+    return slot, valid, tokens
 
 
 @triton.jit
@@ -125,7 +135,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
         return
     split = tl.program_id(1)
     part = tl.program_id(2)
-    slot, start, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
+    slot, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     a_base = a_ptr + slot * stride_a_slot + part * stride_a_slice
@@ -142,7 +152,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
         a = tl.load(a_base + offs_r[None, :] * stride_a_rank + offs_k[:, None],
                     mask=r_valid[None, :] & k_valid[:, None], other=0.0)
         acc = tl.dot(x, a.to(x.dtype), acc, input_precision=DOT_PRECISION)
-    out = h_ptr + split * stride_h_split + part * stride_h_slice + (start + offs_m)[:, None] * stride_h_row
+    out = h_ptr + split * stride_h_split + part * stride_h_slice + tokens[:, None] * stride_h_row
     tl.store(out + offs_r[None, :], acc, mask=valid[:, None] & r_valid[None, :])
 
 
@@ -168,10 +178,10 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
     first = tl.where(in2, tiles0 + tiles1, tl.where(in1, tiles0, 0))
     offset = tl.where(in2, SIZE0 + SIZE1, tl.where(in1, SIZE0, 0))
     size = tl.where(in2, SIZE2, tl.where(in1, SIZE1, SIZE0))
-    slot, start, offs_m, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
+    slot, valid, tokens = _tile_rows(tiles_ptr, sorted_ptr, tile, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
-    h_rows = h_ptr + part * stride_h_slice + (start + offs_m)[:, None] * stride_h_row + offs_r[None, :]
+    h_rows = h_ptr + part * stride_h_slice + tokens[:, None] * stride_h_row + offs_r[None, :]
     # All splits' partial sums in one load, then one reduction over the split axis (a fixed tree
     # order): loaded one by one, each ~0.3 us L2 round trip waited for the previous add.
     offs_s = tl.arange(0, SPLITS_POW2)
@@ -192,10 +202,10 @@ def _lora_expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tiles_ptr, R, SIZE0, SI
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
                 config: LoRAKernelConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[splits, slices, tokens, rank]`` fp32 partial sums (rows in ``sorted_token_ids`` order;
-    rows past the step's tokens with a slot are left unwritten) of each token's input times its
-    slot's A of every slice; their sum over the splits is ``lora_shrink_torch``'s ``h``. In a
-    view of ``out`` (fp32, at least ``workspace_numel`` elements) when given."""
+    """``[splits, slices, tokens, rank]`` fp32 partial sums (token order; rows of tokens without a
+    slot are left unwritten) of each token's input times its slot's A of every slice; their sum
+    over the splits is ``lora_shrink_torch``'s ``h``. In a view of ``out`` (fp32, at least
+    ``workspace_numel`` elements) when given."""
     x = x.contiguous()
     slots, slices, rank, k = lora_a.shape
     if mapping.num_slots != slots:
@@ -222,7 +232,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
 
 def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping, y: torch.Tensor,
                 slice_sizes: Sequence[int], config: LoRAKernelConfig | None = None) -> None:
-    """``y[t, offset_j:offset_j + size_j] += (sum of h[:, j, row(t)]) @ B[slot(t), j].T`` for every
+    """``y[t, offset_j:offset_j + size_j] += (sum of h[:, j, t]) @ B[slot(t), j].T`` for every
     slice ``j`` (``h``: ``lora_shrink``'s partial sums; ``offset_j`` the sum of the sizes before),
     in place. ``config.block_m`` must be the shrink's."""
     _, slices, max_out, rank = lora_b.shape
@@ -251,14 +261,30 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     lora_expand(h, lora_b, mapping, y, slice_sizes, config)
 
 
+def fused_gemv_config(base, x: torch.Tensor, slice_sizes: Sequence[int]) -> TileConfig | None:
+    """The dense GEMV config ``base(x)`` runs with (``base.gemv_config``, the linear layers'), when
+    its column tiles each lie in one slice (the GEMV's LoRA epilogue needs that); else None."""
+    choose = getattr(base, "gemv_config", None)
+    config = choose(x) if choose is not None and x.dim() == 2 else None
+    if config is None or any(size % config.block_n for size in slice_sizes[:-1]):
+        return None
+    return config
+
+
 def linear_with_lora(base, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping,
                      slice_sizes: Sequence[int], workspace: torch.Tensor | None = None,
                      side_stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """``base(x)`` plus each token's adapter delta (``add_lora``). While a CUDA graph is captured
-    with a ``side_stream``, the shrink runs on it beside ``base`` (a parallel branch of the graph:
-    at batch 1 the shrink's few microseconds hide behind the base GEMV), the expand after both."""
+    """``base(x)`` plus each token's adapter delta. Where ``base`` runs the dense GEMV
+    (``fused_gemv_config``): the shrink, then that GEMV adding the deltas in its epilogue. Else
+    ``base`` and ``add_lora``; while a CUDA graph is captured with a ``side_stream``, the shrink
+    runs on it beside ``base`` (a parallel branch of the graph), the expand after both."""
     slots, slices, _, k = lora_a.shape
     config = choose_config(x.shape[0], slots, slices, k)
+    gemv = fused_gemv_config(base, x, slice_sizes)
+    if gemv is not None:
+        h = lora_shrink(x, lora_a, mapping, config, workspace)
+        return dense_gemv_triton(x, base.weight, base.bias, gemv,
+                                 GemvLoRA(h, lora_b, mapping.token_slots, tuple(slice_sizes)))
     if side_stream is None or not torch.cuda.is_current_stream_capturing():
         y = base(x)
         add_lora(x, y, lora_a, lora_b, mapping, slice_sizes, workspace, config)

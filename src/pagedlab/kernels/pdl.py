@@ -17,10 +17,11 @@ step writes (weights, scales) and writes nothing (not even scratch: the caching 
 the previous kernel's buffers to this one); the trigger right after the wait is safe, since the
 next kernel still waits for this whole grid. Every pagedlab Triton kernel of a step takes part:
 
-- waiting after a constant read: the one-row dense/FP8 GEMV (its first weight tile; the dot and
-  multi-row paths wait first), the AWQ GEMV (its
-  first K step's words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored
-  after the wait), the batch-invariant norm (its weight row);
+- waiting after a constant read: the one-row dense/FP8 GEMV (its first weight tile; with the
+  LoRA epilogue also the step's token slots, written before the step, and the LoRA shrink's sums
+  after the wait; the dot and multi-row paths wait first), the AWQ GEMV (its first K step's
+  words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored after the
+  wait), the batch-invariant norm (its weight row);
 - waiting first: paged attention, the split-KV reduces, the KV write, the AWQ GEMM, FP8
   per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the

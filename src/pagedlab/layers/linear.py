@@ -31,6 +31,7 @@ from torch import nn
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_shard, read_whole
+from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.quantization.linear_method import DenseLinearMethod, WeightSpec
 
 
@@ -126,6 +127,10 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
 
+    def gemv_config(self, x: torch.Tensor) -> TileConfig | None:
+        """The dense GEMV config ``forward(x)`` runs with (``weight`` and ``bias``), or None."""
+        return self.linear_method.gemv_config(self, x)
+
 
 def spec_shape(spec: WeightSpec, out_features: int, in_features: int) -> tuple[int, int]:
     """The shape of ``spec``'s parameter for a linear of ``in_features`` x ``out_features``."""
@@ -220,6 +225,11 @@ class RowParallelLinear(QuantizesAtLoad, nn.Module):
             return
         param.data.copy_(read_shard(loaded, spec.in_dim, spec.in_unit, self.input_start,
                                     self.input_size_per_rank, "input"))
+
+    def gemv_config(self, x: torch.Tensor) -> TileConfig | None:
+        """The dense GEMV config ``forward(x)`` runs with (``weight`` and ``bias``, no all-reduce:
+        one rank), or None."""
+        return self.linear_method.gemv_config(self, x) if self.tp_size == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # the bias fused into the matmul, as without tensor parallelism

@@ -31,7 +31,8 @@ class LoRABatch:
         self.mapping = LoRAMapping.empty(1, num_slots, device)
         self.workspace: torch.Tensor | None = None
         self.active = False
-        # The LoRA shrinks' branch of captured graphs (``linear_with_lora``), at high priority: a
+        # The LoRA shrinks' branch of captured graphs (``linear_with_lora`` where the base does not
+        # run the dense GEMV, which adds the deltas itself after the shrink), at high priority: a
         # batch-1 base GEMV holds every SM with hundreds of programs, and torch replays graphs
         # with the priorities captured, so the shrink's few programs take SMs as they free up
         # rather than after the base's last program.

@@ -31,8 +31,10 @@ def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
 @dataclass
 class LoRAMapping:
     """One step's tokens by LoRA slot (int32 tensors on the model's device, static buffers that
-    captured graphs read; only the first tokens of ``token_slots`` and the listed part of
-    ``sorted_token_ids`` are meaningful)."""
+    captured graphs read; only the listed part of ``sorted_token_ids`` is meaningful).
+    ``token_slots`` is -1 past the step's tokens and everywhere after ``clear``: a graph of more
+    rows than the step has tokens, or replayed without adapters, reads it (the GEMV's LoRA
+    epilogue in ``kernels/gemv.py``)."""
 
     token_slots: torch.Tensor  # [>= tokens] slot of each token, -1 for none
     sorted_token_ids: torch.Tensor  # [>= tokens] token indices grouped by slot
@@ -54,9 +56,11 @@ class LoRAMapping:
         return self.tile_tables[TILE_BLOCK_MS.index(block_m)]
 
     def clear(self) -> None:
-        """No tiles: every kernel program returns at once (what a graph captures, and a step
-        without adapters, whose graph replay runs the kernels all the same)."""
+        """No tiles and no token with a slot: every kernel program returns at once or adds nothing
+        (what a graph captures, and a step without adapters, whose graph replay runs the kernels
+        all the same)."""
         self.tile_tables[:, 0].zero_()
+        self.token_slots.fill_(-1)
 
     def fill(self, token_slots, to_device) -> None:
         """Write the slots of a step's tokens (-1: none) and their tile tables; ``to_device(array,
@@ -74,6 +78,7 @@ class LoRAMapping:
         for row, table in zip(host, tables):
             row[:len(table)] = table
         self.token_slots[:len(token_slots)].copy_(to_device(token_slots, torch.int32), non_blocking=True)
+        self.token_slots[len(token_slots):].fill_(-1)
         self.sorted_token_ids[:len(order)].copy_(to_device(order, torch.int32), non_blocking=True)
         self.tile_tables[:, :host.shape[1]].copy_(to_device(host, torch.int32), non_blocking=True)
 

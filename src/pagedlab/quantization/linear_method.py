@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.gemv_configs import dense_gemv_config
+from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
 from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_cuda, fp8_linear_torch,
@@ -51,6 +51,11 @@ class LinearMethod:
         """The full parameters of this format for the full dense ``weight`` ``[out, in]``."""
         raise NotImplementedError
 
+    def gemv_config(self, layer, x: torch.Tensor) -> TileConfig | None:
+        """The dense Triton GEMV config ``apply`` multiplies ``x`` with on a GPU, or None: another
+        kernel (what a LoRA linear asks, to add its deltas in that GEMV's epilogue)."""
+        return None
+
 
 class DenseLinearMethod(LinearMethod):
     """``nn.Linear``'s ``weight`` ``[out_features, in_features]``."""
@@ -60,6 +65,9 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return dense_linear(x, layer.weight, bias)
+
+    def gemv_config(self, layer, x: torch.Tensor) -> TileConfig | None:
+        return dense_gemv_choice(x, layer.weight)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight}
@@ -72,13 +80,20 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     matmul of ``pagedlab.layers.batch_invariant``."""
     if batch_invariant_enabled():
         return invariant_linear(x, weight, bias)
-    if x.is_cuda and x.dtype == weight.dtype and x.stride(-1) == 1:
-        config = dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
-        if config is not None:
-            from pagedlab.kernels.gemv import dense_gemv_triton
+    config = dense_gemv_choice(x, weight) if x.is_cuda else None
+    if config is not None:
+        from pagedlab.kernels.gemv import dense_gemv_triton
 
-            return dense_gemv_triton(x, weight, bias, config)
+        return dense_gemv_triton(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def dense_gemv_choice(x: torch.Tensor, weight: torch.Tensor) -> TileConfig | None:
+    """The GEMV config ``dense_linear`` runs ``x @ weight.T`` with on a GPU (shapes and dtypes
+    decide, not the device), or None: cuBLAS, or the batch-invariant matmul."""
+    if batch_invariant_enabled() or x.dtype != weight.dtype or x.stride(-1) != 1:
+        return None
+    return dense_gemv_config(x.numel() // x.shape[-1], *weight.shape)
 
 
 class AWQLinearMethod(LinearMethod):
