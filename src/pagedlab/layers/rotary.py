@@ -117,7 +117,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-apply_rotary_fused = fused(apply_rotary)
+_apply_rotary_fused = fused(apply_rotary)
 
 
 def normalize_and_rotate(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -134,12 +134,14 @@ _normalize_and_rotate_fused = fused(normalize_and_rotate)
 def rotate_queries_and_keys(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                             q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
     """``q``/``k`` normalized per head by the ``RMSNorm`` modules ``q_norm``/``k_norm`` when given
-    (Qwen3, Gemma 3), then rotated by ``rope`` = (cos, sin): one fused kernel on the GPU (four
+    (Qwen3, Gemma 3), then rotated by ``rope`` = (cos, sin): one compiled kernel on the GPU (four
     launches were a decode step's few microseconds each, per layer). Batch-invariant mode keeps
-    its own norm kernel."""
+    its own norm kernel. Models hand ``rope`` and the norms to their ``Attention`` layer, whose
+    backend runs this before its KV write (``AttentionBackend.rotate_and_write_kv``: the torch
+    backend) or one Triton kernel that also writes the cache (``kernels/kv_write.py``)."""
     if q_norm is None:
-        return apply_rotary_fused(q, k, *rope)
+        return _apply_rotary_fused(q, k, *rope)
     if runs_invariant_kernels(q):
-        return apply_rotary_fused(q_norm(q), k_norm(k), *rope)
+        return _apply_rotary_fused(q_norm(q), k_norm(k), *rope)
     return _normalize_and_rotate_fused(q, k, q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset,
                                        *rope)

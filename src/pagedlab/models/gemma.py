@@ -21,7 +21,7 @@ from pagedlab.layers.embedding import VocabParallelEmbedding
 from pagedlab.layers.fusion import fused
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm, norm_then_add_norm
-from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate_queries_and_keys
+from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
 from pagedlab.models.llama import DecoderMLP, LlamaForCausalLM, head_dim_of
 from pagedlab.quantization.formats import resolve_quant_config
 from pagedlab.quantization.linear_method import linear_method_for
@@ -51,8 +51,7 @@ class GemmaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotate_queries_and_keys(q, k, rope, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
+        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), rope, self.q_norm, self.k_norm)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -18,7 +18,7 @@ from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import LayerNorm
-from pagedlab.layers.rotary import RotaryEmbedding, apply_rotary_fused, rotary_dim_of
+from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
 from pagedlab.models.checkpoint import load_checkpoint, require_dense
 from pagedlab.models.gpt2 import GeluMLP
 
@@ -36,8 +36,7 @@ class GPTNeoXAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.query_key_value(hidden).view(-1, 3 * self.num_heads, self.head_dim).chunk(3, dim=1)
-        q, k = apply_rotary_fused(q, k, *rope)
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, rope)
         return self.dense(out.reshape(-1, self.num_heads * self.head_dim))
 
 

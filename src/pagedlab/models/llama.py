@@ -25,7 +25,7 @@ from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import RMSNorm
-from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of, rotate_queries_and_keys
+from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
 from pagedlab.models.checkpoint import load_checkpoint
 from pagedlab.quantization.formats import resolve_quant_config
 from pagedlab.quantization.linear_method import linear_method_for
@@ -61,8 +61,7 @@ class DecoderAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotate_queries_and_keys(q, k, rope, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, rope, self.q_norm, self.k_norm)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -5,7 +5,8 @@ The model runner describes a step's batch twice: as host values in a ``BatchLayo
 backend plans from: cascade attention, split-KV) and as device tensors in ``AttentionMetadata``.
 It asks the backend to ``plan`` the step, then runs the model inside ``forward_context(...)``;
 every ``Attention`` layer reads the metadata from there, writes the step's new keys and values
-into its cache and attends through the backend. CUDA graphs capture a backend's ``graph_forms``
+into its cache (a layer with rotary embedding rotates its queries and keys in the same call,
+``rotate_and_write_kv``) and attends through the backend. CUDA graphs capture a backend's ``graph_forms``
 once per batch size and let it ``select_graph_form`` before each replay.
 
 Backends: ``torch_backend`` (plain PyTorch, the definition of correct, runs anywhere) and
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+
+from pagedlab.layers.rotary import rotate_queries_and_keys
 
 
 @dataclass
@@ -88,6 +91,17 @@ class AttentionBackend:
         cache; see ``kernels.kv_write``)."""
         raise NotImplementedError
 
+    def rotate_and_write_kv(self, q, k, v, rope: tuple[torch.Tensor, torch.Tensor], q_norm: nn.Module | None,
+                            k_norm: nn.Module | None, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
+        """``q``/``k`` normalized per head by the ``RMSNorm`` modules ``q_norm``/``k_norm`` where
+        given and rotated by ``rope`` = (cos, sin), the keys and values stored as ``write_kv``
+        stores them; returns the rotated queries. Here ``rotate_queries_and_keys`` then
+        ``write_kv``; the Triton backend runs it as one kernel."""
+        q, k = rotate_queries_and_keys(q, k, rope, q_norm, k_norm)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return q
+
     def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
@@ -140,11 +154,20 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q``: ``[tokens, heads, head_dim]``; ``k``/``v``: ``[tokens, kv_heads, head_dim]``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None) -> torch.Tensor:
+        """``q``: ``[tokens, heads, head_dim]``; ``k``/``v``: ``[tokens, kv_heads, head_dim]``. With
+        ``rope`` (``RotaryEmbedding``'s (cos, sin)) ``q`` and ``k`` are rotated first, after the
+        per-head ``RMSNorm`` modules ``q_norm``/``k_norm`` where given (Qwen3, Gemma 3): the
+        backend's ``rotate_and_write_kv``, one kernel with the KV write on the Triton backend."""
         ctx = get_forward_context()
-        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping, self.k_scale,
-                             self.v_scale)
+        if rope is None:
+            ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.metadata.slot_mapping, self.k_scale,
+                                 self.v_scale)
+        else:
+            q = ctx.backend.rotate_and_write_kv(q, k, v, rope, q_norm, k_norm, self.k_cache, self.v_cache,
+                                                ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
         return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale, self.k_scale,
                                   self.v_scale, self.sliding_window, self.softcap)
 

@@ -76,6 +76,19 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         kv_write.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
+    def rotate_and_write_kv(self, q, k, v, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                            v_scale=1.0):
+        """One kernel (``kv_write.rotate_and_write_kv_triton``), in batch-invariant mode too: each
+        program's numbers depend on its own token's rows alone."""
+        norm = None
+        if q_norm is not None:
+            if (q_norm.eps, q_norm.unit_offset) != (k_norm.eps, k_norm.unit_offset):
+                raise ValueError(f"q_norm (eps={q_norm.eps}, unit_offset={q_norm.unit_offset}) and k_norm "
+                                 f"(eps={k_norm.eps}, unit_offset={k_norm.unit_offset}) must match")
+            norm = kv_write.QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.unit_offset)
+        return kv_write.rotate_and_write_kv_triton(q, k, v, *rope, k_cache, v_cache, slot_mapping, k_scale,
+                                                   v_scale, norm)
+
     def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0, sliding_window=None,
                softcap=None):
         if isinstance(metadata.plan, CascadeBuffers):
