@@ -77,7 +77,8 @@ gpu = pytest.mark.skipif(not _hopper(), reason="PDL needs a Hopper (sm_90 or lat
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_pdl_decode_of_tiny_models_gives_the_tokens_without_pdl_and_hf(tiny_models, monkeypatch, arch):
     """float32: paged attention with split-KV (max_model_len 512 over 256-key segments), its
-    reduce, the KV write, the Inductor norms, rotary and activations, the fused MoE kernels."""
+    reduce, the fused q/k norm + rotary + KV write, the Inductor norms and activations, the fused
+    MoE kernels."""
     tiny = tiny_models(arch)
     prompts = random_prompts(5, max_len=80, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)

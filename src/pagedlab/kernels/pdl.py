@@ -22,15 +22,16 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   after the wait; the dot and multi-row paths wait first), the AWQ GEMV (its first K step's
   words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored after the
   wait), the batch-invariant norm (its weight row);
-- waiting first: paged attention, the split-KV reduces, the KV write, the AWQ GEMM, FP8
+- waiting first: paged attention, the split-KV reduces, the KV write (plain, and fused with the
+  q/k norms and rotary embedding), the AWQ GEMM, FP8
   per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the
   step's routing).
 
 The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
 flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
-kernels (norms, rotary, SiLU-mul) follow the same switch through Inductor's own PDL code
-(``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 the whole step with PDL ran
+kernels (norms, SiLU-mul, the torch backend's rotary) follow the same switch through Inductor's
+own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 the whole step with PDL ran
 W-seed batch 1 in 4.34 ms against 4.54 (FP8 weights 3.48 ms) but Gemma-2-9B in 6.68 against 6.31
 (BENCHMARKS.md, 2026-12-01, before the dot-path GEMVs stopped peeling their first K step); it
 becomes the default once every model family gains. ``tests/test_kernels_hopper_compile.py``
