@@ -13,7 +13,9 @@ it the numerics change where a reduction's order could follow the batch:
   and a batch of 37 round differently);
 - RMSNorm/LayerNorm and the sampler's (log-)softmax: one Triton program per row on CUDA (the
   compiled and cuBLAS-side reductions pick split strategies from the shape); the CPU's are
-  already per row;
+  already per row. Qwen3's and Gemma 3's per-head q/k norms on the Triton attention backend run
+  inside its fused rotary KV write, whose programs (one per token and KV head, shapes fixed by
+  the model) are per row already, in and out of the mode;
 - attention (``layers/attention``): the Triton backend runs one query tile and no split-KV or
   cascade whatever the batch, the torch backend one SDPA per query row over exactly its keys.
 

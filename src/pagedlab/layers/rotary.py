@@ -136,9 +136,9 @@ def rotate_queries_and_keys(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.
     """``q``/``k`` normalized per head by the ``RMSNorm`` modules ``q_norm``/``k_norm`` when given
     (Qwen3, Gemma 3), then rotated by ``rope`` = (cos, sin): one compiled kernel on the GPU (four
     launches were a decode step's few microseconds each, per layer). Batch-invariant mode keeps
-    its own norm kernel. Models hand ``rope`` and the norms to their ``Attention`` layer, whose
-    backend runs this before its KV write (``AttentionBackend.rotate_and_write_kv``: the torch
-    backend) or one Triton kernel that also writes the cache (``kernels/kv_write.py``)."""
+    its own norm kernel. Models hand ``rope`` and the norms to their ``Attention`` layer: the torch
+    backend runs this before its KV write (``AttentionBackend.rotate_and_write_kv``), the Triton
+    backend one kernel that also writes the cache (``kernels/kv_write.py``)."""
     if q_norm is None:
         return _apply_rotary_fused(q, k, *rope)
     if runs_invariant_kernels(q):

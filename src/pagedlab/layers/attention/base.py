@@ -6,8 +6,8 @@ backend plans from: cascade attention, split-KV) and as device tensors in ``Atte
 It asks the backend to ``plan`` the step, then runs the model inside ``forward_context(...)``;
 every ``Attention`` layer reads the metadata from there, writes the step's new keys and values
 into its cache (a layer with rotary embedding rotates its queries and keys in the same call,
-``rotate_and_write_kv``) and attends through the backend. CUDA graphs capture a backend's ``graph_forms``
-once per batch size and let it ``select_graph_form`` before each replay.
+``rotate_and_write_kv``) and attends through the backend. CUDA graphs capture a backend's
+``graph_forms`` once per batch size and let it ``select_graph_form`` before each replay.
 
 Backends: ``torch_backend`` (plain PyTorch, the definition of correct, runs anywhere) and
 ``triton_backend`` (the GPU path), each beside its kernels' torch reference in ``kernels/``.
