@@ -533,13 +533,17 @@ def rotate_write_kv_kernel(
     value, of one token. Queries and keys are RMS-normalized per head (NORM; UNIT_OFFSET: by
     ``1 + weight``) and rotated (``_norm_rotate_rows``); the queries go to ``q_out`` in its dtype,
     the key (rounded to the model's dtype first, as an unfused rotation would hand it on) and the
-    value to the token's cache slot through ``_store_kv``, unless the slot is negative. Every
-    number a program computes depends on its own rows and the constexprs alone, so a token's
-    output is the same in any batch (batch-invariant mode). PDL: waits first."""
+    value to the token's cache slot through ``_store_kv``, unless the slot is negative. Every load
+    comes before the first store and none hangs on the slot, so the program waits for memory once
+    (a decode step's latency). Every number a program computes depends on its own rows and the
+    constexprs alone, so a token's output is the same in any batch (batch-invariant mode). PDL:
+    waits first."""
     pdl_wait_and_trigger(PDL)
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = offs_d < HEAD_DIM
     rotating = offs_d < ROTARY_DIM
     partner = tl.where(offs_d < ROTARY_DIM // 2, offs_d + ROTARY_DIM // 2, offs_d - ROTARY_DIM // 2)
     cos = tl.load(cos_ptr + token * stride_cos_token + offs_d, mask=rotating, other=0.0).to(tl.float32)
@@ -549,23 +553,18 @@ def rotate_write_kv_kernel(
     group_valid = offs_g < GROUP
     q = _norm_rotate_rows(q_ptr + token * stride_q_token + head * stride_q_head, group_valid, q_weight_ptr,
                           eps, cos, sin, offs_d, partner, HEAD_DIM, ROTARY_DIM, NORM, UNIT_OFFSET)
+    row = tl.arange(0, 1)  # the key and the value as one-row tiles
+    row_valid = row < 1
+    key = _norm_rotate_rows(k_ptr + token * stride_k_token + kv_head * stride_k_head + row, row_valid,
+                            k_weight_ptr, eps, cos, sin, offs_d, partner, HEAD_DIM, ROTARY_DIM, NORM,
+                            UNIT_OFFSET)
+    v_src = v_ptr + token * stride_v_token + kv_head * stride_v_head
+    value = tl.load(v_src + row[:, None] + offs_d[None, :], mask=row_valid[:, None] & dim_valid[None, :])
     tl.store(q_out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
-             q.to(q_out_ptr.dtype.element_ty), mask=group_valid[:, None] & (offs_d[None, :] < HEAD_DIM))
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        row = tl.arange(0, 1)
-        row_valid = row < 1
-        key = _norm_rotate_rows(k_ptr + token * stride_k_token + kv_head * stride_k_head + row, row_valid,
-                                k_weight_ptr, eps, cos, sin, offs_d, partner, HEAD_DIM, ROTARY_DIM, NORM,
-                                UNIT_OFFSET)
-        mask = row_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-        v_src = v_ptr + token * stride_v_token + kv_head * stride_v_head
-        value = tl.load(v_src + row[:, None] + offs_d[None, :], mask=mask)
-        k_dst = _cache_slot_offset(slot, stride_kc_block, stride_kc_token, BLOCK_SIZE)
-        v_dst = _cache_slot_offset(slot, stride_vc_block, stride_vc_token, BLOCK_SIZE)
-        k_dst += kv_head * stride_kc_head
-        v_dst += kv_head * stride_vc_head
-        _store_kv(k_cache_ptr, k_dst + row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask,
-                  k_scale_inverse, FP8, FP8_MAX)
-        _store_kv(v_cache_ptr, v_dst + row[:, None] + offs_d[None, :], value, mask, v_scale_inverse, FP8,
-                  FP8_MAX)
+             q.to(q_out_ptr.dtype.element_ty), mask=group_valid[:, None] & dim_valid[None, :])
+    mask = ((row + slot) >= 0)[:, None] & dim_valid[None, :]  # the one row, where its slot is not padding
+    k_dst = _cache_slot_offset(slot, stride_kc_block, stride_kc_token, BLOCK_SIZE) + kv_head * stride_kc_head
+    v_dst = _cache_slot_offset(slot, stride_vc_block, stride_vc_token, BLOCK_SIZE) + kv_head * stride_vc_head
+    _store_kv(k_cache_ptr, k_dst + row[:, None] + offs_d[None, :], key.to(k_ptr.dtype.element_ty), mask,
+              k_scale_inverse, FP8, FP8_MAX)
+    _store_kv(v_cache_ptr, v_dst + row[:, None] + offs_d[None, :], value, mask, v_scale_inverse, FP8, FP8_MAX)
