@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -66,6 +66,9 @@ for part in "$@"; do
                          --json "$OUT/w_seed_${shape}_pdl$pdl.json"
                    done
                  done ;;
+    # W-seed batch 1 of bf16, FP8, AWQ, LoRA, batch-invariant (Llama-3-8B shape), Gemma-2-9B and
+    # Qwen3-30B-A3B, each with PDL off and on, one process (issues 13-16 batch-1 targets)
+    b1matrix) python3 benchmarks/batch1_matrix.py --out "$OUT/batch1_matrix.json" ;;
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;
