@@ -37,7 +37,11 @@ from pagedlab.distributed.peer_all_reduce import PeerAllReduce
 from pagedlab.engine.model_runner import ModelRunner, StepInputs, load_model_runner
 from pagedlab.loader import resolve_model_source
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# Bounds the ranks' rendezvous and every collective. A worker that dies is seen at once (its
+# sockets close, and the executor polls the processes); this only ends a wait on a rank that is
+# alive but stuck, or still starting: on two busy CPU cores a spawned worker's imports took over
+# 60 s, and every tensor-parallel CI test timed out at the rendezvous.
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 REPLY_POLL_S = 0.5  # how often a wait for the workers checks that they are alive
 
 
