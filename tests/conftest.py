@@ -177,6 +177,21 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
+def assert_hf_tokens_and_logprobs(hf_model, prompts: list[list[int]], outs, max_new_tokens: int,
+                                  atol: float = 1e-4) -> None:
+    """Each of ``outs`` (``LLM.generate`` results of ``prompts``, greedy, with logprobs) has HF's
+    greedy tokens, and each chosen token's logprob within ``atol`` of HF's log-softmax."""
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        completion = out.outputs[0]
+        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
+        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
+            assert abs(position[token].logprob - ref[token].item()) < atol
+
+
 def random_prompts(count: int, vocab: int = 1000, min_len: int = 3, max_len: int = 60, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()

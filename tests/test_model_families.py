@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import build_tiny_model, hf_greedy, random_prompts
+from conftest import assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.loader import load_model, resolve_model_source
 
@@ -38,15 +38,7 @@ def _check_engine_matches_hf(tiny, kv_heads: int, **engine_args):
         stats = llm.get_stats()
     assert stats.prefix_cache_hit_tokens > 0
     assert stats.num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            gen = tiny.hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-        completion = out.outputs[0]
-        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
-        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
-            assert abs(position[token].logprob - ref[token].item()) < 1e-4
+    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, MAX_TOKENS)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # not one degenerate output
 
 

@@ -8,29 +8,17 @@ eagerly and replayed from a CUDA graph.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from test_kernels import DEVICE, TOLERANCE, _generator, gpu  # sets TRITON_INTERPRET before the kernels load
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
-
-pytest.importorskip("triton")
-
-from conftest import KV_BYTES, random_prompts
+from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.kernels import kv_write
 from pagedlab.kernels.kv_write import (FP8_KV_DTYPE, QKNorm, quantize_kv_torch,
                                        rotate_and_write_kv_torch, rotate_and_write_kv_triton)
 from pagedlab.layers.attention import get_attention_backend
 from pagedlab.layers.norm import RMSNorm
-from test_kernels import DEVICE, TOLERANCE, _generator, gpu
 
 NUM_BLOCKS, BLOCK_SIZE = 6, 16
 
@@ -209,15 +197,7 @@ def test_triton_backend_gives_hf_tokens_and_logprobs_through_the_fused_kernel(ti
         assert llm.get_stats().prefix_cache_hit_tokens > 0
     assert norms and all((norm is not None) == (arch in ("qwen3", "gemma3", "qwen3_moe")) for norm in norms)
     assert all(norm.unit_offset == (arch == "gemma3") for norm in norms if norm is not None)
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            gen = tiny.hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                         eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-        completion = out.outputs[0]
-        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
-        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
-            assert abs(position[token].logprob - ref[token].item()) < 1e-4
+    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 6)
 
 
 # ---------------------------------------------------------------- real shapes on the GPU (bf16)
