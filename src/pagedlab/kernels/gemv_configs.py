@@ -99,6 +99,8 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # entries gemv_bench picked (times per linear in the chain, without PDL). Entries marked "decode"
 # come from gemv_bench's decode-like timing (2026-12-01, session 10: each call on its own weight
 # copy, the copies over twice the L2); its one-row picks for qkv, o and down equal the chain's.
+# The Gemma-2-9B, Qwen3-30B-A3B and Mixtral (LM head) entries: the same timing, 2026-12-01
+# (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS.
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -115,12 +117,20 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 4096, 2048): TileConfig(block_n=8, block_k=512),  # 8.4 (cuBLAS 9.1)
     (1, 4096, 7168): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 23.0 (cuBLAS 24.2)
     (1, 64128, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # 130.0 (cuBLAS 145.8)
-    (1, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 13.3 (cuBLAS 14.4)
-    (4, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 13.4 (cuBLAS 14.4)
-    (1, 28672, 3584): TileConfig(block_n=32, block_k=256, block_m=16),  # 57.5 (cuBLAS 60.7)
-    (16, 3584, 14336): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # 36.2 (cuBLAS 37.5)
-    (1, 256000, 3584): TileConfig(block_n=64, block_k=128, block_m=16),  # 410.2 (cuBLAS 469.5)
-    (16, 256000, 3584): TileConfig(block_n=64, block_k=128, block_m=16),  # 425.4 (cuBLAS 439.3)
+    (1, 3584, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 9.1 (cuBLAS 12.7)
+    (4, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # decode 11.4 (cuBLAS 12.5)
+    (16, 3584, 14336): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # decode 29.3, cuBLAS 30.4
+    (1, 256000, 3584): TileConfig(block_n=8, block_k=512),  # decode 394.4 (cuBLAS 410.0)
+    (16, 256000, 3584): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 417.2 (cuBLAS 430.1)
+    (16, 3584, 4096): TileConfig(block_n=32, block_k=256, split_k=5, block_m=16),  # decode 11.6 (cuBLAS 12.6)
+    (1, 3584, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 25.4 (cuBLAS 27.6)
+    (1, 5120, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 7.2 (cuBLAS 7.6)
+    (1, 2048, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 6.6 (cuBLAS 9.5)
+    (4, 2048, 4096): TileConfig(block_n=32, block_k=256, split_k=9, block_m=16),  # decode 8.1 (cuBLAS 9.5)
+    (16, 2048, 4096): TileConfig(block_n=32, block_k=256, split_k=9, block_m=16),  # decode 8.3 (cuBLAS 9.7)
+    (1, 151936, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 135.6 (cuBLAS 143.7)
+    (1, 32000, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 59.7 (cuBLAS 63.4)
+    (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
 }
 # (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
 # row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
@@ -134,6 +144,12 @@ FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 4096, 2048): TileConfig(block_n=8, block_k=1024),  # 9.1
     (1, 14336, 4096): TileConfig(block_n=8, block_k=1024),  # 33.4
     (1, 4096, 7168): TileConfig(block_n=8, block_k=1024),  # 20.7
+    (1, 8192, 3584): TileConfig(block_n=8, block_k=512),  # decode 14.6
+    (1, 3584, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 9.5
+    (1, 28672, 3584): TileConfig(block_n=8, block_k=512),  # decode 34.0
+    (1, 3584, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 21.6
+    (1, 5120, 2048): TileConfig(block_n=4, block_k=512, num_stages=3),  # decode 7.6
+    (1, 2048, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 8.2
 }
 
 
@@ -222,41 +238,39 @@ BATCH_INVARIANT_ROW_BUCKETS = (1, 8, 64, 256, 1024, 8192)
 # compile to an instruction that rounds the same. A shape not listed takes the default. Entries:
 # TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages); bench times on one H200.
 BATCH_INVARIANT_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    (1, 6144, 4096): TileConfig(64, 64, 3, 16, 4, 4),  # 20.2 us (default 19.6)
-    (8, 6144, 4096): TileConfig(32, 64, 3, 16, 4, 4),  # 20.6 us (default 19.5)
-    (64, 6144, 4096): TileConfig(64, 64, 3, 64, 4, 4),  # 24.4 us (default 20.4)
-    (256, 6144, 4096): TileConfig(64, 64, 3, 64, 4, 4),  # 37.5 us (default 25.7)
-    (1024, 6144, 4096): TileConfig(128, 64, 3, 64, 4, 4),  # 113.3 us (default 67.8)
-    (8192, 6144, 4096): TileConfig(256, 64, 3, 128, 8, 4),  # 824.6 us (default 516.2)
-    (1, 4096, 4096): TileConfig(32, 64, 5, 16, 4, 4),  # 15.0 us (default 15.7)
-    (8, 4096, 4096): TileConfig(32, 64, 5, 16, 4, 4),  # 15.2 us (default 15.5)
-    (64, 4096, 4096): TileConfig(64, 64, 5, 64, 4, 4),  # 19.9 us (default 14.8)
-    (256, 4096, 4096): TileConfig(64, 64, 5, 64, 4, 4),  # 32.9 us (default 20.9)
-    (1024, 4096, 4096): TileConfig(128, 64, 5, 256, 8, 3),  # 77.2 us (default 44.5)
-    (8192, 4096, 4096): TileConfig(128, 64, 5, 256, 8, 3),  # 593.4 us (default 342.9)
-    (1, 28672, 4096): TileConfig(128, 64, 1, 16, 4, 4),  # 65.5 us (default 64.5)
-    (8, 28672, 4096): TileConfig(128, 64, 1, 16, 4, 4),  # 65.5 us (default 67.3)
-    (64, 28672, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 68.6 us (default 67.9)
-    (256, 28672, 4096): TileConfig(256, 64, 1, 128, 8, 4),  # 133.4 us (default 93.5)
-    (1024, 28672, 4096): TileConfig(256, 64, 1, 128, 8, 3),  # 447.6 us (default 304.5)
-    (8192, 28672, 4096): TileConfig(128, 64, 1, 256, 8, 3),  # 3900.7 us (default 2781.8)
-    (1, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 38.8 us (default 42.0)
-    (8, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 39.6 us (default 41.8)
-    (64, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 44.4 us (default 41.8)
-    (256, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 88.7 us (default 49.6)
-    (1024, 4096, 14336): TileConfig(256, 64, 5, 128, 8, 3),  # 220.5 us (default 147.3)
-    (8192, 4096, 14336): TileConfig(128, 64, 5, 256, 8, 3),  # 1919.3 us (default 1347.7)
-    (1, 128256, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 240.2 us (default 242.6)
-    (8, 128256, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 243.1 us (default 250.6)
-    (64, 128256, 4096): TileConfig(128, 128, 1, 64, 4, 3),  # 265.8 us (default 276.6)
-    (256, 128256, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 540.2 us (default 381.7)
+    (1, 6144, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 16.1 us (default 14.3)
+    (8, 6144, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 16.4 us (default 15.6)
+    (64, 6144, 4096): TileConfig(128, 128, 1, 64, 4, 3),  # 24.5 us (default 16.3)
+    (256, 6144, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 31.9 us (default 21.8)
+    (1024, 6144, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 91.8 us (default 69.5)
+    (8192, 6144, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 836.3 us (default 601.1)
+    (1, 4096, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 14.2 us (default 10.3)
+    (8, 4096, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 14.2 us (default 12.4)
+    (64, 4096, 4096): TileConfig(64, 128, 1, 16, 4, 4),  # 18.8 us (default 12.0)
+    (256, 4096, 4096): TileConfig(128, 128, 1, 64, 4, 3),  # 23.7 us (default 18.6)
+    (1024, 4096, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 61.6 us (default 44.9)
+    (8192, 4096, 4096): TileConfig(128, 128, 1, 128, 8, 3),  # 537.1 us (default 353.1)
+    (1, 28672, 4096): TileConfig(32, 64, 1, 16, 4, 4),  # 56.9 us (default 54.7)
+    (8, 28672, 4096): TileConfig(128, 64, 1, 16, 4, 4),  # 57.5 us (default 55.3)
+    (64, 28672, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 60.5 us (default 60.6)
+    (256, 28672, 4096): TileConfig(128, 64, 1, 128, 8, 3),  # 114.3 us (default 90.7)
+    (1024, 28672, 4096): TileConfig(128, 64, 1, 256, 8, 3),  # 427.2 us (default 327.1)
+    (8192, 28672, 4096): TileConfig(128, 64, 1, 256, 8, 3),  # 3452.9 us (default 2780.5)
+    (1, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 31.4 us (default 32.3)
+    (8, 4096, 14336): TileConfig(32, 64, 5, 16, 4, 4),  # 32.0 us (default 34.2)
+    (64, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 38.7 us (default 34.5)
+    (256, 4096, 14336): TileConfig(64, 64, 5, 64, 4, 4),  # 81.7 us (default 48.3)
+    (1024, 4096, 14336): TileConfig(128, 64, 5, 256, 8, 3),  # 216.9 us (default 151.7)
+    (8192, 4096, 14336): TileConfig(128, 64, 5, 256, 8, 3),  # 1957.8 us (default 1369.9)
+    (1, 128256, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 238.3 us (default 230.1)
+    (8, 128256, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 240.7 us (default 240.1)
+    (64, 128256, 4096): TileConfig(128, 64, 1, 64, 4, 4),  # 251.7 us (default 268.9)
+    (256, 128256, 4096): TileConfig(128, 64, 1, 256, 8, 3),  # 543.5 us (default 430.5)
 }
 # The entries of BATCH_INVARIANT_CONFIGS whose launch splits K across programs (the segments'
 # sums meet in a scratch buffer), where the bench measured that faster than one program looping
 # over the segments; the sum is the same either way.
 BATCH_INVARIANT_SPLIT_LAUNCH: set[tuple[int, int, int]] = {
-    (1, 6144, 4096), (8, 6144, 4096), (64, 6144, 4096),
-    (1, 4096, 4096), (8, 4096, 4096), (64, 4096, 4096),
     (1, 4096, 14336), (8, 4096, 14336), (64, 4096, 14336),
 }
 
