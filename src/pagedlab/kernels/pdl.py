@@ -31,10 +31,11 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
 The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
 flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
 kernels (norms, SiLU-mul, the torch backend's rotary) follow the same switch through Inductor's
-own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 the whole step with PDL ran
-W-seed batch 1 in 4.34 ms against 4.54 (FP8 weights 3.48 ms) but Gemma-2-9B in 6.68 against 6.31
-(BENCHMARKS.md, 2026-12-01, before the dot-path GEMVs stopped peeling their first K step); it
-becomes the default once every model family gains. ``tests/test_kernels_hopper_compile.py``
+own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 (BENCHMARKS.md,
+2026-12-01, session 11) the whole step with PDL ran W-seed batch 1 in 4.25 ms against 4.43, FP8
+weights 3.25 against 3.58, Gemma-2-9B 6.00 against 6.16 and Qwen3-30B-A3B 3.80 against 3.99, but
+AWQ weights in 4.07 against 3.33 and eight LoRA adapters in 5.15 against 4.97; it becomes the
+default once those two gain too. ``tests/test_kernels_hopper_compile.py``
 checks every kernel's PDL code on the CPU, ``tests/test_pdl.py`` the engine's tokens and logprobs
 bitwise against PDL off.
 """
