@@ -177,6 +177,10 @@ def test_choose_split_kv_size():
     assert choose_split_kv_size(1, 8, 7, 4096) is None  # not a decode-only batch
     assert choose_split_kv_size(1, 8, 1, SPLIT_KV_SIZE) is None  # one segment would hold it all
     assert choose_split_kv_size(1, 8, 1, 4096, split_kv_size=64) == 64
+    # tiny batches of short sequences take smaller segments while the grid stays within ~one program per SM
+    assert choose_split_kv_size(1, 8, 1, 640) == 64  # 80 programs
+    assert choose_split_kv_size(2, 8, 1, 640) == 128  # 64-key segments would make 160
+    assert choose_split_kv_size(1, 8, 1, 640, split_kv_size=SPLIT_KV_SIZE) == SPLIT_KV_SIZE
 
 
 def test_bad_split_size_is_rejected():
@@ -381,6 +385,16 @@ def test_gpu_decode_split_kv(batch_size):
     batch = _real_batch(seqs, 16, f"gpu-split-{batch_size}")
     check_attention(batch, max_query_len=1, max_seq_len=max_seq_len, split_kv_size=split)
     check_attention(batch, max_query_len=1, max_seq_len=max_seq_len)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch_size, split", [(1, 64), (2, 128)])
+def test_gpu_decode_small_split_kv(batch_size, split):
+    seqs = [(639 - 50 * i, 1) for i in range(batch_size)]
+    assert choose_split_kv_size(batch_size, REAL["num_kv_heads"], 1, 640) == split
+    batch = _real_batch(seqs, 16, f"gpu-small-split-{batch_size}")
+    check_attention(batch, max_query_len=1, max_seq_len=640, split_kv_size=split)
 
 
 @pytest.mark.gpu

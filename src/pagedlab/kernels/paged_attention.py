@@ -157,6 +157,12 @@ def paged_attention_rows_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 # sequences (256 programs) it is a wash and at 128 sequences it loses (85 -> 105 us at 576 keys).
 # 128 is better for tiny batches of short sequences, 512 for long ones; 256 is never far off.
 SPLIT_KV_SIZE = 256
+# Smaller segments for a batch whose split grid would still leave most SMs idle: the smallest of
+# these whose grid (sequences x KV heads x segments) stays within SPLIT_KV_TARGET_PROGRAMS, about
+# one program per SM. One sequence of 640 keys (8 KV heads, head_dim 128, H200, 2026-12-01): 9.0 us
+# with 64-key segments (80 programs), 9.7 with 128, 11.7 with 256; 16 x 8,192 keys: 256 best.
+SPLIT_KV_SMALL_SIZES = (64, 128)
+SPLIT_KV_TARGET_PROGRAMS = 128
 # Split only below this many (sequence, KV head) programs: about one wave of resident programs.
 SPLIT_KV_MIN_PROGRAMS = 256
 # Query-start entries each program scans per step when it looks up its sequence.
@@ -173,19 +179,26 @@ BATCH_INVARIANT_SPLIT_KV_SIZE = 0
 
 
 def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
-                         max_seq_len: int | None = None, split_kv_size: int = SPLIT_KV_SIZE) -> int | None:
+                         max_seq_len: int | None = None, split_kv_size: int | None = None) -> int | None:
     """Split-KV policy: the split size (tokens) to use, or None for the plain 2D launch.
 
     Splits only decode-only batches (``max_query_len == 1``) whose 2D grid would have fewer than
-    ``SPLIT_KV_MIN_PROGRAMS`` programs, and only when a sequence can be longer than one segment.
-    Every argument is a host int, so a CUDA-graph runner can fix the choice per captured size
-    (pass its ``max_model_len`` as ``max_seq_len``).
+    ``SPLIT_KV_MIN_PROGRAMS`` programs, and only when a sequence can be longer than one
+    ``SPLIT_KV_SIZE`` segment. The size: ``split_kv_size`` where given (batch-invariant mode's
+    fixed segments), else the smallest of ``SPLIT_KV_SMALL_SIZES`` whose grid fits in
+    ``SPLIT_KV_TARGET_PROGRAMS``, else ``SPLIT_KV_SIZE``. Every argument is a host int, so a
+    CUDA-graph runner can fix the choice per captured size (pass its ``max_model_len`` as
+    ``max_seq_len``).
     """
-    if max_query_len != 1 or num_seqs * num_kv_heads >= SPLIT_KV_MIN_PROGRAMS:
+    programs = num_seqs * num_kv_heads
+    if max_query_len != 1 or programs >= SPLIT_KV_MIN_PROGRAMS:
         return None
-    if max_seq_len is not None and max_seq_len <= split_kv_size:
+    if max_seq_len is not None and max_seq_len <= (split_kv_size or SPLIT_KV_SIZE):
         return None
-    return split_kv_size
+    if split_kv_size is not None or max_seq_len is None:
+        return split_kv_size or SPLIT_KV_SIZE
+    return next((size for size in SPLIT_KV_SMALL_SIZES
+                 if programs * -(-max_seq_len // size) <= SPLIT_KV_TARGET_PROGRAMS), SPLIT_KV_SIZE)
 
 
 def allocate_split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, max_seq_len: int,

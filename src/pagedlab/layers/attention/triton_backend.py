@@ -98,11 +98,11 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
         invariant = batch_invariant_enabled()
-        split_size = paged_attention.SPLIT_KV_SIZE
+        split_size = None  # the default mode's policy
         if invariant:  # the mode splits only into its key segments, which a windowed layer has not
             split_size = paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
         split_kv_size = None
-        if split_size:
+        if split_size != 0:
             split_kv_size = paged_attention.choose_split_kv_size(
                 metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len,
                 split_size)
