@@ -67,6 +67,9 @@ DEVICE = "cuda"
 ATTENTION_CASES = (("decode", 1, 1, 640), ("decode", 256, 1, 576), ("prefill", 16, 512, 512))
 # Query-tile rows of batch-invariant attention timed (the mode's is paged_attention.BATCH_INVARIANT_BLOCK_M)
 INVARIANT_ATTENTION_ROWS = (16, 32, 64)
+# Key segments of batch-invariant attention timed besides none and the mode's own: smaller ones let
+# a batch-1 decode split its keys over more programs, at the cost of one merge per segment
+INVARIANT_ATTENTION_SEGMENTS = (64, 128, 256)
 # A config this many times slower than the default mode at some row count is not timed at more rows.
 GIVE_UP_SLOWDOWN = 4.0
 # The LM head runs on one row per sequence: never more rows than the largest decode batch.
@@ -372,8 +375,9 @@ def attention_inputs(seqs: int, query_len: int, keys: int, gen: torch.Generator,
 def bench_attention(gen: torch.Generator) -> list[dict]:
     """Attention of one layer in the default mode and in batch-invariant mode (each splitting keys
     where the backend would: the mode only into its fixed key segments) at each query-tile size
-    of ``INVARIANT_ATTENTION_ROWS``, with the mode's key segments (``BATCH_INVARIANT_SPLIT_KV_SIZE``)
-    and without any (0). Both constants hold for every launch of the mode, decode and prefill."""
+    of ``INVARIANT_ATTENTION_ROWS``, with the mode's key segments (``BATCH_INVARIANT_SPLIT_KV_SIZE``),
+    those of ``INVARIANT_ATTENTION_SEGMENTS`` and without any (0). Both constants hold for every
+    launch of the mode, decode and prefill."""
     from pagedlab.kernels import paged_attention
 
     found = []
@@ -387,7 +391,7 @@ def bench_attention(gen: torch.Generator) -> list[dict]:
                       default=dict(us=_attention_us(args, split_kv_size=split, **bounds)))
         try:
             for rows in sorted({*INVARIANT_ATTENTION_ROWS, settings[0]}):
-                for segment in sorted({0, settings[1]}):
+                for segment in sorted({0, settings[1], *INVARIANT_ATTENTION_SEGMENTS}):
                     paged_attention.BATCH_INVARIANT_BLOCK_M = rows
                     paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE = segment
                     invariant_split = None

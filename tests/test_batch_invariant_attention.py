@@ -20,7 +20,7 @@ CASES = [
     pytest.param(dict(heads=4, kv_heads=2, head_dim=16, tokens=100, dtype=torch.float32, tile_rows=(16, 64),
                       segments=(64, 0)), id="small"),
     pytest.param(dict(heads=32, kv_heads=8, head_dim=128, tokens=700, dtype=torch.bfloat16,
-                      tile_rows=(16, 32, 64), segments=(256, 512, 0)), id="llama3-8b-bf16",
+                      tile_rows=(16, 32, 64), segments=(64, 128, 256, 512, 0)), id="llama3-8b-bf16",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                             reason="needs a CUDA GPU")]),
 ]
