@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for module in ("pdl_jit", "gemv", "batch_invariant", "triton_kernels"):  # in import order
+    # in import order
+    for module in ("pdl_jit", "gemv", "batch_invariant", "triton_kernels", "kv_write_kernels"):
         if f"pagedlab.kernels.{module}" in sys.modules:
             importlib.reload(sys.modules[f"pagedlab.kernels.{module}"])
 

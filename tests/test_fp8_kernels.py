@@ -19,7 +19,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels", "pagedlab.kernels.gemv",
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
+                    "pagedlab.kernels.kv_write_kernels", "pagedlab.kernels.gemv",
                     "pagedlab.kernels.fp8_linear"):
         if kernels in sys.modules:  # built without the interpreter by another module
             importlib.reload(sys.modules[kernels])

@@ -27,6 +27,7 @@ LAZY_INTERNAL = {
     "pagedlab.kernels.paged_attention": "the Triton backend: triton is optional on the CPU",
     "pagedlab.kernels.kv_write": "the Triton backend: triton is optional on the CPU",
     "pagedlab.kernels.triton_kernels": "the Triton kernels themselves: triton is optional on the CPU",
+    "pagedlab.kernels.kv_write_kernels": "the KV-write Triton kernels: triton is optional on the CPU",
     "pagedlab.kernels.fused_moe_kernels": "the fused MoE Triton kernels: triton is optional on the CPU, "
                                           "and the interpreter must be settled before they are decorated",
     "pagedlab.kernels.all_reduce": "the one-shot all-reduce on CUDA: triton is optional on the CPU",

@@ -20,7 +20,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     # Built earlier without the interpreter (e.g. by another test module)? Rebuild it.
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels"):
+    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
+                    "pagedlab.kernels.kv_write_kernels"):
         if kernels in sys.modules:
             importlib.reload(sys.modules[kernels])
 

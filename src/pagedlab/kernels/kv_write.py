@@ -69,7 +69,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV output) as long as
     head_dim is contiguous. No host sync, so it can be captured in a CUDA graph.
     """
-    from pagedlab.kernels import triton_kernels
+    from pagedlab.kernels import kv_write_kernels
 
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -77,7 +77,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("key, value, k_cache and v_cache need a contiguous head_dim")
     _check_caches(key, k_cache, v_cache)
-    triton_kernels.write_kv_kernel[(num_tokens,)](
+    kv_write_kernels.write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -144,7 +144,7 @@ def rotate_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """``rotate_and_write_kv_torch`` in one Triton launch: a program per (token, KV head) covers
     that KV head's query heads, key and value. ``q``/``k``/``v`` may be strided views (slices of a
     fused QKV output) with a contiguous head_dim. No host sync: it can be captured in a CUDA graph."""
-    from pagedlab.kernels import triton_kernels
+    from pagedlab.kernels import kv_write_kernels
 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, rotary_dim = k.shape[1], cos.shape[-1]
@@ -155,7 +155,7 @@ def rotate_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     group = num_heads // num_kv_heads
     group_padded, head_dim_padded = 1 << (group - 1).bit_length(), 1 << (head_dim - 1).bit_length()
     weights = (q, q) if norm is None else (norm.q_weight, norm.k_weight)
-    triton_kernels.rotate_write_kv_kernel[(num_tokens, num_kv_heads)](
+    kv_write_kernels.rotate_write_kv_kernel[(num_tokens, num_kv_heads)](
         q, k, v, cos, sin, *weights, out, k_cache, v_cache, slot_mapping,
         0.0 if norm is None else norm.eps, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

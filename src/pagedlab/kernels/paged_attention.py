@@ -380,6 +380,7 @@ class _AttentionKernels:
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q,
             BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
+            TILE_SEGMENTS=segment_size == launch.tile_n,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
