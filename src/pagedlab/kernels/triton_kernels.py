@@ -137,20 +137,14 @@ def _attend_segments(q, k_cache_ptr, v_cache_ptr, block_table_row_ptr, k_head_of
     total_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     total_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if TILE_SEGMENTS:
-        for tile_start in range(0, all_rows_end, TILE_N):
-            total_acc, total_sum, total_max = _attend_tile_segment(
-                total_acc, total_sum, total_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len, offs_d, dim_valid,
-                qk_scale, v_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token, BLOCK_M,
-                HEAD_DIM_PADDED, BLOCK_SIZE, TILE_N, PAD_DIM, False, DOT_PRECISION, softcap_scale, softcap,
-                SOFTCAP, BROADCAST_DOT)
-        for tile_start in range(all_rows_end, key_end, TILE_N):
-            total_acc, total_sum, total_max = _attend_tile_segment(
-                total_acc, total_sum, total_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
-                k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len, offs_d, dim_valid,
-                qk_scale, v_scale, stride_k_block, stride_k_token, stride_v_block, stride_v_token, BLOCK_M,
-                HEAD_DIM_PADDED, BLOCK_SIZE, TILE_N, PAD_DIM, True, DOT_PRECISION, softcap_scale, softcap,
-                SOFTCAP, BROADCAST_DOT)
+        for masked in tl.static_range(2):  # the tiles every row sees in full, then the masked ones
+            for tile_start in range(all_rows_end * masked, key_end if masked else all_rows_end, TILE_N):
+                total_acc, total_sum, total_max = _attend_tile_segment(
+                    total_acc, total_sum, total_max, q, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                    k_head_offset, v_head_offset, tile_start, key_end, query_pos, context_len, offs_d,
+                    dim_valid, qk_scale, v_scale, stride_k_block, stride_k_token, stride_v_block,
+                    stride_v_token, BLOCK_M, HEAD_DIM_PADDED, BLOCK_SIZE, TILE_N, PAD_DIM, masked == 1,
+                    DOT_PRECISION, softcap_scale, softcap, SOFTCAP, BROADCAST_DOT)
         return total_acc, total_sum
     for segment_start in range(0, key_end, segment_size):
         segment_end = tl.minimum(segment_start + segment_size, key_end)
