@@ -132,7 +132,9 @@ class FP8LinearMethod(LinearMethod):
     """FP8 weights with per-output-channel scales (``pagedlab.quantization.fp8``):
     ``torch._scaled_mm`` on GPUs with FP8 tensor cores, the quantize-dequantize emulation
     elsewhere (CPU, older GPUs, features not multiples of 16). Weight-only FP8 (a checkpoint
-    without activation quantization) multiplies the dequantized weight."""
+    without activation quantization) multiplies the dequantized weight. With dynamic per-token
+    activation scales ``apply`` also takes ``QuantizedActivations`` from a fused producer
+    (``takes_quantized_activations``) and skips the quantization."""
 
     def __init__(self, config: FP8Config):
         self.quantize_at_load = config.quantize_at_load
@@ -164,6 +166,14 @@ class FP8LinearMethod(LinearMethod):
             return fp8_linear_cuda(x, layer.weight, layer.weight_scale, input_scale, bias)
         return fp8_linear_torch(x, layer.weight, layer.weight_scale, input_scale, bias,
                                 quantize_input=self.activations != "none")
+
+
+def takes_quantized_activations(linear) -> bool:
+    """Whether the module ``linear`` takes ``QuantizedActivations`` as its input: a linear of
+    ``pagedlab.layers.linear`` in FP8 with dynamic per-token activation scales (a LoRA wrapper,
+    whose shrink needs the unquantized input, is not one)."""
+    method = getattr(linear, "linear_method", None)
+    return isinstance(method, FP8LinearMethod) and method.activations == "dynamic"
 
 
 # Our fused linears and the checkpoint modules they hold.
