@@ -214,11 +214,17 @@ def fp8_linear_torch(x: torch.Tensor | QuantizedActivations, weight: torch.Tenso
     return out.reshape(*lead, weight.shape[0])
 
 
+def fp8_kernels_run(device: torch.device) -> bool:
+    """Whether the FP8 Triton kernels run on the CUDA ``device``: FP8 tensor cores and E4M3
+    conversions (compute capability 8.9+: Ada, Hopper and later)."""
+    return compute_capability(device) >= (8, 9)
+
+
 def scaled_mm_runs(weight: torch.Tensor) -> bool:
-    """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU with FP8 tensor
-    cores (compute capability 8.9+) and both features multiples of 16 (cuBLASLt's rule)."""
+    """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU where the FP8
+    kernels run and both features multiples of 16 (cuBLASLt's rule)."""
     return (weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-            and compute_capability(weight.device) >= (8, 9))  # FP8 tensor cores: Ada, Hopper and later
+            and fp8_kernels_run(weight.device))
 
 
 def fp8_linear_cuda(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
-from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_cuda, fp8_linear_torch,
-                                       quantize_fp8_per_row, scaled_mm_runs)
+from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_kernels_run, fp8_linear_cuda,
+                                       fp8_linear_torch, quantize_fp8_per_row, scaled_mm_runs)
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,14 @@ class FP8LinearMethod(LinearMethod):
 
 
 def takes_quantized_activations(linear) -> bool:
-    """Whether the module ``linear`` takes ``QuantizedActivations`` as its input: a linear of
-    ``pagedlab.layers.linear`` in FP8 with dynamic per-token activation scales (a LoRA wrapper,
-    whose shrink needs the unquantized input, is not one)."""
+    """Whether the module ``linear`` takes ``QuantizedActivations`` from a fused producer: a linear
+    of ``pagedlab.layers.linear`` in FP8 with dynamic per-token activation scales, on the CPU or
+    on a GPU where the FP8 kernels that produce them run (a LoRA wrapper, whose shrink needs the
+    unquantized input, is not one)."""
     method = getattr(linear, "linear_method", None)
-    return isinstance(method, FP8LinearMethod) and method.activations == "dynamic"
+    if not isinstance(method, FP8LinearMethod) or method.activations != "dynamic":
+        return False
+    return not linear.weight.is_cuda or fp8_kernels_run(linear.weight.device)
 
 
 # Our fused linears and the checkpoint modules they hold.
