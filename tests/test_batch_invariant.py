@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    # in import order
-    for module in ("pdl_jit", "gemv", "batch_invariant", "triton_kernels", "kv_write_kernels"):
+    for module in ("pdl_jit", "triton_kernels", "kv_write_kernels", "gemv", "batch_invariant"):  # imports
         if f"pagedlab.kernels.{module}" in sys.modules:
             importlib.reload(sys.modules[f"pagedlab.kernels.{module}"])
 

@@ -12,6 +12,7 @@ host memory behind an event that ``LaunchedStep.result`` waits for.
 from __future__ import annotations
 
 import functools
+import os
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,7 +136,18 @@ def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
     if config.enable_lora:
         runner.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or config.max_loras, dtype, device)
+    fuse_fp8_inputs(model)  # after LoRA wraps its linears, which take unquantized inputs
     return runner
+
+
+def fuse_fp8_inputs(model: torch.nn.Module) -> int:
+    """Let the Llama-family norms and activations emit their FP8 linears' quantized inputs
+    (``LlamaForCausalLM.emit_fp8_inputs``), unless ``PAGEDLAB_FP8_FUSED_INPUTS=0``; returns how many
+    producers do (0 for other model families and formats)."""
+    emit = getattr(model, "emit_fp8_inputs", None)
+    if emit is None or os.environ.get("PAGEDLAB_FP8_FUSED_INPUTS", "1") == "0":
+        return 0
+    return emit()
 
 
 class ModelRunner:

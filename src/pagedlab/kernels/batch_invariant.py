@@ -45,6 +45,8 @@ from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
                                            batch_invariant_split_launch, check_batch_invariant_config)
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
+from pagedlab.kernels.triton_kernels import _round_to_e4m3
+from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, QuantizedActivations
 
 # Columns of the log-softmax loop: a row of any vocabulary is read in chunks of this many.
 SOFTMAX_BLOCK = 4096
@@ -265,13 +267,16 @@ def _tma_loads(*operands: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
-                 stride_x, stride_residual, stride_out, stride_residual_out,
+def _norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, q_ptr, scale_ptr,
+                 N, eps, stride_x, stride_residual, stride_out, stride_residual_out, stride_q,
                  LAYER_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK: tl.constexpr, STORE_OUT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                 MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
     """Program (row): ``x (+ residual)``, then RMSNorm (scaled by ``weight``, or by ``1 + weight``
     with UNIT_OFFSET) or LayerNorm (``weight``, ``bias``), reduced in float32 in one fixed tree.
-    The weight row is read before the PDL wait."""
+    FP8: the output, in x's dtype, also quantized per row as ``_per_token_quant_kernel`` does
+    (the row's scale and its E4M3 values); STORE_OUT: the output itself written. The weight row
+    is read before the PDL wait."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < N
@@ -293,7 +298,15 @@ def _norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, out_ptr, residual_ou
             out = xf * rstd * (1.0 + weight.to(tl.float32))
         else:  # as the torch layer: normalized, cast, then scaled in the model's dtype
             out = (xf * rstd).to(x.dtype) * weight
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
+    out = out.to(out_ptr.dtype.element_ty)
+    if STORE_OUT:
+        tl.store(out_ptr + row * stride_out + cols, out, mask=valid)
+    if FP8:  # masked columns hold 0, which leaves the row's maximum alone
+        y = out.to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        q = _round_to_e4m3(tl.math.div_rn(y, scale), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=valid)
 
 
 def rows_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None,
@@ -308,26 +321,36 @@ def rows_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: tor
 
 
 def rows_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None,
-                     unit_offset: bool = False, residual: torch.Tensor | None = None):
+                     unit_offset: bool = False, residual: torch.Tensor | None = None, fp8: bool = False,
+                     normed_out: torch.Tensor | None = None):
     """``rows_norm_torch`` one program per row; with ``residual`` returns
-    ``(norm(x + residual), x + residual)``."""
+    ``(norm(x + residual), x + residual)``. With ``fp8`` the norm comes quantized per row, as
+    ``QuantizedActivations`` (the values ``quantize_fp8_per_row`` gives for it), from the same
+    program and is not written out, unless into ``normed_out`` (the tests' view of it)."""
     width = x.shape[-1]
     if width > MAX_NORM_WIDTH:
         raise ValueError(f"a norm over {width} features is over the kernel's {MAX_NORM_WIDTH}")
     x2d = x.reshape(-1, width).contiguous()
-    out = torch.empty_like(x2d)
+    rows = x2d.shape[0]
+    if normed_out is not None and (normed_out.shape != x2d.shape or not normed_out.is_contiguous()):
+        raise ValueError(f"normed_out of shape {tuple(normed_out.shape)} must be contiguous "
+                         f"{tuple(x2d.shape)}")
+    out = normed_out if normed_out is not None else torch.empty(0 if fp8 else x2d.shape, dtype=x.dtype,
+                                                                device=x.device)
     res2d = residual.reshape(-1, width).contiguous() if residual is not None else x2d
     residual_out = torch.empty_like(x2d) if residual is not None else out
-    if x2d.shape[0]:
+    values = torch.empty(rows, width if fp8 else 0, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows if fp8 else 0, 1, dtype=torch.float32, device=x.device)
+    if rows:
         block = triton.next_power_of_2(width)
-        _norm_kernel[(x2d.shape[0],)](
-            x2d, res2d, weight, weight if bias is None else bias, out, residual_out, width, eps,
-            x2d.stride(0), res2d.stride(0), out.stride(0), residual_out.stride(0),
+        _norm_kernel[(rows,)](
+            x2d, res2d, weight, weight if bias is None else bias, out, residual_out, values, scales, width,
+            eps, x2d.stride(0), res2d.stride(0), width, residual_out.stride(0), values.stride(0),
             LAYER_NORM=bias is not None, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-            BLOCK=block, **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
-    if residual is None:
-        return out.view(x.shape)
-    return out.view(x.shape), residual_out.view(x.shape)
+            BLOCK=block, STORE_OUT=not fp8 or normed_out is not None, FP8=fp8, FP8_MAX=FP8_MAX,
+            MIN_SCALE=_MIN_SCALE, **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
+    normed = QuantizedActivations(values, scales, x.dtype) if fp8 else out.view(x.shape)
+    return normed if residual is None else (normed, residual_out.view(x.shape))
 
 
 @triton.jit

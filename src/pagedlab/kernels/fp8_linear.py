@@ -1,12 +1,18 @@
-"""FP8 linear kernels: per-token activation quantization in one launch, and an FP8 GEMV for
-decode-sized batches, both with the numerics of ``pagedlab.quantization.fp8`` (whose
-``quantize_fp8_per_row`` and ``fp8_linear_torch`` are their references).
+"""FP8 linear kernels: per-token activation quantization in one launch (alone, or fused with the
+SiLU-and-mul that produces the activations), and an FP8 GEMV for decode-sized batches, all with
+the numerics of ``pagedlab.quantization.fp8`` (whose ``quantize_fp8_per_row`` and
+``fp8_linear_torch`` are their references).
 
 - ``quantize_fp8_per_token_triton``: one program per row finds ``max|x|``, divides by 448 for the
   row's float32 scale (``1e-12`` at least), and writes ``fp8(x / scale)`` (or uses a static
   scale); a row of up to 16k values is read once. The plain-torch version takes about seven
   launches and as many round trips of the activations, which at batch 1 cost more than the
   matmul itself.
+- ``silu_and_mul_fp8_triton``: the same program on ``silu(gate) * up`` computed from the gate/up
+  projection's output as it is read (the down projection's input, never written in 16 bits):
+  one launch instead of the SiLU-and-mul and the quantization. Its reference is
+  ``silu_and_mul`` then ``quantize_fp8_per_row``. (The RMSNorm fused with the same
+  quantization is ``kernels/batch_invariant.py``'s per-row norm kernel.)
 - ``fp8_gemv_triton``: at most ``GEMV_MAX_ROWS`` rows of FP8 activations times FP8 weights
   ``[N, K]`` (one byte per weight: the decode step reads half of bf16's bytes), accumulated in
   float32 from exact products (E4M3 values are exact in bf16 and fp32), then times the row's
@@ -28,38 +34,84 @@ from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_fp8
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.kernels.triton_kernels import _round_to_e4m3
-from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, QuantizedActivations
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
-                            BLOCK_K: tl.constexpr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr,
-                            MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id(0)``: its scale (``max|x| / FP8_MAX``, or the static one) and its FP8 values.
-    A row of at most BLOCK_K values is read once and kept in registers; a longer one twice.
-    Divisions are IEEE (``div_rn``), as torch's, so both round to the same E4M3 values. PDL: waits
-    first (its input is the previous kernel's output)."""
+def _row_chunk(x_row, start, K, offs, GATED: tl.constexpr):
+    """Columns ``start + offs`` of the row to quantize, in float32: ``x`` itself, or (GATED) the
+    SiLU-and-mul of the row's halves, ``silu(gate) * up``, each product rounded to x's dtype as
+    ``layers.activation.silu_and_mul`` rounds them."""
+    mask = start + offs < K
+    x = tl.load(x_row + start + offs, mask=mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_row + K + start + offs, mask=mask, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, out_ptr, K, stride_x, stride_q,
+                            stride_out, BLOCK_K: tl.constexpr, STATIC: tl.constexpr, GATED: tl.constexpr,
+                            STORE_OUT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                            PDL: tl.constexpr):
+    """Row ``program_id(0)`` of K values (``_row_chunk``: the input row, or GATED the SiLU-and-mul
+    of a row of 2K): its scale (``max|x| / FP8_MAX``, or the static one) and its FP8 values;
+    STORE_OUT also writes the values before quantization (in the input's dtype). A row of at most
+    BLOCK_K values is computed once and kept in registers; a longer one twice. Divisions are IEEE
+    (``div_rn``), as torch's, so both round to the same E4M3 values. PDL: waits first (its input
+    is the previous kernel's output)."""
     pdl_wait_and_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK_K)
-    first = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+    first = _row_chunk(x_row, 0, K, offs, GATED)
     if STATIC:
         scale = tl.load(static_scale_ptr).to(tl.float32)
     else:
         amax = tl.abs(first)
         for k_start in range(BLOCK_K, K, BLOCK_K):
-            x = tl.load(x_row + k_start + offs, mask=k_start + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_row_chunk(x_row, k_start, K, offs, GATED)))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
-    q = _round_to_e4m3(tl.math.div_rn(first, scale), FP8_MAX)
-    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    _store_chunk(first, scale, q_ptr + row * stride_q, out_ptr + row * stride_out, offs, offs < K, STORE_OUT,
+                 FP8_MAX)
     for k_start in range(BLOCK_K, K, BLOCK_K):
-        x = tl.load(x_row + k_start + offs, mask=k_start + offs < K, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.math.div_rn(x, scale), FP8_MAX)
-        tl.store(q_ptr + row * stride_q + k_start + offs, q.to(q_ptr.dtype.element_ty),
-                 mask=k_start + offs < K)
+        _store_chunk(_row_chunk(x_row, k_start, K, offs, GATED), scale, q_ptr + row * stride_q + k_start,
+                     out_ptr + row * stride_out + k_start, offs, k_start + offs < K, STORE_OUT, FP8_MAX)
+
+
+@triton.jit
+def _store_chunk(x, scale, q_ptr, out_ptr, offs, mask, STORE_OUT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``fp8(x / scale)`` of one chunk (and x itself with STORE_OUT) at ``offs``."""
+    q = _round_to_e4m3(tl.math.div_rn(x, scale), FP8_MAX)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if STORE_OUT:
+        tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_per_token_quant(x: torch.Tensor, width: int, static_scale: torch.Tensor | None, gated: bool,
+                            out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_per_token_quant_kernel`` over the rows of the 2-D ``x`` (contiguous rows), ``width``
+    values each; returns ``(values, scales)``."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x of shape {tuple(x.shape)} must be 2-D with contiguous rows")
+    rows = x.shape[0]
+    values = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    # whole rows in registers up to 16k values (Llama's widest K is 14336), 16 per thread
+    block_k = min(1 << 14, triton.next_power_of_2(width)) if x.is_cuda else 256
+    if rows:
+        _per_token_quant_kernel[(rows,)](
+            x, values, scales, scales if static_scale is None else static_scale,
+            values if out is None else out, width, x.stride(0), values.stride(0),
+            width if out is None else out.stride(0),
+            BLOCK_K=block_k, STATIC=static_scale is not None, GATED=gated, STORE_OUT=out is not None,
+            FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, **pdl_launch(x.device),
+            num_warps=max(4, min(16, block_k // 1024)))
+    return values, scales
 
 
 def quantize_fp8_per_token_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -67,20 +119,23 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, static_scale: torch.Tensor | 
     """Triton version of ``quantize_fp8_per_row`` (per-token dynamic scales) or, with
     ``static_scale`` (one float32 value), of ``quantize_fp8`` at that scale: the 2-D ``x``
     (contiguous rows) -> ``(values float8_e4m3fn [rows, K], scales float32 [rows, 1])``."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x of shape {tuple(x.shape)} must be 2-D with contiguous rows")
-    rows, in_features = x.shape
-    values = torch.empty(rows, in_features, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    # whole rows in registers up to 16k values (Llama's widest K is 14336), 16 per thread
-    block_k = min(1 << 14, triton.next_power_of_2(in_features)) if x.is_cuda else 256
-    if rows:
-        _per_token_quant_kernel[(rows,)](
-            x, values, scales,
-            scales if static_scale is None else static_scale, in_features, x.stride(0), values.stride(0),
-            BLOCK_K=block_k, STATIC=static_scale is not None, FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
-            **pdl_launch(x.device), num_warps=max(4, min(16, block_k // 1024)))
-    return values, scales
+    return _launch_per_token_quant(x, x.shape[-1], static_scale, False, None)
+
+
+def silu_and_mul_fp8_triton(x: torch.Tensor, act_out: torch.Tensor | None = None) -> QuantizedActivations:
+    """``layers.activation.silu_and_mul`` of the 2-D ``x`` ``[rows, 2K]`` (gate, then up) quantized
+    per row in the same launch: ``QuantizedActivations`` of ``[rows, K]``, the values
+    ``quantize_fp8_per_row`` gives for the kernel's own SiLU-and-mul, which is written only into
+    ``act_out`` (``[rows, K]``, contiguous, x's dtype; the tests' view of it) when given."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"x of shape {tuple(x.shape)} must be 2-D [rows, 2 * K] (gate, then up)")
+    width = x.shape[-1] // 2
+    if act_out is not None and (act_out.shape != (x.shape[0], width) or not act_out.is_contiguous()):
+        raise ValueError(f"act_out of shape {tuple(act_out.shape)} must be contiguous "
+                         f"({x.shape[0]}, {width})")
+    values, scales = _launch_per_token_quant(x if x.stride(-1) == 1 else x.contiguous(), width, None, True,
+                                             act_out)
+    return QuantizedActivations(values, scales, x.dtype)
 
 
 def fp8_gemv_triton(values: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,

@@ -21,10 +21,11 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   LoRA epilogue also the step's token slots, written before the step, and the LoRA shrink's sums
   after the wait; the dot and multi-row paths wait first), the AWQ GEMV (its first K step's
   words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored after the
-  wait), the batch-invariant norm (its weight row);
+  wait), the per-row norm (its weight row; batch-invariant, or
+  with the FP8 epilogue before an FP8 linear);
 - waiting first: paged attention, the split-KV reduces, the KV write (plain, and fused with the
-  q/k norms and rotary embedding), the AWQ GEMM, FP8
-  per-token quantization, LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
+  q/k norms and rotary embedding), the AWQ GEMM, FP8 per-token quantization (alone or
+  reading the SiLU-and-mul), LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the
   step's routing).
 

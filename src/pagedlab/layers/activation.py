@@ -1,5 +1,10 @@
 """MLP activations by transformers' name: act(gate) * up on the fused gate_up projection (SiLU;
-Gemma's GELU-tanh), and the plain GELUs of GPT-2/GPT-NeoX MLPs."""
+Gemma's GELU-tanh), and the plain GELUs of GPT-2/GPT-NeoX MLPs.
+
+A SiLU ``GatedActivation`` whose consumer is an FP8 linear with dynamic per-token activation
+scales can be told so at load (``emit_fp8``): it then returns ``QuantizedActivations``, from one
+Triton launch on CUDA (``kernels/fp8_linear.silu_and_mul_fp8_triton``) and as ``silu_and_mul``
+then ``quantize_fp8_per_row`` elsewhere (the reference, and the CPU path)."""
 
 from __future__ import annotations
 
@@ -8,11 +13,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedlab.layers.fusion import fused
+from pagedlab.quantization.fp8 import QuantizedActivations
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> QuantizedActivations:
+    """``silu_and_mul`` of the 2-D ``x`` quantized per token for an FP8 linear: one Triton
+    launch on CUDA, ``quantize_fp8_per_row`` after the torch function elsewhere (its reference)."""
+    if x.is_cuda:
+        from pagedlab.kernels.fp8_linear import silu_and_mul_fp8_triton
+
+        return silu_and_mul_fp8_triton(x)
+    return QuantizedActivations.of(silu_and_mul(x))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -53,6 +69,21 @@ class GatedActivation(_NamedActivation):
     """``act(gate) * up`` on the fused gate_up projection, ``act`` by transformers' name."""
 
     table, setting = _GATED, "hidden_act"
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+        self.fp8_output = False
+
+    def emit_fp8(self, wanted: bool) -> bool:
+        """Load-time switch: whether ``forward`` returns ``QuantizedActivations`` (``wanted``: its
+        consumer is an FP8 linear with dynamic per-token activation scales); only SiLU has the
+        fused kernel. Returns the setting."""
+        self.fp8_output = wanted and self.name == "silu"
+        return self.fp8_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivations:
+        return silu_and_mul_fp8(x) if self.fp8_output else self.fn(x)
 
 
 class Gelu(_NamedActivation):

@@ -1,5 +1,11 @@
 """RMSNorm and LayerNorm, each optionally fused with the residual add that precedes it.
 
+An ``RMSNorm`` whose one consumer is an FP8 linear with dynamic per-token activation scales can
+be told so at load (``emit_fp8``): it then returns its output quantized, ``QuantizedActivations``
+in place of the tensor, from one kernel on CUDA (``kernels/batch_invariant.py``'s per-row norm
+with its FP8 epilogue) and as ``rms_norm`` then ``quantize_fp8_per_row`` elsewhere (the
+reference, and the CPU path), so the linear skips its own quantization launch.
+
 A norm parameter's ``dummy_value`` is what ``load_format="dummy"`` fills it with (1 for a
 scale, 0 for a bias), so random-weight models keep unit-scale activations."""
 
@@ -11,6 +17,7 @@ from torch import nn
 
 from pagedlab.layers.batch_invariant import invariant_norm, runs_invariant_kernels
 from pagedlab.layers.fusion import fused
+from pagedlab.quantization.fp8 import QuantizedActivations
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,6 +44,24 @@ def add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor, weight: to
     return rms_norm_unit_offset(x, weight, eps), x
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``rms_norm`` of the 2-D ``x`` (``add_rms_norm`` with ``residual``: then returns
+    ``(normed, x + residual)``) with the normed output quantized per token: ``QuantizedActivations``
+    for an FP8 linear. One Triton program per token on CUDA; ``quantize_fp8_per_row`` after the
+    torch norm elsewhere (the kernel's reference)."""
+    if weight.dtype != x.dtype:
+        raise ValueError(f"an RMSNorm weight of {weight.dtype} on {x.dtype} activations: the FP8 output "
+                         "needs them in one dtype")
+    if x.is_cuda:
+        from pagedlab.kernels.batch_invariant import rows_norm_triton
+
+        return rows_norm_triton(x, weight, eps, residual=residual, fp8=True)
+    if residual is None:
+        return QuantizedActivations.of(rms_norm(x, weight, eps))
+    normed, summed = add_rms_norm(x, residual, weight, eps)
+    return QuantizedActivations.of(normed), summed
+
+
 _RMS_NORMS = {False: (fused(rms_norm), fused(add_rms_norm)),
               True: (fused(rms_norm_unit_offset), fused(add_rms_norm_unit_offset))}
 
@@ -50,11 +75,23 @@ class RMSNorm(nn.Module):
         self.weight = _norm_parameter(hidden_size, 0.0 if unit_offset else 1.0)
         self.unit_offset = unit_offset
         self._norm, self._add_norm = _RMS_NORMS[unit_offset]
+        self.fp8_output = False
+
+    def emit_fp8(self, wanted: bool) -> bool:
+        """Load-time switch: whether ``forward`` returns its output as ``QuantizedActivations``
+        (``wanted``: its one consumer is an FP8 linear with dynamic per-token activation scales);
+        Gemma's ``unit_offset`` norms keep their tensor. Returns the setting."""
+        self.fp8_output = wanted and not self.unit_offset
+        return self.fp8_output
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual)."""
+        """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual).
+        After ``emit_fp8(True)`` the norm comes as ``QuantizedActivations`` (in batch-invariant
+        mode, which runs dense weights only, as the tensor)."""
         if runs_invariant_kernels(x):
             return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
+        if self.fp8_output:
+            return rms_norm_fp8(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)

@@ -28,7 +28,7 @@ from pagedlab.layers.norm import RMSNorm
 from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
 from pagedlab.models.checkpoint import load_checkpoint
 from pagedlab.quantization.formats import resolve_quant_config
-from pagedlab.quantization.linear_method import linear_method_for
+from pagedlab.quantization.linear_method import linear_method_for, takes_quantized_activations
 
 
 def head_dim_of(hf_config) -> int:
@@ -93,6 +93,18 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp_class(hf_config, f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def emit_fp8_inputs(self) -> int:
+        """Load-time step: each producer whose one consumer is an FP8 linear with dynamic
+        per-token activation scales (``takes_quantized_activations``: not a LoRA wrapper) emits
+        that linear's quantized input itself: the RMSNorm before qkv_proj, the one before
+        gate_up_proj and the SiLU-and-mul before down_proj (o_proj's input comes from attention
+        and is quantized by the linear). Returns how many producers do."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, DecoderMLP):
+            pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj),
+                      (self.mlp.act, self.mlp.down_proj)]
+        return sum(producer.emit_fp8(takes_quantized_activations(consumer)) for producer, consumer in pairs)
 
     def forward(self, rope, hidden, residual):
         if residual is None:
@@ -163,6 +175,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def emit_fp8_inputs(self) -> int:
+        """Fuse the FP8 activation quantization into its producers in every ``DecoderLayer``
+        (``DecoderLayer.emit_fp8_inputs``; families with their own layers, Gemma's, keep theirs
+        unfused). Run once after load and after LoRA wraps its linears; returns the producers."""
+        return sum(layer.emit_fp8_inputs() for layer in self.model.layers if isinstance(layer, DecoderLayer))
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Copy this rank's part of each full checkpoint tensor (a ``torch.Tensor`` or a lazy

@@ -17,6 +17,12 @@ and ``y[t, n] = (sum_k fp8(x[t, k] / s_x) * q[n, k]) * s_x * s_w[n] + b[n]``. Ro
 E4M3 is round-to-nearest-even after clamping to +-448 (a float8 cast of a value beyond the range
 would be NaN).
 
+Dynamic per-token activations come either as the 16/32-bit tensor, quantized here (on CUDA by
+one Triton launch before the GEMV or GEMM), or already quantized as ``QuantizedActivations``: in
+the Llama-family decoder the RMSNorms before qkv_proj and gate_up_proj and the SiLU-and-mul
+before down_proj emit them in their own kernel (``models/llama.py``'s ``emit_fp8_inputs``), the
+same values ``quantize_fp8_per_row`` gives for the producer's output; o_proj quantizes its input.
+
 Tensor parallelism: a column-parallel rank holds whole rows, so its scales are the TP=1 scales.
 A row-parallel rank holds part of each row; its weight scales are still the full row's (the
 loader quantizes the full checkpoint tensor, then cuts), but each rank's per-token activation
@@ -156,6 +162,30 @@ def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (values.float() * scale).to(dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """A linear's input already quantized per token, by the layer that produced it: ``values``
+    float8_e4m3fn ``[tokens, in_features]``, ``scales`` float32 ``[tokens, 1]`` (what
+    ``quantize_fp8_per_row`` returns), ``dtype`` the unquantized activations' dtype (the linear's
+    output dtype). FP8 linears with dynamic per-token activation scales take it in place of ``x``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> QuantizedActivations:
+        """``quantize_fp8_per_row`` of the 2-D ``x``: the reference of every fused producer."""
+        return cls(*quantize_fp8_per_row(x), x.dtype)
+
+
+def _check_dynamic(x: QuantizedActivations, input_scale: torch.Tensor | None, quantize_input: bool) -> None:
+    if input_scale is not None or not quantize_input:
+        other = "a static input_scale" if input_scale is not None else "unquantized inputs"
+        raise ValueError(f"activations quantized per token ({tuple(x.values.shape)}) reached an FP8 linear "
+                         f"with {other}: only dynamic per-token activation scales take them")
+
+
 def _quantize_input(x2d: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``[tokens, in_features]`` to FP8 with per-token dynamic scales, or with the
     static per-tensor ``input_scale``; the scales are returned as ``[tokens, 1]``."""
@@ -165,33 +195,44 @@ def _quantize_input(x2d: torch.Tensor, input_scale: torch.Tensor | None) -> tupl
     return quantize_fp8(x2d, scale), scale
 
 
-def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_torch(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      quantize_input: bool = True) -> torch.Tensor:
     """The emulation (CPU path and reference of ``fp8_linear_cuda``): ``x`` quantized to FP8
     and back (per token, or with the static ``input_scale``; not at all when ``quantize_input`` is
-    False: FP8 weights with 16-bit activations), times the dequantized weight, both in ``x``'s dtype."""
-    x2d = x.reshape(-1, x.shape[-1])
-    if quantize_input:
-        values, scale = _quantize_input(x2d, input_scale)
-        x2d = dequantize_fp8(values, scale, x.dtype)
-    out = F.linear(x2d, dequantize_fp8(weight, weight_scale, x.dtype),
-                   None if bias is None else bias.to(x.dtype))
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    False: FP8 weights with 16-bit activations; ``QuantizedActivations`` only dequantized), times
+    the dequantized weight, both in the activations' dtype."""
+    if isinstance(x, QuantizedActivations):
+        _check_dynamic(x, input_scale, quantize_input)
+        x2d, dtype, lead = dequantize_fp8(x.values, x.scales, x.dtype), x.dtype, x.values.shape[:-1]
+    else:
+        x2d, dtype, lead = x.reshape(-1, x.shape[-1]), x.dtype, x.shape[:-1]
+        if quantize_input:
+            values, scale = _quantize_input(x2d, input_scale)
+            x2d = dequantize_fp8(values, scale, dtype)
+    out = F.linear(x2d, dequantize_fp8(weight, weight_scale, dtype), None if bias is None else bias.to(dtype))
+    return out.reshape(*lead, weight.shape[0])
+
+
+def fp8_kernels_run(device: torch.device) -> bool:
+    """Whether the FP8 Triton kernels run on the CUDA ``device``: FP8 tensor cores and E4M3
+    conversions (compute capability 8.9+: Ada, Hopper and later)."""
+    return compute_capability(device) >= (8, 9)
 
 
 def scaled_mm_runs(weight: torch.Tensor) -> bool:
-    """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU with FP8 tensor
-    cores (compute capability 8.9+) and both features multiples of 16 (cuBLASLt's rule)."""
+    """Whether ``fp8_linear_cuda`` can run on this FP8 ``weight``: a CUDA GPU where the FP8
+    kernels run and both features multiples of 16 (cuBLASLt's rule)."""
     return (weight.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-            and compute_capability(weight.device) >= (8, 9))  # FP8 tensor cores: Ada, Hopper and later
+            and fp8_kernels_run(weight.device))
 
 
-def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_cuda(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CUDA path (FP8 tensor cores, compute capability 8.9+): the activations quantized per
-    token (or at the static ``input_scale``) by one Triton kernel, then the shapes
+    token (or at the static ``input_scale``) by one Triton kernel, unless they come quantized
+    (``QuantizedActivations``), then the shapes
     ``FP8_GEMV_CONFIGS`` lists (one row) through the Triton FP8 GEMV, the rest through ``torch._scaled_mm``
     (row-wise float32 scales ``[tokens, 1]`` and ``[1, out_features]``, bf16 output, the one
     dtype row-wise scaling allows). Both sum exact E4M3 products in float32, so they differ from
@@ -199,16 +240,19 @@ def fp8_linear_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     is the column-major operand cuBLASLt needs; both features must be multiples of 16."""
     from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
 
-    x2d = x.reshape(-1, x.shape[-1])
-    out_features = weight.shape[0]
-    values, scale = quantize_fp8_per_token_triton(x2d if x2d.stride(-1) == 1 else x2d.contiguous(),
-                                                  None if input_scale is None else input_scale.float())
-    config = fp8_gemv_config(x2d.shape[0], *weight.shape)
+    if isinstance(x, QuantizedActivations):
+        _check_dynamic(x, input_scale, True)
+        values, scale, dtype, lead = x.values, x.scales, x.dtype, x.values.shape[:-1]
+    else:
+        x2d, dtype, lead = x.reshape(-1, x.shape[-1]), x.dtype, x.shape[:-1]
+        values, scale = quantize_fp8_per_token_triton(x2d if x2d.stride(-1) == 1 else x2d.contiguous(),
+                                                      None if input_scale is None else input_scale.float())
+    config = fp8_gemv_config(values.shape[0], *weight.shape)
     if config is not None:
-        out = fp8_gemv_triton(values, scale, weight, weight_scale, bias, x.dtype, config)
+        out = fp8_gemv_triton(values, scale, weight, weight_scale, bias, dtype, config)
     else:
         out = torch._scaled_mm(values, weight.t(), scale_a=scale, scale_b=weight_scale.t(),
-                               out_dtype=torch.bfloat16).to(x.dtype)
+                               out_dtype=torch.bfloat16).to(dtype)
         if bias is not None:
-            out = out + bias.to(x.dtype)
-    return out.reshape(*x.shape[:-1], out_features)
+            out = out + bias.to(dtype)
+    return out.reshape(*lead, weight.shape[0])

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
-from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_linear_cuda, fp8_linear_torch,
-                                       quantize_fp8_per_row, scaled_mm_runs)
+from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_kernels_run, fp8_linear_cuda,
+                                       fp8_linear_torch, quantize_fp8_per_row, scaled_mm_runs)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,9 @@ class FP8LinearMethod(LinearMethod):
     """FP8 weights with per-output-channel scales (``pagedlab.quantization.fp8``):
     ``torch._scaled_mm`` on GPUs with FP8 tensor cores, the quantize-dequantize emulation
     elsewhere (CPU, older GPUs, features not multiples of 16). Weight-only FP8 (a checkpoint
-    without activation quantization) multiplies the dequantized weight."""
+    without activation quantization) multiplies the dequantized weight. With dynamic per-token
+    activation scales ``apply`` also takes ``QuantizedActivations`` from a fused producer
+    (``takes_quantized_activations``) and skips the quantization."""
 
     def __init__(self, config: FP8Config):
         self.quantize_at_load = config.quantize_at_load
@@ -164,6 +166,17 @@ class FP8LinearMethod(LinearMethod):
             return fp8_linear_cuda(x, layer.weight, layer.weight_scale, input_scale, bias)
         return fp8_linear_torch(x, layer.weight, layer.weight_scale, input_scale, bias,
                                 quantize_input=self.activations != "none")
+
+
+def takes_quantized_activations(linear) -> bool:
+    """Whether the module ``linear`` takes ``QuantizedActivations`` from a fused producer: a linear
+    of ``pagedlab.layers.linear`` in FP8 with dynamic per-token activation scales, on the CPU or
+    on a GPU where the FP8 kernels that produce them run (a LoRA wrapper, whose shrink needs the
+    unquantized input, is not one)."""
+    method = getattr(linear, "linear_method", None)
+    if not isinstance(method, FP8LinearMethod) or method.activations != "dynamic":
+        return False
+    return not linear.weight.is_cuda or fp8_kernels_run(linear.weight.device)
 
 
 # Our fused linears and the checkpoint modules they hold.
