@@ -32,8 +32,8 @@ from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedlab.kernels import gemv_configs
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.quantization.awq import (AWQ_PACK_ORDER, NATURAL_ORDER, AWQConfig, awq_linear_torch,
-                                       dequantize_awq, dequantize_repacked, pack_awq, quantize_awq, repack_awq,
-                                       repacked_linear_torch, repacked_shapes, unpack_awq)
+                                       dequantize_awq, dequantize_repacked, pack_awq, quantize_awq,
+                                       repack_awq, repacked_linear_torch, repacked_shapes, unpack_awq)
 from pagedlab.quantization.linear_method import AWQLinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,7 +138,8 @@ def test_repacked_words_hold_eight_consecutive_k_of_one_column_in_natural_order(
 
 @pytest.mark.parametrize("in_features, out_features, group_size", [
     (256, 136, 32), (128, 64, 128), (192, 72, 64), (1024, 24, 32), (64, 8, 64), (4096, 16, 128)])
-def test_repacked_weights_dequantize_bit_for_bit_to_the_gemm_format_ones(in_features, out_features, group_size):
+def test_repacked_weights_dequantize_bit_for_bit_to_the_gemm_format_ones(in_features, out_features,
+                                                                          group_size):
     gen = _generator("repack", in_features, out_features, group_size)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
@@ -156,7 +157,7 @@ def test_repacked_zero_words_pad_past_the_last_group():
     """24 groups take three words of zero points per column; 12 groups two, the second half empty."""
     gen = _generator("zero padding")
     for groups, words in ((24, 3), (12, 2)):
-        values, zeros, scales, qweight, qzeros = random_awq(32 * groups, 16, 32, gen)
+        _, zeros, scales, qweight, qzeros = random_awq(32 * groups, 16, 32, gen)
         packed_zeros = repack_awq(qweight, qzeros, scales, 32)[1]
         assert packed_zeros.shape == (16, words)
         unpacked = unpack_awq(packed_zeros, NATURAL_ORDER)
@@ -302,8 +303,8 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
     repacked = repacked_on_device(qweight, qzeros, scales, group_size)
-    out = w4a16.awq_linear_triton(x.to(DEVICE), *repacked, group_size, None if bias is None else bias.to(DEVICE),
-                                  config)
+    out = w4a16.awq_linear_triton(x.to(DEVICE), *repacked, group_size,
+                                  None if bias is None else bias.to(DEVICE), config)
     expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size,
                                 None if bias is None else bias.float())
     assert out.shape == (rows, out_features) and out.dtype == dtype

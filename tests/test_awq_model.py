@@ -119,7 +119,7 @@ def test_awq_layer_triton_kernel_equals_torch_under_the_interpreter():
         layer(x)
     gemm_format = [param.detach().clone() for param in (layer.qweight, layer.qzeros, layer.scales)]
     layer.linear_method.process_weights_after_loading(layer)
-    assert layer.qweight.shape == (64, 64 // 8) and layer.qzeros.shape == (64, 1) and layer.scales.shape == (64, 2)
+    assert (layer.qweight.shape, layer.qzeros.shape, layer.scales.shape) == ((64, 8), (64, 1), (64, 2))
     expected = awq_linear_torch(x, *gemm_format, 32)
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
     got = awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, 32)
@@ -156,7 +156,8 @@ def test_dummy_awq_weights_of_a_dense_config_take_autoawq_defaults(tmp_path):
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
         # repacked at load: [out_features, in_features / 8] words, [out_features, groups] scales
-        assert layer.awq_repacked and layer.qweight.shape == (128, 256 // 8) and layer.scales.shape == (128, 2)
+        assert layer.awq_repacked and layer.qweight.shape == (128, 256 // 8)
+        assert layer.scales.shape == (128, 256 // 128)
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -225,7 +226,8 @@ def test_repacked_dummy_weights_of_each_rank_are_its_cut_of_the_tp1_weight(monke
         for name, layer in model.named_modules():
             if not getattr(layer, "awq_repacked", False):
                 continue
-            part, full = (dequantize_repacked(m.qweight, m.qzeros, m.scales, 32) for m in (layer, whole[name]))
+            part, full = (dequantize_repacked(m.qweight, m.qzeros, m.scales, 32)
+                          for m in (layer, whole[name]))
             if hasattr(layer, "shards"):  # [out, in]: this rank's rows of each fused part
                 expected = torch.cat([full[f.offset + s.start:f.offset + s.start + s.size]
                                       for s, f in zip(layer.shards, whole[name].shards)])
