@@ -137,7 +137,8 @@ def test_repacked_words_hold_eight_consecutive_k_of_one_column_in_natural_order(
 
 
 @pytest.mark.parametrize("in_features, out_features, group_size", [
-    (256, 136, 32), (128, 64, 128), (192, 72, 64), (1024, 24, 32), (64, 8, 64), (4096, 16, 128)])
+    (256, 136, 32), (128, 64, 128), (192, 72, 64), (1024, 24, 32), (64, 8, 64), (4096, 16, 128),
+    (128, 8 * 513, 64)])  # 513 words a row: repacked 512 at a time
 def test_repacked_weights_dequantize_bit_for_bit_to_the_gemm_format_ones(in_features, out_features,
                                                                           group_size):
     gen = _generator("repack", in_features, out_features, group_size)

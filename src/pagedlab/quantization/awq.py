@@ -47,6 +47,8 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 NATURAL_ORDER = tuple(range(8))
 VALUES_PER_INT32 = 8
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# int32 words of a GEMM-format row (8 columns each) ``repack_awq`` unpacks at a time.
+_REPACK_WORDS = 512
 
 
 def _shifts(order: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -162,10 +164,12 @@ def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """AutoAWQ's GEMM tensors -> the repacked ``(qweight, qzeros, scales)`` (module docstring),
     contiguous, on the same device: the same weights, each output column's along K."""
     awq_shapes(qweight, qzeros, scales, group_size)
-    values = unpack_awq(qweight).t().contiguous()
+    # a slice of columns at a time: the unpacked values of a whole gate/up weight take 1-2 GB
+    words = torch.cat([pack_awq(unpack_awq(part).t().contiguous(), NATURAL_ORDER)
+                       for part in qweight.split(_REPACK_WORDS, dim=1)])
     zeros = unpack_awq(qzeros).t()
     zeros = torch.nn.functional.pad(zeros, (0, -zeros.shape[1] % VALUES_PER_INT32))
-    return pack_awq(values, NATURAL_ORDER), pack_awq(zeros, NATURAL_ORDER), scales.t().contiguous()
+    return words, pack_awq(zeros, NATURAL_ORDER), scales.t().contiguous()
 
 
 def repacked_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
