@@ -96,11 +96,14 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
 
 def awq_one_row_tiles(k: int) -> list[TileConfig]:
     """One-row AWQ GEMV tiles on the CUDA cores without a K split: ``AWQ_ONE_ROW_BLOCK_N`` columns
-    and ``AWQ_ONE_ROW_BLOCK_K`` (dividing K) a step, 4 or 8 warps, 3 stages, where a thread holds
-    ``AWQ_WORDS_PER_THREAD`` words a step. A K step may span several groups."""
+    and ``AWQ_ONE_ROW_BLOCK_K`` (dividing K) a step, 4 or 8 warps, where a thread holds
+    ``AWQ_WORDS_PER_THREAD`` words a step, each with 3 stages (the next step's weights read
+    during this one's sums) and 1 (after them). A K step may span several groups."""
     low, high = AWQ_WORDS_PER_THREAD
-    return [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=warps, num_stages=3)
+    return [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=warps,
+                       num_stages=stages)
             for block_n in AWQ_ONE_ROW_BLOCK_N for block_k in AWQ_ONE_ROW_BLOCK_K for warps in (4, 8)
+            for stages in (3, 1)
             if k % block_k == 0 and low <= block_n * block_k // 8 // (32 * warps) <= high]
 
 

@@ -323,8 +323,9 @@ KERNEL_CASES = [
     (1, TileConfig(block_n=64, block_k=32, split_k=3)),
     (1, TileConfig(block_n=32, block_k=16, split_k=4, num_warps=2)),
     (1, TileConfig(block_n=16, block_k=128, split_k=2)),
+    (1, TileConfig(block_n=8, block_k=64, split_k=2, num_stages=1)),  # no prefetch of the next step
     (3, TileConfig(block_n=32, block_k=16, split_k=4, block_m=16)),
-    (3, TileConfig(block_n=16, block_k=32, split_k=1, block_m=16)),
+    (3, TileConfig(block_n=16, block_k=32, split_k=1, block_m=16, num_stages=1)),
     (1, TileConfig(block_n=64, block_k=32, split_k=2, block_m=16)),
     (5, TileConfig(block_n=128, block_k=16, split_k=1, block_m=16)),
     (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
@@ -351,7 +352,7 @@ def test_triton_matches_torch_float16(w4a16, shape, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[5], KERNEL_CASES[9]],
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[6], KERNEL_CASES[10]],
                          ids=_case_id)
 def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     rows, config = case
@@ -494,13 +495,15 @@ def test_triton_at_llama_size_on_gpu(w4a16, rows, in_features, out_features, cap
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config", [TileConfig(block_n=8, block_k=2048, num_stages=3),
+                                    TileConfig(block_n=8, block_k=2048, num_stages=1),
                                     TileConfig(block_n=4, block_k=1024, split_k=2),
                                     TileConfig(block_n=16, block_k=1024, num_warps=8),
                                     TileConfig(block_n=32, block_k=128, split_k=3, block_m=16)], ids=str)
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_one_row_gemv_tiles_at_llama_size_on_gpu(w4a16, config, group_size):
-    """The one-row GEMV's tiles (K steps spanning 16 groups of 128 or 64 of 32, split or not, and
-    the tl.dot path) compiled for the GPU, on the down projection's shape, against the reference."""
+    """The one-row GEMV's tiles (K steps spanning 16 groups of 128 or 64 of 32, split or not, with
+    and without the next step's prefetch, and the tl.dot path) compiled for the GPU, on the down
+    projection's shape, against the reference."""
     gen = torch.Generator(device="cuda").manual_seed(group_size)
     weight = torch.randn(14336, 4096, device="cuda", generator=gen).bfloat16() * 0.02
     gemm_format = quantize_awq(weight, group_size)

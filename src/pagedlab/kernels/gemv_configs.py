@@ -31,7 +31,8 @@ class TileConfig:
     16; on tl.dot it divides the group size, on the CUDA cores it may span groups); ``split_k``: segments K
     is cut into, each its own program, summed in a fixed order by the last to finish (GEMV only);
     ``block_m``: 0 multiplies on the CUDA cores with all rows in one program (GEMV only), 16 or
-    more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton."""
+    more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
+    GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``)."""
 
     block_n: int
     block_k: int

@@ -98,19 +98,21 @@ def _sum_eights(values, ROWS: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _step_words(weight_rows, n_valid, k_start, K, BLOCK_K: tl.constexpr):
-    """The int32 words ``[BLOCK_N, BLOCK_K // 8]`` of the columns' K step at ``k_start``."""
+def _step_words(weight_rows, n_valid, k_start, k_end, BLOCK_K: tl.constexpr):
+    """The int32 words ``[BLOCK_N, BLOCK_K // 8]`` of the columns' K step at ``k_start`` (zero
+    from ``k_end`` on: none for a step past the end)."""
     offs_w = k_start // 8 + tl.arange(0, BLOCK_K // 8)
-    return tl.load(weight_rows + offs_w[None, :], mask=n_valid[:, None] & (offs_w < K // 8)[None, :], other=0)
+    return tl.load(weight_rows + offs_w[None, :], mask=n_valid[:, None] & (offs_w < k_end // 8)[None, :],
+                   other=0)
 
 
 @triton.jit
-def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE: tl.constexpr,
+def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, k_end, GROUP_SIZE: tl.constexpr,
                        STEP_GROUPS: tl.constexpr):
     """The zero points as fp32 ``128 + z`` and the fp32 scales, ``[BLOCK_N, STEP_GROUPS]``, of the
-    STEP_GROUPS groups from the one holding ``k_start``."""
+    STEP_GROUPS groups from the one holding ``k_start`` (those of groups from ``k_end`` on unread)."""
     offs_g = k_start // GROUP_SIZE + tl.arange(0, STEP_GROUPS)
-    mask = n_valid[:, None] & (offs_g < K // GROUP_SIZE)[None, :]
+    mask = n_valid[:, None] & (offs_g < (k_end + GROUP_SIZE - 1) // GROUP_SIZE)[None, :]
     zero_words = tl.load(zero_rows + (offs_g // 8)[None, :], mask=mask, other=0)
     zeros = ((zero_words >> ((offs_g % 8) * 4)[None, :]) & 0xF).to(tl.float32) + 128.0
     scales = tl.load(scale_rows + offs_g[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -169,13 +171,16 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows (tl.dot), or for the
     one row (CUDA cores), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
     runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
-    The one-row partial sums stay per (column, group of the step) until the end. With PDL the
-    first K step's weights, zero points and scales are read before the wait (``kernels/pdl.py``:
-    constant weights only; segments are never empty, so that step always exists)."""
+    The one-row partial sums stay per (column, group of the step) until the end. The first K
+    step's weights, zero points and scales are read before the PDL wait (``kernels/pdl.py``:
+    constant weights only; segments are never empty, so that step always exists). With PREFETCH
+    (``num_stages > 1``) each next step's are read before this step's sums, so that a program
+    keeps two steps of loads in flight (the loop holds no tl.dot for Triton's pipeliner to stage
+    loads for): one register copy more of a step's words."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,21 +198,26 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         x_rows = x_ptr
         acc = tl.zeros((BLOCK_N, STEP_GROUPS), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
-    loop_begin = k_begin
-    if PDL:  # the first K step's weights before the wait, the rest in the loop
-        words = _step_words(weight_rows, n_valid, k_begin, K, BLOCK_K)
-        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, K, GROUP_SIZE,
-                                           STEP_GROUPS)
-        pdl_wait_and_trigger(PDL)
-        acc = _gemv_step(acc, words, zeros, scales, x_rows, k_begin, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
-                         STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
-        loop_begin = k_begin + BLOCK_K
-    for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
-        words = _step_words(weight_rows, n_valid, k_start, K, BLOCK_K)
-        zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE,
-                                           STEP_GROUPS)
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    # the first K step's weights before the PDL wait; each next one's during (PREFETCH) or after
+    # this one's sums (past the segment's end: nothing read)
+    words = _step_words(weight_rows, n_valid, k_begin, k_end, BLOCK_K)
+    zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, k_end, GROUP_SIZE,
+                                       STEP_GROUPS)
+    pdl_wait_and_trigger(PDL)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        if PREFETCH:
+            next_words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
+            next_zeros, next_scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K,
+                                                         k_end, GROUP_SIZE, STEP_GROUPS)
         acc = _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
                          STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            words, zeros, scales = next_words, next_zeros, next_scales
+        else:
+            words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
+            zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K, k_end,
+                                               GROUP_SIZE, STEP_GROUPS)
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)[None, :]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
@@ -354,6 +364,7 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEP_GROUPS=max(1, config.block_k // group_size), USE_DOT=config.block_m > 0,
+        PREFETCH=config.num_stages > 1,
         **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
