@@ -153,8 +153,9 @@ def default_awq_config(rows: int, out_features: int, in_features: int, group_siz
                        num_sms: int) -> TileConfig:
     """GEMV, one row: ``AWQ_ONE_ROW_BLOCK_N`` columns a program, K steps of up to
     ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words), so that a program reads 8 KB a step as
-    the dense one-row GEMV's measured best does (4 weight rows x 1024 bf16); in the sm_90 SASS
-    this tile takes about 4.5 instructions a weight and 127 registers, no spills. More rows:
+    the dense one-row GEMV's measured best does (4 weight rows x 1024 bf16), 3 stages (the next
+    step's weights read during this one's sums); in the sm_90 SASS this tile's loop takes about
+    4.6 instructions a weight, 127 registers, no spills. More rows:
     tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the column
     tiles give fewer than two programs per SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
     if rows > GEMV_MAX_ROWS:
