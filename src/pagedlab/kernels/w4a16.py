@@ -11,9 +11,9 @@ each per K step, with no K split needed to make enough programs. ``repacked_line
 
 A word unpacks in the thread that loaded it (``_unpack_words``): each nibble is one constant shift
 and one logic op, OR-ed into the mantissa of fp32 128.0, which makes the float ``128 + q`` (no
-int-to-float instruction; exact in bf16/fp16 too). The interleaves only place registers.
+int-to-float instruction; exact in bf16/fp16 too). The joins only place registers.
 
-Two kernels, picked by the row count (host ints only, so a CUDA graph can capture the call), each
+Three paths, picked by the row count (host ints only, so a CUDA graph can capture the call), each
 launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table, else heuristic):
 
 - at most ``GEMV_MAX_ROWS`` rows: a GEMV; each program owns ``block_n`` columns and walks its K
@@ -21,8 +21,9 @@ launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table,
   and their deterministic in-kernel sum) in ``block_k`` steps. The zero point, scale and the 128
   come out of each group's sum: ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``.
   One row (``block_m == 0``) multiplies on the CUDA cores, a K step covering one group, part of
-  one, or several (its products summed per group); 1 to 16 rows (``block_m == 16``) go through
-  ``tl.dot``, a K step within one group.
+  one, or several: nibble i of each word meets ``x[8w + i]`` and a word's eight products are one
+  chain of FMAs, only the words' sums are summed per group (``_one_row_step``). 1 to 16 rows
+  (``block_m == 16``) go through ``tl.dot``, a K step within one group.
 - more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile of
   the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds
   ``tl.dot`` with fp32 accumulation.
