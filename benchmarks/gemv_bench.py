@@ -84,7 +84,7 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
             found += [tile] + ([replace(tile, split_k=split)] if split > 1 else [])
     else:
         found = []
-        for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8)):
+        for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
             block_k = min(128, group_size)
             for waves in (1, 2, 4):
                 split = splits_for(-(-n // block_n), k // block_k, sms, waves)
