@@ -1,7 +1,8 @@
 """Decode GEMVs and small GEMMs of a model's linear layers (Llama-3-8B's by default; ``--shape``
 names another known shape) on one GPU: cuBLAS bf16 (F.linear), the Triton dense GEMV
-(``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``), each Triton kernel over
-a small sweep of ``TileConfig``s, checked against its torch reference.
+(``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``, on the weights repacked as
+the engine holds them), each Triton kernel over a small sweep of ``TileConfig``s, checked against
+its torch reference (AWQ: ``awq_linear_torch`` on AutoAWQ's GEMM tensors).
 
 Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
 achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_aw
                                            default_dense_gemv_config, default_fp8_gemv_config, row_bucket,
                                            splits_for)
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
-from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
+from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
 from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row
 from pagedlab.workloads import model_shape
 
@@ -45,7 +46,11 @@ COPY_CAP_BYTES = 4 << 30
 # The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_one_row_tiles``).
 ONE_ROW_BLOCK_N = (4, 8, 16)
 ONE_ROW_BLOCK_K = (256, 512, 1024)
-AWQ_ONE_ROW_BLOCK_N = (32, 64, 128)
+AWQ_ONE_ROW_BLOCK_N = (4, 8, 16, 32)
+AWQ_ONE_ROW_BLOCK_K = (512, 1024, 2048, 4096)
+# The AWQ one-row tiles' int32 words a thread holds a K step. In the sm_90 SASS of the loop,
+# 8 to 32 take 4.2-5.4 instructions a weight (128 registers at most, no spills); 2 take 8.6.
+AWQ_WORDS_PER_THREAD = (8, 32)
 
 
 def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
@@ -63,41 +68,43 @@ def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
 
 
 def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[TileConfig]:
-    """The sweep: a few tiles, each with K cut for about 1, 2 and 4 programs per SM (GEMV), or
-    Hopper-sized GEMM tiles; for one row also ``awq_one_row_tiles``; the default heuristic's
-    choice first."""
+    """The sweep of the kernels over the repacked layout: for one row ``awq_one_row_tiles``, each
+    also with K cut for about 2 programs per SM where its column tiles alone make fewer; for 2 to
+    16 rows tl.dot tiles with K steps of one group at most, K cut for about 1, 2 and 4 programs
+    per SM; more rows Hopper-sized GEMM tiles. The default heuristic's choice first."""
     if rows > GEMV_MAX_ROWS:
         tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
                  (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
         found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s)
                  for m, bn, bk, w, s in tiles if m <= max(64, rows)]
-    else:
-        # (block_m, block_n, block_k, warps): at most 32 words a thread per K step (no spills in
-        # the sm_90 SASS); the CUDA-core ones have 8 rows a thread.
-        tiles = [(16, 256, 128, 4), (16, 128, 128, 4), (16, 256, 128, 8), (16, 512, 64, 8)]
-        if rows == 1:
-            tiles += [(0, 256, 128, 4), (0, 512, 128, 8), (0, 1024, 32, 4), (0, 128, 128, 2)]
+    elif rows == 1:
         found = []
-        for block_m, block_n, block_k, warps in tiles:
-            steps = k // min(block_k, group_size)
+        for tile in awq_one_row_tiles(k):
+            split = splits_for(-(-n // tile.block_n), -(-k // tile.block_k), sms)
+            found += [tile] + ([replace(tile, split_k=split)] if split > 1 else [])
+    else:
+        found = []
+        for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
+            block_k = min(128, group_size)
             for waves in (1, 2, 4):
-                split = splits_for(-(-n // block_n), steps, sms, waves)
-                found.append(TileConfig(block_n=block_n, block_k=min(block_k, group_size), split_k=split,
-                                        block_m=block_m, num_warps=warps))
-        if rows == 1:
-            found += awq_one_row_tiles(n, group_size, sms)
+                split = splits_for(-(-n // block_n), k // block_k, sms, waves)
+                found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=16,
+                                        num_warps=warps, num_stages=3))
     default = default_awq_config(rows, n, k, group_size, sms)
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
-def awq_one_row_tiles(n: int, group_size: int, sms: int) -> list[TileConfig]:
-    """One-row AWQ GEMV tiles without a K split (as ``one_row_tiles``): 4, 8 or 16 int32 words
-    (16-64 bytes) of each packed K row a program, K steps of one group at most (the kernel's
-    limit), and only where the column tiles alone give every SM a program: a K step reads at most
-    64 x block_n bytes, so fewer programs than SMs would leave SMs idle for the whole read."""
-    return [TileConfig(block_n=block_n, block_k=min(128, group_size), split_k=1, block_m=0, num_warps=4,
-                       num_stages=3)
-            for block_n in AWQ_ONE_ROW_BLOCK_N if -(-n // block_n) >= sms]
+def awq_one_row_tiles(k: int) -> list[TileConfig]:
+    """One-row AWQ GEMV tiles on the CUDA cores without a K split: ``AWQ_ONE_ROW_BLOCK_N`` columns
+    and ``AWQ_ONE_ROW_BLOCK_K`` (dividing K) a step, 4 or 8 warps, where a thread holds
+    ``AWQ_WORDS_PER_THREAD`` words a step, each with 3 stages (the next step's weights read
+    during this one's sums) and 1 (after them). A K step may span several groups."""
+    low, high = AWQ_WORDS_PER_THREAD
+    return [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=warps,
+                       num_stages=stages)
+            for block_n in AWQ_ONE_ROW_BLOCK_N for block_k in AWQ_ONE_ROW_BLOCK_K for warps in (4, 8)
+            for stages in (3, 1)
+            if k % block_k == 0 and low <= block_n * block_k // 8 // (32 * warps) <= high]
 
 
 def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> list[TileConfig]:
@@ -274,19 +281,27 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool
                               dense_bytes)
     found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
     if with_awq:  # AWQ checkpoints keep the LM head in 16 bits
-        qweight, qzeros, scales = awq
-        awq_ref = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size)
-        candidates = awq_candidates(rows, n, k, group_size, sms)
-        for config in candidates:
-            check_awq_config(config, rows, group_size)
-        awq_bytes = sum(t.numel() * t.element_size() for t in awq) + io_bytes
-        found["awq"] = sweep(candidates,
-                             lambda c, *packed: awq_linear_triton(x, *packed, group_size, None, c), awq,
-                             awq_ref, awq_bytes)
-        if rows > GEMV_MAX_ROWS:  # the other way for more rows: dequantize, then cuBLAS
-            def dequantized(*packed):
-                return x @ awq_dequantize_triton(*packed, group_size, x.dtype)
-            found["awq_dequant"] = measure(dequantized, awq, awq_ref, awq_bytes)
+        found.update(bench_awq(x, awq, group_size, io_bytes, sms))
+    return found
+
+
+def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: int) -> dict:
+    """The AWQ sweep on ``awq`` (AutoAWQ's GEMM tensors, the reference's operands) repacked as the
+    engine holds them; with more than GEMV_MAX_ROWS rows also dequantize-then-cuBLAS."""
+    (rows, k), (qweight, qzeros, scales) = x.shape, awq
+    n = scales.shape[1]
+    reference = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size)
+    repacked = repack_awq(qweight, qzeros, scales, group_size)
+    candidates = awq_candidates(rows, n, k, group_size, sms)
+    for config in candidates:
+        check_awq_config(config, rows, group_size)
+    moved = sum(t.numel() * t.element_size() for t in repacked) + io_bytes
+    found = dict(awq=sweep(candidates, lambda c, *packed: awq_linear_triton(x, *packed, group_size, None, c),
+                           repacked, reference, moved))
+    if rows > GEMV_MAX_ROWS:
+        def dequantized(*packed):
+            return F.linear(x, awq_dequantize_triton(*packed, group_size, x.dtype))
+        found["awq_dequant"] = measure(dequantized, repacked, reference, moved)
     return found
 
 

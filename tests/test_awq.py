@@ -1,6 +1,7 @@
 """AWQ GEMM weights: the packing against hand-built words and against AutoAWQ's own code (when
-``awq`` is importable; CI does not install it), the config errors, tensor-parallel shards, and the
-W4A16 Triton kernels against ``awq_linear_torch``.
+``awq`` is importable; CI does not install it), the repack into the K-contiguous layout against
+``dequantize_awq`` (bit for bit), the config errors, tensor-parallel shards, and the W4A16 Triton
+kernels on repacked weights against ``awq_linear_torch`` on the GEMM-format ones.
 
 On a machine without CUDA the kernels run under the Triton interpreter at small sizes;
 TRITON_INTERPRET is set here, before ``pagedlab.kernels.w4a16`` (which imports triton when it
@@ -30,8 +31,9 @@ from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedlab.kernels import gemv_configs
 from pagedlab.kernels.gemv_configs import TileConfig
-from pagedlab.quantization.awq import (AWQ_PACK_ORDER, AWQConfig, awq_linear_torch, dequantize_awq, pack_awq,
-                                       quantize_awq, unpack_awq)
+from pagedlab.quantization.awq import (AWQ_PACK_ORDER, NATURAL_ORDER, AWQConfig, awq_linear_torch,
+                                       dequantize_awq, dequantize_repacked, pack_awq, quantize_awq,
+                                       repack_awq, repacked_linear_torch, repacked_shapes, unpack_awq)
 from pagedlab.quantization.linear_method import AWQLinearMethod
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,6 +120,58 @@ def test_quantize_round_trips_within_half_a_step():
     qweight, qzeros, scales = quantize_awq(weight, 64)
     error = (dequantize_awq(qweight, qzeros, scales, 64) - weight).abs()
     assert (error <= scales.repeat_interleave(64, dim=0) * 0.5 + 1e-6).all()
+
+
+# --- the repacked layout ----------------------------------------------------------------------------
+
+
+def test_repacked_words_hold_eight_consecutive_k_of_one_column_in_natural_order():
+    values = torch.zeros(16, 8, dtype=torch.int32)
+    values[:8, 3] = torch.arange(1, 9)  # column 3, k = 0..7 -> one word, nibble i holding k = i
+    zeros = torch.zeros(1, 8, dtype=torch.int32)  # one group of 16 rows
+    zeros[0, 3] = 5
+    qweight, qzeros, _ = repack_awq(pack_awq(values), pack_awq(zeros), torch.ones(1, 8), 16)
+    assert qweight.shape == (8, 2) and qzeros.shape == (8, 1)
+    assert qweight[3].tolist() == [_as_int32(0x87654321), 0] and not qweight[[0, 1, 2, 4, 5, 6, 7]].any()
+    assert qzeros[3].item() == 5 and pack_awq(values[:8, 3:4].t(), NATURAL_ORDER).item() == qweight[3, 0]
+
+
+@pytest.mark.parametrize("in_features, out_features, group_size", [
+    (256, 136, 32), (128, 64, 128), (192, 72, 64), (1024, 24, 32), (64, 8, 64), (4096, 16, 128),
+    (128, 8 * 513, 64)])  # 513 words a row: repacked 512 at a time
+def test_repacked_weights_dequantize_bit_for_bit_to_the_gemm_format_ones(in_features, out_features,
+                                                                          group_size):
+    gen = _generator("repack", in_features, out_features, group_size)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
+        repacked = repack_awq(qweight, qzeros, scales, group_size)
+        assert all(t.is_contiguous() for t in repacked) and repacked[2].dtype == dtype
+        assert repacked_shapes(*repacked, group_size) == (in_features, out_features)
+        expected = dequantize_awq(qweight, qzeros, scales, group_size)
+        assert torch.equal(dequantize_repacked(*repacked, group_size), expected.t())
+        x = torch.randn(3, in_features, generator=gen, dtype=torch.float64)  # sums in any order agree
+        torch.testing.assert_close(repacked_linear_torch(x, *repacked, group_size),
+                                   awq_linear_torch(x, qweight, qzeros, scales, group_size))
+
+
+def test_repacked_zero_words_pad_past_the_last_group():
+    """24 groups take three words of zero points per column; 12 groups two, the second half empty."""
+    gen = _generator("zero padding")
+    for groups, words in ((24, 3), (12, 2)):
+        _, zeros, scales, qweight, qzeros = random_awq(32 * groups, 16, 32, gen)
+        packed_zeros = repack_awq(qweight, qzeros, scales, 32)[1]
+        assert packed_zeros.shape == (16, words)
+        unpacked = unpack_awq(packed_zeros, NATURAL_ORDER)
+        assert torch.equal(unpacked[:, :groups], zeros.t()) and not unpacked[:, groups:].any()
+
+
+def test_repacked_shapes_name_what_they_expected():
+    _, _, scales, qweight, qzeros = random_awq(128, 16, 32, _generator("repacked shapes"))
+    repacked = repack_awq(qweight, qzeros, scales, 32)
+    with pytest.raises(ValueError, match=r"repacked AWQ tensors .* in groups of 64: expected"):
+        repacked_shapes(*repacked, 64)
+    with pytest.raises(ValueError, match="int32"):
+        repacked_shapes(repacked[0].long(), repacked[1], repacked[2], 32)
 
 
 # --- AutoAWQ as the independent reference (skipped where `awq` is not installed) ----------------------
@@ -240,13 +294,18 @@ def w4a16():
     return importlib.import_module("pagedlab.kernels.w4a16")
 
 
+def repacked_on_device(qweight, qzeros, scales, group_size):
+    return [t.to(DEVICE) for t in repack_awq(qweight, qzeros, scales, group_size)]
+
+
 def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with_bias, key, config=None):
     gen = _generator(key, rows, in_features, out_features, group_size, dtype, config)
     _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen).to(dtype) if with_bias else None
-    tensors = [t.to(DEVICE) for t in (x, qweight, qzeros, scales)]
-    out = w4a16.awq_linear_triton(*tensors, group_size, None if bias is None else bias.to(DEVICE), config)
+    repacked = repacked_on_device(qweight, qzeros, scales, group_size)
+    out = w4a16.awq_linear_triton(x.to(DEVICE), *repacked, group_size,
+                                  None if bias is None else bias.to(DEVICE), config)
     expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size,
                                 None if bias is None else bias.float())
     assert out.shape == (rows, out_features) and out.dtype == dtype
@@ -254,29 +313,34 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
     return out
 
 
-# (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (one row; its
-# partial sums per row of threads depend on block_n, block_k and num_warps), block_m=16 the GEMV
-# through tl.dot, more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel
-# (3 segments of 8 K steps are uneven: 3, 3, 2).
+# (rows, config) covering every path: block_m=0 is the one-row GEMV on the CUDA cores (a K step
+# within a group, one group, or several: block_k 16 to 256), block_m=16 the GEMV through tl.dot,
+# more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel (3 segments of 8
+# K steps are uneven: 3, 3, 2).
 KERNEL_CASES = [
-    (1, TileConfig(block_n=64, block_k=32, split_k=1)),
+    (1, TileConfig(block_n=8, block_k=256, split_k=1)),
+    (1, TileConfig(block_n=4, block_k=64, split_k=1)),
     (1, TileConfig(block_n=64, block_k=32, split_k=3)),
     (1, TileConfig(block_n=32, block_k=16, split_k=4, num_warps=2)),
+    (1, TileConfig(block_n=16, block_k=128, split_k=2)),
+    (1, TileConfig(block_n=8, block_k=64, split_k=2, num_stages=1)),  # no prefetch of the next step
     (3, TileConfig(block_n=32, block_k=16, split_k=4, block_m=16)),
+    (3, TileConfig(block_n=16, block_k=32, split_k=1, block_m=16, num_stages=1)),
     (1, TileConfig(block_n=64, block_k=32, split_k=2, block_m=16)),
     (5, TileConfig(block_n=128, block_k=16, split_k=1, block_m=16)),
     (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
     (17, TileConfig(block_n=64, block_k=32, block_m=16)),
     (40, TileConfig(block_n=32, block_k=16, block_m=32)),
 ]
-# (in_features, out_features, group_size, bias): 136 columns are 17 words, a partial column tile.
+# (in_features, out_features, group_size, bias): 136 columns make a partial column tile; 192
+# inputs a partial K step of 128 or 256.
 SHAPES = [(256, 136, 32, True), (128, 64, 128, False), (192, 72, 64, True)]
 
 
 def _case_id(case):
     rows, config = case
     path = "gemm" if rows > 16 else ("dot" if config.block_m else "cuda-cores")
-    return f"{path}-M{rows}-split{config.split_k}"
+    return f"{path}-M{rows}-n{config.block_n}-k{config.block_k}-split{config.split_k}"
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
@@ -288,7 +352,8 @@ def test_triton_matches_torch_float16(w4a16, shape, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=_case_id)
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[6], KERNEL_CASES[10]],
+                         ids=_case_id)
 def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     rows, config = case
     check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
@@ -313,10 +378,10 @@ def test_triton_dequantize_equals_torch_bit_for_bit(w4a16, shape, dtype):
     in_features, out_features, group_size, _ = shape
     gen = _generator("dequantize", in_features, out_features, group_size, dtype)
     _, _, scales, qweight, qzeros = random_awq(in_features, out_features, group_size, gen, dtype)
-    weight = w4a16.awq_dequantize_triton(qweight.to(DEVICE), qzeros.to(DEVICE), scales.to(DEVICE), group_size,
+    weight = w4a16.awq_dequantize_triton(*repacked_on_device(qweight, qzeros, scales, group_size), group_size,
                                          dtype)
-    assert weight.shape == (in_features, out_features) and weight.dtype == dtype
-    expected = dequantize_awq(qweight, qzeros, scales, group_size)
+    assert weight.shape == (out_features, in_features) and weight.dtype == dtype
+    expected = dequantize_awq(qweight, qzeros, scales, group_size).t()
     if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter's float32 -> bf16 cast truncates
         torch.testing.assert_close(weight, expected, atol=0, rtol=2 ** -7)
     else:
@@ -332,21 +397,22 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(w4a16):
     assert not gemv._counters[first.device].any()
 
 
-@pytest.mark.parametrize("rows", [2, 40])
+@pytest.mark.parametrize("rows", [1, 2, 40])
 def test_triton_on_column_shard_views(w4a16, rows):
     gen = _generator("shard views", rows)
     _, _, scales, qweight, qzeros = random_awq(128, 128, 32, gen, torch.float32)
-    shard = (qweight[:, 8:], qzeros[:, 8:], scales[:, 64:])  # the second of two column-parallel shards
-    assert not shard[0].is_contiguous()
+    repacked = repacked_on_device(qweight, qzeros, scales, 32)
+    shard = [t[64:] for t in repacked]  # the second of two column-parallel shards: the last 64 columns
     x = torch.randn(rows, 128, generator=gen)
-    out = w4a16.awq_linear_triton(x.to(DEVICE), *(t.to(DEVICE) for t in shard), 32)
-    torch.testing.assert_close(out.cpu(), awq_linear_torch(x, *shard, 32), **TOLERANCE[torch.float32])
+    out = w4a16.awq_linear_triton(x.to(DEVICE), *shard, 32)
+    expected = awq_linear_torch(x, qweight[:, 8:], qzeros[:, 8:], scales[:, 64:], 32)
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
 
 
 def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     gen = _generator("leading dims")
     _, _, scales, qweight, qzeros = random_awq(64, 32, 32, gen, torch.float32)
-    weight = [t.to(DEVICE) for t in (qweight, qzeros, scales)]
+    weight = repacked_on_device(qweight, qzeros, scales, 32)
     x = torch.randn(2, 3, 64, generator=gen)
     out = w4a16.awq_linear_triton(x.to(DEVICE), *weight, 32)
     assert out.shape == (2, 3, 32)
@@ -356,8 +422,9 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
 
 
 @pytest.mark.parametrize("rows, config, message", [
-    (1, TileConfig(block_n=64, block_k=64), "block_k=64 must divide group_size=32"),
-    (1, TileConfig(block_n=4, block_k=32), "block_n=4 must hold whole int32 words"),
+    (3, TileConfig(block_n=64, block_k=64, block_m=16), "block_k=64 must divide group_size=32 on tl.dot"),
+    (20, TileConfig(block_n=64, block_k=64, block_m=16), "block_k=64 must divide group_size=32 on tl.dot"),
+    (1, TileConfig(block_n=4, block_k=8), "block_k=8 is under 16"),
     (20, TileConfig(block_n=64, block_k=32), "the GEMM needs block_m >= 16"),
     (20, TileConfig(block_n=64, block_k=32, block_m=16, split_k=2), "needs block_m >= 16 and split_k=1"),
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
@@ -367,17 +434,21 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
 def test_triton_rejects_configs_it_cannot_run(w4a16, rows, config, message):
     _, _, scales, qweight, qzeros = random_awq(64, 64, 32, _generator("bad config"), torch.float32)
     with pytest.raises(ValueError, match=re.escape(message)):
-        w4a16.awq_linear_triton(torch.zeros(rows, 64), qweight, qzeros, scales, 32, config=config)
+        w4a16.awq_linear_triton(torch.zeros(rows, 64), *repack_awq(qweight, qzeros, scales, 32), 32,
+                                config=config)
 
 
 def test_triton_rejects_what_it_cannot_run(w4a16):
     _, _, scales, qweight, qzeros = random_awq(64, 32, 32, _generator("bad input"), torch.float32)
+    repacked = repack_awq(qweight, qzeros, scales, 32)
     with pytest.raises(ValueError, match="x has 32 features, the AWQ weight 64 inputs"):
-        w4a16.awq_linear_triton(torch.zeros(1, 32), qweight, qzeros, scales, 32)
+        w4a16.awq_linear_triton(torch.zeros(1, 32), *repacked, 32)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
-        w4a16.awq_linear_triton(torch.zeros(1, 64, dtype=torch.float64), qweight, qzeros, scales, 32)
+        w4a16.awq_linear_triton(torch.zeros(1, 64, dtype=torch.float64), *repacked, 32)
     with pytest.raises(ValueError, match="do not make a linear"):
-        w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 64)
+        w4a16.awq_linear_triton(torch.zeros(1, 64), *repacked, 64)
+    with pytest.raises(ValueError, match="do not make a linear"):  # the GEMM format, not repacked
+        w4a16.awq_linear_triton(torch.zeros(1, 64), qweight, qzeros, scales, 32)
 
 
 # --- real sizes on the GPU ---------------------------------------------------------------------------
@@ -385,23 +456,25 @@ def test_triton_rejects_what_it_cannot_run(w4a16):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("in_features, out_features", [(4096, 6144), (14336, 4096), (4096, 28672)])
+@pytest.mark.parametrize("in_features, out_features", [(4096, 6144), (4096, 4096), (14336, 4096),
+                                                       (4096, 28672)])
 @pytest.mark.parametrize("rows", [1, 4, 16, 256])
 def test_triton_at_llama_size_on_gpu(w4a16, rows, in_features, out_features, capsys):
-    """Llama-3-8B shapes, groups of 128, bf16 activations and scales: the default config against
-    the torch reference, bit-identical over repeated calls and replayed twice from a CUDA graph
-    (the split-K counters must be back at zero after every launch), with its time next to a
-    dense bf16 matmul's."""
+    """Llama-3-8B shapes, groups of 128, bf16 activations and scales, repacked weights: the default
+    config against the torch reference on the GEMM-format tensors, bit-identical over repeated
+    calls and replayed twice from a CUDA graph (split-K counters, where a config splits, back at
+    zero after every launch), with its time and bandwidth next to a dense bf16 matmul's."""
     from triton.testing import do_bench_cudagraph
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     weight = torch.randn(in_features, out_features, device="cuda", generator=gen).bfloat16() * 0.02
-    qweight, qzeros, scales = quantize_awq(weight, 128)
+    gemm_format = quantize_awq(weight, 128)
+    qweight, qzeros, scales = repack_awq(*gemm_format, 128)
     x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
-    expected = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), 128)
+    expected = awq_linear_torch(x.float(), gemm_format[0], gemm_format[1], gemm_format[2].float(), 128)
     out = w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128)
     torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
-    for _ in range(20):  # the split-K sum: same bits whichever segment finishes last
+    for _ in range(20):  # a split-K sum: same bits whichever segment finishes last
         assert torch.equal(w4a16.awq_linear_triton(x, qweight, qzeros, scales, 128), out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -415,4 +488,28 @@ def test_triton_at_llama_size_on_gpu(w4a16, rows, in_features, out_features, cap
     moved = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales, x, out))
     with capsys.disabled():
         print(f"\nAWQ W4A16 {rows}x{in_features}x{out_features}: {ms * 1e3:.1f} us, "
-              f"{moved / ms / 1e6:.0f} GB/s; dense bf16 matmul {dense_ms * 1e3:.1f} us")
+              f"{moved / ms / 1e6:.0f} GB/s ({moved / ms / 4.8e9:.0%} of 4.8 TB/s); "
+              f"dense bf16 matmul {dense_ms * 1e3:.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [TileConfig(block_n=8, block_k=2048, num_stages=3),
+                                    TileConfig(block_n=8, block_k=2048, num_stages=1),
+                                    TileConfig(block_n=4, block_k=1024, split_k=2),
+                                    TileConfig(block_n=16, block_k=1024, num_warps=8),
+                                    TileConfig(block_n=32, block_k=128, split_k=3, block_m=16)], ids=str)
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_one_row_gemv_tiles_at_llama_size_on_gpu(w4a16, config, group_size):
+    """The one-row GEMV's tiles (K steps spanning 16 groups of 128 or 64 of 32, split or not, with
+    and without the next step's prefetch, and the tl.dot path) compiled for the GPU, on the down
+    projection's shape, against the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(group_size)
+    weight = torch.randn(14336, 4096, device="cuda", generator=gen).bfloat16() * 0.02
+    gemm_format = quantize_awq(weight, group_size)
+    x = torch.randn(1, 14336, device="cuda", generator=gen).bfloat16()
+    expected = awq_linear_torch(x.float(), gemm_format[0], gemm_format[1], gemm_format[2].float(), group_size)
+    if group_size % config.block_k and config.block_m:
+        config = TileConfig(config.block_n, group_size, config.split_k, config.block_m)
+    out = w4a16.awq_linear_triton(x, *repack_awq(*gemm_format, group_size), group_size, None, config)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])

@@ -29,9 +29,11 @@ from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny
 from pagedlab import LLM, SamplingParams
 from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear
+from pagedlab.loader import process_weights_after_loading
 from pagedlab.loader.dummy import init_dummy_weights
 from pagedlab.models.registry import build_model
-from pagedlab.quantization.awq import AWQConfig, dequantize_awq, quantize_awq
+from pagedlab.quantization.awq import (AWQConfig, awq_linear_torch, dequantize_awq, dequantize_repacked,
+                                       quantize_awq)
 from pagedlab.quantization.linear_method import AWQLinearMethod
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -113,9 +115,17 @@ def test_awq_layer_triton_kernel_equals_torch_under_the_interpreter():
         for param, tensor in zip((layer.qweight, layer.qzeros, layer.scales), packed):
             param.weight_loader(param, tensor, shard_id)
     x = torch.randn(3, 64, generator=gen)
-    expected = layer(x)
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        layer(x)
+    gemm_format = [param.detach().clone() for param in (layer.qweight, layer.qzeros, layer.scales)]
+    layer.linear_method.process_weights_after_loading(layer)
+    assert (layer.qweight.shape, layer.qzeros.shape, layer.scales.shape) == ((64, 8), (64, 1), (64, 2))
+    expected = awq_linear_torch(x, *gemm_format, 32)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
     got = awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, 32)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="already repacked"):
+        layer.linear_method.process_weights_after_loading(layer)
 
 
 def test_dummy_awq_weights_load_and_generate(tmp_path):
@@ -145,7 +155,9 @@ def test_dummy_awq_weights_of_a_dense_config_take_autoawq_defaults(tmp_path):
     with LLM(tiny.path, quantization="awq", load_format="dummy", kv_cache_memory_bytes=KV_BYTES) as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
-        assert layer.qweight.shape == (256, 128 // 8) and layer.scales.shape == (256 // 128, 128)
+        # repacked at load: [out_features, in_features / 8] words, [out_features, groups] scales
+        assert layer.awq_repacked and layer.qweight.shape == (128, 256 // 8)
+        assert layer.scales.shape == (128, 256 // 128)
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -196,6 +208,34 @@ def test_dummy_awq_weights_are_the_same_at_tp1_and_tp2(monkeypatch):
                 else:  # row-parallel: this rank's rows (whole groups)
                     rows = part.shape[spec.in_dim]
                     assert torch.equal(part, full.narrow(spec.in_dim, rank * rows, rows)), (name, param_name)
+
+
+def test_repacked_dummy_weights_of_each_rank_are_its_cut_of_the_tp1_weight(monkeypatch):
+    """The loader repacks after the tensor-parallel cut: each TP=2 rank's repacked tensors
+    dequantize to its columns (column-parallel: of each fused part) or rows (row-parallel) of the
+    TP=1 model's dequantized weight."""
+    hf_config = tiny_config("llama")
+    hf_config.quantization_config = awq_quantization_config(32)
+    whole = _dummy_awq_model(hf_config, 1, 0, monkeypatch)
+    process_weights_after_loading(whole)
+    whole = dict(whole.named_modules())
+    checked = 0
+    for rank in range(2):
+        model = _dummy_awq_model(hf_config, 2, rank, monkeypatch)
+        process_weights_after_loading(model)
+        for name, layer in model.named_modules():
+            if not getattr(layer, "awq_repacked", False):
+                continue
+            part, full = (dequantize_repacked(m.qweight, m.qzeros, m.scales, 32)
+                          for m in (layer, whole[name]))
+            if hasattr(layer, "shards"):  # [out, in]: this rank's rows of each fused part
+                expected = torch.cat([full[f.offset + s.start:f.offset + s.start + s.size]
+                                      for s, f in zip(layer.shards, whole[name].shards)])
+            else:
+                expected = full[:, rank * part.shape[1]:(rank + 1) * part.shape[1]]
+            assert torch.equal(part, expected), (name, rank)
+            checked += 1
+    assert checked == 2 * 2 * 4  # two ranks, two layers, four linears each
 
 
 def test_missing_awq_tensor_is_named(tmp_path):

@@ -151,7 +151,10 @@ def test_default_configs_are_runnable(rows, group_size):
     for out_features, in_features in [(6144, 4096), (4096, 14336), (2048, 2048), (128256, 4096)]:
         config = gemv_configs.default_awq_config(rows, out_features, in_features, group_size, 132)
         config.check(rows, gemv=rows <= gemv_configs.GEMV_MAX_ROWS)
-        assert group_size % config.block_k == 0
+        if config.block_m:  # tl.dot: a K step within one group
+            assert group_size % config.block_k == 0
+        else:  # one row: whole K steps; these shapes' column tiles fill the SMs without a split
+            assert rows == 1 and in_features % config.block_k == 0 and config.split_k == 1
         if rows <= 16:
             dense = gemv_configs.default_dense_gemv_config(rows, out_features, in_features, 132)
             dense.check(rows, gemv=True)

@@ -15,6 +15,7 @@ import pytest
 import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
 import torch
 
+from pagedlab.kernels import gemv_configs
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.w4a16 import check_awq_config
 
@@ -103,17 +104,24 @@ def test_one_row_candidates_join_the_sweep_at_one_row_only(fp8):
                 config.check(rows, gemv=True)
 
 
-@pytest.mark.parametrize(("n", "group_size", "expected"), [
-    (28672, 128, {32, 64, 128}), (14336, 128, {32, 64}), (6144, 128, {32}), (4096, 128, set()),
-    (28672, 64, {32, 64, 128})])
-def test_awq_one_row_tiles_where_every_sm_gets_a_program(n, group_size, expected):
-    one = gemv_bench.awq_candidates(1, n, 4096, group_size, H200_SMS)
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are_few(n, k, group_size):
+    one = gemv_bench.awq_candidates(1, n, k, group_size, H200_SMS)
+    assert one[0] == gemv_configs.default_awq_config(1, n, k, group_size, H200_SMS)
     tiles = _one_row(one)
-    assert {c.block_n for c in tiles} == expected
-    assert all(c.block_k == min(128, group_size) for c in tiles)
-    assert not _one_row(gemv_bench.awq_candidates(4, n, 4096, group_size, H200_SMS))
+    shapes = {(c.block_n, c.block_k, c.num_warps) for c in tiles}
+    assert shapes >= {(8, 1024, 4), (16, 1024, 4), (32, 512, 4)}
+    assert ((8, 2048, 4) in shapes) == (k % 2048 == 0) and ((4, 4096, 8) in shapes) == (k % 4096 == 0)
+    for config in tiles:
+        words = config.block_n * config.block_k // 8 // (32 * config.num_warps)
+        assert k % config.block_k == 0 and 8 <= words <= 32
+    few = {c.block_n for c in tiles if -(-n // c.block_n) < 2 * H200_SMS}  # under two programs an SM
+    assert {c.block_n for c in one if c.block_m == 0 and c.split_k > 1} == few
+    assert few == ({16, 32} if n == 4096 else {32} if n == 6144 else set())
+    assert not _one_row(gemv_bench.awq_candidates(4, n, k, group_size, H200_SMS))
     for rows in (1, 4, 16, 64):
-        for config in gemv_bench.awq_candidates(rows, n, 4096, group_size, H200_SMS):
+        for config in gemv_bench.awq_candidates(rows, n, k, group_size, H200_SMS):
             check_awq_config(config, rows, group_size)
 
 
@@ -123,7 +131,7 @@ def test_one_row_tiles_run_and_match_torch():
     from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
     from pagedlab.kernels.gemv import dense_gemv_triton
     from pagedlab.kernels.w4a16 import awq_linear_triton
-    from pagedlab.quantization.awq import awq_linear_torch, quantize_awq
+    from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
     from pagedlab.quantization.fp8 import fp8_linear_torch, quantize_fp8_per_row
 
     gen = torch.Generator().manual_seed(0)
@@ -137,12 +145,13 @@ def test_one_row_tiles_run_and_match_torch():
     for config in gemv_bench.one_row_tiles((*gemv_bench.ONE_ROW_BLOCK_K, 2048)):
         out = fp8_gemv_triton(q, q_scale, values.to(DEVICE), scale.to(DEVICE), None, torch.float32, config)
         torch.testing.assert_close(out.cpu(), reference, atol=0.1, rtol=0.05)
-    awq_weight, awq_x = torch.randn(256, 256, generator=gen), torch.randn(1, 256, generator=gen)
-    packed = quantize_awq(awq_weight.T.contiguous(), 64)
-    tiles = gemv_bench.awq_one_row_tiles(256, 64, sms=2)
-    assert len(tiles) == 3
+    awq_weight, awq_x = torch.randn(1024, 64, generator=gen), torch.randn(1, 1024, generator=gen)
+    packed = quantize_awq(awq_weight, 64)
+    tiles = gemv_bench.awq_one_row_tiles(1024)
+    assert len(tiles) == 16 and {c.num_stages for c in tiles} == {1, 3}  # the next step prefetched or not
     for config in tiles:
-        out = awq_linear_triton(awq_x.to(DEVICE), *(t.to(DEVICE) for t in packed), 64, None, config)
+        out = awq_linear_triton(awq_x.to(DEVICE), *(t.to(DEVICE) for t in repack_awq(*packed, 64)), 64, None,
+                                config)
         torch.testing.assert_close(out.cpu(), awq_linear_torch(awq_x, *packed, 64), atol=1e-3, rtol=1e-3)
 
 
@@ -186,16 +195,17 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
     for name in ("dense_candidates", "awq_candidates"):
         monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
     gen = torch.Generator().manual_seed(1)
-    weight = (torch.randn(256, 128, generator=gen) * 0.1).bfloat16().to(DEVICE)
-    x = torch.randn(1, 128, generator=gen).bfloat16().to(DEVICE)
+    weight = (torch.randn(256, 512, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, 512, generator=gen).bfloat16().to(DEVICE)
     awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
     found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2)
     for path in ("gemv", "fp8", "awq"):
         assert [r["ok"] for r in found[path]["candidates"]] == [True] * 3, path
     assert found["cublas"]["us"] == pytest.approx(10.0)
-    assert set(seen) == {(((256, 128), torch.bfloat16),),
-                         (((256, 128), torch.float8_e4m3fn), ((256, 1), torch.float32)),
-                         (((128, 32), torch.int32), ((2, 32), torch.int32), ((2, 256), torch.bfloat16))}
+    # AWQ: timed on the repacked tensors, [N, K / 8] words, [N, 1] zero words (8 groups), [N, 8] scales
+    assert set(seen) == {(((256, 512), torch.bfloat16),),
+                         (((256, 512), torch.float8_e4m3fn), ((256, 1), torch.float32)),
+                         (((256, 64), torch.int32), ((256, 1), torch.int32), ((256, 8), torch.bfloat16))}
 
 
 def _record(layer, cublas, gemv=None, fp8=None, awq=None, tp=1, rows=1):

@@ -18,17 +18,21 @@ GEMV_MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Rows of a tl.dot tile: the smallest M tensor cores take.
 DOT_MIN_ROWS = 16
+# The one-row AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K step.
+AWQ_ONE_ROW_BLOCK_N = 8
+AWQ_ONE_ROW_BLOCK_K = 2048
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """One kernel launch's shape.
 
-    ``block_n``: output columns per program (AWQ: a multiple of 8, whole int32 words);
-    ``block_k``: rows of K per loop step (AWQ: divides the group size); ``split_k``: segments K
+    ``block_n``: output columns per program; ``block_k``: rows of K per loop step (AWQ: at least
+    16; on tl.dot it divides the group size, on the CUDA cores it may span groups); ``split_k``: segments K
     is cut into, each its own program, summed in a fixed order by the last to finish (GEMV only);
     ``block_m``: 0 multiplies on the CUDA cores with all rows in one program (GEMV only), 16 or
-    more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton."""
+    more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
+    GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``)."""
 
     block_n: int
     block_k: int
@@ -68,30 +72,12 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 
 # The tables: ``benchmarks/gemv_bench.py`` on one H200 (2026-12-01), times of CUDA-graph replays
 # with the weights read from HBM (the comments: microseconds).
-# (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels. A batch of more than
-# GEMV_MAX_ROWS rows takes the dequantizing GEMM only where it is listed (it beat
-# dequantize-then-cuBLAS there); elsewhere the weight is dequantized for cuBLAS.
-AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
-    # Llama-3-8B, one GPU
-    (1, 6144, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=11, block_m=0, num_warps=2),  # 12.0
-    (4, 6144, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=11, block_m=16, num_warps=4),  # 25.8
-    (16, 6144, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=11, block_m=16, num_warps=4),  # 27.7
-    (1, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 10.3
-    (4, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.0
-    (16, 4096, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=9, block_m=16, num_warps=4),  # 20.7
-    (1, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=3, block_m=0, num_warps=4),  # 34.7
-    (4, 28672, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=16),  # decode 99.8
-    (16, 28672, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=3, block_m=16, num_warps=4),  # 104.7
-    (64, 28672, 4096, 128): TileConfig(block_n=128, block_k=64, block_m=64, num_stages=3),  # 95.4
-    (1, 4096, 14336, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 21.5
-    (4, 4096, 14336, 128): TileConfig(block_n=256, block_k=128, split_k=17, block_m=16, num_warps=4),  # 53.0
-    (16, 4096, 14336, 128): TileConfig(block_n=256, block_k=128, split_k=17, block_m=16, num_warps=4),  # 55.4
-    # Llama-3-8B, one rank of two
-    (1, 3072, 4096, 128): TileConfig(block_n=128, block_k=128, split_k=22, block_m=0, num_warps=2),  # 9.7
-    (1, 4096, 2048, 128): TileConfig(block_n=256, block_k=128, split_k=9, block_m=0, num_warps=4),  # 8.2
-    (1, 14336, 4096, 128): TileConfig(block_n=256, block_k=128, split_k=5, block_m=0, num_warps=4),  # 22.0
-    (1, 4096, 7168, 128): TileConfig(block_n=128, block_k=128, split_k=17, block_m=0, num_warps=2),  # 14.1
-}
+# (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels over the repacked layout
+# (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows takes the dequantizing GEMM only
+# where it is listed (it beat dequantize-then-cuBLAS there); elsewhere the weight is dequantized
+# for cuBLAS. Entries: ``(1, 6144, 4096, 128): TileConfig(block_n=8, block_k=2048),  # us``.
+# Empty until measured on the repacked layout (``benchmarks/gemv_bench.py`` prints the lines).
+AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {}
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
 # benchmarks/pdl_probe.py instead: in a chain of 32 layers' linears, each reading its own weights
@@ -165,16 +151,25 @@ def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
 
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                        num_sms: int) -> TileConfig:
-    """GEMV: 256-column tiles (32 words, 128-byte rows), K split for two programs per SM, the
-    CUDA cores for one row and tl.dot for more. GEMM: 64/128 x 128 tiles, K steps of 64."""
+    """GEMV, one row: ``AWQ_ONE_ROW_BLOCK_N`` columns a program, K steps of up to
+    ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words), so that a program reads 8 KB a step as
+    the dense one-row GEMV's measured best does (4 weight rows x 1024 bf16), 3 stages (the next
+    step's weights read during this one's sums); in the sm_90 SASS this tile's loop takes about
+    4.6 instructions a weight, 127 registers, no spills. More rows:
+    tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the column
+    tiles give fewer than two programs per SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
     if rows > GEMV_MAX_ROWS:
         return TileConfig(block_n=128, block_k=min(group_size, 64), block_m=64 if rows <= 64 else 128,
                           num_warps=4 if rows <= 64 else 8, num_stages=3)
-    block_n = 256 if out_features >= 2048 else 64
-    block_k = min(group_size, 128)
-    split_k = splits_for(-(-out_features // block_n), in_features // block_k, num_sms)
-    return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k,
-                      block_m=0 if rows == 1 else DOT_MIN_ROWS, num_warps=4, num_stages=2)
+    if rows == 1:
+        block_n, block_m, block_k = AWQ_ONE_ROW_BLOCK_N, 0, AWQ_ONE_ROW_BLOCK_K
+        while in_features % block_k:  # whole steps (K is a multiple of the group size)
+            block_k //= 2
+    else:
+        block_n, block_m, block_k = 32, DOT_MIN_ROWS, min(group_size, 128)
+    split_k = splits_for(-(-out_features // block_n), -(-in_features // block_k), num_sms)
+    return TileConfig(block_n=block_n, block_k=block_k, split_k=split_k, block_m=block_m, num_warps=4,
+                      num_stages=3)
 
 
 def dense_gemv_config(rows: int, out_features: int, in_features: int) -> TileConfig | None:

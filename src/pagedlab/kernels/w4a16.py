@@ -1,32 +1,35 @@
-"""W4A16 linear: ``x @ W + bias`` with ``W`` in AWQ's 4-bit GEMM format, dequantized in registers.
+"""W4A16 linear: ``x @ W.T + bias`` with ``W`` ``[N, K]`` in the repacked AWQ layout, dequantized in
+registers.
 
-The format (``qweight``/``qzeros`` int32 with eight interleaved 4-bit values per word, ``scales``
-per group of input rows) is described in ``pagedlab.quantization.awq``, whose ``awq_linear_torch``
-is the plain-torch reference of ``awq_linear_triton`` here.
+The layout (``pagedlab.quantization.awq.repack_awq``, made once at load from AutoAWQ's GEMM
+tensors): ``qweight`` int32 ``[N, K / 8]`` with eight consecutive k of one output column per word
+(nibble i holds k = 8j + i), ``qzeros`` int32 ``[N, ceil(groups / 8)]`` packed the same way along the
+groups, ``scales`` ``[N, groups]``. Each column's weights are contiguous along K, as an
+``nn.Linear`` weight row is, so a program owning ``block_n`` columns streams ``block_k / 2`` bytes of
+each per K step, with no K split needed to make enough programs. ``repacked_linear_torch`` in
+``pagedlab.quantization.awq`` is the plain-torch reference of ``awq_linear_triton`` here.
 
-A program owns ``block_n // 8`` whole int32 words of every weight row it reads: it loads them
-coalesced along N (the packed row is contiguous, 16 bytes a thread) and unpacks each word in the
-thread that loaded it, one constant shift and one logic op per value, into the logical column
-order (``_unpack_words``), so scales, zeros and outputs use plain column offsets.
+A word unpacks in the thread that loaded it (``_unpack_words``): each nibble is one constant shift
+and one logic op, OR-ed into the mantissa of fp32 128.0, which makes the float ``128 + q`` (no
+int-to-float instruction; exact in bf16/fp16 too). The joins only place registers.
 
-Two kernels, picked by the row count (host ints only, so a CUDA graph can capture the call), each
+Three paths, picked by the row count (host ints only, so a CUDA graph can capture the call), each
 launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table, else heuristic):
 
-- at most ``GEMV_MAX_ROWS`` rows: a split-K GEMV (``kernels/gemv.py`` describes the K segments
-  and their deterministic in-kernel sum). Its time is the weight read (half a byte per weight),
-  so it keeps the instructions per weight few (checked in the SASS: about 4.4 per weight on the
-  CUDA cores): a 4-bit value OR-ed into the mantissa of fp32 128.0 is the float ``128 + q``
-  (no int-to-float instruction; exact in bf16/fp16 too), and a K step lies in one group, whose
-  zero point, scale and the 128 come out of the sum:
-  ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``. One row (``block_m == 0``)
-  multiplies on the CUDA cores, keeping a partial sum per row of threads until the end; 1 to 16
-  rows (``block_m == 16``) go through ``tl.dot``.
-- more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile
-  of the weight becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds ``tl.dot`` with
-  fp32 accumulation.
+- at most ``GEMV_MAX_ROWS`` rows: a GEMV; each program owns ``block_n`` columns and walks its K
+  segment (all of K unless the config sets ``split_k``: ``kernels/gemv.py`` describes the segments
+  and their deterministic in-kernel sum) in ``block_k`` steps. The zero point, scale and the 128
+  come out of each group's sum: ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``.
+  One row (``block_m == 0``) multiplies on the CUDA cores, a K step covering one group, part of
+  one, or several: nibble i of each word meets ``x[8w + i]`` and a word's eight products are one
+  chain of FMAs, only the words' sums are summed per group (``_one_row_step``). 1 to 16 rows
+  (``block_m == 16``) go through ``tl.dot``, a K step within one group.
+- more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile of
+  the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds
+  ``tl.dot`` with fp32 accumulation.
 - more rows otherwise (prefill chunks, most large decode batches): one kernel writes the
-  dequantized weight and cuBLAS multiplies; on an H200 that beat the dequantizing GEMM at 64 and
-  256 rows for every Llama-3-8B shape but gate/up at 64 (``benchmarks/gemv_bench.py``).
+  dequantized weight ``[N, K]`` and cuBLAS multiplies (``F.linear``). All three read the same
+  repacked tensors: the model holds one copy of its weights.
 
 This module imports triton when it loads; Triton decides at decoration time whether a kernel is
 compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after that is settled.
@@ -35,18 +38,21 @@ compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after tha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms,
-                                   split_k_epilogue, split_k_scratch)
+from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms, split_k_epilogue,
+                                   split_k_scratch)
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
-from pagedlab.quantization.awq import VALUES_PER_INT32, awq_shapes
+from pagedlab.quantization.awq import repacked_shapes
 
 # fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
 _BITS_OF_128 = 0x43000000
+# A K step reads at least two int32 words of each column.
+MIN_BLOCK_K = 16
 
 
 @triton.jit
@@ -60,126 +66,182 @@ def _nibble(words, BIT: tl.constexpr, AT_BIT: tl.constexpr, bits):
 
 
 @triton.jit
-def _unpack_words(words, AT_BIT: tl.constexpr, bits):
-    """int32 ``[R, W]`` -> ``[R, 8 * W]`` int32 in logical column order: column ``j`` of a word
-    holds the 4-bit value of nibble ``(j % 2) * 4 + j // 2`` at bits ``AT_BIT..AT_BIT+3``, OR
-    ``bits``. Each nibble is a shift by a constant and one or two logic ops on the loaded words,
-    in the thread that loaded them; the interleaves only place registers."""
-    evens = tl.interleave(tl.interleave(_nibble(words, 0, AT_BIT, bits), _nibble(words, 8, AT_BIT, bits)),
-                          tl.interleave(_nibble(words, 4, AT_BIT, bits), _nibble(words, 12, AT_BIT, bits)))
-    odds = tl.interleave(tl.interleave(_nibble(words, 16, AT_BIT, bits), _nibble(words, 24, AT_BIT, bits)),
-                         tl.interleave(_nibble(words, 20, AT_BIT, bits), _nibble(words, 28, AT_BIT, bits)))
-    return tl.interleave(evens, odds)
+def _unpack_words(words, bits):
+    """int32 ``[R, W]`` -> fp32 ``[R, W, 8]`` in K order: ``[r, w, i]`` is ``128 + q`` of nibble ``i``
+    of word ``w``, q in the mantissa bits 16..19 of 128.0 (``bits``; exact in bf16 and fp16 too).
+    Each nibble is a constant shift and one logic op in the thread that loaded the word; the joins
+    only place registers, the last axis being ``i = 4a + 2b + c`` of the joins' (a, b, c)."""
+    values = tl.join(tl.join(tl.join(_value(words, 0, bits), _value(words, 16, bits)),
+                             tl.join(_value(words, 8, bits), _value(words, 24, bits))),
+                     tl.join(tl.join(_value(words, 4, bits), _value(words, 20, bits)),
+                             tl.join(_value(words, 12, bits), _value(words, 28, bits))))
+    return tl.reshape(values, (words.shape[0], words.shape[1], 8))
 
 
 @triton.jit
-def _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, n_valid,
-                        stride_qzeros, stride_scales, w_bits):
-    """One group's zero points as fp32 ``128 + z`` (``[1, N]``) and its fp32 scales (``[N]``)."""
-    zero_words = tl.load(qzeros_ptr + group * stride_qzeros + offs_w, mask=w_valid, other=0)
-    zeros = _unpack_words(zero_words[None, :], 16, w_bits).to(tl.float32, bitcast=True)
-    scales = tl.load(scales_ptr + group * stride_scales + offs_n, mask=n_valid, other=0.0).to(tl.float32)
+def _value(words, BIT: tl.constexpr, bits):
+    """fp32 ``128 + q`` of the nibble at bit BIT of ``words``."""
+    return _nibble(words, BIT, 16, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sum_eights(values, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """``[ROWS, WORDS, 8]`` -> ``[ROWS, WORDS]``: the last axis (in-thread) summed as one chain of
+    adds, which the compiler fuses with the products before it into FMAs (tl.sum adds a tree)."""
+    even, odd = tl.split(tl.reshape(values, (ROWS, WORDS, 2, 2, 2)))
+    v04, v26 = tl.split(even)
+    v15, v37 = tl.split(odd)
+    v0, v4 = tl.split(v04)
+    v2, v6 = tl.split(v26)
+    v1, v5 = tl.split(v15)
+    v3, v7 = tl.split(v37)
+    return v0 + v1 + v2 + v3 + v4 + v5 + v6 + v7
+
+
+@triton.jit
+def _step_words(weight_rows, n_valid, k_start, k_end, BLOCK_K: tl.constexpr):
+    """The int32 words ``[BLOCK_N, BLOCK_K // 8]`` of the columns' K step at ``k_start`` (zero
+    from ``k_end`` on: none for a step past the end)."""
+    offs_w = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    return tl.load(weight_rows + offs_w[None, :], mask=n_valid[:, None] & (offs_w < k_end // 8)[None, :],
+                   other=0)
+
+
+@triton.jit
+def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, k_end, GROUP_SIZE: tl.constexpr,
+                       STEP_GROUPS: tl.constexpr):
+    """The zero points as fp32 ``128 + z`` and the fp32 scales, ``[BLOCK_N, STEP_GROUPS]``, of the
+    STEP_GROUPS groups from the one holding ``k_start`` (those of groups from ``k_end`` on unread)."""
+    offs_g = k_start // GROUP_SIZE + tl.arange(0, STEP_GROUPS)
+    mask = n_valid[:, None] & (offs_g < (k_end + GROUP_SIZE - 1) // GROUP_SIZE)[None, :]
+    zero_words = tl.load(zero_rows + (offs_g // 8)[None, :], mask=mask, other=0)
+    zeros = ((zero_words >> ((offs_g % 8) * 4)[None, :]) & 0xF).to(tl.float32) + 128.0
+    scales = tl.load(scale_rows + offs_g[None, :], mask=mask, other=0.0).to(tl.float32)
     return zeros, scales
 
 
 @triton.jit
-def _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_w, offs_n, w_valid, n_valid,
-                   stride_qweight, stride_qzeros, stride_scales, w_bits, GROUP_SIZE: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """The GEMV's K step at ``k_start`` (within one group): its weight words, zero points, scales."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    words = tl.load(qweight_ptr + offs_k[:, None] * stride_qweight + offs_w[None, :], mask=w_valid[None, :],
-                    other=0)
-    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, k_start // GROUP_SIZE, offs_w, offs_n,
-                                        w_valid, n_valid, stride_qzeros, stride_scales, w_bits)
-    return words, zeros, scales
+def _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores. The
+    sum's order within a word is free, so no value is moved: nibble i of every word meets
+    ``x[8w + i]``, eight fused multiply-adds a word (the x of a word is one 16-byte load, split
+    in registers), and only the words' sums are summed per group."""
+    offs_w = k_start // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    products = _unpack_words(words, w_bits) * x[None, :, :]
+    word_dots = _sum_eights(products, BLOCK_N, BLOCK_K // 8)
+    dots = tl.sum(tl.reshape(word_dots, (BLOCK_N, STEP_GROUPS, BLOCK_K // 8 // STEP_GROUPS)), axis=2)
+    x_sums = tl.sum(tl.reshape(x, (STEP_GROUPS, BLOCK_K // STEP_GROUPS)), axis=1)
+    return acc + scales * (dots - zeros * x_sums[None, :])
 
 
 @triton.jit
-def _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_start, m_valid, w_bits, BLOCK_K: tl.constexpr,
-                   BLOCK_W: tl.constexpr, USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``."""
+def _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` ``[BLOCK_M, BLOCK_N]`` plus one K step (within one group) of every row, on tensor
+    cores: the weights unpacked in K order, ``128 + q``."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    # fp32 128 + q: q in the mantissa bits 16..19 of 128.0 (w_bits); exact in bf16 and fp16 too
-    w = _unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True)
+    w = tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K))
+    x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+    dots = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    x_sums = tl.sum(x.to(tl.float32), axis=1)
+    zeros = tl.reshape(zeros, (BLOCK_N,))
+    scales = tl.reshape(scales, (BLOCK_N,))
+    return acc + scales[None, :] * (dots - zeros[None, :] * x_sums[:, None])
+
+
+@triton.jit
+def _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group."""
     if USE_DOT:
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
-        dots = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        x_sums = tl.sum(x.to(tl.float32), axis=1)
-    else:  # one row
-        x = tl.reshape(tl.load(x_ptr + offs_k).to(tl.float32), (BLOCK_K // ROW_THREADS, ROW_THREADS))
-        w = tl.reshape(w, (BLOCK_K // ROW_THREADS, ROW_THREADS, BLOCK_W * 8))
-        dots = tl.sum(x[:, :, None] * w, axis=0)
-        x_sums = tl.sum(x, axis=0)
-    return acc + scales[None, :] * (dots - zeros * x_sums[:, None])
+        return _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
+                         DOT_DTYPE, DOT_PRECISION)
+    else:
+        return _one_row_step(acc, words, zeros, scales, x_rows, k_start, K, w_bits, BLOCK_N, BLOCK_K,
+                             STEP_GROUPS)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                     M, N_WORDS, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
+                     M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
                      stride_scales, stride_out, stride_partial_split, stride_partial_row, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_DOT: tl.constexpr, ROW_THREADS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Program (column tile of BLOCK_W words, K segment) for all M <= BLOCK_M rows (tl.dot), or
-    for the one row (CUDA cores), one ``_awq_gemv_step`` per K step. ``w_bits`` (the bits of 128.0)
-    is a runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
-    With PDL the first K step's weights are read before the wait (``kernels/pdl.py``; segments
-    are never empty, so that step always exists); without, the loop is the whole K segment."""
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows (tl.dot), or for the
+    one row (CUDA cores), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
+    runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
+    The one-row partial sums stay per (column, group of the step) until the end. The first K
+    step's weights, zero points and scales are read before the PDL wait (``kernels/pdl.py``:
+    constant weights only; segments are never empty, so that step always exists). With PREFETCH
+    (``num_stages > 1``) each next step's are read before this step's sums, so that a program
+    keeps two steps of loads in flight (the loop holds no tl.dot for Triton's pipeliner to stage
+    loads for): one register copy more of a step's words."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
-    w_valid = offs_w < N_WORDS
-    n_valid = offs_n < N_WORDS * 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    columns = offs_n.to(tl.int64)[:, None]
+    weight_rows = qweight_ptr + columns * stride_qweight
+    zero_rows = qzeros_ptr + columns * stride_qzeros
+    scale_rows = scales_ptr + columns * stride_scales
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
-    x_rows = x_ptr + offs_m[:, None] * stride_x
-    # The CUDA cores keep one partial sum per row of threads (ROW_THREADS of them split a K step)
-    # and add them up once at the end, not across threads at every step.
-    acc = tl.zeros((BLOCK_M if USE_DOT else ROW_THREADS, BLOCK_W * 8), dtype=tl.float32)
+    if USE_DOT:
+        x_rows = x_ptr + offs_m[:, None] * stride_x
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        x_rows = x_ptr
+        acc = tl.zeros((BLOCK_N, STEP_GROUPS), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
-    loop_begin = k_begin
-    if PDL:  # the first K step's weights before the wait, the rest in the loop
-        words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_begin, offs_w, offs_n,
-                                              w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
-                                              w_bits, GROUP_SIZE, BLOCK_K)
-        pdl_wait_and_trigger(PDL)
-        acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_begin, m_valid, w_bits, BLOCK_K,
-                             BLOCK_W, USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
-        loop_begin = k_begin + BLOCK_K
-    for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
-        words, zeros, scales = _awq_gemv_tile(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_w, offs_n,
-                                              w_valid, n_valid, stride_qweight, stride_qzeros, stride_scales,
-                                              w_bits, GROUP_SIZE, BLOCK_K)
-        acc = _awq_gemv_step(acc, words, zeros, scales, x_ptr, x_rows, k_start, m_valid, w_bits, BLOCK_K,
-                             BLOCK_W, USE_DOT, ROW_THREADS, DOT_DTYPE, DOT_PRECISION)
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    # the first K step's weights before the PDL wait; each next one's during (PREFETCH) or after
+    # this one's sums (past the segment's end: nothing read)
+    words = _step_words(weight_rows, n_valid, k_begin, k_end, BLOCK_K)
+    zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, k_end, GROUP_SIZE,
+                                       STEP_GROUPS)
+    pdl_wait_and_trigger(PDL)
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        if PREFETCH:
+            next_words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
+            next_zeros, next_scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K,
+                                                         k_end, GROUP_SIZE, STEP_GROUPS)
+        acc = _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
+                         STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            words, zeros, scales = next_words, next_zeros, next_scales
+        else:
+            words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
+            zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K, k_end,
+                                               GROUP_SIZE, STEP_GROUPS)
     if not USE_DOT:
-        acc = tl.sum(acc, axis=0)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid, group,
-                      stride_qweight, stride_qzeros, stride_scales, w_bits):
-    """The float32 weights ``(q - z) * s`` of rows ``offs_k`` (one group) and words ``offs_w``."""
-    words = tl.load(qweight_ptr + offs_k.to(tl.int64)[:, None] * stride_qweight + offs_w[None, :],
-                    mask=w_valid[None, :], other=0)
-    zeros, scales = _group_zeros_scales(qzeros_ptr, scales_ptr, group, offs_w, offs_n, w_valid, n_valid,
-                                        stride_qzeros, stride_scales, w_bits)
+def _dequantized_tile(weight_rows, zero_rows, scale_rows, n_valid, k_start, K, w_bits,
+                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 weights ``(q - z) * s`` ``[BLOCK_N, BLOCK_K]`` of the columns' K tile at
+    ``k_start`` (within one group)."""
+    words = _step_words(weight_rows, n_valid, k_start, K, BLOCK_K)
+    zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE, 1)
     # 128 + q, as in the GEMV, less 128 + z
-    return (_unpack_words(words, 16, w_bits).to(tl.float32, bitcast=True) - zeros) * scales[None, :]
+    return (tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K)) - zeros) * scales
 
 
 @triton.jit(do_not_specialize=["w_bits"])
-def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N_WORDS, K,
+def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
                      stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (row tile, column tile) of the output. Row tiles vary fastest over the grid, so
     programs running together share a weight tile (dequantized from L2, read from HBM once).
@@ -188,56 +250,56 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_valid = offs_m < M
-    w_valid = offs_w < N_WORDS
-    n_valid = offs_n < N_WORDS * 8
+    n_valid = offs_n < N
+    columns = offs_n.to(tl.int64)[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_W * 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid,
-                              k_start // GROUP_SIZE, stride_qweight, stride_qzeros, stride_scales,
-                              w_bits).to(DOT_DTYPE)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None], other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision=DOT_PRECISION)
+        w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
+                              scales_ptr + columns * stride_scales, n_valid, k_start, K, w_bits, GROUP_SIZE,
+                              BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
 
 
 @triton.jit(do_not_specialize=["w_bits"])
-def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N_WORDS, K, stride_qweight,
+def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, stride_qweight,
                            stride_qzeros, stride_scales, stride_out, w_bits, GROUP_SIZE: tl.constexpr,
-                           BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Program (K tile within one group, column tile): ``(q - z) * s`` rounded to the output's dtype,
-    the same values the GEMM's tiles feed tl.dot. It reads only the weight, so with PDL it computes
-    the tile before the wait and only stores after it."""
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program (K tile within one group, column tile): ``(q - z) * s`` rounded to the output's dtype
+    into the ``[N, K]`` weight, the same values the GEMM's tiles feed tl.dot. It reads only the
+    weight, so with PDL it computes the tile before the wait and only stores after it."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
-    offs_n = pid_n * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
-    w_valid = offs_w < N_WORDS
-    n_valid = offs_n < N_WORDS * 8
-    w = _dequantized_tile(qweight_ptr, qzeros_ptr, scales_ptr, offs_k, offs_w, offs_n, w_valid, n_valid,
-                          pid_k * BLOCK_K // GROUP_SIZE, stride_qweight, stride_qzeros, stride_scales, w_bits)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    columns = offs_n.to(tl.int64)[:, None]
+    w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
+                          scales_ptr + columns * stride_scales, n_valid, pid_k * BLOCK_K, K, w_bits,
+                          GROUP_SIZE, BLOCK_N, BLOCK_K)
     pdl_wait_and_trigger(PDL)
-    out = out_ptr + offs_k.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_valid[None, :])
+    tl.store(out_ptr + columns * stride_out + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=n_valid[:, None] & (offs_k < K)[None, :])
 
 
 def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                           dtype: torch.dtype) -> torch.Tensor:
-    """Triton version of ``dequantize_awq``: the weight ``[in_features, out_features]`` in ``dtype``
-    (each value ``(q - z) * s`` computed in float32, then rounded), for cuBLAS to multiply."""
-    in_features, out_features = awq_shapes(qweight, qzeros, scales, group_size)
-    out = torch.empty(in_features, out_features, dtype=dtype, device=qweight.device)
-    block_k, block_w = min(group_size, 32), 32
-    grid = (in_features // block_k, triton.cdiv(qweight.shape[1], block_w))
-    _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, qweight.shape[1], in_features,
+    """Triton version of ``dequantize_repacked``: the weight ``[out_features, in_features]`` (as
+    ``nn.Linear`` holds it) in ``dtype`` (each value ``(q - z) * s`` computed in float32, then
+    rounded), for cuBLAS to multiply."""
+    in_features, out_features = repacked_shapes(qweight, qzeros, scales, group_size)
+    out = torch.empty(out_features, in_features, dtype=dtype, device=qweight.device)
+    block_n, block_k = 32, min(group_size, 128)
+    grid = (triton.cdiv(in_features, block_k), triton.cdiv(out_features, block_n))
+    _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, out_features, in_features,
                                  qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-                                 _BITS_OF_128, GROUP_SIZE=group_size, BLOCK_W=block_w, BLOCK_K=block_k,
+                                 _BITS_OF_128, GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
                                  **pdl_launch(qweight.device), num_warps=4)
     return out
 
@@ -245,14 +307,14 @@ def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
 def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                       group_size: int, bias: torch.Tensor | None = None,
                       config: TileConfig | None = None) -> torch.Tensor:
-    """Triton version of ``awq_linear_torch``: ``x`` ``[..., in_features]`` in float16, bfloat16
-    or float32 -> ``[..., out_features]`` in ``x``'s dtype.
+    """Triton version of ``repacked_linear_torch`` (repacked tensors, ``repack_awq``): ``x``
+    ``[..., in_features]`` in float16, bfloat16 or float32 -> ``[..., out_features]`` in ``x``'s dtype.
 
-    The tensors may be views (e.g. tensor-parallel shards) as long as their last dimension is
-    contiguous. ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
+    The tensors may be views (e.g. a shard's rows) as long as their last dimension is contiguous.
+    ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
     ``GEMV_MAX_ROWS`` rows it runs the GEMV; more rows run the GEMM where the table lists it,
-    else the weight is dequantized and cuBLAS multiplies (measured faster for most shapes)."""
-    in_features, out_features = awq_shapes(qweight, qzeros, scales, group_size)
+    else the weight is dequantized and cuBLAS multiplies."""
+    in_features, out_features = repacked_shapes(qweight, qzeros, scales, group_size)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the AWQ weight {in_features} inputs")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -261,12 +323,13 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
     rows = x2d.shape[0]
     tensors = {"x": x2d, "qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias}
     for name, tensor in tensors.items():
-        if tensor is not None and tensor.stride(-1) != 1:
+        if tensor is not None and tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
     if config is None:
-        out = x2d @ awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
-        return (out if bias is None else out + bias.to(x.dtype)).view(*x.shape[:-1], out_features)
+        weight = awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
+        out = F.linear(x2d, weight, None if bias is None else bias.to(x.dtype))
+        return out.view(*x.shape[:-1], out_features)
     check_awq_config(config, rows, group_size)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows:
@@ -281,20 +344,12 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
     if rows > 1 and rows <= GEMV_MAX_ROWS and not config.block_m:
         raise ValueError(f"{config}: the AWQ GEMV runs {rows} rows on tensor cores only (block_m=16); "
                          "block_m=0 (CUDA cores) is for one row")
-    if config.block_n < VALUES_PER_INT32:
-        raise ValueError(f"block_n={config.block_n} must hold whole int32 words: at least 8 columns")
-    if group_size % config.block_k:
-        raise ValueError(f"block_k={config.block_k} must divide group_size={group_size}: a K step reads "
-                         "one group's zero points and scales")
-
-
-def row_threads(block_w: int, block_k: int, num_warps: int) -> int:
-    """How many threads share a column of the GEMV's ``[block_k, block_w]`` word tile in Triton's
-    coalesced layout (16-byte loads: 4 words a thread along N, the rest of a warp and then the
-    warps along K). Only a performance hint: any power of two up to block_k gives the same sums."""
-    lanes_n = min(32, max(1, block_w // 4))
-    warps_n = min(num_warps, max(1, block_w // (4 * lanes_n)))
-    return min(block_k, (32 // lanes_n) * (num_warps // warps_n))
+    if config.block_k < MIN_BLOCK_K:
+        raise ValueError(f"block_k={config.block_k} is under {MIN_BLOCK_K}: a K step reads at least two "
+                         "int32 words (8 k each) of every column")
+    if config.block_m and group_size % config.block_k:
+        raise ValueError(f"block_k={config.block_k} must divide group_size={group_size} on tl.dot "
+                         "(block_m > 0): a K step there lies in one group")
 
 
 def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
@@ -305,12 +360,12 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
     _awq_gemv_kernel[(tiles, num_splits)](
         x, qweight, qzeros, scales, out if bias is None else bias, out, partial, counters,
-        rows, qweight.shape[1], in_features, k_per_split, num_splits, x.stride(0), qweight.stride(0),
+        rows, out_features, in_features, k_per_split, num_splits, x.stride(0), qweight.stride(0),
         qzeros.stride(0), scales.stride(0), out.stride(0), partial.stride(0), partial.stride(1), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
-        BLOCK_M=gemv_block_m(rows, config), BLOCK_W=config.block_n // VALUES_PER_INT32,
-        BLOCK_K=config.block_k, USE_DOT=config.block_m > 0,
-        ROW_THREADS=row_threads(config.block_n // VALUES_PER_INT32, config.block_k, config.num_warps),
+        BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        STEP_GROUPS=max(1, config.block_k // group_size), USE_DOT=config.block_m > 0,
+        PREFETCH=config.num_stages > 1,
         **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -318,8 +373,8 @@ def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config:
     rows, in_features = x.shape
     grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out.shape[1], config.block_n))
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out if bias is None else bias, out, rows, qweight.shape[1], in_features,
+        x, qweight, qzeros, scales, out if bias is None else bias, out, rows, out.shape[1], in_features,
         x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
-        BLOCK_W=config.block_n // VALUES_PER_INT32, BLOCK_K=config.block_k, **dot_settings(x),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, **dot_settings(x),
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)

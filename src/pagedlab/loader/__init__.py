@@ -81,7 +81,9 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch
     ``quantization`` is the engine's argument (see ``pagedlab.quantization.formats``).
 
     In a tensor-parallel process (``pagedlab.distributed.parallel_state.init_tensor_parallel``
-    called first) the model is this rank's shard and only its part of each tensor is read."""
+    called first) the model is this rank's shard and only its part of each tensor is read. Once
+    loaded, each linear's weights take the layout its method multiplies
+    (``process_weights_after_loading``)."""
     with _default_dtype(dtype), torch.device(device):
         model = build_model(hf_config, max_position, quantization)
     if source.load_format == "dummy":
@@ -92,4 +94,14 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"the checkpoint in {source.path} lacks weights for: {shown}")
+    process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let every linear's method turn its loaded, tensor-parallel cut parameters into the layout it
+    multiplies (AWQ's repack); dummy and checkpoint weights alike."""
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

@@ -1,7 +1,9 @@
-"""AWQ 4-bit weights in AutoAWQ's GEMM format: the config, the packing, plain-torch dequantization
-and matmul (the reference of ``pagedlab.kernels.w4a16`` and the CPU path), and a round-to-nearest
-quantizer. Tensor-parallel ranks cut these tensors in ``pagedlab.layers.linear``, along each
-one's own dimension in whole int32 words (column-parallel) or whole groups (row-parallel).
+"""AWQ 4-bit weights: AutoAWQ's GEMM format (the checkpoints' and the loader's), the K-contiguous
+layout the engine repacks it into once loaded (``repack_awq``), the config, the packing,
+plain-torch dequantization and matmul of both (the references of ``pagedlab.kernels.w4a16``, and
+the CPU path), and a round-to-nearest quantizer. Tensor-parallel ranks cut the GEMM-format
+tensors in ``pagedlab.layers.linear``, along each one's own dimension in whole int32 words
+(column-parallel) or whole groups (row-parallel); the repack follows the cut.
 
 A linear layer ``y = x @ W + b`` with ``W`` of shape ``[in_features, out_features]`` (the
 transpose of ``nn.Linear.weight``) is stored as three tensors:
@@ -20,6 +22,16 @@ odd ones in the high half-word, so AutoAWQ's CUDA kernel turns a 32-bit word int
 a few bit operations. Read back, logical column ``j`` of a group of eight is nibble
 ``(j % 2) * 4 + j // 2``.
 
+The repacked layout (``repack_awq``; what every AWQ linear holds after loading, on every device)
+keeps one output column's weights contiguous along K, so that a one-row GEMV streams each
+column's words in order, as the dense GEMV streams an ``nn.Linear`` weight row:
+
+- ``qweight`` int32 ``[out_features, in_features // 8]``: the int32 at ``[n, j]`` holds ``q[8j + i, n]``
+  in nibble ``i`` (natural order, ``NATURAL_ORDER``);
+- ``qzeros`` int32 ``[out_features, ceil(groups / 8)]``: zero point of group ``8j + i`` in nibble ``i``
+  of ``[n, j]``, the nibbles past the last group zero;
+- ``scales`` ``[out_features, groups]``, the checkpoint's dtype.
+
 Only what AutoAWQ's GEMM kernels produce is supported: 4 bits, zero points, groups of 32, 64 or 128
 input rows, no activation reordering. Everything else is a ``ValueError`` naming the value.
 """
@@ -32,10 +44,16 @@ from typing import Any
 import torch
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+NATURAL_ORDER = tuple(range(8))
 VALUES_PER_INT32 = 8
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-# The shift that reads logical column j (of a group of eight) out of its int32.
-_LOGICAL_COLUMN_SHIFTS = tuple(4 * AWQ_PACK_ORDER.index(j) for j in range(VALUES_PER_INT32))
+# int32 words of a GEMM-format row (8 columns each) ``repack_awq`` unpacks at a time.
+_REPACK_WORDS = 512
+
+
+def _shifts(order: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The shift that reads logical value j (of a word's eight) out of its int32, for each j."""
+    return torch.tensor([4 * order.index(j) for j in range(VALUES_PER_INT32)], dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -83,25 +101,26 @@ class AWQConfig:
         return cls(group_size=group_size, modules_to_not_convert=skipped)
 
 
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+def unpack_awq(packed: torch.Tensor, order: tuple[int, ...] = AWQ_PACK_ORDER) -> torch.Tensor:
     """``qweight`` or ``qzeros`` ``[rows, cols]`` int32 -> its 4-bit values ``[rows, cols * 8]``
-    (int32 in 0..15) in logical column order."""
+    (int32 in 0..15) in logical order; ``order``: the nibble of each value (AWQ's interleave, or
+    ``NATURAL_ORDER`` for the repacked layout)."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed AWQ tensors are int32, not {packed.dtype}")
-    shifts = torch.tensor(_LOGICAL_COLUMN_SHIFTS, dtype=torch.int32, device=packed.device)
+    shifts = _shifts(order, torch.int32, packed.device)
     # The arithmetic shift copies a set sign bit into the high bits; the mask drops them.
     return ((packed[..., None] >> shifts) & 0xF).flatten(-2)
 
 
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
+def pack_awq(values: torch.Tensor, order: tuple[int, ...] = AWQ_PACK_ORDER) -> torch.Tensor:
     """The inverse of ``unpack_awq``: 4-bit values ``[rows, cols]`` (any int dtype, 0..15,
-    ``cols`` a multiple of 8) -> int32 ``[rows, cols // 8]`` in AWQ's interleaved order."""
+    ``cols`` a multiple of 8) -> int32 ``[rows, cols // 8]`` in ``order`` (default AWQ's)."""
     rows, cols = values.shape
     if cols % VALUES_PER_INT32:
         raise ValueError(f"AWQ packs 8 columns per int32: {cols} columns is not a multiple of 8")
     if values.numel() and (int(values.min()) < 0 or int(values.max()) > 15):
         raise ValueError(f"4-bit values must lie in 0..15, got {int(values.min())}..{int(values.max())}")
-    shifts = torch.tensor(_LOGICAL_COLUMN_SHIFTS, dtype=torch.int64, device=values.device)
+    shifts = _shifts(order, torch.int64, values.device)
     words = (values.long().view(rows, cols // VALUES_PER_INT32, VALUES_PER_INT32) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as int32 bits
 
@@ -135,8 +154,56 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 def awq_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                      group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W + bias`` for ``x`` of shape ``[..., in_features]``, with the dequantized weight cast
-    to ``x``'s dtype: the reference of ``awq_linear_triton``, and the CPU path."""
+    to ``x``'s dtype, on AutoAWQ's GEMM tensors (an independent reference of the repacked path)."""
     out = x @ dequantize_awq(qweight, qzeros, scales, group_size).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMM tensors -> the repacked ``(qweight, qzeros, scales)`` (module docstring),
+    contiguous, on the same device: the same weights, each output column's along K."""
+    awq_shapes(qweight, qzeros, scales, group_size)
+    # a slice of columns at a time: the unpacked values of a whole gate/up weight take 1-2 GB
+    words = torch.cat([pack_awq(unpack_awq(part).t().contiguous(), NATURAL_ORDER)
+                       for part in qweight.split(_REPACK_WORDS, dim=1)])
+    zeros = unpack_awq(qzeros).t()
+    zeros = torch.nn.functional.pad(zeros, (0, -zeros.shape[1] % VALUES_PER_INT32))
+    return words, pack_awq(zeros, NATURAL_ORDER), scales.t().contiguous()
+
+
+def repacked_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    group_size: int) -> tuple[int, int]:
+    """Check that three repacked tensors (``repack_awq``) make one AWQ linear with this group
+    size; return ``(in_features, out_features)``."""
+    out_features, in_features = qweight.shape[0], qweight.shape[1] * VALUES_PER_INT32
+    groups = in_features // group_size
+    expected = {"qweight": (out_features, in_features // VALUES_PER_INT32),
+                "qzeros": (out_features, -(-groups // VALUES_PER_INT32)), "scales": (out_features, groups)}
+    got = {"qweight": tuple(qweight.shape), "qzeros": tuple(qzeros.shape), "scales": tuple(scales.shape)}
+    if in_features % group_size or got != expected:
+        raise ValueError(f"repacked AWQ tensors {got} do not make a linear of {in_features} inputs in groups "
+                         f"of {group_size}: expected {expected}")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise ValueError(f"qweight and qzeros are int32, not {qweight.dtype}/{qzeros.dtype}")
+    return in_features, out_features
+
+
+def dequantize_repacked(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    """The weight of repacked tensors as ``nn.Linear`` holds it, ``[out_features, in_features]``,
+    ``(q - z) * s`` in the dtype of ``scales``: ``dequantize_awq``'s weight, transposed."""
+    groups = repacked_shapes(qweight, qzeros, scales, group_size)[0] // group_size
+    zeros = unpack_awq(qzeros, NATURAL_ORDER)[:, :groups].repeat_interleave(group_size, dim=1)
+    steps = scales.float().repeat_interleave(group_size, dim=1)
+    return ((unpack_awq(qweight, NATURAL_ORDER) - zeros) * steps).to(scales.dtype)
+
+
+def repacked_linear_torch(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``awq_linear_torch`` on repacked tensors: the reference of ``awq_linear_triton``, and the
+    CPU path of the engine's AWQ linears."""
+    out = x @ dequantize_repacked(qweight, qzeros, scales, group_size).to(x.dtype).t()
     return out if bias is None else out + bias.to(x.dtype)
 
 

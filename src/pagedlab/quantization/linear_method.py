@@ -2,7 +2,8 @@
 parameters a layer holds (dense ``weight``; AWQ's ``qweight``/``qzeros``/``scales``; FP8's
 ``weight``/``weight_scale``/``input_scale``), along which dimension and in which units each is cut
 into tensor-parallel shards, how a dense checkpoint weight becomes them (``quantize_dense``, for
-formats quantized at load and for dummy weights), and how the layer multiplies. The layers in
+formats quantized at load and for dummy weights), what becomes of them once loaded
+(``process_weights_after_loading``: AWQ repacks), and how the layer multiplies. The layers in
 ``pagedlab.layers.linear`` are the same for every format."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
-from pagedlab.quantization.awq import VALUES_PER_INT32, AWQConfig, awq_linear_torch, quantize_awq
+from pagedlab.quantization.awq import (VALUES_PER_INT32, AWQConfig, quantize_awq, repack_awq,
+                                       repacked_linear_torch)
 from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_kernels_run, fp8_linear_cuda,
                                        fp8_linear_torch, quantize_fp8_per_row, scaled_mm_runs)
 
@@ -55,6 +57,10 @@ class LinearMethod:
         """The dense Triton GEMV config ``apply`` multiplies ``x`` with on a GPU, or None: another
         kernel (what a LoRA linear asks, to add its deltas in that GEMV's epilogue)."""
         return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Turn the loaded (and tensor-parallel cut) parameters into the layout ``apply`` reads;
+        called once per layer by the loader after every weight is set (nothing to do here)."""
 
 
 class DenseLinearMethod(LinearMethod):
@@ -97,9 +103,12 @@ def dense_gemv_choice(x: torch.Tensor, weight: torch.Tensor) -> TileConfig | Non
 
 
 class AWQLinearMethod(LinearMethod):
-    """AutoAWQ's GEMM format (``pagedlab.quantization.awq``): the Triton W4A16 kernels on CUDA,
-    the plain-torch dequantize-and-multiply elsewhere. With ``quantize_at_load`` a dense
-    checkpoint's weights are rounded to nearest (``quantize_awq``: not activation-aware)."""
+    """AutoAWQ's GEMM format (``pagedlab.quantization.awq``) as loaded and cut for tensor
+    parallelism; ``process_weights_after_loading`` repacks it once into the K-contiguous layout
+    (``repack_awq``; same names, the old tensors freed), which ``apply`` multiplies: the Triton
+    W4A16 kernels on CUDA, the plain-torch dequantize-and-multiply elsewhere. With
+    ``quantize_at_load`` a dense checkpoint's weights are rounded to nearest (``quantize_awq``:
+    not activation-aware)."""
 
     def __init__(self, config: AWQConfig):
         self.group_size = config.group_size
@@ -116,12 +125,25 @@ class AWQLinearMethod(LinearMethod):
                            1, word, 0, group),
                 WeightSpec("scales", (in_features // group, out_features), None, 1, 1, 0, group)]
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Replace ``qweight``/``qzeros``/``scales`` by their repacked tensors (``repack_awq``)."""
+        if getattr(layer, "awq_repacked", False):
+            raise RuntimeError(f"{type(layer).__name__}'s AWQ weights are already repacked")
+        tensors = repack_awq(layer.qweight, layer.qzeros, layer.scales, self.group_size)
+        for name, tensor in zip(("qweight", "qzeros", "scales"), tensors):
+            delattr(layer, name)
+            layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        layer.awq_repacked = True
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not getattr(layer, "awq_repacked", False):
+            raise RuntimeError(f"{type(layer).__name__}'s AWQ weights are in AutoAWQ's GEMM layout: call "
+                               "linear_method.process_weights_after_loading(layer) once they are loaded")
         if x.is_cuda:
             from pagedlab.kernels.w4a16 import awq_linear_triton
 
             return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
-        return awq_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
+        return repacked_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         qweight, qzeros, scales = quantize_awq(weight.t().contiguous(), self.group_size)
