@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|prefix|long|nano-fp8|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -18,8 +18,8 @@ for part in "$@"; do
     # the linear-layer and LoRA kernels and their benches' GPU paths (the tests part covers the engine)
     tests-kernels) python3 -m pytest -m gpu tests/test_gemv.py tests/test_gemv_bench.py tests/test_awq.py \
                        tests/test_fp8.py tests/test_lora_kernels.py tests/test_lora_gemv.py tests/test_lora_gpu.py \
-                       tests/test_hf_fp8_peer.py \
-                       -q -s -rs -p no:cacheprovider 2>&1 | tail -30 ;;
+                       tests/test_hf_fp8_peer.py tests/test_fp8_fused_inputs.py tests/test_kernels.py \
+                       tests/test_batch_invariant_attention.py -q -s -rs -p no:cacheprovider 2>&1 | tail -30 ;;
     # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
     # and row count runs past a device call's 10 minutes)
     gemv)  python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 4 16 --chain --out "$OUT/gemv.json" ;;
@@ -77,6 +77,11 @@ for part in "$@"; do
     # FP8 KV cache against the model-dtype cache, same gpu_memory_utilization: num_kv_blocks and
     # kv_cache_gib in each row's "extra" show the cached tokens (2x), output tok/s the speed
     nano-fp8) for kv in auto fp8; do bench throughput --workload W-nano --kv-cache-dtype $kv --json "$OUT/w_nano_kv_$kv.json"; done ;;
+    # FP8 weights with the activation quantization in its own launch, then in the producers
+    fp8fuse) for fused in 0 1; do
+               PAGEDLAB_FP8_FUSED_INPUTS=$fused bench throughput --workload W-seed --batch-size 1 256 \
+                   --quantization fp8 --json "$OUT/w_seed_fp8_fused$fused.json"
+             done ;;
     long-fp8) for kv in auto fp8; do bench throughput --workload W-long --kv-cache-dtype $kv --json "$OUT/w_long_kv_$kv.json"; done ;;
     # issue 13's FP8 peers, same run: W-seed batch 1 and 256 on pagedlab bf16, pagedlab fp8 and HF
     # transformers' FineGrainedFP8Config (hf fp8), HF bf16 at batch 1. Where transformers' FP8
