@@ -11,21 +11,12 @@ loads) is first imported. The ``gpu`` tests run real sizes in bf16 and print the
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import sys
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    # Built earlier without the interpreter (e.g. by another test module)? Rebuild them, gemv (whose
-    # helpers w4a16's kernels call) first.
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
 
 from pagedlab.distributed import parallel_state
 from pagedlab.layers.linear import ColumnParallelLinear, RowParallelLinear

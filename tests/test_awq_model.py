@@ -8,22 +8,13 @@ weights; the config errors at construction. TRITON_INTERPRET is set at import, a
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    # in import order: w4a16 uses gemv's helpers, both pdl_jit's
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
-        if kernels in sys.modules:  # built without the interpreter by another module
-            importlib.reload(sys.modules[kernels])
 
 from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams

@@ -9,19 +9,12 @@ first imports them; modules another test built without it are rebuilt).
 from __future__ import annotations
 
 import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in ("pdl_jit", "triton_kernels", "kv_write_kernels", "gemv", "batch_invariant"):  # imports
-        if f"pagedlab.kernels.{module}" in sys.modules:
-            importlib.reload(sys.modules[f"pagedlab.kernels.{module}"])
 
 pytest.importorskip("triton")
 

@@ -13,18 +13,11 @@ kernel modules are first imported; modules another test built without it are reb
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in ("pdl_jit", "triton_kernels", "gemv", "batch_invariant", "fp8_linear"):  # in import order
-        if f"pagedlab.kernels.{module}" in sys.modules:
-            importlib.reload(sys.modules[f"pagedlab.kernels.{module}"])
 
 pytest.importorskip("triton")
 

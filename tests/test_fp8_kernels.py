@@ -10,20 +10,11 @@ TRITON_INTERPRET is set here, before the kernel modules are first imported.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
-                    "pagedlab.kernels.kv_write_kernels", "pagedlab.kernels.gemv",
-                    "pagedlab.kernels.fp8_linear"):
-        if kernels in sys.modules:  # built without the interpreter by another module
-            importlib.reload(sys.modules[kernels])
 
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig
 from pagedlab.quantization.fp8 import quantize_fp8, quantize_fp8_per_row

@@ -5,18 +5,10 @@ path and the decode GEMV path; the config tables and the choice between the path
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.fused_moe_kernels"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
 
 pytest.importorskip("triton")
 

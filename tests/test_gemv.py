@@ -9,19 +9,12 @@ TRITON_INTERPRET is set here, before the kernel modules are first imported.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.w4a16"):
-        if kernels in sys.modules:  # built without the interpreter by another module
-            importlib.reload(sys.modules[kernels])
 
 from pagedlab.kernels import gemv_configs
 from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config, row_bucket, splits_for

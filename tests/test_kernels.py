@@ -8,22 +8,12 @@ collection, before pagedlab imports its kernel module (it does so lazily, at fir
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    # Built earlier without the interpreter (e.g. by another test module)? Rebuild it.
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
-                    "pagedlab.kernels.kv_write_kernels"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
 
 pytest.importorskip("triton")
 

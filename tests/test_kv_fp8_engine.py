@@ -12,20 +12,11 @@ scale 1.0 (asserted) while matching HF at those scales.
 
 from __future__ import annotations
 
-import importlib
-import os
 import shutil
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
-                    "pagedlab.kernels.kv_write_kernels"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, EngineConfig, SamplingParams

@@ -10,19 +10,10 @@ and the GPU run the same numbers, checked here against torch's cast bit for bit.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.triton_kernels",
-                    "pagedlab.kernels.kv_write_kernels"):
-        if kernels in sys.modules:
-            importlib.reload(sys.modules[kernels])
 
 pytest.importorskip("triton")
 

@@ -12,18 +12,11 @@ the kernel module is first imported.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for kernels in ("pagedlab.kernels.pdl_jit", "pagedlab.kernels.gemv", "pagedlab.kernels.lora"):
-        if kernels in sys.modules:  # built without the interpreter by another module
-            importlib.reload(sys.modules[kernels])
 
 from pagedlab.lora.ops import (TILE_BLOCK_MS, LoRAMapping, add_lora_torch, lora_expand_torch,
                                lora_shrink_torch, max_tiles, sort_tokens_by_slot, tile_table)

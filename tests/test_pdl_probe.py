@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
