@@ -5,7 +5,7 @@ Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 
 batch (256 and 64 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as W-nano's
 steps; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1 decode near its end), every
 candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
-where that splits, with half and a quarter of its split size and without the split too (the
+where that splits, with the policy's other split sizes and without the split too (the
 report's "split" lines; the table takes the policy's split only). Each is checked
 against the current config's output (within 1% of its largest value: bf16 rounds at 0.4%) and
 timed as CUDA-graph replays with the KV cache read from HBM (``gemv_bench.graph_seconds``); it
@@ -35,8 +35,8 @@ import torch
 from gemv_bench import PEAK_BYTES_PER_S, graph_seconds
 from pagedlab.kernels.attention_configs import (DECODE_ATTENTION_CONFIGS, DecodeConfig, attention_launch,
                                                 check_decode_config)
-from pagedlab.kernels.paged_attention import (allocate_split_kv_scratch, choose_split_kv_size,
-                                              paged_attention_triton)
+from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES, allocate_split_kv_scratch,
+                                              choose_split_kv_size, paged_attention_triton)
 
 # (query heads, KV heads, head_dim)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
@@ -152,18 +152,14 @@ def candidates(sweep: dict, key: tuple[int, int, int], current: DecodeConfig) ->
     return found
 
 
-# Smallest split size tried beside the policy's (one 64-key tile a program)
-MIN_SPLIT_TRIED = 64
-
-
 def split_modes(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> list[int | None]:
-    """The policy's split (None: unsplit) first; where the policy splits, then its half and
-    quarter (down to MIN_SPLIT_TRIED: more programs for a tiny batch of short sequences) and
-    unsplit."""
+    """The policy's split (None: unsplit) first; where the policy splits, then the other sizes it
+    chooses from (``SPLIT_KV_SMALL_SIZES`` and ``SPLIT_KV_SIZE``) and unsplit."""
     policy = choose_split_kv_size(num_seqs, num_kv_heads, 1, max_seq_len)
     if policy is None:
         return [None]
-    return [policy, *[size for size in (policy // 2, policy // 4) if size >= MIN_SPLIT_TRIED], None]
+    others = [size for size in (SPLIT_KV_SIZE, *reversed(SPLIT_KV_SMALL_SIZES)) if size != policy]
+    return [policy, *others, None]
 
 
 def current_config(key: tuple[int, int, int], split: int | None) -> DecodeConfig:

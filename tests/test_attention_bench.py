@@ -30,8 +30,8 @@ def test_candidates_cover_the_sweep_current_first(monkeypatch):
 
 
 def test_split_modes_follow_the_policy():
-    assert attention_bench.split_modes(16, 8, 8192) == [SPLIT_KV_SIZE, SPLIT_KV_SIZE // 2, SPLIT_KV_SIZE // 4,
-                                                         None]
+    assert attention_bench.split_modes(16, 8, 8192) == [SPLIT_KV_SIZE, 128, 64, None]
+    assert attention_bench.split_modes(1, 8, 640) == [64, SPLIT_KV_SIZE, 128, None]  # 80 programs
     assert attention_bench.split_modes(SPLIT_KV_MIN_PROGRAMS // 8, 8, 8192) == [None]
 
 
@@ -62,7 +62,7 @@ def test_bench_batch_runs_and_checks_every_candidate_on_the_cpu(monkeypatch, cap
     monkeypatch.setitem(attention_bench.BATCHES, "tiny", (3, 70, 300))
     sweep = dict(tile_n=(64, 128), num_warps=(4,), num_stages=(2,))
     record = attention_bench.bench_batch("tiny", "tiny", sweep)
-    assert record["policy_split"] == SPLIT_KV_SIZE  # 3 x 2 programs: the policy splits
+    assert record["policy_split"] == 64  # 3 x 2 programs over up to 369 keys: the smallest segments
     results = record["results"]
     # current + 2 swept configs at the policy's split, its half and quarter, and unsplit
     assert len(results) == 3 * 4 and {r["split"] for r in results} == {256, 128, 64, None}
@@ -70,6 +70,6 @@ def test_bench_batch_runs_and_checks_every_candidate_on_the_cpu(monkeypatch, cap
     assert record["kv_bytes"] == record["keys"] * 2 * 64 * 4
     attention_bench.report(record)
     printed = capsys.readouterr().out
-    assert "current  64-key 4w 3s split 256" in printed
+    assert "current  64-key 4w 3s split 64" in printed
     assert all(f"  split {split}: best" in printed for split in (256, 128, 64, None))
     assert record["key"] == [64, 2, 16]
