@@ -73,8 +73,10 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
     16 rows tl.dot tiles with K steps of one group at most, K cut for about 1, 2 and 4 programs
     per SM; more rows Hopper-sized GEMM tiles. The default heuristic's choice first."""
     if rows > GEMV_MAX_ROWS:
+        # K steps of 128 read 64 contiguous bytes of each column's words, of 64 only 32
         tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
-                 (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
+                 (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
+                 (64, 256, 128, 8, 3), (128, 256, 128, 8, 3)]
         found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s)
                  for m, bn, bk, w, s in tiles if m <= max(64, rows)]
     elif rows == 1:
@@ -354,13 +356,15 @@ def bf16_choice(record: dict) -> tuple[str, float]:
 
 
 def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str], list[str]]:
-    """The entries of AWQ_CONFIGS and FP8_GEMV_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS
-    (where ``bf16_choice`` takes the GEMV), one per (row bucket, N, K)."""
+    """The entries of AWQ_CONFIGS (above GEMV_MAX_ROWS only where the GEMM beat dequantize-then-
+    cuBLAS), FP8_GEMV_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS (where ``bf16_choice``
+    takes the GEMV), one per (row bucket, N, K)."""
     awq, dense, fp8 = {}, {}, {}
     for record in records:
         key = (row_bucket(record["rows"]), record["n"], record["k"])
         awq_best = record.get("awq", {}).get("best")
-        if awq_best:
+        dequant_us = record.get("awq_dequant", {}).get("us", float("inf"))  # the path of unlisted shapes
+        if awq_best and awq_best["us"] < dequant_us:
             awq[(*key, group_size)] = awq_best, ""
         fp8_best = record["fp8"]["best"]
         if fp8_best and "config" in fp8_best:

@@ -253,6 +253,16 @@ def test_table_lines_list_the_gemv_only_where_it_beat_cublas_by_3_percent():
                      "num_warps=4, num_stages=3),  # 13.9 us (cuBLAS 16.0), 80% of 4.8 TB/s"]
 
 
+def test_awq_lines_above_16_rows_only_where_the_gemm_beat_dequantize_then_cublas():
+    records = [_record("qkv", 50.0, awq=40.0, rows=64), _record("o", 50.0, awq=60.0, rows=256),
+               _record("qkv", 16.0, awq=9.0)]
+    records[0]["awq_dequant"], records[1]["awq_dequant"] = dict(us=45.0), dict(us=55.0)
+    for record in records:
+        record["awq"]["best"].update(config=vars(TileConfig(128, 64, block_m=64)), peak_fraction=0.5)
+    awq, _, _ = gemv_bench.table_lines(records, 128)
+    assert [line.split(":")[0].strip() for line in awq] == ["(64, 64, 64, 128)", "(1, 64, 64, 128)"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (28672, 4096)])
