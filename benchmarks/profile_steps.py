@@ -12,7 +12,9 @@ prompt tokens only, as ``pagedlab.engine.profiling.step_kind`` labels them):
   step returns before its kernels run (it waits for the previous step's sampled tokens, not its
   own), so the kernels running during a step's wall time are mostly the step before's;
 - ``busy_ms``: how long the GPU ran any kernel inside the steps' wall time, and
-  ``host_gap_ms`` = wall - busy: how long it sat idle waiting on the host.
+  ``host_gap_ms`` = wall - busy: how long it sat idle waiting on the host;
+- ``prefill_phase``: the mixed and prefill steps' wall time against the prompts' FLOPs at the
+  matmul peak (issue 21's "prefill at 70% of 809 TFLOP/s").
 
 The workload runs three times: once to warm up (kernels compile for new shapes), once timed
 (``run_s``, output tok/s and the physical floor's share of the time), once under the profiler.
@@ -34,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, kernel_kind
-from pagedlab.workloads import DEFAULT_SHAPES, make_workload, physical_floor, shape_dir
+from pagedlab.workloads import H200_BF16_FLOPS, DEFAULT_SHAPES, make_workload, physical_floor, shape_dir
 
 STEP_KINDS = ("decode", "mixed", "prefill")
 
@@ -186,7 +188,18 @@ def top_kernels(events, count: int) -> list[dict]:
             for name, (us, calls) in rows]
 
 
-def measure(llm, workload, floor_s: float, top: int) -> dict:
+def prefill_phase(kinds: dict[str, dict], prefill_floor_s: float) -> dict:
+    """The prefill phase (every step with prompt tokens: mixed and prefill steps): its wall time and
+    the share of the matmul peak it ran at, ``prefill_floor_s`` (the workload's prefill FLOPs at
+    ``H200_BF16_FLOPS``, as the physical floor counts them) over that wall time. Mixed steps also
+    run decodes, so the share is a lower bound."""
+    wall_ms = sum(kinds[kind]["wall_ms"] for kind in ("mixed", "prefill") if kind in kinds)
+    return {"wall_ms": wall_ms, "floor_ms": prefill_floor_s * 1e3,
+            "peak_share": prefill_floor_s * 1e3 / wall_ms if wall_ms else None,
+            "tflops": prefill_floor_s * H200_BF16_FLOPS / (wall_ms / 1e3) / 1e12 if wall_ms else None}
+
+
+def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> dict:
     """Warm-up run, timed run and profiled run of the workload under the engine's current plan."""
     engine = llm.llm_engine
     run_workload(engine, workload, "warm")
@@ -204,7 +217,8 @@ def measure(llm, workload, floor_s: float, top: int) -> dict:
             "mixed_cuda_graphs": llm.get_engine_info().mixed_cuda_graphs,
             # kernel time no step range claims (e.g. warm-up copies); large would mean lost links
             "unattributed_gpu_ms": kernels_ms - sum(s["gpu_ms"] for s in kinds.values()),
-            "step_kinds": kinds, "top_kernels": top_kernels(events, top)}
+            "step_kinds": kinds, "prefill_phase": prefill_phase(kinds, prefill_floor_s),
+            "top_kernels": top_kernels(events, top)}
 
 
 def print_setting(label: str, result: dict) -> None:
@@ -218,6 +232,11 @@ def print_setting(label: str, result: dict) -> None:
         gap = f"{s['host_gap_share']:.0%}" if s["host_gap_share"] is not None else "n/a"
         print(f"{kind:<8} {s['steps']:6d} {s['wall_ms']:10.1f} {s['gpu_ms']:10.1f} {s['busy_ms']:10.1f} "
               f"{s['host_gap_ms']:7.1f} {gap:>3}  {kinds}")
+    phase = result["prefill_phase"]
+    if phase["peak_share"] is not None:
+        print(f"prefill phase (mixed and prefill steps): {phase['wall_ms']:.1f} ms against "
+              f"{phase['floor_ms']:.1f} at the matmul peak: {phase['tflops']:.0f} TFLOP/s, "
+              f"{phase['peak_share']:.0%} of {H200_BF16_FLOPS / 1e12:.0f}")
     for k in result["top_kernels"]:
         print(f"  {k['ms']:10.2f} ms {k['calls']:7d} calls  {k['kind']:<13} {k['name'][:90]}")
 
@@ -226,7 +245,9 @@ def main() -> None:
     args = parse_args()
     model, workload, engine_args, hf_config = engine_setup(args)
     settings = {"on": [True], "off": [False], "both": [False, True]}[args.mixed_graphs]
-    floor_s = physical_floor(hf_config, [len(p) for p in workload.prompts], workload.output_lens)
+    prompt_lens = [len(p) for p in workload.prompts]
+    floor_s = physical_floor(hf_config, prompt_lens, workload.output_lens)
+    prefill_floor_s = physical_floor(hf_config, prompt_lens, [1] * len(prompt_lens))  # no decode step
     report = {"workload": args.workload, "batch_size": args.batch_size, "model": model,
               "engine_args": engine_args, "settings": {}}
     with LLM(model, **{**engine_args, "cuda_graph_mixed_steps": settings[0]}) as llm:
@@ -234,7 +255,7 @@ def main() -> None:
             if mixed != llm.get_engine_info().config.cuda_graph_mixed_steps:
                 llm.set_model_args(cuda_graph_mixed_steps=mixed)
             label = f"cuda_graph_mixed_steps={mixed}"
-            report["settings"][label] = result = measure(llm, workload, floor_s, args.top)
+            report["settings"][label] = result = measure(llm, workload, floor_s, prefill_floor_s, args.top)
             print_setting(label, result)
     if args.json:
         with open(args.json, "w") as f:

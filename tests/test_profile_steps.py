@@ -52,6 +52,8 @@ def test_kernels_go_to_the_step_that_launched_them_whenever_they_ran():
     result = profile_steps.breakdown(records, [(4, 14)])
     assert result["mixed"]["gpu_ms"] == 0.01 and result["mixed"]["host_gap_ms"] == 0.004
     assert result["decode"]["busy_ms"] == 0.006 and result["decode"]["host_gap_share"] == 0
+    assert profile_steps.prefill_phase(result, 0.0)["wall_ms"] == 0.004  # the mixed step only
+    assert profile_steps.prefill_phase({"decode": result["decode"]}, 1.0)["peak_share"] is None
 
 
 def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
@@ -61,10 +63,13 @@ def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
         engine, profiled_steps = llm.llm_engine, []
         step = engine.step
         engine.step = lambda **kwargs: profiled_steps.append(engine.ranges.recording) or step(**kwargs)
-        result = profile_steps.measure(llm, workload, floor_s=0.5, top=5)
+        result = profile_steps.measure(llm, workload, floor_s=0.5, prefill_floor_s=0.2, top=5)
     kinds = result["step_kinds"]
     assert set(kinds) == {"prefill", "mixed", "decode"}
     assert sum(s["steps"] for s in kinds.values()) == sum(profiled_steps) > 0
     assert all(s["wall_ms"] > 0 and s["host_gap_ms"] == s["wall_ms"] for s in kinds.values())  # no GPU
     assert result["unattributed_gpu_ms"] == 0 and result["output_tok_s"] == 19 / result["run_s"]
     assert not result["mixed_cuda_graphs"]  # the CPU runs eagerly
+    phase = result["prefill_phase"]  # the steps with prompt tokens, against 0.2 s at the peak
+    assert phase["wall_ms"] == kinds["prefill"]["wall_ms"] + kinds["mixed"]["wall_ms"]
+    assert phase["peak_share"] == 200 / phase["wall_ms"]
