@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -72,6 +72,16 @@ for part in "$@"; do
     seed)  bench throughput --workload W-seed --batch-size 1 16 64 256 --backend pagedlab hf --json "$OUT/w_seed.json" ;;
     lat)   bench latency --workload W-lat --backend pagedlab hf --repeats 3 --json "$OUT/w_lat.json" ;;
     nano)  bench throughput --workload W-nano --backend pagedlab hf --json "$OUT/w_nano.json" ;;
+    # issue 21's scheduler share: the step token budget on W-seed batch 256 and W-nano (TTFT and tok/s)
+    budget) for tokens in 4096 8192 16384; do
+              bench throughput --workload W-seed --batch-size 256 --max-num-batched-tokens $tokens \
+                  --json "$OUT/w_seed_budget$tokens.json"
+              bench throughput --workload W-nano --max-num-batched-tokens $tokens --json "$OUT/w_nano_budget$tokens.json"
+            done ;;
+    # the step split and the prefill phase against the matmul peak (profile_steps.py)
+    profile) python3 benchmarks/profile_steps.py --workload W-seed --batch-size 256 --mixed-graphs off \
+                 --json "$OUT/profile_w_seed.json"
+             python3 benchmarks/profile_steps.py --workload W-nano --mixed-graphs off --json "$OUT/profile_w_nano.json" ;;
     prefix) bench throughput --workload W-prefix --repeats 3 --json "$OUT/w_prefix.json" ;;
     long)  bench throughput --workload W-long --json "$OUT/w_long.json" ;;
     # FP8 KV cache against the model-dtype cache, same gpu_memory_utilization: num_kv_blocks and
