@@ -133,13 +133,21 @@ def awq_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     expected = {"qweight": (in_features, out_features // VALUES_PER_INT32),
                 "qzeros": (in_features // group_size, out_features // VALUES_PER_INT32),
                 "scales": (in_features // group_size, out_features)}
+    _check_tensors("AWQ", (qweight, qzeros, scales), expected, in_features, group_size)
+    return in_features, out_features
+
+
+def _check_tensors(kind: str, tensors: tuple[torch.Tensor, ...], expected: dict, in_features: int,
+                   group_size: int) -> None:
+    """Raise ValueError unless ``(qweight, qzeros, scales)`` have the ``expected`` shapes, whole
+    groups and int32 words."""
+    qweight, qzeros, scales = tensors
     got = {"qweight": tuple(qweight.shape), "qzeros": tuple(qzeros.shape), "scales": tuple(scales.shape)}
     if in_features % group_size or got != expected:
-        raise ValueError(f"AWQ tensors {got} do not make a linear of {in_features} inputs in groups of "
+        raise ValueError(f"{kind} tensors {got} do not make a linear of {in_features} inputs in groups of "
                          f"{group_size}: expected {expected}")
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"qweight and qzeros are int32, not {qweight.dtype}/{qzeros.dtype}")
-    return in_features, out_features
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -180,12 +188,7 @@ def repacked_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     groups = in_features // group_size
     expected = {"qweight": (out_features, in_features // VALUES_PER_INT32),
                 "qzeros": (out_features, -(-groups // VALUES_PER_INT32)), "scales": (out_features, groups)}
-    got = {"qweight": tuple(qweight.shape), "qzeros": tuple(qzeros.shape), "scales": tuple(scales.shape)}
-    if in_features % group_size or got != expected:
-        raise ValueError(f"repacked AWQ tensors {got} do not make a linear of {in_features} inputs in groups "
-                         f"of {group_size}: expected {expected}")
-    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
-        raise ValueError(f"qweight and qzeros are int32, not {qweight.dtype}/{qzeros.dtype}")
+    _check_tensors("repacked AWQ", (qweight, qzeros, scales), expected, in_features, group_size)
     return in_features, out_features
 
 
