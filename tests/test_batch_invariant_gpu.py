@@ -48,17 +48,23 @@ def test_fixed_tile_matmul_rows_are_invariant_at_8b_shapes(out_features, in_feat
 @pytest.mark.parametrize("out_features, in_features", LINEARS_8B[:4])
 def test_persistent_prefill_launch_is_bitwise_the_in_program_launch_at_8b_shapes(out_features, in_features):
     """At 1,024 and 4,096 rows the dispatch takes the persistent TMA launch (128 x 256 tiles) on a
-    Hopper GPU, and its output is bitwise the in-program launch's with the table's tiles; the first
-    1, 8 and 256 rows, run alone (other launches), equal the same rows; a CUDA graph of it replays
-    on new input to the eager output (the TMA descriptors are captured by value)."""
+    Hopper GPU where the table's block_k is the persistent tile's (elsewhere the in-program launch:
+    a longer block_k would leave it too few stages), and its output is bitwise the in-program
+    launch's with the table's tiles; the first 1, 8 and 256 rows, run alone (other launches),
+    equal the same rows; a CUDA graph of it replays on new input to the eager output (the TMA
+    descriptors are captured by value)."""
     from pagedlab.kernels import batch_invariant as kernels
-    from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_PERSISTENT_TILE
+    from pagedlab.kernels.gemv_configs import BATCH_INVARIANT_PERSISTENT_TILE, batch_invariant_config
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the persistent launch needs TMA (Hopper or later)")
     g = torch.Generator(device="cuda").manual_seed(out_features + 1)
     x = torch.randn(4096, in_features, device="cuda", generator=g).bfloat16()
     weight = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.02).bfloat16()
+    table_config = batch_invariant_config(1024, out_features, in_features, kernels.num_sms(x.device))
+    if table_config.block_k != BATCH_INVARIANT_PERSISTENT_TILE.block_k:
+        assert kernels.fixed_tile_matmul_launch(x[:1024], weight)[2] is False
+        pytest.skip(f"the table's block_k {table_config.block_k} runs the in-program launch")
     for rows in (1024, 4096):
         config, split, persistent = kernels.fixed_tile_matmul_launch(x[:rows], weight)
         assert persistent and not split, rows

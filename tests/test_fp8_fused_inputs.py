@@ -235,10 +235,12 @@ def llama8b_layers2(tmp_path_factory) -> str:
     return shape_config_dir(tmp_path_factory.mktemp("llama3_8b_2_layers"), "llama3-8b", 2)
 
 
-def _assert_same_decode(fused, unfused, tie: float = 0.05, close: float = 0.05) -> None:
+def _assert_same_decode(fused, unfused, tie: float = 0.25, close: float = 0.25) -> None:
     """Greedy steps agree and their top logprobs lie within ``close``, up to a first divergence,
     which must be a near-tie (the two tokens within ``tie`` in the fused step): the fused norm
-    sums in another order than Inductor's, which moves an FP8 rounding now and then."""
+    sums in another order than Inductor's, which moves a bf16 rounding of the normed value and so
+    an FP8 rounding in about one element of 16. At the 8B shape's dummy weights that noise moved a
+    top logprob by 0.09 (H200, 2026-12-01); a wrong scale or element moves them by whole units."""
     for (tokens, logprobs), (other_tokens, other_logprobs) in zip(fused, unfused):
         for step, (token, other) in enumerate(zip(tokens, other_tokens)):
             mine, theirs = logprobs[step], other_logprobs[step]
