@@ -175,7 +175,7 @@ BATCH_INVARIANT_BLOCK_M = 64
 # 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). The H200
 # verified 256 and 512 bitwise too, but neither paid: 256 cost W-seed batch 256 8%; 512 left
 # batch-1 TPOT where it was (5.09 ms against 5.11) and cost batch 256 6% (BENCHMARKS.md, issue 14).
-BATCH_INVARIANT_SPLIT_KV_SIZE = 0
+BATCH_INVARIANT_SPLIT_KV_SIZE = 64
 
 
 def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
