@@ -21,6 +21,7 @@ config (Triton caches them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import asdict, replace
@@ -373,9 +374,14 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
             dense[key] = record["gemv"]["best"], f" (cuBLAS {record['cublas']['us']:.1f})"
 
     def lines(table):
-        return [f"    {key}: {TileConfig(**best['config'])},  # {best['us']:.1f} us{cublas}, "
-                f"{100 * best['peak_fraction']:.0f}% of 4.8 TB/s" for key, (best, cublas) in table.items()]
+        return [f"    {key}: {config_text(TileConfig(**best['config']))},  # {best['us']:.1f}{cublas}, "
+                f"{100 * best['peak_fraction']:.0f}%" for key, (best, cublas) in table.items()]
     return lines(awq), lines(dense), lines(fp8)
+
+
+def config_text(config: TileConfig) -> str:
+    """``config`` as the tables spell it: its fields in order, positional."""
+    return f"TileConfig{dataclasses.astuple(config)}"
 
 
 def linear_times(record: dict) -> dict:

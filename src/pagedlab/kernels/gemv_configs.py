@@ -75,9 +75,25 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels over the repacked layout
 # (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows takes the dequantizing GEMM only
 # where it is listed (it beat dequantize-then-cuBLAS there); elsewhere the weight is dequantized
-# for cuBLAS. Entries: ``(1, 6144, 4096, 128): TileConfig(block_n=8, block_k=2048),  # us``.
-# Empty until measured on the repacked layout (``benchmarks/gemv_bench.py`` prints the lines).
-AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {}
+# for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages);
+# comments: microseconds, and the share of 4.8 TB/s of the int4 weights, zero points, scales and
+# activations read. The 2-16-row tl.dot path ran at about half cuBLAS's speed on the 16-bit
+# weights there.
+AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
+    (1, 6144, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.8, 35%
+    (4, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 28.7, 10%
+    (16, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 29.0, 10%
+    (1, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 6.5, 28%
+    (4, 4096, 4096, 128): TileConfig(64, 128, 5, 16, 4, 3),  # 20.3, 9%
+    (16, 4096, 4096, 128): TileConfig(64, 128, 5, 16, 4, 3),  # 20.7, 9%
+    (1, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 26.3, 48%
+    (4, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.0, 12%
+    (16, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.4, 12%
+    (64, 28672, 4096, 128): TileConfig(128, 128, 1, 64, 4, 3),  # 84.3, 16%
+    (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 4, 3),  # 14.8, 43%
+    (4, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.9, 11%
+    (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
+}
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
 # benchmarks/pdl_probe.py instead: in a chain of 32 layers' linears, each reading its own weights
