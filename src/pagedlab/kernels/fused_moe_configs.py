@@ -128,6 +128,10 @@ MOE_CONFIGS: dict[tuple[int, int, int, int, int], MoeConfig] = {
         MoeConfig(128, MoeGemmConfig(128, 64, 8, 1, 8, 3), MoeGemmConfig(128, 64, 1, 1, 8, 3)),
     (8, 4096, 14336, 2, 1):  # mixtral-8x7b: 182.8 us, 3855 GB/s (default 187.9 us)
         MoeConfig(16, MoeGemmConfig(32, 256, 8, 1, 4, 4), MoeGemmConfig(32, 256, 1, 1, 4, 3)),
+    (8, 4096, 14336, 2, 2):  # mixtral-8x7b: 259.1 us, 4080 GB/s (default 260.6 us; 2026-12-01)
+        MoeConfig(16, MoeGemmConfig(64, 256, 1, 1, 4, 4), MoeGemmConfig(32, 128, 1, 1, 4, 4)),
+    (8, 4096, 14336, 2, 4):  # mixtral-8x7b: 572.6 us, 4307 GB/s (default 605.1 us; 2026-12-01)
+        MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 2), MoeGemmConfig(64, 256, 1, 2, 4, 5)),
     (8, 4096, 14336, 2, 8):  # mixtral-8x7b: 651.0 us, 4330 GB/s (default 677.6 us)
         MoeConfig(16, MoeGemmConfig(64, 128, 1, 1, 4, 4), MoeGemmConfig(64, 256, 1, 1, 4, 3)),
     (8, 4096, 14336, 2, 64):  # mixtral-8x7b: 657.9 us, 4284 GB/s (default 806.6 us)
