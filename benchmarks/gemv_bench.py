@@ -54,15 +54,24 @@ AWQ_ONE_ROW_BLOCK_K = (512, 1024, 2048, 4096)
 AWQ_WORDS_PER_THREAD = (8, 32)
 
 
+# Linears the quantized models keep in 16 bits: the LM head (AWQ and FP8 checkpoints keep it so)
+# and a mixture of experts' router (a plain linear, never quantized).
+DENSE_ONLY_LINEARS = ("lm_head", "router")
+
+
 def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
     """(name, N, K) of each linear of a known shape (``pagedlab.workloads.model_shape``) on one
     rank: column-parallel ones cut N, row-parallel ones K. A mixture of experts lists its
-    attention and LM head only (its experts run in the fused MoE kernels)."""
+    attention, its router (whole on every rank) and LM head (its experts run in the fused MoE
+    kernels)."""
     c = model_shape(shape)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     linears = [("qkv", (q + 2 * kv) // tp, c.hidden_size), ("o", c.hidden_size, q // tp)]
-    if not getattr(c, "num_local_experts", None) and not getattr(c, "num_experts", None):
+    num_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if num_experts:
+        linears.append(("router", num_experts, c.hidden_size))
+    else:
         linears += [("gate_up", 2 * c.intermediate_size // tp, c.hidden_size),
                     ("down", c.hidden_size, c.intermediate_size // tp)]
     return linears + [("lm_head", c.vocab_size // tp, c.hidden_size)]
@@ -263,16 +272,17 @@ def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_
     records = []
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-        record = dict(tp=tp, layer=name, n=n, k=k, rows=rows, **bench_rows(x, weight, awq, name != "lm_head",
-                                                                          group_size, sms))
+        record = dict(tp=tp, layer=name, n=n, k=k, rows=rows,
+                      **bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms))
         records.append(record)
         print(format_record(record), flush=True)
     return records
 
 
-def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool, group_size: int,
+def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, quantized: bool, group_size: int,
                sms: int) -> dict:
-    """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and the AWQ sweep for one batch."""
+    """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and, for a linear the quantized
+    models quantize, the FP8 and AWQ sweeps for one batch."""
     (rows, k), n = x.shape, weight.shape[0]
     io_bytes = (rows * k + rows * n) * 2
     dense_bytes = weight.numel() * 2 + io_bytes
@@ -282,8 +292,8 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, with_awq: bool
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
                               lambda c, w: dense_gemv_triton(x, w, None, c), (weight,), dense_ref,
                               dense_bytes)
-    found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
-    if with_awq:  # AWQ checkpoints keep the LM head in 16 bits
+    if quantized:
+        found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
         found.update(bench_awq(x, awq, group_size, io_bytes, sms))
     return found
 
@@ -367,7 +377,7 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
         dequant_us = record.get("awq_dequant", {}).get("us", float("inf"))  # the path of unlisted shapes
         if awq_best and awq_best["us"] < dequant_us:
             awq[(*key, group_size)] = awq_best, ""
-        fp8_best = record["fp8"]["best"]
+        fp8_best = record.get("fp8", {}).get("best")
         if fp8_best and "config" in fp8_best:
             fp8[key] = fp8_best, ""
         if bf16_choice(record)[0] == "gemv":
@@ -387,12 +397,12 @@ def config_text(config: TileConfig) -> str:
 def linear_times(record: dict) -> dict:
     """One batch-1 linear's microseconds per path: ``cublas``, ``bf16`` (``bf16_choice``, its
     path in ``bf16_path``), ``fp8`` and ``awq`` (their best configs; None without a correct one).
-    The LM head runs bf16 in the FP8 and AWQ models (their checkpoints keep it in 16 bits)."""
+    DENSE_ONLY_LINEARS run bf16 in the FP8 and AWQ models."""
     path, bf16 = bf16_choice(record)
     times = dict(cublas=record["cublas"]["us"], bf16=bf16, bf16_path=path)
     for name in ("fp8", "awq"):
         best = record.get(name, {}).get("best")
-        times[name] = bf16 if record["layer"] == "lm_head" else best["us"] if best else None
+        times[name] = bf16 if record["layer"] in DENSE_ONLY_LINEARS else best["us"] if best else None
     return times
 
 
@@ -447,7 +457,7 @@ def main() -> None:
     parser.add_argument("--shape", default="llama3-8b", help="a known model shape (pagedlab.workloads)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
-    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "lm_head"])
+    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "router", "lm_head"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--chain", action="store_true",
                         help="print each batch-1 linear's time and the decode step's sum, cuBLAS against "

@@ -211,10 +211,25 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
 def _record(layer, cublas, gemv=None, fp8=None, awq=None, tp=1, rows=1):
     record = dict(tp=tp, layer=layer, n=64, k=64, rows=rows, cublas=dict(us=cublas))
     record["gemv"] = dict(best=dict(us=gemv) if gemv else None)
-    record["fp8"] = dict(best=dict(us=fp8) if fp8 else None)
-    if layer != "lm_head":
+    if layer not in gemv_bench.DENSE_ONLY_LINEARS:
+        record["fp8"] = dict(best=dict(us=fp8) if fp8 else None)
         record["awq"] = dict(best=dict(us=awq) if awq else None)
     return record
+
+
+def test_model_linears_list_a_mixture_of_experts_router_per_layer_and_its_attention():
+    """Qwen3-30B-A3B: attention, the router (128 experts, whole on every rank) and the LM head;
+    the router counts once a layer in a decode step and runs bf16 in every model."""
+    linears = dict((name, (n, k)) for name, n, k in gemv_bench.model_linears("qwen3-30b-a3b", 2))
+    assert linears == {"qkv": ((32 + 2 * 4) * 128 // 2, 2048), "o": (2048, 32 * 128 // 2),
+                       "router": (128, 2048), "lm_head": (151936 // 2, 2048)}
+    records = [_record("qkv", 10.0, fp8=8.0, awq=6.0), _record("router", 5.0, gemv=2.0),
+               _record("lm_head", 100.0)]
+    estimate = gemv_bench.decode_estimates(records, num_layers=48)[1]
+    assert estimate["awq_ms"] == pytest.approx((48 * (6.0 + 2.0) + 100.0) / 1e3)
+    records[1]["gemv"]["best"].update(config=vars(TileConfig(4, 1024)), peak_fraction=0.5)
+    assert gemv_bench.table_lines(records[1:], 128) == (
+        [], ["    (1, 64, 64): TileConfig(4, 1024, 1, 0, 4, 2),  # 2.0 (cuBLAS 5.0), 50%"], [])
 
 
 def test_decode_estimates_sum_the_paths_the_tables_pick():

@@ -17,7 +17,6 @@ import re
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
@@ -26,6 +25,7 @@ from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
 from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
 from pagedlab.layers.attention import get_forward_context
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
+from pagedlab.quantization.linear_method import dense_linear
 
 # checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -76,7 +76,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = fused_moe_triton if get_forward_context().backend.name == "triton" else moe_torch
-        out = experts(x, F.linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        out = experts(x, dense_linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 
