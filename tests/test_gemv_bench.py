@@ -104,6 +104,24 @@ def test_one_row_candidates_join_the_sweep_at_one_row_only(fp8):
                 config.check(rows, gemv=True)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_row_sweep_adds_prefetch_to_the_tiles_of_at_most_4096_weights(fp8):
+    """The prefetching variants (one row only) are the plain one-row tiles of at most 32 FP8 or 64
+    bf16 bytes a thread a step, with only num_stages changed."""
+    from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES
+
+    for n, k in SHAPES:
+        one = gemv_bench.dense_candidates(1, n, k, H200_SMS, fp8=fp8)
+        prefetch = [c for c in one if c.num_stages == ONE_ROW_PREFETCH_STAGES]
+        expected = {(c.block_n, c.block_k) for c in _one_row(one) if c.block_n * c.block_k <= 4096}
+        assert {(c.block_n, c.block_k) for c in prefetch} == expected
+        assert {(4, 1024), (8, 512), (16, 256), (4, 512)} <= expected
+        assert all(c.block_m == 0 and c.split_k == 1 and c.num_warps == 4 for c in prefetch)
+        for rows in (4, 16):
+            assert all(c.num_stages < ONE_ROW_PREFETCH_STAGES
+                       for c in gemv_bench.dense_candidates(rows, n, k, H200_SMS, fp8=fp8))
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)])
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are_few(n, k, group_size):

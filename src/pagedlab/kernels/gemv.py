@@ -40,6 +40,11 @@ from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 SPLIT_K_COUNTERS = 1 << 16
+# A one-row launch (block_m=0, one row) with num_stages of at least this reads each next K step's
+# weights and activations before this step's products (the kernel's PREFETCH). Fewer stages leave
+# that loop as it was: it holds no tl.dot, so Triton's pipeliner stages nothing in it (the sm_90
+# SASS of the tables' one-row tiles is the same byte for byte at num_stages 1, 2 and 3).
+ONE_ROW_PREFETCH_STAGES = 4
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -101,6 +106,18 @@ def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_RO
 
 
 @triton.jit
+def _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K: tl.constexpr):
+    """One-row PREFETCH: ``acc`` plus the products of ``x`` and ``w`` (this step's activations and
+    weight tile at ``offs_k``, read a step earlier), with the next step's read first (nothing past
+    ``k_end``), so that they are in flight during these products. Returns them too."""
+    next_k = offs_k + BLOCK_K
+    next_w = _weight_tile(w_rows, next_k, n_valid, k_end)
+    next_x = tl.load(x_rows + next_k, mask=next_k < k_end, other=0.0)
+    acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
+    return acc, next_x, next_w
+
+
+@triton.jit
 def _lora_rows(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
     """The rows that add a LoRA delta (those with a slot, in K segment 0 only: it is added once),
     their slots, and the column tile's slice (the tile lies in one) with its first column."""
@@ -147,14 +164,19 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
     are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
     multiplied by the row's and the output column's float32 scales. For one row the first K step
     is peeled out of the loop and its weight tile read before the PDL wait (``kernels/pdl.py``:
-    weights do not depend on the previous kernel), the form measured fastest on the H200. The dot
+    weights do not depend on the previous kernel), the form measured fastest on the H200. With
+    PREFETCH (one row only, ``ONE_ROW_PREFETCH_STAGES``) every step first reads the next step's
+    weights and activations (the first step's before the wait, as without), so that a thread has
+    loads in flight while it multiplies: the plain loop's thread issues one step's loads and waits
+    for them (sm_90 SASS: the FP8 4 x 512 tile, one 16-byte weight load a thread a step). The
+    products and their order are the same either way. The dot
     and multi-row paths wait first and loop over the whole K segment, as measured without PDL:
     peeled under PDL (few K steps per split left to pipeline), Gemma-2-9B, whose GEMVs take these
     paths, ran a batch-1 step in 6.68 ms against 6.31 with PDL off (not yet isolated).
@@ -193,7 +215,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         if LORA:
             lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                     stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
-        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+            x = tl.load(x_rows + offs_k, mask=offs_k < K, other=0.0)
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K)
+        else:
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
@@ -201,8 +228,11 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         pdl_wait_and_trigger(PDL)
     for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, offs_k, n_valid, K)
-        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K)
+        else:
+            w = _weight_tile(w_rows, offs_k, n_valid, K)
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
     if ONE_ROW:
         acc = tl.sum(acc, axis=1)[None, :]
     elif not USE_DOT:
@@ -325,13 +355,15 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tiles = triton.cdiv(out_features, config.block_n)
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
     scaled = row_scales is not None
+    one_row = rows == 1 and config.block_m == 0
     _dense_gemv_kernel[(tiles, num_splits)](
         x, weight, out if bias is None else bias, out, partial, counters,
         row_scales if scaled else out, col_scales if scaled else out, rows, out_features,
         in_features, k_per_split, num_splits, x.stride(0), weight.stride(0), out.stride(0),
         partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.block_m > 0, ONE_ROW=rows == 1 and config.block_m == 0, **dot_settings(x),
+        USE_DOT=config.block_m > 0, ONE_ROW=one_row, **dot_settings(x),
+        PREFETCH=one_row and config.num_stages >= ONE_ROW_PREFETCH_STAGES,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **pdl_launch(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
