@@ -52,6 +52,11 @@ KERNELS = {
     "dense_gemv_prefetch": Spec("gemv", "_dense_gemv_kernel",
                                 dict(_GEMV, PREFETCH=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                                 _GEMV_POINTERS, reads_before_wait=True),
+    "dense_gemv_fp8_prefetch": Spec("gemv", "_dense_gemv_kernel",
+                                    dict(_GEMV, SCALED=True, BLOCK_N=4, PREFETCH=True, LORA=False,
+                                         LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                                    dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
+                                    reads_before_wait=True),
     # with the LoRA expand in the epilogue: batch 1 (one row, 32 shrink splits), and 4 rows on tl.dot
     "dense_gemv_lora": Spec("gemv", "_dense_gemv_kernel",
                             dict(_GEMV, LORA=True, LORA_BLOCK_S=32, LORA_BLOCK_R=16), _GEMV_POINTERS,
