@@ -114,29 +114,29 @@ def _fp8_pairs(pairs):
 
 
 @triton.jit
-def _step_x(x_rows, offs, end, w, WORDS: tl.constexpr):
-    """One-row PREFETCH: the activations at ``offs`` (zero from ``end`` on); WORDS (FP8 pairs) in
+def _step_x(x_rows, offs, end, w, PAIRS: tl.constexpr):
+    """One-row PREFETCH: the activations at ``offs`` (zero from ``end`` on); PAIRS (FP8) in
     ``w``'s shape and layout, each thread its own (from L1) rather than broadcast through shared
     memory (a store, a load and two barriers a step in the plain loop's sm_90 SASS)."""
-    if WORDS:
+    if PAIRS:
         return tl.load(x_rows + tl.broadcast_to(offs[None, :], w.shape), mask=offs[None, :] < end, other=0)
     else:
         return tl.load(x_rows + offs, mask=offs < end, other=0)
 
 
 @triton.jit
-def _prefetch_step(acc, x, w, x_rows, w_rows, offs, n_valid, end, BLOCK: tl.constexpr, WORDS: tl.constexpr):
+def _prefetch_step(acc, x, w, x_rows, w_rows, offs, n_valid, end, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
     """One-row PREFETCH: ``acc`` plus the products of ``x`` and ``w`` (this step's activations and
     weight tile at ``offs``, read a step earlier), with the next step's read first (nothing from
-    ``end`` on), so that they are in flight during these products; returns them too. WORDS (FP8):
+    ``end`` on), so that they are in flight during these products; returns them too. PAIRS (FP8):
     ``offs``, ``end`` and ``BLOCK`` count int16 pairs of values, ``acc`` is ``[BLOCK_N, BLOCK,
     2]``. FP8 bytes carried over the loop's back edge took a register each and were repacked
     for the converts (sm_90 SASS, the 4 x 512 tile: 131 instructions a step, 50 registers); pairs
     convert as loaded (96 instructions, 48 registers, no barrier; the plain loop's 84 hold two)."""
     next_offs = offs + BLOCK
     next_w = _weight_tile(w_rows, next_offs, n_valid, end)
-    next_x = _step_x(x_rows, next_offs, end, next_w, WORDS)
-    if WORDS:
+    next_x = _step_x(x_rows, next_offs, end, next_w, PAIRS)
+    if PAIRS:
         acc = acc + _fp8_pairs(x) * _fp8_pairs(w)
     else:
         acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
