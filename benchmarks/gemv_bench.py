@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
-from pagedlab.kernels.gemv import dense_gemv_triton, num_sms
+from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES, dense_gemv_triton, num_sms
 from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_awq_config,
                                            default_dense_gemv_config, default_fp8_gemv_config, row_bucket,
                                            splits_for)
@@ -47,6 +47,10 @@ COPY_CAP_BYTES = 4 << 30
 # The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_one_row_tiles``).
 ONE_ROW_BLOCK_N = (4, 8, 16)
 ONE_ROW_BLOCK_K = (256, 512, 1024)
+# One-row tiles of at most this many weight bytes a step (64 a thread at 4 warps) also run with
+# the next K step read during this one's products (ONE_ROW_PREFETCH_STAGES): 48-128 registers, no
+# spills (ptxas, sm_90); bf16's 16 x 512 took 167, 3 programs an SM.
+ONE_ROW_PREFETCH_MAX_BYTES = 8192
 AWQ_ONE_ROW_BLOCK_N = (4, 8, 16, 32)
 AWQ_ONE_ROW_BLOCK_K = (512, 1024, 2048, 4096)
 # The AWQ one-row tiles' int32 words a thread holds a K step. In the sm_90 SASS of the loop,
@@ -135,18 +139,24 @@ def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> 
             found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
                                     num_warps=warps))
     if rows == 1:
-        found += one_row_tiles(ONE_ROW_BLOCK_K + ((2048,) if fp8 else ()))
+        found += one_row_tiles(ONE_ROW_BLOCK_K + ((2048,) if fp8 else ()), fp8)
     default = (default_fp8_gemv_config if fp8 else default_dense_gemv_config)(rows, n, k, sms)
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
-def one_row_tiles(block_ks: tuple[int, ...]) -> list[TileConfig]:
+def one_row_tiles(block_ks: tuple[int, ...], fp8: bool = False) -> list[TileConfig]:
     """One-row GEMV tiles without a K split: a program per 4-16 weight rows over all of K, 3
     stages, 4 warps, each K step one ``block_ks`` (an FP8 weight row is half the bytes, so its
     steps go to 2048). In ``pdl_probe.py``'s chain of Llama-3-8B's decode linears such tiles beat
-    cuBLAS and the split-K tiles at every shape."""
-    return [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=4, num_stages=3)
-            for block_n in ONE_ROW_BLOCK_N for block_k in block_ks]
+    cuBLAS and the split-K tiles at every shape. Those of at most ONE_ROW_PREFETCH_MAX_BYTES
+    (``fp8``: one byte a weight, else two) also with the next step's weights read before this
+    step's products (a thread of the plain loop has one step's loads in flight, then none while
+    it multiplies)."""
+    tiles = [TileConfig(block_n=block_n, block_k=block_k, split_k=1, block_m=0, num_warps=4, num_stages=3)
+             for block_n in ONE_ROW_BLOCK_N for block_k in block_ks]
+    weight_bytes = 1 if fp8 else 2
+    return tiles + [replace(tile, num_stages=ONE_ROW_PREFETCH_STAGES) for tile in tiles
+                    if tile.block_n * tile.block_k * weight_bytes <= ONE_ROW_PREFETCH_MAX_BYTES]
 
 
 def graph_seconds(fn, calls: int = 16) -> float:

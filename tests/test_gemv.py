@@ -53,11 +53,14 @@ DENSE_CASES = [
     (3, TileConfig(block_n=8, block_k=64, split_k=2)),
     (5, TileConfig(block_n=16, block_k=64, split_k=2, block_m=16)),
     (16, TileConfig(block_n=32, block_k=32, split_k=1, block_m=16)),
+    # one row reading each next K step during this one's products (ONE_ROW_PREFETCH_STAGES)
+    (1, TileConfig(block_n=16, block_k=64, split_k=1, num_stages=4)),
+    (1, TileConfig(block_n=16, block_k=32, split_k=3, num_stages=4)),
 ]
 
 
 @pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"M{c[0]}-{'dot' if c[1].block_m else 'cores'}"
-                         f"-split{c[1].split_k}")
+                         f"-split{c[1].split_k}-stages{c[1].num_stages}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_dense_gemv_matches_torch(gemv, case, dtype):
     rows, config = case
@@ -76,6 +79,35 @@ def test_dense_gemv_is_deterministic(gemv):
     assert not gemv._counters[first.device].any()
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_row_prefetch_gives_the_plain_loops_result(gemv, fp8, split_k):
+    """Prefetching moves the loads only: the same products in the same order, so in the
+    interpreter the same bits (FP8 reads pairs of bytes, each lane's sum in the same order, the
+    lanes summed in another: fp32 rounding apart; so may a GPU's layouts); K=1100 is ragged
+    against block_k=128 (and the segments' ends), N=37 against block_n=8."""
+    from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
+    from pagedlab.quantization.fp8 import fp8_linear_torch, quantize_fp8_per_row
+
+    gen = torch.Generator().manual_seed(1100 + split_k + fp8)
+    weight, x = torch.randn(37, 1100, generator=gen), torch.randn(1, 1100, generator=gen)
+    plain = TileConfig(block_n=8, block_k=128, split_k=split_k, num_stages=3)
+    prefetch = TileConfig(block_n=8, block_k=128, split_k=split_k, num_stages=gemv.ONE_ROW_PREFETCH_STAGES)
+    if fp8:
+        values, scale = quantize_fp8_per_row(weight)
+        q, q_scale = quantize_fp8_per_token_triton(x.to(DEVICE))
+        outs = [fp8_gemv_triton(q, q_scale, values.to(DEVICE), scale.to(DEVICE), None, torch.float32, c).cpu()
+                for c in (plain, prefetch)]
+        torch.testing.assert_close(outs[1], fp8_linear_torch(x, values, scale), atol=0.1, rtol=0.05)
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-5)
+    else:
+        outs = [gemv.dense_gemv_triton(x.to(DEVICE), weight.to(DEVICE), None, c).cpu()
+                for c in (plain, prefetch)]
+        torch.testing.assert_close(outs[1], x @ weight.T, **TOLERANCE[torch.float32])
+        if DEVICE == "cpu":
+            assert torch.equal(outs[0], outs[1])
+
+
 def test_dense_gemv_rejects_what_it_cannot_run(gemv):
     weight = torch.zeros(8, 32)
     with pytest.raises(ValueError, match="x has 16 features, the weight 32 inputs"):
@@ -84,6 +116,11 @@ def test_dense_gemv_rejects_what_it_cannot_run(gemv):
         gemv.dense_gemv_triton(torch.zeros(1, 32, dtype=torch.float16), weight)
     with pytest.raises(ValueError, match="17 rows is over the GEMV's 16"):
         gemv.dense_gemv_triton(torch.zeros(17, 32), weight)
+    prefetch = TileConfig(block_n=8, block_k=32, num_stages=gemv.ONE_ROW_PREFETCH_STAGES)
+    fp8 = torch.zeros(8, 34).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="K=33 and the weight's row stride 34 must be even"):
+        gemv.launch_dense_gemv(fp8[:1, :33], fp8[:, :33], None, torch.empty(1, 8), prefetch,
+                               torch.ones(1), torch.ones(8))
     with pytest.raises(ValueError, match="split_k=0"):
         gemv.dense_gemv_triton(torch.zeros(1, 32), weight, None, TileConfig(block_n=8, block_k=32, split_k=0))
 

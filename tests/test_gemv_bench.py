@@ -104,6 +104,27 @@ def test_one_row_candidates_join_the_sweep_at_one_row_only(fp8):
                 config.check(rows, gemv=True)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_row_sweep_adds_prefetch_to_the_tiles_of_at_most_64_bytes_a_thread(fp8):
+    """The prefetching variants (one row only) are the plain one-row tiles of at most 64 weight
+    bytes a thread a step (8 KB a program: 4096 bf16 or 8192 FP8 weights), with only num_stages
+    changed."""
+    from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES
+
+    for n, k in SHAPES:
+        one = gemv_bench.dense_candidates(1, n, k, H200_SMS, fp8=fp8)
+        prefetch = [c for c in one if c.num_stages == ONE_ROW_PREFETCH_STAGES]
+        most = 8192 if fp8 else 4096
+        expected = {(c.block_n, c.block_k) for c in _one_row(one) if c.block_n * c.block_k <= most}
+        assert {(c.block_n, c.block_k) for c in prefetch} == expected
+        assert {(4, 1024), (8, 512), (16, 256), (4, 512)} <= expected
+        assert ((8, 1024) in expected) == fp8 and (16, 1024) not in expected
+        assert all(c.block_m == 0 and c.split_k == 1 and c.num_warps == 4 for c in prefetch)
+        for rows in (4, 16):
+            assert all(c.num_stages < ONE_ROW_PREFETCH_STAGES
+                       for c in gemv_bench.dense_candidates(rows, n, k, H200_SMS, fp8=fp8))
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)])
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are_few(n, k, group_size):
@@ -142,7 +163,7 @@ def test_one_row_tiles_run_and_match_torch():
     values, scale = quantize_fp8_per_row(weight)
     q, q_scale = quantize_fp8_per_token_triton(x.to(DEVICE))
     reference = fp8_linear_torch(x, values, scale)
-    for config in gemv_bench.one_row_tiles((*gemv_bench.ONE_ROW_BLOCK_K, 2048)):
+    for config in gemv_bench.one_row_tiles((*gemv_bench.ONE_ROW_BLOCK_K, 2048), fp8=True):
         out = fp8_gemv_triton(q, q_scale, values.to(DEVICE), scale.to(DEVICE), None, torch.float32, config)
         torch.testing.assert_close(out.cpu(), reference, atol=0.1, rtol=0.05)
     awq_weight, awq_x = torch.randn(1024, 64, generator=gen), torch.randn(1, 1024, generator=gen)

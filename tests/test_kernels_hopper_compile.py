@@ -42,12 +42,21 @@ class Spec(NamedTuple):
 
 _TF32 = dict(DOT_PRECISION="tf32")
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
-             ONE_ROW=True, DOT_DTYPE="bf16", **_TF32)
+             ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, **_TF32)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
 KERNELS = {
     "dense_gemv": Spec("gemv", "_dense_gemv_kernel", dict(_GEMV, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                        _GEMV_POINTERS, reads_before_wait=True),
+    # one row with the next K step's weights and activations read during this one's products
+    "dense_gemv_prefetch": Spec("gemv", "_dense_gemv_kernel",
+                                dict(_GEMV, PREFETCH=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                                _GEMV_POINTERS, reads_before_wait=True),
+    "dense_gemv_fp8_prefetch": Spec("gemv", "_dense_gemv_kernel",
+                                    dict(_GEMV, SCALED=True, BLOCK_N=4, PREFETCH=True, LORA=False,
+                                         LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                                    dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
+                                    reads_before_wait=True),
     # with the LoRA expand in the epilogue: batch 1 (one row, 32 shrink splits), and 4 rows on tl.dot
     "dense_gemv_lora": Spec("gemv", "_dense_gemv_kernel",
                             dict(_GEMV, LORA=True, LORA_BLOCK_S=32, LORA_BLOCK_R=16), _GEMV_POINTERS,

@@ -40,6 +40,11 @@ from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 SPLIT_K_COUNTERS = 1 << 16
+# A one-row launch (block_m=0, one row) with num_stages of at least this reads each next K step's
+# weights and activations before this step's products (the kernel's PREFETCH). Fewer stages leave
+# that loop as it was: it holds no tl.dot, so Triton's pipeliner stages nothing in it (the sm_90
+# SASS of the tables' one-row tiles is the same byte for byte at num_stages 1, 2 and 3).
+ONE_ROW_PREFETCH_STAGES = 4
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -101,6 +106,44 @@ def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_RO
 
 
 @triton.jit
+def _fp8_pairs(pairs):
+    """The two bytes (little-endian) of each int16 of ``pairs``, side by side in a new last axis,
+    as the float32 of their FP8 E4M3."""
+    fp8 = tl.join(pairs & 0xFF, (pairs >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return fp8.to(tl.float32)
+
+
+@triton.jit
+def _step_x(x_rows, offs, end, w, PAIRS: tl.constexpr):
+    """One-row PREFETCH: the activations at ``offs`` (zero from ``end`` on); PAIRS (FP8) in
+    ``w``'s shape and layout, each thread its own (from L1) rather than broadcast through shared
+    memory (a store, a load and two barriers a step in the plain loop's sm_90 SASS)."""
+    if PAIRS:
+        return tl.load(x_rows + tl.broadcast_to(offs[None, :], w.shape), mask=offs[None, :] < end, other=0)
+    else:
+        return tl.load(x_rows + offs, mask=offs < end, other=0)
+
+
+@triton.jit
+def _prefetch_step(acc, x, w, x_rows, w_rows, offs, n_valid, end, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+    """One-row PREFETCH: ``acc`` plus the products of ``x`` and ``w`` (this step's activations and
+    weight tile at ``offs``, read a step earlier), with the next step's read first (nothing from
+    ``end`` on), so that they are in flight during these products; returns them too. PAIRS (FP8):
+    ``offs``, ``end`` and ``BLOCK`` count int16 pairs of values, ``acc`` is ``[BLOCK_N, BLOCK,
+    2]``. FP8 bytes carried over the loop's back edge took a register each and were repacked
+    for the converts (sm_90 SASS, the 4 x 512 tile: 131 instructions a step, 50 registers); pairs
+    convert as loaded (96 instructions, 48 registers, no barrier; the plain loop's 84 hold two)."""
+    next_offs = offs + BLOCK
+    next_w = _weight_tile(w_rows, next_offs, n_valid, end)
+    next_x = _step_x(x_rows, next_offs, end, next_w, PAIRS)
+    if PAIRS:
+        acc = acc + _fp8_pairs(x) * _fp8_pairs(w)
+    else:
+        acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
+    return acc, next_x, next_w
+
+
+@triton.jit
 def _lora_rows(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
     """The rows that add a LoRA delta (those with a slot, in K segment 0 only: it is added once),
     their slots, and the column tile's slice (the tile lies in one) with its first column."""
@@ -147,14 +190,20 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
     are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
     multiplied by the row's and the output column's float32 scales. For one row the first K step
     is peeled out of the loop and its weight tile read before the PDL wait (``kernels/pdl.py``:
-    weights do not depend on the previous kernel), the form measured fastest on the H200. The dot
+    weights do not depend on the previous kernel), the form measured fastest on the H200. With
+    PREFETCH (one row only, ``ONE_ROW_PREFETCH_STAGES``) every step first reads the next step's
+    weights and activations (the first step's before the wait, as without), so that a thread has
+    loads in flight while it multiplies: the plain loop's thread issues one step's loads and waits
+    for them (sm_90 SASS: the FP8 4 x 512 tile, one 16-byte weight load a thread a step). The
+    products are the same either way, each K lane's sum in the same order (FP8: its lanes summed
+    in another, ``_prefetch_step``). The dot
     and multi-row paths wait first and loop over the whole K segment, as measured without PDL:
     peeled under PDL (few K steps per split left to pipeline), Gemma-2-9B, whose GEMVs take these
     paths, ran a batch-1 step in 6.68 ms against 6.31 with PDL off (not yet isolated).
@@ -174,7 +223,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     if ONE_ROW:
         x_rows = x_ptr
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if PREFETCH and SCALED:  # int16 pairs of FP8 values (_prefetch_step)
+            w_rows = w_ptr.to(tl.pointer_type(tl.int16)) + offs_n.to(tl.int64)[:, None] * (stride_w // 2)
+            x_rows = x_ptr.to(tl.pointer_type(tl.int16))
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 2, 2), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         x_rows = x_ptr + offs_m[:, None] * stride_x
         if USE_DOT:
@@ -183,9 +237,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     loop_begin = k_begin
+    UNIT: tl.constexpr = 2 if SCALED else 1  # the one-row PREFETCH reads FP8 in int16 pairs
     if ONE_ROW:  # the first weight tile (before the PDL wait), the rest in the loop
-        offs_k = k_begin + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, offs_k, n_valid, K)
+        if PREFETCH:  # in units of UNIT values
+            offs_k = k_begin // UNIT + tl.arange(0, BLOCK_K // UNIT)
+            w = _weight_tile(w_rows, offs_k, n_valid, K // UNIT)
+        else:
+            offs_k = k_begin + tl.arange(0, BLOCK_K)
+            w = _weight_tile(w_rows, offs_k, n_valid, K)
         if LORA:
             lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
                                                            pid_n * BLOCK_N, lora_size0, lora_size1)
@@ -193,17 +252,30 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         if LORA:
             lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                     stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
-        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            k_end = tl.minimum(k_begin + K_PER_SPLIT, K) // UNIT
+            x = _step_x(x_rows, offs_k, K // UNIT, w, SCALED)
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K // UNIT,
+                                       SCALED)
+        else:
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
     else:
         pdl_wait_and_trigger(PDL)
     for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, offs_k, n_valid, K)
-        acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+        if PREFETCH:
+            offs_k = k_start // UNIT + tl.arange(0, BLOCK_K // UNIT)
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K // UNIT,
+                                       SCALED)
+        else:
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            w = _weight_tile(w_rows, offs_k, n_valid, K)
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
     if ONE_ROW:
+        if PREFETCH and SCALED:
+            acc = tl.sum(acc, axis=2)
         acc = tl.sum(acc, axis=1)[None, :]
     elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
@@ -325,13 +397,20 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tiles = triton.cdiv(out_features, config.block_n)
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
     scaled = row_scales is not None
+    one_row = rows == 1 and config.block_m == 0
+    prefetch = one_row and config.num_stages >= ONE_ROW_PREFETCH_STAGES
+    if prefetch and scaled and (in_features % 2 or weight.stride(0) % 2 or weight.data_ptr() % 2 or
+                                x.data_ptr() % 2):
+        raise ValueError(f"{config}: the FP8 prefetch reads pairs of bytes, K={in_features} and the weight's "
+                         f"row stride {weight.stride(0)} must be even (and x and the weight 2-byte aligned)")
     _dense_gemv_kernel[(tiles, num_splits)](
         x, weight, out if bias is None else bias, out, partial, counters,
         row_scales if scaled else out, col_scales if scaled else out, rows, out_features,
         in_features, k_per_split, num_splits, x.stride(0), weight.stride(0), out.stride(0),
         partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.block_m > 0, ONE_ROW=rows == 1 and config.block_m == 0, **dot_settings(x),
+        USE_DOT=config.block_m > 0, ONE_ROW=one_row, **dot_settings(x),
+        PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **pdl_launch(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages)
 
