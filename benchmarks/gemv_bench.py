@@ -329,17 +329,20 @@ def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: 
 
 
 def bench_fp8(x: torch.Tensor, weight: torch.Tensor, io_bytes: int, sms: int) -> dict:
-    """FP8 weights (per-channel scales) and per-token FP8 activations, each time including the
-    activations' quantization kernel: the GEMV sweep up to GEMV_MAX_ROWS rows, else _scaled_mm."""
+    """FP8 weights (per-channel scales) and per-token FP8 activations: up to GEMV_MAX_ROWS rows
+    the GEMV sweep on activations quantized once beforehand (in the engine the RMSNorms and the
+    SiLU-and-mul before qkv, gate/up and down emit them so, ``fp8_linear.QuantizedActivations``),
+    else _scaled_mm including the activations' quantization kernel."""
     values, scale = quantize_fp8_per_row(weight)
     reference = fp8_linear_torch(x.float(), values, scale)
+    rows, k = x.shape
     moved = values.numel() + scale.numel() * 4 + io_bytes // 2 * 3  # FP8 in, 16-bit out, the quantization
-    rows = x.shape[0]
     if rows > GEMV_MAX_ROWS:
         return dict(best=measure(lambda v, s: fp8_linear_cuda(x, v, s), (values, scale), reference, moved))
+    q, q_scale = quantize_fp8_per_token_triton(x)
+    moved = values.numel() + scale.numel() * 4 + rows * k + rows * 4 + (io_bytes - rows * k * 2)
 
     def run(config, v, s):
-        q, q_scale = quantize_fp8_per_token_triton(x)
         return fp8_gemv_triton(q, q_scale, v, s, None, x.dtype, config)
     return sweep(dense_candidates(rows, *weight.shape, sms, fp8=True), run, (values, scale), reference, moved)
 

@@ -32,7 +32,8 @@ class TileConfig:
     is cut into, each its own program, summed in a fixed order by the last to finish (GEMV only);
     ``block_m``: 0 multiplies on the CUDA cores with all rows in one program (GEMV only), 16 or
     more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
-    GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``)."""
+    GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``, the
+    dense one-row GEMV its next step's weights and activations when ``num_stages >= 4``)."""
 
     block_n: int
     block_k: int
