@@ -103,3 +103,27 @@ def test_gemv_table_lines_only_where_the_gemv_layer_beat_the_best_grouped_one(mo
     lines = moe_bench.gemv_table_lines(records)
     assert lines == ["    (8, 64, 48, 2, 1):  # tiny: 10.0 us, 1 GB/s (grouped 20.0 us)",
                      "        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(16, 256, 4, 2)),"]
+
+
+def test_bench_tokens_sweeps_the_route_warps_and_keeps_only_correct_ones(tiny_bench, monkeypatch):
+    """Every warp count of ROUTE_WARPS timed and checked against the torch ops (one made to sort
+    wrongly here is left out), the fastest correct one taken (the fake clock: the last timed) and
+    written as a ROUTE_NUM_WARPS line."""
+    route = moe_bench.route_and_align_triton
+
+    def wrong_at_8_warps(*args):
+        routing = route(*args)
+        if args[-1] == 8:
+            routing.sorted_pairs[0] += 1
+        return routing
+    monkeypatch.setattr(moe_bench, "route_and_align_triton", wrong_at_8_warps)
+    record = tiny_bench(2)
+    sweep = record["route"]["warps"]
+    assert list(sweep) == [str(w) for w in moe_bench.ROUTE_WARPS]
+    assert [r["ok"] for r in sweep.values()] == [True, True, True, False]
+    assert record["route"]["best_warps"] == 4 and record["route"]["default_warps"] == 1
+    text = moe_bench.format_record(record)
+    assert "route+align by warps 1: " in text and " WRONG us; best 4" in text
+    lines = moe_bench.route_table_lines([record])
+    assert len(lines) == 1 and lines[0].startswith(f"    {(TINY[0], TINY[3], 2)}: 4,  # tiny: ")
+    assert eval("{" + lines[0].split("#")[0] + "}") == {(TINY[0], TINY[3], 2): 4}
