@@ -23,6 +23,7 @@ through the whole layer with the other launch at ``GEMV_CHECK``. The first run c
 config (Triton caches them: a second run is mostly timing).
 
     PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --out moe_bench.json
+    PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --route-only --tokens 1 2 4 8 --out route.json
 """
 
 from __future__ import annotations
@@ -218,15 +219,51 @@ def best_gemv_config(launches: dict) -> MoeGemvConfig | None:
                            for launch in ("gate_up", "down")))
 
 
+def router_logits(num_tokens: int, num_experts: int, gen) -> torch.Tensor:
+    """A random order of the experts per token, logits 0.05 apart: no near-ties, where two
+    top-k's may differ."""
+    order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
+    return torch.argsort(order, dim=-1).float() * 0.05
+
+
+def route_records(shapes: list[str], tokens: list[int], sms: int, gen) -> list[dict]:
+    """``--route-only``: per (shape, tokens) only ``bench_route`` (no weights, no GEMMs), printed."""
+    records = []
+    for name in shapes:
+        num_experts, hidden, inter, top_k, renormalize, _ = SHAPES[name]
+        for num_tokens in tokens:
+            block_m = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms).block_m
+            logits = router_logits(num_tokens, num_experts, gen)
+            route = bench_route(logits, top_k, renormalize, block_m, DTYPE)
+            records.append(dict(shape=name, tokens=num_tokens, route=route))
+            print(f"{name} {num_tokens:>5} tokens:", *format_route(route), sep="\n", flush=True)
+    return records
+
+
+def layer_records(shapes: list[str], tokens: list[int], sms: int, gen) -> list[dict]:
+    """Per shape its random weights, then ``bench_tokens`` per token count, printed."""
+    records = []
+    for name in shapes:
+        num_experts, hidden, inter, _, _, _ = SHAPES[name]
+        w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
+        w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
+        w13, w2 = w13.to(DTYPE), w2.to(DTYPE)
+        w13_ref, w2_ref = w13.float(), w2.float()
+        for num_tokens in tokens:
+            records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
+            print(format_record(records[-1]), flush=True)
+        del w13, w2, w13_ref, w2_ref
+        torch.cuda.empty_cache()
+    return records
+
+
 def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int, gen) -> dict:
     """Routing, both launches' sweeps at each row-block size (and on the GEMV path at decode
     batches), the whole layer best, default (and GEMV)."""
     spec = SHAPES[name]
     num_experts, hidden, inter, top_k, renormalize, _ = spec
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).to(DTYPE)
-    # a random order of the experts, logits 0.05 apart: no near-ties, where two top-k's may differ
-    order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
-    logits = torch.argsort(order, dim=-1).float() * 0.05
+    logits = router_logits(num_tokens, num_experts, gen)
     reference = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
     default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
     route = bench_route(logits, top_k, renormalize, default.block_m, x.dtype)
@@ -278,14 +315,18 @@ def _describe(result: dict | None) -> str:
             f"err {result['max_error']:.1e}")
 
 
-def format_record(record: dict) -> str:
-    route = record["route"]
+def format_route(route: dict) -> list[str]:
+    """``bench_route``'s result: the default launch against the torch ops, then by warps."""
     sweep = ", ".join(f"{w}: {r['us']:.1f}" + ("" if r["ok"] else " WRONG")
                       for w, r in route["warps"].items())
+    return [f"    route+align Triton {route['triton_us']:.1f} us ({route['default_warps']} warps), "
+            f"torch {route['torch_us']:.1f} us",
+            f"    route+align by warps {sweep} us; best {route['best_warps']}"]
+
+
+def format_record(record: dict) -> str:
     lines = [f"{record['shape']} {record['tokens']:>5} tokens ({record['experts_read']} experts read, "
-             f"{record['expert_mb']:.0f} MB): route+align Triton {route['triton_us']:.1f} us "
-             f"({route['default_warps']} warps), torch {route['torch_us']:.1f} us",
-             f"    route+align by warps {sweep} us; best {route['best_warps']}"]
+             f"{record['expert_mb']:.0f} MB):", *format_route(record["route"])]
     for bm, result in record["block_m"].items():
         for launch in ("gate_up", "down"):
             best = result[launch]["best"]
@@ -389,31 +430,26 @@ def main() -> None:
     parser.add_argument("--out", default="moe_bench.json", help="JSON file of every measurement")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--route-only", action="store_true",
+                        help="only the routing launches' warp sweep (seconds, no GEMM sweeps)")
     args = parser.parse_args()
     start = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16 activations and weights, float32 logits")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    records = []
-    for name in args.shapes:
-        num_experts, hidden, inter, _, _, _ = SHAPES[name]
-        w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
-        w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
-        w13, w2 = w13.to(DTYPE), w2.to(DTYPE)
-        w13_ref, w2_ref = w13.float(), w2.float()
-        for num_tokens in args.tokens:
-            records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
-            print(format_record(records[-1]), flush=True)
-        del w13, w2, w13_ref, w2_ref
-        torch.cuda.empty_cache()
-    lines, gemv_lines = table_lines(records), gemv_table_lines(records)
+    lines, gemv_lines, estimates = [], [], {}
+    if args.route_only:
+        records = route_records(args.shapes, args.tokens, sms, gen)
+    else:
+        records = layer_records(args.shapes, args.tokens, sms, gen)
+        lines, gemv_lines = table_lines(records), gemv_table_lines(records)
+        print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
+        print("\n# paste into MOE_GEMV_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py (batches where "
+              "the GEMV layer beat the grouped one)", *gemv_lines, sep="\n")
+        estimates = batch1_estimates(records)
     route_lines = route_table_lines(records)
-    print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
-    print("\n# paste into MOE_GEMV_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py (batches where the "
-          "GEMV layer beat the grouped one)", *gemv_lines, sep="\n")
     print("\n# paste into ROUTE_NUM_WARPS in src/pagedlab/kernels/fused_moe_configs.py", *route_lines,
           sep="\n")
-    estimates = batch1_estimates(records)
     elapsed = time.perf_counter() - start
     print(f"{len(records)} (shape, tokens) in {elapsed:.0f} s; JSON in {args.out}")
     with open(args.out, "w") as f:

@@ -187,6 +187,20 @@ def test_fused_moe_at_model_sizes_on_gpu(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_experts, top_k", [(128, 8), (8, 2)], ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_route_and_align_at_every_swept_warp_count_on_gpu(num_experts, top_k):
+    """The compiled routing at each warp count moe_bench sweeps (and the default), decode to
+    prefill token counts: the same routing as the torch ops."""
+    for num_tokens in (1, 2, 4, 8, 64, 2048):
+        logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
+        expected = route_and_align_torch(logits, top_k, True, 16, torch.float32)
+        for num_warps in (None, 1, 2, 4, 8):
+            got = route_and_align_triton(logits, top_k, True, 16, torch.float32, num_warps)
+            _assert_same_routing(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_moe_replays_in_a_cuda_graph():
     """Captured once at a decode batch (Qwen3-30B-A3B experts), replayed on new tokens and logits:
     no host sync, no shape from the routing, so each replay equals the reference on its inputs."""

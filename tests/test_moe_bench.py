@@ -127,3 +127,17 @@ def test_bench_tokens_sweeps_the_route_warps_and_keeps_only_correct_ones(tiny_be
     lines = moe_bench.route_table_lines([record])
     assert len(lines) == 1 and lines[0].startswith(f"    {(TINY[0], TINY[3], 2)}: 4,  # tiny: ")
     assert eval("{" + lines[0].split("#")[0] + "}") == {(TINY[0], TINY[3], 2): 4}
+
+
+def test_route_only_sweeps_the_routing_alone(tiny_bench, capsys):
+    """``--route-only``: the route sweep per token count (a decode batch and several token blocks
+    of the align kernel), no GEMM sweeps, and its ROUTE_NUM_WARPS lines."""
+    records = moe_bench.route_records(["tiny"], [1, 600], 132, torch.Generator().manual_seed(0))
+    assert [(r["shape"], r["tokens"], set(r)) for r in records] == [
+        ("tiny", 1, {"shape", "tokens", "route"}), ("tiny", 600, {"shape", "tokens", "route"})]
+    for record in records:
+        assert all(r["ok"] for r in record["route"]["warps"].values()) and record["route"]["best_warps"] == 8
+    assert [r["route"]["default_warps"] for r in records] == [1, 8]  # 600 tokens: 512-token programs
+    assert "tiny     1 tokens:\n    route+align Triton" in capsys.readouterr().out
+    assert [line.split("#")[0] for line in moe_bench.route_table_lines(records)] == [
+        f"    {(TINY[0], TINY[3], 1)}: 8,  ", f"    {(TINY[0], TINY[3], 600)}: 8,  "]
