@@ -84,11 +84,12 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
     else:
         rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     if ALIGN:
-        # no more row blocks than pairs (align_capacity: at most BLOCK_M rows per pair)
+        # align_capacity's row blocks: at most one a pair, and at most pairs / BLOCK_M + experts
+        PAIRS: tl.constexpr = TOKENS_BLOCK * TOP_K_BLOCK
         _place_pairs(sorted_pairs_ptr, block_experts_ptr, flat_pairs, flat_experts, rank, flat_pairs >= 0,
                      tl.sum(onehot, axis=0), tl.zeros([EXPERTS_BLOCK], dtype=tl.int32), True,
                      num_tokens * TOP_K, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK,
-                     TOKENS_BLOCK * TOP_K_BLOCK)
+                     min(PAIRS, 2 * max(PAIRS // BLOCK_M, EXPERTS_BLOCK)))
     else:
         tl.store(local_rank_ptr + flat_pairs, rank, mask=flat_pairs >= 0)
         tl.store(block_counts_ptr + block * num_experts + offs_e, tl.sum(onehot, axis=0), mask=expert_valid)
@@ -119,8 +120,9 @@ def _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends
                    MAX_ROW_BLOCKS: tl.constexpr):
     """Each row block's expert (the run holding its first row; -1 past the last run) and
     ``num_pairs`` into its rows past that run's pairs (all its rows past the last run), a chunk of
-    row blocks at a time. ``MAX_ROW_BLOCKS`` (a power of two) bounds ``capacity // BLOCK_M`` (128
-    or more: no bound); it sizes the chunk, so decode's few row blocks take few lanes."""
+    row blocks at a time. ``MAX_ROW_BLOCKS`` (a power of two), a bound of ``capacity // BLOCK_M``
+    (128 or more: none), sizes the chunk so that decode's few row blocks take few lanes (the loop
+    covers every row block whatever it is)."""
     BLOCKS_CHUNK: tl.constexpr = min(MAX_ROW_BLOCKS, 128, 2048 // BLOCK_M)
     offs_e = tl.arange(0, EXPERTS_BLOCK)
     offs_r = tl.arange(0, BLOCK_M)
