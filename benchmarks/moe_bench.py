@@ -4,15 +4,16 @@ configs for each grouped GEMM, each checked against ``moe_torch`` (float32), the
 config of the whole layer; at decode batches (at most ``MOE_GEMV_MAX_TOKENS`` tokens) also the
 GEMV path's two launches and its whole layer.
 
-Per (shape, tokens) it prints the routing + sort by expert in the two Triton kernels against
-the torch ops they replace; per row-block size the best gate/up and down configs (time, GB/s of
-the routed experts' weights, TFLOP/s); the whole fused layer with the best config and with the
-default heuristic; at decode batches the best GEMV launches and the GEMV layer. Then the lines
-to paste into ``src/pagedlab/kernels/fused_moe_configs.py``: ``MOE_CONFIGS`` (every measured
-batch) and ``MOE_GEMV_CONFIGS`` (only the batches where the GEMV layer beat the best grouped
-layer), and the MoE time of a batch-1 decode step (all layers, the faster path). Times are medians of
-CUDA-graph replays (``graph_seconds`` of gemv_bench.py: weights read from HBM, no launch gaps,
-as in a decode step's graph).
+Per (shape, tokens) it prints the routing + sort by expert in the two Triton kernels (at their
+default warps, and swept over ``ROUTE_WARPS``) against the torch ops they replace; per row-block
+size the best gate/up and down configs (time, GB/s of the routed experts' weights, TFLOP/s); the
+whole fused layer with the best config and with the default heuristic; at decode batches the
+best GEMV launches and the GEMV layer. Then the lines to paste into
+``src/pagedlab/kernels/fused_moe_configs.py``: ``MOE_CONFIGS`` (every measured batch),
+``MOE_GEMV_CONFIGS`` (only the batches where the GEMV layer beat the best grouped layer) and
+``ROUTE_NUM_WARPS`` (every measured batch), and the MoE time of a batch-1 decode step (all
+layers, the faster path). Times are medians of CUDA-graph replays (``graph_seconds`` of
+gemv_bench.py: weights read from HBM, no launch gaps, as in a decode step's graph).
 
 The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
 size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
@@ -22,6 +23,7 @@ through the whole layer with the other launch at ``GEMV_CHECK``. The first run c
 config (Triton caches them: a second run is mostly timing).
 
     PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --out moe_bench.json
+    PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --route-only --tokens 1 2 4 8 --out route.json
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from gemv_bench import graph_seconds
 
 from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_gemv_triton, moe_down_triton,
                                         moe_gate_up_gemv_triton, moe_gate_up_triton, moe_torch,
-                                        route_and_align_torch, route_and_align_triton)
+                                        route_and_align_torch, route_and_align_triton, route_warps)
 from pagedlab.kernels.fused_moe_configs import (DOT_MIN, MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig,
                                                 MoeGemvConfig, MoeGemvLaunch, default_moe_config)
 
@@ -49,6 +51,8 @@ DTYPE = torch.bfloat16
 GEMV_BLOCK_N = (4, 8, 16, 32)
 GEMV_BLOCK_K = (256, 512, 1024)
 GEMV_CHECK = MoeGemvLaunch(8, 256)
+# The warps the routing launches are swept over.
+ROUTE_WARPS = (1, 2, 4, 8)
 
 
 def block_m_candidates(num_tokens: int, num_experts: int, top_k: int) -> list[int]:
@@ -179,6 +183,34 @@ def bench_gemv(x, logits, w13, w2, spec: tuple, reference: torch.Tensor) -> dict
                       {"gate_up": GEMV_CHECK, "down": GEMV_CHECK}, x, w13, w2, routing, reference)
 
 
+def same_routing(got, expected) -> bool:
+    """The same experts, sorted pairs and row blocks, weights within float rounding."""
+    return (torch.equal(got.experts.long(), expected.experts.long())
+            and torch.equal(got.sorted_pairs, expected.sorted_pairs)
+            and torch.equal(got.block_experts, expected.block_experts)
+            and torch.allclose(got.weights.float(), expected.weights.float(), atol=1e-6, rtol=1e-5))
+
+
+def bench_route(logits, top_k: int, renormalize: bool, block_m: int, dtype: torch.dtype) -> dict:
+    """The routing and sort by expert: the Triton launches at their default warps and at each of
+    ``ROUTE_WARPS`` (each checked against the torch ops), the fastest correct warps, the torch ops."""
+    num_tokens, num_experts = logits.shape
+    expected = route_and_align_torch(logits, top_k, renormalize, block_m, dtype)
+
+    def triton_us(num_warps=None):
+        return graph_seconds(lambda: route_and_align_triton(logits, top_k, renormalize, block_m, dtype,
+                                                            num_warps)) * 1e6
+    route = dict(triton_us=triton_us(), default_warps=route_warps(num_tokens, num_experts, top_k), warps={})
+    for num_warps in ROUTE_WARPS:
+        got = route_and_align_triton(logits, top_k, renormalize, block_m, dtype, num_warps)
+        route["warps"][str(num_warps)] = dict(us=triton_us(num_warps), ok=same_routing(got, expected))
+    good = [w for w, r in route["warps"].items() if r["ok"]]
+    route["best_warps"] = int(min(good, key=lambda w: route["warps"][w]["us"])) if good else None
+    route["torch_us"] = graph_seconds(
+        lambda: route_and_align_torch(logits, top_k, renormalize, block_m, dtype)) * 1e6
+    return route
+
+
 def best_gemv_config(launches: dict) -> MoeGemvConfig | None:
     """The GEMV config of both launches' best, if each has a correct one."""
     if not (launches["gate_up"]["best"] and launches["down"]["best"]):
@@ -187,19 +219,54 @@ def best_gemv_config(launches: dict) -> MoeGemvConfig | None:
                            for launch in ("gate_up", "down")))
 
 
+def router_logits(num_tokens: int, num_experts: int, gen) -> torch.Tensor:
+    """A random order of the experts per token, logits 0.05 apart: no near-ties, where two
+    top-k's may differ."""
+    order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
+    return torch.argsort(order, dim=-1).float() * 0.05
+
+
+def route_records(shapes: list[str], tokens: list[int], sms: int, gen) -> list[dict]:
+    """``--route-only``: per (shape, tokens) only ``bench_route`` (no weights, no GEMMs), printed."""
+    records = []
+    for name in shapes:
+        num_experts, hidden, inter, top_k, renormalize, _ = SHAPES[name]
+        for num_tokens in tokens:
+            block_m = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms).block_m
+            logits = router_logits(num_tokens, num_experts, gen)
+            route = bench_route(logits, top_k, renormalize, block_m, DTYPE)
+            records.append(dict(shape=name, tokens=num_tokens, route=route))
+            print(f"{name} {num_tokens:>5} tokens:", *format_route(route), sep="\n", flush=True)
+    return records
+
+
+def layer_records(shapes: list[str], tokens: list[int], sms: int, gen) -> list[dict]:
+    """Per shape its random weights, then ``bench_tokens`` per token count, printed."""
+    records = []
+    for name in shapes:
+        num_experts, hidden, inter, _, _, _ = SHAPES[name]
+        w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
+        w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
+        w13, w2 = w13.to(DTYPE), w2.to(DTYPE)
+        w13_ref, w2_ref = w13.float(), w2.float()
+        for num_tokens in tokens:
+            records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
+            print(format_record(records[-1]), flush=True)
+        del w13, w2, w13_ref, w2_ref
+        torch.cuda.empty_cache()
+    return records
+
+
 def bench_tokens(name: str, num_tokens: int, w13, w2, w13_ref, w2_ref, sms: int, gen) -> dict:
     """Routing, both launches' sweeps at each row-block size (and on the GEMV path at decode
     batches), the whole layer best, default (and GEMV)."""
     spec = SHAPES[name]
     num_experts, hidden, inter, top_k, renormalize, _ = spec
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).to(DTYPE)
-    # a random order of the experts, logits 0.05 apart: no near-ties, where two top-k's may differ
-    order = torch.rand(num_tokens, num_experts, device=DEVICE, generator=gen)
-    logits = torch.argsort(order, dim=-1).float() * 0.05
+    logits = router_logits(num_tokens, num_experts, gen)
     reference = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
     default = default_moe_config(num_tokens, num_experts, hidden, inter, top_k, sms)
-    route = {kind: graph_seconds(lambda f=f: f(logits, top_k, renormalize, default.block_m, x.dtype)) * 1e6
-             for kind, f in (("triton_us", route_and_align_triton), ("torch_us", route_and_align_torch))}
+    route = bench_route(logits, top_k, renormalize, default.block_m, x.dtype)
     # the first round at every row-block size, then both rounds at the best one's
     per_block_m = {bm: bench_block_m(bm, False, x, logits, w13, w2, spec, reference, sms)
                    for bm in block_m_candidates(num_tokens, num_experts, top_k)}
@@ -248,11 +315,18 @@ def _describe(result: dict | None) -> str:
             f"err {result['max_error']:.1e}")
 
 
+def format_route(route: dict) -> list[str]:
+    """``bench_route``'s result: the default launch against the torch ops, then by warps."""
+    sweep = ", ".join(f"{w}: {r['us']:.1f}" + ("" if r["ok"] else " WRONG")
+                      for w, r in route["warps"].items())
+    return [f"    route+align Triton {route['triton_us']:.1f} us ({route['default_warps']} warps), "
+            f"torch {route['torch_us']:.1f} us",
+            f"    route+align by warps {sweep} us; best {route['best_warps']}"]
+
+
 def format_record(record: dict) -> str:
-    route = record["route"]
     lines = [f"{record['shape']} {record['tokens']:>5} tokens ({record['experts_read']} experts read, "
-             f"{record['expert_mb']:.0f} MB): route+align Triton {route['triton_us']:.1f} us, "
-             f"torch {route['torch_us']:.1f} us"]
+             f"{record['expert_mb']:.0f} MB):", *format_route(record["route"])]
     for bm, result in record["block_m"].items():
         for launch in ("gate_up", "down"):
             best = result[launch]["best"]
@@ -320,6 +394,21 @@ def gemv_table_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def route_table_lines(records: list[dict]) -> list[str]:
+    """The ROUTE_NUM_WARPS entries: every measured (shape, tokens) with its fastest correct warps."""
+    lines = []
+    for record in records:
+        route = record["route"]
+        if route["best_warps"] is None:
+            continue
+        num_experts, _, _, top_k, _, _ = SHAPES[record["shape"]]
+        best = route["warps"][str(route["best_warps"])]["us"]
+        lines.append(f"    {(num_experts, top_k, record['tokens'])}: {route['best_warps']},  "
+                     f"# {record['shape']}: {best:.1f} us (default {route['default_warps']} warps "
+                     f"{route['triton_us']:.1f} us)")
+    return lines
+
+
 def batch1_estimates(records: list[dict]) -> dict[str, float]:
     """Per shape, the MoE milliseconds of a batch-1 decode step (every layer at the faster path)."""
     estimates = {}
@@ -341,33 +430,32 @@ def main() -> None:
     parser.add_argument("--out", default="moe_bench.json", help="JSON file of every measurement")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--route-only", action="store_true",
+                        help="only the routing launches' warp sweep (seconds, no GEMM sweeps)")
     args = parser.parse_args()
     start = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs); bf16 activations and weights, float32 logits")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    records = []
-    for name in args.shapes:
-        num_experts, hidden, inter, _, _, _ = SHAPES[name]
-        w13 = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) * hidden ** -0.5
-        w2 = torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) * inter ** -0.5
-        w13, w2 = w13.to(DTYPE), w2.to(DTYPE)
-        w13_ref, w2_ref = w13.float(), w2.float()
-        for num_tokens in args.tokens:
-            records.append(bench_tokens(name, num_tokens, w13, w2, w13_ref, w2_ref, sms, gen))
-            print(format_record(records[-1]), flush=True)
-        del w13, w2, w13_ref, w2_ref
-        torch.cuda.empty_cache()
-    lines, gemv_lines = table_lines(records), gemv_table_lines(records)
-    print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
-    print("\n# paste into MOE_GEMV_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py (batches where the "
-          "GEMV layer beat the grouped one)", *gemv_lines, sep="\n")
-    estimates = batch1_estimates(records)
+    lines, gemv_lines, estimates = [], [], {}
+    if args.route_only:
+        records = route_records(args.shapes, args.tokens, sms, gen)
+    else:
+        records = layer_records(args.shapes, args.tokens, sms, gen)
+        lines, gemv_lines = table_lines(records), gemv_table_lines(records)
+        print("\n# paste into MOE_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py", *lines, sep="\n")
+        print("\n# paste into MOE_GEMV_CONFIGS in src/pagedlab/kernels/fused_moe_configs.py (batches where "
+              "the GEMV layer beat the grouped one)", *gemv_lines, sep="\n")
+        estimates = batch1_estimates(records)
+    route_lines = route_table_lines(records)
+    print("\n# paste into ROUTE_NUM_WARPS in src/pagedlab/kernels/fused_moe_configs.py", *route_lines,
+          sep="\n")
     elapsed = time.perf_counter() - start
     print(f"{len(records)} (shape, tokens) in {elapsed:.0f} s; JSON in {args.out}")
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), sms=sms, records=records, table=lines,
-                       gemv_table=gemv_lines, batch1_moe_ms=estimates, seconds=elapsed), f, indent=1)
+                       gemv_table=gemv_lines, route_table=route_lines, batch1_moe_ms=estimates,
+                       seconds=elapsed), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ pytest.importorskip("triton")
 from pagedlab.kernels import fused_moe_configs
 from pagedlab.kernels import fused_moe
 from pagedlab.kernels.fused_moe import (align_by_expert, fused_moe_triton, moe_torch, route_and_align_torch,
-                                        route_and_align_triton)
+                                        route_and_align_triton, route_warps)
 from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig, MoeGemvConfig,
-                                                MoeGemvLaunch, default_moe_config, moe_config,
-                                                moe_gemv_config)
+                                                MoeGemvLaunch, default_moe_config, default_route_num_warps,
+                                                moe_config, moe_gemv_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,6 +74,9 @@ def _assert_same_routing(got, expected):
     # several token blocks (route, then align):
     (600, 8, 2, 64, False, 3.0),  # two blocks, crowded expert 0
     (300, 128, 8, 16, True, 0.0),  # Qwen3-MoE routing: 19 token blocks, counts summed in chunks
+    # row blocks in chunks of 2048 // block_m = 16: 18 row blocks in one program, then in program 0
+    (70, 16, 3, 128, True, 0.0),
+    (600, 8, 2, 128, True, 3.0),
 ])
 def test_route_and_align_triton_matches_torch(num_tokens, num_experts, top_k, block_m, renormalize, skew):
     logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_tokens))
@@ -81,6 +84,55 @@ def test_route_and_align_triton_matches_torch(num_tokens, num_experts, top_k, bl
     logits = logits.to(DEVICE)
     _assert_same_routing(route_and_align_triton(logits, top_k, renormalize, block_m, torch.float32),
                          route_and_align_torch(logits, top_k, renormalize, block_m, torch.float32))
+
+
+def _count_route_warps(monkeypatch) -> list[int]:
+    """The ``num_warps`` of each route kernel launch (each still runs)."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    warps, kernel = [], fused_moe_kernels.moe_route_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                warps.append(kwargs["num_warps"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(fused_moe_kernels, "moe_route_kernel", Recorded())
+    return warps
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(128, 8), (8, 2)], ids=["qwen3-30b-a3b", "mixtral"])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8])
+def test_route_and_align_triton_at_decode_batches(num_tokens, num_experts, top_k, monkeypatch):
+    """Decode batches at the model routings (one route launch; a chunk of as many row blocks as
+    pairs), at the default warps and at each warp count the bench sweeps."""
+    warps = _count_route_warps(monkeypatch)
+    logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
+    expected = route_and_align_torch(logits, top_k, True, 16, torch.float32)
+    for num_warps in (None, 1, 2, 4, 8):
+        got = route_and_align_triton(logits, top_k, True, 16, torch.float32, num_warps)
+        _assert_same_routing(got, expected)
+    default = default_route_num_warps(num_tokens * top_k, num_experts)  # one program; top_k a power of two
+    assert warps == [default, 1, 2, 4, 8] and route_warps(num_tokens, num_experts, top_k) == default
+
+
+def test_route_warps_follow_the_table_and_else_the_work_size(monkeypatch):
+    assert [default_route_num_warps(8 * t, 128) for t in (1, 2, 4, 8, 16)] == [1, 1, 8, 8, 8]
+    assert [default_route_num_warps(2 * t, 8) for t in (1, 8, 64, 512)] == [1, 1, 4, 8]
+    monkeypatch.setattr(fused_moe_configs, "ROUTE_NUM_WARPS", {(8, 2, 3): 2})
+    warps = _count_route_warps(monkeypatch)
+    for num_tokens in (3, 4):
+        logits = _distinct_logits(num_tokens, 8, seed=num_tokens)
+        _assert_same_routing(route_and_align_triton(logits, 2, True, 16, torch.float32),
+                             route_and_align_torch(logits, 2, True, 16, torch.float32))
+    assert warps == [2, default_route_num_warps(8, 8)]
+
+
+@pytest.mark.parametrize("num_warps", [0, 3, 64])
+def test_route_and_align_rejects_bad_warps(num_warps):
+    with pytest.raises(ValueError, match=f"num_warps={num_warps} must be a power of two from 1 to 32"):
+        route_and_align_triton(torch.zeros(2, 8, device=DEVICE), 2, True, 16, torch.float32, num_warps)
 
 
 def test_route_and_align_rejects_top_k_above_experts():
@@ -131,6 +183,20 @@ def test_fused_moe_at_model_sizes_on_gpu(shape):
             expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
             got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize).float()
             torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_experts, top_k", [(128, 8), (8, 2)], ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_route_and_align_at_every_swept_warp_count_on_gpu(num_experts, top_k):
+    """The compiled routing at each warp count moe_bench sweeps (and the default), decode to
+    prefill token counts: the same routing as the torch ops."""
+    for num_tokens in (1, 2, 4, 8, 64, 2048):
+        logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
+        expected = route_and_align_torch(logits, top_k, True, 16, torch.float32)
+        for num_warps in (None, 1, 2, 4, 8):
+            got = route_and_align_triton(logits, top_k, True, 16, torch.float32, num_warps)
+            _assert_same_routing(got, expected)
 
 
 @pytest.mark.gpu

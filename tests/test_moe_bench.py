@@ -103,3 +103,41 @@ def test_gemv_table_lines_only_where_the_gemv_layer_beat_the_best_grouped_one(mo
     lines = moe_bench.gemv_table_lines(records)
     assert lines == ["    (8, 64, 48, 2, 1):  # tiny: 10.0 us, 1 GB/s (grouped 20.0 us)",
                      "        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(16, 256, 4, 2)),"]
+
+
+def test_bench_tokens_sweeps_the_route_warps_and_keeps_only_correct_ones(tiny_bench, monkeypatch):
+    """Every warp count of ROUTE_WARPS timed and checked against the torch ops (one made to sort
+    wrongly here is left out), the fastest correct one taken (the fake clock: the last timed) and
+    written as a ROUTE_NUM_WARPS line."""
+    route = moe_bench.route_and_align_triton
+
+    def wrong_at_8_warps(*args):
+        routing = route(*args)
+        if args[-1] == 8:
+            routing.sorted_pairs[0] += 1
+        return routing
+    monkeypatch.setattr(moe_bench, "route_and_align_triton", wrong_at_8_warps)
+    record = tiny_bench(2)
+    sweep = record["route"]["warps"]
+    assert list(sweep) == [str(w) for w in moe_bench.ROUTE_WARPS]
+    assert [r["ok"] for r in sweep.values()] == [True, True, True, False]
+    assert record["route"]["best_warps"] == 4 and record["route"]["default_warps"] == 1
+    text = moe_bench.format_record(record)
+    assert "route+align by warps 1: " in text and " WRONG us; best 4" in text
+    lines = moe_bench.route_table_lines([record])
+    assert len(lines) == 1 and lines[0].startswith(f"    {(TINY[0], TINY[3], 2)}: 4,  # tiny: ")
+    assert eval("{" + lines[0].split("#")[0] + "}") == {(TINY[0], TINY[3], 2): 4}
+
+
+def test_route_only_sweeps_the_routing_alone(tiny_bench, capsys):
+    """``--route-only``: the route sweep per token count (a decode batch and several token blocks
+    of the align kernel), no GEMM sweeps, and its ROUTE_NUM_WARPS lines."""
+    records = moe_bench.route_records(["tiny"], [1, 600], 132, torch.Generator().manual_seed(0))
+    assert [(r["shape"], r["tokens"], set(r)) for r in records] == [
+        ("tiny", 1, {"shape", "tokens", "route"}), ("tiny", 600, {"shape", "tokens", "route"})]
+    for record in records:
+        assert all(r["ok"] for r in record["route"]["warps"].values()) and record["route"]["best_warps"] == 8
+    assert [r["route"]["default_warps"] for r in records] == [1, 8]  # 600 tokens: 512-token programs
+    assert "tiny     1 tokens:\n    route+align Triton" in capsys.readouterr().out
+    assert [line.split("#")[0] for line in moe_bench.route_table_lines(records)] == [
+        f"    {(TINY[0], TINY[3], 1)}: 8,  ", f"    {(TINY[0], TINY[3], 600)}: 8,  "]

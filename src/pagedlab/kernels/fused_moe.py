@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.fused_moe_configs import (DOT_MIN, ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig,
                                                 MoeGemmConfig, MoeGemvConfig, MoeGemvLaunch, moe_config,
-                                                moe_gemv_config)
+                                                moe_gemv_config, route_num_warps)
 from pagedlab.kernels.pdl import pdl_launch
 
 
@@ -119,21 +119,40 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
-                           dtype: torch.dtype) -> ExpertRouting:
-    """Routing and the sort by expert in two Triton launches (one when the tokens fit one route
-    program: decode); the same experts, sorted pairs and row blocks as ``route_and_align_torch``
-    (weights within float rounding; int32 experts)."""
-    from pagedlab.kernels import fused_moe_kernels
+_MAX_WARPS = 32  # a CUDA block's 1024 threads
 
-    num_tokens, num_experts = router_logits.shape
-    _check_top_k(top_k, num_experts)
-    logits = router_logits.contiguous()
-    device, num_pairs = logits.device, num_tokens * top_k
+
+def _route_blocks(num_tokens: int, num_experts: int, top_k: int) -> tuple[int, int, int]:
+    """Tokens, experts and slots of a route program's tiles (powers of two)."""
     experts_block, top_k_block = _next_power_of_2(num_experts), _next_power_of_2(top_k)
     # a block's logits and its pairs-by-experts one-hot stay a few thousand values a program
     tokens_block = max(1, min(_next_power_of_2(num_tokens), 4096 // experts_block,
                               16384 // (experts_block * top_k_block)))
+    return tokens_block, experts_block, top_k_block
+
+
+def route_warps(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The warps ``route_and_align_triton`` launches with by default (``fused_moe_configs.route_num_warps``
+    for its programs' tiles)."""
+    tokens_block, experts_block, top_k_block = _route_blocks(num_tokens, num_experts, top_k)
+    return route_num_warps(num_tokens, num_experts, top_k, tokens_block * top_k_block, experts_block)
+
+
+def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                           dtype: torch.dtype, num_warps: int | None = None) -> ExpertRouting:
+    """Routing and the sort by expert in two Triton launches (one when the tokens fit one route
+    program: decode); the same experts, sorted pairs and row blocks as ``route_and_align_torch``
+    (weights within float rounding; int32 experts). ``num_warps`` (both launches) defaults to
+    ``fused_moe_configs.route_num_warps``."""
+    from pagedlab.kernels import fused_moe_kernels
+
+    num_tokens, num_experts = router_logits.shape
+    _check_top_k(top_k, num_experts)
+    if num_warps is not None and not (1 <= num_warps <= _MAX_WARPS and num_warps & (num_warps - 1) == 0):
+        raise ValueError(f"num_warps={num_warps} must be a power of two from 1 to {_MAX_WARPS}")
+    logits = router_logits.contiguous()
+    device, num_pairs = logits.device, num_tokens * top_k
+    tokens_block, experts_block, top_k_block = _route_blocks(num_tokens, num_experts, top_k)
     num_token_blocks = -(-num_tokens // tokens_block)
     capacity = align_capacity(num_pairs, num_experts, block_m)
     weights = torch.empty(num_tokens, top_k, dtype=dtype, device=device)
@@ -143,7 +162,7 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     sizes = dict(TOP_K=top_k, TOKENS_BLOCK=tokens_block, EXPERTS_BLOCK=experts_block, TOP_K_BLOCK=top_k_block,
-                 BLOCK_M=block_m)
+                 BLOCK_M=block_m, num_warps=num_warps or route_warps(num_tokens, num_experts, top_k))
     # one token block holds every count: the route kernel sorts too (one launch instead of two)
     fused_moe_kernels.moe_route_kernel[(num_token_blocks,)](
         logits, weights, experts, local_rank, block_counts, sorted_pairs, block_experts, num_tokens,

@@ -12,9 +12,13 @@ Taken only from ``MOE_GEMV_CONFIGS``, at exact token counts where the bench meas
 than the best grouped layer; there is no heuristic, so a shape or batch size not listed runs
 the grouped path.
 
+The routing launches (``moe_route_kernel``, and ``moe_align_kernel`` above one token block):
+their warps, from ``ROUTE_NUM_WARPS`` at exact token counts, else ``default_route_num_warps``
+(by a program's work size).
+
 Every choice depends on host ints only (the token count, the weights' shapes), never on the
 routing, so a CUDA graph captures the same launches a later replay of that batch size runs.
-Both tables are filled from ``benchmarks/moe_bench.py``, which prints the lines to paste here.
+The tables are filled from ``benchmarks/moe_bench.py``, which prints the lines to paste here.
 """
 
 from __future__ import annotations
@@ -206,3 +210,29 @@ def moe_gemv_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     if num_tokens > MOE_GEMV_MAX_TOKENS:
         return None
     return MOE_GEMV_CONFIGS.get((num_experts, hidden, inter, top_k, num_tokens))
+
+
+# (num_experts, top_k, tokens) -> warps of the routing launches, from ``benchmarks/moe_bench.py``'s
+# route sweep on one H200 (exact token counts, no nearest match). Empty: not yet measured.
+ROUTE_NUM_WARPS: dict[tuple[int, int, int], int] = {}
+
+
+def default_route_num_warps(pairs_block: int, experts_block: int) -> int:
+    """Warps of a routing program of ``pairs_block`` (token, expert) pairs by ``experts_block``
+    experts (its one-hot, the largest tile). One warp while that tile is at most 64 values a lane
+    and 16 pairs: every max, min, sum and cumsum over the experts is then shuffles alone, where
+    more warps pass each through shared memory between barriers (sm_90 SASS of the route kernel
+    at 1 token, Qwen3-30B-A3B's 128 experts, top-8: 1 bar.sync and 1256 instructions a thread at
+    one warp against 47 and 816 at four). Eight warps from 4096 values (the instructions a
+    thread halve, the barriers stay), four between."""
+    one_hot = pairs_block * experts_block
+    if pairs_block <= 16 and one_hot <= 2048:
+        return 1
+    return 8 if one_hot >= 4096 else 4
+
+
+def route_num_warps(num_tokens: int, num_experts: int, top_k: int, pairs_block: int,
+                    experts_block: int) -> int:
+    """``ROUTE_NUM_WARPS``'s warps for exactly this routing, else ``default_route_num_warps``."""
+    measured = ROUTE_NUM_WARPS.get((num_experts, top_k, num_tokens))
+    return measured if measured is not None else default_route_num_warps(pairs_block, experts_block)

@@ -79,11 +79,17 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
     flat_pairs = tl.reshape(tl.where(pair_valid, pairs, -1), [TOKENS_BLOCK * TOP_K_BLOCK])
     flat_experts = tl.reshape(tl.where(pair_valid, chosen, -1), [TOKENS_BLOCK * TOP_K_BLOCK])
     onehot = (flat_experts[:, None] == offs_e[None, :]).to(tl.int32)
-    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    if TOKENS_BLOCK == 1:  # one token's experts are distinct: each pair is the first of its expert
+        rank = tl.zeros([TOP_K_BLOCK], dtype=tl.int32)
+    else:
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     if ALIGN:
+        # align_capacity's row blocks: at most one a pair, and at most pairs / BLOCK_M + experts
+        PAIRS: tl.constexpr = TOKENS_BLOCK * TOP_K_BLOCK
         _place_pairs(sorted_pairs_ptr, block_experts_ptr, flat_pairs, flat_experts, rank, flat_pairs >= 0,
                      tl.sum(onehot, axis=0), tl.zeros([EXPERTS_BLOCK], dtype=tl.int32), True,
-                     num_tokens * TOP_K, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
+                     num_tokens * TOP_K, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK,
+                     min(PAIRS, 2 * max(PAIRS // BLOCK_M, EXPERTS_BLOCK)))
     else:
         tl.store(local_rank_ptr + flat_pairs, rank, mask=flat_pairs >= 0)
         tl.store(block_counts_ptr + block * num_experts + offs_e, tl.sum(onehot, axis=0), mask=expert_valid)
@@ -92,10 +98,10 @@ def moe_route_kernel(logits_ptr, weights_ptr, experts_ptr, local_rank_ptr, block
 @triton.jit
 def _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
                  with_padding, num_pairs, num_experts, capacity, BLOCK_M: tl.constexpr,
-                 EXPERTS_BLOCK: tl.constexpr):
+                 EXPERTS_BLOCK: tl.constexpr, MAX_ROW_BLOCKS: tl.constexpr):
     """Each pair at row ``its expert's run start + earlier[expert] + rank``, the runs being the
     experts' ``counts`` each padded to a multiple of BLOCK_M, in expert order; with
-    ``with_padding`` also the padding and the row blocks' experts."""
+    ``with_padding`` also the padding and the row blocks' experts (``_write_padding``)."""
     offs_e = tl.arange(0, EXPERTS_BLOCK)
     expert_valid = offs_e < num_experts
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -105,29 +111,34 @@ def _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair
     tl.store(sorted_pairs_ptr + row, pairs, mask=pair_valid)
     if with_padding:
         _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
-                       num_experts, capacity, BLOCK_M)
+                       num_experts, capacity, BLOCK_M, EXPERTS_BLOCK, MAX_ROW_BLOCKS)
 
 
 @triton.jit
 def _write_padding(sorted_pairs_ptr, block_experts_ptr, counts, padded, run_ends, expert_valid, num_pairs,
-                   num_experts, capacity, BLOCK_M: tl.constexpr):
-    """``num_pairs`` into each run's rows past its pairs and every row past the last run; each
-    row block's expert (the run holding its first row; -1 past the last run)."""
+                   num_experts, capacity, BLOCK_M: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
+                   MAX_ROW_BLOCKS: tl.constexpr):
+    """Each row block's expert (the run holding its first row; -1 past the last run) and
+    ``num_pairs`` into its rows past that run's pairs (all its rows past the last run), a chunk of
+    row blocks at a time. ``MAX_ROW_BLOCKS`` (a power of two), a bound of ``capacity // BLOCK_M``
+    (128 or more: none), sizes the chunk so that decode's few row blocks take few lanes (the loop
+    covers every row block whatever it is)."""
+    BLOCKS_CHUNK: tl.constexpr = min(MAX_ROW_BLOCKS, 128, 2048 // BLOCK_M)
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
     offs_r = tl.arange(0, BLOCK_M)
-    pad_rows = (run_ends - padded + counts)[:, None] + offs_r[None, :]
-    tl.store(sorted_pairs_ptr + pad_rows, num_pairs,
-             mask=expert_valid[:, None] & (offs_r[None, :] < (padded - counts)[:, None]))
-    total = tl.sum(padded, axis=0)
-    for start in range(0, capacity, 1024):
-        rows = start + tl.arange(0, 1024)
-        tl.store(sorted_pairs_ptr + rows, num_pairs, mask=(rows >= total) & (rows < capacity))
+    pad_from = tl.where(expert_valid, run_ends - padded + counts, 0)
     num_row_blocks = capacity // BLOCK_M
-    for start in range(0, num_row_blocks, 128):
-        blocks = start + tl.arange(0, 128)
-        before = (run_ends[None, :] <= (blocks * BLOCK_M)[:, None]) & expert_valid[None, :]
+    for start in range(0, num_row_blocks, BLOCKS_CHUNK):
+        blocks = start + tl.arange(0, BLOCKS_CHUNK)
+        block_valid = blocks < num_row_blocks
+        first_rows = blocks * BLOCK_M
+        before = (run_ends[None, :] <= first_rows[:, None]) & expert_valid[None, :]
         expert = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + blocks, tl.where(expert < num_experts, expert, -1),
-                 mask=blocks < num_row_blocks)
+        tl.store(block_experts_ptr + blocks, tl.where(expert < num_experts, expert, -1), mask=block_valid)
+        block_pad_from = tl.sum(tl.where(offs_e[None, :] == expert[:, None], pad_from[None, :], 0), axis=1)
+        rows = first_rows[:, None] + offs_r[None, :]
+        tl.store(sorted_pairs_ptr + rows, num_pairs,
+                 mask=block_valid[:, None] & (rows >= block_pad_from[:, None]))
 
 
 @triton.jit
@@ -155,7 +166,7 @@ def moe_align_kernel(experts_ptr, local_rank_ptr, block_counts_ptr, sorted_pairs
     experts = tl.load(experts_ptr + pairs, mask=pair_valid, other=-1)
     rank = tl.load(local_rank_ptr + pairs, mask=pair_valid, other=0)
     _place_pairs(sorted_pairs_ptr, block_experts_ptr, pairs, experts, rank, pair_valid, counts, earlier,
-                 block == 0, num_pairs, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK)
+                 block == 0, num_pairs, num_experts, capacity, BLOCK_M, EXPERTS_BLOCK, 128)
 
 
 @triton.jit
