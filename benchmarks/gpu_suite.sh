@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|route|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -35,6 +35,9 @@ for part in "$@"; do
     moegemv) python3 benchmarks/moe_bench.py --shapes qwen3-30b-a3b --tokens 1 2 4 8 --out "$OUT/moe_qwen3_small.json" ;;
     moegemv-mixtral) python3 benchmarks/moe_bench.py --shapes mixtral-8x7b --tokens 1 2 4 8 \
                          --out "$OUT/moe_mixtral_small.json" ;;
+    # the routing launch's warps at decode through prefill token counts, both MoE shapes
+    # (ROUTE_NUM_WARPS lines to paste where a count beats the heuristic)
+    route) python3 benchmarks/moe_bench.py --route-only --tokens 1 2 4 8 64 256 2048 --out "$OUT/route_warps.json" ;;
     moebench) for shape in qwen3-30b-a3b mixtral-8x7b; do
                 python3 benchmarks/moe_bench.py --shapes $shape --tokens 64 256 2048 --out "$OUT/moe_$shape.json"
               done ;;
