@@ -12,8 +12,8 @@ host memory behind an event that ``LaunchedStep.result`` waits for.
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 

@@ -172,9 +172,9 @@ BATCH_INVARIANT_BLOCK_M = 64
 # Key segment of batch-invariant mode (tokens, from key 0; no window): every launch, split or
 # not, attends each segment from a fresh softmax state and folds them in segment order, so a small
 # decode batch may split its keys (``split_kv_size`` = this) and still match a prefill bitwise.
-# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). The H200
-# verified 256 and 512 bitwise too, but neither paid: 256 cost W-seed batch 256 8%; 512 left
-# batch-1 TPOT where it was (5.09 ms against 5.11) and cost batch 256 6% (BENCHMARKS.md, issue 14).
+# 0: no segments and no split (one run over the keys, in 64-key tiles from key 0). On one H200
+# (W-seed, 2026-12-01) 64-key segments took batch-1 TPOT from 5.06 to 4.77 ms and cost batch 256
+# 0.6%; 128 gave 4.81 ms and cost 5.5% (BENCHMARKS.md, issue 14).
 BATCH_INVARIANT_SPLIT_KV_SIZE = 64
 
 
