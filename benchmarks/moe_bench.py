@@ -2,7 +2,8 @@
 shapes on one GPU, bf16, like vLLM's benchmark_moe.py: per token count, a sweep of launch
 configs for each grouped GEMM, each checked against ``moe_torch`` (float32), then the best
 config of the whole layer; at decode batches (at most ``MOE_GEMV_MAX_TOKENS`` tokens) also the
-GEMV path's two launches and its whole layer.
+GEMV path's two launches (gate/up with the routing fused in, down folding each token's pairs)
+and its whole layer, timed against the grouped layer, both with their routing.
 
 Per (shape, tokens) it prints the routing + sort by expert in the two Triton kernels (at their
 default warps, and swept over ``ROUTE_WARPS``) against the torch ops they replace; per row-block
@@ -18,9 +19,11 @@ gemv_bench.py: weights read from HBM, no launch gaps, as in a decode step's grap
 The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
 size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
 K splits of the down projection throughout). The GEMV launches are swept in one round
-(``gemv_candidates``: block_n 4-32, block_k 256-1024, 2 or 3 stages, 4 warps), each checked
-through the whole layer with the other launch at ``GEMV_CHECK``. The first run compiles every
-config (Triton caches them: a second run is mostly timing).
+(``gemv_candidates``: block_n 8-64, block_k 128-1024, 2, 4 or 8 warps, plain or prefetching,
+as many weight values a thread a step as ``GEMV_THREAD_VALUES`` allows), each checked through
+the whole layer with the other launch at ``GEMV_CHECK``, all compiled first on a thread pool
+(``precompile_gemv``). The first run compiles every config (Triton caches them: a second run is
+mostly timing).
 
     PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --out moe_bench.json
     PYTHONPATH=src:benchmarks python3 benchmarks/moe_bench.py --route-only --tokens 1 2 4 8 --out route.json
@@ -30,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import torch
 from gemv_bench import graph_seconds
@@ -39,17 +45,22 @@ from gemv_bench import graph_seconds
 from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_gemv_triton, moe_down_triton,
                                         moe_gate_up_gemv_triton, moe_gate_up_triton, moe_torch,
                                         route_and_align_torch, route_and_align_triton, route_warps)
-from pagedlab.kernels.fused_moe_configs import (DOT_MIN, MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig,
-                                                MoeGemvConfig, MoeGemvLaunch, default_moe_config)
+from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig, MoeGemvConfig,
+                                                MoeGemvLaunch, default_moe_config)
 
 # name: (experts, hidden, expert intermediate, top_k, renormalize, layers)
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, True, 48), "mixtral-8x7b": (8, 4096, 14336, 2, True, 32)}
 TOKENS = (1, 2, 4, 8, 64, 256, 2048)
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
-# The GEMV sweep's tiles, and the launch the other GEMV runs at while one is swept.
-GEMV_BLOCK_N = (4, 8, 16, 32)
-GEMV_BLOCK_K = (256, 512, 1024)
+# The GEMV sweep's tiles, warps and stages (1: plain loop, 2: prefetch), the weight values a
+# thread holds a step (of each of gate and up) that a candidate must stay within (fewer leave
+# loads too small to stream, more spill), and the launch the other GEMV runs at while one is swept.
+GEMV_BLOCK_N = (8, 16, 32, 64)
+GEMV_BLOCK_K = (128, 256, 512, 1024)
+GEMV_WARPS = (2, 4, 8)
+GEMV_STAGES = (1, 2)
+GEMV_THREAD_VALUES = (8, 32)
 GEMV_CHECK = MoeGemvLaunch(8, 256)
 # The warps the routing launches are swept over.
 ROUTE_WARPS = (1, 2, 4, 8)
@@ -88,12 +99,17 @@ def first_round(launch: str, block_m: int, n: int, k: int, row_blocks: int, sms:
     return list(dict.fromkeys(found))
 
 
-def gemv_candidates(k: int) -> list[MoeGemvLaunch]:
-    """The GEMV launches for K ``k``: block_n x block_k (capped at the power of two that holds
-    K) x 2 or 3 stages, 4 warps."""
+def gemv_candidates(k: int, row_sets: int) -> list[MoeGemvLaunch]:
+    """The GEMV launches for K ``k`` and ``row_sets`` weight tiles a step (gate/up 2, down 1):
+    block_n x block_k (capped at the power of two that holds K) x warps x stages, where a
+    thread's weight values a step (``row_sets`` tiles over the warps' threads) lie within
+    ``GEMV_THREAD_VALUES``."""
     cap = 1 << max(k - 1, 0).bit_length()
     block_ks = sorted({min(bk, cap) for bk in GEMV_BLOCK_K})
-    return [MoeGemvLaunch(bn, bk, 4, stages) for bn in GEMV_BLOCK_N for bk in block_ks for stages in (2, 3)]
+    low, high = GEMV_THREAD_VALUES
+    return [MoeGemvLaunch(bn, bk, warps, stages)
+            for bn in GEMV_BLOCK_N for bk in block_ks for warps in GEMV_WARPS for stages in GEMV_STAGES
+            if low <= row_sets * bn * bk // (32 * warps) <= high]
 
 
 def second_round(best: MoeGemmConfig) -> list[MoeGemmConfig]:
@@ -174,12 +190,62 @@ def bench_block_m(block_m: int, refine: bool, x, logits, w13, w2, spec: tuple, r
                       {"gate_up": default.gate_up, "down": default.down}, x, w13, w2, routing, reference)
 
 
+def gemv_launchers(logits, top_k: int, renormalize: bool) -> tuple:
+    """The GEMV path's launches in ``sweep_both``'s form: gate/up (its routing included) and down
+    (reading the routing that ``routing`` holds: weights and experts)."""
+    def gate_up(x, w13, routing, launch):
+        return moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize, launch)[0]
+
+    def down(activated, w2, routing, launch):
+        return moe_down_gemv_triton(activated, w2, routing.weights, routing.experts, launch)
+    return gate_up, down
+
+
+def precompile_gemv(candidates: dict, x, logits, w13, w2, spec: tuple) -> None:
+    """Compile every GEMV candidate on a thread pool without running it (Triton's
+    ``AsyncCompileMode``); a config that fails is left to fail when measured."""
+    import triton
+
+    from pagedlab.kernels import fused_moe_kernels
+
+    _, _, inter, top_k, renormalize, _ = spec
+    names = ("moe_gate_up_gemv_kernel", "moe_down_gemv_kernel")
+    kernels = {name: getattr(fused_moe_kernels, name) for name in names}
+
+    class Warmup:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.kernel.warmup(*args, grid=grid, **kwargs)
+    activated = torch.empty(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)
+    routing = SimpleNamespace(weights=torch.empty(x.shape[0], top_k, dtype=x.dtype, device=x.device),
+                              experts=torch.zeros(x.shape[0], top_k, dtype=torch.int32, device=x.device))
+    gate_up, down = gemv_launchers(logits, top_k, renormalize)
+    try:
+        for name, kernel in kernels.items():
+            setattr(fused_moe_kernels, name, Warmup(kernel))
+        with (ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool,
+              triton.AsyncCompileMode(pool, ignore_errors=True)):
+            for launch in candidates["gate_up"]:
+                gate_up(x, w13, routing, launch)
+            for launch in candidates["down"]:
+                down(activated, w2, routing, launch)
+    except Exception as e:  # e.g. a Triton without AsyncCompileMode: each config compiles as it first runs
+        print(f"  (no parallel compile: {type(e).__name__}: {e})")
+    finally:
+        for name, kernel in kernels.items():
+            setattr(fused_moe_kernels, name, kernel)
+
+
 def bench_gemv(x, logits, w13, w2, spec: tuple, reference: torch.Tensor) -> dict:
-    """Both GEMV launches' sweeps (one round each)."""
+    """Both GEMV launches' sweeps (one round each), the gate/up launch timed with its routing."""
     _, hidden, inter, top_k, renormalize, _ = spec
-    routing = route_and_align_triton(logits, top_k, renormalize, DOT_MIN, x.dtype)
-    candidates = {"gate_up": gemv_candidates(hidden), "down": gemv_candidates(inter)}
-    return sweep_both(candidates, False, (moe_gate_up_gemv_triton, moe_down_gemv_triton),
+    _, weights, experts = moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize, GEMV_CHECK)
+    routing = SimpleNamespace(weights=weights, experts=experts)
+    candidates = {"gate_up": gemv_candidates(hidden, 2), "down": gemv_candidates(inter, 1)}
+    precompile_gemv(candidates, x, logits, w13, w2, spec)
+    return sweep_both(candidates, False, gemv_launchers(logits, top_k, renormalize),
                       {"gate_up": GEMV_CHECK, "down": GEMV_CHECK}, x, w13, w2, routing, reference)
 
 

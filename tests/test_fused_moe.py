@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 from pagedlab.kernels import fused_moe_configs
 from pagedlab.kernels import fused_moe
 from pagedlab.kernels.fused_moe import (align_by_expert, fused_moe_triton, moe_torch, route_and_align_torch,
-                                        route_and_align_triton, route_warps)
-from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_TOKENS, MoeConfig, MoeGemmConfig, MoeGemvConfig,
+                                        route_and_align_triton, route_warps, select_experts)
+from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_EXPERTS, MOE_GEMV_MAX_TOKENS, MoeConfig,
+                                                MoeGemmConfig, MoeGemvConfig,
                                                 MoeGemvLaunch, default_moe_config, default_route_num_warps,
                                                 moe_config, moe_gemv_config)
 
@@ -260,18 +261,67 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
     return MoeGemvConfig(MoeGemvLaunch(*gate_up), MoeGemvLaunch(*down))
 
 
-@pytest.mark.parametrize("num_tokens, top_k, renormalize, config", [
-    (1, 2, True, _gemv((4, 16), (8, 32))),  # decode; several K steps, 48 = 12 tiles of 4
-    (2, 2, False, _gemv((16, 128), (32, 64))),  # block_k past hidden 64 and inter 48: one masked step
-    (3, 3, True, _gemv((32, 32), (16, 16))),  # top_k 3; 48 columns in tiles of 32 (a ragged one)
-    (4, 2, True, _gemv((8, 64, 2, 3), (4, 256, 8))),  # block_k = hidden; other warps and stages
-    (5, 3, False, _gemv((16, 16), (8, 128))),  # 15 pairs of 8 experts: pairs share experts
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, hidden, inter, config", [
+    # decode; K steps dividing hidden and inter (EVEN_K), column tiles dividing both, prefetch
+    (1, 8, 2, True, 64, 48, _gemv((16, 32), (32, 16))),
+    # top_k 1 (no fold); block_k past hidden and inter (one masked step); 48 columns in tiles of 32
+    (2, 8, 1, False, 64, 48, _gemv((32, 128, 4, 1), (16, 64, 4, 1))),
+    # Qwen3-MoE-like top-8 of 64 experts; hidden 40 and inter 24 in masked steps, a ragged column tile
+    (3, 64, 8, True, 40, 24, _gemv((32, 16, 4, 1), (64, 16, 2, 2))),
+    (4, 64, 8, False, 32, 16, _gemv((16, 16), (32, 8, 2, 1))),  # unnormalized top-8
+    (5, 8, 2, False, 64, 48, _gemv((16, 64, 2, 3), (32, 16, 8))),  # one K step with prefetch; 8 warps
+    (6, 64, 2, True, 48, 40, _gemv((64, 16), (32, 32, 2, 2))),  # one column tile past inter; masked prefetch
+    (7, 8, 8, True, 32, 16, _gemv((16, 8), (32, 8))),  # every expert chosen: each pair's expert shared
+    (8, 8, 2, True, 64, 48, _gemv((32, 64), (64, 32, 4, 1))),  # the largest GEMV batch
 ])
-def test_fused_moe_gemv_matches_reference(num_tokens, top_k, renormalize, config):
-    x, logits, w13, w2 = _moe_inputs(num_tokens, 64, 48, 8, seed=10 * num_tokens + top_k)
-    expected = moe_torch(x, logits, w13, w2, top_k, renormalize)
-    got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renormalize, hidden, inter, config):
+    """The two-launch GEMV path (routing fused into gate/up, the down shares folded per token)
+    against ``moe_torch``, in float32 and float16, with the fused routing's experts equal to
+    ``select_experts``'s (``_distinct_logits``: no ties, which ``torch.topk`` breaks its own way)
+    and weights within rounding; the down launch gives the same output bit for bit twice (the
+    slot-order fold)."""
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x, _, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, dtype,
+                                    seed=10 * num_tokens + top_k)
+        logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens) * 20 - 8
+        expected = moe_torch(x.float(), logits, w13.float(), w2.float(), top_k, renormalize)
+        got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
+        torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+        activated, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
+                                                                        config.gate_up)
+        ref_weights, ref_experts = select_experts(logits, top_k, renormalize, dtype)
+        assert experts.dtype == torch.int32 and torch.equal(experts.long(), ref_experts)
+        torch.testing.assert_close(weights, ref_weights, atol=tolerance, rtol=tolerance)
+        if dtype == torch.float32:
+            again = fused_moe.moe_down_gemv_triton(activated, w2, weights, experts, config.down)
+            assert torch.equal(again, got)
+
+
+def _lowest_index_first(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ``top_k`` experts by logit, the lowest index first among equal logits (a stable sort)."""
+    return torch.sort(-logits, dim=-1, stable=True).indices[:, :top_k]
+
+
+@pytest.mark.parametrize("num_experts, top_k, renormalize", [(8, 1, True), (8, 2, False), (64, 8, True),
+                                                             (6, 6, False)])
+def test_gemv_routing_breaks_ties_as_the_route_kernel(num_experts, top_k, renormalize):
+    """Each pair's expert by the route kernel's rule, highest logit first and the lowest index
+    among equal logits, on rows of ties (all equal, runs of a few values, one value repeated);
+    the weights within rounding of ``select_experts``'s (equal logits, equal weights)."""
+    g = torch.Generator(DEVICE).manual_seed(num_experts + top_k)
+    logits = torch.randn(4, num_experts, generator=g, device=DEVICE)
+    logits[1] = 0.5
+    logits[2] = torch.randint(0, 3, (num_experts,), generator=g, device=DEVICE).float()
+    logits[3, ::2] = logits[3, 1]
+    x, _, w13, _ = _moe_inputs(4, 32, 16, num_experts)
+    _, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
+                                                            MoeGemvLaunch(16, 32))
+    expected = _lowest_index_first(logits, top_k)
+    assert torch.equal(experts.long(), expected) and experts[1].tolist() == list(range(top_k))
+    assert torch.equal(route_and_align_triton(logits, top_k, renormalize, 16, torch.float32).experts.long(),
+                       expected)
+    ref_weights, _ = select_experts(logits, top_k, renormalize, torch.float32)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
 
 
 def _count_paths(monkeypatch) -> dict[str, int]:
@@ -315,6 +365,7 @@ def test_gemv_table_entries_are_valid_decode_batches():
 
 
 @pytest.mark.parametrize("config, message", [
+    (_gemv((8, 64, 64), (8, 64)), "gate_up .*num_warps=64 must be at most 32"),
     (_gemv((12, 64), (8, 64)), "gate_up .*block_n=12 must be a power of two"),
     (_gemv((8, 64), (8, 96)), "down .*block_k=96 must be a power of two"),
     (_gemv((8, 0), (8, 64)), "gate_up .*block_k=0 must be a power of two"),
@@ -329,7 +380,26 @@ def test_moe_gemv_config_check_rejects_what_cannot_run(config, message):
         fused_moe_triton(x, logits, w13, w2, 2, True, config)
 
 
-_GPU_GEMV = _gemv((8, 512), (8, 1024, 4, 3))  # down: block_k past Qwen3-30B-A3B's inter 768 (masked)
+@pytest.mark.parametrize("num_experts, top_k, logits_shape, message", [
+    (300, 2, (1, 300), "300 experts is over the GEMV path's fused routing \\(256 experts at most\\)"),
+    (8, 9, (1, 8), "top_k=9 must be between 1 and the number of experts \\(8\\)"),
+    (8, 2, (1, 6), "router_logits \\(1, 6\\) must be \\[tokens=1, experts=8\\]"),
+])
+def test_gemv_path_rejects_what_its_routing_cannot_take(num_experts, top_k, logits_shape, message):
+    x, _, w13, w2 = _moe_inputs(1, 16, 8, num_experts)
+    with pytest.raises(ValueError, match=message):
+        fused_moe_triton(x, torch.zeros(logits_shape, device=DEVICE), w13, w2, top_k, True,
+                         _gemv((8, 16), (8, 16)))
+
+
+def test_gemv_table_is_not_consulted_above_the_fused_routings_experts(monkeypatch):
+    key = (MOE_GEMV_MAX_EXPERTS * 2, 64, 48, 2, 1)
+    monkeypatch.setattr(fused_moe_configs, "MOE_GEMV_CONFIGS", {key: _gemv((8, 32), (8, 32))})
+    assert moe_gemv_config(1, *key[:4]) is None
+
+
+# down: block_k past Qwen3-30B-A3B's inter 768 (masked), prefetching; gate/up plain, EVEN_K
+_GPU_GEMV = _gemv((8, 512, 4, 1), (8, 1024, 4, 2))
 
 
 @pytest.mark.gpu
@@ -337,8 +407,9 @@ _GPU_GEMV = _gemv((8, 512), (8, 1024, 4, 3))  # down: block_k past Qwen3-30B-A3B
 @pytest.mark.parametrize("shape", [(2048, 768, 128, 8, True), (4096, 14336, 8, 2, True)],
                          ids=["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_fused_moe_gemv_at_model_sizes_on_gpu(shape):
-    """The GEMV path in bf16 at real expert shapes and decode batches, eager and replayed from a
-    CUDA graph on new tokens and logits, within bf16 rounding of the float32 reference."""
+    """The GEMV path in bf16 at real expert shapes and decode batches, eager (its routing equal to
+    ``select_experts``'s) and replayed from a CUDA graph on new tokens and logits, within bf16
+    rounding of the float32 reference."""
     hidden, inter, num_experts, top_k, renormalize = shape
     _, _, w13, w2 = _moe_inputs(1, hidden, inter, num_experts, torch.bfloat16)
     w13_ref, w2_ref = w13.float(), w2.float()
@@ -348,6 +419,11 @@ def test_fused_moe_gemv_at_model_sizes_on_gpu(shape):
         expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
         got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV).float()
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens eager")
+        _, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
+                                                                _GPU_GEMV.gate_up)
+        ref_weights, ref_experts = select_experts(logits, top_k, renormalize, torch.bfloat16)
+        assert torch.equal(experts.long(), ref_experts)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-2, rtol=1e-2)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV)

@@ -161,10 +161,15 @@ KERNELS = {
     "moe_down": Spec("fused_moe_kernels", "moe_down_kernel",
                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
                      dict(partial_ptr=_F, sorted_pairs_ptr=_I, block_experts_ptr=_I)),
+    # the GEMV path: gate/up routing its pairs itself (Qwen3-30B-A3B's 128 experts, top-8), down
+    # folding each token's pairs through the split-K tickets; prefetching the next K step
     "moe_gate_up_gemv": Spec("fused_moe_kernels", "moe_gate_up_gemv_kernel",
-                             dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512), dict(experts_ptr=_I)),
-    "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel", dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512),
-                          dict(weights_ptr="*bf16", experts_ptr=_I)),
+                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, EXPERTS_BLOCK=128,
+                                  RANK_CHUNK=32, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, PREFETCH=True),
+                             dict(logits_ptr=_F, experts_ptr=_I)),
+    "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
+                          dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, EVEN_K=False, PREFETCH=True),
+                          dict(experts_ptr=_I, partial_ptr=_F, counter_ptr=_I)),
     "moe_reduce": Spec("fused_moe_kernels", "moe_reduce_kernel",
                        dict(SPLIT_K=2, TOP_K=8, TOP_K_BLOCK=8, BLOCK_H=256), dict(partial_ptr=_F)),
 }

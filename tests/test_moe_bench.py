@@ -24,28 +24,35 @@ moe_bench = pytest.importorskip("moe_bench")
 TINY = (8, 64, 48, 2, True, 3)
 
 
-@pytest.mark.parametrize("k, block_ks", [(2048, [256, 512, 1024]), (768, [256, 512, 1024]), (300, [256, 512]),
-                                         (64, [64])])
-def test_gemv_candidates_sweep_every_tile_with_block_k_capped_at_k(k, block_ks):
-    candidates = moe_bench.gemv_candidates(k)
-    assert len(candidates) == len(set(candidates)) == 4 * len(block_ks) * 2
-    assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in candidates} == set(
-        itertools.product((4, 8, 16, 32), block_ks, (4,), (2, 3)))
+@pytest.mark.parametrize("k, row_sets, block_ks", [(2048, 2, [128, 256, 512, 1024]), (768, 1, [128, 256, 512, 1024]),
+                                                   (300, 2, [128, 256, 512]), (64, 1, [64])])
+def test_gemv_candidates_sweep_tiles_a_thread_can_hold_with_block_k_capped_at_k(k, row_sets, block_ks):
+    """Every block_n x block_k (capped at K's power of two) x warps x plain/prefetch whose weight
+    values a thread a step lie in GEMV_THREAD_VALUES, and no other."""
+    candidates = moe_bench.gemv_candidates(k, row_sets)
+    low, high = moe_bench.GEMV_THREAD_VALUES
+    expected = {(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), block_ks, (2, 4, 8), (1, 2))
+                if low <= row_sets * bn * bk // (32 * w) <= high}
+    assert len(candidates) == len(set(candidates)) and expected
+    assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in candidates} == expected
+    assert {c.prefetch for c in candidates} == {False, True}
     for candidate in candidates:
         candidate.check("gate_up")
 
 
 @pytest.fixture
 def tiny_bench(monkeypatch):
-    """moe_bench at the TINY shape on the CPU in float32, one grouped candidate per launch, and a
-    fake clock under which every timing is faster than the one before (so the last candidate of
-    a sweep wins, and the GEMV layer, timed last, beats the grouped one)."""
+    """moe_bench at the TINY shape on the CPU in float32, one grouped candidate per launch, the GEMV
+    candidates at 4 warps (plain and prefetching), and a fake clock under which every timing is
+    faster than the one before (so the last candidate of a sweep wins, and the GEMV layer, timed
+    last, beats the grouped one)."""
     monkeypatch.setattr(moe_bench, "SHAPES", {"tiny": TINY})
     monkeypatch.setattr(moe_bench, "DEVICE", "cpu")
     monkeypatch.setattr(moe_bench, "DTYPE", torch.float32)
     first_round = moe_bench.first_round
     monkeypatch.setattr(moe_bench, "first_round", lambda *args: first_round(*args)[:1])
     monkeypatch.setattr(moe_bench, "second_round", lambda best: [])
+    monkeypatch.setattr(moe_bench, "GEMV_WARPS", (4,))
     clock = itertools.count(1)
 
     def fake_seconds(fn):
@@ -63,9 +70,9 @@ def test_bench_tokens_sweeps_the_gemv_path_at_a_decode_batch(tiny_bench):
     record = tiny_bench(2)
     sweeps = record["gemv_launches"]
     expected = {}
-    for launch, k in (("gate_up", TINY[1]), ("down", TINY[2])):
+    for launch, k, row_sets in (("gate_up", TINY[1], 2), ("down", TINY[2], 1)):
         results = sweeps[launch]["candidates"]
-        assert [MoeGemvLaunch(**r["config"]) for r in results] == moe_bench.gemv_candidates(k)
+        assert [MoeGemvLaunch(**r["config"]) for r in results] == moe_bench.gemv_candidates(k, row_sets)
         assert all(r["ok"] and r["max_error"] < 1e-4 for r in results), results
         expected[launch] = MoeGemvLaunch(**results[-1]["config"])
     gemv = MoeGemvConfig(**expected)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.fused_moe_configs import (DOT_MIN, ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig,
+from pagedlab.kernels.fused_moe_configs import (MOE_GEMV_MAX_EXPERTS, ROUTE_ALIGN_TRITON_MAX_PAIRS, MoeConfig,
                                                 MoeGemmConfig, MoeGemvConfig, MoeGemvLaunch, moe_config,
                                                 moe_gemv_config, route_num_warps)
 from pagedlab.kernels.pdl import pdl_launch
@@ -239,47 +239,76 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
     return out
 
 
-# CUDA's limit on a grid's second axis, which holds the GEMV path's pairs (gate/up) and tokens (down)
+# CUDA's limit on a grid's second axis, which holds the GEMV path's pairs
 _GRID_Y_MAX = 65535
 
 
-def moe_gate_up_gemv_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRouting,
-                            launch: MoeGemvLaunch) -> torch.Tensor:
-    """``silu(gate) * up`` of every pair, ``[tokens * top_k, inter]`` in pair order, as
-    ``moe_gate_up_triton`` but one GEMV program per (column tile, pair) reading only
-    ``routing.experts`` (one launch)."""
+def _check_gemv_routing(router_logits: torch.Tensor, num_tokens: int, num_experts: int, top_k: int) -> None:
+    _check_top_k(top_k, num_experts)
+    if num_experts > MOE_GEMV_MAX_EXPERTS:
+        raise ValueError(f"{num_experts} experts is over the GEMV path's fused routing "
+                         f"({MOE_GEMV_MAX_EXPERTS} experts at most): use a MoeConfig")
+    if tuple(router_logits.shape) != (num_tokens, num_experts) or router_logits.stride(-1) != 1:
+        raise ValueError(f"router_logits {tuple(router_logits.shape)} must be [tokens={num_tokens}, "
+                         f"experts={num_experts}] with a contiguous last dimension")
+    if num_tokens * top_k > _GRID_Y_MAX:
+        raise ValueError(f"{num_tokens * top_k} (token, expert) pairs is over the GEMV path's {_GRID_Y_MAX}: "
+                         "use a MoeConfig")
+
+
+def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, top_k: int,
+                            renormalize: bool, launch: MoeGemvLaunch
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GEMV path's first launch, routing included: ``silu(gate) * up`` of every pair,
+    ``[tokens * top_k, inter]`` in pair order, and each token's weights and experts as
+    ``ExpertRouting`` holds them (``[tokens, top_k]``, x's dtype and int32; the experts equal
+    ``select_experts``'s, the weights within float rounding). One GEMV program per (column tile,
+    pair), each computing its pair's expert from the logits (no routing launch)."""
     from pagedlab.kernels import fused_moe_kernels
 
     num_tokens, hidden = x.shape
-    inter, top_k = w13.shape[1] // 2, routing.experts.shape[1]
+    num_experts, two_inter = w13.shape[:2]
+    inter = two_inter // 2
+    _check_gemv_routing(router_logits, num_tokens, num_experts, top_k)
     num_pairs = num_tokens * top_k
-    if num_pairs > _GRID_Y_MAX:
-        raise ValueError(f"{num_pairs} (token, expert) pairs is over the GEMV path's {_GRID_Y_MAX}: "
-                         "use a MoeConfig")
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
-        x, w13, activated, routing.experts, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        activated.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        **pdl_launch(x.device), num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return activated
+    weights = torch.empty(num_tokens, top_k, dtype=x.dtype, device=x.device)
+    experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    experts_block = _next_power_of_2(num_experts)
+    if num_pairs:
+        fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
+            x, router_logits, w13, activated, weights, experts, hidden, inter, x.stride(0),
+            router_logits.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, EXPERTS_BLOCK=experts_block,
+            RANK_CHUNK=min(experts_block, 4096 // experts_block),
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=hidden % launch.block_k == 0,
+            PREFETCH=launch.prefetch, **pdl_launch(x.device), num_warps=launch.num_warps, num_stages=1)
+    return activated, weights, experts
 
 
-def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRouting,
-                         launch: MoeGemvLaunch) -> torch.Tensor:
-    """Each token's router-weighted sum of its pairs' down projections, ``[tokens, hidden]``, as
-    ``moe_down_triton`` but one GEMV program per (column tile, token) summing its pairs in slot
-    order (one launch, no reduce)."""
+def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         experts: torch.Tensor, launch: MoeGemvLaunch) -> torch.Tensor:
+    """The GEMV path's second launch: each token's router-weighted sum of its pairs' down
+    projections, ``[tokens, hidden]``. One GEMV program per (column tile, pair) over all of inter;
+    the last program of a (token, column tile) to finish sums the token's ``top_k`` shares in
+    slot order (``gemv.split_k_epilogue``'s ticket fold, on its counters buffer: made eagerly at
+    the first call, like the dense GEMV's)."""
     from pagedlab.kernels import fused_moe_kernels
+    from pagedlab.kernels.gemv import split_k_scratch
 
-    inter = activated.shape[1]
+    num_pairs, inter = activated.shape
     hidden = w2.shape[1]
-    num_tokens, top_k = routing.weights.shape
+    num_tokens, top_k = weights.shape
     out = torch.empty(num_tokens, hidden, dtype=activated.dtype, device=activated.device)
-    fused_moe_kernels.moe_down_gemv_kernel[(-(-hidden // launch.block_n), num_tokens)](
-        activated, w2, out, routing.weights, routing.experts, hidden, inter, activated.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, **pdl_launch(activated.device), num_warps=launch.num_warps,
-        num_stages=launch.num_stages)
+    if num_pairs == 0:
+        return out
+    tiles = -(-hidden // launch.block_n)
+    partial, counters = split_k_scratch(num_tokens, hidden, top_k, num_tokens * tiles, out)
+    fused_moe_kernels.moe_down_gemv_kernel[(tiles, num_pairs)](
+        activated, w2, out, weights, experts, partial, counters, hidden, inter, tiles, activated.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), partial.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, EVEN_K=inter % launch.block_k == 0, PREFETCH=launch.prefetch,
+        **pdl_launch(activated.device), num_warps=launch.num_warps, num_stages=1)
     return out
 
 
@@ -287,7 +316,7 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
                      top_k: int, renormalize: bool,
                      config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
     """The MoE MLP, the same result as ``moe_torch``: the grouped path (five launches) for a
-    ``MoeConfig``, the GEMV path (three) for a ``MoeGemvConfig``. ``config`` defaults to
+    ``MoeConfig``, the GEMV path (two) for a ``MoeGemvConfig``. ``config`` defaults to
     ``fused_moe_configs.moe_gemv_config`` for this shape and token count where it has one, else
     ``fused_moe_configs.moe_config``."""
     num_tokens, hidden = x.shape
@@ -304,9 +333,8 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     config.check()
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     if isinstance(config, MoeGemvConfig):
-        # the GEMVs read only the experts and weights; at decode the sort rides in the same launch
-        routing = route_and_align(router_logits, top_k, renormalize, DOT_MIN, x.dtype)
-        activated = moe_gate_up_gemv_triton(x, w13, routing, config.gate_up)
-        return moe_down_gemv_triton(activated, w2, routing, config.down)
+        activated, weights, experts = moe_gate_up_gemv_triton(x, router_logits.contiguous(), w13, top_k,
+                                                              renormalize, config.gate_up)
+        return moe_down_gemv_triton(activated, w2, weights, experts, config.down)
     routing = route_and_align(router_logits, top_k, renormalize, config.block_m, x.dtype)
     return moe_down_triton(moe_gate_up_triton(x, w13, routing, config.gate_up), w2, routing, config.down)

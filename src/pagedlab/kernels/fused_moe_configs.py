@@ -7,7 +7,8 @@ pipeline stages. Chosen per (experts, hidden, intermediate, top_k) and token cou
 measured table (``MOE_CONFIGS``, nearest token count), else from a default heuristic.
 
 The GEMV path (``MoeGemvConfig``), for decode batches of at most ``MOE_GEMV_MAX_TOKENS``
-tokens: per launch (gate/up, down) the weight rows and K step of a program, warps and stages.
+tokens and at most ``MOE_GEMV_MAX_EXPERTS`` experts: per launch (gate/up, down) the weight rows
+and K step of a program, warps, and whether it prefetches the next K step (``num_stages``).
 Taken only from ``MOE_GEMV_CONFIGS``, at exact token counts where the bench measured it faster
 than the best grouped layer; there is no heuristic, so a shape or batch size not listed runs
 the grouped path.
@@ -33,6 +34,11 @@ ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
 # The largest batch the GEMV path may take (``MOE_GEMV_CONFIGS`` keys): each (token, expert) pair
 # reads its expert's weights on its own, which pays only while pairs rarely share an expert.
 MOE_GEMV_MAX_TOKENS = 8
+# The most experts the GEMV path's gate/up programs route themselves (each ranks every expert of
+# its token against every other, a tile of experts squared): more take the grouped path.
+MOE_GEMV_MAX_EXPERTS = 256
+# A GEMV launch with num_stages of at least this reads each next K step before this step's products.
+MOE_GEMV_PREFETCH_STAGES = 2
 # Rows of a tl.dot tile: the smallest M tensor cores take; also the smallest column and K tiles.
 DOT_MIN = 16
 
@@ -162,18 +168,29 @@ def moe_config(num_tokens: int, num_experts: int, hidden: int, inter: int, top_k
 @dataclass(frozen=True)
 class MoeGemvLaunch:
     """One GEMV launch of the GEMV path: ``block_n`` weight rows per program (of each of gate and
-    up for the gate/up launch), walked over all of K in ``block_k`` steps; ``num_warps`` and
-    ``num_stages`` as in Triton. Positional order is the table's."""
+    up for the gate/up launch), walked over all of K in ``block_k`` steps; ``num_warps`` as in
+    Triton; ``num_stages`` 1 runs the plain loop (a step's loads, then its products), from
+    ``MOE_GEMV_PREFETCH_STAGES`` on each step first issues the next step's loads (the loop holds
+    no tl.dot, so Triton's pipeliner stages nothing: that is the stage count's only effect).
+    Positional order is the table's."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
 
+    @property
+    def prefetch(self) -> bool:
+        """Whether the loop reads each next K step before this step's products."""
+        return self.num_stages >= MOE_GEMV_PREFETCH_STAGES
+
     def check(self, launch: str) -> None:
         """Raise ValueError if this launch cannot run (``launch`` names it in the message)."""
         try:
             _check_powers(block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps)
+            if self.num_warps > 32:
+                raise ValueError(f"num_warps={self.num_warps} must be at most 32 (a CUDA block's 1024 "
+                                 "threads)")
             if self.num_stages < 1:
                 raise ValueError(f"num_stages={self.num_stages} must be >= 1")
         except ValueError as error:
@@ -183,7 +200,8 @@ class MoeGemvLaunch:
 @dataclass(frozen=True)
 class MoeGemvConfig:
     """The GEMV path of one MoE layer: a gate/up launch of one program per (column tile, pair)
-    and a down launch of one program per (column tile, token) that sums the token's pairs."""
+    that routes its pair itself, and a down launch of one program per (column tile, pair) whose
+    token's last program sums the token's pairs."""
 
     gate_up: MoeGemvLaunch
     down: MoeGemvLaunch
@@ -198,8 +216,9 @@ class MoeGemvConfig:
 # ``benchmarks/moe_bench.py`` on one H200: only where the GEMV layer beat the best grouped one,
 # tokens at most MOE_GEMV_MAX_TOKENS, exact token counts (no nearest match).
 # MoeGemvLaunch fields: block_n, block_k, num_warps, num_stages.
-# Empty: at Qwen3-30B-A3B's shape it lost at 1, 2, 4 and 8 tokens (44.2 against 40.6 us at one
-# token, 177.4 against 137.4 at eight; 2026-12-01); Mixtral's shape is not yet measured.
+# Empty: the three-launch GEMV path (routing launch, a gate/up GEMV, a down GEMV per token) lost
+# at Qwen3-30B-A3B's shape at 1, 2, 4 and 8 tokens (44.2 against 40.6 us at one token; 2026-12-01);
+# the two-launch path (routing fused into gate/up, down per pair) is not yet measured.
 MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {}
 
 
@@ -207,7 +226,7 @@ def moe_gemv_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
                     top_k: int) -> MoeGemvConfig | None:
     """The table's GEMV config for exactly this shape and token count, else None (the grouped
     path)."""
-    if num_tokens > MOE_GEMV_MAX_TOKENS:
+    if num_tokens > MOE_GEMV_MAX_TOKENS or num_experts > MOE_GEMV_MAX_EXPERTS:
         return None
     return MOE_GEMV_CONFIGS.get((num_experts, hidden, inter, top_k, num_tokens))
 

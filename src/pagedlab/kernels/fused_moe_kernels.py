@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.gemv import split_k_epilogue
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
 
@@ -277,68 +278,145 @@ def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, s
              mask=offs_h < hidden)
 
 
-
 @triton.jit
-def _weight_products(acc, w_rows, x, offs_k, w_mask):
-    """``acc`` plus the products of the weight rows ``w_rows`` at columns ``offs_k`` (zero where
-    not ``w_mask``) and the float32 vector ``x`` of those columns, per K lane."""
-    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    return acc + x[None, :] * w.to(tl.float32)
+def _add_sums(expert_a, prob_a, chosen_a, total_a, expert_b, prob_b, chosen_b, total_b):
+    return expert_a + expert_b, prob_a + prob_b, chosen_a + chosen_b, total_a + total_b
 
 
 @triton.jit
-def moe_gate_up_gemv_kernel(x_ptr, w13_ptr, out_ptr, experts_ptr, hidden, inter, stride_x, stride_w_expert,
-                            stride_w_row, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of
-    tile ``program_id(0)`` and pair ``program_id(1)`` (``token = pair // TOP_K``), with the
-    pair's expert's gate rows at ``n`` and up rows at ``inter + n``."""
+def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                EXPERTS_BLOCK: tl.constexpr, RANK_CHUNK: tl.constexpr):
+    """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
+    chooses them: expert ``j``'s rank is the number of experts before it (a higher logit, or an
+    equal one at a lower index), counted ``RANK_CHUNK`` experts at a time; the slot's expert is
+    the one of that rank. Its softmax probability is renormalized over the ranks below TOP_K
+    with RENORMALIZE. The three sums ride in one reduction (with the row max: two). NUM_EXPERTS
+    is a constexpr so that a row of a power of two experts loads unmasked, 16 bytes a load."""
+    offs_e = tl.arange(0, EXPERTS_BLOCK)
+    logits = tl.load(logits_row + offs_e, mask=offs_e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    rank = tl.zeros([EXPERTS_BLOCK], dtype=tl.int32)
+    for start in tl.static_range(0, EXPERTS_BLOCK, RANK_CHUNK):
+        offs_i = start + tl.arange(0, RANK_CHUNK)
+        other = tl.load(logits_row + offs_i, mask=offs_i < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+        before = (other[:, None] > logits[None, :]) | (
+            (other[:, None] == logits[None, :]) & (offs_i[:, None] < offs_e[None, :]))
+        rank += tl.sum(before.to(tl.int32), axis=0)
+    exps = tl.exp(logits - tl.max(logits, axis=0))  # zero past the experts
+    mine = rank == slot
+    expert, prob, chosen, total = tl.reduce(
+        (tl.where(mine, offs_e, 0), tl.where(mine, exps, 0.0), tl.where(rank < TOP_K, exps, 0.0), exps), 0,
+        _add_sums)
+    return expert, prob / (chosen if RENORMALIZE else total)
+
+
+@triton.jit
+def _step_weights(rows_a, rows_b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.constexpr):
+    """One K step's weight rows ``rows_a`` (and ``rows_b`` with TWO, else a [1, 1] zero) at
+    ``offs_k``, zero from K on unless EVEN_K (K a multiple of the step: no mask)."""
+    mask = None if EVEN_K else offs_k[None, :] < K
+    other = None if EVEN_K else 0.0
+    a = tl.load(rows_a + offs_k[None, :], mask=mask, other=other)
+    if TWO:
+        b = tl.load(rows_b + offs_k[None, :], mask=mask, other=other)
+    else:
+        b = tl.zeros([1, 1], dtype=tl.float32)
+    return a, b
+
+
+@triton.jit
+def _step_products(acc_a, acc_b, x_row, a, b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.constexpr):
+    """``acc_a`` (and ``acc_b`` with TWO) plus x at ``offs_k`` times the step's weights ``a``
+    (``b``). x is read here, in the weight tile's shape: each thread its own values (L1 hits, one
+    load and one convert per value a thread holds, whatever the rows), not a row broadcast through
+    shared memory (a store, a load and two barriers a step in the sm_90 SASS); not carried over
+    the PREFETCH loop's back edge either (a copy per row there)."""
+    x_ptrs = x_row + tl.broadcast_to(offs_k[None, :], a.shape)
+    x = tl.load(x_ptrs, mask=None if EVEN_K else offs_k[None, :] < K, other=None if EVEN_K else 0.0)
+    x = x.to(tl.float32)
+    acc_a += x * a.to(tl.float32)
+    if TWO:
+        acc_b += x * b.to(tl.float32)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _row_dots(x_row, rows_a, rows_b, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PREFETCH: tl.constexpr, TWO: tl.constexpr):
+    """The float32 dot products over K of x with each weight row of ``rows_a`` (and of ``rows_b``
+    with TWO: gate and up share x's loads), ``[BLOCK_N]`` each. A 2-D product tile per row set,
+    summed once at the end (the dense one-row GEMV's form: 16-byte loads and FMAs). PREFETCH: each
+    step first issues the next step's weight loads (the first step peeled before the loop, the
+    last step's products after it, so that no load runs past K), as ``gemv._prefetch_step``."""
+    acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, BLOCK_K] if TWO else [1, 1], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    if PREFETCH:
+        a, b = _step_weights(rows_a, rows_b, offs_k, K, EVEN_K, TWO)
+        for k_start in range(BLOCK_K, K, BLOCK_K):
+            next_a, next_b = _step_weights(rows_a, rows_b, k_start + offs_k, K, EVEN_K, TWO)
+            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start - BLOCK_K + offs_k, K, EVEN_K,
+                                          TWO)
+            a, b = next_a, next_b
+        last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
+        acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, last + offs_k, K, EVEN_K, TWO)
+    else:
+        for k_start in range(0, K, BLOCK_K):
+            a, b = _step_weights(rows_a, rows_b, k_start + offs_k, K, EVEN_K, TWO)
+            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start + offs_k, K, EVEN_K, TWO)
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+
+
+@triton.jit
+def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter,
+                            stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
+                            NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            EXPERTS_BLOCK: tl.constexpr,
+                            RANK_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
+    token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
+    ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
+    ``program_id(0)``, the expert's gate rows at ``n`` and up rows at ``inter + n`` (columns past
+    inter read real rows, ``n % inter``, and store nothing: no row mask in the loop)."""
     pdl_wait_and_trigger(PDL)
     pair = tl.program_id(1)
-    expert = tl.load(experts_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
+    token = (pair // TOP_K).to(tl.int64)
+    expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
+                                 RENORMALIZE, EXPERTS_BLOCK, RANK_CHUNK)
+    if tl.program_id(0) == 0:
+        tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
+        tl.store(experts_ptr + pair, expert)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < inter
-    gate_rows = w13_ptr + expert * stride_w_expert + offs_n.to(tl.int64)[:, None] * stride_w_row
-    up_rows = gate_rows + inter * stride_w_row
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, hidden, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_valid = offs_k < hidden
-        x = tl.load(x_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
-        w_mask = n_valid[:, None] & k_valid[None, :]
-        acc_gate = _weight_products(acc_gate, gate_rows, x, offs_k, w_mask)
-        acc_up = _weight_products(acc_up, up_rows, x, offs_k, w_mask)
-    gate = tl.sum(acc_gate, axis=1)
-    activated = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, activated.to(out_ptr.dtype.element_ty),
-             mask=n_valid)
+    gate_rows = (w13_ptr + expert.to(tl.int64) * stride_w_expert
+                 + (offs_n % inter).to(tl.int64)[:, None] * stride_w_row)
+    gate, up = _row_dots(x_ptr + token * stride_x, gate_rows, gate_rows + inter * stride_w_row, hidden,
+                         BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, True)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n,
+             (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=offs_n < inter)
 
 
 @triton.jit
-def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter, stride_h,
-                         stride_w_expert, stride_w_row, stride_out, TOP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """``out[token, n] = sum over slots of weight[pair] * (h[pair] . down[n])`` with ``pair =
-    token * TOP_K + slot`` and the pair's expert's down rows, for the hidden columns ``n`` of tile
-    ``program_id(0)`` and token ``program_id(1)``; float32 sums, slots in order."""
+def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, partial_ptr, counter_ptr, hidden,
+                         inter, num_col_tiles, stride_h, stride_w_expert, stride_w_row, stride_out,
+                         stride_partial_split, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Pair ``program_id(1)``'s share ``weight[pair] * (h[pair] . down[n])`` of its token's output
+    for the hidden columns ``n`` of tile ``program_id(0)`` (float32, all of inter), folded by
+    ``gemv.split_k_epilogue`` with the slots as segments: each pair stores its partial and takes a
+    ticket of the (token, column tile) counter; the last sums the token's TOP_K partials in slot
+    order (the same result whichever finishes last), writes the output and resets the counter."""
     pdl_wait_and_trigger(PDL)
-    token = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < hidden
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + slot
-        expert = tl.load(experts_ptr + pair).to(tl.int64)
-        w_rows = w2_ptr + expert * stride_w_expert + offs_n.to(tl.int64)[:, None] * stride_w_row
-        h_row = h_ptr + pair * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, inter, BLOCK_K):
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            k_valid = offs_k < inter
-            h = tl.load(h_row + offs_k, mask=k_valid, other=0.0).to(tl.float32)
-            acc = _weight_products(acc, w_rows, h, offs_k, n_valid[:, None] & k_valid[None, :])
-        out += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
-    tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, out.to(out_ptr.dtype.element_ty),
-             mask=n_valid)
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    token = pair // TOP_K
+    expert = tl.load(experts_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w2_ptr + expert * stride_w_expert + (offs_n % hidden).to(tl.int64)[:, None] * stride_w_row
+    dots, _ = _row_dots(h_ptr + pair.to(tl.int64) * stride_h, rows, rows, inter, BLOCK_N, BLOCK_K, EVEN_K,
+                        PREFETCH, False)
+    share = tl.load(weights_ptr + pair).to(tl.float32) * dots
+    offs_m = token + tl.arange(0, 1)
+    split_k_epilogue(share[None, :], offs_m, offs_n, offs_m >= 0, offs_n < hidden,
+                     token * num_col_tiles + pid_n, pair % TOP_K, TOP_K, partial_ptr, stride_partial_split,
+                     hidden, counter_ptr, out_ptr, out_ptr, stride_out, False, TOP_K > 1)
