@@ -12,12 +12,16 @@ whole number of ``block_m`` rows (two Triton kernels, ``route_and_align_triton``
 ``select_experts`` + ``align_by_expert`` are their reference, and run instead for very many
 pairs); a grouped GEMM writing ``silu(gate) * up`` per pair; a grouped GEMM of the down
 projection (K optionally split); a reduce summing each token's splits and ``top_k`` pairs
-weighted by the router. The GEMV path, for decode batches, runs three: the same routing (one
-launch at decode; only its experts and weights are read), a GEMV per (pair, column tile) writing
-``silu(gate) * up`` in the same layout, and a GEMV per (token, column tile) summing the token's
-pairs' down projections weighted by the router (no reduce). At batch 1 the grouped GEMMs' 16-row
-tiles hold one real row each; the GEMVs stream the routed experts' weights with CUDA-core FMAs,
-like the dense one-row GEMV (``kernels/gemv.py``). ``fused_moe_configs`` picks the path, tiles
+weighted by the router. The GEMV path, for decode batches, runs two: a GEMV per (pair, column
+tile) that first routes its pair itself from the token's logits (the route kernel's choice and
+weight; column tile 0 stores them) and writes ``silu(gate) * up`` in the same layout, and a GEMV
+per (pair, column tile) of the down projection weighted by the router whose (token, column tile)'s
+last program sums the token's ``top_k`` shares in slot order (``gemv.split_k_epilogue``'s ticket
+fold: no routing launch, no reduce). At batch 1 the grouped GEMMs' 16-row tiles hold one real row
+each; the GEMVs stream the routed experts' weights with CUDA-core FMAs, like the dense one-row
+GEMV (``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (each
+program ranks its token's experts against each other): beyond, a ``MoeGemvConfig`` is refused
+with a ValueError and the default config is always the grouped path's. ``fused_moe_configs`` picks the path, tiles
 and splits by shape and token count (the GEMV path only where ``MOE_GEMV_CONFIGS``, measured by
 ``benchmarks/moe_bench.py``, lists that exact batch). Everything runs on the device without host
 syncs and every shape follows from the token count, so a decode step can be captured in a CUDA

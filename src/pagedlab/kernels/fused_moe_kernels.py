@@ -17,12 +17,13 @@ hold ``num_pairs`` and are masked off) and multiplies them by that expert's weig
 kernel may split K; ``moe_reduce_kernel`` then sums each token's splits and ``top_k`` pairs,
 weighted by the router, in a fixed order (the same result every run).
 
-The GEMV path (``moe_gate_up_gemv_kernel``, ``moe_down_gemv_kernel``), for decode batches, skips
-the sort: a gate/up program takes one pair and a column tile, reads the pair's expert from the
-routing and walks all of K with one row of x (the dense one-row GEMV's form: a 2-D float32
-product tile, summed once at the end); a down program takes one token and a column tile and sums
-its ``top_k`` pairs' down projections, weighted by the router, in slot order (no reduce launch,
-no atomics).
+The GEMV path (``moe_gate_up_gemv_kernel``, ``moe_down_gemv_kernel``), for decode batches, has
+no routing launch and no sort: a gate/up program takes one pair and a column tile, computes the
+pair's expert and weight from its token's logits (``_route_slot``: the same choice as the route
+kernel) and walks all of K with one row of x (the dense one-row GEMV's form: a 2-D float32
+product tile, summed once at the end); a down program takes one pair and a column tile, and the
+last of a token's ``top_k`` programs of that tile to finish sums their router-weighted shares in
+slot order (``gemv.split_k_epilogue``: one ticket counter per (token, column tile)).
 
 Every kernel takes part in programmatic dependent launch (``kernels/pdl.py``) and waits first:
 even the grouped GEMMs' weights hang on the step's routing.
