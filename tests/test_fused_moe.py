@@ -262,8 +262,9 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
 
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize, hidden, inter, config", [
-    # decode; K steps dividing hidden and inter (EVEN_K), column tiles dividing both, prefetch
-    (1, 8, 2, True, 64, 48, _gemv((16, 32), (32, 16))),
+    # decode, every expert chosen; K steps dividing hidden and inter (EVEN_K), column tiles
+    # dividing both, prefetch
+    (1, 8, 8, True, 64, 48, _gemv((16, 32), (32, 16))),
     # top_k 1 (no fold); block_k past hidden and inter (one masked step); 48 columns in tiles of 32
     (2, 8, 1, False, 64, 48, _gemv((32, 128, 4, 1), (16, 64, 4, 1))),
     # Qwen3-MoE-like top-8 of 64 experts; hidden 40 and inter 24 in masked steps, a ragged column tile
@@ -271,7 +272,7 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
     (4, 64, 8, False, 32, 16, _gemv((16, 16), (32, 8, 2, 1))),  # unnormalized top-8
     (5, 8, 2, False, 64, 48, _gemv((16, 64, 2, 3), (32, 16, 8))),  # one K step with prefetch; 8 warps
     (6, 64, 2, True, 48, 40, _gemv((64, 16), (32, 32, 2, 2))),  # one column tile past inter; masked prefetch
-    (7, 8, 8, True, 32, 16, _gemv((16, 8), (32, 8))),  # every expert chosen: each pair's expert shared
+    (7, 8, 2, True, 32, 16, _gemv((16, 8), (32, 8))),  # 14 pairs of 8 experts: pairs share experts
     (8, 8, 2, True, 64, 48, _gemv((32, 64), (64, 32, 4, 1))),  # the largest GEMV batch
 ])
 def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renormalize, hidden, inter, config):

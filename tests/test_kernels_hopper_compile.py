@@ -164,8 +164,8 @@ KERNELS = {
     # the GEMV path: gate/up routing its pairs itself (Qwen3-30B-A3B's 128 experts, top-8), down
     # folding each token's pairs through the split-K tickets; prefetching the next K step
     "moe_gate_up_gemv": Spec("fused_moe_kernels", "moe_gate_up_gemv_kernel",
-                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, EXPERTS_BLOCK=128,
-                                  RANK_CHUNK=32, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, PREFETCH=True),
+                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, GROUPS=4, GROUP=32,
+                                  CANDIDATES_BLOCK=8, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, PREFETCH=True),
                              dict(logits_ptr=_F, experts_ptr=_I)),
     "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, EVEN_K=False, PREFETCH=True),

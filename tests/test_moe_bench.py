@@ -24,14 +24,16 @@ moe_bench = pytest.importorskip("moe_bench")
 TINY = (8, 64, 48, 2, True, 3)
 
 
-@pytest.mark.parametrize("k, row_sets, block_ks", [(2048, 2, [128, 256, 512, 1024]), (768, 1, [128, 256, 512, 1024]),
-                                                   (300, 2, [128, 256, 512]), (64, 1, [64])])
+@pytest.mark.parametrize("k, row_sets, block_ks", [(2048, 2, [128, 256, 512, 1024]),
+                                                   (768, 1, [128, 256, 512, 1024]), (300, 2, [128, 256, 512]),
+                                                   (64, 1, [64])])
 def test_gemv_candidates_sweep_tiles_a_thread_can_hold_with_block_k_capped_at_k(k, row_sets, block_ks):
     """Every block_n x block_k (capped at K's power of two) x warps x plain/prefetch whose weight
     values a thread a step lie in GEMV_THREAD_VALUES, and no other."""
     candidates = moe_bench.gemv_candidates(k, row_sets)
     low, high = moe_bench.GEMV_THREAD_VALUES
-    expected = {(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), block_ks, (2, 4, 8), (1, 2))
+    expected = {(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32, 64), block_ks, (2, 4, 8),
+                                                                      (1, 2))
                 if low <= row_sets * bn * bk // (32 * w) <= high}
     assert len(candidates) == len(set(candidates)) and expected
     assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in candidates} == expected

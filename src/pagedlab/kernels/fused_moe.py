@@ -19,13 +19,13 @@ per (pair, column tile) of the down projection weighted by the router whose (tok
 last program sums the token's ``top_k`` shares in slot order (``gemv.split_k_epilogue``'s ticket
 fold: no routing launch, no reduce). At batch 1 the grouped GEMMs' 16-row tiles hold one real row
 each; the GEMVs stream the routed experts' weights with CUDA-core FMAs, like the dense one-row
-GEMV (``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (each
-program ranks its token's experts against each other): beyond, a ``MoeGemvConfig`` is refused
-with a ValueError and the default config is always the grouped path's. ``fused_moe_configs`` picks the path, tiles
-and splits by shape and token count (the GEMV path only where ``MOE_GEMV_CONFIGS``, measured by
-``benchmarks/moe_bench.py``, lists that exact batch). Everything runs on the device without host
-syncs and every shape follows from the token count, so a decode step can be captured in a CUDA
-graph.
+GEMV (``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (every
+program routes its pair from all of its token's logits): beyond, a ``MoeGemvConfig`` is refused
+with a ValueError and the default config is always the grouped path's. ``fused_moe_configs``
+picks the path, tiles and splits by shape and token count (the GEMV path only where
+``MOE_GEMV_CONFIGS``, measured by ``benchmarks/moe_bench.py``, lists that exact batch).
+Everything runs on the device without host syncs and every shape follows from the token count,
+so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -245,6 +245,8 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
 
 # CUDA's limit on a grid's second axis, which holds the GEMV path's pairs
 _GRID_Y_MAX = 65535
+# Experts a row of the GEMV path's routing (``_route_slot``) picks its candidates from: a warp's lanes
+_ROUTE_GROUP = 32
 
 
 def _check_gemv_routing(router_logits: torch.Tensor, num_tokens: int, num_experts: int, top_k: int) -> None:
@@ -279,12 +281,13 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
     weights = torch.empty(num_tokens, top_k, dtype=x.dtype, device=x.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     experts_block = _next_power_of_2(num_experts)
+    group = min(experts_block, _ROUTE_GROUP)
     if num_pairs:
         fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
             x, router_logits, w13, activated, weights, experts, hidden, inter, x.stride(0),
             router_logits.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, EXPERTS_BLOCK=experts_block,
-            RANK_CHUNK=min(experts_block, 4096 // experts_block),
+            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, GROUPS=experts_block // group,
+            GROUP=group, CANDIDATES_BLOCK=_next_power_of_2(min(top_k, group)),
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=hidden % launch.block_k == 0,
             PREFETCH=launch.prefetch, **pdl_launch(x.device), num_warps=launch.num_warps, num_stages=1)
     return activated, weights, experts

@@ -34,8 +34,8 @@ ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
 # The largest batch the GEMV path may take (``MOE_GEMV_CONFIGS`` keys): each (token, expert) pair
 # reads its expert's weights on its own, which pays only while pairs rarely share an expert.
 MOE_GEMV_MAX_TOKENS = 8
-# The most experts the GEMV path's gate/up programs route themselves (each ranks every expert of
-# its token against every other, a tile of experts squared): more take the grouped path.
+# The most experts the GEMV path's gate/up programs route themselves (each holds all of its
+# token's logits and ranks its candidates against each other): more take the grouped path.
 MOE_GEMV_MAX_EXPERTS = 256
 # A GEMV launch with num_stages of at least this reads each next K step before this step's products.
 MOE_GEMV_PREFETCH_STAGES = 2

@@ -280,34 +280,63 @@ def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, s
 
 
 @triton.jit
-def _add_sums(expert_a, prob_a, chosen_a, total_a, expert_b, prob_b, chosen_b, total_b):
-    return expert_a + expert_b, prob_a + prob_b, chosen_a + chosen_b, total_a + total_b
+def _add_sums(expert_a, prob_a, chosen_a, expert_b, prob_b, chosen_b):
+    return expert_a + expert_b, prob_a + prob_b, chosen_a + chosen_b
+
+
+@triton.jit
+def _expert_keys(logits, experts):
+    """int64 keys in the route kernel's order of experts: by logit (the float's bits made an
+    order-preserving int; ``+ 0.0`` turns -0.0 into +0.0, an equal logit), then the lower index."""
+    bits = (logits + 0.0).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 16) | (0xFFFF - experts).to(tl.int64)
+
+
+@triton.jit
+def _key_logits(keys):
+    """The logits that ``_expert_keys`` packed into ``keys``."""
+    ordered = (keys >> 16).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                EXPERTS_BLOCK: tl.constexpr, RANK_CHUNK: tl.constexpr):
+                GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr):
     """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
-    chooses them: expert ``j``'s rank is the number of experts before it (a higher logit, or an
-    equal one at a lower index), counted ``RANK_CHUNK`` experts at a time; the slot's expert is
-    the one of that rank. Its softmax probability is renormalized over the ranks below TOP_K
-    with RENORMALIZE. The three sums ride in one reduction (with the row max: two). NUM_EXPERTS
-    is a constexpr so that a row of a power of two experts loads unmasked, 16 bytes a load."""
-    offs_e = tl.arange(0, EXPERTS_BLOCK)
-    logits = tl.load(logits_row + offs_e, mask=offs_e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
-    rank = tl.zeros([EXPERTS_BLOCK], dtype=tl.int32)
-    for start in tl.static_range(0, EXPERTS_BLOCK, RANK_CHUNK):
-        offs_i = start + tl.arange(0, RANK_CHUNK)
-        other = tl.load(logits_row + offs_i, mask=offs_i < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
-        before = (other[:, None] > logits[None, :]) | (
-            (other[:, None] == logits[None, :]) & (offs_i[:, None] < offs_e[None, :]))
-        rank += tl.sum(before.to(tl.int32), axis=0)
-    exps = tl.exp(logits - tl.max(logits, axis=0))  # zero past the experts
+    chooses them (highest logit first, the lowest index among equal logits; the softmax weight,
+    renormalized over the TOP_K chosen with RENORMALIZE). The experts lie in GROUPS rows of GROUP
+    (32: a warp's lanes), each experts' key packing its logit and index (``_expert_keys``): each
+    row's top min(TOP_K, GROUP) by a max over the row per slot (shuffles within a warp, no
+    barrier), then each candidate's rank among all rows' candidates (a candidates x candidates
+    comparison: GROUPS * CANDIDATES_BLOCK of them, 32 at Qwen3-30B-A3B's 128 experts and top-8);
+    the slot's expert is the candidate of that rank. Ranking every expert against every other
+    took 850 sm_90 instructions a thread at 128 experts, 4 warps. NUM_EXPERTS is a constexpr so
+    that a row of a power of two experts loads unmasked, 16 bytes a load."""
+    PER_GROUP: tl.constexpr = min(TOP_K, GROUP)
+    experts = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    keys = _expert_keys(logits, experts)
+    offs_c = tl.arange(0, CANDIDATES_BLOCK)
+    candidates = tl.full([GROUPS, CANDIDATES_BLOCK], -(2 ** 63), tl.int64)
+    for s in tl.static_range(PER_GROUP):
+        best = tl.max(keys, axis=1)
+        candidates = tl.where(offs_c[None, :] == s, best[:, None], candidates)
+        keys = tl.where(keys == best[:, None], -(2 ** 63), keys)
+    candidates = tl.reshape(candidates, [GROUPS * CANDIDATES_BLOCK])
+    rank = tl.sum((candidates[None, :] > candidates[:, None]).to(tl.int32), axis=1)
+    # the filler of rows of fewer than PER_GROUP experts ranks last and weighs nothing
+    chosen_logits = tl.where(candidates == -(2 ** 63), float("-inf"), _key_logits(candidates))
+    row_max = tl.max(chosen_logits, axis=0)  # the rank-0 candidate's: every expert's max
+    exps = tl.exp(chosen_logits - row_max)
     mine = rank == slot
-    expert, prob, chosen, total = tl.reduce(
-        (tl.where(mine, offs_e, 0), tl.where(mine, exps, 0.0), tl.where(rank < TOP_K, exps, 0.0), exps), 0,
-        _add_sums)
-    return expert, prob / (chosen if RENORMALIZE else total)
+    expert, prob, chosen = tl.reduce(
+        (tl.where(mine, 0xFFFF - (candidates & 0xFFFF).to(tl.int32), 0), tl.where(mine, exps, 0.0),
+         tl.where(rank < TOP_K, exps, 0.0)), 0, _add_sums)
+    if RENORMALIZE:
+        return expert, prob / chosen
+    else:
+        return expert, prob / tl.sum(tl.sum(tl.exp(logits - row_max), axis=1), axis=0)
 
 
 @triton.jit
@@ -371,8 +400,8 @@ def _row_dots(x_row, rows_a, rows_b, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter,
                             stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
                             NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            EXPERTS_BLOCK: tl.constexpr,
-                            RANK_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
     token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
@@ -383,7 +412,7 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
-                                 RENORMALIZE, EXPERTS_BLOCK, RANK_CHUNK)
+                                 RENORMALIZE, GROUPS, GROUP, CANDIDATES_BLOCK)
     if tl.program_id(0) == 0:
         tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
         tl.store(experts_ptr + pair, expert)
