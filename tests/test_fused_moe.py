@@ -269,7 +269,7 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
     (2, 8, 1, False, 64, 48, _gemv((32, 128, 4, 1), (16, 64, 4, 1))),
     # Qwen3-MoE-like top-8 of 64 experts; hidden 40 and inter 24 in masked steps, a ragged column tile
     (3, 64, 8, True, 40, 24, _gemv((32, 16, 4, 1), (64, 16, 2, 2))),
-    (4, 64, 8, False, 32, 16, _gemv((16, 16), (32, 8, 2, 1))),  # unnormalized top-8
+    (4, 64, 8, False, 32, 16, _gemv((16, 16, 2), (32, 8, 2, 1))),  # unnormalized; 2 warps: one row of 64
     (5, 8, 2, False, 64, 48, _gemv((16, 64, 2, 3), (32, 16, 8))),  # one K step with prefetch; 8 warps
     (6, 64, 2, True, 48, 40, _gemv((64, 16), (32, 32, 2, 2))),  # one column tile past inter; masked prefetch
     (7, 8, 2, True, 32, 16, _gemv((16, 8), (32, 8))),  # 14 pairs of 8 experts: pairs share experts

@@ -245,8 +245,12 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
 
 # CUDA's limit on a grid's second axis, which holds the GEMV path's pairs
 _GRID_Y_MAX = 65535
-# Experts a row of the GEMV path's routing (``_route_slot``) picks its candidates from: a warp's lanes
-_ROUTE_GROUP = 32
+# Experts a row of the GEMV path's routing (``_route_slot``) picks its candidates from, by the
+# launch's warps: in the sm_90 SASS at 128 experts and top-8 (gate/up 16 x 256) the routing took
+# 382 instructions a thread and 11 barriers in rows of 32 at 4 warps (820 and 15 in rows of 16,
+# 434 and 27 in rows of 64), 443 and 33 at 8 warps (rows of 16: 804 and 41), and at 2 warps 389
+# and 11 in rows of 64 against 585 and 11 in rows of 32.
+_ROUTE_GROUP, _ROUTE_GROUP_FEW_WARPS = 32, 64
 
 
 def _check_gemv_routing(router_logits: torch.Tensor, num_tokens: int, num_experts: int, top_k: int) -> None:
@@ -281,7 +285,7 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
     weights = torch.empty(num_tokens, top_k, dtype=x.dtype, device=x.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
     experts_block = _next_power_of_2(num_experts)
-    group = min(experts_block, _ROUTE_GROUP)
+    group = min(experts_block, _ROUTE_GROUP_FEW_WARPS if launch.num_warps <= 2 else _ROUTE_GROUP)
     if num_pairs:
         fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
             x, router_logits, w13, activated, weights, experts, hidden, inter, x.stride(0),

@@ -306,13 +306,13 @@ def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr
     """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
     chooses them (highest logit first, the lowest index among equal logits; the softmax weight,
     renormalized over the TOP_K chosen with RENORMALIZE). The experts lie in GROUPS rows of GROUP
-    (32: a warp's lanes), each experts' key packing its logit and index (``_expert_keys``): each
-    row's top min(TOP_K, GROUP) by a max over the row per slot (shuffles within a warp, no
-    barrier), then each candidate's rank among all rows' candidates (a candidates x candidates
-    comparison: GROUPS * CANDIDATES_BLOCK of them, 32 at Qwen3-30B-A3B's 128 experts and top-8);
-    the slot's expert is the candidate of that rank. Ranking every expert against every other
-    took 850 sm_90 instructions a thread at 128 experts, 4 warps. NUM_EXPERTS is a constexpr so
-    that a row of a power of two experts loads unmasked, 16 bytes a load."""
+    (``fused_moe._ROUTE_GROUP``), each expert's key packing its logit and index
+    (``_expert_keys``): each row's top min(TOP_K, GROUP) by a max over the row per slot, then each
+    candidate's rank among all rows' candidates (a candidates x candidates comparison: GROUPS *
+    CANDIDATES_BLOCK of them, 32 at Qwen3-30B-A3B's 128 experts and top-8); the slot's expert is
+    the candidate of that rank. Ranking every expert against every other took 850 sm_90
+    instructions a thread at 128 experts and 4 warps, this 382. NUM_EXPERTS is a constexpr so
+    that a row of a power of two experts loads unmasked."""
     PER_GROUP: tl.constexpr = min(TOP_K, GROUP)
     experts = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
