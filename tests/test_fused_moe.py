@@ -298,6 +298,37 @@ def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renorm
             assert torch.equal(again, got)
 
 
+@pytest.mark.parametrize("num_tokens, hidden, inter, config", [
+    (2, 64, 48, _gemv((16, 32), (16, 16))),  # uint32 pairs: EVEN_K steps, prefetch
+    (3, 40, 26, _gemv((16, 64, 4, 1), (32, 16, 2, 2))),  # pairs in masked steps (hidden 40, inter 26)
+    (1, 40, 25, _gemv((16, 16), (16, 1, 2, 1))),  # odd inter, a step of one value: down unpaired
+])
+def test_fused_moe_gemv_in_bf16_reads_pairs_of_values(num_tokens, hidden, inter, config, monkeypatch):
+    """bf16 x and weights (read as uint32 pairs where K and the step are even) within bf16
+    rounding of the float32 reference, and the pairs' products the same as the plain loop's
+    within float32 rounding of their sums."""
+    x, logits, w13, w2 = _moe_inputs(num_tokens, hidden, inter, 8, torch.bfloat16, seed=num_tokens)
+    logits = logits.float()
+    expected = moe_torch(x.float(), logits, w13.float(), w2.float(), 2, True)
+    got = fused_moe_triton(x, logits, w13, w2, 2, True, config)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+    monkeypatch.setattr(fused_moe, "_bf16_pairs", lambda *args: False)
+    unpaired = fused_moe_triton(x, logits, w13, w2, 2, True, config)
+    torch.testing.assert_close(unpaired, got, atol=8e-3, rtol=8e-3)
+
+
+def test_gemv_reads_bf16_pairs_only_where_aligned():
+    w = torch.zeros(4, 8, 6, dtype=torch.bfloat16)
+    launch = MoeGemvLaunch(8, 4)
+    assert fused_moe._bf16_pairs(6, launch, w, w[:, :2])
+    assert not fused_moe._bf16_pairs(5, launch, w[:, :, :5])  # K odd
+    assert not fused_moe._bf16_pairs(6, MoeGemvLaunch(8, 1), w)  # a step of one value
+    assert not fused_moe._bf16_pairs(6, launch, w[:, :, 1:])  # a base 2 bytes past alignment
+    odd_rows = torch.zeros(4, 8, 5, dtype=torch.bfloat16)[:, :, :4]
+    assert not fused_moe._bf16_pairs(4, launch, odd_rows)
+    assert not fused_moe._bf16_pairs(6, launch, w.half())
+
+
 def _lowest_index_first(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """The ``top_k`` experts by logit, the lowest index first among equal logits (a stable sort)."""
     return torch.sort(-logits, dim=-1, stable=True).indices[:, :top_k]

@@ -253,6 +253,13 @@ _GRID_Y_MAX = 65535
 _ROUTE_GROUP, _ROUTE_GROUP_FEW_WARPS = 32, 64
 
 
+def _bf16_pairs(k: int, launch: MoeGemvLaunch, *tensors: torch.Tensor) -> bool:
+    """Whether a GEMV over K ``k`` may read ``tensors`` (x and the weights) as uint32 pairs of
+    bf16 values: bf16, K and the K step even, every row and base 4-byte aligned."""
+    return k % 2 == 0 and launch.block_k > 1 and all(t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0
+                              and all(stride % 2 == 0 for stride in t.stride()[:-1]) for t in tensors)
+
+
 def _check_gemv_routing(router_logits: torch.Tensor, num_tokens: int, num_experts: int, top_k: int) -> None:
     _check_top_k(top_k, num_experts)
     if num_experts > MOE_GEMV_MAX_EXPERTS:
@@ -293,7 +300,8 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
             NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, GROUPS=experts_block // group,
             GROUP=group, CANDIDATES_BLOCK=_next_power_of_2(min(top_k, group)),
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=hidden % launch.block_k == 0,
-            PREFETCH=launch.prefetch, **pdl_launch(x.device), num_warps=launch.num_warps, num_stages=1)
+            PREFETCH=launch.prefetch, PAIRS=_bf16_pairs(hidden, launch, x, w13), **pdl_launch(x.device),
+            num_warps=launch.num_warps, num_stages=1)
     return activated, weights, experts
 
 
@@ -319,7 +327,8 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
         activated, w2, out, weights, experts, partial, counters, hidden, inter, tiles, activated.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), partial.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, EVEN_K=inter % launch.block_k == 0, PREFETCH=launch.prefetch,
-        **pdl_launch(activated.device), num_warps=launch.num_warps, num_stages=1)
+        PAIRS=_bf16_pairs(inter, launch, activated, w2), **pdl_launch(activated.device),
+        num_warps=launch.num_warps, num_stages=1)
     return out
 
 

@@ -344,7 +344,7 @@ def _step_weights(rows_a, rows_b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.const
     """One K step's weight rows ``rows_a`` (and ``rows_b`` with TWO, else a [1, 1] zero) at
     ``offs_k``, zero from K on unless EVEN_K (K a multiple of the step: no mask)."""
     mask = None if EVEN_K else offs_k[None, :] < K
-    other = None if EVEN_K else 0.0
+    other = None if EVEN_K else 0
     a = tl.load(rows_a + offs_k[None, :], mask=mask, other=other)
     if TWO:
         b = tl.load(rows_b + offs_k[None, :], mask=mask, other=other)
@@ -354,45 +354,67 @@ def _step_weights(rows_a, rows_b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.const
 
 
 @triton.jit
-def _step_products(acc_a, acc_b, x_row, a, b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.constexpr):
+def _add_products(acc, x, w, PAIRS: tl.constexpr):
+    """``acc`` plus ``x * w`` in float32; PAIRS: both hold two bf16 values a uint32 (low half
+    first), each widened by one shift or mask (the bf16 convert took a PRMT and a shift for the
+    high half: 1.5 instructions a value in the sm_90 SASS)."""
+    if PAIRS:
+        acc += (x << 16).to(tl.float32, bitcast=True) * (w << 16).to(tl.float32, bitcast=True)
+        acc += (x & 0xFFFF0000).to(tl.float32, bitcast=True) * (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        acc += x.to(tl.float32) * w.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _step_products(acc_a, acc_b, x_row, a, b, offs_k, K, EVEN_K: tl.constexpr, TWO: tl.constexpr,
+                   PAIRS: tl.constexpr):
     """``acc_a`` (and ``acc_b`` with TWO) plus x at ``offs_k`` times the step's weights ``a``
     (``b``). x is read here, in the weight tile's shape: each thread its own values (L1 hits, one
     load and one convert per value a thread holds, whatever the rows), not a row broadcast through
     shared memory (a store, a load and two barriers a step in the sm_90 SASS); not carried over
     the PREFETCH loop's back edge either (a copy per row there)."""
     x_ptrs = x_row + tl.broadcast_to(offs_k[None, :], a.shape)
-    x = tl.load(x_ptrs, mask=None if EVEN_K else offs_k[None, :] < K, other=None if EVEN_K else 0.0)
-    x = x.to(tl.float32)
-    acc_a += x * a.to(tl.float32)
+    x = tl.load(x_ptrs, mask=None if EVEN_K else offs_k[None, :] < K, other=None if EVEN_K else 0)
+    acc_a = _add_products(acc_a, x, a, PAIRS)
     if TWO:
-        acc_b += x * b.to(tl.float32)
+        acc_b = _add_products(acc_b, x, b, PAIRS)
     return acc_a, acc_b
 
 
 @triton.jit
 def _row_dots(x_row, rows_a, rows_b, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PREFETCH: tl.constexpr, TWO: tl.constexpr):
+              PREFETCH: tl.constexpr, TWO: tl.constexpr, PAIRS: tl.constexpr):
     """The float32 dot products over K of x with each weight row of ``rows_a`` (and of ``rows_b``
     with TWO: gate and up share x's loads), ``[BLOCK_N]`` each. A 2-D product tile per row set,
     summed once at the end (the dense one-row GEMV's form: 16-byte loads and FMAs). PREFETCH: each
     step first issues the next step's weight loads (the first step peeled before the loop, the
-    last step's products after it, so that no load runs past K), as ``gemv._prefetch_step``."""
-    acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_N, BLOCK_K] if TWO else [1, 1], dtype=tl.float32)
-    offs_k = tl.arange(0, BLOCK_K)
+    last step's products after it, so that no load runs past K), as ``gemv._prefetch_step``.
+    PAIRS (bf16, K even, rows 4-byte aligned): x and the weights read as uint32 pairs of values
+    (``_add_products``); K, the step and the offsets then count pairs."""
+    if PAIRS:
+        x_row = x_row.to(tl.pointer_type(tl.uint32))
+        rows_a = rows_a.to(tl.pointer_type(tl.uint32))
+        rows_b = rows_b.to(tl.pointer_type(tl.uint32))
+    UNIT: tl.constexpr = 2 if PAIRS else 1
+    STEP: tl.constexpr = BLOCK_K // UNIT
+    K = K // UNIT
+    acc_a = tl.zeros([BLOCK_N, STEP], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, STEP] if TWO else [1, 1], dtype=tl.float32)
+    offs_k = tl.arange(0, STEP)
     if PREFETCH:
         a, b = _step_weights(rows_a, rows_b, offs_k, K, EVEN_K, TWO)
-        for k_start in range(BLOCK_K, K, BLOCK_K):
+        for k_start in range(STEP, K, STEP):
             next_a, next_b = _step_weights(rows_a, rows_b, k_start + offs_k, K, EVEN_K, TWO)
-            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start - BLOCK_K + offs_k, K, EVEN_K,
-                                          TWO)
+            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start - STEP + offs_k, K, EVEN_K, TWO,
+                                          PAIRS)
             a, b = next_a, next_b
-        last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
-        acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, last + offs_k, K, EVEN_K, TWO)
+        last = (tl.cdiv(K, STEP) - 1) * STEP
+        acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, last + offs_k, K, EVEN_K, TWO, PAIRS)
     else:
-        for k_start in range(0, K, BLOCK_K):
+        for k_start in range(0, K, STEP):
             a, b = _step_weights(rows_a, rows_b, k_start + offs_k, K, EVEN_K, TWO)
-            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start + offs_k, K, EVEN_K, TWO)
+            acc_a, acc_b = _step_products(acc_a, acc_b, x_row, a, b, k_start + offs_k, K, EVEN_K, TWO, PAIRS)
     return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
 
 
@@ -401,8 +423,8 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
                             stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
                             NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                             GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
     token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
     ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
@@ -420,7 +442,7 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
     gate_rows = (w13_ptr + expert.to(tl.int64) * stride_w_expert
                  + (offs_n % inter).to(tl.int64)[:, None] * stride_w_row)
     gate, up = _row_dots(x_ptr + token * stride_x, gate_rows, gate_rows + inter * stride_w_row, hidden,
-                         BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, True)
+                         BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, True, PAIRS)
     tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n,
              (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=offs_n < inter)
 
@@ -430,7 +452,7 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
                          inter, num_col_tiles, stride_h, stride_w_expert, stride_w_row, stride_out,
                          stride_partial_split, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)``'s share ``weight[pair] * (h[pair] . down[n])`` of its token's output
     for the hidden columns ``n`` of tile ``program_id(0)`` (float32, all of inter), folded by
     ``gemv.split_k_epilogue`` with the slots as segments: each pair stores its partial and takes a
@@ -444,7 +466,7 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w2_ptr + expert * stride_w_expert + (offs_n % hidden).to(tl.int64)[:, None] * stride_w_row
     dots, _ = _row_dots(h_ptr + pair.to(tl.int64) * stride_h, rows, rows, inter, BLOCK_N, BLOCK_K, EVEN_K,
-                        PREFETCH, False)
+                        PREFETCH, False, PAIRS)
     share = tl.load(weights_ptr + pair).to(tl.float32) * dots
     offs_m = token + tl.arange(0, 1)
     split_k_epilogue(share[None, :], offs_m, offs_n, offs_m >= 0, offs_n < hidden,
