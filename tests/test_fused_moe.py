@@ -431,43 +431,57 @@ def test_gemv_table_is_not_consulted_above_the_fused_routings_experts(monkeypatc
 
 
 # down: block_k past Qwen3-30B-A3B's inter 768 (masked), prefetching; gate/up plain, EVEN_K
-_GPU_GEMV = _gemv((8, 512, 4, 1), (8, 1024, 4, 2))
+# gate/up plain with EVEN_K, down prefetching with block_k past Qwen3-30B-A3B's inter 768 (masked);
+# 2 warps (routing rows of 64 experts); 8 warps
+_GPU_GEMVS = [_gemv((8, 512, 4, 1), (8, 1024, 4, 2)), _gemv((16, 128, 2, 2), (16, 256, 2, 1)),
+              _gemv((16, 256, 8, 2), (32, 256, 8, 2))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(2048, 768, 128, 8, True), (4096, 14336, 8, 2, True)],
                          ids=["qwen3-30b-a3b", "mixtral-8x7b"])
-def test_fused_moe_gemv_at_model_sizes_on_gpu(shape):
+@pytest.mark.parametrize("config", _GPU_GEMVS, ids=["4-warps", "2-warps", "8-warps"])
+def test_fused_moe_gemv_at_model_sizes_on_gpu(shape, config):
     """The GEMV path in bf16 at real expert shapes and decode batches, eager (its routing equal to
-    ``select_experts``'s) and replayed from a CUDA graph on new tokens and logits, within bf16
-    rounding of the float32 reference."""
+    ``select_experts``'s, the same output twice) and, at 4 warps, replayed from a CUDA graph on
+    new tokens and logits, within bf16 rounding of the float32 reference."""
     hidden, inter, num_experts, top_k, renormalize = shape
     _, _, w13, w2 = _moe_inputs(1, hidden, inter, num_experts, torch.bfloat16)
     w13_ref, w2_ref = w13.float(), w2.float()
-    for num_tokens in (1, 2, 8):
+    for num_tokens in (1, 2, 4, 8):
         x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed=num_tokens)
         logits = _distinct_logits(num_tokens, num_experts, seed=num_tokens)
         expected = moe_torch(x.float(), logits, w13_ref, w2_ref, top_k, renormalize)
-        got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV).float()
-        torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens eager")
+        got = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
+        torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2, msg=f"{num_tokens} tokens")
+        assert torch.equal(fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config), got)
         _, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
-                                                                _GPU_GEMV.gate_up)
+                                                                config.gate_up)
         ref_weights, ref_experts = select_experts(logits, top_k, renormalize, torch.bfloat16)
         assert torch.equal(experts.long(), ref_experts)
         torch.testing.assert_close(weights, ref_weights, atol=1e-2, rtol=1e-2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, _GPU_GEMV)
-        for seed in (100, 101):
-            new_x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed)
-            new_logits = _distinct_logits(num_tokens, num_experts, seed)
-            x.copy_(new_x)
-            logits.copy_(new_logits)
-            graph.replay()
-            expected = moe_torch(new_x.float(), new_logits, w13_ref, w2_ref, top_k, renormalize)
-            torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2,
-                                       msg=f"{num_tokens} tokens replayed")
+        if config is _GPU_GEMVS[0]:
+            _check_graph_replays(x, logits, w13, w2, top_k, renormalize, config)
+
+
+def _check_graph_replays(x, logits, w13, w2, top_k, renormalize, config):
+    """``fused_moe_triton`` captured once on ``x`` and ``logits``, replayed on new ones: each
+    replay within bf16 rounding of the reference on its inputs (no host sync, no routing shape)."""
+    num_tokens, hidden = x.shape
+    num_experts = w13.shape[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, logits, w13, w2, top_k, renormalize, config)
+    for seed in (100, 101):
+        new_x, _ = _activations(num_tokens, hidden, num_experts, torch.bfloat16, seed)
+        new_logits = _distinct_logits(num_tokens, num_experts, seed)
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        expected = moe_torch(new_x.float(), new_logits, w13.float(), w2.float(), top_k, renormalize)
+        torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2,
+                                   msg=f"{num_tokens} tokens replayed")
 
 
 @pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
