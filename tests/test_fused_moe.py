@@ -335,7 +335,7 @@ def _lowest_index_first(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_experts, top_k, renormalize", [(8, 1, True), (8, 2, False), (64, 8, True),
-                                                             (6, 6, False)])
+                                                             (6, 6, False), (256, 8, False)])
 def test_gemv_routing_breaks_ties_as_the_route_kernel(num_experts, top_k, renormalize):
     """Each pair's expert by the route kernel's rule, highest logit first and the lowest index
     among equal logits, on rows of ties (all equal, runs of a few values, one value repeated);
