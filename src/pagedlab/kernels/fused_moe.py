@@ -247,9 +247,8 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
 _GRID_Y_MAX = 65535
 # Experts a row of the GEMV path's routing (``_route_slot``) picks its candidates from, by the
 # launch's warps: in the sm_90 SASS at 128 experts and top-8 (gate/up 16 x 256) the routing took
-# 382 instructions a thread and 11 barriers in rows of 32 at 4 warps (820 and 15 in rows of 16,
-# 434 and 27 in rows of 64), 443 and 33 at 8 warps (rows of 16: 804 and 41), and at 2 warps 389
-# and 11 in rows of 64 against 585 and 11 in rows of 32.
+# 409 instructions a thread and 11 barriers in rows of 32 at 4 warps (474 and 29 in rows of 64),
+# 339 and 7 at 8 warps (419 and 25), and at 2 warps 427 and 11 in rows of 64 (614 and 11 in 32).
 _ROUTE_GROUP, _ROUTE_GROUP_FEW_WARPS = 32, 64
 
 

@@ -311,18 +311,22 @@ def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr
     candidate's rank among all rows' candidates (a candidates x candidates comparison: GROUPS *
     CANDIDATES_BLOCK of them, 32 at Qwen3-30B-A3B's 128 experts and top-8); the slot's expert is
     the candidate of that rank. Ranking every expert against every other took 850 sm_90
-    instructions a thread at 128 experts and 4 warps, this 382. NUM_EXPERTS is a constexpr so
-    that a row of a power of two experts loads unmasked."""
+    instructions a thread at 128 experts and 4 warps, this 409 (the candidates kept in a
+    [GROUPS, CANDIDATES_BLOCK] tile instead of the keys' shape: 382 at 4 warps, but at 8 warps
+    443 and 33 barriers against 339 and 7, a layout change of the keys every slot). NUM_EXPERTS
+    is a constexpr so that a row of a power of two experts loads unmasked."""
     PER_GROUP: tl.constexpr = min(TOP_K, GROUP)
     experts = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
     keys = _expert_keys(logits, experts)
-    offs_c = tl.arange(0, CANDIDATES_BLOCK)
-    candidates = tl.full([GROUPS, CANDIDATES_BLOCK], -(2 ** 63), tl.int64)
+    # the s-th best of each row in its column s, in the keys' own shape (no layout change a slot)
+    column = tl.arange(0, GROUP)[None, :]
+    candidates = tl.full([GROUPS, GROUP], -(2 ** 63), tl.int64)
     for s in tl.static_range(PER_GROUP):
-        best = tl.max(keys, axis=1)
-        candidates = tl.where(offs_c[None, :] == s, best[:, None], candidates)
-        keys = tl.where(keys == best[:, None], -(2 ** 63), keys)
+        best = tl.max(keys, axis=1)[:, None]
+        candidates = tl.where(column == s, best, candidates)
+        keys = tl.where(keys == best, -(2 ** 63), keys)
+    candidates = tl.max(tl.reshape(candidates, [GROUPS, GROUP // CANDIDATES_BLOCK, CANDIDATES_BLOCK]), axis=1)
     candidates = tl.reshape(candidates, [GROUPS * CANDIDATES_BLOCK])
     rank = tl.sum((candidates[None, :] > candidates[:, None]).to(tl.int32), axis=1)
     # the filler of rows of fewer than PER_GROUP experts ranks last and weighs nothing
