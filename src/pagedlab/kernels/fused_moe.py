@@ -298,7 +298,8 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
             router_logits.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
             NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, GROUPS=experts_block // group,
             GROUP=group, CANDIDATES_BLOCK=_next_power_of_2(min(top_k, group)),
-            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=hidden % launch.block_k == 0,
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_N=inter % launch.block_n == 0,
+            EVEN_K=hidden % launch.block_k == 0,
             PREFETCH=launch.prefetch, PAIRS=_bf16_pairs(hidden, launch, x, w13), **pdl_launch(x.device),
             num_warps=launch.num_warps, num_stages=1)
     return activated, weights, experts
@@ -325,7 +326,8 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
     fused_moe_kernels.moe_down_gemv_kernel[(tiles, num_pairs)](
         activated, w2, out, weights, experts, partial, counters, hidden, inter, tiles, activated.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), partial.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, EVEN_K=inter % launch.block_k == 0, PREFETCH=launch.prefetch,
+        BLOCK_K=launch.block_k, EVEN_N=hidden % launch.block_n == 0, EVEN_K=inter % launch.block_k == 0,
+        PREFETCH=launch.prefetch,
         PAIRS=_bf16_pairs(inter, launch, activated, w2), **pdl_launch(activated.device),
         num_warps=launch.num_warps, num_stages=1)
     return out

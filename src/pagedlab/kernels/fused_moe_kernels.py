@@ -423,17 +423,30 @@ def _row_dots(x_row, rows_a, rows_b, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _row_index(offs_n, n, EVEN_N: tl.constexpr):
+    """The weight row of each output column ``offs_n``: itself where the column tiles divide ``n``
+    (EVEN_N), else wrapped onto a real row (``% n``, an integer division a row: about a hundred
+    sm_90 instructions before the down GEMV's first load at 16 rows)."""
+    if EVEN_N:
+        return offs_n
+    else:
+        return offs_n % n
+
+
+@triton.jit
 def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter,
                             stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
                             NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                             GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PAIRS: tl.constexpr,
+                            PDL: tl.constexpr):
     """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
     token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
     ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
     ``program_id(0)``, the expert's gate rows at ``n`` and up rows at ``inter + n`` (columns past
-    inter read real rows, ``n % inter``, and store nothing: no row mask in the loop)."""
+    inter read real rows, ``n % inter``, and store nothing: no row mask in the loop; EVEN_N: the
+    tiles divide inter, no wrap)."""
     pdl_wait_and_trigger(PDL)
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
@@ -444,7 +457,7 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
         tl.store(experts_ptr + pair, expert)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_rows = (w13_ptr + expert.to(tl.int64) * stride_w_expert
-                 + (offs_n % inter).to(tl.int64)[:, None] * stride_w_row)
+                 + _row_index(offs_n, inter, EVEN_N).to(tl.int64)[:, None] * stride_w_row)
     gate, up = _row_dots(x_ptr + token * stride_x, gate_rows, gate_rows + inter * stride_w_row, hidden,
                          BLOCK_N, BLOCK_K, EVEN_K, PREFETCH, True, PAIRS)
     tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n,
@@ -455,8 +468,8 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
 def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, partial_ptr, counter_ptr, hidden,
                          inter, num_col_tiles, stride_h, stride_w_expert, stride_w_row, stride_out,
                          stride_partial_split, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                         PAIRS: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                         PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)``'s share ``weight[pair] * (h[pair] . down[n])`` of its token's output
     for the hidden columns ``n`` of tile ``program_id(0)`` (float32, all of inter), folded by
     ``gemv.split_k_epilogue`` with the slots as segments: each pair stores its partial and takes a
@@ -468,7 +481,8 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
     token = pair // TOP_K
     expert = tl.load(experts_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = w2_ptr + expert * stride_w_expert + (offs_n % hidden).to(tl.int64)[:, None] * stride_w_row
+    rows = (w2_ptr + expert * stride_w_expert
+            + _row_index(offs_n, hidden, EVEN_N).to(tl.int64)[:, None] * stride_w_row)
     dots, _ = _row_dots(h_ptr + pair.to(tl.int64) * stride_h, rows, rows, inter, BLOCK_N, BLOCK_K, EVEN_K,
                         PREFETCH, False, PAIRS)
     share = tl.load(weights_ptr + pair).to(tl.float32) * dots
