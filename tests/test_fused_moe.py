@@ -114,7 +114,9 @@ def test_route_and_align_triton_at_decode_batches(num_tokens, num_experts, top_k
     for num_warps in (None, 1, 2, 4, 8):
         got = route_and_align_triton(logits, top_k, True, 16, torch.float32, num_warps)
         _assert_same_routing(got, expected)
-    default = default_route_num_warps(num_tokens * top_k, num_experts)  # one program; top_k a power of two
+    # one program (top_k a power of two): the measured table's warps, else the heuristic's
+    default = fused_moe_configs.ROUTE_NUM_WARPS.get((num_experts, top_k, num_tokens),
+                                                    default_route_num_warps(num_tokens * top_k, num_experts))
     assert warps == [default, 1, 2, 4, 8] and route_warps(num_tokens, num_experts, top_k) == default
 
 

@@ -122,14 +122,14 @@ def default_moe_config(num_tokens: int, num_experts: int, hidden: int, inter: in
 # A token count takes the measured entry nearest it (in log2; a tie takes the smaller).
 # MoeGemmConfig fields: block_n, block_k, group_m, split_k, num_warps, num_stages.
 MOE_CONFIGS: dict[tuple[int, int, int, int, int], MoeConfig] = {
-    (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 40.5 us, 1863 GB/s (default 41.0 us)
-        MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 4), MoeGemmConfig(32, 128, 1, 2, 4, 2)),
-    (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 59.5 us, 2536 GB/s (default 63.1 us)
-        MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 3), MoeGemmConfig(64, 128, 1, 2, 4, 2)),
+    (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 36.1 us, 2093 GB/s (default 36.9 us)
+        MoeConfig(16, MoeGemmConfig(64, 128, 8, 1, 4, 4), MoeGemmConfig(32, 128, 1, 2, 4, 2)),
+    (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 56.8 us, 2658 GB/s (default 60.2 us)
+        MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 4), MoeGemmConfig(64, 128, 1, 2, 4, 2)),
     (128, 2048, 768, 8, 4):  # qwen3-30b-a3b: 88.2 us, 3102 GB/s (default 91.0 us)
         MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 5), MoeGemmConfig(64, 128, 1, 1, 4, 2)),
-    (128, 2048, 768, 8, 8):  # qwen3-30b-a3b: 135.9 us, 3541 GB/s (default 139.9 us)
-        MoeConfig(16, MoeGemmConfig(64, 256, 1, 1, 4, 3), MoeGemmConfig(64, 128, 1, 1, 4, 3)),
+    (128, 2048, 768, 8, 8):  # qwen3-30b-a3b: 139.1 us, 3528 GB/s (default 141.9 us)
+        MoeConfig(16, MoeGemmConfig(64, 256, 1, 1, 4, 2), MoeGemmConfig(32, 128, 1, 1, 4, 4)),
     (128, 2048, 768, 8, 64):  # qwen3-30b-a3b: 300.0 us, 3932 GB/s (default 301.0 us)
         MoeConfig(16, MoeGemmConfig(32, 128, 1, 1, 4, 4), MoeGemmConfig(32, 128, 1, 1, 4, 4)),
     (128, 2048, 768, 8, 256):  # qwen3-30b-a3b: 329.8 us, 3662 GB/s (default 356.8 us)
@@ -216,10 +216,16 @@ class MoeGemvConfig:
 # ``benchmarks/moe_bench.py`` on one H200: only where the GEMV layer beat the best grouped one,
 # tokens at most MOE_GEMV_MAX_TOKENS, exact token counts (no nearest match).
 # MoeGemvLaunch fields: block_n, block_k, num_warps, num_stages.
-# Empty: the three-launch GEMV path (routing launch, a gate/up GEMV, a down GEMV per token) lost
-# at Qwen3-30B-A3B's shape at 1, 2, 4 and 8 tokens (44.2 against 40.6 us at one token; 2026-12-01);
-# the two-launch path (routing fused into gate/up, down per pair) is not yet measured.
-MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {}
+# Measured 2026-12-01: the two-launch path wins at 1, 2 and 4 tokens of Qwen3-30B-A3B's shape and
+# loses at 8 (148.0 against 139.1 us); Mixtral's shape is not yet measured.
+MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {
+    (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 31.8 us, 2377 GB/s (grouped 36.1 us)
+        MoeGemvConfig(MoeGemvLaunch(16, 256, 8, 1), MoeGemvLaunch(16, 256, 4, 1)),
+    (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 50.3 us, 3002 GB/s (grouped 56.8 us)
+        MoeGemvConfig(MoeGemvLaunch(32, 128, 8, 2), MoeGemvLaunch(64, 128, 8, 1)),
+    (128, 2048, 768, 8, 4):  # qwen3-30b-a3b: 84.2 us, 3248 GB/s (grouped 88.7 us)
+        MoeGemvConfig(MoeGemvLaunch(8, 128, 4, 1), MoeGemvLaunch(16, 256, 4, 1)),
+}
 
 
 def moe_gemv_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
@@ -232,8 +238,10 @@ def moe_gemv_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
 
 
 # (num_experts, top_k, tokens) -> warps of the routing launches, from ``benchmarks/moe_bench.py``'s
-# route sweep on one H200 (exact token counts, no nearest match). Empty: not yet measured.
-ROUTE_NUM_WARPS: dict[tuple[int, int, int], int] = {}
+# route sweep on one H200 (exact token counts, no nearest match); only where it beat the default.
+ROUTE_NUM_WARPS: dict[tuple[int, int, int], int] = {
+    (128, 8, 4): 4,  # qwen3-30b-a3b: 5.9 us (default 8 warps 6.7 us)
+}
 
 
 def default_route_num_warps(pairs_block: int, experts_block: int) -> int:
