@@ -33,11 +33,11 @@ The one-shot all-reduce stays out: it runs only with tensor parallelism, its pro
 flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
 kernels (norms, SiLU-mul, the torch backend's rotary) follow the same switch through Inductor's
 own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 (BENCHMARKS.md,
-2026-12-01, session 11) the whole step with PDL ran W-seed batch 1 in 4.25 ms against 4.43, FP8
-weights 3.25 against 3.58, Gemma-2-9B 6.00 against 6.16 and Qwen3-30B-A3B 3.80 against 3.99, but
-AWQ weights in 4.07 against 3.33 and eight LoRA adapters in 5.15 against 4.97; it becomes the
-default once those two gain too. ``tests/test_kernels_hopper_compile.py``
-checks every kernel's PDL code on the CPU, ``tests/test_pdl.py`` the engine's tokens and logprobs
+2026-12-01, session 13) W-seed batch 1 ran faster with PDL in every row but one: bf16 4.23
+against 4.43 ms, FP8 weights 3.02 against 3.34, AWQ 2.53 against 2.71, Gemma-2-9B 5.73 against
+5.84, Qwen3-30B-A3B 2.85 against 3.08, batch-invariant 4.56 against 4.78; eight LoRA adapters
+ran 5.10 against 4.96. It becomes the default once the LoRA step gains too.
+``tests/test_kernels_hopper_compile.py`` checks every kernel's PDL code on the CPU, ``tests/test_pdl.py`` the engine's tokens and logprobs
 bitwise against PDL off.
 """
 
