@@ -37,8 +37,8 @@ own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 (
 against 4.43 ms, FP8 weights 3.02 against 3.34, AWQ 2.53 against 2.71, Gemma-2-9B 5.73 against
 5.84, Qwen3-30B-A3B 2.85 against 3.08, batch-invariant 4.56 against 4.78; eight LoRA adapters
 ran 5.10 against 4.96. It becomes the default once the LoRA step gains too.
-``tests/test_kernels_hopper_compile.py`` checks every kernel's PDL code on the CPU, ``tests/test_pdl.py`` the engine's tokens and logprobs
-bitwise against PDL off.
+``tests/test_kernels_hopper_compile.py`` checks every kernel's PDL code on the CPU,
+``tests/test_pdl.py`` the engine's tokens and logprobs bitwise against PDL off.
 """
 
 from __future__ import annotations
