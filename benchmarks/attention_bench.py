@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
 
-from gemv_bench import PEAK_BYTES_PER_S, graph_seconds
+from gemv_bench import PEAK_BYTES_PER_S, graph_seconds, precompile
 from pagedlab.kernels.attention_configs import (DECODE_ATTENTION_CONFIGS, DecodeConfig, attention_launch,
                                                 check_decode_config)
 from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES, allocate_split_kv_scratch,
@@ -101,30 +99,6 @@ def decode_call(batch: dict, max_seq_len: int, split: int | None):
                                           split_kv_size=split, out=out, scratch=scratch)
 
 
-def precompile(calls) -> None:
-    """Compile every call's attention kernel on a thread pool without running it (the reduce,
-    one variant, compiles as it runs); a config that fails is left to fail when measured."""
-    import triton
-
-    from pagedlab.kernels import triton_kernels
-
-    kernel = triton_kernels.paged_attention_kernel
-
-    class Warmup:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: kernel.warmup(*args, grid=grid, **kwargs)
-    try:
-        triton_kernels.paged_attention_kernel = Warmup()
-        with (ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool,
-              triton.AsyncCompileMode(pool, ignore_errors=True)):
-            for call in calls:
-                call()
-    except Exception as e:  # e.g. a Triton without AsyncCompileMode: each config compiles as it first runs
-        print(f"  (no parallel compile: {type(e).__name__}: {e})")
-    finally:
-        triton_kernels.paged_attention_kernel = kernel
-
-
 def measure(call, reference: torch.Tensor, kv_bytes: int) -> dict:
     """Time ``call`` (``graph_seconds``) and compare its output with ``reference`` before and
     after the timed calls; a config that does not compile or launch gives its error."""
@@ -170,6 +144,8 @@ def current_config(key: tuple[int, int, int], split: int | None) -> DecodeConfig
 
 def bench_batch(shape: str, batch_name: str, sweep: dict) -> dict:
     """Every candidate of ``sweep`` (under each split mode) on one decode batch of one shape."""
+    from pagedlab.kernels import triton_kernels
+
     num_heads, num_kv_heads, head_dim = SHAPES[shape]
     num_seqs, fewest, most = BATCHES[batch_name]
     key = (head_dim, num_heads // num_kv_heads, KV_BITS)
@@ -188,7 +164,7 @@ def bench_batch(shape: str, batch_name: str, sweep: dict) -> dict:
              for config in candidates(sweep, key, current) for split in modes}
     print(f"{shape} {batch_name}: compiling, checking and timing {len(calls)} launches", flush=True)
     start = time.perf_counter()
-    precompile(calls.values())
+    precompile(triton_kernels, ("paged_attention_kernel",), calls.values())
     compile_s = time.perf_counter() - start
     reference = decode_call(batch, most, modes[0])().float()
     results = [dict(config=asdict(config), split=split, policy_split=split == modes[0],

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, astuple, replace
 
 import torch
@@ -176,6 +178,35 @@ def graph_seconds(fn, calls: int = 16) -> float:
                     fn()
         return graph
     return max(replay_seconds(capture(True)) - replay_seconds(capture(False)), 1e-9) / calls
+
+
+def precompile(module, kernel_names: tuple[str, ...], calls) -> None:
+    """Run every one of ``calls`` with the Triton kernels ``kernel_names`` of ``module`` only
+    compiled, not launched (each becomes its ``warmup``), on a thread pool (Triton's
+    ``AsyncCompileMode``): a sweep's candidates compile in parallel before it times them. Other
+    kernels the calls launch run as usual; a config that fails is left to fail when measured."""
+    import triton
+
+    kernels = {name: getattr(module, name) for name in kernel_names}
+
+    class Warmup:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.kernel.warmup(*args, grid=grid, **kwargs)
+    try:
+        for name, kernel in kernels.items():
+            setattr(module, name, Warmup(kernel))
+        with (ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool,
+              triton.AsyncCompileMode(pool, ignore_errors=True)):
+            for call in calls:
+                call()
+    except Exception as e:  # e.g. a Triton without AsyncCompileMode: each config compiles as it first runs
+        print(f"  (no parallel compile: {type(e).__name__}: {e})")
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
 
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:

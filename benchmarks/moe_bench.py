@@ -32,15 +32,14 @@ mostly timing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import torch
-from gemv_bench import graph_seconds
+from gemv_bench import graph_seconds, precompile
 
 from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_gemv_triton, moe_down_triton,
                                         moe_gate_up_gemv_triton, moe_gate_up_triton, moe_torch,
@@ -202,40 +201,18 @@ def gemv_launchers(logits, top_k: int, renormalize: bool) -> tuple:
 
 
 def precompile_gemv(candidates: dict, x, logits, w13, w2, spec: tuple) -> None:
-    """Compile every GEMV candidate on a thread pool without running it (Triton's
-    ``AsyncCompileMode``); a config that fails is left to fail when measured."""
-    import triton
-
+    """Compile every GEMV candidate of both launches on a thread pool without running it
+    (``gemv_bench.precompile``)."""
     from pagedlab.kernels import fused_moe_kernels
 
     _, _, inter, top_k, renormalize, _ = spec
-    names = ("moe_gate_up_gemv_kernel", "moe_down_gemv_kernel")
-    kernels = {name: getattr(fused_moe_kernels, name) for name in names}
-
-    class Warmup:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.kernel.warmup(*args, grid=grid, **kwargs)
     activated = torch.empty(x.shape[0] * top_k, inter, dtype=x.dtype, device=x.device)
     routing = SimpleNamespace(weights=torch.empty(x.shape[0], top_k, dtype=x.dtype, device=x.device),
                               experts=torch.zeros(x.shape[0], top_k, dtype=torch.int32, device=x.device))
     gate_up, down = gemv_launchers(logits, top_k, renormalize)
-    try:
-        for name, kernel in kernels.items():
-            setattr(fused_moe_kernels, name, Warmup(kernel))
-        with (ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool,
-              triton.AsyncCompileMode(pool, ignore_errors=True)):
-            for launch in candidates["gate_up"]:
-                gate_up(x, w13, routing, launch)
-            for launch in candidates["down"]:
-                down(activated, w2, routing, launch)
-    except Exception as e:  # e.g. a Triton without AsyncCompileMode: each config compiles as it first runs
-        print(f"  (no parallel compile: {type(e).__name__}: {e})")
-    finally:
-        for name, kernel in kernels.items():
-            setattr(fused_moe_kernels, name, kernel)
+    calls = ([functools.partial(gate_up, x, w13, routing, launch) for launch in candidates["gate_up"]]
+             + [functools.partial(down, activated, w2, routing, launch) for launch in candidates["down"]])
+    precompile(fused_moe_kernels, ("moe_gate_up_gemv_kernel", "moe_down_gemv_kernel"), calls)
 
 
 def bench_gemv(x, logits, w13, w2, spec: tuple, reference: torch.Tensor) -> dict:

@@ -255,8 +255,9 @@ _ROUTE_GROUP, _ROUTE_GROUP_FEW_WARPS = 32, 64
 def _bf16_pairs(k: int, launch: MoeGemvLaunch, *tensors: torch.Tensor) -> bool:
     """Whether a GEMV over K ``k`` may read ``tensors`` (x and the weights) as uint32 pairs of
     bf16 values: bf16, K and the K step even, every row and base 4-byte aligned."""
-    return k % 2 == 0 and launch.block_k > 1 and all(t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0
-                              and all(stride % 2 == 0 for stride in t.stride()[:-1]) for t in tensors)
+    aligned = (t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0
+               and all(stride % 2 == 0 for stride in t.stride()[:-1]) for t in tensors)
+    return k % 2 == 0 and launch.block_k > 1 and all(aligned)
 
 
 def _check_gemv_routing(router_logits: torch.Tensor, num_tokens: int, num_experts: int, top_k: int) -> None:
