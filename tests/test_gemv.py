@@ -228,15 +228,17 @@ def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_
         torch.testing.assert_close(captured, out, atol=0, rtol=0)
 
 
-def test_pdl_launch_only_when_switched_on_and_on_hopper(monkeypatch):
+def test_pdl_launch_on_hopper_by_default_and_off_when_switched_off(monkeypatch):
     from pagedlab.kernels import pdl
     monkeypatch.setattr(pdl, "_device_supports_pdl", lambda index: index == 0)
     monkeypatch.delenv("PAGEDLAB_PDL", raising=False)
-    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
-    monkeypatch.setenv("PAGEDLAB_PDL", "1")
-    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
     assert pdl.pdl_launch(torch.device("cuda", 1)) == {"PDL": False}
+    monkeypatch.setenv("PAGEDLAB_PDL", "1")
+    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("PAGEDLAB_PDL", "0")
+    assert pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
 
 
 @pytest.mark.gpu

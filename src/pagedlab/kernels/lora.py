@@ -126,10 +126,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
                         stride_x, stride_a_slot, stride_a_slice, stride_a_rank,
                         stride_h_split, stride_h_slice, stride_h_row,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Program (tile, split, slice): the tile's rows times its slot's A over one K range. PDL:
-    waits first (which A it reads depends on the step's tile table)."""
-    pdl_wait_and_trigger(PDL)
+                        DOT_PRECISION: tl.constexpr):
+    """Program (tile, split, slice): the tile's rows times its slot's A over one K range. Launched
+    without PDL: on an H200 the batch-1 LoRA step ran 4.79 ms with a plain launch here against 5.08
+    with PDL (BENCHMARKS.md, 2026-12-02), every other kernel PDL-launched in both."""
     tile = tl.program_id(0)
     if tile >= tl.load(tiles_ptr):
         return
@@ -226,7 +226,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping,
     _lora_shrink_kernel[grid](
         x, lora_a, h, mapping.sorted_token_ids, mapping.tiles(config.block_m), k, rank, k_per_split,
         x.stride(0), *lora_a.stride()[:3], *h.stride()[:3], BLOCK_M=config.block_m, BLOCK_R=_block_rank(rank),
-        BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype), **pdl_launch(x.device))
+        BLOCK_K=config.block_k, DOT_PRECISION=_dot_precision(x.dtype))
     return h
 
 

@@ -25,18 +25,20 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   with the FP8 epilogue before an FP8 linear);
 - waiting first: paged attention, the split-KV reduces, the KV write (plain, and fused with the
   q/k norms and rotary embedding), the AWQ GEMM, FP8 per-token quantization (alone or
-  reading the SiLU-and-mul), LoRA shrink/expand, the batch-invariant matmul and softmax, the MoE
+  reading the SiLU-and-mul), the LoRA expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the
   step's routing).
 
-The one-shot all-reduce stays out: it runs only with tensor parallelism, its programs spin on
-flags that other GPUs raise, and no multi-GPU race test covers an early start. The torch.compile
+Two kernels stay out. The one-shot all-reduce runs only with tensor parallelism, its programs spin
+on flags that other GPUs raise, and no multi-GPU race test covers an early start. The LoRA shrink
+measured slower with PDL (on an H200, W-seed batch 1 with 8 adapters: 5.08 ms a step with it,
+4.79 without, every other kernel PDL-launched; BENCHMARKS.md, 2026-12-02). The torch.compile
 kernels (norms, SiLU-mul, the torch backend's rotary) follow the same switch through Inductor's
-own PDL code (``layers/fusion.py``). Off unless ``PAGEDLAB_PDL=1``: on an H200 (BENCHMARKS.md,
-2026-12-01, session 13) W-seed batch 1 ran faster with PDL in every row but one: bf16 4.23
-against 4.43 ms, FP8 weights 3.02 against 3.34, AWQ 2.53 against 2.71, Gemma-2-9B 5.73 against
-5.84, Qwen3-30B-A3B 2.85 against 3.08, batch-invariant 4.56 against 4.78; eight LoRA adapters
-ran 5.10 against 4.96. It becomes the default once the LoRA step gains too.
+own PDL code (``layers/fusion.py``). On by default on Hopper and later; ``PAGEDLAB_PDL=0`` turns
+it off. On an H200 (BENCHMARKS.md, 2026-12-01 and 2026-12-02) W-seed batch 1 ran faster with PDL
+in every row: bf16 4.18-4.23 against 4.43 ms, FP8 weights 3.02 against 3.34, AWQ 2.53 against
+2.71, Gemma-2-9B 5.73 against 5.84, Qwen3-30B-A3B 2.83-2.85 against 3.08, batch-invariant 4.56
+against 4.78, eight LoRA adapters 4.79 against 4.96.
 ``tests/test_kernels_hopper_compile.py`` checks every kernel's PDL code on the CPU,
 ``tests/test_pdl.py`` the engine's tokens and logprobs bitwise against PDL off.
 """
@@ -55,9 +57,9 @@ def _device_supports_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: with ``PAGEDLAB_PDL=1``, on a CUDA device of
-    compute capability 9 or more (never the CPU interpreter, which has no ``gdc_*``)."""
-    if device.type != "cuda" or os.environ.get("PAGEDLAB_PDL", "0") != "1":
+    """Whether kernels on ``device`` launch with PDL: on a CUDA device of compute capability 9 or
+    more (never the CPU interpreter, which has no ``gdc_*``) unless ``PAGEDLAB_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("PAGEDLAB_PDL", "1") == "0":
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -11,8 +11,8 @@ which on an H200 made these kernels 1.4-3.9x faster than ``dynamic=True`` (silu-
 8,192 x 28,672: 165 us against 419 us; RoPE over 8,192 tokens: 90 us against 350 us), since
 indexing by a symbolic head size costs integer divisions per element.
 
-Where pagedlab's kernels launch with programmatic dependent launch (``kernels/pdl.py``:
-``PAGEDLAB_PDL=1`` on Hopper), these kernels do too, through Inductor's ``triton.enable_pdl``
+Where pagedlab's kernels launch with programmatic dependent launch (``kernels/pdl.py``: on
+Hopper unless ``PAGEDLAB_PDL=0``), these kernels do too, through Inductor's ``triton.enable_pdl``
 (compiled separately from the PDL-off version, so the switch may change between calls). A torch
 whose Inductor lacks the option compiles them without it. Inductor runs in its deterministic mode:
 the PDL-on and PDL-off kernels, and every process, sum a norm in the same order (the race test in
