@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
+from conftest import KV_BYTES
 
-from pagedlab import workloads
+from pagedlab import LLM, workloads
 from pagedlab.cli import main
 
 
@@ -104,3 +105,30 @@ def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path, ca
         # the physical floor is an H200's: its ratio is printed on a GPU only
         assert (r["over_floor"] > 1) if torch.cuda.is_available() else (r["over_floor"] is None)
         assert r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0
+
+
+def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache(tiny_llama, monkeypatch):
+    """Batch sizes 2 and 3: before each is timed, the bench runs that batch's own prompts for four
+    tokens (so its prefill chunks and decode batches compile outside the timing), and the timed run
+    still computes every prompt: no prefix-cache hit left over from the warm-up."""
+    events = []
+    generate, timed = LLM.generate, workloads.run_pagedlab
+
+    def warm_up(self, prompts, params=None, use_tqdm=True, lora_request=None):
+        events.append(("warm", prompts, params.max_tokens))
+        return generate(self, prompts, params, use_tqdm, lora_request)
+
+    def run(llm, workload, *args, **kwargs):
+        events.append(("timed", workload.prompts, max(workload.output_lens)))
+        return timed(llm, workload, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", warm_up)
+    monkeypatch.setattr(workloads, "run_pagedlab", run)
+    rows = workloads.run_bench("custom", [2, 3], 40, 6, None, ["pagedlab"], model=tiny_llama.path,
+                               engine_args=dict(kv_cache_memory_bytes=KV_BYTES, dtype="float32"),
+                               progress=lambda line: None)
+    two, three = (workloads.make_workload("custom", tiny_llama.hf_model.config.vocab_size, n, 40, 6).prompts
+                  for n in (2, 3))
+    assert events == [("warm", two, 4), ("timed", two, 6), ("warm", three, 4), ("timed", three, 6)]
+    assert [(r.num_requests, r.output_tokens, r.extra["prefix_cache_hit_rate"]) for r in rows] == \
+        [(2, 12, 0.0), (3, 18, 0.0)]
