@@ -328,9 +328,19 @@ KERNEL_CASES = [
 SHAPES = [(256, 136, 32, True), (128, 64, 128, False), (192, 72, 64, True)]
 
 
+# The GEMM's swapped form (the weight tile as the dot's A operand, the rows its N): partial row
+# tiles (17 and 100 rows), one whole one, partial column tiles (72 columns of 64 or 32).
+SWAPPED_CASES = [
+    (17, TileConfig(block_n=64, block_k=32, block_m=32, swap_ab=True)),
+    (64, TileConfig(block_n=32, block_k=16, block_m=64, num_warps=2, swap_ab=True)),
+    (100, TileConfig(block_n=64, block_k=64, block_m=64, num_stages=3, swap_ab=True)),
+]
+
+
 def _case_id(case):
     rows, config = case
     path = "gemm" if rows > 16 else ("dot" if config.block_m else "cuda-cores")
+    path += "-swap" if config.swap_ab else ""
     return f"{path}-M{rows}-n{config.block_n}-k{config.block_k}-split{config.split_k}"
 
 
@@ -348,6 +358,13 @@ def test_triton_matches_torch_float16(w4a16, shape, case):
 def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     rows, config = case
     check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", SWAPPED_CASES, ids=_case_id)
+def test_swapped_gemm_matches_torch(w4a16, case, dtype):
+    rows, config = case
+    check_kernel(w4a16, rows, 192, 72, 64, dtype, True, "swapped", config)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 20, 70])
@@ -421,6 +438,9 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
     (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
     (2, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for one row"),
+    (3, TileConfig(block_n=64, block_k=32, block_m=16, swap_ab=True), "swap_ab=True is for the AWQ GEMM"),
+    (1, TileConfig(block_n=8, block_k=64, swap_ab=True), "swap_ab=True is for the AWQ GEMM only"),
+    (20, TileConfig(block_n=64, block_k=32, swap_ab=True), "the GEMM needs block_m >= 16"),
 ])
 def test_triton_rejects_configs_it_cannot_run(w4a16, rows, config, message):
     _, _, scales, qweight, qzeros = random_awq(64, 64, 32, _generator("bad config"), torch.float32)
@@ -481,6 +501,26 @@ def test_triton_at_llama_size_on_gpu(w4a16, rows, in_features, out_features, cap
         print(f"\nAWQ W4A16 {rows}x{in_features}x{out_features}: {ms * 1e3:.1f} us, "
               f"{moved / ms / 1e6:.0f} GB/s ({moved / ms / 4.8e9:.0%} of 4.8 TB/s); "
               f"dense bf16 matmul {dense_ms * 1e3:.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [TileConfig(128, 64, 1, block_m, 8, 3, True) for block_m in (64, 128, 256)]
+                         + [TileConfig(64, 128, 1, 64, 4, 4, True), TileConfig(64, 128, 1, 256, 8, 4, True)],
+                         ids=str)
+@pytest.mark.parametrize("rows", [64, 100, 256])
+@pytest.mark.parametrize("in_features, out_features", [(4096, 6144), (14336, 4096)])
+def test_swapped_gemm_at_llama_size_on_gpu(w4a16, in_features, out_features, rows, config):
+    """The GEMM's swapped form (wgmma on Hopper, the weights its A operand) compiled for the GPU at
+    Llama-3-8B's qkv and down projections, bf16, groups of 128, whole and partial row tiles,
+    against the float32 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight = torch.randn(in_features, out_features, device="cuda", generator=gen).bfloat16() * 0.02
+    gemm_format = quantize_awq(weight, 128)
+    x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
+    expected = awq_linear_torch(x.float(), gemm_format[0], gemm_format[1], gemm_format[2].float(), 128)
+    out = w4a16.awq_linear_triton(x, *repack_awq(*gemm_format, 128), 128, None, config)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -33,7 +33,9 @@ class TileConfig:
     ``block_m``: 0 multiplies on the CUDA cores with all rows in one program (GEMV only), 16 or
     more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
     GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``, the
-    dense one-row GEMV its next step's weights and activations when ``num_stages >= 4``)."""
+    dense one-row GEMV its next step's weights and activations when ``num_stages >= 4``);
+    ``swap_ab`` (the AWQ GEMM only): the weight tile is the dot's A operand and the rows its N
+    (``w4a16._awq_gemm_kernel``'s SWAP_AB)."""
 
     block_n: int
     block_k: int
@@ -41,6 +43,7 @@ class TileConfig:
     block_m: int = 0
     num_warps: int = 4
     num_stages: int = 2
+    swap_ab: bool = False
 
     def check(self, rows: int, gemv: bool) -> None:
         """Raise ValueError if this config cannot run ``rows`` rows (on the GEMV or GEMM kernel)."""
@@ -58,6 +61,9 @@ class TileConfig:
             raise ValueError(f"{self}: a GEMV program holds every row, {rows} > block_m={self.block_m}")
         if not gemv and (not self.block_m or self.split_k != 1):
             raise ValueError(f"{self}: the GEMM needs block_m >= 16 and split_k=1")
+        if gemv and self.swap_ab:
+            raise ValueError(f"{self}: swap_ab=True is for the AWQ GEMM only (more than {GEMV_MAX_ROWS} "
+                             "rows, block_m >= 16), not a GEMV")
 
 
 def row_bucket(rows: int) -> int:
@@ -76,7 +82,7 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels over the repacked layout
 # (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows takes the dequantizing GEMM only
 # where it is listed (it beat dequantize-then-cuBLAS there); elsewhere the weight is dequantized
-# for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages);
+# for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages[, swap_ab]);
 # comments: microseconds, and the share of 4.8 TB/s of the int4 weights, zero points, scales and
 # activations read. The 2-16-row tl.dot path ran at about half cuBLAS's speed on the 16-bit
 # weights there.

@@ -242,10 +242,15 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
                      GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
     """Program (row tile, column tile) of the output. Row tiles vary fastest over the grid, so
     programs running together share a weight tile (dequantized from L2, read from HBM once).
-    PDL: waits first (a prefill-sized GEMM has nothing to gain from one early weight tile)."""
+    PDL: waits first (a prefill-sized GEMM has nothing to gain from one early weight tile).
+
+    SWAP_AB computes the transposed tile, ``acc[BLOCK_N, BLOCK_M] += w @ x.T``, and transposes it
+    for the epilogue: the dequantized weight (made in registers) is the dot's A operand, which
+    Hopper's wgmma takes from registers (B only from shared memory, where the plain form must
+    store each weight tile first), and the rows (a decode batch's 17-256 tokens) are wgmma's N."""
     pdl_wait_and_trigger(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -255,14 +260,22 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     n_valid = offs_n < N
     columns = offs_n.to(tl.int64)[:, None]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
                               scales_ptr + columns * stride_scales, n_valid, k_start, K, w_bits, GROUP_SIZE,
                               BLOCK_N, BLOCK_K).to(DOT_DTYPE)
         x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
 
@@ -376,5 +389,5 @@ def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         x, qweight, qzeros, scales, out if bias is None else bias, out, rows, out.shape[1], in_features,
         x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, **dot_settings(x),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab, **dot_settings(x),
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
