@@ -57,6 +57,18 @@ AWQ_ONE_ROW_BLOCK_K = (512, 1024, 2048, 4096)
 # The AWQ one-row tiles' int32 words a thread holds a K step. In the sm_90 SASS of the loop,
 # 8 to 32 take 4.2-5.4 instructions a weight (128 registers at most, no spills); 2 take 8.6.
 AWQ_WORDS_PER_THREAD = (8, 32)
+# The AWQ GEMM's tiles (block_m rows, block_n columns, block_k, warps, stages; block_k capped at the
+# group size). K steps of 128 read 64 contiguous bytes of each column's words, of 64 only 32.
+AWQ_GEMM_TILES = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
+                  (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
+                  (64, 256, 128, 8, 3), (128, 256, 128, 8, 3)]
+# Its swapped form's (``swap_ab``): block_n (the weight tile) is wgmma's M, block_m (the rows) its
+# N. None spills in ptxas for sm_90a (bf16, groups of 128, 68-254 registers); 256 x 128 tiles on 4
+# warps spilled 2.9 KB, 256 x 64 x 128 on 4 warps 76 bytes.
+AWQ_SWAPPED_GEMM_TILES = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+                          (64, 128, 128, 8, 3), (128, 64, 64, 4, 4), (128, 64, 128, 8, 4),
+                          (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 64, 128, 8, 4),
+                          (256, 128, 64, 8, 3)]
 
 
 # Linears the quantized models keep in 16 bits: the LM head (AWQ and FP8 checkpoints keep it so)
@@ -86,14 +98,14 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
     """The sweep of the kernels over the repacked layout: for one row ``awq_one_row_tiles``, each
     also with K cut for about 2 programs per SM where its column tiles alone make fewer; for 2 to
     16 rows tl.dot tiles with K steps of one group at most, K cut for about 1, 2 and 4 programs
-    per SM; more rows Hopper-sized GEMM tiles. The default heuristic's choice first."""
+    per SM; more rows Hopper-sized GEMM tiles, in both of the GEMM's forms (AWQ_GEMM_TILES and
+    AWQ_SWAPPED_GEMM_TILES, those of at most ``max(64, rows)`` rows). The default heuristic's
+    choice first."""
     if rows > GEMV_MAX_ROWS:
-        # K steps of 128 read 64 contiguous bytes of each column's words, of 64 only 32
-        tiles = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3),
-                 (128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
-                 (64, 256, 128, 8, 3), (128, 256, 128, 8, 3)]
-        found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s)
-                 for m, bn, bk, w, s in tiles if m <= max(64, rows)]
+        tiles = [(*t, False) for t in AWQ_GEMM_TILES] + [(*t, True) for t in AWQ_SWAPPED_GEMM_TILES]
+        found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s,
+                            swap_ab=swap)
+                 for m, bn, bk, w, s, swap in tiles if m <= max(64, rows)]
     elif rows == 1:
         found = []
         for tile in awq_one_row_tiles(k):
@@ -397,8 +409,22 @@ def format_record(record: dict) -> str:
             tail = f" [default {default['us']:.1f} us] {config}" if default else ""
             parts.append(f"{path} {_describe(best)}{speed}{tail}")
     if "awq_dequant" in record:
+        forms = gemm_forms(record["awq"])
+        parts.append(f"awq GEMM plain {_describe(forms.get('plain'))}; "
+                     f"swapped {_describe(forms.get('swap_ab'))}")
         parts.append(f"awq dequantize + cuBLAS {_describe(record['awq_dequant'])}")
     return "\n    ".join(parts)
+
+
+def gemm_forms(awq: dict) -> dict:
+    """The fastest correct candidate of each form of the AWQ GEMM in ``awq`` (a ``sweep``):
+    ``plain`` and ``swap_ab``; a form without one is left out."""
+    found = {}
+    for result in awq["candidates"]:
+        form = "swap_ab" if result["config"].get("swap_ab") else "plain"
+        if result["ok"] and result["us"] < found.get(form, {}).get("us", float("inf")):
+            found[form] = result
+    return found
 
 
 def bf16_choice(record: dict) -> tuple[str, float]:
@@ -434,8 +460,10 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
 
 
 def config_text(config: TileConfig) -> str:
-    """``config`` as the tables spell it: its fields in order, positional."""
-    return f"TileConfig{astuple(config)}"
+    """``config`` as the tables spell it: its fields in order, positional (``swap_ab`` only where set,
+    so that the other entries keep their six fields)."""
+    fields = astuple(config)
+    return f"TileConfig{fields if config.swap_ab else fields[:-1]}"
 
 
 def linear_times(record: dict) -> dict:

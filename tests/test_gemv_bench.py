@@ -146,6 +146,44 @@ def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are
             check_awq_config(config, rows, group_size)
 
 
+@pytest.mark.parametrize("rows", [17, 64, 256])
+def test_awq_gemm_candidates_sweep_both_forms_in_at_most_20(rows):
+    """Over GEMV_MAX_ROWS rows: the plain and the swapped GEMM tiles (block_n 64 or 128, the
+    rows' tiles no larger than max(64, rows)), every one accepted by the kernel."""
+    found = gemv_bench.awq_candidates(rows, 4096, 14336, 128, H200_SMS)
+    swapped = [c for c in found if c.swap_ab]
+    assert len(found) <= 20 and len(swapped) >= 4 and len(found) - len(swapped) >= 4
+    assert all(c.block_n in (64, 128) and c.block_k in (64, 128) for c in swapped)
+    assert {c.block_m for c in swapped} == ({64, 128, 256} if rows == 256 else {64})
+    for config in found:
+        check_awq_config(config, rows, 128)
+    assert {c.block_k for c in gemv_bench.awq_candidates(rows, 4096, 4096, 64, H200_SMS)} == {64}
+
+
+def test_config_text_spells_swap_ab_only_where_set():
+    swapped = TileConfig(128, 64, block_m=64, num_warps=8, num_stages=3, swap_ab=True)
+    assert gemv_bench.config_text(swapped) == "TileConfig(128, 64, 1, 64, 8, 3, True)"
+    assert gemv_bench.config_text(TileConfig(8, 512)) == "TileConfig(8, 512, 1, 0, 4, 2)"
+    assert eval(gemv_bench.config_text(swapped)) == swapped
+
+
+def test_format_record_names_the_fastest_correct_config_of_each_gemm_form():
+    def result(us, ok, **config):
+        return dict(us=us, gbps=1.0, peak_fraction=0.5, max_error=0.0, ok=ok,
+                    config=vars(TileConfig(128, 64, block_m=64, **config)))
+    candidates = [result(30.0, True), result(20.0, False, swap_ab=True), result(25.0, True, swap_ab=True),
+                  result(28.0, True, num_warps=8)]
+    forms = gemv_bench.gemm_forms(dict(candidates=candidates))
+    assert forms["plain"]["us"] == 28.0 and forms["swap_ab"]["us"] == 25.0
+    assert gemv_bench.gemm_forms(dict(candidates=candidates[:1])).keys() == {"plain"}
+    record = dict(tp=1, layer="qkv", n=64, k=64, rows=64, cublas=dict(us=20.0, gbps=1.0, peak_fraction=0.5),
+                  awq=dict(best=candidates[2], default=candidates[0], candidates=candidates),
+                  awq_dequant=dict(us=27.0, gbps=1.0, peak_fraction=0.5))
+    text = gemv_bench.format_record(record)
+    assert "awq GEMM plain    28.0 us" in text and "swapped    25.0 us" in text
+    assert "swap_ab=True" in text and "awq dequantize + cuBLAS    27.0 us" in text
+
+
 def test_one_row_tiles_run_and_match_torch():
     """Every new dense and FP8 tile (K ragged against every block_k, N against block_n) and the
     AWQ ones, on the kernels the bench times."""
