@@ -79,7 +79,11 @@ KERNELS = {
                          reads_before_wait=True),
     "awq_gemm": Spec("w4a16", "_awq_gemm_kernel",
                      dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
-                          DOT_DTYPE="bf16", **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
+                          DOT_DTYPE="bf16", SWAP_AB=False, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
+    # the weight tile as the dot's A operand, the rows its N
+    "awq_gemm_swap": Spec("w4a16", "_awq_gemm_kernel",
+                          dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+                               DOT_DTYPE="bf16", SWAP_AB=True, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
     "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=128),
                            dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
     "paged_attention": Spec("triton_kernels", "paged_attention_kernel",
@@ -253,6 +257,19 @@ def test_kernel_compiles_for_hopper_with_its_pdl_wait_before_any_global_write(pt
     if not KERNELS[name].reads_before_wait:  # a kernel that waits first reads nothing before it either
         first_read = _READ.search(ptx)
         assert first_read is None or wait < first_read.start(), f"{name} reads before its wait"
+
+
+# a wgmma's accumulator registers, then its A operand: registers ({...}) or a shared-memory descriptor
+_WGMMA_A = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*([{%])")
+
+
+def test_awq_gemm_swapped_form_feeds_wgmma_the_weights_from_registers(ptx_dir):
+    """Both forms of the AWQ GEMM multiply on wgmma; the plain one reads its A operand (the
+    activations) from shared memory, the swapped one takes A (the dequantized weight tile) from
+    registers."""
+    plain, swapped = ((ptx_dir / f"{name}-nopdl.ptx").read_text() for name in ("awq_gemm", "awq_gemm_swap"))
+    assert "mma.sync" not in plain + swapped
+    assert set(_WGMMA_A.findall(plain)) == {"%"} and set(_WGMMA_A.findall(swapped)) == {"{"}
 
 
 def test_every_pdl_kernel_of_the_package_is_checked_and_needs_its_flag():
