@@ -26,7 +26,9 @@ launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table,
   (``block_m == 16``) go through ``tl.dot``, a K step within one group.
 - more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile of
   the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds
-  ``tl.dot`` with fp32 accumulation.
+  ``tl.dot`` with fp32 accumulation, as its B operand (``x @ w.T``) or, where the config sets
+  ``swap_ab``, as its A operand (``w @ x.T``, the rows on the dot's N: Hopper's wgmma takes A from
+  registers); the table holds the form ``benchmarks/gemv_bench.py`` measured faster for the shape.
 - more rows otherwise (prefill chunks, most large decode batches): one kernel writes the
   dequantized weight ``[N, K]`` and cuBLAS multiplies (``F.linear``). All three read the same
   repacked tensors: the model holds one copy of its weights.
@@ -247,10 +249,16 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     programs running together share a weight tile (dequantized from L2, read from HBM once).
     PDL: waits first (a prefill-sized GEMM has nothing to gain from one early weight tile).
 
-    SWAP_AB computes the transposed tile, ``acc[BLOCK_N, BLOCK_M] += w @ x.T``, and transposes it
-    for the epilogue: the dequantized weight (made in registers) is the dot's A operand, which
-    Hopper's wgmma takes from registers (B only from shared memory, where the plain form must
-    store each weight tile first), and the rows (a decode batch's 17-256 tokens) are wgmma's N."""
+    SWAP_AB computes the transposed tile, ``acc[BLOCK_N, BLOCK_M] += w @ x.T``, transposed for the
+    epilogue: the dequantized weight is the dot's A operand and the rows (a decode batch's 17-256
+    tokens) its N. For sm_90 (Triton 3.9, bf16, groups of 128) both forms compile to wgmma; the
+    plain form stores each weight tile to shared memory, where wgmma reads it as B (x as A); the
+    swapped form's wgmma takes the weights from registers, yet they still pass through shared
+    memory each K step (stored, then ldmatrix into wgmma's A fragments: the layout the words were
+    loaded in is not wgmma's), and each K step's wgmmas run as two groups, the first still running
+    while the second is issued. In both the pipeliner copies x (num_stages buffers), the weight and
+    zero-point words with cp.async (the scales are plain loads). tests/test_kernels_hopper_compile.py
+    checks the operands."""
     pdl_wait_and_trigger(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
