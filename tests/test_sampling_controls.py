@@ -19,7 +19,7 @@ class _Row:
     """The parts of a scheduled request the sampler's metadata reads."""
 
     def __init__(self, params: SamplingParams):
-        self.sampling_params, self.generator = params, None
+        self.sampling_params, self.seed = params, None
         self.output_token_ids, self.prompt_token_ids, self.eos_token_ids = [], [1], []
         self.num_output_tokens = self.num_pending_tokens = 0
         self.bad_words_token_ids, self.grammar = [], None
@@ -43,11 +43,13 @@ def test_logits_controls_match_torch_reference():
             want[row] = masked
         for token, b in (p.logit_bias or {}).items():
             want[row, token] += b
-    meta = build_sampling_metadata([_Row(p) for p in params], HostToDevice(torch.device("cpu")), VOCAB)
+    meta = build_sampling_metadata([_Row(p) for p in params], HostToDevice(torch.device("cpu")), VOCAB,
+                                   [0] * len(params), 0)
     tokens = Sampler()(logits.clone(), meta).token_ids
     assert tokens.tolist() == want.argmax(-1).tolist()
     assert tokens[1].item() in allowed and tokens[3].item() in allowed[:3]
-    plain = build_sampling_metadata([_Row(SamplingParams())], HostToDevice(torch.device("cpu")), VOCAB)
+    plain = build_sampling_metadata([_Row(SamplingParams())], HostToDevice(torch.device("cpu")), VOCAB,
+                                    [0], 0)
     assert plain.logit_bias is None and plain.allowed_token_ids is None  # nothing to pay without them
 
 

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from pagedlab.engine.step_inputs import row_seeds
 from pagedlab.kernels.sampling import (gumbel_scores_torch, philox4x32, philox_uniforms, sample_tokens,
                                        sample_tokens_torch)
 
@@ -164,6 +166,23 @@ def test_triton_launcher_checks_its_own_limits():
         sample_tokens_triton(torch.zeros(5, 2).t(), *args)
     with pytest.raises(ValueError, match="block=48"):
         sample_tokens_triton(torch.zeros(2, 5), *args, block=48)
+
+
+def test_row_seeds_of_seeded_requests_depend_on_seed_and_position_only():
+    step_a, step_b = 7, (1 << 64) - 3
+    seeded = row_seeds([5, 5, 6, INT64_MIN], [0, 1, 0, 3], step_a)
+    assert seeded.dtype == np.int64 and len(set(seeded.tolist())) == 4
+    # the same (seed, position) anywhere in any batch, whatever the step
+    moved = row_seeds([None, 6, None, 5], [9, 0, 2, 1], step_b)
+    assert moved[1] == seeded[2] and moved[3] == seeded[1]
+    assert row_seeds([INT64_MAX + 1], [3], 1)[0] == seeded[3]  # seeds count modulo 2**64
+
+
+def test_row_seeds_of_unseeded_rows_follow_the_step_seed_and_row():
+    a = row_seeds([None, None, 3], [0, 0, 0], step_seed=11)
+    assert a[0] != a[1]
+    assert row_seeds([None, None], [5, 8], step_seed=11).tolist() == a[:2].tolist()  # positions unused
+    assert row_seeds([None], [0], step_seed=12)[0] != a[0]
 
 
 @pytest.mark.gpu
