@@ -35,26 +35,20 @@ _LOW32 = 0xFFFFFFFF
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The high and low 32 bits of ``a * b`` (``a`` a 32-bit constant, ``b`` int64 holding uint32
-    values), through ``a``'s 16-bit halves: the whole product could overflow int64."""
-    high = (a >> 16) * b
-    low = (a & 0xFFFF) * b
-    return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _LOW32
-
-
 def philox4x32(counter: torch.Tensor, seed: torch.Tensor) -> list[torch.Tensor]:
     """Triton's ``randint4x``: Philox4x32-10 of the counter ``(counter, 0, 0, 0)`` under the key
     ``(seed & 0xFFFFFFFF, seed >> 32)`` of the 64-bit ``seed``. int64 tensors (broadcast against
-    each other) holding uint32 values in; four such tensors out."""
+    each other) holding uint32 values in; four such tensors out. A round's 32 x 32-bit products
+    are int64 products, which wrap modulo 2**64 and so keep every bit of the unsigned ones."""
     k0, k1 = seed & _LOW32, (seed >> 32) & _LOW32
     shape = torch.broadcast_shapes(counter.shape, seed.shape)
     c0 = counter.expand(shape)
     c1 = c2 = c3 = torch.zeros(shape, dtype=torch.int64, device=counter.device)
     for _ in range(PHILOX_ROUNDS):
-        high_b, low_b = _mul_hi_lo(PHILOX_ROUND_B, c2)
-        high_a, low_a = _mul_hi_lo(PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
+        product_b, product_a = c2 * PHILOX_ROUND_B, c0 * PHILOX_ROUND_A
+        c0 = (product_b >> 32).bitwise_and_(_LOW32).bitwise_xor_(c1).bitwise_xor_(k0)
+        c2 = (product_a >> 32).bitwise_and_(_LOW32).bitwise_xor_(c3).bitwise_xor_(k1)
+        c1, c3 = product_b.bitwise_and_(_LOW32), product_a.bitwise_and_(_LOW32)
         k0, k1 = (k0 + PHILOX_KEY_A) & _LOW32, (k1 + PHILOX_KEY_B) & _LOW32
     return [c0, c1, c2, c3]
 
