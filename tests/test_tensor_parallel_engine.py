@@ -98,11 +98,47 @@ def test_a_killed_worker_is_an_error_naming_it_and_nothing_is_left(tiny_llama):
     assert len(workers) == 1
     os.kill(workers[0].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 .* exited"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert time.monotonic() - start < 30
-    llm.close()
+    try:
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 .* exited"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.close()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+
+
+class _ExitingProcess:
+    """A worker between closing its pipes and being reaped: its sentinel is ready, yet is_alive()
+    says yes until it is joined (the window a loaded machine stretches)."""
+
+    def __init__(self):
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        self.sentinel, self.pid, self.exitcode, self.joined = read_end, 4242, None, False
+
+    def join(self, timeout=None):
+        self.joined, self.exitcode = True, -9
+
+    def is_alive(self):
+        return not self.joined
+
+
+def test_a_transport_error_while_a_worker_exits_names_the_worker():
+    from multiprocessing import Pipe
+
+    from pagedlab.engine.tensor_parallel import TensorParallelWorkers
+
+    workers = TensorParallelWorkers.__new__(TensorParallelWorkers)
+    process, (parent_end, child_end) = _ExitingProcess(), Pipe()
+    workers.processes, workers.connections = [process], [parent_end]
+    try:
+        error = workers.explain(RuntimeError("Connection reset by peer"), grace_s=0.5)
+    finally:
+        os.close(process.sentinel)
+        parent_end.close()
+        child_end.close()
+    assert isinstance(error, RuntimeError)
+    assert str(error).startswith("tensor-parallel worker rank 1 (pid 4242) exited with code -9")
 
 
 def test_close_stops_the_workers_and_bad_sizes_are_named(tiny_llama):

@@ -157,8 +157,12 @@ class TensorParallelWorkers(TensorParallelExecutor):
         return results
 
     def explain(self, error: Exception, grace_s: float = 2.0) -> Exception:
-        wait([p.sentinel for p in self.processes], grace_s)
+        ready = wait([p.sentinel for p in self.processes], grace_s)
         for rank, process in enumerate(self.processes, 1):
+            if process.sentinel in ready:
+                # A dying process closes its pipes and sockets before it can be reaped: until the
+                # join, is_alive() may still say yes (seen under load, the transport error raised raw)
+                process.join(grace_s)
             if not process.is_alive():
                 return self._death(rank, process)
         return error
