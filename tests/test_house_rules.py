@@ -42,6 +42,8 @@ LAZY_INTERNAL = {
                                         "kernels are decorated",
     "pagedlab.kernels.w4a16": "AWQ linears on CUDA: triton is optional on the CPU, and the interpreter "
                               "must be settled before its kernels are decorated",
+    "pagedlab.kernels.sampling_kernels": "Gumbel-max sampling on CUDA: triton is optional on the CPU, whose "
+                                         "engine samples through the torch reference",
     "pagedlab.kernels.lora": "LoRA shrink/expand on CUDA: triton is optional on the CPU, and the interpreter "
                              "must be settled before its kernels are decorated",
 }

@@ -151,6 +151,13 @@ KERNELS = {
                           reads_before_wait=True),
     "softmax": Spec("batch_invariant", "_softmax_kernel", dict(LOG=True, BLOCK=4096), dict(out_ptr=_F),
                     num_warps=8),
+    # W-nano's sampling: 256 rows of Qwen3's 151,936 bf16 logits in 3 chunks, then their fold
+    "gumbel_argmax_chunk": Spec("sampling_kernels", "gumbel_argmax_chunk_kernel",
+                                dict(BLOCK=1024, FINAL=False),
+                                dict(temperature_ptr=_F, seed_ptr="*i64", best_value_ptr=_F,
+                                     best_index_ptr=_I, out_ptr="*i64")),
+    "gumbel_argmax_fold": Spec("sampling_kernels", "gumbel_argmax_fold_kernel", dict(CHUNKS=4),
+                               dict(best_value_ptr=_F, best_index_ptr=_I, out_ptr="*i64"), num_warps=1),
     "moe_route": Spec("fused_moe_kernels", "moe_route_kernel",
                       dict(TOP_K=8, RENORMALIZE=True, TOKENS_BLOCK=1, EXPERTS_BLOCK=128, TOP_K_BLOCK=8,
                            ALIGN=True, BLOCK_M=16), _ROUTING),

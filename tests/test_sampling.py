@@ -10,6 +10,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
+from pagedlab.engine.step_inputs import row_seeds
+from pagedlab.kernels.sampling import sample_tokens_torch
 from pagedlab.layers.sampler import SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p
 
 VOCAB = 300
@@ -58,8 +60,7 @@ def _penalty_meta(prompt, output, presence=0.0, frequency=0.0, repetition=1.0):
     rows = len(prompt)
     pad = lambda seqs: torch.tensor([s + [VOCAB] * (max(map(len, seqs)) - len(s)) for s in seqs])  # noqa: E731
     return SamplingMetadata(
-        temperature=torch.ones(rows), greedy=torch.zeros(rows, dtype=torch.bool), top_k=None, top_p=None,
-        min_p=None, generators=[None] * rows, all_greedy=False,
+        temperature=torch.ones(rows), seeds=torch.zeros(rows, dtype=torch.int64),
         presence_penalty=torch.full((rows,), presence), frequency_penalty=torch.full((rows,), frequency),
         repetition_penalty=torch.full((rows,), repetition), output_token_ids=pad(output),
         prompt_token_ids=pad(prompt))
@@ -185,3 +186,64 @@ def test_stop_strings_on_smollm2(smollm2_dir, smollm2_hf):
                              add_special_tokens=False).input_ids
     assert chat.prompt_token_ids == expected_ids
     assert chat.outputs[0].text
+
+
+def _reference_draws(model, prompt: list[int], seed: int, temperature: float, count: int) -> list[int]:
+    """What the sampler's torch reference draws from HF float32 logits, token after token, with
+    the row seeds the engine gives a request seeded ``seed``: its k-th token keyed by (seed, k)."""
+    tokens: list[int] = []
+    for k in range(count):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[:, -1].float()
+        seeds = torch.from_numpy(row_seeds([seed], [k], step_seed=0))
+        tokens.append(int(sample_tokens_torch(logits, torch.tensor([temperature]), seeds)[0]))
+    return tokens
+
+
+def test_seeded_tokens_are_the_reference_draws_on_hf_logits(tiny_llama):
+    """Completion i of a request seeded s samples its k-th token with the noise of (s + i, k): the
+    engine's tokens are the reference sampler's on HF's logits, the GPU kernel's for those logits."""
+    prompts = random_prompts(2, max_len=20, seed=70)
+    params = SamplingParams(temperature=0.8, seed=99, n=2, max_tokens=8, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        for c in out.outputs:
+            assert c.token_ids == _reference_draws(tiny_llama.hf_model, prompt, 99 + c.index, 0.8, 8)
+
+
+def test_seeded_plain_request_ignores_its_batch_its_engine_and_preemption(tiny_llama):
+    """A seeded request with plain temperature (the draw straight from the logits) gives the same
+    tokens alone, beside rows that are unseeded, seeded, top-p or penalised (which rewrite their
+    logits first), and on an engine that runs ahead asynchronously and preempts it."""
+    target = random_prompts(1, max_len=20, seed=71)[0]
+    params = SamplingParams(temperature=0.9, seed=2024, max_tokens=20, ignore_eos=True)
+    others = random_prompts(24, max_len=60, seed=72)
+    other_params = [SamplingParams(temperature=0.8, seed=None if i % 3 == 0 else i,
+                                   top_p=0.9 if i % 2 else 1.0, presence_penalty=0.5 if i % 5 == 0 else 0.0,
+                                   max_tokens=10 + i % 15, ignore_eos=True) for i in range(24)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+        mixed = llm.generate(others[:7] + [target] + others[7:],
+                             other_params[:7] + [params] + other_params[7:], use_tqdm=False)
+    batch = mixed[7].outputs[0].token_ids
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES // 64, max_model_len=128, max_num_seqs=12,
+             max_num_batched_tokens=64, async_scheduling=True) as llm:
+        squeezed = llm.generate(others + [target], other_params + [params], use_tqdm=False)[-1]
+        preemptions = llm.get_stats().num_preemptions
+    assert preemptions > 0
+    assert alone == batch == squeezed.outputs[0].token_ids
+
+
+def test_engine_seed_reproduces_unseeded_sampling(tiny_llama):
+    """Requests without a seed draw from the engine's seed: the same seed and workload give the same
+    tokens, another seed others, and rows of one step never share noise."""
+    prompts = random_prompts(1, max_len=30, seed=73) * 4
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for seed in (3, 3, 4):
+        with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, seed=seed) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([tuple(o.outputs[0].token_ids) for o in outs])
+    assert runs[0] == runs[1] != runs[2]
+    assert len(set(runs[0])) == 4

@@ -9,6 +9,8 @@ import torch
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
+from pagedlab.kernels.sampling import sample_tokens_torch
+from pagedlab.layers import sampler as sampler_module
 from pagedlab.layers.sampler import Sampler
 from pagedlab.sampling_params import UnknownArgumentError
 
@@ -19,7 +21,7 @@ class _Row:
     """The parts of a scheduled request the sampler's metadata reads."""
 
     def __init__(self, params: SamplingParams):
-        self.sampling_params, self.generator = params, None
+        self.sampling_params, self.seed = params, None
         self.output_token_ids, self.prompt_token_ids, self.eos_token_ids = [], [1], []
         self.num_output_tokens = self.num_pending_tokens = 0
         self.bad_words_token_ids, self.grammar = [], None
@@ -43,12 +45,40 @@ def test_logits_controls_match_torch_reference():
             want[row] = masked
         for token, b in (p.logit_bias or {}).items():
             want[row, token] += b
-    meta = build_sampling_metadata([_Row(p) for p in params], HostToDevice(torch.device("cpu")), VOCAB)
+    meta = build_sampling_metadata([_Row(p) for p in params], HostToDevice(torch.device("cpu")), VOCAB,
+                                   [0] * len(params), 0)
     tokens = Sampler()(logits.clone(), meta).token_ids
     assert tokens.tolist() == want.argmax(-1).tolist()
     assert tokens[1].item() in allowed and tokens[3].item() in allowed[:3]
-    plain = build_sampling_metadata([_Row(SamplingParams())], HostToDevice(torch.device("cpu")), VOCAB)
+    plain = build_sampling_metadata([_Row(SamplingParams())], HostToDevice(torch.device("cpu")), VOCAB,
+                                    [0], 0)
     assert plain.logit_bias is None and plain.allowed_token_ids is None  # nothing to pay without them
+
+
+def test_plain_rows_draw_from_the_logits_as_they_are_and_filters_touch_only_their_rows(monkeypatch):
+    """Temperature and greedy rows hand the model's bf16 logits to the draw uncopied; a top-p row
+    makes the sampler rewrite a float32 copy, in which only that row's dropped tokens change, so
+    the other rows keep their tokens."""
+    seen = []
+
+    def spy(logits, temperature, seeds):
+        seen.append(logits)
+        return sample_tokens_torch(logits, temperature, seeds)
+
+    monkeypatch.setattr(sampler_module, "sample_tokens", spy)
+    logits = (torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1)) * 2).bfloat16()
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=1.2)]
+    cpu = HostToDevice(torch.device("cpu"))
+    meta = build_sampling_metadata([_Row(p) for p in plain], cpu, VOCAB, [0] * 3, 5)
+    tokens = Sampler()(logits, meta).token_ids
+    assert seen[-1] is logits
+    filtered = plain[:2] + [SamplingParams(temperature=1.2, top_p=0.5)]
+    meta = build_sampling_metadata([_Row(p) for p in filtered], cpu, VOCAB, [0] * 3, 5)
+    assert Sampler()(logits, meta).token_ids[:2].tolist() == tokens[:2].tolist()
+    rewritten = seen[-1]
+    assert rewritten.dtype == torch.float32 and torch.equal(rewritten[:2], logits[:2].float())
+    kept = rewritten[2].isfinite()
+    assert 0 < kept.sum() < VOCAB and torch.equal(rewritten[2, kept], logits[2, kept].float())
 
 
 def test_logit_bias_and_allowed_token_ids_match_hf_generate(tiny_llama):

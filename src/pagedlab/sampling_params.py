@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pagedlab.names import did_you_mean
 
 _GREEDY_EPS = 1e-5
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed must fit torch.Generator.manual_seed
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer (the noise's Philox key)
 
 
 def _check(cond: bool, name: str, value, allowed: str) -> None:
@@ -105,8 +105,9 @@ GuidedDecodingParams = StructuredOutputsParams
 class SamplingParams:
     """How to sample one request's completion(s).
 
-    ``temperature=0`` means greedy. ``seed`` gives the request its own random generator, so
-    the same seed gives the same tokens whether the request runs alone or among others.
+    ``temperature=0`` means greedy. ``seed`` gives the request its own sampling noise (completion
+    ``i`` of ``n`` seeded by ``seed + i``, its k-th token by that and k), so the same seed gives the
+    same tokens whether the request runs alone or among others, on any engine.
     ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
     generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first.
     Log-probabilities are those of the raw model distribution, before penalties and temperature.

@@ -247,8 +247,7 @@ class LLMEngine:
                     arrival_time=arrival_time, lora_request=lora_request, bad_words_token_ids=bad_words,
                     grammar=(self.grammar_compiler.matcher(params.structured_outputs)
                              if params.structured_outputs is not None else None),
-                    generator=torch.Generator(device=self.device).manual_seed(params.seed + index)
-                    if params.seed is not None else None)
+                    seed=params.seed + index if params.seed is not None else None)
             for index in range(params.n)]
         self.output_processor.add_request(request_id, prompt, children)
         for child in children:

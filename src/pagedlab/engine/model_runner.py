@@ -67,6 +67,7 @@ class StepInputs:
     pending_sources: list[int] = field(default_factory=list)  # its row in that step's sampled ids
     sample_rows: list[int] = field(default_factory=list)  # token index of each sampling request's last token
     sampled: list[Request] = field(default_factory=list)
+    sample_positions: list[int] = field(default_factory=list)  # output tokens before each sampled one
     prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
     prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
 
@@ -166,7 +167,9 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._profiled_peaks: dict[tuple[int, int], tuple[int, int]] = {}
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.sampler = Sampler()
+        # one seed per sampling step for the rows of requests without their own (step_inputs.row_seeds)
+        self.step_seeds = np.random.Generator(np.random.PCG64(seed % (1 << 64)))
         self.to_device = HostToDevice(device)
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
         self.lora: LoRAManager | None = None  # with enable_lora
@@ -427,7 +430,7 @@ class ModelRunner:
             hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
             rows = inputs.sample_rows + inputs.prompt_rows
             if rows:
-                logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)]).float()
+                logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
         step = LaunchedStep(batch, inputs.sampled)
         if rows:
             step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
@@ -449,8 +452,9 @@ class ModelRunner:
             return
         (inputs, logits), step.unsampled = step.unsampled, None
         with self.ranges.range("sample"):
-            meta = build_sampling_metadata(inputs.sampled, self.to_device, self.vocab_size) \
-                if inputs.sampled else None
+            meta = build_sampling_metadata(
+                inputs.sampled, self.to_device, self.vocab_size, inputs.sample_positions,
+                int(self.step_seeds.integers(1 << 64, dtype=np.uint64))) if inputs.sampled else None
         if self.device.type == "cuda":
             staged = torch.cuda.Event()
             staged.record()
@@ -500,6 +504,7 @@ class ModelRunner:
             if batch.samples(i):
                 inputs.sampled.append(request)
                 inputs.sample_rows.append(offset + n - 1)
+                inputs.sample_positions.append(start + n - request.num_prompt_tokens)
         return inputs
 
     def _input_ids(self, inputs: StepInputs, previous: LaunchedStep | None) -> torch.Tensor:

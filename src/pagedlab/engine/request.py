@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedlab.engine.structured_output import RequestGrammar
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import RequestMetrics
@@ -44,7 +42,7 @@ class Request:
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
-    generator: torch.Generator | None = None  # per-request seed
+    seed: int | None = None  # SamplingParams.seed + index: keys its sampling noise (step_inputs.row_seeds)
     lora_request: LoRARequest | None = None  # the adapter it runs with, None for the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
     grammar: RequestGrammar | None = None  # structured outputs: a RequestGrammar fed every kept token

@@ -73,31 +73,21 @@ class HostToDevice:
         return self.staging.to_device(values, dtype)
 
 
-def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
-                            vocab_size: int) -> SamplingMetadata:
-    """The sampler's settings for one row per request (temperature, top-k/p, min-p, generators,
+def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vocab_size: int,
+                            positions: list[int], step_seed: int) -> SamplingMetadata:
+    """The sampler's settings for one row per request (temperature, seeds, top-k/p, min-p,
     penalties with the token history, the ids that ``min_tokens`` and ``bad_words`` ban, the
-    grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``)."""
+    grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``). ``positions``:
+    how many output tokens each request sampled before this one; ``step_seed``: see ``row_seeds``."""
     params = [r.sampling_params for r in requests]
-
-    def column(values, dtype=torch.float32):
-        return to_device(values, dtype)
-
-    greedy = [p.greedy for p in params]
     meta = SamplingMetadata(
-        temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-        greedy=column(greedy, torch.bool),
-        top_k=(column([p.top_k or vocab_size for p in params], torch.int64)
-               if any(p.top_k for p in params) else None),
-        top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
-        min_p=column([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
-        generators=[r.generator for r in requests],
-        all_greedy=all(greedy),
-    )
+        temperature=to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32),
+        seeds=to_device(row_seeds([r.seed for r in requests], positions, step_seed), torch.int64))
+    _filters(meta, params, to_device, vocab_size)
     if any(p.has_penalties for p in params):
-        meta.presence_penalty = column([p.presence_penalty for p in params])
-        meta.frequency_penalty = column([p.frequency_penalty for p in params])
-        meta.repetition_penalty = column([p.repetition_penalty for p in params])
+        meta.presence_penalty = to_device([p.presence_penalty for p in params], torch.float32)
+        meta.frequency_penalty = to_device([p.frequency_penalty for p in params], torch.float32)
+        meta.repetition_penalty = to_device([p.repetition_penalty for p in params], torch.float32)
         meta.output_token_ids = _padded([r.output_token_ids for r in requests], to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
     meta.banned_token_ids = _bans(requests, to_device)
@@ -112,6 +102,52 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice,
         meta.label_token_ids = to_device([_repeat_to(p.logprob_token_ids or [0], width) for p in params],
                                          torch.int64)
     return meta
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1, _MIX_2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_UINT64 = (1 << 64) - 1
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function (a bijection of uint64 that mixes every bit into every bit)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX_1
+    z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    return z ^ (z >> np.uint64(31))
+
+
+def mix_seeds(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Output ``counters`` of a SplitMix64 stream started at the mixed ``keys`` (uint64 arrays, in
+    uint64 arithmetic modulo 2**64)."""
+    return _splitmix64(_splitmix64(keys) + (counters + np.uint64(1)) * _GOLDEN)
+
+
+def row_seeds(request_seeds: list[int | None], positions: list[int], step_seed: int) -> np.ndarray:
+    """Each row's 64-bit noise seed (as int64): for a request with its own seed, that seed (any
+    integer, taken modulo 2**64) mixed with the position of the token it samples, so its k-th token
+    draws the same noise in any batch, run, preemption or schedule; for the others, ``step_seed``
+    (drawn once a step from the engine's seed) mixed with the row."""
+    seeded = np.array([s is not None for s in request_seeds], dtype=bool)
+    keys = np.array([(step_seed if s is None else s) & _UINT64 for s in request_seeds], dtype=np.uint64)
+    counters = np.where(seeded, np.asarray(positions, dtype=np.uint64),
+                        np.arange(len(request_seeds), dtype=np.uint64))
+    return mix_seeds(keys, counters).view(np.int64)
+
+
+def _filters(meta: SamplingMetadata, params: list, to_device: HostToDevice, vocab_size: int) -> None:
+    """Fill ``meta``'s top-k/top-p/min-p of the sampled rows that use any of them."""
+    rows = [row for row, p in enumerate(params)
+            if not p.greedy and (p.top_k or p.top_p < 1.0 or p.min_p > 0.0)]
+    if not rows:
+        return
+    used = [params[row] for row in rows]
+    meta.filtered_rows = to_device(rows, torch.int64)
+    if any(p.top_k for p in used):
+        meta.top_k = to_device([p.top_k or vocab_size for p in used], torch.int64)
+    if any(p.top_p < 1.0 for p in used):
+        meta.top_p = to_device([p.top_p for p in used], torch.float32)
+    if any(p.min_p > 0.0 for p in used):
+        meta.min_p = to_device([p.min_p for p in used], torch.float32)
 
 
 def _repeat_to(ids: list[int], width: int) -> list[int]:

@@ -19,6 +19,9 @@ it the numerics change where a reduction's order could follow the batch:
 - attention (``layers/attention``): the Triton backend runs one query tile and no split-KV or
   cascade whatever the batch, the torch backend one SDPA per query row over exactly its keys.
 
+The sampler's draw (``kernels/sampling.py``) needs no switch: in and out of the mode a row's token
+is an exact max over its own scores, so it follows the row's logits, temperature and seed alone.
+
 Outside the mode nothing changes. A ``ContextVar`` holds it, so each thread sees its own.
 """
 

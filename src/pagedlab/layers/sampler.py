@@ -1,11 +1,21 @@
-"""From logits to tokens: logits controls, penalties, temperature, min-p, top-k/top-p, per-request
-generators.
+"""From logits to tokens: logits controls, penalties, temperature, min-p, top-k/top-p, per-row
+seeds.
 
 The order follows vLLM: allowed token ids and logit bias, the grammar bitmask of structured
 outputs, min-tokens and bad-words masking, penalties, then (for sampled rows) temperature, min-p
 and top-k/top-p. Log-probabilities are those of the raw logits.
-Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), so a request with its own
-seeded generator draws the same numbers whatever else shares the batch.
+
+Every row is drawn by Gumbel-max (``kernels/sampling.py``): ``argmax(x / T + g)`` with Gumbel
+noise ``g`` from Philox keyed by the row's 64-bit seed, which equals sampling from
+``softmax(x / T)`` (the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, without the softmax);
+greedy rows take ``argmax(x)``. One Triton kernel draws the whole batch on CUDA in one read of the
+logits; the CPU runs its torch reference, which gives the same tokens. Rows with plain
+temperature or greedy settings go straight to it; anything that rewrites logits (controls, masks,
+penalties) works on a float32 copy first, and top-k/top-p/min-p only turn the tokens they drop
+of their own rows to -inf, so the draw is the same Gumbel-max on every row. A row's seed (see
+``engine/step_inputs.py``) is its request's seed mixed with the index of the token it samples,
+or for a request without a seed the step's seed mixed with the row: a seeded request's k-th token
+uses the same noise whatever shares the batch.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlab.kernels.sampling import sample_tokens
 from pagedlab.layers.batch_invariant import log_softmax, softmax
 
 
@@ -21,13 +32,13 @@ from pagedlab.layers.batch_invariant import log_softmax, softmax
 class SamplingMetadata:
     """Per-row settings for one batch of logits (row i = i-th sampling request)."""
 
-    temperature: torch.Tensor  # [N] float32, 1.0 for greedy rows
-    greedy: torch.Tensor  # [N] bool
-    top_k: torch.Tensor | None  # [N] int64, vocab size where unused; None if no row uses it
-    top_p: torch.Tensor | None  # [N] float32
-    min_p: torch.Tensor | None  # [N] float32
-    generators: list[torch.Generator | None]
-    all_greedy: bool
+    temperature: torch.Tensor  # [N] float32, 0.0 for greedy rows
+    seeds: torch.Tensor  # [N] int64: each row's noise seed (pagedlab.kernels.sampling)
+    # the sampled rows [R] with top-k, top-p or min-p, and their settings; None without such rows
+    filtered_rows: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None  # [R] int64, vocab size where unused; None if no row uses it
+    top_p: torch.Tensor | None = None  # [R] float32
+    min_p: torch.Tensor | None = None  # [R] float32
     presence_penalty: torch.Tensor | None = None  # [N]; None when no row has penalties
     frequency_penalty: torch.Tensor | None = None
     repetition_penalty: torch.Tensor | None = None
@@ -149,24 +160,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None],
-                  default_generator: torch.Generator | None) -> torch.Tensor:
-    q = torch.empty_like(probs)
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < len(generators):
-        q.exponential_(generator=default_generator)
-    for i in seeded:
-        q[i].exponential_(generator=generators[i])
-    return probs.div(q).argmax(dim=-1)
-
-
 class Sampler:
-    def __init__(self, default_generator: torch.Generator | None = None):
-        self.default_generator = default_generator
+    """The sampler of a model runner: one token id per row, and the logprobs the rows ask for."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
         raw_logprobs = log_softmax(logits) if meta.max_num_logprobs is not None else None
+        if _rewrites_logits(meta):
+            logits = self._rewrite(logits.float(), meta)
+        token_ids = sample_tokens(logits, meta.temperature, meta.seeds)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+            if meta.label_token_ids is not None:
+                gather_label_logprobs(raw_logprobs, logprobs, meta.label_token_ids)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _rewrite(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.logit_bias is not None or meta.allowed_token_ids is not None:
             logits = apply_logits_controls(logits, meta)
         if meta.grammar_bitmask is not None:
@@ -175,20 +184,26 @@ class Sampler:
             logits[meta.banned_token_ids] = float("-inf")
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
-        token_ids = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            token_ids = torch.where(meta.greedy, token_ids, self._sample(logits, meta))
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
-            if meta.label_token_ids is not None:
-                gather_label_logprobs(raw_logprobs, logprobs, meta.label_token_ids)
-        return SamplerOutput(token_ids, logprobs)
+        if meta.filtered_rows is not None:
+            logits = apply_filters(logits, meta)
+        return logits
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits / meta.temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        return random_sample(softmax(logits), meta.generators, self.default_generator)
+
+def _rewrites_logits(meta: SamplingMetadata) -> bool:
+    return any(x is not None for x in (
+        meta.logit_bias, meta.allowed_token_ids, meta.grammar_bitmask, meta.banned_token_ids,
+        meta.repetition_penalty, meta.filtered_rows))
+
+
+def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """min-p, then top-k/top-p, on ``logits / T`` of the filtered rows (scaled as the draw scales
+    them); the tokens they drop go to -inf in ``logits``, the others keep their logits."""
+    rows = meta.filtered_rows
+    kept = logits[rows]
+    scaled = kept * meta.temperature[rows].reciprocal().unsqueeze(1)
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    logits[rows] = kept.masked_fill(scaled.isneginf(), float("-inf"))
+    return logits

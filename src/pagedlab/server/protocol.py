@@ -22,7 +22,7 @@ from pagedlab.server.protocol_vllm import VLLMOutputFields
 
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
 MAX_N = 128  # OpenAI's limit for n (and best_of)
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's tensors and generators take
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's int64 tensors and seeds take
 _MAX_QUOTED_VALUE = 80  # an error message quotes at most this much of the bad value (prompts can be long)
 
 
@@ -123,7 +123,7 @@ def _integral_float(value: Any) -> Any:
 
 
 def _int64(value: int, info: ValidationInfo) -> int:
-    """Every integer field fits the engine's int64 tensors and generator seeds."""
+    """Every integer field fits the engine's int64 tensors and seeds."""
     if not INT64_MIN <= value <= INT64_MAX:
         name = info.field_name
         raise ValueError(f"{name}={quoted(value)} is invalid: {name} must be an integer in "
