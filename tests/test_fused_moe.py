@@ -432,7 +432,6 @@ def test_gemv_table_is_not_consulted_above_the_fused_routings_experts(monkeypatc
     assert moe_gemv_config(1, *key[:4]) is None
 
 
-# down: block_k past Qwen3-30B-A3B's inter 768 (masked), prefetching; gate/up plain, EVEN_K
 # gate/up plain with EVEN_K, down prefetching with block_k past Qwen3-30B-A3B's inter 768 (masked);
 # 2 warps (routing rows of 64 experts); 8 warps
 _GPU_GEMVS = [_gemv((8, 512, 4, 1), (8, 1024, 4, 2)), _gemv((16, 128, 2, 2), (16, 256, 2, 1)),

@@ -128,8 +128,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tiles_ptr, K, R, k_per_
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """Program (tile, split, slice): the tile's rows times its slot's A over one K range. Launched
-    without PDL: on an H200 the batch-1 LoRA step ran 4.79 ms with a plain launch here against 5.08
-    with PDL (BENCHMARKS.md, 2026-12-02), every other kernel PDL-launched in both."""
+    without PDL, which measured slower here (``kernels/pdl.py``)."""
     tile = tl.program_id(0)
     if tile >= tl.load(tiles_ptr):
         return
