@@ -85,7 +85,9 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages[, swap_ab]);
 # comments: microseconds, and the share of 4.8 TB/s of the int4 weights, zero points, scales and
 # activations read. The 2-16-row tl.dot path ran at about half cuBLAS's speed on the 16-bit
-# weights there.
+# weights there. The 64-row gate/up entry is the swapped form (2026-12-02, session 15): at 64 and
+# 256 rows it beat the plain form on every Llama-3-8B linear (qkv 64 rows: 33.3 against 60.6 us)
+# but lost to dequantize-then-cuBLAS everywhere else (qkv 32.6, o 21.1, down 77.2 at 64 rows).
 AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 6144, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.8, 35%
     (4, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 28.7, 10%
@@ -96,7 +98,7 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 26.3, 48%
     (4, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.0, 12%
     (16, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.4, 12%
-    (64, 28672, 4096, 128): TileConfig(128, 128, 1, 64, 4, 3),  # 84.3, 16%
+    (64, 28672, 4096, 128): TileConfig(128, 128, 1, 64, 8, 3, True),  # 78.4, 17%
     (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 4, 3),  # 14.8, 43%
     (4, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.9, 11%
     (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
