@@ -111,7 +111,9 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # come from gemv_bench's decode-like timing (2026-12-01, session 10: each call on its own weight
 # copy, the copies over twice the L2); its one-row picks for qkv, o and down equal the chain's.
 # The Gemma-2-9B, Qwen3-30B-A3B and Mixtral (LM head) entries: the same timing, 2026-12-01
-# (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS.
+# (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS. The Qwen3-30B-A3B
+# router (128 experts x 2048) was timed end to end instead (benchmarks/batch1_matrix.py, batch-1
+# TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms.
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -142,6 +144,7 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 151936, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 135.6 (cuBLAS 143.7)
     (1, 32000, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 59.7 (cuBLAS 63.4)
     (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
+    (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
 }
 # (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
 # row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
