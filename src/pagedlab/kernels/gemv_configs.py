@@ -34,8 +34,8 @@ class TileConfig:
     more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
     GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``, the
     dense one-row GEMV its next step's weights and activations when ``num_stages >= 4``);
-    ``swap_ab`` (the AWQ GEMM only): the weight tile is the dot's A operand and the rows its N
-    (``w4a16._awq_gemm_kernel``'s SWAP_AB)."""
+    ``swap_ab`` (tl.dot tiles of the AWQ GEMM and of the dense and FP8 GEMV): the weight tile is
+    the dot's A operand and the rows its N (the kernels' SWAP_AB)."""
 
     block_n: int
     block_k: int
@@ -61,9 +61,8 @@ class TileConfig:
             raise ValueError(f"{self}: a GEMV program holds every row, {rows} > block_m={self.block_m}")
         if not gemv and (not self.block_m or self.split_k != 1):
             raise ValueError(f"{self}: the GEMM needs block_m >= 16 and split_k=1")
-        if gemv and self.swap_ab:
-            raise ValueError(f"{self}: swap_ab=True is for the AWQ GEMM only (more than {GEMV_MAX_ROWS} "
-                             "rows, block_m >= 16), not a GEMV")
+        if self.swap_ab and not self.block_m:
+            raise ValueError(f"{self}: swap_ab=True swaps a tl.dot tile's operands, it needs block_m >= 16")
 
 
 def row_bucket(rows: int) -> int:
@@ -146,9 +145,10 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
     (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
 }
-# (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
-# row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
-# not listed, take ``torch._scaled_mm``.
+# (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: where it
+# beat ``torch._scaled_mm`` (gemv_bench lists no other). So far one row: at 4 and 16 rows the
+# CUDA-core and plain tl.dot tiles were slower than cuBLASLt's FP8 GEMM at 64 rows; shapes not
+# listed take ``torch._scaled_mm``.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=4, block_k=512, num_stages=3),  # 9.3, 57% (2026-12-01)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # 7.2, 49%
@@ -373,8 +373,8 @@ def _listed_bucket(rows: int, out_features: int, in_features: int,
 def check_batch_invariant_config(config: TileConfig) -> None:
     """Raise ValueError unless ``config`` can run the batch-invariant matmul: ``tl.dot`` tiles of
     at least 16 rows, powers of two, split_k >= 1 K segments."""
-    if config.block_m < DOT_MIN_ROWS:
-        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}")
+    if config.block_m < DOT_MIN_ROWS or config.swap_ab:
+        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}, unswapped")
     config.check(config.block_m, gemv=True)
 
 
