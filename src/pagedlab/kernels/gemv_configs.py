@@ -150,10 +150,10 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
 # CUDA-core and plain tl.dot tiles were slower than cuBLASLt's FP8 GEMM at 64 rows; shapes not
 # listed take ``torch._scaled_mm``.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    (1, 6144, 4096): TileConfig(block_n=4, block_k=512, num_stages=3),  # 9.3, 57% (2026-12-01)
-    (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # 7.2, 49%
-    (1, 28672, 4096): TileConfig(block_n=16, block_k=256, num_stages=4),  # 32.9, 74% (prefetch; 35.1 without)
-    (1, 4096, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # 17.2, 71%
+    (1, 6144, 4096): TileConfig(4, 512, 1, 0, 4, 3),  # 8.4 (_scaled_mm 18.7), 62%
+    (1, 4096, 4096): TileConfig(4, 1024, 1, 0, 4, 3),  # 5.9 (_scaled_mm 14.6), 59%
+    (1, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 29.9 (_scaled_mm 47.5), 82%
+    (1, 4096, 14336): TileConfig(4, 1024, 1, 0, 4, 3),  # 16.1 (_scaled_mm 43.1), 76%
     (1, 3072, 4096): TileConfig(block_n=8, block_k=1024),  # 12.4
     (1, 4096, 2048): TileConfig(block_n=8, block_k=1024),  # 9.1
     (1, 14336, 4096): TileConfig(block_n=8, block_k=1024),  # 33.4
@@ -164,6 +164,14 @@ FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 3584, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 21.6
     (1, 5120, 2048): TileConfig(block_n=4, block_k=512, num_stages=3),  # decode 7.6
     (1, 2048, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 8.2
+    (4, 6144, 4096): TileConfig(64, 128, 3, 16, 4, 3, True),  # 9.8 (_scaled_mm 18.9), 54%
+    (16, 6144, 4096): TileConfig(64, 256, 2, 16, 4, 3, True),  # 10.0 (_scaled_mm 18.0), 53%
+    (4, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 7.9 (_scaled_mm 14.7), 44%
+    (16, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 8.3 (_scaled_mm 13.9), 43%
+    (4, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 30.2 (_scaled_mm 49.9), 81%
+    (16, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 31.0 (_scaled_mm 48.0), 80%
+    (4, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 18.5 (_scaled_mm 42.6), 66%
+    (16, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 19.2 (_scaled_mm 37.9), 64%
 }
 
 
