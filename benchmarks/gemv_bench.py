@@ -72,6 +72,14 @@ AWQ_SWAPPED_GEMM_TILES = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64
                           (256, 128, 64, 8, 3)]
 
 
+# The GEMVs' swapped tl.dot tiles (block_n weight rows on wgmma's M, the rows padded to 16 on its
+# N, block_k, stages): compiled for sm_90 with the launch's 16-divisible sizes, each K step's
+# weight tile goes to shared memory by cp.async and straight into wgmma (FP8 as E4M3); the
+# stages' tiles take at most 131 KB of shared memory (bf16 128 x 256 would take 197 KB at 3).
+SWAPPED_GEMV_TILES = [(64, 128, 3), (64, 256, 3), (128, 128, 3), (128, 256, 2)]
+SWAPPED_FP8_GEMV_TILES = [(64, 512, 3), (128, 512, 2), (128, 256, 3)]
+
+
 # Linears the quantized models keep in 16 bits: the LM head (AWQ and FP8 checkpoints keep it so)
 # and a mixture of experts' router (a plain linear, never quantized).
 DENSE_ONLY_LINEARS = ("lm_head", "router")
@@ -138,8 +146,9 @@ def awq_one_row_tiles(k: int) -> list[TileConfig]:
 
 
 def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> list[TileConfig]:
-    """The dense (or, with ``fp8``, the FP8) GEMV sweep, the default first; for one row also
-    ``one_row_tiles``."""
+    """The dense (or, with ``fp8``, the FP8) GEMV sweep, the default first: tl.dot tiles in both
+    forms (SWAPPED_GEMV_TILES, and SWAPPED_FP8_GEMV_TILES for FP8), each with K cut for about 1, 2
+    and 4 programs per SM; for up to 4 rows CUDA-core tiles, for one row also ``one_row_tiles``."""
     tiles = [(16, 16, 256, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 32, 512, 8)]
     if rows <= 4:
         tiles += [(0, 16, 256, 4), (0, 8, 512, 4), (0, 32, 256, 8)]
@@ -152,6 +161,11 @@ def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> 
             split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
             found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
                                     num_warps=warps))
+    for block_n, block_k, stages in SWAPPED_GEMV_TILES + (SWAPPED_FP8_GEMV_TILES if fp8 else []):
+        for waves in (1, 2, 4):
+            split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
+            found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=16,
+                                    num_stages=stages, swap_ab=True))
     if rows == 1:
         found += one_row_tiles(ONE_ROW_BLOCK_K + ((2048,) if fp8 else ()), fp8)
     default = (default_fp8_gemv_config if fp8 else default_dense_gemv_config)(rows, n, k, sms)
@@ -388,7 +402,12 @@ def bench_fp8(x: torch.Tensor, weight: torch.Tensor, io_bytes: int, sms: int) ->
 
     def run(config, v, s):
         return fp8_gemv_triton(q, q_scale, v, s, None, x.dtype, config)
-    return sweep(dense_candidates(rows, *weight.shape, sms, fp8=True), run, (values, scale), reference, moved)
+
+    def scaled_mm(v, s):  # the path of shapes FP8_GEMV_CONFIGS leaves out, on the same quantized rows
+        return torch._scaled_mm(q, v.t(), scale_a=q_scale, scale_b=s.t(), out_dtype=torch.bfloat16)
+    candidates = dense_candidates(rows, *weight.shape, sms, fp8=True)
+    found = sweep(candidates, run, (values, scale), reference, moved)
+    return dict(found, scaled_mm=measure(scaled_mm, (values, scale), reference, moved))
 
 
 def _describe(result: dict | None) -> str:
@@ -409,6 +428,8 @@ def format_record(record: dict) -> str:
             speed = f" {record['cublas']['us'] / best['us']:.2f}x cuBLAS speed" if best else ""
             tail = f" [default {default['us']:.1f} us] {config}" if default else ""
             parts.append(f"{path} {_describe(best)}{speed}{tail}")
+    if "scaled_mm" in record.get("fp8", {}):
+        parts.append(f"fp8 torch._scaled_mm {_describe(record['fp8']['scaled_mm'])}")
     if "awq_dequant" in record:
         forms = gemm_forms(record["awq"])
         parts.append(f"awq GEMM plain {_describe(forms.get('plain'))}; "
@@ -439,8 +460,8 @@ def bf16_choice(record: dict) -> tuple[str, float]:
 
 def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[str], list[str]]:
     """The entries of AWQ_CONFIGS (above GEMV_MAX_ROWS only where the GEMM beat dequantize-then-
-    cuBLAS), FP8_GEMV_CONFIGS (every measured shape) and DENSE_GEMV_CONFIGS (where ``bf16_choice``
-    takes the GEMV), one per (row bucket, N, K)."""
+    cuBLAS), FP8_GEMV_CONFIGS (where the GEMV beat ``torch._scaled_mm``) and DENSE_GEMV_CONFIGS
+    (where ``bf16_choice`` takes the GEMV), one per (row bucket, N, K)."""
     awq, dense, fp8 = {}, {}, {}
     for record in records:
         key = (row_bucket(record["rows"]), record["n"], record["k"])
@@ -449,8 +470,9 @@ def table_lines(records: list[dict], group_size: int) -> tuple[list[str], list[s
         if awq_best and awq_best["us"] < dequant_us:
             awq[(*key, group_size)] = awq_best, ""
         fp8_best = record.get("fp8", {}).get("best")
-        if fp8_best and "config" in fp8_best:
-            fp8[key] = fp8_best, ""
+        scaled_mm = record.get("fp8", {}).get("scaled_mm", {}).get("us", float("inf"))
+        if fp8_best and "config" in fp8_best and fp8_best["us"] < scaled_mm:
+            fp8[key] = fp8_best, f" (_scaled_mm {scaled_mm:.1f})"
         if bf16_choice(record)[0] == "gemv":
             dense[key] = record["gemv"]["best"], f" (cuBLAS {record['cublas']['us']:.1f})"
 

@@ -438,8 +438,8 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
     (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
     (2, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for one row"),
-    (3, TileConfig(block_n=64, block_k=32, block_m=16, swap_ab=True), "swap_ab=True is for the AWQ GEMM"),
-    (1, TileConfig(block_n=8, block_k=64, swap_ab=True), "swap_ab=True is for the AWQ GEMM only"),
+    (3, TileConfig(block_n=64, block_k=32, block_m=16, swap_ab=True), "the AWQ GEMV has no swapped form"),
+    (1, TileConfig(block_n=8, block_k=64, swap_ab=True), "swap_ab=True swaps a tl.dot tile's operands"),
     (20, TileConfig(block_n=64, block_k=32, swap_ab=True), "the GEMM needs block_m >= 16"),
 ])
 def test_triton_rejects_configs_it_cannot_run(w4a16, rows, config, message):

@@ -70,6 +70,9 @@ GEMV_CASES = [
     (4, TileConfig(block_n=8, block_k=32, split_k=1)),
     (5, TileConfig(block_n=16, block_k=32, split_k=2, block_m=16)),
     (GEMV_MAX_ROWS, None),
+    # the weight tile as the dot's A operand (swap_ab); on a GPU the FP8 operands go to wgmma as is
+    (1, TileConfig(block_n=64, block_k=64, split_k=2, block_m=16, swap_ab=True)),
+    (7, TileConfig(block_n=16, block_k=32, block_m=16, swap_ab=True)),
 ]
 
 

@@ -56,11 +56,15 @@ DENSE_CASES = [
     # one row reading each next K step during this one's products (ONE_ROW_PREFETCH_STAGES)
     (1, TileConfig(block_n=16, block_k=64, split_k=1, num_stages=4)),
     (1, TileConfig(block_n=16, block_k=32, split_k=3, num_stages=4)),
+    # tl.dot with the weight tile as A and the rows as B (swap_ab): a partial column tile of 64
+    (1, TileConfig(block_n=16, block_k=32, split_k=3, block_m=16, swap_ab=True)),
+    (5, TileConfig(block_n=32, block_k=64, block_m=16, swap_ab=True)),
+    (16, TileConfig(block_n=64, block_k=32, split_k=2, block_m=16, swap_ab=True)),
 ]
 
 
 @pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"M{c[0]}-{'dot' if c[1].block_m else 'cores'}"
-                         f"-split{c[1].split_k}-stages{c[1].num_stages}")
+                         f"{'-swap' if c[1].swap_ab else ''}-split{c[1].split_k}-stages{c[1].num_stages}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_dense_gemv_matches_torch(gemv, case, dtype):
     rows, config = case
@@ -203,13 +207,18 @@ def test_dense_linear_is_f_linear_off_cuda(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("out_features, in_features", [(6144, 4096), (4096, 14336), (128256, 4096)])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_features, in_features):
-    """With a table entry, dense_linear runs the Triton GEMV (eagerly and from a CUDA graph,
-    replayed twice) and matches F.linear at Llama-3-8B sizes in bf16."""
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["default", "swapped"])
+def test_dense_linear_takes_the_tabled_gemv_on_gpu(gemv, monkeypatch, rows, out_features, in_features,
+                                                   swap_ab):
+    """With a table entry (the default tile, or a swapped tl.dot tile: the weight tile as wgmma's
+    A), dense_linear runs the Triton GEMV (eagerly and from a CUDA graph, replayed twice) and
+    matches F.linear at Llama-3-8B sizes in bf16."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02).bfloat16()
     x = torch.randn(rows, in_features, device="cuda", generator=gen).bfloat16()
     config = gemv_configs.default_dense_gemv_config(rows, out_features, in_features, gemv.num_sms(x.device))
+    if swap_ab:
+        config = TileConfig(block_n=64, block_k=256, split_k=3, block_m=16, num_stages=3, swap_ab=True)
     key = (row_bucket(rows), out_features, in_features)
     monkeypatch.setitem(gemv_configs.DENSE_GEMV_CONFIGS, key, config)
     calls, kernel = [], gemv.dense_gemv_triton

@@ -316,14 +316,32 @@ def test_decode_estimates_say_n_a_without_a_correct_config():
 
 
 def test_table_lines_list_the_gemv_only_where_it_beat_cublas_by_3_percent():
+    """bf16: the GEMV where it beat cuBLAS by 3%; FP8: where it beat torch._scaled_mm at all."""
     records = [_record("qkv", 16.0, gemv=13.9, fp8=12.0), _record("o", 12.7, gemv=12.5, fp8=9.0)]
-    for record in records:
+    for record, scaled_mm in zip(records, (11.0, 9.1)):
         for path in ("gemv", "fp8"):
             record[path]["best"].update(config=vars(TileConfig(8, 512, num_stages=3)), peak_fraction=0.8)
+        record["fp8"]["scaled_mm"] = dict(us=scaled_mm)
         record["n"] = 6144 if record["layer"] == "qkv" else 4096
     awq, dense, fp8 = gemv_bench.table_lines(records, 128)
-    assert awq == [] and len(fp8) == 2
+    assert awq == []
+    assert fp8 == ["    (1, 4096, 64): TileConfig(8, 512, 1, 0, 4, 3),  # 9.0 (_scaled_mm 9.1), 80%"]
     assert dense == ["    (1, 6144, 64): TileConfig(8, 512, 1, 0, 4, 3),  # 13.9 (cuBLAS 16.0), 80%"]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_gemv_sweep_holds_the_swapped_dot_tiles(fp8, rows):
+    """Every swapped tile (SWAPPED_GEMV_TILES, and the FP8 ones for FP8) at 1, 2 and 4 programs an
+    SM, runnable at the batch: 16 padded rows, K cut into at most its steps."""
+    tiles = gemv_bench.SWAPPED_GEMV_TILES + (gemv_bench.SWAPPED_FP8_GEMV_TILES if fp8 else [])
+    for n, k in [(6144, 4096), (4096, 14336)]:
+        swapped = [c for c in gemv_bench.dense_candidates(rows, n, k, H200_SMS, fp8=fp8) if c.swap_ab]
+        assert {(c.block_n, c.block_k, c.num_stages) for c in swapped} == set(tiles)
+        assert len({c.split_k for c in swapped if (c.block_n, c.block_k) == (64, 128)}) > 1
+        for config in swapped:
+            config.check(rows, gemv=True)
+            assert config.block_m == 16 and config.split_k <= -(-k // config.block_k)
 
 
 def test_awq_lines_above_16_rows_only_where_the_gemm_beat_dequantize_then_cublas():

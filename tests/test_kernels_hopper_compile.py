@@ -42,7 +42,10 @@ class Spec(NamedTuple):
 
 _TF32 = dict(DOT_PRECISION="tf32")
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
-             ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, **_TF32)
+             ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32)
+# the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
+_GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
+                  SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
 KERNELS = {
@@ -57,6 +60,10 @@ KERNELS = {
                                          LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                                     dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
                                     reads_before_wait=True),
+    "dense_gemv_swap": Spec("gemv", "_dense_gemv_kernel", _GEMV_SWAP, _GEMV_POINTERS),
+    "dense_gemv_fp8_swap": Spec("gemv", "_dense_gemv_kernel",
+                                dict(_GEMV_SWAP, SCALED=True, DOT_DTYPE="fp8", FP8_ACC_CHUNK=128),
+                                dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")),
     # with the LoRA expand in the epilogue: batch 1 (one row, 32 shrink splits), and 4 rows on tl.dot
     "dense_gemv_lora": Spec("gemv", "_dense_gemv_kernel",
                             dict(_GEMV, LORA=True, LORA_BLOCK_S=32, LORA_BLOCK_R=16), _GEMV_POINTERS,
@@ -208,7 +215,7 @@ def _compile_all(out_dir: Path) -> None:
             kernel = getattr(importlib.import_module(f"pagedlab.kernels.{spec.module}"), spec.kernel)
             const = {**spec.constexprs, "PDL": pdl}
             if "DOT_DTYPE" in const:
-                const["DOT_DTYPE"] = tl.bfloat16
+                const["DOT_DTYPE"] = {"bf16": tl.bfloat16, "fp8": tl.float8e4nv}[const["DOT_DTYPE"]]
             missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in const]
             if missing:
                 raise ValueError(f"no constexpr value given for {missing}")
@@ -267,6 +274,8 @@ def test_kernel_compiles_for_hopper_with_its_pdl_wait_before_any_global_write(pt
 
 # a wgmma's accumulator registers, then its A operand: registers ({...}) or a shared-memory descriptor
 _WGMMA_A = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*([{%])")
+_WGMMA_FP8_A = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3\s+"
+                          r"\{[^}]*\},\s*([{%])")
 
 
 def test_awq_gemm_swapped_form_feeds_wgmma_the_weights_from_registers(ptx_dir):
@@ -276,6 +285,18 @@ def test_awq_gemm_swapped_form_feeds_wgmma_the_weights_from_registers(ptx_dir):
     plain, swapped = ((ptx_dir / f"{name}-nopdl.ptx").read_text() for name in ("awq_gemm", "awq_gemm_swap"))
     assert "mma.sync" not in plain + swapped
     assert set(_WGMMA_A.findall(plain)) == {"%"} and set(_WGMMA_A.findall(swapped)) == {"{"}
+
+
+def test_swapped_gemv_feeds_wgmma_the_weight_tile_from_shared_memory(ptx_dir):
+    """The dense and FP8 GEMVs' swapped dot tiles multiply on wgmma (M = the tile's 64 weight rows,
+    N = the 16 padded rows), the weight tile read by wgmma from shared memory; the FP8 tile as E4M3
+    operands, without converting a single FP8 value."""
+    dense, fp8 = ((ptx_dir / f"{name}-nopdl.ptx").read_text()
+                  for name in ("dense_gemv_swap", "dense_gemv_fp8_swap"))
+    assert "mma.sync" not in dense + fp8
+    assert set(_WGMMA_A.findall(dense)) == {"%"} and "m64n16k16" in dense
+    assert set(_WGMMA_FP8_A.findall(fp8)) == {"%"}
+    assert "e4m3x2" not in fp8
 
 
 def test_every_pdl_kernel_of_the_package_is_checked_and_needs_its_flag():

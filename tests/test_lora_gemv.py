@@ -58,7 +58,7 @@ def reference(x, weight, bias, lora_a, lora_b, mapping, sizes) -> torch.Tensor:
 
 
 # (slots of the rows, slice sizes, K, config): one row on the CUDA cores, with and without K
-# split; several rows on the cores (a 3-D tile) and through tl.dot, with and without K split.
+# split; several rows on the cores (a 3-D tile) and through tl.dot, with and without K split, and swapped.
 FUSED_CASES = [
     ([1], [64, 32, 32], 200, TileConfig(block_n=16, block_k=64)),
     ([3], [48, 48], 200, TileConfig(block_n=16, block_k=32, split_k=3)),
@@ -70,6 +70,9 @@ FUSED_CASES = [
      TileConfig(block_n=32, block_k=32, block_m=16)),
     (random_slots(16, NUM_SLOTS, 6).tolist(), [48, 48], 160,
      TileConfig(block_n=16, block_k=32, split_k=4, block_m=16)),
+    # the weight tile as the dot's A operand (swap_ab): the delta added after the transpose back
+    ([2, -1, 0, 1], [64, 32, 32], 200,
+     TileConfig(block_n=32, block_k=32, split_k=2, block_m=16, swap_ab=True)),
 ]
 
 

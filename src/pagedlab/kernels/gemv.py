@@ -45,6 +45,9 @@ SPLIT_K_COUNTERS = 1 << 16
 # that loop as it was: it holds no tl.dot, so Triton's pipeliner stages nothing in it (the sm_90
 # SASS of the tables' one-row tiles is the same byte for byte at num_stages 1, 2 and 3).
 ONE_ROW_PREFETCH_STAGES = 4
+# K of a swapped FP8 dot summed on the tensor cores before its sum joins the fp32 accumulator:
+# DeepSeek-V3's interval for Hopper's FP8 GEMMs (their report, section 3.3.2).
+FP8_PROMOTION_K = 128
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -90,15 +93,20 @@ def _weight_tile(w_rows, offs_k, n_valid, K):
 
 @triton.jit
 def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_ROW: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x."""
+               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+               FP8_ACC_CHUNK: tl.constexpr):
+    """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x;
+    SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``, the weight tile the dot's A operand."""
     k_valid = offs_k < K
     if ONE_ROW:
         x = tl.load(x_rows + offs_k, mask=k_valid, other=0.0)
         acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
     else:
         x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        if USE_DOT:
+        if USE_DOT and SWAP_AB:
+            acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION,
+                         max_num_imprecise_acc=FP8_ACC_CHUNK)
+        elif USE_DOT:
             acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
         else:
             acc = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -190,11 +198,13 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
-                       PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                       PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
-    are padded to BLOCK_M for tensor cores. SCALED (FP8 operands): each segment's sums are
+    are padded to BLOCK_M for tensor cores, as the dot's A operand or (SWAP_AB) its B, the weight
+    tile then being A, BLOCK_N on wgmma's M. SCALED (FP8 operands): each segment's sums are
     multiplied by the row's and the output column's float32 scales. For one row the first K step
     is peeled out of the loop and its weight tile read before the PDL wait (``kernels/pdl.py``:
     weights do not depend on the previous kernel), the form measured fastest on the H200. With
@@ -231,7 +241,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         x_rows = x_ptr + offs_m[:, None] * stride_x
-        if USE_DOT:
+        if USE_DOT and SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        elif USE_DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -258,7 +270,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K // UNIT,
                                        SCALED)
         else:
-            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION,
+                             SWAP_AB, FP8_ACC_CHUNK)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
@@ -272,13 +285,16 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         else:
             offs_k = k_start + tl.arange(0, BLOCK_K)
             w = _weight_tile(w_rows, offs_k, n_valid, K)
-            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION)
+            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION,
+                             SWAP_AB, FP8_ACC_CHUNK)
     if ONE_ROW:
         if PREFETCH and SCALED:
             acc = tl.sum(acc, axis=2)
         acc = tl.sum(acc, axis=1)[None, :]
     elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
+    elif SWAP_AB:
+        acc = tl.trans(acc)
     if SCALED:
         acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
@@ -409,7 +425,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         in_features, k_per_split, num_splits, x.stride(0), weight.stride(0), out.stride(0),
         partial.stride(0), partial.stride(1), HAS_BIAS=bias is not None, SPLIT=num_splits > 1, SCALED=scaled,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=config.block_m > 0, ONE_ROW=one_row, **dot_settings(x),
+        USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **pdl_launch(x.device),
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -454,6 +470,19 @@ def dot_settings(x: torch.Tensor) -> dict:
     upcast = dtype == torch.bfloat16 and x.device.type == "cpu"
     dot_dtype = tl.float32 if upcast else TRITON_DTYPES[dtype]
     return dict(DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+
+
+def gemv_dot_settings(x: torch.Tensor, config: TileConfig) -> dict:
+    """``dot_settings`` of the GEMV's launch, plus ``SWAP_AB`` and ``FP8_ACC_CHUNK``: a swapped
+    tile's FP8 operands go to the GPU's tensor cores as they are (wgmma multiplies E4M3 with the
+    weight tile as A and the padded rows as B, both K-major; the plain tile's 16 rows make no
+    wgmma), their products summed in fp32 every FP8_PROMOTION_K of K (wgmma's FP8 accumulator
+    keeps fewer bits, so Triton adds each chunk's sum into a full fp32 one)."""
+    native_fp8 = config.swap_ab and x.dtype == torch.float8_e4m3fn and x.is_cuda
+    if not native_fp8:
+        return dict(dot_settings(x), SWAP_AB=config.swap_ab, FP8_ACC_CHUNK=None)
+    return dict(DOT_DTYPE=tl.float8e4nv, DOT_PRECISION="tf32", SWAP_AB=True,
+                FP8_ACC_CHUNK=min(FP8_PROMOTION_K, config.block_k))
 
 
 @cache

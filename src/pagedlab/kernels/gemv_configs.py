@@ -34,8 +34,8 @@ class TileConfig:
     more are ``tl.dot`` tiles of that many rows; ``num_warps``/``num_stages`` as in Triton (the AWQ
     GEMV also reads the next K step's weights before this step's sums when ``num_stages > 1``, the
     dense one-row GEMV its next step's weights and activations when ``num_stages >= 4``);
-    ``swap_ab`` (the AWQ GEMM only): the weight tile is the dot's A operand and the rows its N
-    (``w4a16._awq_gemm_kernel``'s SWAP_AB)."""
+    ``swap_ab`` (tl.dot tiles of the AWQ GEMM and of the dense and FP8 GEMV): the weight tile is
+    the dot's A operand and the rows its N (the kernels' SWAP_AB)."""
 
     block_n: int
     block_k: int
@@ -61,9 +61,8 @@ class TileConfig:
             raise ValueError(f"{self}: a GEMV program holds every row, {rows} > block_m={self.block_m}")
         if not gemv and (not self.block_m or self.split_k != 1):
             raise ValueError(f"{self}: the GEMM needs block_m >= 16 and split_k=1")
-        if gemv and self.swap_ab:
-            raise ValueError(f"{self}: swap_ab=True is for the AWQ GEMM only (more than {GEMV_MAX_ROWS} "
-                             "rows, block_m >= 16), not a GEMV")
+        if self.swap_ab and not self.block_m:
+            raise ValueError(f"{self}: swap_ab=True swaps a tl.dot tile's operands, it needs block_m >= 16")
 
 
 def row_bucket(rows: int) -> int:
@@ -146,14 +145,15 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
     (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
 }
-# (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: one
-# row. At 4 and 16 rows it was slower than cuBLASLt's FP8 GEMM at 64 rows, so those, and shapes
-# not listed, take ``torch._scaled_mm``.
+# (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: where it
+# beat ``torch._scaled_mm`` (gemv_bench lists no other). So far one row: at 4 and 16 rows the
+# CUDA-core and plain tl.dot tiles were slower than cuBLASLt's FP8 GEMM at 64 rows; shapes not
+# listed take ``torch._scaled_mm``.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    (1, 6144, 4096): TileConfig(block_n=4, block_k=512, num_stages=3),  # 9.3, 57% (2026-12-01)
-    (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # 7.2, 49%
-    (1, 28672, 4096): TileConfig(block_n=16, block_k=256, num_stages=4),  # 32.9, 74% (prefetch; 35.1 without)
-    (1, 4096, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # 17.2, 71%
+    (1, 6144, 4096): TileConfig(4, 512, 1, 0, 4, 3),  # 8.4 (_scaled_mm 18.7), 62%
+    (1, 4096, 4096): TileConfig(4, 1024, 1, 0, 4, 3),  # 5.9 (_scaled_mm 14.6), 59%
+    (1, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 29.9 (_scaled_mm 47.5), 82%
+    (1, 4096, 14336): TileConfig(4, 1024, 1, 0, 4, 3),  # 16.1 (_scaled_mm 43.1), 76%
     (1, 3072, 4096): TileConfig(block_n=8, block_k=1024),  # 12.4
     (1, 4096, 2048): TileConfig(block_n=8, block_k=1024),  # 9.1
     (1, 14336, 4096): TileConfig(block_n=8, block_k=1024),  # 33.4
@@ -164,6 +164,14 @@ FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 3584, 14336): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 21.6
     (1, 5120, 2048): TileConfig(block_n=4, block_k=512, num_stages=3),  # decode 7.6
     (1, 2048, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 8.2
+    (4, 6144, 4096): TileConfig(64, 128, 3, 16, 4, 3, True),  # 9.8 (_scaled_mm 18.9), 54%
+    (16, 6144, 4096): TileConfig(64, 256, 2, 16, 4, 3, True),  # 10.0 (_scaled_mm 18.0), 53%
+    (4, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 7.9 (_scaled_mm 14.7), 44%
+    (16, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 8.3 (_scaled_mm 13.9), 43%
+    (4, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 30.2 (_scaled_mm 49.9), 81%
+    (16, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 31.0 (_scaled_mm 48.0), 80%
+    (4, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 18.5 (_scaled_mm 42.6), 66%
+    (16, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 19.2 (_scaled_mm 37.9), 64%
 }
 
 
@@ -373,8 +381,8 @@ def _listed_bucket(rows: int, out_features: int, in_features: int,
 def check_batch_invariant_config(config: TileConfig) -> None:
     """Raise ValueError unless ``config`` can run the batch-invariant matmul: ``tl.dot`` tiles of
     at least 16 rows, powers of two, split_k >= 1 K segments."""
-    if config.block_m < DOT_MIN_ROWS:
-        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}")
+    if config.block_m < DOT_MIN_ROWS or config.swap_ab:
+        raise ValueError(f"{config}: the batch-invariant matmul needs block_m >= {DOT_MIN_ROWS}, unswapped")
     config.check(config.block_m, gemv=True)
 
 

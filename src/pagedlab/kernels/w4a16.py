@@ -365,6 +365,9 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
     if rows > 1 and rows <= GEMV_MAX_ROWS and not config.block_m:
         raise ValueError(f"{config}: the AWQ GEMV runs {rows} rows on tensor cores only (block_m=16); "
                          "block_m=0 (CUDA cores) is for one row")
+    if config.swap_ab and rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"{config}: the AWQ GEMV has no swapped form; swap_ab=True is for its GEMM "
+                         f"(more than {GEMV_MAX_ROWS} rows)")
     if config.block_k < MIN_BLOCK_K:
         raise ValueError(f"block_k={config.block_k} is under {MIN_BLOCK_K}: a K step reads at least two "
                          "int32 words (8 k each) of every column")

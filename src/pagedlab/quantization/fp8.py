@@ -233,10 +233,11 @@ def fp8_linear_cuda(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor
     """The CUDA path (FP8 tensor cores, compute capability 8.9+): the activations quantized per
     token (or at the static ``input_scale``) by one Triton kernel, unless they come quantized
     (``QuantizedActivations``), then the shapes
-    ``FP8_GEMV_CONFIGS`` lists (one row) through the Triton FP8 GEMV, the rest through ``torch._scaled_mm``
-    (row-wise float32 scales ``[tokens, 1]`` and ``[1, out_features]``, bf16 output, the one
-    dtype row-wise scaling allows). Both sum exact E4M3 products in float32, so they differ from
-    each other only in summation order. ``weight`` is ``[out, in]`` row-major, so ``weight.t()``
+    ``FP8_GEMV_CONFIGS`` lists (by row bucket) through the Triton FP8 GEMV, the rest through
+    ``torch._scaled_mm`` (row-wise float32 scales ``[tokens, 1]`` and ``[1, out_features]``, bf16
+    output, the one dtype row-wise scaling allows). Both sum exact E4M3 products in float32 (the
+    GEMV's swapped tiles each 128 of K on the tensor cores first), so they differ from each other
+    in summation order. ``weight`` is ``[out, in]`` row-major, so ``weight.t()``
     is the column-major operand cuBLASLt needs; both features must be multiples of 16."""
     from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
 
