@@ -112,7 +112,8 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # The Gemma-2-9B, Qwen3-30B-A3B and Mixtral (LM head) entries: the same timing, 2026-12-01
 # (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS. The Qwen3-30B-A3B
 # router (128 experts x 2048) was timed end to end instead (benchmarks/batch1_matrix.py, batch-1
-# TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms.
+# TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms. The swapped qkv lines at 4 and 16
+# rows: gemv_bench, 2026-12-02 (session 16).
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -144,11 +145,14 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 32000, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 59.7 (cuBLAS 63.4)
     (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
     (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
+    (4, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.9 (cuBLAS 16.3), 70%
+    (16, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 15.4 (cuBLAS 16.3), 68%
 }
 # (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: where it
-# beat ``torch._scaled_mm`` (gemv_bench lists no other). So far one row: at 4 and 16 rows the
-# CUDA-core and plain tl.dot tiles were slower than cuBLASLt's FP8 GEMM at 64 rows; shapes not
-# listed take ``torch._scaled_mm``.
+# beat ``torch._scaled_mm`` (gemv_bench lists no other); shapes not listed take ``torch._scaled_mm``.
+# The Llama-3-8B lines with comments "(_scaled_mm ...)" are gemv_bench's decode-like timing of
+# 2026-12-02 (session 16): at 4 and 16 rows only the swapped tl.dot tiles (``swap_ab``, FP8 fed
+# to wgmma as E4M3) beat cuBLASLt, by 1.6-2.3x; at one row they win gate/up only.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(4, 512, 1, 0, 4, 3),  # 8.4 (_scaled_mm 18.7), 62%
     (1, 4096, 4096): TileConfig(4, 1024, 1, 0, 4, 3),  # 5.9 (_scaled_mm 14.6), 59%
