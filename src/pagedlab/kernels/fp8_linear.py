@@ -15,9 +15,10 @@ the numerics of ``pagedlab.quantization.fp8`` (whose ``quantize_fp8_per_row`` an
   quantization is ``kernels/batch_invariant.py``'s per-row norm kernel.)
 - ``fp8_gemv_triton``: at most ``GEMV_MAX_ROWS`` rows of FP8 activations times FP8 weights
   ``[N, K]`` (one byte per weight: the decode step reads half of bf16's bytes), accumulated in
-  float32 from exact products (E4M3 values are exact in bf16 and fp32), then times the row's
+  float32 from exact products (E4M3 values are exact in bf16 and fp32; the swapped tensor-core
+  tiles sum each ``FP8_PROMOTION_K`` of K in wgmma's accumulator first), then times the row's
   and the output channel's scales. It is the dense GEMV kernel of ``kernels/gemv.py`` with its
-  scaled epilogue; it runs the shapes ``gemv_configs.FP8_GEMV_CONFIGS`` lists (one row), and
+  scaled epilogue; it runs the shapes ``gemv_configs.FP8_GEMV_CONFIGS`` lists (by row bucket), and
   ``torch._scaled_mm`` (cuBLASLt) the rest.
 
 This module imports triton when it loads: import it lazily.
