@@ -37,7 +37,7 @@ from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_aw
                                            splits_for)
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
-from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row
+from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row, scaled_mm_fp8
 from pagedlab.workloads import model_shape
 
 PEAK_BYTES_PER_S = 4.8e12
@@ -155,17 +155,12 @@ def dense_candidates(rows: int, n: int, k: int, sms: int, fp8: bool = False) -> 
     if fp8:
         tiles += [(16, 16, 512, 4), (16, 64, 256, 8)]
         tiles += [(0, 16, 512, 4), (0, 8, 1024, 4)] if rows == 1 else []
-    found = []
-    for block_m, block_n, block_k, warps in tiles:
-        for waves in (1, 2, 4):
-            split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
-            found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
-                                    num_warps=warps))
-    for block_n, block_k, stages in SWAPPED_GEMV_TILES + (SWAPPED_FP8_GEMV_TILES if fp8 else []):
-        for waves in (1, 2, 4):
-            split = splits_for(-(-n // block_n), -(-k // block_k), sms, waves)
-            found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=16,
-                                    num_stages=stages, swap_ab=True))
+    bases = [TileConfig(block_n=block_n, block_k=block_k, block_m=block_m, num_warps=warps)
+             for block_m, block_n, block_k, warps in tiles]
+    bases += [TileConfig(block_n=block_n, block_k=block_k, block_m=16, num_stages=stages, swap_ab=True)
+              for block_n, block_k, stages in SWAPPED_GEMV_TILES + (SWAPPED_FP8_GEMV_TILES if fp8 else [])]
+    found = [replace(tile, split_k=splits_for(-(-n // tile.block_n), -(-k // tile.block_k), sms, waves))
+             for tile in bases for waves in (1, 2, 4)]
     if rows == 1:
         found += one_row_tiles(ONE_ROW_BLOCK_K + ((2048,) if fp8 else ()), fp8)
     default = (default_fp8_gemv_config if fp8 else default_dense_gemv_config)(rows, n, k, sms)
@@ -403,11 +398,11 @@ def bench_fp8(x: torch.Tensor, weight: torch.Tensor, io_bytes: int, sms: int) ->
     def run(config, v, s):
         return fp8_gemv_triton(q, q_scale, v, s, None, x.dtype, config)
 
-    def scaled_mm(v, s):  # the path of shapes FP8_GEMV_CONFIGS leaves out, on the same quantized rows
-        return torch._scaled_mm(q, v.t(), scale_a=q_scale, scale_b=s.t(), out_dtype=torch.bfloat16)
     candidates = dense_candidates(rows, *weight.shape, sms, fp8=True)
     found = sweep(candidates, run, (values, scale), reference, moved)
-    return dict(found, scaled_mm=measure(scaled_mm, (values, scale), reference, moved))
+    # the path of the shapes FP8_GEMV_CONFIGS leaves out, on the same quantized rows
+    return dict(found, scaled_mm=measure(lambda v, s: scaled_mm_fp8(q, q_scale, v, s), (values, scale),
+                                         reference, moved))
 
 
 def _describe(result: dict | None) -> str:

@@ -252,8 +252,16 @@ def fp8_linear_cuda(x: torch.Tensor | QuantizedActivations, weight: torch.Tensor
     if config is not None:
         out = fp8_gemv_triton(values, scale, weight, weight_scale, bias, dtype, config)
     else:
-        out = torch._scaled_mm(values, weight.t(), scale_a=scale, scale_b=weight_scale.t(),
-                               out_dtype=torch.bfloat16).to(dtype)
+        out = scaled_mm_fp8(values, scale, weight, weight_scale).to(dtype)
         if bias is not None:
             out = out + bias.to(dtype)
     return out.reshape(*lead, weight.shape[0])
+
+
+def scaled_mm_fp8(values: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                  weight_scale: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_mm`` (cuBLASLt) of FP8 ``values`` ``[tokens, K]`` with row-wise ``scale``
+    ``[tokens, 1]`` by the ``[out, K]`` FP8 ``weight`` with ``weight_scale`` ``[out, 1]``: the bf16
+    ``[tokens, out]`` product, ``fp8_linear_cuda``'s path for shapes the FP8 GEMV does not take."""
+    return torch._scaled_mm(values, weight.t(), scale_a=scale, scale_b=weight_scale.t(),
+                            out_dtype=torch.bfloat16)
