@@ -120,6 +120,21 @@ def test_silu_mul_quantization_equals_silu_and_mul_then_quantize_fp8_per_row(ker
         fp8_linear.silu_and_mul_fp8_triton(gate_up[:, :7])
 
 
+@pytest.mark.parametrize("split_block", [64, 256])  # 600 / 64: 10 chunks, the last partial
+def test_split_silu_mul_quantization_gives_the_one_program_values(kernels, split_block):
+    """The split form (chunk maxima, then chunks quantized at their row's scale; what few rows run
+    on a GPU) against the one-program-per-row launch and the torch reference, bit for bit."""
+    _, fp8_linear = kernels
+    gate_up = _activations(5, 2 * 600, torch.float16, "gate_up-split")
+    act = torch.empty(5, 600, dtype=torch.float16, device=DEVICE)
+    split = fp8_linear.silu_and_mul_fp8_triton(gate_up, act_out=act, split_block=split_block)
+    whole = fp8_linear.silu_and_mul_fp8_triton(gate_up, split_block=0)
+    torch.testing.assert_close(act, silu_and_mul(gate_up), atol=2e-3, rtol=2e-3)
+    _assert_quantizes(split, act)
+    _assert_same_values(split, whole)
+    _assert_same_values(fp8_linear.silu_and_mul_fp8_triton(gate_up, split_block=split_block), whole)
+
+
 def test_the_layers_fp8_producers_are_their_references_off_cuda():
     """What the CPU engine runs: the torch producer, then ``quantize_fp8_per_row``."""
     x = _activations(4, 64, torch.float32, "cpu").cpu()
@@ -171,7 +186,8 @@ def _generate(path: str, fused: bool, monkeypatch, **engine_args):
 
     monkeypatch.setattr(linear_method.FP8LinearMethod, "apply", spy)
     prompts = random_prompts(3, max_len=30, seed=21)
-    with LLM(path, quantization="fp8", kv_cache_memory_bytes=KV_BYTES, **engine_args) as llm:
+    # on the CPU even where CUDA is (the GPU's fused kernels round otherwise: the GPU tests below)
+    with LLM(path, quantization="fp8", kv_cache_memory_bytes=KV_BYTES, device="cpu", **engine_args) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         names = {module: name.removesuffix(".base").rpartition(".")[2]  # LoRA's wrapped linears
                  for name, module in llm.llm_engine.model.named_modules()}

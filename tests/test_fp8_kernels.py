@@ -51,6 +51,21 @@ def test_per_token_quantization_equals_torch_bit_for_bit(fp8_kernels, dtype, in_
     assert torch.equal(_bits(values), _bits(expected_values))
 
 
+@pytest.mark.parametrize("split_block", [0, 128])  # 2053 / 128: 17 chunks, the last of 5 values
+def test_split_per_token_quantization_equals_torch_bit_for_bit(fp8_kernels, split_block):
+    """The split form (what few rows run on a GPU: chunk maxima, then each chunk quantized at its
+    row's scale) and the one-program form forced, on the cases above."""
+    gen = _generator("split", split_block)
+    x = (torch.randn(3, 2053, generator=gen) * 10).bfloat16()
+    x[1] = 0
+    x[2, 2052] = 1e5  # the outlier in the last, partial chunk
+    x[0, ::3] *= 1e-4
+    values, scales = fp8_kernels.quantize_fp8_per_token_triton(x.to(DEVICE), split_block=split_block)
+    expected_values, expected_scales = quantize_fp8_per_row(x)
+    assert torch.equal(scales.cpu(), expected_scales)
+    assert torch.equal(_bits(values), _bits(expected_values))
+
+
 def test_static_scale_quantization_saturates_like_torch(fp8_kernels):
     gen = _generator("static")
     x = (torch.randn(4, 96, generator=gen) * 8).bfloat16()
@@ -92,7 +107,12 @@ def test_fp8_gemv_equals_the_dequantized_product(fp8_kernels, rows, config, with
     if bias is not None:
         expected += bias.float()
     assert out.shape == (rows, 40) and out.dtype == torch.float32
-    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    # A swapped tile on a GPU sums each chunk of K in wgmma's FP8 accumulator, which keeps fewer
+    # bits than float32 (about 1e-3 of the output on the H200); elsewhere products of E4M3 values
+    # are exact in float32 and only the order of the sums differs.
+    native = DEVICE == "cuda" and config is not None and config.swap_ab
+    close = dict(atol=5e-4, rtol=5e-3) if native else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), expected, **close)
 
 
 def test_fp8_gemv_refuses_a_batch_over_its_rows(fp8_kernels):

@@ -16,10 +16,17 @@ divisible by 16 or equal to 1, a stall of about a second in the middle of a run.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
+
+# Whether triton runs kernels in its interpreter, as it decides when a kernel is decorated (this
+# module loads before any of them runs): ``_round_to_e4m3`` rounds in software only there.
+_INTERPRETED: tl.constexpr = tl.constexpr(
+    os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
 
 
 @triton.jit
@@ -446,18 +453,21 @@ def invariant_split_kv_reduce_kernel(
 
 @triton.jit
 def _round_to_e4m3(x, FP8_MAX: tl.constexpr):
-    """float32 ``x`` clamped to +-FP8_MAX and rounded to the nearest E4M3 value (ties to even),
-    still as float32, so the cast to E4M3 after it is exact. The rounding is done here rather
-    than by the cast so that the Triton interpreter, whose float32 -> E4M3 cast neither carries
-    into the exponent nor rounds ties to even, runs the same numbers as the GPU."""
+    """float32 ``x`` clamped to +-FP8_MAX, ready for the cast to E4M3, which must round it to the
+    nearest E4M3 value, ties to even. Compiled, the cast does that itself (sm_90's
+    ``cvt.rn.satfinite.e4m3x2.f32``). The Triton interpreter's float32 -> E4M3 cast neither
+    carries into the exponent nor rounds ties to even, so under it (``_INTERPRETED``) the rounding
+    is done here, leaving a float32 that the cast keeps exactly: the same numbers as the GPU."""
     x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-    # Normal E4M3 values keep 3 of float32's 23 mantissa bits: round the other 20 away, ties to
-    # even; a carry moves into the exponent, as it should. (448 is E4M3, so nothing passes it.)
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    # Below 2**-6 E4M3 is subnormal, in steps of 2**-9: round |x| * 2**9 to an integer by adding
-    # and taking away 1.5 * 2**23 (float32 addition rounds to nearest even), then put the sign
-    # back (so -0.001 gives -0, as torch's cast does).
-    magnitude = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    if _INTERPRETED:
+        # Normal E4M3 values keep 3 of float32's 23 mantissa bits: round the other 20 away, ties
+        # to even; a carry moves into the exponent, as it should. (448 is E4M3: nothing passes it.)
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        # Below 2**-6 E4M3 is subnormal, in steps of 2**-9: round |x| * 2**9 to an integer by
+        # adding and taking away 1.5 * 2**23 (float32 addition rounds to nearest even), then put
+        # the sign back (so -0.001 gives -0, as torch's cast does).
+        magnitude = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    return x
