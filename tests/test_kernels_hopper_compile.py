@@ -138,6 +138,13 @@ KERNELS = {
                                dict(BLOCK_K=16384, STATIC=False, GATED=True, STORE_OUT=False, FP8_MAX=448.0,
                                     MIN_SCALE=1e-12),
                                dict(q_ptr="*fp8e4nv", scale_ptr=_F, static_scale_ptr=_F), num_warps=16),
+    # the same at one row, split (fp8_linear.split_quant_block): chunk maxima and SiLU-and-mul, then
+    # each chunk quantized at its row's scale
+    "fp8_split_chunk_max": Spec("fp8_linear", "_chunk_max_kernel", dict(BLOCK_K=1024, GATED=True),
+                                dict(chunk_max_ptr=_F)),
+    "fp8_split_quantize": Spec("fp8_linear", "_quantize_chunk_kernel",
+                               dict(BLOCK_K=1024, BLOCK_C=16, FP8_MAX=448.0, MIN_SCALE=1e-12),
+                               dict(chunk_max_ptr=_F, q_ptr="*fp8e4nv", scale_ptr=_F)),
     "lora_expand": Spec("lora", "_lora_expand_kernel",
                         dict(SPLITS=8, SPLITS_POW2=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, **_TF32),
                         dict(h_ptr=_F, sorted_ptr=_I, tiles_ptr=_I)),
@@ -299,6 +306,16 @@ def test_swapped_gemv_feeds_wgmma_the_weight_tile_from_shared_memory(ptx_dir):
     assert "e4m3x2" not in fp8
 
 
+@pytest.mark.parametrize("name", ["fp8_per_token_quant", "fp8_silu_mul_quant", "fp8_split_quantize"])
+def test_compiled_fp8_quantization_leaves_the_e4m3_rounding_to_the_cast(ptx_dir, name):
+    """``_round_to_e4m3`` rounds in software only under the interpreter: compiled, the values go
+    to sm_90's round-to-nearest-even, saturating convert, and no mantissa mask of the software
+    rounding (``0xFFF00000``) is left."""
+    ptx = (ptx_dir / f"{name}-nopdl.ptx").read_text()
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "-1048576" not in ptx and "0xFFF00000" not in ptx.upper()
+
+
 def test_every_pdl_kernel_of_the_package_is_checked_and_needs_its_flag():
     """A kernel given a PDL parameter later must get an entry here too; no PDL parameter has a
     default (a launch without ``**pdl_launch(device)`` fails with a TypeError)."""
@@ -316,3 +333,4 @@ def test_every_pdl_kernel_of_the_package_is_checked_and_needs_its_flag():
 
 if __name__ == "__main__":
     _compile_all(Path(sys.argv[1]))
+

@@ -35,8 +35,11 @@ ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
 # reads its expert's weights on its own, which pays only while pairs rarely share an expert.
 MOE_GEMV_MAX_TOKENS = 8
 # The most experts the GEMV path's gate/up programs route themselves (each holds all of its
-# token's logits and ranks its candidates against each other): more take the grouped path.
-MOE_GEMV_MAX_EXPERTS = 256
+# token's logits and ranks its candidates against each other): more take the grouped path. 256
+# ran under the interpreter but not compiled: on an H200 (triton 3.6, 2026-12-02) the routing of
+# 256 experts in rows of 32 (64 candidates) doubled some slots' experts and zeroed the others,
+# while 128 (Qwen3-30B-A3B's, 32 candidates) matched the route kernel. Not yet explained.
+MOE_GEMV_MAX_EXPERTS = 128
 # A GEMV launch with num_stages of at least this reads each next K step before this step's products.
 MOE_GEMV_PREFETCH_STAGES = 2
 # Rows of a tl.dot tile: the smallest M tensor cores take; also the smallest column and K tiles.
