@@ -405,6 +405,7 @@ def test_gemv_table_entries_are_valid_decode_batches():
     (_gemv((8, 0), (8, 64)), "gate_up .*block_k=0 must be a power of two"),
     (_gemv((8, 64, 3), (8, 64)), "gate_up .*num_warps=3 must be a power of two"),
     (_gemv((8, 64), (8, 64, 4, 0)), "down .*num_stages=0 must be >= 1"),
+    (_gemv((8, 64, 1), (8, 64, 1)), "gate_up .*routes its pairs needs num_warps >= 2"),
 ])
 def test_moe_gemv_config_check_rejects_what_cannot_run(config, message):
     with pytest.raises(ValueError, match=message):
