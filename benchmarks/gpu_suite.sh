@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|route|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|route|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8quant|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -90,6 +90,8 @@ for part in "$@"; do
     # FP8 KV cache against the model-dtype cache, same gpu_memory_utilization: num_kv_blocks and
     # kv_cache_gib in each row's "extra" show the cached tokens (2x), output tok/s the speed
     nano-fp8) for kv in auto fp8; do bench throughput --workload W-nano --kv-cache-dtype $kv --json "$OUT/w_nano_kv_$kv.json"; done ;;
+    # the FP8 activation quantization kernels alone, one program a row against the split form
+    fp8quant) python3 benchmarks/fp8_quant_bench.py --out "$OUT/fp8_quant_bench.json" ;;
     # FP8 weights with the activation quantization in its own launch, then in the producers
     fp8fuse) for fused in 0 1; do
                PAGEDLAB_FP8_FUSED_INPUTS=$fused bench throughput --workload W-seed --batch-size 1 256 \

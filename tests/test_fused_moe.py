@@ -336,26 +336,44 @@ def _lowest_index_first(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.sort(-logits, dim=-1, stable=True).indices[:, :top_k]
 
 
-@pytest.mark.parametrize("num_experts, top_k, renormalize", [(8, 1, True), (8, 2, False), (64, 8, True),
-                                                             (6, 6, False), (128, 8, False)])
-def test_gemv_routing_breaks_ties_as_the_route_kernel(num_experts, top_k, renormalize):
-    """Each pair's expert by the route kernel's rule, highest logit first and the lowest index
-    among equal logits, on rows of ties (all equal, runs of a few values, one value repeated);
-    the weights within rounding of ``select_experts``'s (equal logits, equal weights)."""
+def _tie_logits(num_experts: int, top_k: int) -> torch.Tensor:
+    """Rows of ties: random, all equal, runs of a few values, one value repeated."""
     g = torch.Generator(DEVICE).manual_seed(num_experts + top_k)
     logits = torch.randn(4, num_experts, generator=g, device=DEVICE)
     logits[1] = 0.5
     logits[2] = torch.randint(0, 3, (num_experts,), generator=g, device=DEVICE).float()
     logits[3, ::2] = logits[3, 1]
+    return logits
+
+
+# 128 experts at top-8 with 2 and 8 warps: the routing's row layouts the tables and moe_bench use
+# (rows of 64 experts at 2 warps, 32 above), the case one warp got wrong on the H200
+@pytest.mark.parametrize("num_experts, top_k, renormalize, num_warps", [
+    (8, 1, True, 4), (8, 2, False, 4), (64, 8, True, 4), (6, 6, False, 4), (128, 8, False, 4),
+    (128, 8, True, 2), (128, 8, False, 8)])
+def test_gemv_routing_breaks_ties_as_the_route_kernel(num_experts, top_k, renormalize, num_warps):
+    """Each pair's expert by the route kernel's rule, highest logit first and the lowest index
+    among equal logits, on rows of ties; the weights within rounding of ``select_experts``'s
+    (equal logits, equal weights)."""
+    logits = _tie_logits(num_experts, top_k)
     x, _, w13, _ = _moe_inputs(4, 32, 16, num_experts)
     _, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
-                                                            MoeGemvLaunch(16, 32))
+                                                            MoeGemvLaunch(16, 32, num_warps))
     expected = _lowest_index_first(logits, top_k)
     assert torch.equal(experts.long(), expected) and experts[1].tolist() == list(range(top_k))
     assert torch.equal(route_and_align_triton(logits, top_k, renormalize, 16, torch.float32).experts.long(),
                        expected)
     ref_weights, _ = select_experts(logits, top_k, renormalize, torch.float32)
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_experts", [256, 512])
+def test_route_kernel_breaks_ties_past_the_gemv_paths_experts(num_experts):
+    """The grouped path's route kernel, which routes every model of more than
+    ``MOE_GEMV_MAX_EXPERTS`` experts, by the same rule on the same rows of ties."""
+    logits = _tie_logits(num_experts, 8)
+    got = route_and_align_triton(logits, 8, True, 16, torch.float32).experts.long()
+    assert torch.equal(got, _lowest_index_first(logits, 8))
 
 
 def _count_paths(monkeypatch) -> dict[str, int]:
