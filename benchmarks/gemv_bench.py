@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.fp8_linear import fp8_gemv_triton, quantize_fp8_per_token_triton
 from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES, dense_gemv_triton, num_sms
-from pagedlab.kernels.gemv_configs import (GEMV_MAX_ROWS, TileConfig, default_awq_config,
-                                           default_dense_gemv_config, default_fp8_gemv_config, row_bucket,
-                                           splits_for)
+from pagedlab.kernels.gemv_configs import (AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig,
+                                           default_awq_config, default_dense_gemv_config,
+                                           default_fp8_gemv_config, row_bucket, splits_for)
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
 from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row, scaled_mm_fp8
@@ -45,7 +45,7 @@ PEAK_BYTES_PER_S = 4.8e12
 # copies a measurement (two copies of Gemma-2-9B's LM head, the largest weight benched: 3.4 GiB).
 MIN_GRAPH_CALLS = 32
 COPY_CAP_BYTES = 4 << 30
-# The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_one_row_tiles``).
+# The one-row GEMV tiles without a K split (``one_row_tiles``, ``awq_cuda_core_tiles``).
 ONE_ROW_BLOCK_N = (4, 8, 16)
 ONE_ROW_BLOCK_K = (256, 512, 1024)
 # One-row tiles of at most this many weight bytes a step (64 a thread at 4 warps) also run with
@@ -104,37 +104,41 @@ def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
 
 
 def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list[TileConfig]:
-    """The sweep of the kernels over the repacked layout: for one row ``awq_one_row_tiles``, each
-    also with K cut for about 2 programs per SM where its column tiles alone make fewer; for 2 to
-    16 rows tl.dot tiles with K steps of one group at most, K cut for about 1, 2 and 4 programs
-    per SM; more rows Hopper-sized GEMM tiles, in both of the GEMM's forms (AWQ_GEMM_TILES and
-    AWQ_SWAPPED_GEMM_TILES, those of at most ``max(64, rows)`` rows). The default heuristic's
-    choice first."""
+    """The sweep of the kernels over the repacked layout: up to ``AWQ_CUDA_CORE_MAX_ROWS`` rows
+    ``awq_cuda_core_tiles``, each also with K cut for about 2 programs per SM where its column
+    tiles alone make fewer; from 2 to 16 rows tl.dot tiles with K steps of one group at most, K
+    cut for about 1, 2 and 4 programs per SM; more rows Hopper-sized GEMM tiles, in both of the
+    GEMM's forms (AWQ_GEMM_TILES and AWQ_SWAPPED_GEMM_TILES, those of at most ``max(64, rows)``
+    rows). The default heuristic's choice first."""
     if rows > GEMV_MAX_ROWS:
         tiles = [(*t, False) for t in AWQ_GEMM_TILES] + [(*t, True) for t in AWQ_SWAPPED_GEMM_TILES]
         found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s,
                             swap_ab=swap)
                  for m, bn, bk, w, s, swap in tiles if m <= max(64, rows)]
-    elif rows == 1:
-        found = []
-        for tile in awq_one_row_tiles(k):
+        return _default_first(default_awq_config(rows, n, k, group_size, sms), found)
+    found = []
+    if rows <= AWQ_CUDA_CORE_MAX_ROWS:
+        for tile in awq_cuda_core_tiles(k):
             split = splits_for(-(-n // tile.block_n), -(-k // tile.block_k), sms)
             found += [tile] + ([replace(tile, split_k=split)] if split > 1 else [])
-    else:
-        found = []
+    if rows > 1:
         for block_n, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8)):
             block_k = min(128, group_size)
             for waves in (1, 2, 4):
                 split = splits_for(-(-n // block_n), k // block_k, sms, waves)
                 found.append(TileConfig(block_n=block_n, block_k=block_k, split_k=split, block_m=16,
                                         num_warps=warps, num_stages=3))
-    default = default_awq_config(rows, n, k, group_size, sms)
+    return _default_first(default_awq_config(rows, n, k, group_size, sms), found)
+
+
+def _default_first(default: TileConfig, found: list[TileConfig]) -> list[TileConfig]:
     return [default] + [c for c in dict.fromkeys(found) if c != default]
 
 
-def awq_one_row_tiles(k: int) -> list[TileConfig]:
-    """One-row AWQ GEMV tiles on the CUDA cores without a K split: ``AWQ_ONE_ROW_BLOCK_N`` columns
-    and ``AWQ_ONE_ROW_BLOCK_K`` (dividing K) a step, 4 or 8 warps, where a thread holds
+def awq_cuda_core_tiles(k: int) -> list[TileConfig]:
+    """AWQ GEMV tiles on the CUDA cores (one row, or up to ``AWQ_CUDA_CORE_MAX_ROWS`` sharing each
+    step's unpacked words) without a K split: ``AWQ_ONE_ROW_BLOCK_N`` columns and
+    ``AWQ_ONE_ROW_BLOCK_K`` (dividing K) a step, 4 or 8 warps, where a thread holds
     ``AWQ_WORDS_PER_THREAD`` words a step, each with 3 stages (the next step's weights read
     during this one's sums) and 1 (after them). A K step may span several groups."""
     low, high = AWQ_WORDS_PER_THREAD

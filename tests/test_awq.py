@@ -304,8 +304,8 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
     return out
 
 
-# (rows, config) covering every path: block_m=0 is the one-row GEMV on the CUDA cores (a K step
-# within a group, one group, or several: block_k 16 to 256), block_m=16 the GEMV through tl.dot,
+# (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (a K step within a
+# group, one group, or several: block_k 16 to 256), block_m=16 the GEMV through tl.dot,
 # more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel (3 segments of 8
 # K steps are uneven: 3, 3, 2).
 KERNEL_CASES = [
@@ -322,6 +322,12 @@ KERNEL_CASES = [
     (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
     (17, TileConfig(block_n=64, block_k=32, block_m=16)),
     (40, TileConfig(block_n=32, block_k=16, block_m=32)),
+    # 2-8 rows on the CUDA cores (block_m=0): a step over several groups with prefetch, 3 rows
+    # padded to 4 without prefetch and K split, 8 rows in steps within a group, 5 on 2 warps
+    (2, TileConfig(block_n=8, block_k=256, split_k=1)),
+    (3, TileConfig(block_n=16, block_k=64, split_k=2, num_stages=1)),
+    (8, TileConfig(block_n=16, block_k=32, split_k=3)),
+    (5, TileConfig(block_n=32, block_k=16, split_k=1, num_warps=2)),
 ]
 # (in_features, out_features, group_size, bias): 136 columns make a partial column tile; 192
 # inputs a partial K step of 128 or 256.
@@ -353,8 +359,8 @@ def test_triton_matches_torch_float16(w4a16, shape, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[6], KERNEL_CASES[10]],
-                         ids=_case_id)
+@pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[6], KERNEL_CASES[10],
+                                  KERNEL_CASES[14]], ids=_case_id)
 def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     rows, config = case
     check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
@@ -437,7 +443,7 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     (20, TileConfig(block_n=64, block_k=32, block_m=16, split_k=2), "needs block_m >= 16 and split_k=1"),
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
     (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
-    (2, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for one row"),
+    (9, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for at most 8 rows"),
     (3, TileConfig(block_n=64, block_k=32, block_m=16, swap_ab=True), "the AWQ GEMV has no swapped form"),
     (1, TileConfig(block_n=8, block_k=64, swap_ab=True), "swap_ab=True swaps a tl.dot tile's operands"),
     (20, TileConfig(block_n=64, block_k=32, swap_ab=True), "the GEMM needs block_m >= 16"),

@@ -127,7 +127,7 @@ def test_one_row_sweep_adds_prefetch_to_the_tiles_of_at_most_64_bytes_a_thread(f
 
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 7168)])
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are_few(n, k, group_size):
+def test_awq_cuda_core_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are_few(n, k, group_size):
     one = gemv_bench.awq_candidates(1, n, k, group_size, H200_SMS)
     assert one[0] == gemv_configs.default_awq_config(1, n, k, group_size, H200_SMS)
     tiles = _one_row(one)
@@ -140,8 +140,11 @@ def test_awq_one_row_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_are
     few = {c.block_n for c in tiles if -(-n // c.block_n) < 2 * H200_SMS}  # under two programs an SM
     assert {c.block_n for c in one if c.block_m == 0 and c.split_k > 1} == few
     assert few == ({16, 32} if n == 4096 else {32} if n == 6144 else set())
-    assert not _one_row(gemv_bench.awq_candidates(4, n, k, group_size, H200_SMS))
-    for rows in (1, 4, 16, 64):
+    for rows in (2, 8):  # the same CUDA-core tiles, beside the tl.dot ones
+        found = gemv_bench.awq_candidates(rows, n, k, group_size, H200_SMS)
+        assert set(_one_row(found)) == set(_one_row(one)) and any(c.block_m == 16 for c in found)
+    assert not _one_row(gemv_bench.awq_candidates(16, n, k, group_size, H200_SMS))
+    for rows in (1, 2, 8, 16, 64):
         for config in gemv_bench.awq_candidates(rows, n, k, group_size, H200_SMS):
             check_awq_config(config, rows, group_size)
 
@@ -206,7 +209,7 @@ def test_one_row_tiles_run_and_match_torch():
         torch.testing.assert_close(out.cpu(), reference, atol=0.1, rtol=0.05)
     awq_weight, awq_x = torch.randn(1024, 64, generator=gen), torch.randn(1, 1024, generator=gen)
     packed = quantize_awq(awq_weight, 64)
-    tiles = gemv_bench.awq_one_row_tiles(1024)
+    tiles = gemv_bench.awq_cuda_core_tiles(1024)
     assert len(tiles) == 16 and {c.num_stages for c in tiles} == {1, 3}  # the next step prefetched or not
     for config in tiles:
         out = awq_linear_triton(awq_x.to(DEVICE), *(t.to(DEVICE) for t in repack_awq(*packed, 64)), 64, None,

@@ -73,12 +73,17 @@ KERNELS = {
                                      SPLIT=True, LORA=True, LORA_BLOCK_S=8, LORA_BLOCK_R=16),
                                 _GEMV_POINTERS),
     # the one-row GEMV at its default tile (8 columns, K steps of 2048: 16 groups, the next step's
-    # weights read during this one's sums), and 4 rows on tl.dot
+    # weights read during this one's sums), 4 rows on the CUDA cores, and 4 rows on tl.dot
     "awq_gemv": Spec("w4a16", "_awq_gemv_kernel",
                      dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048,
                           STEP_GROUPS=16, USE_DOT=False, DOT_DTYPE="bf16", PREFETCH=True, **_TF32),
                      dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
                      reads_before_wait=True),
+    "awq_gemv_rows": Spec("w4a16", "_awq_gemv_kernel",
+                          dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=True, BLOCK_M=4, BLOCK_N=8, BLOCK_K=512,
+                               STEP_GROUPS=4, USE_DOT=False, DOT_DTYPE="bf16", PREFETCH=True, **_TF32),
+                          dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
+                          reads_before_wait=True),
     "awq_gemv_dot": Spec("w4a16", "_awq_gemv_kernel",
                          dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
                               STEP_GROUPS=1, USE_DOT=True, DOT_DTYPE="bf16", PREFETCH=False, **_TF32),

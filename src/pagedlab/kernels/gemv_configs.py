@@ -21,6 +21,9 @@ DOT_MIN_ROWS = 16
 # The one-row AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K step.
 AWQ_ONE_ROW_BLOCK_N = 8
 AWQ_ONE_ROW_BLOCK_K = 2048
+# The most rows an AWQ GEMV tile with block_m=0 multiplies on the CUDA cores (each K step's words
+# unpacked once for all of them); more rows take tl.dot tiles.
+AWQ_CUDA_CORE_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)

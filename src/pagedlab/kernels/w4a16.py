@@ -20,10 +20,12 @@ launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table,
   segment (all of K unless the config sets ``split_k``: ``kernels/gemv.py`` describes the segments
   and their deterministic in-kernel sum) in ``block_k`` steps. The zero point, scale and the 128
   come out of each group's sum: ``sum_k x (q - z) s = s (sum_k x (128 + q) - (128 + z) sum_k x)``.
-  One row (``block_m == 0``) multiplies on the CUDA cores, a K step covering one group, part of
-  one, or several: nibble i of each word meets ``x[8w + i]`` and a word's eight products are one
-  chain of FMAs, only the words' sums are summed per group (``_one_row_step``). 1 to 16 rows
-  (``block_m == 16``) go through ``tl.dot``, a K step within one group.
+  ``block_m == 0`` multiplies on the CUDA cores, a K step covering one group, part of one, or
+  several: nibble i of each word meets ``x[8w + i]`` and a word's eight products are one chain of
+  FMAs, only the words' sums are summed per group (``_row_sums``); one row (``_one_row_step``) or
+  up to ``AWQ_CUDA_CORE_MAX_ROWS`` (``_rows_step``: each step's words unpacked once, then every
+  row's sums). 1 to 16 rows with ``block_m == 16`` go through ``tl.dot``, a K step within one
+  group; ``gemv_bench.py`` measures both for 2-8 rows.
 - more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile of
   the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds
   ``tl.dot`` with fp32 accumulation, as its B operand (``x @ w.T``) or, where the config sets
@@ -46,7 +48,7 @@ import triton.language as tl
 
 from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms, split_k_epilogue,
                                    split_k_scratch)
-from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, awq_config
+from pagedlab.kernels.gemv_configs import AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.quantization.awq import repacked_shapes
@@ -123,20 +125,45 @@ def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, k_end, GROUP_SIZ
 
 
 @triton.jit
-def _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
-    """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores. The
-    sum's order within a word is free, so no value is moved: nibble i of every word meets
-    ``x[8w + i]``, eight fused multiply-adds a word (the x of a word is one 16-byte load, split
-    in registers), and only the words' sums are summed per group."""
+def _row_sums(values, zeros, scales, x_row, k_start, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              STEP_GROUPS: tl.constexpr):
+    """``[BLOCK_N, STEP_GROUPS]``: one row's share of one K step on the CUDA cores, from the
+    step's unpacked weights ``values`` (``_unpack_words``). The sum's order within a word is free,
+    so no value is moved: nibble i of every word meets ``x[8w + i]``, eight fused multiply-adds a
+    word (the x of a word is one 16-byte load, split in registers), and only the words' sums are
+    summed per group (x from K on reads as zero)."""
     offs_w = k_start // 8 + tl.arange(0, BLOCK_K // 8)
     offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
-    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    products = _unpack_words(words, w_bits) * x[None, :, :]
+    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    products = values * x[None, :, :]
     word_dots = _sum_eights(products, BLOCK_N, BLOCK_K // 8)
     dots = tl.sum(tl.reshape(word_dots, (BLOCK_N, STEP_GROUPS, BLOCK_K // 8 // STEP_GROUPS)), axis=2)
     x_sums = tl.sum(tl.reshape(x, (STEP_GROUPS, BLOCK_K // STEP_GROUPS)), axis=1)
-    return acc + scales * (dots - zeros * x_sums[None, :])
+    return scales * (dots - zeros * x_sums[None, :])
+
+
+@triton.jit
+def _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores."""
+    return acc + _row_sums(_unpack_words(words, w_bits), zeros, scales, x_ptr, k_start, K, BLOCK_N, BLOCK_K,
+                           STEP_GROUPS)
+
+
+@triton.jit
+def _rows_step(acc, words, zeros, scales, x_ptr, stride_x, k_start, K, M, w_bits, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+    """``acc`` ``[BLOCK_M, BLOCK_N, STEP_GROUPS]`` plus one K step of each of the M rows on the
+    CUDA cores: the step's words unpacked once for all of them, then each row's sums as one row's
+    (``_row_sums``; a row from M on reads no x and adds zero)."""
+    values = _unpack_words(words, w_bits)
+    offs_m = tl.arange(0, BLOCK_M)
+    for row in tl.static_range(BLOCK_M):
+        row_k = tl.where(row < M, K, 0)
+        sums = _row_sums(values, zeros, scales, x_ptr + row * stride_x, k_start, row_k, BLOCK_N, BLOCK_K,
+                         STEP_GROUPS)
+        acc = tl.where((offs_m == row)[:, None, None], acc + sums[None, :, :], acc)
+    return acc
 
 
 @triton.jit
@@ -155,16 +182,19 @@ def _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BL
 
 
 @triton.jit
-def _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gemv_step(acc, words, zeros, scales, x_ptr, x_rows, stride_x, k_start, K, M, m_valid, w_bits,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group."""
     if USE_DOT:
         return _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
                          DOT_DTYPE, DOT_PRECISION)
-    else:
-        return _one_row_step(acc, words, zeros, scales, x_rows, k_start, K, w_bits, BLOCK_N, BLOCK_K,
+    elif BLOCK_M == 1:
+        return _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N, BLOCK_K,
                              STEP_GROUPS)
+    else:
+        return _rows_step(acc, words, zeros, scales, x_ptr, stride_x, k_start, K, M, w_bits, BLOCK_M, BLOCK_N,
+                          BLOCK_K, STEP_GROUPS)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
@@ -175,10 +205,11 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows (tl.dot), or for the
-    one row (CUDA cores), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
+    """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows, through tl.dot or
+    on the CUDA cores (one row, or up to ``AWQ_CUDA_CORE_MAX_ROWS`` sharing each step's unpacked
+    words), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
     runtime value so that the compiler merges its OR with the nibble's AND into one logic op.
-    The one-row partial sums stay per (column, group of the step) until the end. The first K
+    The CUDA cores' partial sums stay per (row, column, group of the step) until the end. The first K
     step's weights, zero points and scales are read before the PDL wait (``kernels/pdl.py``:
     constant weights only; segments are never empty, so that step always exists). With PREFETCH
     (``num_stages > 1``) each next step's are read before this step's sums, so that a program
@@ -194,12 +225,13 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     scale_rows = scales_ptr + columns * stride_scales
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
+    x_rows = x_ptr + offs_m[:, None] * stride_x
     if USE_DOT:
-        x_rows = x_ptr + offs_m[:, None] * stride_x
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        x_rows = x_ptr
+    elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, STEP_GROUPS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, STEP_GROUPS), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     # the first K step's weights before the PDL wait; each next one's during (PREFETCH) or after
@@ -213,16 +245,18 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
             next_words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
             next_zeros, next_scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K,
                                                          k_end, GROUP_SIZE, STEP_GROUPS)
-        acc = _gemv_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
-                         STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
+        acc = _gemv_step(acc, words, zeros, scales, x_ptr, x_rows, stride_x, k_start, K, M, m_valid, w_bits,
+                         BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
         if PREFETCH:
             words, zeros, scales = next_words, next_zeros, next_scales
         else:
             words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
             zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K, k_end,
                                                GROUP_SIZE, STEP_GROUPS)
-    if not USE_DOT:
+    if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
+    elif not USE_DOT:
+        acc = tl.sum(acc, axis=2)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
@@ -362,9 +396,9 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
 def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
     """Raise ValueError if ``config`` cannot run the AWQ kernel for ``rows`` rows and this group size."""
     config.check(rows, gemv=rows <= GEMV_MAX_ROWS)
-    if rows > 1 and rows <= GEMV_MAX_ROWS and not config.block_m:
+    if rows > AWQ_CUDA_CORE_MAX_ROWS and rows <= GEMV_MAX_ROWS and not config.block_m:
         raise ValueError(f"{config}: the AWQ GEMV runs {rows} rows on tensor cores only (block_m=16); "
-                         "block_m=0 (CUDA cores) is for one row")
+                         f"block_m=0 (CUDA cores) is for at most {AWQ_CUDA_CORE_MAX_ROWS} rows")
     if config.swap_ab and rows <= GEMV_MAX_ROWS:
         raise ValueError(f"{config}: the AWQ GEMV has no swapped form; swap_ab=True is for its GEMM "
                          f"(more than {GEMV_MAX_ROWS} rows)")
