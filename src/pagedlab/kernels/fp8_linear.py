@@ -160,11 +160,10 @@ def _launch_split_quant(x: torch.Tensor, width: int, gated: bool, out: torch.Ten
     chunk_max = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     if gated and out is None:
         out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    source = out if gated else x  # what the second launch quantizes
     warps = max(1, min(8, block // 256))
-    _chunk_max_kernel[(rows, chunks)](x, out if gated else x, chunk_max, width, x.stride(0),
-                                      out.stride(0) if gated else 0, chunks, BLOCK_K=block, GATED=gated,
-                                      **pdl_launch(x.device), num_warps=warps)
-    source = out if gated else x
+    _chunk_max_kernel[(rows, chunks)](x, source, chunk_max, width, x.stride(0), source.stride(0), chunks,
+                                      BLOCK_K=block, GATED=gated, **pdl_launch(x.device), num_warps=warps)
     _quantize_chunk_kernel[(rows, chunks)](source, chunk_max, values, scales, width, source.stride(0),
                                            values.stride(0), chunks, BLOCK_K=block,
                                            BLOCK_C=triton.next_power_of_2(chunks), FP8_MAX=FP8_MAX,
