@@ -157,6 +157,7 @@ def test_dense_gemv_table_decides(monkeypatch):
 
 
 def test_awq_table_entry_wins_over_the_default(monkeypatch):
+    monkeypatch.setattr(gemv_configs, "AWQ_CONFIGS", {})
     config = TileConfig(block_n=128, block_k=64, split_k=4, block_m=16)
     monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (16, 6144, 4096, 128), config)
     assert gemv_configs.awq_config(9, 6144, 4096, 128, 132) == config

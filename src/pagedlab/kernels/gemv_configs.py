@@ -90,6 +90,8 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # weights there. The 64-row gate/up entry is the swapped form (2026-12-02, session 15): at 64 and
 # 256 rows it beat the plain form on every Llama-3-8B linear (qkv 64 rows: 33.3 against 60.6 us)
 # but lost to dequantize-then-cuBLAS everywhere else (qkv 32.6, o 21.1, down 77.2 at 64 rows).
+# The 2- and 8-row lines: 2026-12-02 (session 18); at 2 rows the CUDA-core tiles (block_m=0)
+# won all four, at 8 rows tl.dot tiles did.
 AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 6144, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.8, 35%
     (4, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 28.7, 10%
@@ -104,6 +106,14 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 4, 3),  # 14.8, 43%
     (4, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.9, 11%
     (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
+    (2, 6144, 4096, 128): TileConfig(8, 1024, 1, 0, 4, 3),  # 12.6, 22%
+    (8, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 27.4, 10%
+    (2, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.7, 24%
+    (8, 4096, 4096, 128): TileConfig(128, 128, 9, 16, 8, 3),  # 21.1, 9%
+    (2, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 47.3, 27%
+    (8, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 104.9, 12%
+    (2, 4096, 14336, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 24.5, 26%
+    (8, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.3, 11%
 }
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
@@ -116,7 +126,7 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS. The Qwen3-30B-A3B
 # router (128 experts x 2048) was timed end to end instead (benchmarks/batch1_matrix.py, batch-1
 # TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms. The swapped qkv lines at 4 and 16
-# rows: gemv_bench, 2026-12-02 (session 16).
+# rows: gemv_bench, 2026-12-02 (session 16); the 2- and 8-row lines, session 18.
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -150,12 +160,19 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
     (4, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.9 (cuBLAS 16.3), 70%
     (16, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 15.4 (cuBLAS 16.3), 68%
+    (2, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.6 (cuBLAS 15.9), 72%
+    (8, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.9 (cuBLAS 15.6), 71%
+    (2, 4096, 4096): TileConfig(64, 128, 3, 16, 4, 3, True),  # 11.2 (cuBLAS 13.2), 63%
+    (8, 4096, 4096): TileConfig(32, 256, 5, 16, 4, 2),  # 11.2 (cuBLAS 13.4), 62%
+    (2, 128256, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 230.5 (cuBLAS 248.8), 95%
+    (8, 128256, 4096): TileConfig(128, 128, 1, 16, 4, 3, True),  # 232.6 (cuBLAS 241.3), 94%
 }
 # (row bucket, N, K) -> config of the FP8 GEMV (``kernels/fp8_linear.py``) where it runs: where it
 # beat ``torch._scaled_mm`` (gemv_bench lists no other); shapes not listed take ``torch._scaled_mm``.
 # The Llama-3-8B lines with comments "(_scaled_mm ...)" are gemv_bench's decode-like timing of
 # 2026-12-02 (session 16): at 4 and 16 rows only the swapped tl.dot tiles (``swap_ab``, FP8 fed
 # to wgmma as E4M3) beat cuBLASLt, by 1.6-2.3x; at one row they win gate/up only.
+# The 2- and 8-row lines (session 18): the same tiles, 1.8-2.3x faster than cuBLASLt.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(4, 512, 1, 0, 4, 3),  # 8.4 (_scaled_mm 18.7), 62%
     (1, 4096, 4096): TileConfig(4, 1024, 1, 0, 4, 3),  # 5.9 (_scaled_mm 14.6), 59%
@@ -179,6 +196,14 @@ FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (16, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 31.0 (_scaled_mm 48.0), 80%
     (4, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 18.5 (_scaled_mm 42.6), 66%
     (16, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 19.2 (_scaled_mm 37.9), 64%
+    (2, 6144, 4096): TileConfig(64, 128, 3, 16, 4, 3, True),  # 9.6 (_scaled_mm 18.2), 55%
+    (8, 6144, 4096): TileConfig(64, 128, 3, 16, 4, 3, True),  # 9.7 (_scaled_mm 18.3), 54%
+    (2, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 7.9 (_scaled_mm 14.6), 45%
+    (8, 4096, 4096): TileConfig(64, 128, 5, 16, 4, 3, True),  # 7.9 (_scaled_mm 14.2), 44%
+    (2, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 28.9 (_scaled_mm 47.9), 85%
+    (8, 28672, 4096): TileConfig(64, 128, 1, 16, 4, 3, True),  # 29.2 (_scaled_mm 48.5), 84%
+    (2, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 18.2 (_scaled_mm 41.6), 67%
+    (8, 4096, 14336): TileConfig(64, 256, 3, 16, 4, 3, True),  # 18.7 (_scaled_mm 39.6), 66%
 }
 
 
