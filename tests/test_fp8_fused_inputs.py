@@ -1,7 +1,6 @@
 """FP8 linears' inputs quantized by the layer that produces them (``QuantizedActivations``): the
 RMSNorm + quantization and SiLU-and-mul + quantization kernels against their torch references
-(the producer, then ``quantize_fp8_per_row``), the split-KV reduce + quantization against the
-reduce then the quantization kernel, the FP8 linears taking the quantized input, and
+(the producer, then ``quantize_fp8_per_row``), the FP8 linears taking the quantized input, and
 the engine: on a tiny Llama and Qwen3 with ``quantization="fp8"`` the greedy tokens and logprobs
 are identical with the fusion on and off (``PAGEDLAB_FP8_FUSED_INPUTS=0``), the fused producers
 are where the load-time step puts them (not with LoRA, not in Gemma), and on a GPU at
@@ -24,8 +23,6 @@ pytest.importorskip("triton")
 
 from conftest import KV_BYTES, random_prompts, shape_config_dir, tiny_config
 from pagedlab import LLM, SamplingParams
-from pagedlab.kernels import paged_attention
-from pagedlab.kernels.paged_attention import TILE_N
 from pagedlab.layers.activation import silu_and_mul, silu_and_mul_fp8
 from pagedlab.layers.norm import add_rms_norm, rms_norm, rms_norm_fp8
 from pagedlab.models.registry import build_model
@@ -138,39 +135,6 @@ def test_split_silu_mul_quantization_gives_the_one_program_values(kernels, split
     _assert_same_values(fp8_linear.silu_and_mul_fp8_triton(gate_up, split_block=split_block), whole)
 
 
-
-@pytest.mark.parametrize(("kv_heads", "group", "head_dim", "dtype"),
-                         [(2, 3, 80, torch.float16), (8, 4, 128, torch.bfloat16), (1, 5, 64, torch.float32)])
-def test_split_kv_reduce_quantization_equals_the_reduce_then_quantize(kv_heads, group, head_dim, dtype):
-    """``paged_attention_triton(fp8_output=True)``: the reduce launch quantizes each token's row
-    of every head (padded head counts and dims, a padding query row). Interpreted, bit for bit the
-    Triton reduce's output then ``quantize_fp8_per_token_triton``; compiled (the merge in other
-    chunks), within one E4M3 rounding of it; either way within attention's tolerance plus one
-    rounding of the torch reference."""
-    from test_kernels import make_batch
-
-    fp8_linear = importlib.import_module("pagedlab.kernels.fp8_linear")
-    attention = importlib.import_module("pagedlab.kernels.paged_attention")
-    batch = make_batch([(200, 1), (15, 1), (64, 1), (127, 1)], kv_heads, group, head_dim, 16, dtype,
-                       _generator("reduce-fp8", kv_heads, head_dim), device=DEVICE)
-    batch["q"] = torch.cat([batch["q"], torch.zeros_like(batch["q"][:1])])
-    scale = head_dim ** -0.5
-    args = dict(scale=scale, max_query_len=1, max_seq_len=201, split_kv_size=64)
-    fused = attention.paged_attention_triton(**batch, **args, fp8_output=True)
-    plain = attention.paged_attention_triton(**batch, **args)[:4].reshape(4, -1)
-    values, scales = fp8_linear.quantize_fp8_per_token_triton(plain)
-    assert fused.dtype == dtype and fused.values.shape == (5, kv_heads * group * head_dim)
-    got = fused.values[:4].float() * fused.scales[:4]
-    if DEVICE == "cpu":
-        assert torch.equal(_bits(fused.values[:4]), _bits(values)) and torch.equal(fused.scales[:4], scales)
-    else:
-        torch.testing.assert_close(fused.scales[:4], scales, rtol=1e-2, atol=0)
-        torch.testing.assert_close(got, values.float() * scales, rtol=2 ** -3, atol=float(scales.max()) / 512)
-    expected = attention.paged_attention_torch(**batch, scale=scale)[:4].reshape(4, -1)
-    torch.testing.assert_close(got, expected.float(), rtol=2 ** -3, atol=3e-2)
-    with pytest.raises(ValueError, match="fp8_output quantizes in the split-KV reduce"):
-        attention.paged_attention_triton(**batch, scale=scale, max_query_len=1, fp8_output=True)
-
 def test_the_layers_fp8_producers_are_their_references_off_cuda():
     """What the CPU engine runs: the torch producer, then ``quantize_fp8_per_row``."""
     x = _activations(4, 64, torch.float32, "cpu").cpu()
@@ -199,22 +163,19 @@ def test_fp8_linear_takes_quantized_activations_as_it_quantizes_the_tensor():
 
 # ---- wiring -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("arch", "quantization", "expected"),
-                         [("llama", "fp8", 8), ("qwen3", "fp8", 8), ("phi3", "fp8", 8), ("llama", None, 0),
+                         [("llama", "fp8", 6), ("qwen3", "fp8", 6), ("phi3", "fp8", 6), ("llama", None, 0),
                           ("llama", "awq", 0), ("gemma2", "fp8", 0)])
 def test_load_step_fuses_only_dynamic_fp8_consumers_of_the_llama_decoder_layer(arch, quantization, expected):
-    """Two layers, four producers each (the two norms, the attention and the SiLU-and-mul); none
-    for dense or AWQ linears, nor in Gemma's own layers (their norms are ``1 + weight``: left
-    unfused)."""
+    """Two layers, three producers each (the two norms and the SiLU-and-mul); none for dense or
+    AWQ linears, nor in Gemma's own layers (their norms are ``1 + weight``: left unfused)."""
     model = build_model(tiny_config(arch), 64, quantization)
     assert model.emit_fp8_inputs() == expected
     assert model.model.layers[0].input_layernorm.fp8_output == (expected > 0)
-    assert model.model.layers[1].self_attn.attn.fp8_output == (expected > 0)
 
 
-def _generate(path: str, fused: bool, monkeypatch, prompts=None, **engine_args):
-    """(token ids, logprobs) per prompt (by default 3 random ones of at most 30 tokens), and for
-    each FP8 linear (by its leaf name) whether its inputs came quantized, from an engine built
-    with the fusion on or off."""
+def _generate(path: str, fused: bool, monkeypatch, **engine_args):
+    """(token ids, logprobs) per prompt, and for each FP8 linear (by its leaf name) whether its
+    inputs came quantized, from an engine built with the fusion on or off."""
     monkeypatch.setenv("PAGEDLAB_FP8_FUSED_INPUTS", "1" if fused else "0")
     seen: dict[torch.nn.Module, set[bool]] = {}
     real = linear_method.FP8LinearMethod.apply
@@ -224,7 +185,7 @@ def _generate(path: str, fused: bool, monkeypatch, prompts=None, **engine_args):
         return real(self, layer, x, bias)
 
     monkeypatch.setattr(linear_method.FP8LinearMethod, "apply", spy)
-    prompts = prompts or random_prompts(3, max_len=30, seed=21)
+    prompts = random_prompts(3, max_len=30, seed=21)
     # on the CPU even where CUDA is (the GPU's fused kernels round otherwise: the GPU tests below)
     with LLM(path, quantization="fp8", kv_cache_memory_bytes=KV_BYTES, device="cpu", **engine_args) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -239,34 +200,14 @@ def _generate(path: str, fused: bool, monkeypatch, prompts=None, **engine_args):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_fp8_inputs_give_the_unfused_tokens_and_logprobs(tiny_models, monkeypatch, arch):
     """On the CPU the fused producers are the torch producer then ``quantize_fp8_per_row``, so the
-    numbers are bitwise the unfused ones; every FP8 linear takes quantized inputs only when fused."""
+    numbers are bitwise the unfused ones; qkv_proj, gate_up_proj and down_proj take quantized
+    inputs only when fused, o_proj never."""
     tiny = tiny_models(arch)
     fused, seen_fused = _generate(tiny.path, True, monkeypatch)
     unfused, seen_unfused = _generate(tiny.path, False, monkeypatch)
     assert fused == unfused
-    assert seen_fused == {name: {True} for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert seen_fused == {"qkv_proj": {True}, "o_proj": {False}, "gate_up_proj": {True}, "down_proj": {True}}
     assert seen_unfused == {name: {False} for name in seen_fused}
-
-
-def test_split_kv_decode_quantizes_o_proj_input_in_its_reduce(tiny_models, monkeypatch):
-    """The Triton attention backend (interpreted here): decode batches of sequences past
-    ``SPLIT_KV_SIZE`` keys split (made one key tile here, to keep the prompts short), and with
-    the fusion on their reduce launch quantizes o_proj's input (``split_kv_reduce_fp8_triton``,
-    which merges the heads of a token in one program); the tokens and logprobs are bitwise those
-    of the reduce, then o_proj's own quantization."""
-    fp8_linear = importlib.import_module("pagedlab.kernels.fp8_linear")
-    monkeypatch.setattr(paged_attention, "SPLIT_KV_SIZE", TILE_N)
-    monkeypatch.setattr(paged_attention, "SPLIT_KV_SMALL_SIZES", (TILE_N,))
-    calls = []
-    real = fp8_linear.split_kv_reduce_fp8_triton
-    monkeypatch.setattr(fp8_linear, "split_kv_reduce_fp8_triton", lambda *a: calls.append(a[4]) or real(*a))
-    prompts = random_prompts(2, min_len=TILE_N - 4, max_len=TILE_N, seed=22)  # past TILE_N keys in decode
-    path = tiny_models("llama").path
-    fused, seen = _generate(path, True, monkeypatch, prompts, attention_backend="triton")
-    assert calls and seen["o_proj"] == {True}
-    calls.clear()
-    unfused, _ = _generate(path, False, monkeypatch, prompts, attention_backend="triton")
-    assert fused == unfused and not calls
 
 
 def test_lora_keeps_fp8_inputs_unfused(tiny_models, monkeypatch):

@@ -150,11 +150,6 @@ KERNELS = {
     "fp8_split_quantize": Spec("fp8_linear", "_quantize_chunk_kernel",
                                dict(BLOCK_K=1024, BLOCK_C=16, FP8_MAX=448.0, MIN_SCALE=1e-12),
                                dict(chunk_max_ptr=_F, q_ptr="*fp8e4nv", scale_ptr=_F)),
-    # decode attention's split-KV reduce with o_proj's quantization: Llama-3-8B's 32 heads a token
-    "fp8_split_kv_reduce": Spec("fp8_linear", "_split_kv_reduce_fp8_kernel",
-                                dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, HEADS_PADDED=32, SEGMENT_CHUNK=4,
-                                     OUT_DTYPE="bf16", FP8_MAX=448.0, MIN_SCALE=1e-12),
-                                dict(_PARTIALS, values_ptr="*fp8e4nv", scale_ptr=_F), num_warps=16),
     "lora_expand": Spec("lora", "_lora_expand_kernel",
                         dict(SPLITS=8, SPLITS_POW2=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, **_TF32),
                         dict(h_ptr=_F, sorted_ptr=_I, tiles_ptr=_I)),
@@ -231,9 +226,8 @@ def _compile_all(out_dir: Path) -> None:
         try:
             kernel = getattr(importlib.import_module(f"pagedlab.kernels.{spec.module}"), spec.kernel)
             const = {**spec.constexprs, "PDL": pdl}
-            for key in ("DOT_DTYPE", "OUT_DTYPE"):
-                if key in const:
-                    const[key] = {"bf16": tl.bfloat16, "fp8": tl.float8e4nv}[const[key]]
+            if "DOT_DTYPE" in const:
+                const["DOT_DTYPE"] = {"bf16": tl.bfloat16, "fp8": tl.float8e4nv}[const["DOT_DTYPE"]]
             missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in const]
             if missing:
                 raise ValueError(f"no constexpr value given for {missing}")

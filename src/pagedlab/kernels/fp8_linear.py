@@ -17,10 +17,6 @@ the numerics of ``pagedlab.quantization.fp8`` (whose ``quantize_fp8_per_row`` an
   programs of a chunk of a row write its SiLU-and-mul and their ``max|x|``, then programs of a
   chunk quantize it at the scale of its row's maxima. The same values, in two launches over many
   SMs instead of one SM per row (the plain quantization can run split too, when asked).
-- ``split_kv_reduce_fp8_triton``: the split-KV reduce of decode attention (``paged_attention``)
-  with o_proj's quantization: one program a token merges every head's partials, rounds them to
-  the attention output's dtype and quantizes the token's row, instead of a reduce program a head
-  writing the output and this module's quantization reading it back in a second launch.
 - ``fp8_gemv_triton``: at most ``GEMV_MAX_ROWS`` rows of FP8 activations times FP8 weights
   ``[N, K]`` (one byte per weight: the decode step reads half of bf16's bytes), accumulated in
   float32 from exact products (E4M3 values are exact in bf16 and fp32; the swapped tensor-core
@@ -38,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import TRITON_DTYPES, launch_dense_gemv, num_sms
+from pagedlab.kernels.gemv import launch_dense_gemv, num_sms
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_fp8_gemv_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
-from pagedlab.kernels.triton_kernels import _INTERPRETED, _round_to_e4m3, merge_split_kv_partials
+from pagedlab.kernels.triton_kernels import _round_to_e4m3
 from pagedlab.quantization.fp8 import _MIN_SCALE, FP8_DTYPE, FP8_MAX, QuantizedActivations
 
 # The chunk width of the split quantization (``split_quant_block``).
@@ -141,72 +137,6 @@ def _quantize_chunk_kernel(x_ptr, chunk_max_ptr, q_ptr, scale_ptr, K, stride_x, 
     x = _row_chunk(x_ptr + row * stride_x, start, K, offs, False)
     q_row = q_ptr + row * stride_q + start
     _store_chunk(x, scale, q_row, q_row, offs, start + offs < K, False, FP8_MAX)
-
-
-# Values of the partials a thread of the fused split-KV reduce holds per segment chunk on a GPU.
-REDUCE_VALUES_PER_THREAD = 32
-REDUCE_NUM_WARPS = 16
-
-
-@triton.jit(do_not_specialize=["num_seqs", "num_segments"])
-def _split_kv_reduce_fp8_kernel(values_ptr, scale_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-                                query_start_loc_ptr, num_seqs, num_segments, num_heads, stride_values,
-                                stride_pacc_token, stride_pacc_head, stride_pacc_segment, stride_pstat_token,
-                                stride_pstat_head, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                                HEADS_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr,
-                                OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                                PDL: tl.constexpr):
-    """Program (token): every head's split-KV partials merged (``merge_split_kv_partials``, as
-    ``split_kv_reduce_kernel`` merges one head's), rounded to the attention output's dtype, and
-    the token's row of ``num_heads * HEAD_DIM`` values quantized as ``_per_token_quant_kernel``
-    quantizes it (PDL: waits first). Rows past the last sequence are padding: left unwritten."""
-    pdl_wait_and_trigger(PDL)
-    token = tl.program_id(0)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
-        return
-    heads = tl.arange(0, HEADS_PADDED)
-    offs_d = tl.arange(0, HEAD_DIM_PADDED)
-    valid = (heads < num_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    out = merge_split_kv_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-                                  token.to(tl.int64) * stride_pacc_token + heads * stride_pacc_head,
-                                  token.to(tl.int64) * stride_pstat_token + heads * stride_pstat_head,
-                                  heads < num_heads, num_segments, stride_pacc_segment, offs_d,
-                                  offs_d < HEAD_DIM, HEADS_PADDED, HEAD_DIM_PADDED, SEGMENT_CHUNK)
-    out = tl.where(valid, out.to(OUT_DTYPE).to(tl.float32), 0.0)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(out), axis=1), axis=0), FP8_MAX), MIN_SCALE)
-    tl.store(scale_ptr + token, scale)
-    q = _round_to_e4m3(tl.math.div_rn(out, scale), FP8_MAX)
-    columns = heads[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(values_ptr + token.to(tl.int64) * stride_values + columns, q.to(values_ptr.dtype.element_ty),
-             mask=valid)
-
-
-def split_kv_reduce_fp8_triton(scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                               query_start_loc: torch.Tensor, num_seqs: int, num_segments: int,
-                               num_tokens: int, head_dim: int, dtype: torch.dtype) -> QuantizedActivations:
-    """The split-KV reduce of ``num_tokens`` decode rows (``scratch`` from
-    ``paged_attention.allocate_split_kv_scratch``, filled by a split launch) quantized per token:
-    ``QuantizedActivations`` of the ``[num_tokens, heads * head_dim]`` attention output in
-    ``dtype``, the values ``quantize_fp8_per_token_triton`` gives for the reduce's output. A GPU
-    merges as many segments at a time as keep ``REDUCE_VALUES_PER_THREAD`` partial values a
-    thread; the interpreter 16, as the reduce kernel does, so that on the CPU the two forms give the
-    same bits."""
-    partial_acc, partial_max, _ = scratch
-    num_heads, head_dim_padded = partial_acc.shape[1], partial_acc.shape[3]
-    values = torch.empty(num_tokens, num_heads * head_dim, dtype=FP8_DTYPE, device=partial_acc.device)
-    scales = torch.empty(num_tokens, 1, dtype=torch.float32, device=partial_acc.device)
-    heads_padded = triton.next_power_of_2(num_heads)
-    # powers of two over a power of two: the chunk is one too
-    chunk = 16 if _INTERPRETED.value else max(1, min(16, REDUCE_VALUES_PER_THREAD * 32 * REDUCE_NUM_WARPS
-                                                   // (heads_padded * head_dim_padded)))
-    if num_tokens:
-        _split_kv_reduce_fp8_kernel[(num_tokens,)](
-            values, scales, *scratch, query_start_loc, num_seqs, num_segments, num_heads, values.stride(0),
-            *partial_acc.stride()[:3], partial_max.stride(0), partial_max.stride(1), HEAD_DIM=head_dim,
-            HEAD_DIM_PADDED=head_dim_padded, HEADS_PADDED=heads_padded, SEGMENT_CHUNK=chunk,
-            OUT_DTYPE=TRITON_DTYPES[dtype], FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
-            **pdl_launch(values.device), num_warps=REDUCE_NUM_WARPS)
-    return QuantizedActivations(values, scales, dtype)
 
 
 def split_quant_block(rows: int, width: int, gated: bool, device: torch.device) -> int:

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from pagedlab.kernels.attention_configs import TILE_N, attention_launch, padded_head_dim
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
 from pagedlab.kernels.pdl import pdl_launch
-from pagedlab.quantization.fp8 import QuantizedActivations
 
 
 @dataclass
@@ -226,8 +225,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_kv_size: int | None = None, out: torch.Tensor | None = None,
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                           softcap: float | None = None, batch_invariant: bool = False,
-                           fp8_output: bool = False) -> torch.Tensor | QuantizedActivations:
+                           softcap: float | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -243,11 +241,17 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
     programs or not, so a token's output is bitwise the same in decode, in a prefill chunk and in
     any batch; ``split_kv_size`` may then only be that size (no split with a window).
-    ``fp8_output`` (with ``split_kv_size``, not ``batch_invariant``): the reduce launch quantizes
-    its output per token for an FP8 o_proj (``fp8_linear.split_kv_reduce_fp8_triton``) and returns
-    ``QuantizedActivations`` of ``[num_tokens, num_heads * head_dim]`` instead of filling ``out``.
     """
-    segment_size = _segment_size(batch_invariant, sliding_window, split_kv_size, fp8_output)
+    segment_size = 0
+    if batch_invariant:
+        segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
+        if segment_size < 0 or segment_size % TILE_N:
+            raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
+                             f"of {TILE_N}")
+        if split_kv_size not in (None, segment_size or None):
+            raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
+                             f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
+                             "window")
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
                                 batch_invariant)
     if out is None:
@@ -272,33 +276,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
     kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size,
                    num_segments)
-    if fp8_output:
-        from pagedlab.kernels.fp8_linear import split_kv_reduce_fp8_triton
-
-        return split_kv_reduce_fp8_triton(scratch, query_start_loc, num_seqs, num_segments, num_tokens,
-                                          q.shape[2], q.dtype)
     kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
     return out
-
-
-def _segment_size(batch_invariant: bool, sliding_window: int | None, split_kv_size: int | None,
-                  fp8_output: bool) -> int:
-    """The key segments an unsplit launch folds (batch-invariant mode's, else 0), the modes'
-    arguments checked."""
-    if fp8_output and (split_kv_size is None or batch_invariant):
-        raise ValueError("fp8_output quantizes in the split-KV reduce: it needs split_kv_size and the "
-                         "default mode (not batch_invariant)")
-    if not batch_invariant:
-        return 0
-    segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
-    if segment_size < 0 or segment_size % TILE_N:
-        raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
-                         f"of {TILE_N}")
-    if split_kv_size not in (None, segment_size or None):
-        raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
-                         f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
-                         "window")
-    return segment_size
 
 
 def _check_scratch(scratch, num_tokens: int, num_heads: int, num_segments: int, head_dim_padded: int) -> None:

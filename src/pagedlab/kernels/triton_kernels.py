@@ -369,39 +369,6 @@ def paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
-def merge_split_kv_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, acc_base, stat_base,
-                            rows_valid, num_segments, stride_pacc_segment, offs_d, dim_valid,
-                            ROWS: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr):
-    """The normalized fp32 output ``[ROWS, HEAD_DIM_PADDED]`` of ROWS output rows (heads of a
-    token; ``rows_valid`` those that exist) from their split-KV partials: ``acc_base`` and
-    ``stat_base`` ``[ROWS]`` are each row's offsets into the scratch; segments are merged
-    SEGMENT_CHUNK at a time in segment order."""
-    offs_s = tl.arange(0, SEGMENT_CHUNK)
-    acc = tl.zeros([ROWS, HEAD_DIM_PADDED], dtype=tl.float32)
-    total_sum = tl.zeros([ROWS], dtype=tl.float32)
-    total_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    for chunk_start in range(0, num_segments, SEGMENT_CHUNK):
-        seg = chunk_start + offs_s
-        stat_mask = rows_valid[:, None] & (seg < num_segments)[None, :]
-        seg_max = tl.load(partial_max_ptr + stat_base[:, None] + seg[None, :], mask=stat_mask,
-                          other=float("-inf"))
-        seg_sum = tl.load(partial_sum_ptr + stat_base[:, None] + seg[None, :], mask=stat_mask, other=0.0)
-        # Empty segments (max -inf) never wrote their acc: do not read it.
-        has_keys = seg_max > float("-inf")
-        seg_acc = tl.load(partial_acc_ptr + acc_base[:, None, None] + seg[None, :, None] * stride_pacc_segment
-                          + offs_d[None, None, :], mask=has_keys[:, :, None] & dim_valid[None, None, :],
-                          other=0.0)
-        new_max = tl.maximum(total_max, tl.max(seg_max, 1))
-        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        alpha = tl.math.exp2(total_max - new_max)
-        weight = tl.math.exp2(seg_max - new_max[:, None])
-        total_sum = total_sum * alpha + tl.sum(weight * seg_sum, 1)
-        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * seg_acc, 1)
-        total_max = new_max
-    return acc / tl.where(rows_valid, total_sum, 1.0)[:, None]  # (padding rows: no 0 / 0)
-
-
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def split_kv_reduce_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
@@ -414,18 +381,36 @@ def split_kv_reduce_kernel(
     """Program (token, head): merge the per-segment partials of one output row (PDL: waits first)."""
     pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
-    head = tl.program_id(1) + tl.arange(0, 1)
+    head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding rows past the last sequence own no partials
+    offs_s = tl.arange(0, SEGMENT_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = offs_d < HEAD_DIM
-    out = merge_split_kv_partials(partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-                                  token.to(tl.int64) * stride_pacc_token + head * stride_pacc_head,
-                                  token.to(tl.int64) * stride_pstat_token + head * stride_pstat_head,
-                                  head >= 0, num_segments, stride_pacc_segment, offs_d, dim_valid, 1,
-                                  HEAD_DIM_PADDED, SEGMENT_CHUNK)
-    tl.store(out_ptr + token * stride_out_token + head[:, None] * stride_out_head + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=dim_valid[None, :])
+    stat_base = token.to(tl.int64) * stride_pstat_token + head * stride_pstat_head
+    acc_base = token.to(tl.int64) * stride_pacc_token + head * stride_pacc_head
+
+    acc = tl.zeros([HEAD_DIM_PADDED], dtype=tl.float32)
+    total_sum = tl.zeros([], dtype=tl.float32)
+    total_max = tl.full([], float("-inf"), dtype=tl.float32)
+    for chunk_start in range(0, num_segments, SEGMENT_CHUNK):
+        seg = chunk_start + offs_s
+        seg_max = tl.load(partial_max_ptr + stat_base + seg, mask=seg < num_segments, other=float("-inf"))
+        seg_sum = tl.load(partial_sum_ptr + stat_base + seg, mask=seg < num_segments, other=0.0)
+        # Empty segments (max -inf) never wrote their acc: do not read it.
+        has_keys = seg_max > float("-inf")
+        seg_acc = tl.load(partial_acc_ptr + acc_base + seg[:, None] * stride_pacc_segment + offs_d[None, :],
+                          mask=has_keys[:, None] & dim_valid[None, :], other=0.0)
+        new_max = tl.maximum(total_max, tl.max(seg_max, 0))
+        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.math.exp2(total_max - new_max)
+        weight = tl.math.exp2(seg_max - new_max)
+        total_sum = total_sum * alpha + tl.sum(weight * seg_sum, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * seg_acc, 0)
+        total_max = new_max
+    out = acc / total_sum
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])

@@ -27,7 +27,6 @@ from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedlab.layers.norm import RMSNorm
 from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
 from pagedlab.models.checkpoint import load_checkpoint
-from pagedlab.quantization.fp8 import QuantizedActivations
 from pagedlab.quantization.formats import resolve_quant_config
 from pagedlab.quantization.linear_method import linear_method_for, takes_quantized_activations
 
@@ -63,7 +62,7 @@ class DecoderAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, rope, self.q_norm, self.k_norm)
-        return self.o_proj(out if isinstance(out, QuantizedActivations) else out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderMLP(nn.Module):
@@ -98,11 +97,10 @@ class DecoderLayer(nn.Module):
     def emit_fp8_inputs(self) -> int:
         """Load-time step: each producer whose one consumer is an FP8 linear with dynamic
         per-token activation scales (``takes_quantized_activations``: not a LoRA wrapper) emits
-        that linear's quantized input itself: the RMSNorm before qkv_proj, the attention before
-        o_proj, the one before gate_up_proj and the SiLU-and-mul before down_proj. Returns how
-        many producers do."""
-        attention = self.self_attn
-        pairs = [(self.input_layernorm, attention.qkv_proj), (attention.attn, attention.o_proj)]
+        that linear's quantized input itself: the RMSNorm before qkv_proj, the one before
+        gate_up_proj and the SiLU-and-mul before down_proj (o_proj's input comes from attention
+        and is quantized by the linear). Returns how many producers do."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, DecoderMLP):
             pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj),
                       (self.mlp.act, self.mlp.down_proj)]

@@ -19,11 +19,9 @@ would be NaN).
 
 Dynamic per-token activations come either as the 16/32-bit tensor, quantized here (on CUDA by
 one Triton launch before the GEMV or GEMM), or already quantized as ``QuantizedActivations``: in
-the Llama-family decoder the RMSNorms before qkv_proj and gate_up_proj, the attention before
-o_proj and the SiLU-and-mul before down_proj emit them (``models/llama.py``'s
-``emit_fp8_inputs``; the norms and the activation in their own kernel, the attention in its
-split-KV reduce where a decode batch splits), the same values ``quantize_fp8_per_row`` gives for
-the producer's output.
+the Llama-family decoder the RMSNorms before qkv_proj and gate_up_proj and the SiLU-and-mul
+before down_proj emit them in their own kernel (``models/llama.py``'s ``emit_fp8_inputs``), the
+same values ``quantize_fp8_per_row`` gives for the producer's output; o_proj quantizes its input.
 
 Tensor parallelism: a column-parallel rank holds whole rows, so its scales are the TP=1 scales.
 A row-parallel rank holds part of each row; its weight scales are still the full row's (the

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from pagedlab.layers.rotary import rotate_queries_and_keys
-from pagedlab.quantization.fp8 import QuantizedActivations
 
 
 @dataclass
@@ -105,11 +104,10 @@ class AttentionBackend:
 
     def attend(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0, sliding_window: int | None = None,
-               softcap: float | None = None, fp8_output: bool = False) -> torch.Tensor | QuantizedActivations:
+               softcap: float | None = None) -> torch.Tensor:
         """Attention of ``q`` over the paged cache (an FP8 cache read at the scales), local to
         ``sliding_window`` keys and soft-capped at ``softcap`` where given (see
-        ``kernels.paged_attention``); ``fp8_output``: the output ``[tokens, heads * head_dim]``
-        quantized per token, the values ``QuantizedActivations.of`` gives."""
+        ``kernels.paged_attention``)."""
         raise NotImplementedError
 
 
@@ -155,19 +153,10 @@ class Attention(nn.Module):
         self.sliding_window, self.softcap = sliding_window, softcap
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale = self.v_scale = 1.0
-        self.fp8_output = False
-
-    def emit_fp8(self, wanted: bool) -> bool:
-        """Load-time switch: whether ``forward`` returns its output quantized per token,
-        ``QuantizedActivations`` of ``[tokens, heads * head_dim]`` (``wanted``: its one consumer,
-        o_proj, is an FP8 linear with dynamic per-token activation scales), which the Triton
-        backend's split-KV decode makes in its reduce launch. Returns the setting."""
-        self.fp8_output = wanted
-        return wanted
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, q_norm: nn.Module | None = None,
-                k_norm: nn.Module | None = None) -> torch.Tensor | QuantizedActivations:
+                k_norm: nn.Module | None = None) -> torch.Tensor:
         """``q``: ``[tokens, heads, head_dim]``; ``k``/``v``: ``[tokens, kv_heads, head_dim]``. With
         ``rope`` (``RotaryEmbedding``'s (cos, sin)) ``q`` and ``k`` are rotated first, after the
         per-head ``RMSNorm`` modules ``q_norm``/``k_norm`` where given (Qwen3, Gemma 3): the
@@ -180,7 +169,7 @@ class Attention(nn.Module):
             q = ctx.backend.rotate_and_write_kv(q, k, v, rope, q_norm, k_norm, self.k_cache, self.v_cache,
                                                 ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
         return ctx.backend.attend(q, self.k_cache, self.v_cache, ctx.metadata, self.scale, self.k_scale,
-                                  self.v_scale, self.sliding_window, self.softcap, self.fp8_output)
+                                  self.v_scale, self.sliding_window, self.softcap)
 
     def load_kv_scale(self, name: str, tensor) -> None:
         """Set ``k_scale`` or ``v_scale`` (``name``) from a checkpoint's one-element tensor."""

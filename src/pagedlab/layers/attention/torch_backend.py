@@ -10,7 +10,6 @@ from pagedlab.kernels.paged_attention import (paged_attention_rows_torch, paged_
                                               plan_torch_attention)
 from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedlab.layers.batch_invariant import batch_invariant_enabled
-from pagedlab.quantization.fp8 import QuantizedActivations
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -23,11 +22,7 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0, sliding_window=None,
-               softcap=None, fp8_output=False):
-        out = self._attend(q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window, softcap)
-        return QuantizedActivations.of(out.view(out.shape[0], -1)) if fp8_output else out
-
-    def _attend(self, q, k_cache, v_cache, metadata, scale, k_scale, v_scale, sliding_window, softcap):
+               softcap=None):
         if batch_invariant_enabled():
             return paged_attention_rows_torch(q, k_cache, v_cache, metadata.query_start_loc,
                                               metadata.seq_lens, metadata.block_tables, scale,

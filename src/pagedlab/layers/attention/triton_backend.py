@@ -20,7 +20,6 @@ from pagedlab.kernels import kv_write, paged_attention
 from pagedlab.kernels.paged_attention import TILE_N, CascadeBuffers
 from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedlab.layers.batch_invariant import batch_invariant_enabled
-from pagedlab.quantization.fp8 import QuantizedActivations
 
 # Cascade attention pays from 16 sequences sharing 2^17 (sequences x prefix keys) keys: below
 # that the extra launch and reduce cost more than the prefix reads they save.
@@ -91,16 +90,13 @@ class TritonAttentionBackend(AttentionBackend):
                                                    v_scale, norm)
 
     def attend(self, q, k_cache, v_cache, metadata, scale, k_scale=1.0, v_scale=1.0, sliding_window=None,
-               softcap=None, fp8_output=False):
-        """With ``fp8_output`` a split-KV launch quantizes in its reduce; any other launch's output
-        is quantized by ``fp8_linear.quantize_fp8_per_token_triton``."""
+               softcap=None):
         if isinstance(metadata.plan, CascadeBuffers):
             if sliding_window is not None:  # the engine turns cascade off for windowed models
                 raise ValueError("cascade attention cannot run a sliding-window layer")
-            out = paged_attention.cascade_attention_triton(
+            return paged_attention.cascade_attention_triton(
                 q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 metadata.plan, scale, metadata.max_seq_len, k_scale, v_scale, softcap)
-            return _quantized(out) if fp8_output else out
         invariant = batch_invariant_enabled()
         split_size = None  # the default mode's policy
         if invariant:  # the mode splits only into its key segments, which a windowed layer has not
@@ -110,18 +106,8 @@ class TritonAttentionBackend(AttentionBackend):
             split_kv_size = paged_attention.choose_split_kv_size(
                 metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len,
                 split_size)
-        fused = fp8_output and split_kv_size is not None and not invariant
-        out = paged_attention.paged_attention_triton(
+        return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-            softcap=softcap, batch_invariant=invariant, fp8_output=fused)
-        return _quantized(out) if fp8_output and not fused else out
-
-
-def _quantized(out: torch.Tensor) -> QuantizedActivations:
-    """The attention output ``[tokens, heads, head_dim]`` quantized per token, as rows of
-    ``heads * head_dim``."""
-    from pagedlab.kernels.fp8_linear import quantize_fp8_per_token_triton
-
-    return QuantizedActivations(*quantize_fp8_per_token_triton(out.view(out.shape[0], -1)), out.dtype)
+            softcap=softcap, batch_invariant=invariant)
