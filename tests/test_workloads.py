@@ -108,14 +108,15 @@ def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path, ca
 
 
 def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache(tiny_llama, monkeypatch):
-    """Batch sizes 2 and 3: before each is timed, the bench runs that batch's own prompts for four
-    tokens (so its prefill chunks and decode batches compile outside the timing), and the timed run
-    still computes every prompt: no prefix-cache hit left over from the warm-up."""
+    """Batch sizes 2 and 3: before each is timed, the bench runs that batch's own requests to their
+    full lengths (so its prefill chunks, mixed steps and decode batches compile and allocate
+    outside the timing), and the timed run still computes every prompt: no prefix-cache hit left
+    over from the warm-up."""
     events = []
     generate, timed = LLM.generate, workloads.run_pagedlab
 
     def warm_up(self, prompts, params=None, use_tqdm=True, lora_request=None):
-        events.append(("warm", prompts, params.max_tokens))
+        events.append(("warm", prompts, max(p.max_tokens for p in params)))
         return generate(self, prompts, params, use_tqdm, lora_request)
 
     def run(llm, workload, *args, **kwargs):
@@ -129,6 +130,6 @@ def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache
                                progress=lambda line: None)
     two, three = (workloads.make_workload("custom", tiny_llama.hf_model.config.vocab_size, n, 40, 6).prompts
                   for n in (2, 3))
-    assert events == [("warm", two, 4), ("timed", two, 6), ("warm", three, 4), ("timed", three, 6)]
+    assert events == [("warm", two, 6), ("timed", two, 6), ("warm", three, 6), ("timed", three, 6)]
     assert [(r.num_requests, r.output_tokens, r.extra["prefix_cache_hit_rate"]) for r in rows] == \
         [(2, 12, 0.0), (3, 18, 0.0)]

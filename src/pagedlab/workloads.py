@@ -546,12 +546,16 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
 
 
 def _warm_up(llm, workload: Workload) -> None:
-    """``workload``'s own requests for four tokens each: every prefill chunk, mixed step and decode
-    batch of the timed run compiles, allocates and reads its adapters here, not in the timing (a
-    two-request warm-up left some of it to the first timed run: on an H200 W-seed batch 64 ran
-    TTFT p50 785-803 ms first in a device call and 600 ms after). ``run_pagedlab`` resets the
+    """``workload`` itself, once, untimed: every prefill chunk, mixed step and decode batch of the
+    timed run compiles, allocates and reads its adapters here, not in the timing. Less left part
+    of it to the first timed run: a two-request warm-up cost W-seed batch 64 185-200 ms of TTFT
+    p50 (H200, session 14); four tokens a request cost W-seed batch 256 320 ms of TTFT p50 and
+    3.5% of its output tok/s (2,020 ms and 6,685 tok/s in the first of three runs in a process,
+    1,702-1,720 ms and 6,908-6,931 in the next two; session 18). ``run_pagedlab`` resets the
     prefix cache, so the timed run recomputes every prompt."""
-    llm.generate(workload.prompts, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+    llm.generate(workload.prompts, [SamplingParams(temperature=workload.temperature, max_tokens=out_len,
+                                                   ignore_eos=True, detokenize=False)
+                                    for out_len in workload.output_lens],
                  use_tqdm=False, lora_request=workload.loras)
 
 
