@@ -547,12 +547,10 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
 
 def _warm_up(llm, workload: Workload) -> None:
     """``workload`` itself, once, untimed: every prefill chunk, mixed step and decode batch of the
-    timed run compiles, allocates and reads its adapters here, not in the timing. Less left part
-    of it to the first timed run: a two-request warm-up cost W-seed batch 64 185-200 ms of TTFT
-    p50 (H200, session 14); four tokens a request cost W-seed batch 256 320 ms of TTFT p50 and
-    3.5% of its output tok/s (2,020 ms and 6,685 tok/s in the first of three runs in a process,
-    1,702-1,720 ms and 6,908-6,931 in the next two; session 18). ``run_pagedlab`` resets the
-    prefix cache, so the timed run recomputes every prompt."""
+    timed run compiles, allocates and reads its adapters here, not in the timing (on an H200 four
+    tokens a request left W-seed batch 256's first timed run 320 ms of TTFT p50 and 3.5% of its
+    tok/s behind the next ones). ``run_pagedlab`` resets the prefix cache, so the timed run
+    recomputes every prompt."""
     llm.generate(workload.prompts, [SamplingParams(temperature=workload.temperature, max_tokens=out_len,
                                                    ignore_eos=True, detokenize=False)
                                     for out_len in workload.output_lens],
