@@ -34,7 +34,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagedlab import LLM, SamplingParams
+from pagedlab import LLM
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, kernel_kind
 from pagedlab.workloads import H200_BF16_FLOPS, DEFAULT_SHAPES, make_workload, physical_floor, shape_dir
 
@@ -74,9 +74,8 @@ def engine_setup(args: argparse.Namespace):
 
 def run_workload(engine, workload, tag: str) -> float:
     """Drive the engine over every request of the workload; returns the wall seconds."""
-    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"{tag}{i}", prompt, SamplingParams(
-            temperature=workload.temperature, max_tokens=out_len, ignore_eos=True, detokenize=False))
+    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.sampling_params())):
+        engine.add_request(f"{tag}{i}", prompt, params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()

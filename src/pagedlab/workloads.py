@@ -126,6 +126,12 @@ class Workload:
     engine_args: dict = field(default_factory=dict)
     loras: list[LoRARequest] | None = None  # the LoRA adapter of each request (pagedlab.lora.bench)
 
+    def sampling_params(self) -> list[SamplingParams]:
+        """Each request's parameters. No per-request seed: like vLLM's benchmarks, sampled rows
+        draw from the engine's seeded generator in one batched call instead of one per request."""
+        return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True, detokenize=False)
+                for n in self.output_lens]
+
 
 def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -326,11 +332,7 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
     stamps: dict[str, list[float]] = {}
     finished = []
     start = time.perf_counter()
-    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
-        # No per-request seed: like vLLM's benchmarks, sampled rows draw from the engine's seeded
-        # generator in one batched call instead of one call per request.
-        params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True,
-                                detokenize=False)
+    for i, (prompt, params) in enumerate(zip(workload.prompts, workload.sampling_params())):
         engine.add_request(f"bench-{i}", prompt, params,
                            lora_request=workload.loras[i] if workload.loras else None)
         stamps[f"bench-{i}"] = []
@@ -551,10 +553,7 @@ def _warm_up(llm, workload: Workload) -> None:
     tokens a request left W-seed batch 256's first timed run 320 ms of TTFT p50 and 3.5% of its
     tok/s behind the next ones). ``run_pagedlab`` resets the prefix cache, so the timed run
     recomputes every prompt."""
-    llm.generate(workload.prompts, [SamplingParams(temperature=workload.temperature, max_tokens=out_len,
-                                                   ignore_eos=True, detokenize=False)
-                                    for out_len in workload.output_lens],
-                 use_tqdm=False, lora_request=workload.loras)
+    llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False, lora_request=workload.loras)
 
 
 def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats: int,
