@@ -55,7 +55,8 @@ ONE_ROW_PREFETCH_MAX_BYTES = 8192
 AWQ_ONE_ROW_BLOCK_N = (4, 8, 16, 32)
 AWQ_ONE_ROW_BLOCK_K = (512, 1024, 2048, 4096)
 # The AWQ one-row tiles' int32 words a thread holds a K step. In the sm_90 SASS of the loop,
-# 8 to 32 take 4.2-5.4 instructions a weight (128 registers at most, no spills); 2 take 8.6.
+# 16 to 32 take 3.4-4.0 instructions a weight with the paired nibble unpacking (4.1-4.6 before
+# it), no spills; 2 took 8.6.
 AWQ_WORDS_PER_THREAD = (8, 32)
 # The AWQ GEMM's tiles (block_m rows, block_n columns, block_k, warps, stages; block_k capped at the
 # group size). K steps of 128 read 64 contiguous bytes of each column's words, of 64 only 32.
@@ -83,6 +84,8 @@ SWAPPED_FP8_GEMV_TILES = [(64, 512, 3), (128, 512, 2), (128, 256, 3)]
 # Linears the quantized models keep in 16 bits: the LM head (AWQ and FP8 checkpoints keep it so)
 # and a mixture of experts' router (a plain linear, never quantized).
 DENSE_ONLY_LINEARS = ("lm_head", "router")
+# The kernel sweeps besides cuBLAS: the dense GEMV, FP8 and AWQ (``--paths`` picks some).
+PATHS = ("gemv", "fp8", "awq")
 
 
 def model_linears(shape: str, tp: int) -> list[tuple[str, int, int]]:
@@ -331,7 +334,7 @@ def sweep(candidates, run, operands: tuple[torch.Tensor, ...], reference: torch.
 
 
 def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_size: int, sms: int,
-                gen: torch.Generator) -> list[dict]:
+                gen: torch.Generator, paths: tuple[str, ...] = PATHS) -> list[dict]:
     """Every path at every batch size for one weight shape (random bf16, and its AWQ quantization)."""
     weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16()
     awq = quantize_awq(weight.T.contiguous(), group_size)
@@ -339,27 +342,28 @@ def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
         record = dict(tp=tp, layer=name, n=n, k=k, rows=rows,
-                      **bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms))
+                      **bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms, paths))
         records.append(record)
         print(format_record(record), flush=True)
     return records
 
 
 def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, quantized: bool, group_size: int,
-               sms: int) -> dict:
+               sms: int, paths: tuple[str, ...] = PATHS) -> dict:
     """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and, for a linear the quantized
-    models quantize, the FP8 and AWQ sweeps for one batch."""
+    models quantize, the FP8 and AWQ sweeps for one batch: those of ``paths``."""
     (rows, k), n = x.shape, weight.shape[0]
     io_bytes = (rows * k + rows * n) * 2
     dense_bytes = weight.numel() * 2 + io_bytes
     dense_ref = x.float() @ weight.float().T
     found = dict(cublas=measure(lambda w: F.linear(x, w), (weight,), dense_ref, dense_bytes))
-    if rows <= GEMV_MAX_ROWS:
+    if rows <= GEMV_MAX_ROWS and "gemv" in paths:
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
                               lambda c, w: dense_gemv_triton(x, w, None, c), (weight,), dense_ref,
                               dense_bytes)
-    if quantized:
+    if quantized and "fp8" in paths:
         found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
+    if quantized and "awq" in paths:
         found.update(bench_awq(x, awq, group_size, io_bytes, sms))
     return found
 
@@ -553,6 +557,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "gate_up", "down", "router", "lm_head"])
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS,
+                        help="the sweeps to run (cuBLAS always runs, the reference time)")
     parser.add_argument("--chain", action="store_true",
                         help="print each batch-1 linear's time and the decode step's sum, cuBLAS against "
                              "the paths the tables pick")
@@ -565,7 +571,8 @@ def main() -> None:
     for tp in args.tp:
         for name, n, k in model_linears(args.shape, tp):
             if name in args.layers:
-                records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen)
+                records += bench_shape(tp, name, n, k, args.rows, args.group_size, sms, gen,
+                                       tuple(args.paths))
     awq_lines, dense_lines, fp8_lines = table_lines(records, args.group_size)
     num_layers = model_shape(args.shape).num_hidden_layers
     estimates = decode_estimates(records, num_layers)

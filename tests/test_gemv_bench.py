@@ -270,6 +270,22 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
                          (((256, 64), torch.int32), ((256, 1), torch.int32), ((256, 8), torch.bfloat16))}
 
 
+def test_bench_rows_runs_only_the_paths_asked(monkeypatch):
+    """``--paths awq``: cuBLAS (the reference time) and the AWQ sweep, no dense GEMV or FP8 sweep."""
+    def fake_seconds(fn, operands):
+        fn(*operands)
+        return 1e-5
+    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
+    monkeypatch.setattr(gemv_bench, "awq_candidates", _cut(gemv_bench.awq_candidates))
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(128, 256, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
+    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2, paths=("awq",))
+    assert set(found) == {"cublas", "awq"}
+    assert [r["ok"] for r in found["awq"]["candidates"]] == [True] * 2
+
+
 def _record(layer, cublas, gemv=None, fp8=None, awq=None, tp=1, rows=1):
     record = dict(tp=tp, layer=layer, n=64, k=64, rows=rows, cublas=dict(us=cublas))
     record["gemv"] = dict(best=dict(us=gemv) if gemv else None)
