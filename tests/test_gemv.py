@@ -180,7 +180,7 @@ def test_fp8_gemv_runs_only_listed_shapes(monkeypatch):
     assert gemv_configs.fp8_gemv_config(17, 6144, 4096) is None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 64, 256])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 256])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_default_configs_are_runnable(rows, group_size):
     for out_features, in_features in [(6144, 4096), (4096, 14336), (2048, 2048), (128256, 4096)]:
@@ -188,8 +188,10 @@ def test_default_configs_are_runnable(rows, group_size):
         config.check(rows, gemv=rows <= gemv_configs.GEMV_MAX_ROWS)
         if config.block_m:  # tl.dot: a K step within one group
             assert group_size % config.block_k == 0
-        else:  # one row: whole K steps; these shapes' column tiles fill the SMs without a split
-            assert rows == 1 and in_features % config.block_k == 0 and config.split_k == 1
+        else:  # CUDA cores, up to 4 rows: whole K steps, K split only where the column tiles are few
+            assert rows <= gemv_configs.AWQ_CUDA_CORE_DEFAULT_ROWS and in_features % config.block_k == 0
+            assert config.split_k == gemv_configs.splits_for(-(-out_features // config.block_n),
+                                                             in_features // config.block_k, 132)
         if rows <= 16:
             dense = gemv_configs.default_dense_gemv_config(rows, out_features, in_features, 132)
             dense.check(rows, gemv=True)

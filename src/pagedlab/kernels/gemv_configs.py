@@ -18,9 +18,11 @@ GEMV_MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Rows of a tl.dot tile: the smallest M tensor cores take.
 DOT_MIN_ROWS = 16
-# The one-row AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K step.
-AWQ_ONE_ROW_BLOCK_N = 8
+# The CUDA-core AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K
+# step (one row; half that for more), and the most rows it takes by default (more: tl.dot).
+AWQ_ONE_ROW_BLOCK_N = 16
 AWQ_ONE_ROW_BLOCK_K = 2048
+AWQ_CUDA_CORE_DEFAULT_ROWS = 4
 # The most rows an AWQ GEMV tile with block_m=0 multiplies on the CUDA cores (each K step's words
 # unpacked once for all of them); more rows take tl.dot tiles.
 AWQ_CUDA_CORE_MAX_ROWS = 8
@@ -91,20 +93,22 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # 256 rows it beat the plain form on every Llama-3-8B linear (qkv 64 rows: 33.3 against 60.6 us)
 # but lost to dequantize-then-cuBLAS everywhere else (qkv 32.6, o 21.1, down 77.2 at 64 rows).
 # The 2- and 8-row lines: 2026-12-02 (session 18); at 2 rows the CUDA-core tiles (block_m=0)
-# won all four, at 8 rows tl.dot tiles did.
+# won all four, at 8 rows tl.dot tiles did. The 1- and 4-row lines: 2026-12-02 (session 19), the
+# CUDA-core sums with the paired nibble unpacking (``w4a16._unpack_words_paired``); at 4 rows they
+# beat tl.dot on all four (qkv 18.5 against 28.7 us).
 AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
-    (1, 6144, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.8, 35%
-    (4, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 28.7, 10%
+    (1, 6144, 4096, 128): TileConfig(16, 2048, 1, 0, 4, 1),  # 6.5, 42%
+    (4, 6144, 4096, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 18.5, 15%
     (16, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 29.0, 10%
-    (1, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 6.5, 28%
-    (4, 4096, 4096, 128): TileConfig(64, 128, 5, 16, 4, 3),  # 20.3, 9%
+    (1, 4096, 4096, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 4.5, 41%
+    (4, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 12.0, 15%
     (16, 4096, 4096, 128): TileConfig(64, 128, 5, 16, 4, 3),  # 20.7, 9%
-    (1, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 26.3, 48%
-    (4, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.0, 12%
+    (1, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 21.6, 59%
+    (4, 28672, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 70.2, 18%
     (16, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.4, 12%
     (64, 28672, 4096, 128): TileConfig(128, 128, 1, 64, 8, 3, True),  # 78.4, 17%
-    (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 4, 3),  # 14.8, 43%
-    (4, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.9, 11%
+    (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 12.1, 53%
+    (4, 4096, 14336, 128): TileConfig(8, 1024, 1, 0, 4, 1),  # 40.6, 16%
     (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
     (2, 6144, 4096, 128): TileConfig(8, 1024, 1, 0, 4, 3),  # 12.6, 22%
     (8, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 27.4, 10%
@@ -219,18 +223,19 @@ def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
 
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                        num_sms: int) -> TileConfig:
-    """GEMV, one row: ``AWQ_ONE_ROW_BLOCK_N`` columns a program, K steps of up to
-    ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words), so that a program reads 8 KB a step as
-    the dense one-row GEMV's measured best does (4 weight rows x 1024 bf16), 3 stages (the next
-    step's weights read during this one's sums); in the sm_90 SASS this tile's loop takes about
-    4.6 instructions a weight, 127 registers, no spills. More rows:
-    tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the column
-    tiles give fewer than two programs per SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
+    """GEMV, up to ``AWQ_CUDA_CORE_DEFAULT_ROWS`` rows on the CUDA cores: ``AWQ_ONE_ROW_BLOCK_N``
+    columns a program, K steps of up to ``AWQ_ONE_ROW_BLOCK_K`` (2 KB of each column's words; 1 KB
+    from two rows on), 3 stages (the next step's weights read during this one's sums): the tile
+    ``gemv_bench.py`` picked most often for the Llama-3-8B linears at one and four rows (session
+    19); in the sm_90 SASS this tile's loop takes about 3.5 instructions a weight, no spills. More
+    rows: tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the
+    column tiles give fewer than two programs per SM. GEMM: 64/128 x 128 tiles, K steps of 64."""
     if rows > GEMV_MAX_ROWS:
         return TileConfig(block_n=128, block_k=min(group_size, 64), block_m=64 if rows <= 64 else 128,
                           num_warps=4 if rows <= 64 else 8, num_stages=3)
-    if rows == 1:
-        block_n, block_m, block_k = AWQ_ONE_ROW_BLOCK_N, 0, AWQ_ONE_ROW_BLOCK_K
+    if rows <= AWQ_CUDA_CORE_DEFAULT_ROWS:
+        block_n, block_m = AWQ_ONE_ROW_BLOCK_N, 0
+        block_k = AWQ_ONE_ROW_BLOCK_K if rows == 1 else AWQ_ONE_ROW_BLOCK_K // 2
         while in_features % block_k:  # whole steps (K is a multiple of the group size)
             block_k //= 2
     else:
