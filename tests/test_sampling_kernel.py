@@ -210,3 +210,35 @@ def test_kernel_matches_reference_at_w_nano_shape():
         assert differ.numel() <= 2, differ.tolist()
     greedy = temperature == 0
     assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_compiles_every_variant_a_batch_can_launch(monkeypatch):
+    """After ``warm_up_sampling`` on 300 rows of logits, sampling any 1 to 300 of them, in bf16 or
+    float32, at any temperature, compiles nothing more (the chunk count specializes no kernel),
+    and the tokens still match the reference."""
+    from triton.runtime.jit import JITFunction
+
+    from pagedlab.kernels.sampling import warm_up_sampling
+
+    compiles = []
+    compile_kernel = JITFunction._do_compile
+
+    def counted(self, *args, **kwargs):
+        compiles.append(self.__name__)
+        return compile_kernel(self, *args, **kwargs)
+    monkeypatch.setattr(JITFunction, "_do_compile", counted)
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(300, 50_021, generator=g) * 4).to(torch.bfloat16).cuda()
+    warm_up_sampling(logits)
+    assert compiles, "the warm-up compiled nothing: the test cannot tell"
+    compiles.clear()
+    temperature = torch.full((300,), 0.8).cuda()
+    seeds = _seeds(300, g).cuda()
+    for rows in (1, 2, 3, 7, 16, 33, 64, 100, 131, 255, 256, 300):
+        for values in (logits[:rows], logits[:rows].float()):
+            got = sample_tokens(values, temperature[:rows], seeds[:rows])
+            want = sample_tokens_torch(values, temperature[:rows], seeds[:rows])
+            assert (got != want).sum() <= 1
+    assert compiles == []

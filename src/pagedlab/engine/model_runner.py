@@ -31,6 +31,7 @@ from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
 from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
+from pagedlab.kernels.sampling import warm_up_sampling
 from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
 from pagedlab.loader import ModelSource, load_model
 from pagedlab.lora.manager import LoRAManager
@@ -159,6 +160,7 @@ class ModelRunner:
         self.dtype = dtype
         self.backend = backend
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size
         attn = model.attention_layers()[0]
         self.num_layers = len(model.attention_layers())
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -214,7 +216,16 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         if self.uses_cuda_graphs or cuda_graph.PAD_WITHOUT_CAPTURE:
             self._build_graphs(plan, capture=self.uses_cuda_graphs)
+        self._warm_up_sampler(plan.max_num_seqs)
         return num_blocks
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self, max_rows: int) -> None:
+        """Every sampler kernel variant a step can launch, compiled now (``warm_up_sampling``) on
+        the logits of ``max_rows`` zero hidden states, not in the first step that needs it."""
+        if self.device.type == "cuda":
+            hidden = torch.zeros(max_rows, self.hidden_size, dtype=self.dtype, device=self.device)
+            warm_up_sampling(self.model.compute_logits(hidden))
 
     def _build_graphs(self, plan: RunnerPlan, capture: bool) -> None:
         """The decode graphs, and the mixed-step graphs where the plan asks for them; captured, or

@@ -99,6 +99,22 @@ def check_sampling_inputs(logits: torch.Tensor, temperature: torch.Tensor, seeds
                              "device) is needed")
 
 
+def warm_up_sampling(logits: torch.Tensor) -> None:
+    """Greedy-sample ``logits`` (``[max_rows, V]`` as the model makes them) at one row and at all
+    of them, in their dtype and in float32 (the sampler's copy when it rewrites logits): on CUDA
+    this compiles (or loads from Triton's cache) every kernel variant a batch of 1 to ``max_rows``
+    rows can launch (``kernels/sampling_kernels.py``), so that an engine pays it at start-up rather
+    than in a step. Nothing to do elsewhere."""
+    if not logits.is_cuda:
+        return
+    rows = logits.shape[0]
+    temperature = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+    seeds = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+    for values in (logits, logits.float()):
+        for count in sorted({1, rows}):
+            sample_tokens(values[:count], temperature[:count], seeds[:count])
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """One token id per row (see the module docstring): the Triton kernel on CUDA, the torch
     reference elsewhere."""
