@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and docs/benchmarks.md workloads, run from the source tree on the device machine:
-#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-rows28|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|route|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8quant|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
+#   bash benchmarks/gpu_suite.sh tests|tests-kernels|gemv|gemv-rows28|gemv-awq|gemv-tp2|gemv-families|moegemv|moegemv-mixtral|route|moebench|binvbench|binvdispatch|lorabench|attnbench|pdl|pdlseed|pdlfamilies|b1matrix|seed|lat|nano|budget|profile|prefix|long|nano-fp8|fp8quant|fp8fuse|long-fp8|fp8-peer|families|batchinv|lora|serve ...   (results under $OUT, default ./bench_out)
 # "serve" needs fastapi and uvicorn importable (on a bare GPU image: installed from carried wheels
 # into a folder named by PYTHONPATH, which is kept).
 set -uo pipefail
@@ -25,6 +25,10 @@ for part in "$@"; do
     gemv)  python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 4 16 --chain --out "$OUT/gemv.json" ;;
     # the row buckets gemv leaves out, 2 and 8 (AWQ's CUDA-core tiles are swept at 2-8 rows)
     gemv-rows28) python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 2 8 --out "$OUT/gemv_rows28.json" ;;
+    # the AWQ kernels alone at 1-8 rows, cuBLAS beside them (after a change to the AWQ GEMV: its
+    # AWQ_CONFIGS lines)
+    gemv-awq) python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 2 4 8 --layers qkv o gate_up down \
+                  --paths awq --chain --out "$OUT/gemv_awq.json" ;;
     gemv-tp2) python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 2 --rows 1 4 16 --chain \
                   --out "$OUT/gemv_tp2.json" ;;
     gemv-families) for shape in gemma2-9b qwen3-30b-a3b mixtral-8x7b; do
