@@ -15,7 +15,9 @@ int-to-float instruction; exact in bf16/fp16 too). The joins only place register
 sums unpack two nibbles per shift and logic op (``_unpack_words_paired``), the second of each
 pair moved by an integer multiply-add on the FMA pipe: those sums are bound by the logic pipe's
 half-rate issue, and in the sm_90 SASS their loop went from 4.1-4.6 to 3.4-4.0 instructions a
-weight (the one-row GEMVs of a Llama-3-8B layer from 56 to 45 us).
+weight (the one-row GEMVs of a Llama-3-8B layer from 56 to 45 us). The pairing leaves each high
+nibble with its low partner times 2^-16: float32 x cancels it exactly (``_row_sums``), 16-bit x
+keeps it, below the rounding of the 16-bit weights the reference multiplies.
 
 Three paths, picked by the row count (host ints only, so a CUDA graph can capture the call), each
 launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table, else heuristic):
@@ -59,6 +61,9 @@ from pagedlab.quantization.awq import repacked_shapes
 
 # fp32 128.0: a 4-bit value q OR-ed into mantissa bits 16..19 makes the float 128 + q.
 _BITS_OF_128 = 0x43000000
+# What a nibble in the low half of a register adds to the float32 the register reads as (2^-16,
+# ``_unpack_words_paired``).
+_PAIR_CARRY = tl.constexpr(2.0 ** -16)
 # A K step reads at least two int32 words of each column.
 MIN_BLOCK_K = 16
 
@@ -90,10 +95,10 @@ def _unpack_words(words, bits):
 def _unpack_words_paired(words, bits):
     """``_unpack_words`` with half the logic ops, for the CUDA-core sums: one shift and one logic op
     put nibbles J and J + 4 of each word in the two halves of a register (``_nibble_pair``), whose
-    float32 reading is ``128 + q`` of nibble J + 4 (plus q of nibble J times 2^-16 in its low
-    mantissa bits); an integer multiply-add (on the FMA pipe, which has twice the logic pipe's
-    throughput) moves nibble J under the exponent of 128: ``128 + q`` exactly. The 2^-16 is below
-    float32 sums' own rounding at the scale of ``128 * sum_k x``."""
+    float32 reading is ``128 + q`` of nibble J + 4 plus ``q_J * 2^-16`` (its low mantissa bits,
+    which ``_row_sums`` cancels through x); an integer multiply-add (on the FMA pipe, which has
+    twice the logic pipe's throughput) moves nibble J under the exponent of 128: ``128 + q``
+    exactly."""
     low0, high0 = _nibble_pair(words, 0, bits)
     low1, high1 = _nibble_pair(words, 1, bits)
     low2, high2 = _nibble_pair(words, 2, bits)
@@ -169,17 +174,30 @@ def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, k_end, GROUP_SIZ
 def _row_sums(values, zeros, scales, x_row, k_start, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               STEP_GROUPS: tl.constexpr):
     """``[BLOCK_N, STEP_GROUPS]``: one row's share of one K step on the CUDA cores, from the
-    step's unpacked weights ``values`` (``_unpack_words``). The sum's order within a word is free,
-    so no value is moved: nibble i of every word meets ``x[8w + i]``, eight fused multiply-adds a
-    word (the x of a word is one 16-byte load, split in registers), and only the words' sums are
-    summed per group (x from K on reads as zero)."""
+    step's unpacked weights ``values`` (``_unpack_words_paired``). The sum's order within a word is
+    free, so no value is moved: nibble i of every word meets ``x[8w + i]``, eight fused
+    multiply-adds a word (the x of a word is one 16-byte load, split in registers), and only the
+    words' sums are summed per group (x from K on reads as zero). The pairing's ``q * 2^-16``
+    terms stay in 16-bit x's sums: at most ``15 * 2^-16 * s * sum |x|``, under the rounding of the
+    16-bit weights the reference multiplies; float32 x cancels them exactly."""
     offs_w = _step_word_offsets(k_start, BLOCK_K)
     offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
-    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    products = values * x[None, :, :]
-    word_dots = _sum_eights(products, BLOCK_N, BLOCK_K // 8)
+    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
+    exact: tl.constexpr = x_row.dtype.element_ty == tl.float32
+    x = x.to(tl.float32)
+    x_paired = x
+    if exact:
+        # nibble i + 4 reads 128 + q plus q of nibble i times 2^-16, which x[i] - 2^-16 x[i + 4]
+        # cancels in the sum, leaving -2^-9 x[i + 4]: the group's sum of those is added back
+        low_x, high_x = tl.split(tl.permute(tl.reshape(x, (BLOCK_K // 8, 2, 4)), (0, 2, 1)))
+        x_paired = tl.join(low_x - high_x * _PAIR_CARRY, high_x)
+        x_paired = tl.reshape(tl.permute(x_paired, (0, 2, 1)), (BLOCK_K // 8, 8))
+    word_dots = _sum_eights(values * x_paired[None, :, :], BLOCK_N, BLOCK_K // 8)
     dots = tl.sum(tl.reshape(word_dots, (BLOCK_N, STEP_GROUPS, BLOCK_K // 8 // STEP_GROUPS)), axis=2)
     x_sums = tl.sum(tl.reshape(x, (STEP_GROUPS, BLOCK_K // STEP_GROUPS)), axis=1)
+    if exact:
+        high_sums = tl.sum(tl.reshape(high_x, (STEP_GROUPS, BLOCK_K // 2 // STEP_GROUPS)), axis=1)
+        dots += (128.0 * _PAIR_CARRY) * high_sums[None, :]
     return scales * (dots - zeros * x_sums[None, :])
 
 
