@@ -224,7 +224,7 @@ def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                        num_sms: int) -> TileConfig:
     """GEMV, up to ``AWQ_CUDA_CORE_DEFAULT_ROWS`` rows on the CUDA cores: ``AWQ_ONE_ROW_BLOCK_N``
-    columns a program, K steps of up to ``AWQ_ONE_ROW_BLOCK_K`` (2 KB of each column's words; 1 KB
+    columns a program, K steps of up to ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words; 512 bytes
     from two rows on), 3 stages (the next step's weights read during this one's sums): the tile
     ``gemv_bench.py`` picked most often for the Llama-3-8B linears at one and four rows (session
     19); in the sm_90 SASS this tile's loop takes about 3.5 instructions a weight, no spills. More
