@@ -20,8 +20,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DOT_MIN_ROWS = 16
 # The CUDA-core AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K
 # step (one row; half that for more), and the most rows it takes by default (more: tl.dot).
-AWQ_ONE_ROW_BLOCK_N = 16
-AWQ_ONE_ROW_BLOCK_K = 2048
+AWQ_CUDA_CORE_BLOCK_N = 16
+AWQ_CUDA_CORE_BLOCK_K = 2048
 AWQ_CUDA_CORE_DEFAULT_ROWS = 4
 # The most rows an AWQ GEMV tile with block_m=0 multiplies on the CUDA cores (each K step's words
 # unpacked once for all of them); more rows take tl.dot tiles.
@@ -223,9 +223,9 @@ def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
 
 def default_awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                        num_sms: int) -> TileConfig:
-    """GEMV, up to ``AWQ_CUDA_CORE_DEFAULT_ROWS`` rows on the CUDA cores: ``AWQ_ONE_ROW_BLOCK_N``
-    columns a program, K steps of up to ``AWQ_ONE_ROW_BLOCK_K`` (1 KB of each column's words; 512 bytes
-    from two rows on), 3 stages (the next step's weights read during this one's sums): the tile
+    """GEMV, up to ``AWQ_CUDA_CORE_DEFAULT_ROWS`` rows on the CUDA cores: ``AWQ_CUDA_CORE_BLOCK_N``
+    columns a program, K steps of up to ``AWQ_CUDA_CORE_BLOCK_K`` (1 KB of each column's words;
+    512 bytes from two rows on), 3 stages (the next step's weights read during this one's sums): the tile
     ``gemv_bench.py`` picked most often for the Llama-3-8B linears at one and four rows (session
     19); in the sm_90 SASS this tile's loop takes about 3.5 instructions a weight, no spills. More
     rows: tl.dot tiles of 32 columns, K steps of one group at most. K is split only where the
@@ -234,8 +234,8 @@ def default_awq_config(rows: int, out_features: int, in_features: int, group_siz
         return TileConfig(block_n=128, block_k=min(group_size, 64), block_m=64 if rows <= 64 else 128,
                           num_warps=4 if rows <= 64 else 8, num_stages=3)
     if rows <= AWQ_CUDA_CORE_DEFAULT_ROWS:
-        block_n, block_m = AWQ_ONE_ROW_BLOCK_N, 0
-        block_k = AWQ_ONE_ROW_BLOCK_K if rows == 1 else AWQ_ONE_ROW_BLOCK_K // 2
+        block_n, block_m = AWQ_CUDA_CORE_BLOCK_N, 0
+        block_k = AWQ_CUDA_CORE_BLOCK_K if rows == 1 else AWQ_CUDA_CORE_BLOCK_K // 2
         while in_features % block_k:  # whole steps (K is a multiple of the group size)
             block_k //= 2
     else:
