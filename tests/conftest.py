@@ -169,12 +169,46 @@ def smollm2_hf(smollm2_dir):
     return model, tokenizer
 
 
+def _switches_long_rope(model) -> bool:
+    params = getattr(model.config, "rope_parameters", None) or {}
+    return params.get("rope_type") in ("longrope", "su")
+
+
+def _hf_greedy_whole_sequence(model, prompt_ids: list[int], max_new_tokens: int,
+                              eos_token_id: object = "config") -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and their logits from one forward of the whole sequence per token. LongRoPE
+    models take this path: at the switch Phi-3 recomputes every token with the long factors, and
+    ``generate`` does that in some transformers releases only (5.17 drops the cache there but
+    feeds the last token alone); a whole-sequence forward is what every release computes."""
+    eos = model.generation_config.eos_token_id if eos_token_id == "config" else eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    ids, logits = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits.append(model(torch.tensor([ids])).logits[0, -1])
+            ids.append(int(logits[-1].argmax()))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt_ids):], logits
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """HF transformers' greedy continuation of one prompt (no padding involved)."""
+    if _switches_long_rope(model):
+        return _hf_greedy_whole_sequence(model, prompt_ids, max_new_tokens, **kwargs)[0]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              **kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+def _hf_greedy_with_logits(hf_model, prompt: list[int], max_new_tokens: int):
+    if _switches_long_rope(hf_model):
+        return _hf_greedy_whole_sequence(hf_model, prompt, max_new_tokens, eos_token_id=None)
+    with torch.no_grad():
+        gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return gen.sequences[0, len(prompt):].tolist(), [row[0] for row in gen.logits]
 
 
 def assert_hf_tokens_and_logprobs(hf_model, prompts: list[list[int]], outs, max_new_tokens: int,
@@ -182,13 +216,11 @@ def assert_hf_tokens_and_logprobs(hf_model, prompts: list[list[int]], outs, max_
     """Each of ``outs`` (``LLM.generate`` results of ``prompts``, greedy, with logprobs) has HF's
     greedy tokens, and each chosen token's logprob within ``atol`` of HF's log-softmax."""
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                                    eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        tokens, logits = _hf_greedy_with_logits(hf_model, prompt, max_new_tokens)
         completion = out.outputs[0]
-        assert completion.token_ids == gen.sequences[0, len(prompt):].tolist()
+        assert completion.token_ids == tokens
         for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            ref = torch.log_softmax(gen.logits[step][0].float(), -1)
+            ref = torch.log_softmax(logits[step].float(), -1)
             assert abs(position[token].logprob - ref[token].item()) < atol
 
 
