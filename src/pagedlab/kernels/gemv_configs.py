@@ -92,10 +92,10 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # weights there. The 64-row gate/up entry is the swapped form (2026-12-02, session 15): at 64 and
 # 256 rows it beat the plain form on every Llama-3-8B linear (qkv 64 rows: 33.3 against 60.6 us)
 # but lost to dequantize-then-cuBLAS everywhere else (qkv 32.6, o 21.1, down 77.2 at 64 rows).
-# The 2- and 8-row lines: 2026-12-02 (session 18); at 2 rows the CUDA-core tiles (block_m=0)
-# won all four, at 8 rows tl.dot tiles did. The 1- and 4-row lines: 2026-12-02 (session 19), the
-# CUDA-core sums with the paired nibble unpacking (``w4a16._unpack_words_paired``); at 4 rows they
-# beat tl.dot on all four (qkv 18.5 against 28.7 us).
+# The 1-, 2-, 4- and 8-row lines: 2026-12-02 (sessions 19-20, ``gpu_suite.sh gemv-awq``), the
+# CUDA-core sums with the paired nibble unpacking (``w4a16._unpack_words_paired``): up to 4 rows
+# they won all four linears (4 rows, qkv: 18.5 against 28.7 us for tl.dot), at 8 rows tl.dot
+# tiles did; at 2 rows gate/up and down gained 10% and 5% on session 18's lines.
 AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 6144, 4096, 128): TileConfig(16, 2048, 1, 0, 4, 1),  # 6.5, 42%
     (4, 6144, 4096, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 18.5, 15%
@@ -110,14 +110,14 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 12.1, 53%
     (4, 4096, 14336, 128): TileConfig(8, 1024, 1, 0, 4, 1),  # 40.6, 16%
     (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
-    (2, 6144, 4096, 128): TileConfig(8, 1024, 1, 0, 4, 3),  # 12.6, 22%
-    (8, 6144, 4096, 128): TileConfig(64, 128, 6, 16, 4, 3),  # 27.4, 10%
-    (2, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.7, 24%
-    (8, 4096, 4096, 128): TileConfig(128, 128, 9, 16, 8, 3),  # 21.1, 9%
-    (2, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 47.3, 27%
-    (8, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 104.9, 12%
-    (2, 4096, 14336, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 24.5, 26%
-    (8, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 58.3, 11%
+    (2, 6144, 4096, 128): TileConfig(8, 2048, 1, 0, 4, 3),  # 12.7, 22%
+    (8, 6144, 4096, 128): TileConfig(128, 128, 6, 16, 8, 3),  # 28.8, 10%
+    (2, 4096, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 7.3, 25%
+    (8, 4096, 4096, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 19.3, 10%
+    (2, 28672, 4096, 128): TileConfig(16, 512, 1, 0, 4, 3),  # 42.4, 30%
+    (8, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 104.0, 12%
+    (2, 4096, 14336, 128): TileConfig(16, 1024, 1, 0, 8, 3),  # 23.2, 27%
+    (8, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 61.2, 10%
 }
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
