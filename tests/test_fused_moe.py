@@ -504,7 +504,12 @@ def _check_graph_replays(x, logits, w13, w2, top_k, renormalize, config):
                                    msg=f"{num_tokens} tokens replayed")
 
 
-@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
+# two tensor-parallel ranks on the default device: two GPUs where it is CUDA
+_TWO_RANKS = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                reason="two ranks on CUDA need two GPUs")
+
+
+@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=[pytest.mark.slow, _TWO_RANKS]), "qwen3_moe"])
 def test_triton_backend_runs_the_fused_kernel_with_hf_tokens(tiny_models, arch, monkeypatch):
     """The Triton backend sends the experts through the fused kernel (counted here) and gives
     HF's greedy tokens, at two tensor-parallel ranks for Mixtral (each rank's intermediate slice)."""
