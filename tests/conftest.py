@@ -169,33 +169,13 @@ def smollm2_hf(smollm2_dir):
     return model, tokenizer
 
 
-def _switches_long_rope(model) -> bool:
-    params = getattr(model.config, "rope_parameters", None) or {}
-    return params.get("rope_type") in ("longrope", "su")
-
-
-def _hf_greedy_whole_sequence(model, prompt_ids: list[int], max_new_tokens: int,
-                              eos_token_id: object = "config") -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and their logits from one forward of the whole sequence per token. LongRoPE
-    models take this path: at the switch Phi-3 recomputes every token with the long factors, and
-    ``generate`` does that in some transformers releases only (5.17 drops the cache there but
-    feeds the last token alone); a whole-sequence forward is what every release computes."""
-    eos = model.generation_config.eos_token_id if eos_token_id == "config" else eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    ids, logits = list(prompt_ids), []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits.append(model(torch.tensor([ids])).logits[0, -1])
-            ids.append(int(logits[-1].argmax()))
-            if ids[-1] in eos:
-                break
-    return ids[len(prompt_ids):], logits
-
-
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """HF transformers' greedy continuation of one prompt (no padding involved)."""
-    if _switches_long_rope(model):
-        return _hf_greedy_whole_sequence(model, prompt_ids, max_new_tokens, **kwargs)[0]
+    from pagedlab.lab.repro.hf import hf_eos_ids, hf_greedy_whole_sequence, switches_long_rope
+
+    if switches_long_rope(model):  # generate's switch differs between transformers releases
+        eos = set() if "eos_token_id" in kwargs and kwargs["eos_token_id"] is None else hf_eos_ids(model)
+        return hf_greedy_whole_sequence(model, prompt_ids, max_new_tokens, eos)[0]
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              **kwargs)
@@ -203,8 +183,10 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> li
 
 
 def _hf_greedy_with_logits(hf_model, prompt: list[int], max_new_tokens: int):
-    if _switches_long_rope(hf_model):
-        return _hf_greedy_whole_sequence(hf_model, prompt, max_new_tokens, eos_token_id=None)
+    from pagedlab.lab.repro.hf import hf_greedy_whole_sequence, switches_long_rope
+
+    if switches_long_rope(hf_model):
+        return hf_greedy_whole_sequence(hf_model, prompt, max_new_tokens, set())
     with torch.no_grad():
         gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                                 eos_token_id=None, output_logits=True, return_dict_in_generate=True)

@@ -169,6 +169,21 @@ def test_hf_parity_same_weights_same_other_dtype_differs(chat_llm):
     assert bf.metrics["max_abs_logprob_diff"] > 1e-3
 
 
+def test_hf_parity_of_longrope_prompts_crossing_the_switch(tiny_models):
+    """Phi-3 LongRoPE switching at 32 tokens, prompts of 20-30 tokens generating past it: HF's
+    reference recomputes the whole sequence with the long factors there (as pagedlab does), so the
+    check finds them the same, whatever ``generate`` does at the switch in the installed release."""
+    from conftest import random_prompts
+
+    tiny = tiny_models("phi3_longrope")
+    prompts = random_prompts(3, min_len=20, max_len=30, seed=12)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=KV_BYTES) as llm:
+        r = repro.hf_parity(llm, prompts, hf_model=tiny.hf_model, max_tokens=16)
+    assert r.verdict == "same", r.format()
+    assert r.metrics["greedy_match_rate"] == 1.0 and r.metrics["top1_agreement"] == 1.0
+    assert all(len(p) + len(t) > 33 for p, t in zip(prompts, r.details["hf"]))
+
+
 # ---- storing and the CLI -----------------------------------------------------------------------------
 def test_store_result_with_manifest(chat_llm, tmp_path):
     pytest.importorskip("sqlalchemy")

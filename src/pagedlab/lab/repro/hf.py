@@ -48,21 +48,49 @@ def trim_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def hf_greedy_tokens(hf, ids: list[list[int]], max_tokens: int, eos: set[int], progress) -> list[list[int]]:
-    """HF ``generate``'s greedy continuation of each prompt alone (up to EOS), one ``progress``
-    update per prompt."""
+    """HF's greedy continuation of each prompt alone (up to EOS), one ``progress`` update per
+    prompt: ``generate``, or for LongRoPE models ``hf_greedy_whole_sequence``."""
     import torch
 
     dev = next(hf.parameters()).device
     tokens = []
     with torch.no_grad():
         for p in ids:
-            out = hf.generate(torch.tensor([p], device=dev),
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
-                              max_new_tokens=max_tokens, do_sample=False,
-                              pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
-            tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
+            if switches_long_rope(hf):
+                tokens.append(hf_greedy_whole_sequence(hf, p, max_tokens, eos)[0])
+            else:
+                out = hf.generate(torch.tensor([p], device=dev),
+                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
+                                  max_new_tokens=max_tokens, do_sample=False,
+                                  pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
+                tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
             progress.update()
     return tokens
+
+
+def switches_long_rope(hf) -> bool:
+    """Whether ``hf`` is a LongRoPE model (Phi-3 long context, Phi-4-mini): past its original
+    context length it computes the whole sequence with its long factors."""
+    params = getattr(hf.config, "rope_parameters", None) or getattr(hf.config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type")) in ("longrope", "su")
+
+
+def hf_greedy_whole_sequence(hf, prompt: list[int], max_tokens: int, eos: set[int]) -> tuple[list[int], list]:
+    """Greedy tokens (up to EOS) and each step's logits from one forward of the whole sequence per
+    token: HF's reference for LongRoPE models, which recompute every token with the long factors
+    once the sequence passes the switch. ``generate`` does that in some transformers releases
+    only: 5.17 drops the cache at the switch but then feeds the new token alone."""
+    import torch
+
+    dev = next(hf.parameters()).device
+    ids, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits.append(hf(torch.tensor([ids], device=dev)).logits[0, -1])
+            ids.append(int(logits[-1].argmax()))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt):], logits
 
 
 def hf_eos_ids(model) -> set[int]:
