@@ -245,6 +245,8 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
 
 # CUDA's limit on a grid's second axis, which holds the GEMV path's pairs
 _GRID_Y_MAX = 65535
+
+
 def _bf16_pairs(k: int, launch: MoeGemvLaunch, *tensors: torch.Tensor) -> bool:
     """Whether a GEMV over K ``k`` may read ``tensors`` (x and the weights) as uint32 pairs of
     bf16 values: bf16, K and the K step even, every row and base 4-byte aligned."""
