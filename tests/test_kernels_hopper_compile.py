@@ -189,13 +189,13 @@ KERNELS = {
     "moe_down": Spec("fused_moe_kernels", "moe_down_kernel",
                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
                      dict(partial_ptr=_F, sorted_pairs_ptr=_I, block_experts_ptr=_I)),
-    # the GEMV path: gate/up routing its pairs itself (Qwen3-30B-A3B's 128 experts, top-8), down
-    # folding each token's pairs through the split-K tickets; prefetching the next K step, bf16 pairs
+    # the GEMV path: gate/up routing its pairs itself (Qwen3-30B-A3B's 128 experts, top-8, bf16
+    # logits: int32 keys), down folding each token's pairs through the split-K tickets; prefetching
+    # the next K step, bf16 pairs
     "moe_gate_up_gemv": Spec("fused_moe_kernels", "moe_gate_up_gemv_kernel",
-                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, GROUPS=4, GROUP=32,
-                                  CANDIDATES_BLOCK=8, BLOCK_N=8, BLOCK_K=512, EVEN_N=True, EVEN_K=True,
-                                  PREFETCH=True, PAIRS=True),
-                             dict(logits_ptr=_F, experts_ptr=_I)),
+                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, EXPERTS_BLOCK=128, BLOCK_N=8,
+                                  BLOCK_K=512, EVEN_N=True, EVEN_K=True, PREFETCH=True, PAIRS=True),
+                             dict(experts_ptr=_I)),
     "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, EVEN_N=False, EVEN_K=False, PREFETCH=True,
                                PAIRS=True),
