@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pagedlab.workloads import make_workload, model_shape, physical_floor, run_hf_generate
+from pagedlab.physical_floor import physical_floor
+from pagedlab.workloads import make_workload, model_shape, run_hf_generate
 
 SHARD_BYTES = 4 << 30
 

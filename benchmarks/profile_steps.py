@@ -36,7 +36,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedlab import LLM
 from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, kernel_kind
-from pagedlab.workloads import H200_BF16_FLOPS, DEFAULT_SHAPES, make_workload, physical_floor, shape_dir
+from pagedlab.physical_floor import H200_BF16_FLOPS, physical_floor
+from pagedlab.workloads import DEFAULT_SHAPES, make_workload, shape_dir
 
 STEP_KINDS = ("decode", "mixed", "prefill")
 

@@ -10,15 +10,16 @@ from conftest import KV_BYTES
 
 from pagedlab import LLM, workloads
 from pagedlab.cli import main
+from pagedlab.physical_floor import H200_BANDWIDTH, AllReduceCost, physical_floor
 
 
 def test_floor_matches_design_figures():
     llama = workloads.model_shape("llama3-8b")
-    assert workloads.physical_floor(llama, [512] * 256, [128] * 256) == pytest.approx(3.3, rel=0.1)
-    assert workloads.physical_floor(llama, [512], [129]) / 128 == pytest.approx(3.55e-3, rel=0.05)
+    assert physical_floor(llama, [512] * 256, [128] * 256) == pytest.approx(3.3, rel=0.1)
+    assert physical_floor(llama, [512], [129]) / 128 == pytest.approx(3.55e-3, rel=0.05)
     nano = workloads.make_workload("W-nano", 151936)
     qwen = workloads.model_shape("qwen3-0.6b")
-    rate = sum(nano.output_lens) / workloads.physical_floor(qwen, list(map(len, nano.prompts)),
+    rate = sum(nano.output_lens) / physical_floor(qwen, list(map(len, nano.prompts)),
                                                             nano.output_lens)
     assert rate == pytest.approx(35000, rel=0.1)
 
@@ -31,12 +32,12 @@ def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():
     prefill. At batch 256 nearly every expert is hit: Qwen3-30B-A3B reads about 30.5 G parameters
     per step."""
     qwen = workloads.model_shape("qwen3-30b-a3b")
-    assert workloads.physical_floor(qwen, [512], [129]) / 128 == pytest.approx(1.46e-3, rel=0.02)
+    assert physical_floor(qwen, [512], [129]) / 128 == pytest.approx(1.46e-3, rel=0.02)
     mixtral = workloads.model_shape("mixtral-8x7b")
-    assert workloads.physical_floor(mixtral, [512], [129]) / 128 == pytest.approx(6.13e-3, rel=0.02)
-    step_256 = workloads.physical_floor(qwen, [512] * 256, [2] * 256) - workloads.physical_floor(
+    assert physical_floor(mixtral, [512], [129]) / 128 == pytest.approx(6.13e-3, rel=0.02)
+    step_256 = physical_floor(qwen, [512] * 256, [2] * 256) - physical_floor(
         qwen, [512] * 256, [1] * 256)
-    assert step_256 > 30.5e9 * 2 / workloads.H200_BANDWIDTH
+    assert step_256 > 30.5e9 * 2 / H200_BANDWIDTH
 
 
 def test_cli_offers_every_benchmark_shape():
@@ -52,14 +53,14 @@ def test_floor_with_tensor_parallelism_splits_reads_and_adds_the_all_reduces():
     3.55 ms per token on one GPU) reads 7.5 GB per GPU (1.77 ms) plus 64 all-reduces (1.3 ms). At
     one GPU nothing changes."""
     llama70, llama8 = workloads.model_shape("llama3-70b"), workloads.model_shape("llama3-8b")
-    per_token_70 = workloads.physical_floor(llama70, [1], [129], tensor_parallel_size=2) / 128
+    per_token_70 = physical_floor(llama70, [1], [129], tensor_parallel_size=2) / 128
     assert per_token_70 == pytest.approx(16.4e-3 + 160 * 19.86e-6, rel=0.02)
-    per_token_8 = workloads.physical_floor(llama8, [1], [129], tensor_parallel_size=2) / 128
+    per_token_8 = physical_floor(llama8, [1], [129], tensor_parallel_size=2) / 128
     assert per_token_8 == pytest.approx(1.77e-3 + 64 * 19.83e-6, rel=0.02)
-    one_gpu = workloads.physical_floor(llama8, [512] * 64, [128] * 64)
-    assert workloads.physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=1) == one_gpu
-    free_links = workloads.AllReduceCost(latency_s=0.0, bus_bandwidth=float("inf"))
-    assert workloads.physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=2,
+    one_gpu = physical_floor(llama8, [512] * 64, [128] * 64)
+    assert physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=1) == one_gpu
+    free_links = AllReduceCost(latency_s=0.0, bus_bandwidth=float("inf"))
+    assert physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=2,
                                     all_reduce=free_links) == pytest.approx(one_gpu / 2)
 
 
@@ -71,9 +72,9 @@ def test_floor_counts_a_cached_prefix_once():
     qwen = workloads.model_shape("qwen3-0.6b")
     w = workloads.make_workload("W-prefix", 151936)
     lens = list(map(len, w.prompts))
-    assert workloads.physical_floor(qwen, lens, w.output_lens, cached_prefix=2048) == \
+    assert physical_floor(qwen, lens, w.output_lens, cached_prefix=2048) == \
         pytest.approx(0.1, rel=0.15)
-    assert workloads.physical_floor(qwen, lens, w.output_lens) == pytest.approx(1.9, rel=0.15)
+    assert physical_floor(qwen, lens, w.output_lens) == pytest.approx(1.9, rel=0.15)
 
 
 def test_workloads_are_deterministic_and_shaped():
