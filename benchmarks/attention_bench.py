@@ -8,7 +8,7 @@ candidate runs with the split-KV choice of the current policy (``choose_split_kv
 where that splits, with the policy's other split sizes and without the split too (the
 report's "split" lines; the table takes the policy's split only). Each is checked
 against the current config's output (within 1% of its largest value: bf16 rounds at 0.4%) and
-timed as CUDA-graph replays with the KV cache read from HBM (``gemv_bench.graph_seconds``); it
+timed as CUDA-graph replays with the KV cache read from HBM (``gpu_timing.graph_seconds``); it
 prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
 ``DECODE_ATTENTION_CONFIGS`` lines to paste into ``src/pagedlab/kernels/attention_configs.py``:
 per shape, the config with the lowest mean time relative to the current one over the batches
@@ -30,7 +30,7 @@ from dataclasses import asdict
 
 import torch
 
-from gemv_bench import PEAK_BYTES_PER_S, graph_seconds, precompile
+from gpu_timing import PEAK_BYTES_PER_S, graph_seconds, precompile
 from pagedlab.kernels.attention_configs import (DECODE_ATTENTION_CONFIGS, DecodeConfig, attention_launch,
                                                 check_decode_config)
 from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES, allocate_split_kv_scratch,

@@ -24,10 +24,10 @@ and at batch 256 and about 600, one 8,192-token prefill step; the mode's at quer
 32 and 64 rows, ``paged_attention.BATCH_INVARIANT_BLOCK_M``), the RMSNorm with its residual add,
 and the sampler's (log-)softmax.
 
-Linears are timed as a decode step runs them (``gemv_bench.decode_seconds``: one CUDA graph
+Linears are timed as a decode step runs them (``gpu_timing.decode_seconds``: one CUDA graph
 calls the linear on copies of its weight in turn, together over twice the L2, so every weight
 comes from HBM with no flush writes between calls and no launch gaps); the other kernels by
-``gemv_bench.graph_seconds`` (an L2 flush before each call). The first run compiles every config
+``gpu_timing.graph_seconds`` (an L2 flush before each call). The first run compiles every config
 (Triton caches them); ``--layers`` and ``--rows`` cut a run short.
 
     PYTHONPATH=src python3 benchmarks/batch_invariant_bench.py --out binv_bench.json
@@ -45,7 +45,8 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from gemv_bench import PEAK_BYTES_PER_S, decode_seconds, graph_seconds, model_linears
+from gemv_bench import model_linears
+from gpu_timing import PEAK_BYTES_PER_S, decode_seconds, graph_seconds
 from pagedlab.kernels.batch_invariant import fixed_tile_matmul_launch, fixed_tile_matmul_triton
 from pagedlab.kernels.gemv import k_segments, num_sms
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_ROW_BUCKETS, BATCH_INVARIANT_TILE, TileConfig,

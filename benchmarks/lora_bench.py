@@ -12,7 +12,7 @@ then the GEMV adding the deltas in its epilogue (``fused``, what ``linear_with_l
 there; checked against the float32 base plus delta). Per token count it sums them over the
 model's layers: the LoRA cost of one decode step against its base linears. ``--sweep`` also
 times ``add_lora`` at every split count, for tuning ``choose_config``. Times are medians of
-CUDA-graph replays (``graph_seconds`` of gemv_bench.py: weights from HBM, no launch gaps, as in a
+CUDA-graph replays (``graph_seconds`` of gpu_timing.py: weights from HBM, no launch gaps, as in a
 decode step's graph).
 
     PYTHONPATH=src python3 benchmarks/lora_bench.py --out lora_bench.json
@@ -28,7 +28,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gemv_bench import graph_seconds
+from gpu_timing import graph_seconds
 
 from pagedlab.kernels.lora import (MAX_SPLITS, add_lora, choose_config, fused_gemv_config, linear_with_lora,
                                   lora_expand, lora_shrink, workspace_numel)

@@ -14,7 +14,7 @@ best GEMV launches and the GEMV layer. Then the lines to paste into
 ``MOE_GEMV_CONFIGS`` (only the batches where the GEMV layer beat the best grouped layer) and
 ``ROUTE_NUM_WARPS`` (every measured batch), and the MoE time of a batch-1 decode step (all
 layers, the faster path). Times are medians of CUDA-graph replays (``graph_seconds`` of
-gemv_bench.py: weights read from HBM, no launch gaps, as in a decode step's graph).
+gpu_timing.py: weights read from HBM, no launch gaps, as in a decode step's graph).
 
 The sweep is two rounds per launch: a few tiles at fixed warps and stages (at each row-block
 size), then the best tile's neighbours at the best row-block size (stages, warps, row grouping;
@@ -39,7 +39,7 @@ from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import torch
-from gemv_bench import graph_seconds, precompile
+from gpu_timing import graph_seconds, precompile
 
 from pagedlab.kernels.fused_moe import (fused_moe_triton, moe_down_gemv_triton, moe_down_triton,
                                         moe_gate_up_gemv_triton, moe_gate_up_triton, moe_torch,
@@ -202,7 +202,7 @@ def gemv_launchers(logits, top_k: int, renormalize: bool) -> tuple:
 
 def precompile_gemv(candidates: dict, x, logits, w13, w2, spec: tuple) -> None:
     """Compile every GEMV candidate of both launches on a thread pool without running it
-    (``gemv_bench.precompile``)."""
+    (``gpu_timing.precompile``)."""
     from pagedlab.kernels import fused_moe_kernels
 
     _, _, inter, top_k, renormalize, _ = spec

@@ -1,9 +1,9 @@
-"""``benchmarks/gemv_bench.py`` on the CPU: how many weight copies its decode-like timing cycles
-through (over twice the L2, at least two, the byte cap), the calls in its graph, the candidate
-sweeps with the one-row no-split tiles (each accepted by its kernel and run under the interpreter
-against torch), the correctness gate of the sweep, one batch through the whole measurement path
-(the GPU timing replaced by a fake clock), and the decode-step sums. ``-m gpu``: the timing
-itself (no faster than HBM) and one o projection through the whole path.
+"""``benchmarks/gemv_bench.py`` on the CPU: how many weight copies its decode-like timing
+(``gpu_timing``) cycles through (over twice the L2, at least two, the byte cap), the calls in its
+graph, the candidate sweeps with the one-row no-split tiles (each accepted by its kernel and run
+under the interpreter against torch), the correctness gate of the sweep, one batch through the
+whole measurement path (the GPU timing replaced by a fake clock), and the decode-step sums.
+``-m gpu``: the timing itself (no faster than HBM) and one o projection through the whole path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pagedlab.kernels.w4a16 import check_awq_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 gemv_bench = pytest.importorskip("gemv_bench")
+gpu_timing = pytest.importorskip("gpu_timing")
 
 H200_L2 = 50 << 20
 H200_SMS = 132
@@ -39,13 +40,13 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 409
     (256000 * 3584 * 2, 2),  # Gemma-2-9B's LM head: two copies, 3.4 GiB, under the cap
 ])
 def test_operand_copies_for_h200_shapes(copy_bytes, expected):
-    assert gemv_bench.operand_copies(copy_bytes, H200_L2) == expected
+    assert gpu_timing.operand_copies(copy_bytes, H200_L2) == expected
 
 
 @pytest.mark.parametrize("copy_bytes", [1, 1000, 3 * MIB, 33 * MIB, 50 * MIB, 51 * MIB, 99 * MIB, 100 * MIB,
                                         101 * MIB, 700 * MIB])
 def test_operand_copies_stream_every_read_from_hbm_and_are_the_fewest(copy_bytes):
-    copies = gemv_bench.operand_copies(copy_bytes, H200_L2)
+    copies = gpu_timing.operand_copies(copy_bytes, H200_L2)
     assert copies >= 2 and copies * copy_bytes > 2 * H200_L2
     # between two reads of one copy the others pass more bytes than the L2 holds
     assert (copies - 1) * copy_bytes > H200_L2
@@ -53,28 +54,28 @@ def test_operand_copies_stream_every_read_from_hbm_and_are_the_fewest(copy_bytes
 
 
 def test_operand_copies_keep_to_the_byte_cap():
-    assert gemv_bench.COPY_CAP_BYTES == 4 << 30
+    assert gpu_timing.COPY_CAP_BYTES == 4 << 30
     # two copies of 2.5 GiB pass the cap: one, as it alone is over twice the L2
-    assert gemv_bench.operand_copies(5 << 29, H200_L2) == 1
-    assert gemv_bench.operand_copies(10 * MIB, H200_L2, cap_bytes=200 * MIB) == 11
+    assert gpu_timing.operand_copies(5 << 29, H200_L2) == 1
+    assert gpu_timing.operand_copies(10 * MIB, H200_L2, cap_bytes=200 * MIB) == 11
     with pytest.raises(ValueError, match="do not fit in the cap"):
-        gemv_bench.operand_copies(10 * MIB, H200_L2, cap_bytes=100 * MIB)
+        gpu_timing.operand_copies(10 * MIB, H200_L2, cap_bytes=100 * MIB)
     with pytest.raises(ValueError, match="do not fit in the cap"):
-        gemv_bench.operand_copies(5 << 30, H200_L2)
+        gpu_timing.operand_copies(5 << 30, H200_L2)
     with pytest.raises(ValueError, match="copy_bytes=0"):
-        gemv_bench.operand_copies(0, H200_L2)
+        gpu_timing.operand_copies(0, H200_L2)
 
 
 @pytest.mark.parametrize(("copies", "calls"), [(1, 32), (2, 32), (3, 33), (7, 35), (40, 40)])
 def test_graph_calls_are_whole_rounds_of_at_least_32(copies, calls):
-    assert gemv_bench.graph_calls(copies) == calls
+    assert gpu_timing.graph_calls(copies) == calls
     with pytest.raises(ValueError, match="copies=0"):
-        gemv_bench.graph_calls(0)
+        gpu_timing.graph_calls(0)
 
 
 def test_operand_sets_are_equal_copies_in_their_own_memory():
     weight, scale = torch.randn(10, 25), torch.randn(10, 1)  # 1,040 bytes a set
-    sets = gemv_bench.operand_sets((weight, scale), l2_bytes=1500)
+    sets = gpu_timing.operand_sets((weight, scale), l2_bytes=1500)
     assert len(sets) == 3 and sets[0][0] is weight and sets[0][1] is scale
     pointers = {t.data_ptr() for s in sets for t in s}
     assert len(pointers) == 6
@@ -384,9 +385,9 @@ def test_decode_seconds_reads_the_weights_from_hbm(n, k):
     weight = torch.randn(n, k, device="cuda").bfloat16()
     x = torch.randn(1, k, device="cuda").bfloat16()
     F.linear(x, weight)
-    seconds = gemv_bench.decode_seconds(lambda w: F.linear(x, w), (weight,))
+    seconds = gpu_timing.decode_seconds(lambda w: F.linear(x, w), (weight,))
     bandwidth = weight.numel() * 2 / seconds
-    assert gemv_bench.PEAK_BYTES_PER_S / 3 < bandwidth < gemv_bench.PEAK_BYTES_PER_S
+    assert gpu_timing.PEAK_BYTES_PER_S / 3 < bandwidth < gpu_timing.PEAK_BYTES_PER_S
 
 
 @pytest.mark.gpu
