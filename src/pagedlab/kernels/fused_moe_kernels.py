@@ -280,11 +280,6 @@ def moe_reduce_kernel(partial_ptr, weights_ptr, out_ptr, hidden, stride_split, s
 
 
 @triton.jit
-def _add_sums(expert_a, prob_a, chosen_a, expert_b, prob_b, chosen_b):
-    return expert_a + expert_b, prob_a + prob_b, chosen_a + chosen_b
-
-
-@triton.jit
 def _expert_keys(logits, experts):
     """Keys in the route kernel's order of experts: by logit (the float's bits made an
     order-preserving int; ``+ 0.0`` turns -0.0 into +0.0, an equal logit), then the lower index
