@@ -174,6 +174,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> li
     from pagedlab.lab.repro.hf import hf_eos_ids, hf_greedy_whole_sequence, switches_long_rope
 
     if switches_long_rope(model):  # generate's switch differs between transformers releases
+        if set(kwargs) - {"eos_token_id"}:
+            raise TypeError(f"a LongRoPE reference takes eos_token_id only, not {sorted(kwargs)}")
         eos = set() if "eos_token_id" in kwargs and kwargs["eos_token_id"] is None else hf_eos_ids(model)
         return hf_greedy_whole_sequence(model, prompt_ids, max_new_tokens, eos)[0]
     with torch.no_grad():
