@@ -163,6 +163,9 @@ def _rank_main(rank: int, init_method: str, out_dir: Path, model_paths: dict[str
     try:
         init_tensor_parallel(WORLD_SIZE, rank, "gloo", init_method, timeout=timedelta(seconds=60))
         torch.save(rank_work(rank, model_paths), out_dir / f"rank{rank}.pt")
+        # both ranks done before either tears gloo down: rank 0 leaving while rank 1 still had a
+        # collective in flight aborted it once in CI ("terminate called without an active exception")
+        torch.distributed.barrier()
     except BaseException:
         (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
