@@ -193,8 +193,9 @@ KERNELS = {
     # logits: int32 keys), down folding each token's pairs through the split-K tickets; prefetching
     # the next K step, bf16 pairs
     "moe_gate_up_gemv": Spec("fused_moe_kernels", "moe_gate_up_gemv_kernel",
-                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, EXPERTS_BLOCK=128, BLOCK_N=8,
-                                  BLOCK_K=512, EVEN_N=True, EVEN_K=True, PREFETCH=True, PAIRS=True),
+                             dict(NUM_EXPERTS=128, TOP_K=8, RENORMALIZE=True, EXPERTS_BLOCK=128, COPIES=4,
+                                  BLOCK_N=8, BLOCK_K=512, EVEN_N=True, EVEN_K=True, PREFETCH=True,
+                                  PAIRS=True),
                              dict(experts_ptr=_I)),
     "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, EVEN_N=False, EVEN_K=False, PREFETCH=True,

@@ -291,7 +291,7 @@ def moe_gate_up_gemv_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: t
             x, router_logits, w13, activated, weights, experts, hidden, inter, x.stride(0),
             router_logits.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
             NUM_EXPERTS=num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
-            EXPERTS_BLOCK=_next_power_of_2(num_experts),
+            EXPERTS_BLOCK=_next_power_of_2(num_experts), COPIES=launch.num_warps,
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_N=inter % launch.block_n == 0,
             EVEN_K=hidden % launch.block_k == 0,
             PREFETCH=launch.prefetch, PAIRS=_bf16_pairs(hidden, launch, x, w13), **pdl_launch(x.device),

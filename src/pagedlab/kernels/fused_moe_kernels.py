@@ -310,18 +310,20 @@ def _key_logit(key, logits):
 
 @triton.jit
 def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                EXPERTS_BLOCK: tl.constexpr):
+                EXPERTS_BLOCK: tl.constexpr, COPIES: tl.constexpr):
     """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
     chooses them (highest logit first, the lowest index among equal logits; the softmax weight,
-    renormalized over the TOP_K chosen with RENORMALIZE): TOP_K maxima over the whole row of keys
-    (``_expert_keys``), each taking its expert out of the row. A ranking of per-row candidates
-    that it replaced chose wrong experts on an H200 in most layouts at 256 and 512 experts and
-    with one warp (triton 3.6; right under the interpreter); this form was right in every layout
-    tried (1-8 warps, 8-512 experts, float32/bfloat16/float16 logits). It costs Qwen3-30B-A3B's
-    batch-1 step 0.05 ms (2.73 against 2.68 ms): 256 sm_90 instructions a thread at 128 experts
-    and bf16 logits against 280-320, but 15 barriers against 7-11. NUM_EXPERTS is a constexpr so
-    that a row of a power of two experts loads unmasked."""
-    experts = tl.arange(0, EXPERTS_BLOCK)
+    renormalized over the TOP_K chosen with RENORMALIZE): TOP_K maxima over the row of keys
+    (``_expert_keys``), each taking its expert out of the row. The row is held COPIES times
+    (the launch's warps: a copy a warp, so most of each maximum is warp shuffles) and the copies
+    agree once at the end: in the sm_90 SASS at 128 experts and bf16 logits 304 instructions a
+    thread and 3 barriers against 256 and 15 with one copy; Qwen3-30B-A3B's batch-1 step 2.714
+    against 2.734 ms (H200, triton 3.6). A ranking of per-row candidates that the maxima replaced
+    chose wrong experts on an H200 in most layouts at 256 and 512 experts and with one warp
+    (right under the interpreter); this form was right in every layout tried (1-8 warps, 8-512
+    experts, float32/bfloat16/float16 logits). NUM_EXPERTS is a constexpr so that a row of a
+    power of two experts loads unmasked."""
+    experts = tl.arange(0, EXPERTS_BLOCK)[None, :] + tl.zeros([COPIES, 1], tl.int32)
     logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
     keys = _expert_keys(logits, experts)
     SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
@@ -329,23 +331,22 @@ def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr
         taken = -(2 ** 31)  # below every key
     else:
         taken = -(2 ** 63)
-    expert = 0
-    prob = 0.0
-    chosen = 0.0
-    row_max = 0.0
+    expert = tl.zeros([COPIES], tl.int32)
+    prob = tl.zeros([COPIES], tl.float32)
+    chosen = tl.zeros([COPIES], tl.float32)
+    row_max = tl.zeros([COPIES], tl.float32)
     for s in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
+        best = tl.max(keys, axis=1)
         if s == 0:
             row_max = _key_logit(best, logits)
         exp = tl.exp(_key_logit(best, logits) - row_max)
         chosen += exp
         expert = tl.where(slot == s, 0xFFFF - (best & 0xFFFF).to(tl.int32), expert)
         prob = tl.where(slot == s, exp, prob)
-        keys = tl.where(keys == best, taken, keys)
-    if RENORMALIZE:
-        return expert, prob / chosen
-    else:
-        return expert, prob / tl.sum(tl.exp(logits.to(tl.float32) - row_max), axis=0)
+        keys = tl.where(keys == best[:, None], taken, keys)
+    if not RENORMALIZE:
+        chosen = tl.sum(tl.exp(logits.to(tl.float32) - row_max[:, None]), axis=1)
+    return tl.max(expert, axis=0), tl.max(prob / chosen, axis=0)
 
 
 @triton.jit
@@ -442,9 +443,9 @@ def _row_index(offs_n, n, EVEN_N: tl.constexpr):
 def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, experts_ptr, hidden, inter,
                             stride_x, stride_logits, stride_w_expert, stride_w_row, stride_out,
                             NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            EXPERTS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                            PAIRS: tl.constexpr, PDL: tl.constexpr):
+                            EXPERTS_BLOCK: tl.constexpr, COPIES: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                            PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
     token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
     ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
@@ -455,7 +456,7 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
-                                 RENORMALIZE, EXPERTS_BLOCK)
+                                 RENORMALIZE, EXPERTS_BLOCK, COPIES)
     if tl.program_id(0) == 0:
         tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
         tl.store(experts_ptr + pair, expert)
