@@ -61,6 +61,13 @@ GEMV_WARPS = (2, 4, 8)
 GEMV_STAGES = (1, 2)
 GEMV_THREAD_VALUES = (8, 32)
 GEMV_CHECK = MoeGemvLaunch(8, 256)
+# The down launch by token (``all_pairs``): its tiles hold the token's top_k pairs' rows a step,
+# so they are narrower; a thread's weight values a step (top_k x block_n x block_k over the
+# threads) within BY_TOKEN_THREAD_VALUES. Compiled for sm_90 (top-8, bf16 pairs), such tiles of
+# 2-16 rows by 64-256 do not spill; 16 x 1024 at 4 warps (512 values) spilled 10,914 instructions.
+BY_TOKEN_BLOCK_N = (2, 4, 8, 16)
+BY_TOKEN_BLOCK_K = (64, 128, 256)
+BY_TOKEN_THREAD_VALUES = (16, 64)
 # The warps the routing launches are swept over.
 ROUTE_WARPS = (1, 2, 4, 8)
 
@@ -98,17 +105,24 @@ def first_round(launch: str, block_m: int, n: int, k: int, row_blocks: int, sms:
     return list(dict.fromkeys(found))
 
 
-def gemv_candidates(k: int, row_sets: int) -> list[MoeGemvLaunch]:
+def gemv_candidates(k: int, row_sets: int, top_k: int = 0) -> list[MoeGemvLaunch]:
     """The GEMV launches for K ``k`` and ``row_sets`` weight tiles a step (gate/up 2, down 1):
     block_n x block_k (capped at the power of two that holds K) x warps x stages, where a
     thread's weight values a step (``row_sets`` tiles over the warps' threads) lie within
-    ``GEMV_THREAD_VALUES``."""
+    ``GEMV_THREAD_VALUES``. With ``top_k`` (the down launch) also its form by token
+    (``all_pairs``): the ``BY_TOKEN_*`` tiles, whose steps hold the token's ``top_k`` pairs."""
     cap = 1 << max(k - 1, 0).bit_length()
-    block_ks = sorted({min(bk, cap) for bk in GEMV_BLOCK_K})
     low, high = GEMV_THREAD_VALUES
-    return [MoeGemvLaunch(bn, bk, warps, stages)
-            for bn in GEMV_BLOCK_N for bk in block_ks for warps in GEMV_WARPS for stages in GEMV_STAGES
-            if low <= row_sets * bn * bk // (32 * warps) <= high]
+    found = [MoeGemvLaunch(bn, bk, warps, stages)
+             for bn in GEMV_BLOCK_N for bk in sorted({min(b, cap) for b in GEMV_BLOCK_K})
+             for warps in GEMV_WARPS for stages in GEMV_STAGES
+             if low <= row_sets * bn * bk // (32 * warps) <= high]
+    if top_k:
+        low, high = BY_TOKEN_THREAD_VALUES
+        found += [MoeGemvLaunch(bn, bk, warps, 1, True)
+                  for bn in BY_TOKEN_BLOCK_N for bk in sorted({min(b, cap) for b in BY_TOKEN_BLOCK_K})
+                  for warps in GEMV_WARPS if low <= top_k * bn * bk // (32 * warps) <= high]
+    return found
 
 
 def second_round(best: MoeGemmConfig) -> list[MoeGemmConfig]:
@@ -220,7 +234,7 @@ def bench_gemv(x, logits, w13, w2, spec: tuple, reference: torch.Tensor) -> dict
     _, hidden, inter, top_k, renormalize, _ = spec
     _, weights, experts = moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize, GEMV_CHECK)
     routing = SimpleNamespace(weights=weights, experts=experts)
-    candidates = {"gate_up": gemv_candidates(hidden, 2), "down": gemv_candidates(inter, 1)}
+    candidates = {"gate_up": gemv_candidates(hidden, 2), "down": gemv_candidates(inter, 1, top_k)}
     precompile_gemv(candidates, x, logits, w13, w2, spec)
     return sweep_both(candidates, False, gemv_launchers(logits, top_k, renormalize),
                       {"gate_up": GEMV_CHECK, "down": GEMV_CHECK}, x, w13, w2, routing, reference)
@@ -396,7 +410,8 @@ def config_source(config: dict) -> str:
 def gemv_config_source(config: dict) -> str:
     """A MoeGemvConfig as the table writes it (positional fields)."""
     def launch(g):
-        return f"MoeGemvLaunch({g['block_n']}, {g['block_k']}, {g['num_warps']}, {g['num_stages']})"
+        by_token = ", True" if g.get("all_pairs") else ""
+        return f"MoeGemvLaunch({g['block_n']}, {g['block_k']}, {g['num_warps']}, {g['num_stages']}{by_token})"
     return f"MoeGemvConfig({launch(config['gate_up'])}, {launch(config['down'])})"
 
 

@@ -5,6 +5,7 @@ path and the decode GEMV path; the config tables and the choice between the path
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -276,13 +277,18 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
     (6, 64, 2, True, 48, 40, _gemv((64, 16), (32, 32, 2, 2))),  # one column tile past inter; masked prefetch
     (7, 8, 2, True, 32, 16, _gemv((16, 8), (32, 8))),  # 14 pairs of 8 experts: pairs share experts
     (8, 8, 2, True, 64, 48, _gemv((32, 64), (64, 32, 4, 1))),  # the largest GEMV batch
+    # down by token (all_pairs): top-8 with prefetch; top-1; masked steps and a ragged column tile
+    (1, 8, 8, True, 64, 48, _gemv((16, 32), (32, 16, 4, 2, True))),
+    (2, 8, 1, False, 64, 48, _gemv((32, 128, 4, 1), (16, 64, 4, 1, True))),
+    (3, 64, 8, True, 40, 24, _gemv((32, 16, 4, 1), (64, 16, 2, 2, True))),
 ])
 def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renormalize, hidden, inter, config):
     """The two-launch GEMV path (routing fused into gate/up, the down shares folded per token)
     against ``moe_torch``, in float32 and float16, with the fused routing's experts equal to
     ``select_experts``'s (``_distinct_logits``: no ties, which ``torch.topk`` breaks its own way)
     and weights within rounding; the down launch gives the same output bit for bit twice (the
-    slot-order fold)."""
+    slot-order fold), and within float32 rounding of the other form of the down launch (a
+    program per pair or per token: the same shares in the same order)."""
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         x, _, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, dtype,
                                     seed=10 * num_tokens + top_k)
@@ -298,12 +304,16 @@ def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renorm
         if dtype == torch.float32:
             again = fused_moe.moe_down_gemv_triton(activated, w2, weights, experts, config.down)
             assert torch.equal(again, got)
+            other = replace(config.down, all_pairs=not config.down.all_pairs)
+            other_form = fused_moe.moe_down_gemv_triton(activated, w2, weights, experts, other)
+            torch.testing.assert_close(other_form, got, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("num_tokens, hidden, inter, config", [
     (2, 64, 48, _gemv((16, 32), (16, 16))),  # uint32 pairs: EVEN_K steps, prefetch
     (3, 40, 26, _gemv((16, 64, 4, 1), (32, 16, 2, 2))),  # pairs in masked steps (hidden 40, inter 26)
     (1, 40, 25, _gemv((16, 16), (16, 1, 2, 1))),  # odd inter, a step of one value: down unpaired
+    (3, 40, 26, _gemv((16, 64, 4, 1), (8, 16, 2, 1, True))),  # down by token, pairs in masked steps
 ])
 def test_fused_moe_gemv_in_bf16_reads_pairs_of_values(num_tokens, hidden, inter, config, monkeypatch):
     """bf16 x and weights (read as uint32 pairs where K and the step are even) within bf16
@@ -424,6 +434,7 @@ def test_gemv_table_entries_are_valid_decode_batches():
     (_gemv((8, 0), (8, 64)), "gate_up .*block_k=0 must be a power of two"),
     (_gemv((8, 64, 3), (8, 64)), "gate_up .*num_warps=3 must be a power of two"),
     (_gemv((8, 64), (8, 64, 4, 0)), "down .*num_stages=0 must be >= 1"),
+    (_gemv((8, 64, 4, 2, True), (8, 64)), "gate_up .*all_pairs is the down launch's"),
 ])
 def test_moe_gemv_config_check_rejects_what_cannot_run(config, message):
     with pytest.raises(ValueError, match=message):
@@ -452,16 +463,16 @@ def test_gemv_table_is_not_consulted_above_the_fused_routings_experts(monkeypatc
 
 
 # gate/up plain with EVEN_K, down prefetching with block_k past Qwen3-30B-A3B's inter 768 (masked);
-# 2 warps (routing rows of 64 experts); 8 warps
+# 2 warps (routing rows of 64 experts); 8 warps; the down launch by token
 _GPU_GEMVS = [_gemv((8, 512, 4, 1), (8, 1024, 4, 2)), _gemv((16, 128, 2, 2), (16, 256, 2, 1)),
-              _gemv((16, 256, 8, 2), (32, 256, 8, 2))]
+              _gemv((16, 256, 8, 2), (32, 256, 8, 2)), _gemv((16, 256, 8, 1), (8, 128, 4, 1, True))]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [(2048, 768, 128, 8, True), (4096, 14336, 8, 2, True)],
                          ids=["qwen3-30b-a3b", "mixtral-8x7b"])
-@pytest.mark.parametrize("config", _GPU_GEMVS, ids=["4-warps", "2-warps", "8-warps"])
+@pytest.mark.parametrize("config", _GPU_GEMVS, ids=["4-warps", "2-warps", "8-warps", "down-by-token"])
 def test_fused_moe_gemv_at_model_sizes_on_gpu(shape, config):
     """The GEMV path in bf16 at real expert shapes and decode batches, eager (its routing equal to
     ``select_experts``'s, the same output twice) and, at 4 warps, replayed from a CUDA graph on

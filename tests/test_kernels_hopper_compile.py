@@ -199,8 +199,13 @@ KERNELS = {
                              dict(experts_ptr=_I)),
     "moe_down_gemv": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, EVEN_N=False, EVEN_K=False, PREFETCH=True,
-                               PAIRS=True),
+                               PAIRS=True, ALL_PAIRS=False, TOP_K_BLOCK=8),
                           dict(experts_ptr=_I, partial_ptr=_F, counter_ptr=_I)),
+    # the down launch by token: a program reads its token's 8 pairs' rows together, one masked K step
+    "moe_down_gemv_by_token": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
+                                   dict(TOP_K=8, BLOCK_N=16, BLOCK_K=1024, EVEN_N=True, EVEN_K=False,
+                                        PREFETCH=False, PAIRS=True, ALL_PAIRS=True, TOP_K_BLOCK=8),
+                                   dict(experts_ptr=_I, partial_ptr=_F, counter_ptr=_I)),
     "moe_reduce": Spec("fused_moe_kernels", "moe_reduce_kernel",
                        dict(SPLIT_K=2, TOP_K=8, TOP_K_BLOCK=8, BLOCK_H=256), dict(partial_ptr=_F)),
 }

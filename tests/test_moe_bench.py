@@ -38,8 +38,26 @@ def test_gemv_candidates_sweep_tiles_a_thread_can_hold_with_block_k_capped_at_k(
     assert len(candidates) == len(set(candidates)) and expected
     assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in candidates} == expected
     assert {c.prefetch for c in candidates} == {False, True}
+    assert not any(c.all_pairs for c in candidates)
     for candidate in candidates:
         candidate.check("gate_up")
+
+
+def test_down_candidates_add_tiles_by_token_that_hold_the_tokens_pairs():
+    """With top_k the down sweep adds the form by token: BY_TOKEN tiles whose top_k pairs' weight
+    values a thread a step lie in BY_TOKEN_THREAD_VALUES, one plain stage (it prefetches nothing)."""
+    per_pair = moe_bench.gemv_candidates(768, 1)
+    both = moe_bench.gemv_candidates(768, 1, top_k=8)
+    by_token = [c for c in both if c.all_pairs]
+    assert both[:len(per_pair)] == per_pair and len(both) == len(per_pair) + len(by_token)
+    low, high = moe_bench.BY_TOKEN_THREAD_VALUES
+    expected = {(bn, bk, w) for bn, bk, w in itertools.product(moe_bench.BY_TOKEN_BLOCK_N,
+                                                               moe_bench.BY_TOKEN_BLOCK_K, (2, 4, 8))
+                if low <= 8 * bn * bk // (32 * w) <= high}
+    assert {(c.block_n, c.block_k, c.num_warps) for c in by_token} == expected and expected
+    assert {c.num_stages for c in by_token} == {1}
+    for candidate in by_token:
+        candidate.check("down")
 
 
 @pytest.fixture
@@ -72,9 +90,11 @@ def test_bench_tokens_sweeps_the_gemv_path_at_a_decode_batch(tiny_bench):
     record = tiny_bench(2)
     sweeps = record["gemv_launches"]
     expected = {}
-    for launch, k, row_sets in (("gate_up", TINY[1], 2), ("down", TINY[2], 1)):
+    for launch, k, row_sets, top_k in (("gate_up", TINY[1], 2, 0), ("down", TINY[2], 1, TINY[3])):
         results = sweeps[launch]["candidates"]
-        assert [MoeGemvLaunch(**r["config"]) for r in results] == moe_bench.gemv_candidates(k, row_sets)
+        swept = [MoeGemvLaunch(**r["config"]) for r in results]
+        assert swept == moe_bench.gemv_candidates(k, row_sets, top_k)
+        assert {c.all_pairs for c in swept} == ({False, True} if top_k else {False})
         assert all(r["ok"] and r["max_error"] < 1e-4 for r in results), results
         expected[launch] = MoeGemvLaunch(**results[-1]["config"])
     gemv = MoeGemvConfig(**expected)
@@ -99,7 +119,8 @@ def _record(tokens: int, default_us: float, best_us: float, gemv_us: float | Non
                   best=dict(layer, us=best_us))
     if gemv_us is not None:
         launch = dict(block_n=8, block_k=256, num_warps=4, num_stages=2)
-        record["gemv"] = dict(layer, us=gemv_us, config=dict(gate_up=launch, down=dict(launch, block_n=16)))
+        down = dict(launch, block_n=16, all_pairs=True)
+        record["gemv"] = dict(layer, us=gemv_us, config=dict(gate_up=launch, down=down))
     return record
 
 
@@ -111,7 +132,8 @@ def test_gemv_table_lines_only_where_the_gemv_layer_beat_the_best_grouped_one(mo
                _record(8, 30.0, 20.0, None)]  # not measured
     lines = moe_bench.gemv_table_lines(records)
     assert lines == ["    (8, 64, 48, 2, 1):  # tiny: 10.0 us, 1 GB/s (grouped 20.0 us)",
-                     "        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(16, 256, 4, 2)),"]
+                     "        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), "
+                     "MoeGemvLaunch(16, 256, 4, 2, True)),"]
 
 
 def test_bench_tokens_sweeps_the_route_warps_and_keeps_only_correct_ones(tiny_bench, monkeypatch):

@@ -305,7 +305,8 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
     projections, ``[tokens, hidden]``. One GEMV program per (column tile, pair) over all of inter;
     the last program of a (token, column tile) to finish sums the token's ``top_k`` shares in
     slot order (``gemv.split_k_epilogue``'s ticket fold, on its counters buffer: made eagerly at
-    the first call, like the dense GEMV's)."""
+    the first call, like the dense GEMV's). With ``launch.all_pairs`` one program per (column
+    tile, token) sums its pairs' shares in slot order itself."""
     from pagedlab.kernels import fused_moe_kernels
     from pagedlab.kernels.gemv import split_k_scratch
 
@@ -316,13 +317,16 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
     if num_pairs == 0:
         return out
     tiles = -(-hidden // launch.block_n)
-    partial, counters = split_k_scratch(num_tokens, hidden, top_k, num_tokens * tiles, out)
-    fused_moe_kernels.moe_down_gemv_kernel[(tiles, num_pairs)](
+    if launch.all_pairs:
+        partial = counters = out  # unused
+    else:
+        partial, counters = split_k_scratch(num_tokens, hidden, top_k, num_tokens * tiles, out)
+    fused_moe_kernels.moe_down_gemv_kernel[(tiles, num_tokens if launch.all_pairs else num_pairs)](
         activated, w2, out, weights, experts, partial, counters, hidden, inter, tiles, activated.stride(0),
         w2.stride(0), w2.stride(1), out.stride(0), partial.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k, EVEN_N=hidden % launch.block_n == 0, EVEN_K=inter % launch.block_k == 0,
-        PREFETCH=launch.prefetch,
-        PAIRS=_bf16_pairs(inter, launch, activated, w2), **pdl_launch(activated.device),
+        PREFETCH=launch.prefetch, PAIRS=_bf16_pairs(inter, launch, activated, w2),
+        ALL_PAIRS=launch.all_pairs, TOP_K_BLOCK=_next_power_of_2(top_k), **pdl_launch(activated.device),
         num_warps=launch.num_warps, num_stages=1)
     return out
 

@@ -172,12 +172,16 @@ class MoeGemvLaunch:
     Triton; ``num_stages`` 1 runs the plain loop (a step's loads, then its products), from
     ``MOE_GEMV_PREFETCH_STAGES`` on each step first issues the next step's loads (the loop holds
     no tl.dot, so Triton's pipeliner stages nothing: that is the stage count's only effect).
+    ``all_pairs`` (down only): one program per (column tile, token) reads all the token's pairs'
+    rows each K step, instead of one per (column tile, pair) whose token's last program sums the
+    pairs' shares; it prefetches nothing (``num_stages`` has no effect there).
     Positional order is the table's."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    all_pairs: bool = False
 
     @property
     def prefetch(self) -> bool:
@@ -193,6 +197,8 @@ class MoeGemvLaunch:
                                  "threads)")
             if self.num_stages < 1:
                 raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+            if self.all_pairs and launch != "down":
+                raise ValueError("all_pairs is the down launch's (gate/up runs a program per pair)")
         except ValueError as error:
             raise ValueError(f"{launch} {self}: {error}") from None
 
@@ -201,7 +207,8 @@ class MoeGemvLaunch:
 class MoeGemvConfig:
     """The GEMV path of one MoE layer: a gate/up launch of one program per (column tile, pair)
     that routes its pair itself, and a down launch of one program per (column tile, pair) whose
-    token's last program sums the token's pairs."""
+    token's last program sums the token's pairs, or per (column tile, token) with
+    ``down.all_pairs``."""
 
     gate_up: MoeGemvLaunch
     down: MoeGemvLaunch

@@ -474,24 +474,69 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
                          inter, num_col_tiles, stride_h, stride_w_expert, stride_w_row, stride_out,
                          stride_partial_split, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                         PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
-    """Pair ``program_id(1)``'s share ``weight[pair] * (h[pair] . down[n])`` of its token's output
-    for the hidden columns ``n`` of tile ``program_id(0)`` (float32, all of inter), folded by
-    ``gemv.split_k_epilogue`` with the slots as segments: each pair stores its partial and takes a
-    ticket of the (token, column tile) counter; the last sums the token's TOP_K partials in slot
-    order (the same result whichever finishes last), writes the output and resets the counter."""
+                         PREFETCH: tl.constexpr, PAIRS: tl.constexpr, ALL_PAIRS: tl.constexpr,
+                         TOP_K_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The router-weighted sum of a token's pair shares ``weight[pair] * (h[pair] . down[n])``
+    for the hidden columns ``n`` of tile ``program_id(0)`` (float32, all of inter). ALL_PAIRS:
+    program ``program_id(1)`` is a token and sums its TOP_K pairs itself (``_token_down``). Else
+    it is a pair, and ``gemv.split_k_epilogue`` folds the shares with the slots as segments: each
+    pair stores its share and takes a ticket of the (token, column tile) counter; the last sums
+    the token's TOP_K shares in slot order, writes the output and resets the counter."""
     pdl_wait_and_trigger(PDL)
     pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    token = pair // TOP_K
-    expert = tl.load(experts_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (w2_ptr + expert * stride_w_expert
-            + _row_index(offs_n, hidden, EVEN_N).to(tl.int64)[:, None] * stride_w_row)
-    dots, _ = _row_dots(h_ptr + pair.to(tl.int64) * stride_h, rows, rows, inter, BLOCK_N, BLOCK_K, EVEN_K,
-                        PREFETCH, False, PAIRS)
-    share = tl.load(weights_ptr + pair).to(tl.float32) * dots
-    offs_m = token + tl.arange(0, 1)
-    split_k_epilogue(share[None, :], offs_m, offs_n, offs_m >= 0, offs_n < hidden,
-                     token * num_col_tiles + pid_n, pair % TOP_K, TOP_K, partial_ptr, stride_partial_split,
-                     hidden, counter_ptr, out_ptr, out_ptr, stride_out, False, TOP_K > 1)
+    rows = _row_index(offs_n, hidden, EVEN_N).to(tl.int64)[:, None] * stride_w_row
+    if ALL_PAIRS:
+        token = tl.program_id(1)
+        total = _token_down(h_ptr, w2_ptr, weights_ptr, experts_ptr, token, rows, inter, stride_h,
+                            stride_w_expert, TOP_K, TOP_K_BLOCK, BLOCK_K, EVEN_K, PAIRS)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, total.to(out_ptr.dtype.element_ty),
+                 mask=offs_n < hidden)
+    else:
+        pair = tl.program_id(1)
+        token = pair // TOP_K
+        expert_rows = w2_ptr + tl.load(experts_ptr + pair).to(tl.int64) * stride_w_expert + rows
+        dots, _ = _row_dots(h_ptr + pair.to(tl.int64) * stride_h, expert_rows, expert_rows, inter, BLOCK_N,
+                            BLOCK_K, EVEN_K, PREFETCH, False, PAIRS)
+        share = tl.load(weights_ptr + pair).to(tl.float32) * dots
+        offs_m = token + tl.arange(0, 1)
+        split_k_epilogue(share[None, :], offs_m, offs_n, offs_m >= 0, offs_n < hidden,
+                         token * num_col_tiles + pid_n, pair % TOP_K, TOP_K, partial_ptr,
+                         stride_partial_split, hidden, counter_ptr, out_ptr, out_ptr, stride_out, False,
+                         TOP_K > 1)
+
+
+@triton.jit
+def _token_down(h_ptr, w2_ptr, weights_ptr, experts_ptr, token, rows, inter, stride_h, stride_w_expert,
+                TOP_K: tl.constexpr, TOP_K_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                PAIRS: tl.constexpr):
+    """``sum_slot weight[pair] * (h[pair] . down[n])`` over the token's TOP_K pairs, float32, for
+    the weight rows at offsets ``rows`` (``[BLOCK_N, 1]``) of each pair's expert. Each K step
+    reads all the pairs' rows as one ``[TOP_K_BLOCK, BLOCK_N, step]`` tile, so that their loads
+    are in flight together (a loop over the pairs ran one pair's loads, products and sum after
+    another in the sm_90 SASS); PAIRS as in ``_row_dots``."""
+    slots = tl.arange(0, TOP_K_BLOCK)
+    valid = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(experts_ptr + pairs, mask=valid, other=0).to(tl.int64)
+    w_rows = w2_ptr + experts[:, None, None] * stride_w_expert + rows[None, :, :]
+    x_rows = h_ptr + pairs.to(tl.int64)[:, None, None] * stride_h
+    if PAIRS:
+        w_rows = w_rows.to(tl.pointer_type(tl.uint32))
+        x_rows = x_rows.to(tl.pointer_type(tl.uint32))
+    UNIT: tl.constexpr = 2 if PAIRS else 1
+    STEP: tl.constexpr = BLOCK_K // UNIT
+    K = inter // UNIT
+    acc = tl.zeros([TOP_K_BLOCK, rows.shape[0], STEP], dtype=tl.float32)
+    for k_start in range(0, K, STEP):
+        offs_k = k_start + tl.arange(0, STEP)[None, None, :]
+        if EVEN_K and TOP_K == TOP_K_BLOCK:
+            w = tl.load(w_rows + offs_k)
+            x = tl.load(x_rows + tl.broadcast_to(offs_k, w.shape))
+        else:
+            mask = valid[:, None, None] & (offs_k < K)
+            w = tl.load(w_rows + offs_k, mask=mask, other=0)
+            x = tl.load(x_rows + tl.broadcast_to(offs_k, w.shape), mask=mask, other=0)
+        acc = _add_products(acc, x, w, PAIRS)
+    weights = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
