@@ -222,14 +222,18 @@ class MoeGemvConfig:
 # (num_experts, hidden, intermediate per rank, top_k, tokens) -> GEMV config, from
 # ``benchmarks/moe_bench.py`` on one H200: only where the GEMV layer beat the best grouped one,
 # tokens at most MOE_GEMV_MAX_TOKENS, exact token counts (no nearest match).
-# MoeGemvLaunch fields: block_n, block_k, num_warps, num_stages.
+# MoeGemvLaunch fields: block_n, block_k, num_warps, num_stages, all_pairs.
 # Measured 2026-12-01: the two-launch path wins at 1, 2 and 4 tokens of Qwen3-30B-A3B's shape and
-# loses at 8 (148.0 against 139.1 us); Mixtral's shape is not yet measured.
+# loses at 8 (148.0 against 139.1 us); Mixtral's shape is not yet measured. The down launches at 1
+# and 2 tokens: the form by token, from a probe of the down launch alone (2026-12-03, 10 tiles of
+# it against the table's two per-pair ones, CUDA-graph timing): 11.03 against 11.90 us at 1
+# token, 17.95 against 18.99 at 2, outputs equal; the layer times in the comments are the
+# per-pair form's.
 MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {
     (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 31.8 us, 2377 GB/s (grouped 36.1 us)
-        MoeGemvConfig(MoeGemvLaunch(16, 256, 8, 1), MoeGemvLaunch(16, 256, 4, 1)),
+        MoeGemvConfig(MoeGemvLaunch(16, 256, 8, 1), MoeGemvLaunch(2, 256, 4, 1, True)),
     (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 50.3 us, 3002 GB/s (grouped 56.8 us)
-        MoeGemvConfig(MoeGemvLaunch(32, 128, 8, 2), MoeGemvLaunch(64, 128, 8, 1)),
+        MoeGemvConfig(MoeGemvLaunch(32, 128, 8, 2), MoeGemvLaunch(4, 128, 4, 1, True)),
     (128, 2048, 768, 8, 4):  # qwen3-30b-a3b: 84.2 us, 3248 GB/s (grouped 88.7 us)
         MoeGemvConfig(MoeGemvLaunch(8, 128, 4, 1), MoeGemvLaunch(16, 256, 4, 1)),
 }
