@@ -281,6 +281,7 @@ def _gemv(gate_up: tuple, down: tuple) -> MoeGemvConfig:
     (1, 8, 8, True, 64, 48, _gemv((16, 32), (32, 16, 4, 2, True))),
     (2, 8, 1, False, 64, 48, _gemv((32, 128, 4, 1), (16, 64, 4, 1, True))),
     (3, 64, 8, True, 40, 24, _gemv((32, 16, 4, 1), (64, 16, 2, 2, True))),
+    (2, 8, 6, True, 32, 16, _gemv((16, 16), (8, 16, 2, 1, True))),  # top-6: two masked slots of 8
 ])
 def test_fused_moe_gemv_matches_reference(num_tokens, num_experts, top_k, renormalize, hidden, inter, config):
     """The two-launch GEMV path (routing fused into gate/up, the down shares folded per token)
