@@ -306,7 +306,8 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
     the last program of a (token, column tile) to finish sums the token's ``top_k`` shares in
     slot order (``gemv.split_k_epilogue``'s ticket fold, on its counters buffer: made eagerly at
     the first call, like the dense GEMV's). With ``launch.all_pairs`` one program per (column
-    tile, token) sums its pairs' shares in slot order itself."""
+    tile, token) reads all its pairs' rows a K step and sums their weighted shares itself (a tree
+    over the slots: within float32 rounding of the fold's)."""
     from pagedlab.kernels import fused_moe_kernels
     from pagedlab.kernels.gemv import split_k_scratch
 
