@@ -41,11 +41,17 @@ class Spec(NamedTuple):
 
 
 _TF32 = dict(DOT_PRECISION="tf32")
+_NO_FOLD = dict(NORM=False, NORM_BLOCK=1, RESIDUAL=False, WRITE_NORMED=False)
+# an RMSNorm folded in (kernels/norm_fold.py): Llama-3-8B's hidden size, the residual added
+_FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False)
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
-             ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32)
+             ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32,
+             **_NO_FOLD)
 # the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
 _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
+_AWQ_GEMV = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_DTYPE="bf16", **_TF32, **_NO_FOLD)
+_AWQ_POINTERS = dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
 KERNELS = {
@@ -61,6 +67,16 @@ KERNELS = {
                                     dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
                                     reads_before_wait=True),
     "dense_gemv_swap": Spec("gemv", "_dense_gemv_kernel", _GEMV_SWAP, _GEMV_POINTERS),
+    # the norm folded in: Llama-3-8B's qkv_proj, and Qwen3-30B-A3B's router writing the normed copy
+    "dense_gemv_fold": Spec("gemv", "_dense_gemv_kernel",
+                            dict(_GEMV, **_FOLD, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1), _GEMV_POINTERS,
+                            floats=("eps",), reads_before_wait=True),
+    "dense_gemv_fold_router": Spec("gemv", "_dense_gemv_kernel",
+                                   dict(_GEMV, **dict(_FOLD, NORM_BLOCK=2048, WRITE_NORMED=True), BLOCK_N=4,
+                                        BLOCK_K=1024, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                                   _GEMV_POINTERS, floats=("eps",), reads_before_wait=True),
+    "dense_gemv_fold_swap": Spec("gemv", "_dense_gemv_kernel", dict(_GEMV_SWAP, **_FOLD), _GEMV_POINTERS,
+                                 floats=("eps",)),
     "dense_gemv_fp8_swap": Spec("gemv", "_dense_gemv_kernel",
                                 dict(_GEMV_SWAP, SCALED=True, DOT_DTYPE="fp8", FP8_ACC_CHUNK=128),
                                 dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")),
@@ -75,20 +91,18 @@ KERNELS = {
     # the one-row GEMV at its default tile (8 columns, K steps of 2048: 16 groups, the next step's
     # weights read during this one's sums), 4 rows on the CUDA cores, and 4 rows on tl.dot
     "awq_gemv": Spec("w4a16", "_awq_gemv_kernel",
-                     dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048,
-                          STEP_GROUPS=16, USE_DOT=False, DOT_DTYPE="bf16", PREFETCH=True, **_TF32),
-                     dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
-                     reads_before_wait=True),
+                     dict(_AWQ_GEMV, SPLIT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, STEP_GROUPS=16,
+                          USE_DOT=False, PREFETCH=True), _AWQ_POINTERS, reads_before_wait=True),
     "awq_gemv_rows": Spec("w4a16", "_awq_gemv_kernel",
-                          dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=True, BLOCK_M=4, BLOCK_N=8, BLOCK_K=512,
-                               STEP_GROUPS=4, USE_DOT=False, DOT_DTYPE="bf16", PREFETCH=True, **_TF32),
-                          dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
-                          reads_before_wait=True),
+                          dict(_AWQ_GEMV, SPLIT=True, BLOCK_M=4, BLOCK_N=8, BLOCK_K=512, STEP_GROUPS=4,
+                               USE_DOT=False, PREFETCH=True), _AWQ_POINTERS, reads_before_wait=True),
     "awq_gemv_dot": Spec("w4a16", "_awq_gemv_kernel",
-                         dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-                              STEP_GROUPS=1, USE_DOT=True, DOT_DTYPE="bf16", PREFETCH=False, **_TF32),
-                         dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I),
-                         reads_before_wait=True),
+                         dict(_AWQ_GEMV, SPLIT=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, STEP_GROUPS=1,
+                              USE_DOT=True, PREFETCH=False), _AWQ_POINTERS, reads_before_wait=True),
+    "awq_gemv_fold": Spec("w4a16", "_awq_gemv_kernel",
+                          dict(_AWQ_GEMV, SPLIT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, STEP_GROUPS=16,
+                               USE_DOT=False, PREFETCH=True, **_FOLD), _AWQ_POINTERS, floats=("eps",),
+                          reads_before_wait=True),
     "awq_gemm": Spec("w4a16", "_awq_gemm_kernel",
                      dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
                           DOT_DTYPE="bf16", SWAP_AB=False, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),

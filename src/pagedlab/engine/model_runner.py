@@ -138,18 +138,23 @@ def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
     if config.enable_lora:
         runner.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or config.max_loras, dtype, device)
-    fuse_fp8_inputs(model)  # after LoRA wraps its linears, which take unquantized inputs
+    fuse_into_consumers(model)  # after LoRA wraps its linears, which take unquantized inputs
     return runner
 
 
-def fuse_fp8_inputs(model: torch.nn.Module) -> int:
+def fuse_into_consumers(model: torch.nn.Module) -> tuple[int, int]:
     """Let the Llama-family norms and activations emit their FP8 linears' quantized inputs
-    (``LlamaForCausalLM.emit_fp8_inputs``), unless ``PAGEDLAB_FP8_FUSED_INPUTS=0``; returns how many
-    producers do (0 for other model families and formats)."""
-    emit = getattr(model, "emit_fp8_inputs", None)
-    if emit is None or os.environ.get("PAGEDLAB_FP8_FUSED_INPUTS", "1") == "0":
-        return 0
-    return emit()
+    (``LlamaForCausalLM.emit_fp8_inputs``), unless ``PAGEDLAB_FP8_FUSED_INPUTS=0``, then with
+    ``PAGEDLAB_FOLD_NORMS=1`` fold the other RMSNorms into their consumers' GEMVs (``fold_norms``;
+    off by default until timed on the GPU); returns how many producers do each (0 for other
+    model families)."""
+    counts = []
+    switches = {"emit_fp8_inputs": ("PAGEDLAB_FP8_FUSED_INPUTS", "1"),
+                "fold_norms": ("PAGEDLAB_FOLD_NORMS", "0")}
+    for method, (switch, default) in switches.items():
+        fuse = getattr(model, method, None)
+        counts.append(0 if fuse is None or os.environ.get(switch, default) == "0" else fuse())
+    return counts[0], counts[1]
 
 
 class ModelRunner:

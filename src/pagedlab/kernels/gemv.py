@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
@@ -92,17 +93,62 @@ def _weight_tile(w_rows, offs_k, n_valid, K):
 
 
 @triton.jit
-def _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT: tl.constexpr, ONE_ROW: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
-               FP8_ACC_CHUNK: tl.constexpr):
-    """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x;
-    SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``, the weight tile the dot's A operand."""
+def load_input(x_ptrs, res_ptrs, g_ptrs, mask, g_mask, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The activations at ``x_ptrs`` (zero where not ``mask``); NORM: those of a folded RMSNorm
+    (``kernels/norm_fold.py``) before its 1/rms, ``(x + residual) * weight`` in float32, the
+    residual at ``res_ptrs`` (RESIDUAL) and the norm weight at ``g_ptrs`` (``g_mask``)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if NORM:
+        if RESIDUAL:
+            x = x + tl.load(res_ptrs, mask=mask, other=0.0)
+        x = x.to(tl.float32) * tl.load(g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps, write,
+              BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+              WRITE_NORMED: tl.constexpr):
+    """A folded RMSNorm's 1/rms of each of the M rows, ``[BLOCK_M]`` (0 from M on), each row read
+    whole (``NORM_BLOCK`` >= K); with ``write`` also stores each row's ``x + residual`` (RESIDUAL)
+    and normalized input (WRITE_NORMED), rounded as ``layers.norm.add_rms_norm`` rounds them."""
+    offs = tl.arange(0, NORM_BLOCK)
+    k_valid = offs < K
+    offs_m = tl.arange(0, BLOCK_M)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for row in tl.static_range(BLOCK_M):
+        mask = offs < tl.where(row < M, K, 0)
+        cells = row * stride_x + offs
+        summed = tl.load(x_ptr + cells, mask=mask, other=0.0)
+        if RESIDUAL:
+            summed = summed + tl.load(res_ptr + cells, mask=mask, other=0.0)
+        values = summed.to(tl.float32)
+        row_rstd = tl.math.rsqrt(tl.sum(values * values) / K + eps)
+        rstd = tl.where(offs_m == row, row_rstd, rstd)
+        if write:
+            if RESIDUAL:
+                tl.store(summed_ptr + cells, summed, mask=mask)
+            if WRITE_NORMED:
+                g = tl.load(g_ptr + offs, mask=k_valid, other=0.0)
+                tl.store(normed_ptr + cells, g * (values * row_rstd).to(g.dtype), mask=mask)
+    return rstd
+
+
+@triton.jit
+def _gemv_step(acc, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE_DOT: tl.constexpr,
+               ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr, NORM: tl.constexpr,
+               RESIDUAL: tl.constexpr):
+    """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x
+    (NORM: ``load_input``'s); SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``, the weight tile the
+    dot's A operand."""
     k_valid = offs_k < K
     if ONE_ROW:
-        x = tl.load(x_rows + offs_k, mask=k_valid, other=0.0)
+        x = load_input(x_rows + offs_k, res_rows + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM, RESIDUAL)
         acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
     else:
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        x = load_input(x_rows + offs_k[None, :], res_rows + offs_k[None, :], g_ptr + offs_k[None, :],
+                       m_valid[:, None] & k_valid[None, :], k_valid[None, :], NORM, RESIDUAL)
         if USE_DOT and SWAP_AB:
             acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION,
                          max_num_imprecise_acc=FP8_ACC_CHUNK)
@@ -122,18 +168,21 @@ def _fp8_pairs(pairs):
 
 
 @triton.jit
-def _step_x(x_rows, offs, end, w, PAIRS: tl.constexpr):
-    """One-row PREFETCH: the activations at ``offs`` (zero from ``end`` on); PAIRS (FP8) in
-    ``w``'s shape and layout, each thread its own (from L1) rather than broadcast through shared
-    memory (a store, a load and two barriers a step in the plain loop's sm_90 SASS)."""
+def _step_x(x_rows, res_rows, g_ptr, offs, end, w, PAIRS: tl.constexpr, NORM: tl.constexpr,
+            RESIDUAL: tl.constexpr):
+    """One-row PREFETCH: the activations at ``offs`` (zero from ``end`` on; NORM: ``load_input``'s);
+    PAIRS (FP8) in ``w``'s shape and layout, each thread its own (from L1) rather than broadcast
+    through shared memory (a store, a load and two barriers a step in the plain loop's sm_90 SASS)."""
     if PAIRS:
         return tl.load(x_rows + tl.broadcast_to(offs[None, :], w.shape), mask=offs[None, :] < end, other=0)
     else:
-        return tl.load(x_rows + offs, mask=offs < end, other=0)
+        valid = offs < end
+        return load_input(x_rows + offs, res_rows + offs, g_ptr + offs, valid, valid, NORM, RESIDUAL)
 
 
 @triton.jit
-def _prefetch_step(acc, x, w, x_rows, w_rows, offs, n_valid, end, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+def _prefetch_step(acc, x, w, x_rows, res_rows, g_ptr, w_rows, offs, n_valid, end, BLOCK: tl.constexpr,
+                   PAIRS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """One-row PREFETCH: ``acc`` plus the products of ``x`` and ``w`` (this step's activations and
     weight tile at ``offs``, read a step earlier), with the next step's read first (nothing from
     ``end`` on), so that they are in flight during these products; returns them too. PAIRS (FP8):
@@ -143,7 +192,7 @@ def _prefetch_step(acc, x, w, x_rows, w_rows, offs, n_valid, end, BLOCK: tl.cons
     convert as loaded (96 instructions, 48 registers, no barrier; the plain loop's 84 hold two)."""
     next_offs = offs + BLOCK
     next_w = _weight_tile(w_rows, next_offs, n_valid, end)
-    next_x = _step_x(x_rows, next_offs, end, next_w, PAIRS)
+    next_x = _step_x(x_rows, res_rows, g_ptr, next_offs, end, next_w, PAIRS, NORM, RESIDUAL)
     if PAIRS:
         acc = acc + _fp8_pairs(x) * _fp8_pairs(w)
     else:
@@ -193,13 +242,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        col_scale_ptr, M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_w, stride_out,
                        stride_partial_split, stride_partial_row, lora_h_ptr, lora_b_ptr, lora_slots_ptr,
                        lora_rank, lora_splits, lora_size0, lora_size1, stride_h_split, stride_h_slice,
-                       stride_h_row, stride_b_slot, stride_b_slice, stride_b_row, HAS_BIAS: tl.constexpr,
+                       stride_h_row, stride_b_slot, stride_b_slice, stride_b_row, res_ptr, norm_w_ptr,
+                       summed_ptr, normed_ptr, eps, HAS_BIAS: tl.constexpr,
                        SPLIT: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
                        ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
                        PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr,
-                       PDL: tl.constexpr):
+                       NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+                       WRITE_NORMED: tl.constexpr, PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
@@ -223,7 +274,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     anyway); B only after the loop: B, or the unsummed partial sums, held through the loop took
     the one-row q/k/v tile (8 x 512) from 96 to 107-109 registers (ptxas, sm_90), one program less
     per SM; as placed, no Llama-3-8B one-row tile needs more registers than without LoRA. More
-    rows read everything after the loop."""
+    rows read everything after the loop. NORM: x is a folded RMSNorm's input (``kernels/norm_fold.py``):
+    each program takes its rows' 1/rms right after the wait (``fold_rstd``; program (0, 0) writes the
+    norm's outputs), multiplies ``load_input``'s values and scales its sums by the 1/rms."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -233,6 +286,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     if ONE_ROW:
         x_rows = x_ptr
+        res_rows = res_ptr
         if PREFETCH and SCALED:  # int16 pairs of FP8 values (_prefetch_step)
             w_rows = w_ptr.to(tl.pointer_type(tl.int16)) + offs_n.to(tl.int64)[:, None] * (stride_w // 2)
             x_rows = x_ptr.to(tl.pointer_type(tl.int16))
@@ -241,6 +295,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         x_rows = x_ptr + offs_m[:, None] * stride_x
+        res_rows = res_ptr + offs_m[:, None] * stride_x
         if USE_DOT and SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         elif USE_DOT:
@@ -261,32 +316,38 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
                                                            pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
+        if NORM:
+            rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
+                             (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
         if LORA:
             lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                     stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         if PREFETCH:
             k_end = tl.minimum(k_begin + K_PER_SPLIT, K) // UNIT
-            x = _step_x(x_rows, offs_k, K // UNIT, w, SCALED)
-            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K // UNIT,
-                                       SCALED)
+            x = _step_x(x_rows, res_rows, norm_w_ptr, offs_k, K // UNIT, w, SCALED, NORM, RESIDUAL)
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, res_rows, norm_w_ptr, w_rows, offs_k, n_valid,
+                                       k_end, BLOCK_K // UNIT, SCALED, NORM, RESIDUAL)
         else:
-            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION,
-                             SWAP_AB, FP8_ACC_CHUNK)
+            acc = _gemv_step(acc, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w, USE_DOT, ONE_ROW,
+                             DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK, NORM, RESIDUAL)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
     else:
         pdl_wait_and_trigger(PDL)
+        if NORM:
+            rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
+                             (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
     for k_start in range(loop_begin, tl.minimum(k_begin + K_PER_SPLIT, K), BLOCK_K):
         if PREFETCH:
             offs_k = k_start // UNIT + tl.arange(0, BLOCK_K // UNIT)
-            acc, x, w = _prefetch_step(acc, x, w, x_rows, w_rows, offs_k, n_valid, k_end, BLOCK_K // UNIT,
-                                       SCALED)
+            acc, x, w = _prefetch_step(acc, x, w, x_rows, res_rows, norm_w_ptr, w_rows, offs_k, n_valid,
+                                       k_end, BLOCK_K // UNIT, SCALED, NORM, RESIDUAL)
         else:
             offs_k = k_start + tl.arange(0, BLOCK_K)
             w = _weight_tile(w_rows, offs_k, n_valid, K)
-            acc = _gemv_step(acc, x_rows, offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION,
-                             SWAP_AB, FP8_ACC_CHUNK)
+            acc = _gemv_step(acc, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w, USE_DOT, ONE_ROW,
+                             DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK, NORM, RESIDUAL)
     if ONE_ROW:
         if PREFETCH and SCALED:
             acc = tl.sum(acc, axis=2)
@@ -298,6 +359,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     if SCALED:
         acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+    if NORM:
+        acc *= rstd[:, None]
     if LORA:
         if not ONE_ROW:
             lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
@@ -365,11 +428,16 @@ def _no_lora_args(out: torch.Tensor) -> dict:
                 LORA_BLOCK_S=1, LORA_BLOCK_R=1)
 
 
-def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def dense_gemv_triton(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       config: TileConfig | None = None, lora: GemvLoRA | None = None) -> torch.Tensor:
     """Triton version of ``dense_gemv_torch`` for ``x`` ``[..., K]`` of at most ``GEMV_MAX_ROWS``
     rows (float16, bfloat16 or float32, ``weight``'s dtype); ``config`` defaults to
-    ``default_dense_gemv_config``. With ``lora``, plus each row's adapter delta."""
+    ``default_dense_gemv_config``. With ``lora``, plus each row's adapter delta. ``x`` may be a
+    ``FoldedRMSNorm``: the norm computed in the kernel (its reference: ``x.materialize()`` first)."""
+    norm = x if isinstance(x, FoldedRMSNorm) else None
+    if norm is not None:
+        norm.check()
+        x = norm.x
     out_features, in_features = weight.shape
     check_dense_operands(x, weight)
     x2d = x.reshape(-1, in_features)
@@ -382,7 +450,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     config = config or default_dense_gemv_config(rows, out_features, in_features, num_sms(x.device))
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows:
-        launch_dense_gemv(x2d, weight, bias, out, config, lora=lora)
+        launch_dense_gemv(x2d, weight, bias, out, config, lora=lora, norm=norm)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -398,13 +466,17 @@ def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       config: TileConfig, row_scales: torch.Tensor | None = None,
-                      col_scales: torch.Tensor | None = None, lora: GemvLoRA | None = None) -> None:
+                      col_scales: torch.Tensor | None = None, lora: GemvLoRA | None = None,
+                      norm: FoldedRMSNorm | None = None) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` @ ``weight.T`` (times ``row_scales[m] *
     col_scales[n]`` when given: FP8 operands) + ``bias`` (+ the ``lora`` deltas, not with FP8);
-    shapes checked by the caller."""
+    with ``norm`` (16-bit operands, no LoRA), x is ``norm.x`` and the norm is folded in; shapes
+    checked by the caller."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config.check(rows, gemv=True)
+    if norm is not None and (row_scales is not None or lora is not None):
+        raise ValueError("the GEMV folds an RMSNorm into 16-bit operands without LoRA only")
     if lora is not None:
         if row_scales is not None:
             raise ValueError("the GEMV adds LoRA deltas to 16-bit operands only, not FP8")
@@ -427,8 +499,16 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
-        **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **pdl_launch(x.device),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **fold_args(x, norm),
+        **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:
+    """The folding arguments of the GEMV kernels for ``x`` ``[rows, K]``: ``norm``'s, or none."""
+    if norm is None:
+        return dict(res_ptr=x, norm_w_ptr=x, summed_ptr=x, normed_ptr=x, eps=0.0, NORM=False, NORM_BLOCK=1,
+                    RESIDUAL=False, WRITE_NORMED=False)
+    return dict(norm.kernel_args(), NORM_BLOCK=triton.next_power_of_2(x.shape[1]))
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:

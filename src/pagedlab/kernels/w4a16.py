@@ -52,9 +52,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms, split_k_epilogue,
-                                   split_k_scratch)
+from pagedlab.kernels.gemv import (dot_settings, fold_args, fold_rstd, gemv_block_m, k_segments, load_input,
+                                   num_sms, split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig, awq_config
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.quantization.awq import repacked_shapes
@@ -171,18 +172,20 @@ def _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, k_end, GROUP_SIZ
 
 
 @triton.jit
-def _row_sums(values, zeros, scales, x_row, k_start, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              STEP_GROUPS: tl.constexpr):
+def _row_sums(values, zeros, scales, x_row, res_row, g_ptr, k_start, K, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """``[BLOCK_N, STEP_GROUPS]``: one row's share of one K step on the CUDA cores, from the
     step's unpacked weights ``values`` (``_unpack_words_paired``). The sum's order within a word is
     free, so no value is moved: nibble i of every word meets ``x[8w + i]``, eight fused
     multiply-adds a word (the x of a word is one 16-byte load, split in registers), and only the
     words' sums are summed per group (x from K on reads as zero). The pairing's ``q * 2^-16``
     terms stay in 16-bit x's sums: at most ``15 * 2^-16 * s * sum |x|``, under the rounding of the
-    16-bit weights the reference multiplies; float32 x cancels them exactly."""
+    16-bit weights the reference multiplies; float32 x cancels them exactly. NORM: x is
+    ``load_input``'s folded RMSNorm input."""
     offs_w = _step_word_offsets(k_start, BLOCK_K)
     offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
-    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
+    k_valid = offs_k < K
+    x = load_input(x_row + offs_k, res_row + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM, RESIDUAL)
     exact: tl.constexpr = x_row.dtype.element_ty == tl.float32
     x = x.to(tl.float32)
     x_paired = x
@@ -202,16 +205,18 @@ def _row_sums(values, zeros, scales, x_row, k_start, K, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+def _one_row_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, NORM: tl.constexpr,
+                  RESIDUAL: tl.constexpr):
     """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores."""
-    return acc + _row_sums(_unpack_words_paired(words, w_bits), zeros, scales, x_ptr, k_start, K, BLOCK_N,
-                           BLOCK_K, STEP_GROUPS)
+    return acc + _row_sums(_unpack_words_paired(words, w_bits), zeros, scales, x_ptr, res_ptr, g_ptr, k_start,
+                           K, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
 
 
 @triton.jit
-def _rows_step(acc, words, zeros, scales, x_ptr, stride_x, k_start, K, M, w_bits, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr):
+def _rows_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, w_bits,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+               NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """``acc`` ``[BLOCK_M, BLOCK_N, STEP_GROUPS]`` plus one K step of each of the M rows on the
     CUDA cores: the step's words unpacked once for all of them, then each row's sums as one row's
     (``_row_sums``; a row from M on reads no x and adds zero)."""
@@ -219,20 +224,23 @@ def _rows_step(acc, words, zeros, scales, x_ptr, stride_x, k_start, K, M, w_bits
     offs_m = tl.arange(0, BLOCK_M)
     for row in tl.static_range(BLOCK_M):
         row_k = tl.where(row < M, K, 0)
-        sums = _row_sums(values, zeros, scales, x_ptr + row * stride_x, k_start, row_k, BLOCK_N, BLOCK_K,
-                         STEP_GROUPS)
+        sums = _row_sums(values, zeros, scales, x_ptr + row * stride_x, res_ptr + row * stride_x, g_ptr,
+                         k_start, row_k, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
         acc = tl.where((offs_m == row)[:, None, None], acc + sums[None, :, :], acc)
     return acc
 
 
 @triton.jit
-def _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dot_step(acc, words, zeros, scales, x_rows, res_rows, g_ptr, k_start, K, m_valid, w_bits,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     """``acc`` ``[BLOCK_M, BLOCK_N]`` plus one K step (within one group) of every row, on tensor
     cores: the weights unpacked in K order, ``128 + q``."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w = tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K))
-    x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+    k_valid = (offs_k < K)[None, :]
+    x = load_input(x_rows + offs_k[None, :], res_rows + offs_k[None, :], g_ptr + offs_k[None, :],
+                   m_valid[:, None] & k_valid, k_valid, NORM, RESIDUAL)
     dots = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     x_sums = tl.sum(x.to(tl.float32), axis=1)
     zeros = tl.reshape(zeros, (BLOCK_N,))
@@ -241,29 +249,35 @@ def _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BL
 
 
 @triton.jit
-def _gemv_step(acc, words, zeros, scales, x_ptr, x_rows, stride_x, k_start, K, M, m_valid, w_bits,
+def _gemv_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, m_valid, w_bits,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
-               USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group."""
+               USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group (NORM:
+    x as ``load_input`` folds it)."""
     if USE_DOT:
-        return _dot_step(acc, words, zeros, scales, x_rows, k_start, K, m_valid, w_bits, BLOCK_N, BLOCK_K,
-                         DOT_DTYPE, DOT_PRECISION)
+        rows = tl.arange(0, BLOCK_M)[:, None] * stride_x
+        return _dot_step(acc, words, zeros, scales, x_ptr + rows, res_ptr + rows, g_ptr, k_start, K, m_valid,
+                         w_bits, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, NORM, RESIDUAL)
     elif BLOCK_M == 1:
-        return _one_row_step(acc, words, zeros, scales, x_ptr, k_start, K, w_bits, BLOCK_N, BLOCK_K,
-                             STEP_GROUPS)
+        return _one_row_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits, BLOCK_N,
+                             BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
     else:
-        return _rows_step(acc, words, zeros, scales, x_ptr, stride_x, k_start, K, M, w_bits, BLOCK_M, BLOCK_N,
-                          BLOCK_K, STEP_GROUPS)
+        return _rows_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, w_bits,
+                          BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
 def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
                      M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_qweight, stride_qzeros,
-                     stride_scales, stride_out, stride_partial_split, stride_partial_row, w_bits,
-                     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     stride_scales, stride_out, stride_partial_split, stride_partial_row, w_bits, res_ptr,
+                     norm_w_ptr, summed_ptr, normed_ptr, eps, GROUP_SIZE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+                     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, NORM: tl.constexpr,
+                     NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows, through tl.dot or
     on the CUDA cores (one row, or up to ``AWQ_CUDA_CORE_MAX_ROWS`` sharing each step's unpacked
     words), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
@@ -273,7 +287,8 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     constant weights only; segments are never empty, so that step always exists). With PREFETCH
     (``num_stages > 1``) each next step's are read before this step's sums, so that a program
     keeps two steps of loads in flight (the loop holds no tl.dot for Triton's pipeliner to stage
-    loads for): one register copy more of a step's words."""
+    loads for): one register copy more of a step's words. NORM: x is a folded RMSNorm's input, as in
+    ``kernels/gemv.py``'s ``_dense_gemv_kernel``."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,7 +299,6 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     scale_rows = scales_ptr + columns * stride_scales
     offs_m = tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
-    x_rows = x_ptr + offs_m[:, None] * stride_x
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -299,13 +313,17 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, k_end, GROUP_SIZE,
                                        STEP_GROUPS)
     pdl_wait_and_trigger(PDL)
+    if NORM:
+        rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
+                         (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
     for k_start in range(k_begin, k_end, BLOCK_K):
         if PREFETCH:
             next_words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
             next_zeros, next_scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K,
                                                          k_end, GROUP_SIZE, STEP_GROUPS)
-        acc = _gemv_step(acc, words, zeros, scales, x_ptr, x_rows, stride_x, k_start, K, M, m_valid, w_bits,
-                         BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION)
+        acc = _gemv_step(acc, words, zeros, scales, x_ptr, res_ptr, norm_w_ptr, stride_x, k_start, K, M,
+                         m_valid, w_bits, BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, USE_DOT, DOT_DTYPE,
+                         DOT_PRECISION, NORM, RESIDUAL)
         if PREFETCH:
             words, zeros, scales = next_words, next_zeros, next_scales
         else:
@@ -316,6 +334,8 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         acc = tl.sum(acc, axis=1)[None, :]
     elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
+    if NORM:
+        acc *= rstd[:, None]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
@@ -418,8 +438,8 @@ def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     return out
 
 
-def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                      group_size: int, bias: torch.Tensor | None = None,
+def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qzeros: torch.Tensor,
+                      scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
                       config: TileConfig | None = None) -> torch.Tensor:
     """Triton version of ``repacked_linear_torch`` (repacked tensors, ``repack_awq``): ``x``
     ``[..., in_features]`` in float16, bfloat16 or float32 -> ``[..., out_features]`` in ``x``'s dtype.
@@ -427,7 +447,12 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
     The tensors may be views (e.g. a shard's rows) as long as their last dimension is contiguous.
     ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
     ``GEMV_MAX_ROWS`` rows it runs the GEMV; more rows run the GEMM where the table lists it,
-    else the weight is dequantized and cuBLAS multiplies."""
+    else the weight is dequantized and cuBLAS multiplies. ``x`` may be a ``FoldedRMSNorm``: the GEMV
+    folds it in; the other paths multiply ``x.materialize()``."""
+    norm = x if isinstance(x, FoldedRMSNorm) else None
+    if norm is not None:
+        norm.check()
+        x = norm.x
     in_features, out_features = repacked_shapes(qweight, qzeros, scales, group_size)
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the AWQ weight {in_features} inputs")
@@ -440,15 +465,18 @@ def awq_linear_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tens
         if tensor is not None and tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
+    if norm is not None and (config is None or rows > GEMV_MAX_ROWS):
+        x2d, norm = norm.materialize(), None
     if config is None:
         weight = awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
         out = F.linear(x2d, weight, None if bias is None else bias.to(x.dtype))
         return out.view(*x.shape[:-1], out_features)
     check_awq_config(config, rows, group_size)
     out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    if rows:
-        launch = _launch_gemv if rows <= GEMV_MAX_ROWS else _launch_gemm
-        launch(x2d, qweight, qzeros, scales, bias, out, group_size, config)
+    if rows <= GEMV_MAX_ROWS:
+        _launch_gemv(x2d, qweight, qzeros, scales, bias, out, group_size, config, norm)
+    elif rows:
+        _launch_gemm(x2d, qweight, qzeros, scales, bias, out, group_size, config)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -469,8 +497,11 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
                          "(block_m > 0): a K step there lies in one group")
 
 
-def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
+def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig,
+                 norm: FoldedRMSNorm | None) -> None:
     rows, in_features = x.shape
+    if not rows:
+        return
     out_features = out.shape[1]
     k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
     tiles = triton.cdiv(out_features, config.block_n)
@@ -482,7 +513,7 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEP_GROUPS=max(1, config.block_k // group_size), USE_DOT=config.block_m > 0,
-        PREFETCH=config.num_stages > 1,
+        PREFETCH=config.num_stages > 1, **fold_args(x, norm),
         **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -32,6 +32,7 @@ from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_shard, read_whole
 from pagedlab.kernels.gemv_configs import TileConfig
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.quantization.linear_method import DenseLinearMethod, WeightSpec
 
 
@@ -124,8 +125,17 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
         part = read_shard(loaded, spec.out_dim, spec.out_unit, shard.start, shard.size, "output")
         param.data.narrow(spec.out_dim, shard.offset // spec.out_unit, part.shape[spec.out_dim]).copy_(part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    takes_normed_copy = False  # a folded norm before it (``layers.norm.RMSNorm.fold_into``) writes no copy
+
+    def forward(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
+        if isinstance(x, FoldedRMSNorm) and not self.folds_norm(x.x):
+            x = x.materialize()
         return self.linear_method.apply(self, x, self.bias)
+
+    def folds_norm(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` computes an RMSNorm of ``x`` folded into its kernel
+        (``FoldedRMSNorm``): the Triton GEMV of its format at this batch."""
+        return self.linear_method.folds_norm(self, x)
 
     def gemv_config(self, x: torch.Tensor) -> TileConfig | None:
         """The dense GEMV config ``forward(x)`` runs with (``weight`` and ``bias``), or None."""

@@ -6,6 +6,12 @@ in place of the tensor, from one kernel on CUDA (``kernels/batch_invariant.py``'
 with its FP8 epilogue) and as ``rms_norm`` then ``quantize_fp8_per_row`` elsewhere (the
 reference, and the CPU path), so the linear skips its own quantization launch.
 
+An ``RMSNorm`` told its consumer at load (``fold_into``: a linear or MoE block with a
+``folds_norm`` method) returns, where that consumer says it folds the norm into its GEMV
+(decode batches on CUDA), a ``FoldedRMSNorm`` in place of the tensor and launches nothing: the
+consumer's kernel computes the norm (``kernels/norm_fold.py``) and writes ``x + residual`` into
+the buffer this norm returned as the residual.
+
 A norm parameter's ``dummy_value`` is what ``load_format="dummy"`` fills it with (1 for a
 scale, 0 for a bias), so random-weight models keep unit-scale activations."""
 
@@ -15,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.batch_invariant import invariant_norm, runs_invariant_kernels
 from pagedlab.layers.fusion import fused
 from pagedlab.quantization.fp8 import QuantizedActivations
@@ -76,6 +83,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self._norm, self._add_norm = _RMS_NORMS[unit_offset]
         self.fp8_output = False
+        self.fold_consumer = None
 
     def emit_fp8(self, wanted: bool) -> bool:
         """Load-time switch: whether ``forward`` returns its output as ``QuantizedActivations``
@@ -83,6 +91,15 @@ class RMSNorm(nn.Module):
         Gemma's ``unit_offset`` norms keep their tensor. Returns the setting."""
         self.fp8_output = wanted and not self.unit_offset
         return self.fp8_output
+
+    def fold_into(self, consumer) -> bool:
+        """Load-time switch: let ``consumer`` (the one module this norm's output goes to, with a
+        ``folds_norm(x)`` method and a ``takes_normed_copy`` flag) compute the norm in its GEMV at
+        the batches it says; not for Gemma's ``unit_offset`` norms or a norm that emits FP8.
+        Returns whether it folds."""
+        folds = not self.unit_offset and not self.fp8_output and hasattr(consumer, "folds_norm")
+        self.fold_consumer = consumer if folds else None
+        return folds
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual`` returns norm(x); with it returns (norm(x + residual), x + residual).
@@ -92,9 +109,19 @@ class RMSNorm(nn.Module):
             return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
         if self.fp8_output:
             return rms_norm_fp8(x, self.weight, self.eps, residual)
+        if self.fold_consumer is not None and self.fold_consumer.folds_norm(x):
+            return self._folded(x, residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)
+
+
+    def _folded(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """The norm as its consumer's ``FoldedRMSNorm`` (with the residual buffer it fills)."""
+        summed = None if residual is None else torch.empty_like(x)
+        normed = torch.empty_like(x) if self.fold_consumer.takes_normed_copy else None
+        folded = FoldedRMSNorm(x, residual, self.weight, self.eps, summed, normed)
+        return folded if residual is None else (folded, summed)
 
 
 def rms_norm_then_add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor, first: torch.Tensor,

@@ -106,6 +106,14 @@ class DecoderLayer(nn.Module):
                       (self.mlp.act, self.mlp.down_proj)]
         return sum(producer.emit_fp8(takes_quantized_activations(consumer)) for producer, consumer in pairs)
 
+    def fold_norms(self) -> int:
+        """Load-time step (after ``emit_fp8_inputs``): each RMSNorm hands its computation to the
+        module its output goes to, where that module folds it into its GEMV (``RMSNorm.fold_into``):
+        qkv_proj, and the MLP's gate_up_proj or the MoE block. Returns how many norms fold."""
+        mlp = self.mlp.gate_up_proj if isinstance(self.mlp, DecoderMLP) else self.mlp
+        attention = self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        return attention + self.post_attention_layernorm.fold_into(mlp)
+
     def forward(self, rope, hidden, residual):
         if residual is None:
             residual = hidden
@@ -181,6 +189,11 @@ class LlamaForCausalLM(nn.Module):
         (``DecoderLayer.emit_fp8_inputs``; families with their own layers, Gemma's, keep theirs
         unfused). Run once after load and after LoRA wraps its linears; returns the producers."""
         return sum(layer.emit_fp8_inputs() for layer in self.model.layers if isinstance(layer, DecoderLayer))
+
+    def fold_norms(self) -> int:
+        """Fold the RMSNorms of every ``DecoderLayer`` into their consumers' GEMVs where they can
+        (``DecoderLayer.fold_norms``); run once after ``emit_fp8_inputs``. Returns the norms."""
+        return sum(layer.fold_norms() for layer in self.model.layers if isinstance(layer, DecoderLayer))
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Copy this rank's part of each full checkpoint tensor (a ``torch.Tensor`` or a lazy

@@ -23,9 +23,10 @@ from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
 from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.attention import get_forward_context
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
-from pagedlab.quantization.linear_method import dense_linear
+from pagedlab.quantization.linear_method import dense_gemv_choice, dense_linear
 
 # checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -74,9 +75,21 @@ class SparseMoeBlock(nn.Module):
         check_shape(loaded, param.checkpoint_shapes[shard_id])
         param.data[shard_id].copy_(read_part(loaded, 1, self.inter_start, self.inter_per_rank))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # a norm folded into the router's GEMV (``layers.norm.RMSNorm.fold_into``) writes the normalized
+    # input the experts read
+    takes_normed_copy = True
+
+    def folds_norm(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` takes ``x``'s RMSNorm as a ``FoldedRMSNorm``: the router's Triton GEMV
+        runs this batch."""
+        return x.is_cuda and dense_gemv_choice(x, self.gate.weight) is not None
+
+    def forward(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
         experts = fused_moe_triton if get_forward_context().backend.name == "triton" else moe_torch
-        out = experts(x, dense_linear(x, self.gate.weight), self.w13, self.w2, self.top_k, self.renormalize)
+        router_logits = dense_linear(x, self.gate.weight)
+        if isinstance(x, FoldedRMSNorm):
+            x = x.normed
+        out = experts(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.gemv_configs import TileConfig, dense_gemv_config
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import (VALUES_PER_INT32, AWQConfig, quantize_awq, repack_awq,
                                        repacked_linear_torch)
@@ -58,6 +59,11 @@ class LinearMethod:
         kernel (what a LoRA linear asks, to add its deltas in that GEMV's epilogue)."""
         return None
 
+    def folds_norm(self, layer, x: torch.Tensor) -> bool:
+        """Whether ``apply`` takes ``x``'s RMSNorm as a ``FoldedRMSNorm`` and computes it in its
+        kernel (``kernels/norm_fold.py``): its Triton GEMV runs this batch (none here)."""
+        return False
+
     def process_weights_after_loading(self, layer) -> None:
         """Turn the loaded (and tensor-parallel cut) parameters into the layout ``apply`` reads;
         called once per layer by the loader after every weight is set (nothing to do here)."""
@@ -75,15 +81,26 @@ class DenseLinearMethod(LinearMethod):
     def gemv_config(self, layer, x: torch.Tensor) -> TileConfig | None:
         return dense_gemv_choice(x, layer.weight)
 
+    def folds_norm(self, layer, x: torch.Tensor) -> bool:
+        return x.is_cuda and dense_gemv_choice(x, layer.weight) is not None
+
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight}
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_linear(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, or on CUDA the Triton GEMV (``pagedlab.kernels.gemv``) for the batch sizes and
     weight shapes where ``gemv_configs.DENSE_GEMV_CONFIGS`` records it beating cuBLAS. The choice
     depends on shapes alone, so CUDA graphs capture it. In batch-invariant mode: the fixed-order
-    matmul of ``pagedlab.layers.batch_invariant``."""
+    matmul of ``pagedlab.layers.batch_invariant``. A ``FoldedRMSNorm`` ``x`` goes into the GEMV
+    whole; elsewhere it is materialized first."""
+    if isinstance(x, FoldedRMSNorm):
+        if x.x.is_cuda and dense_gemv_choice(x.x, weight) is not None:
+            from pagedlab.kernels.gemv import dense_gemv_triton
+
+            return dense_gemv_triton(x, weight, bias, dense_gemv_choice(x.x, weight))
+        x = x.materialize()
     if batch_invariant_enabled():
         return invariant_linear(x, weight, bias)
     config = dense_gemv_choice(x, weight) if x.is_cuda else None
@@ -144,6 +161,11 @@ class AWQLinearMethod(LinearMethod):
 
             return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
         return repacked_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
+
+    def folds_norm(self, layer, x: torch.Tensor) -> bool:
+        """On CUDA up to ``GEMV_MAX_ROWS`` rows: ``awq_linear_triton`` runs its GEMV there."""
+        rows = x.numel() // x.shape[-1]
+        return x.is_cuda and rows <= GEMV_MAX_ROWS and getattr(layer, "awq_repacked", False)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         qweight, qzeros, scales = quantize_awq(weight.t().contiguous(), self.group_size)

@@ -1,0 +1,83 @@
+"""An RMSNorm folded into the linear after it: ``FoldedRMSNorm`` is a linear's input given as the
+norm still to apply, and its ``materialize`` the plain-torch reference of what the folding GEMVs
+(``kernels/gemv.py``, ``kernels/w4a16.py``) compute in their prologue.
+
+At decode batches a decoder layer's add + RMSNorm is a kernel of its own that reads a few KB
+and sits on the step's critical path between two weight-bound GEMVs (twice a layer). Folded,
+each program of the next GEMV reads its rows of ``x`` and ``residual`` whole, takes their
+1/rms, multiplies its weight tile by ``(x + residual) * weight`` and scales its sums by the
+1/rms at the end; one program writes ``x + residual`` (the next residual) and, when a second
+consumer needs it, the normalized input. The products differ from the unfused path's only in
+rounding: the unfused norm rounds its output to the activations' dtype before the linear,
+the folded one keeps float32 until the sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FoldedRMSNorm:
+    """``rms_norm(x + residual) * weight`` (``residual`` None: of ``x``), ``x`` ``[rows, K]``, as a
+    linear's input. Its consumer writes ``summed`` (``x + residual``; given with ``residual``) and
+    ``normed`` (when given) whole, buffers apart from ``x`` and ``residual``."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    summed: torch.Tensor | None
+    normed: torch.Tensor | None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.x.is_cuda
+
+    def materialize(self) -> torch.Tensor:
+        """The normalized input, after writing ``summed`` and ``normed`` as a folding GEMV does:
+        the reference (``layers.norm.add_rms_norm``'s arithmetic)."""
+        summed = self.x if self.residual is None else self.x + self.residual
+        values = summed.float()
+        values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight * values.to(self.x.dtype)
+        if self.residual is not None:
+            self.summed.copy_(summed)
+        if self.normed is not None:
+            self.normed.copy_(normed)
+        return normed
+
+    def kernel_args(self) -> dict:
+        """The folding arguments of the GEMV kernels (``kernels/gemv.py``'s ``fold_args``)."""
+        x = self.x
+        return dict(res_ptr=x if self.residual is None else self.residual, norm_w_ptr=self.weight,
+                    summed_ptr=x if self.summed is None else self.summed,
+                    normed_ptr=x if self.normed is None else self.normed, eps=self.eps, NORM=True,
+                    RESIDUAL=self.residual is not None, WRITE_NORMED=self.normed is not None)
+
+    def check(self) -> None:
+        """Raise ValueError unless the kernels can fold this: 2-D ``x`` with a contiguous last
+        dimension, and ``residual``, ``summed`` and ``normed`` of its shape, dtype and strides."""
+        x = self.x
+        if x.dim() != 2 or x.stride(1) != 1 or self.weight.shape != (x.shape[1],):
+            raise ValueError(f"a folded RMSNorm needs a 2-D x with a contiguous last dimension and a "
+                             f"weight of its {x.shape[-1]} features, not x {tuple(x.shape)} and weight "
+                             f"{tuple(self.weight.shape)}")
+        for name in ("residual", "summed", "normed"):
+            other = getattr(self, name)
+            if other is not None and (other.shape != x.shape or other.stride() != x.stride() or
+                                      other.dtype != x.dtype):
+                raise ValueError(f"a folded RMSNorm's {name} {tuple(other.shape)} {other.dtype} strides "
+                                 f"{other.stride()} must match x's {tuple(x.shape)} {x.dtype} {x.stride()}")
+        if self.residual is not None and self.summed is None:
+            raise ValueError("a folded RMSNorm with a residual needs the summed buffer it writes")
