@@ -41,9 +41,9 @@ class Spec(NamedTuple):
 
 
 _TF32 = dict(DOT_PRECISION="tf32")
-_NO_FOLD = dict(NORM=False, NORM_BLOCK=1, RESIDUAL=False, WRITE_NORMED=False)
+_NO_FOLD = dict(NORM=False, NORM_BLOCK=1, RESIDUAL=False, WRITE_NORMED=False, NORM_SUMS=False)
 # an RMSNorm folded in (kernels/norm_fold.py): Llama-3-8B's hidden size, the residual added
-_FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False)
+_FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False, NORM_SUMS=True)
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
              ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32,
              **_NO_FOLD)
@@ -75,7 +75,8 @@ KERNELS = {
                                    dict(_GEMV, **dict(_FOLD, NORM_BLOCK=2048, WRITE_NORMED=True), BLOCK_N=4,
                                         BLOCK_K=1024, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                                    _GEMV_POINTERS, floats=("eps",), reads_before_wait=True),
-    "dense_gemv_fold_swap": Spec("gemv", "_dense_gemv_kernel", dict(_GEMV_SWAP, **_FOLD), _GEMV_POINTERS,
+    "dense_gemv_fold_swap": Spec("gemv", "_dense_gemv_kernel",
+                                 dict(_GEMV_SWAP, **dict(_FOLD, NORM_SUMS=False)), _GEMV_POINTERS,
                                  floats=("eps",)),
     "dense_gemv_fp8_swap": Spec("gemv", "_dense_gemv_kernel",
                                 dict(_GEMV_SWAP, SCALED=True, DOT_DTYPE="fp8", FP8_ACC_CHUNK=128),

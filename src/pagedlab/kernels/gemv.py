@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
+from pagedlab.kernels.norm_fold_kernels import fold_args, fold_rstd, folded_rstd, load_input, norm_sums
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
@@ -93,61 +94,23 @@ def _weight_tile(w_rows, offs_k, n_valid, K):
 
 
 @triton.jit
-def load_input(x_ptrs, res_ptrs, g_ptrs, mask, g_mask, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The activations at ``x_ptrs`` (zero where not ``mask``); NORM: those of a folded RMSNorm
-    (``kernels/norm_fold.py``) before its 1/rms, ``(x + residual) * weight`` in float32, the
-    residual at ``res_ptrs`` (RESIDUAL) and the norm weight at ``g_ptrs`` (``g_mask``)."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if NORM:
-        if RESIDUAL:
-            x = x + tl.load(res_ptrs, mask=mask, other=0.0)
-        x = x.to(tl.float32) * tl.load(g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps, write,
-              BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
-              WRITE_NORMED: tl.constexpr):
-    """A folded RMSNorm's 1/rms of each of the M rows, ``[BLOCK_M]`` (0 from M on), each row read
-    whole (``NORM_BLOCK`` >= K); with ``write`` also stores each row's ``x + residual`` (RESIDUAL)
-    and normalized input (WRITE_NORMED), rounded as ``layers.norm.add_rms_norm`` rounds them."""
-    offs = tl.arange(0, NORM_BLOCK)
-    k_valid = offs < K
-    offs_m = tl.arange(0, BLOCK_M)
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for row in tl.static_range(BLOCK_M):
-        mask = offs < tl.where(row < M, K, 0)
-        cells = row * stride_x + offs
-        summed = tl.load(x_ptr + cells, mask=mask, other=0.0)
-        if RESIDUAL:
-            summed = summed + tl.load(res_ptr + cells, mask=mask, other=0.0)
-        values = summed.to(tl.float32)
-        row_rstd = tl.math.rsqrt(tl.sum(values * values) / K + eps)
-        rstd = tl.where(offs_m == row, row_rstd, rstd)
-        if write:
-            if RESIDUAL:
-                tl.store(summed_ptr + cells, summed, mask=mask)
-            if WRITE_NORMED:
-                g = tl.load(g_ptr + offs, mask=k_valid, other=0.0)
-                tl.store(normed_ptr + cells, g * (values * row_rstd).to(g.dtype), mask=mask)
-    return rstd
-
-
-@triton.jit
-def _gemv_step(acc, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE_DOT: tl.constexpr,
+def _gemv_step(acc, squares, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE_DOT: tl.constexpr,
                ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr, NORM: tl.constexpr,
-               RESIDUAL: tl.constexpr):
-    """``acc`` plus one K step's products of ``w`` (the step's weight tile, already loaded) and x
-    (NORM: ``load_input``'s); SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``, the weight tile the
-    dot's A operand."""
+               RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr):
+    """``(acc, squares)``: ``acc`` plus one K step's products of ``w`` (the step's weight tile,
+    already loaded) and x (NORM: ``load_input``'s), and (NORM_SUMS, one row) ``squares`` plus the
+    step's squares of the norm's ``x + residual``; SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``,
+    the weight tile the dot's A operand."""
     k_valid = offs_k < K
     if ONE_ROW:
-        x = load_input(x_rows + offs_k, res_rows + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM, RESIDUAL)
+        x, summed = load_input(x_rows + offs_k, res_rows + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM,
+                               RESIDUAL)
         acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
+        if NORM_SUMS:
+            squares += summed * summed
     else:
-        x = load_input(x_rows + offs_k[None, :], res_rows + offs_k[None, :], g_ptr + offs_k[None, :],
+        x, _ = load_input(x_rows + offs_k[None, :], res_rows + offs_k[None, :], g_ptr + offs_k[None, :],
                        m_valid[:, None] & k_valid[None, :], k_valid[None, :], NORM, RESIDUAL)
         if USE_DOT and SWAP_AB:
             acc = tl.dot(w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION,
@@ -156,7 +119,7 @@ def _gemv_step(acc, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE_DOT: tl.
             acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
         else:
             acc = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc
+    return acc, squares
 
 
 @triton.jit
@@ -177,7 +140,7 @@ def _step_x(x_rows, res_rows, g_ptr, offs, end, w, PAIRS: tl.constexpr, NORM: tl
         return tl.load(x_rows + tl.broadcast_to(offs[None, :], w.shape), mask=offs[None, :] < end, other=0)
     else:
         valid = offs < end
-        return load_input(x_rows + offs, res_rows + offs, g_ptr + offs, valid, valid, NORM, RESIDUAL)
+        return load_input(x_rows + offs, res_rows + offs, g_ptr + offs, valid, valid, NORM, RESIDUAL)[0]
 
 
 @triton.jit
@@ -250,7 +213,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
                        PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, PDL: tl.constexpr):
+                       WRITE_NORMED: tl.constexpr, NORM_SUMS: tl.constexpr, PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
@@ -276,7 +239,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     per SM; as placed, no Llama-3-8B one-row tile needs more registers than without LoRA. More
     rows read everything after the loop. NORM: x is a folded RMSNorm's input (``kernels/norm_fold.py``):
     each program takes its rows' 1/rms right after the wait (``fold_rstd``; program (0, 0) writes the
-    norm's outputs), multiplies ``load_input``'s values and scales its sums by the 1/rms."""
+    norm's outputs), multiplies ``load_input``'s values and scales its sums by the 1/rms. With
+    NORM_SUMS (one row over the whole of K, no PREFETCH) it sums the squares in its loop instead,
+    and program 0 writes the outputs after it."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -302,6 +267,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     loop_begin = k_begin
     UNIT: tl.constexpr = 2 if SCALED else 1  # the one-row PREFETCH reads FP8 in int16 pairs
@@ -316,7 +282,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
                                                            pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
-        if NORM:
+        if NORM and not NORM_SUMS:
             rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
                              (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
         if LORA:
@@ -328,8 +294,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc, x, w = _prefetch_step(acc, x, w, x_rows, res_rows, norm_w_ptr, w_rows, offs_k, n_valid,
                                        k_end, BLOCK_K // UNIT, SCALED, NORM, RESIDUAL)
         else:
-            acc = _gemv_step(acc, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w, USE_DOT, ONE_ROW,
-                             DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK, NORM, RESIDUAL)
+            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w,
+                                      USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK,
+                                      NORM, RESIDUAL, NORM_SUMS)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
@@ -346,8 +313,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         else:
             offs_k = k_start + tl.arange(0, BLOCK_K)
             w = _weight_tile(w_rows, offs_k, n_valid, K)
-            acc = _gemv_step(acc, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w, USE_DOT, ONE_ROW,
-                             DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK, NORM, RESIDUAL)
+            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w,
+                                      USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK,
+                                      NORM, RESIDUAL, NORM_SUMS)
     if ONE_ROW:
         if PREFETCH and SCALED:
             acc = tl.sum(acc, axis=2)
@@ -359,6 +327,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     if SCALED:
         acc *= tl.load(row_scale_ptr + offs_m, mask=m_valid, other=0.0)[:, None]
         acc *= tl.load(col_scale_ptr + offs_n, mask=n_valid, other=0.0)[None, :]
+    if NORM_SUMS:
+        rstd = folded_rstd(tl.sum(squares), x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, K, eps,
+                           pid_n == 0, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
     if NORM:
         acc *= rstd[:, None]
     if LORA:
@@ -500,15 +471,8 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **fold_args(x, norm),
+        NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits),
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:
-    """The folding arguments of the GEMV kernels for ``x`` ``[rows, K]``: ``norm``'s, or none."""
-    if norm is None:
-        return dict(res_ptr=x, norm_w_ptr=x, summed_ptr=x, normed_ptr=x, eps=0.0, NORM=False, NORM_BLOCK=1,
-                    RESIDUAL=False, WRITE_NORMED=False)
-    return dict(norm.kernel_args(), NORM_BLOCK=triton.next_power_of_2(x.shape[1]))
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:

@@ -1,0 +1,85 @@
+"""The Triton side of an RMSNorm folded into a GEMV (``kernels/norm_fold.py``'s ``FoldedRMSNorm``):
+the pieces the dense (``kernels/gemv.py``) and AWQ (``kernels/w4a16.py``) GEMV kernels share,
+and their launch arguments. Their reference is ``FoldedRMSNorm.materialize`` followed by the
+GEMV's; ``tests/test_norm_fold.py`` compares them. Imports triton when it loads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlab.kernels.norm_fold import FoldedRMSNorm
+
+
+@triton.jit
+def load_input(x_ptrs, res_ptrs, g_ptrs, mask, g_mask, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """``(values, summed)``: the activations at ``x_ptrs`` (zero where not ``mask``), twice; NORM:
+    those of a folded RMSNorm (``kernels/norm_fold.py``) before its 1/rms, ``(x + residual) *
+    weight`` in float32, and ``x + residual`` in float32, the residual at ``res_ptrs``
+    (RESIDUAL) and the norm weight at ``g_ptrs`` (``g_mask``)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    summed = x
+    if NORM:
+        if RESIDUAL:
+            x = x + tl.load(res_ptrs, mask=mask, other=0.0)
+        summed = x.to(tl.float32)
+        x = summed * tl.load(g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+    return x, summed
+
+
+@triton.jit
+def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps, write,
+              BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+              WRITE_NORMED: tl.constexpr):
+    """A folded RMSNorm's 1/rms of each of the M rows, ``[BLOCK_M]`` (0 from M on), each row read
+    whole (``NORM_BLOCK`` >= K); with ``write`` also stores each row's ``x + residual`` (RESIDUAL)
+    and normalized input (WRITE_NORMED), rounded as ``layers.norm.add_rms_norm`` rounds them."""
+    offs = tl.arange(0, NORM_BLOCK)
+    k_valid = offs < K
+    offs_m = tl.arange(0, BLOCK_M)
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for row in tl.static_range(BLOCK_M):
+        mask = offs < tl.where(row < M, K, 0)
+        cells = row * stride_x + offs
+        summed = tl.load(x_ptr + cells, mask=mask, other=0.0)
+        if RESIDUAL:
+            summed = summed + tl.load(res_ptr + cells, mask=mask, other=0.0)
+        values = summed.to(tl.float32)
+        row_rstd = tl.math.rsqrt(tl.sum(values * values) / K + eps)
+        rstd = tl.where(offs_m == row, row_rstd, rstd)
+        if write:
+            if RESIDUAL:
+                tl.store(summed_ptr + cells, summed, mask=mask)
+            if WRITE_NORMED:
+                g = tl.load(g_ptr + offs, mask=k_valid, other=0.0)
+                tl.store(normed_ptr + cells, g * (values * row_rstd).to(g.dtype), mask=mask)
+    return rstd
+
+
+@triton.jit
+def folded_rstd(squares, x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, K, eps, write,
+                NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr):
+    """NORM_SUMS: the one row's 1/rms, ``[1]``, from ``squares``, the sum of squares its program
+    took over the whole of K; with ``write`` the program also writes the norm's outputs (``fold_rstd``)."""
+    if write:
+        fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, 0, 1, K, eps, True, 1, NORM_BLOCK, RESIDUAL,
+                  WRITE_NORMED)
+    return tl.zeros((1,), dtype=tl.float32) + tl.math.rsqrt(squares / K + eps)
+
+
+def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int) -> bool:
+    """Whether a folding GEMV's one program a column tile sums the norm's squares in its loop
+    (one row, one K segment: it reads all of x anyway) rather than reading the row first."""
+    in_loop = os.environ.get("PAGEDLAB_FOLD_SUMS") != "0"
+    return norm is not None and one_row_loop and num_splits == 1 and in_loop
+
+
+def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:
+    """The folding arguments of the GEMV kernels for ``x`` ``[rows, K]``: ``norm``'s, or none."""
+    if norm is None:
+        return dict(res_ptr=x, norm_w_ptr=x, summed_ptr=x, normed_ptr=x, eps=0.0, NORM=False, NORM_BLOCK=1,
+                    RESIDUAL=False, WRITE_NORMED=False)
+    return dict(norm.kernel_args(), NORM_BLOCK=triton.next_power_of_2(x.shape[1]))
