@@ -41,12 +41,13 @@ class Spec(NamedTuple):
 
 
 _TF32 = dict(DOT_PRECISION="tf32")
-_NO_FOLD = dict(NORM=False, NORM_BLOCK=1, RESIDUAL=False, WRITE_NORMED=False, NORM_SUMS=False)
+_NO_FOLD = dict(NORM=False, NORM_BLOCK=1, RESIDUAL=False, WRITE_NORMED=False)
 # an RMSNorm folded in (kernels/norm_fold.py): Llama-3-8B's hidden size, the residual added
-_FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False, NORM_SUMS=True)
+_FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False)
+_FOLD_SUMS = dict(_FOLD, NORM_SUMS=True)  # the dense one-row GEMV sums the squares in its loop
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
              ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32,
-             **_NO_FOLD)
+             **_NO_FOLD, NORM_SUMS=False)
 # the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
 _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
@@ -69,11 +70,11 @@ KERNELS = {
     "dense_gemv_swap": Spec("gemv", "_dense_gemv_kernel", _GEMV_SWAP, _GEMV_POINTERS),
     # the norm folded in: Llama-3-8B's qkv_proj, and Qwen3-30B-A3B's router writing the normed copy
     "dense_gemv_fold": Spec("gemv", "_dense_gemv_kernel",
-                            dict(_GEMV, **_FOLD, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1), _GEMV_POINTERS,
-                            floats=("eps",), reads_before_wait=True),
+                            dict(_GEMV, **_FOLD_SUMS, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                            _GEMV_POINTERS, floats=("eps",), reads_before_wait=True),
     "dense_gemv_fold_router": Spec("gemv", "_dense_gemv_kernel",
-                                   dict(_GEMV, **dict(_FOLD, NORM_BLOCK=2048, WRITE_NORMED=True), BLOCK_N=4,
-                                        BLOCK_K=1024, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
+                                   dict(_GEMV, **dict(_FOLD_SUMS, NORM_BLOCK=2048, WRITE_NORMED=True),
+                                        BLOCK_N=4, BLOCK_K=1024, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                                    _GEMV_POINTERS, floats=("eps",), reads_before_wait=True),
     "dense_gemv_fold_swap": Spec("gemv", "_dense_gemv_kernel",
                                  dict(_GEMV_SWAP, **dict(_FOLD, NORM_SUMS=False)), _GEMV_POINTERS,

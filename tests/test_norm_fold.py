@@ -55,9 +55,11 @@ def test_materialize_is_the_norm_modules_arithmetic(residual):
     assert torch.equal(normed, expected) and torch.equal(fold.normed, expected)
 
 
-# (rows, config): one row on the CUDA cores (plain and PREFETCH loops, K split), several rows on
-# the CUDA cores, tl.dot tiles plain and swapped; K=200 is not a whole number of steps
+# (rows, config): one row on the CUDA cores (two K steps: the squares summed in the loop; four:
+# the row read first; PREFETCH; K split), several rows on the CUDA cores, tl.dot tiles plain and
+# swapped; K=200 is not a whole number of steps
 FOLD_CASES = [
+    (1, TileConfig(block_n=16, block_k=128)),
     (1, TileConfig(block_n=16, block_k=64)),
     (1, TileConfig(block_n=8, block_k=32, split_k=3)),
     (1, TileConfig(block_n=16, block_k=64, num_stages=4)),
@@ -153,7 +155,6 @@ def _greedy(path, prompts, **engine_args):
 def test_folded_norms_hand_the_residual_on_through_the_model(tiny_models, monkeypatch, arch):
     """Every consumer told to fold at every batch (CPU: the linear materializes the norm, writing
     the residual buffer the norm returned, and the MoE block's normalized copy): HF's tokens."""
-    monkeypatch.setenv("PAGEDLAB_FOLD_NORMS", "1")
     from conftest import hf_greedy, random_prompts
     from pagedlab.layers.linear import OutputShardedLinear
     from pagedlab.models.mixtral import SparseMoeBlock
@@ -175,7 +176,6 @@ def test_folded_norms_hand_the_residual_on_through_the_model(tiny_models, monkey
 def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     """The tiny models' linears on the Triton GEMV at every decode batch (the table lists real
     shapes only), so that their norms fold: HF float32's tokens through CUDA graphs."""
-    monkeypatch.setenv("PAGEDLAB_FOLD_NORMS", "1")
     from conftest import hf_greedy, random_prompts
     from pagedlab.kernels import gemv
     from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, default_dense_gemv_config

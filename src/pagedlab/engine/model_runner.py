@@ -144,16 +144,14 @@ def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
 
 def fuse_into_consumers(model: torch.nn.Module) -> tuple[int, int]:
     """Let the Llama-family norms and activations emit their FP8 linears' quantized inputs
-    (``LlamaForCausalLM.emit_fp8_inputs``), unless ``PAGEDLAB_FP8_FUSED_INPUTS=0``, then with
-    ``PAGEDLAB_FOLD_NORMS=1`` fold the other RMSNorms into their consumers' GEMVs (``fold_norms``;
-    off by default until timed on the GPU); returns how many producers do each (0 for other
-    model families)."""
+    (``LlamaForCausalLM.emit_fp8_inputs``), unless ``PAGEDLAB_FP8_FUSED_INPUTS=0``, then fold the
+    other RMSNorms into their consumers' GEMVs (``fold_norms``), unless ``PAGEDLAB_FOLD_NORMS=0``;
+    returns how many producers do each (0 for other model families)."""
     counts = []
-    switches = {"emit_fp8_inputs": ("PAGEDLAB_FP8_FUSED_INPUTS", "1"),
-                "fold_norms": ("PAGEDLAB_FOLD_NORMS", "0")}
-    for method, (switch, default) in switches.items():
+    switches = {"emit_fp8_inputs": "PAGEDLAB_FP8_FUSED_INPUTS", "fold_norms": "PAGEDLAB_FOLD_NORMS"}
+    for method, switch in switches.items():
         fuse = getattr(model, method, None)
-        counts.append(0 if fuse is None or os.environ.get(switch, default) == "0" else fuse())
+        counts.append(0 if fuse is None or os.environ.get(switch, "1") == "0" else fuse())
     return counts[0], counts[1]
 
 

@@ -94,14 +94,15 @@ def _weight_tile(w_rows, offs_k, n_valid, K):
 
 
 @triton.jit
-def _gemv_step(acc, squares, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE_DOT: tl.constexpr,
+def _gemv_step(acc, squares, x_rows, res_rows, g_ptr, summed_ptr, write_summed, offs_k, m_valid, K, w,
+               USE_DOT: tl.constexpr,
                ONE_ROW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr, NORM: tl.constexpr,
                RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr):
     """``(acc, squares)``: ``acc`` plus one K step's products of ``w`` (the step's weight tile,
     already loaded) and x (NORM: ``load_input``'s), and (NORM_SUMS, one row) ``squares`` plus the
-    step's squares of the norm's ``x + residual``; SWAP_AB: ``acc`` is ``[BLOCK_N, BLOCK_M]``,
-    the weight tile the dot's A operand."""
+    step's squares of the norm's ``x + residual``, which ``write_summed`` stores; SWAP_AB: ``acc``
+    is ``[BLOCK_N, BLOCK_M]``, the weight tile the dot's A operand."""
     k_valid = offs_k < K
     if ONE_ROW:
         x, summed = load_input(x_rows + offs_k, res_rows + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM,
@@ -109,6 +110,8 @@ def _gemv_step(acc, squares, x_rows, res_rows, g_ptr, offs_k, m_valid, K, w, USE
         acc = acc + x.to(tl.float32)[None, :] * w.to(tl.float32)
         if NORM_SUMS:
             squares += summed * summed
+            if RESIDUAL and write_summed:
+                tl.store(summed_ptr + offs_k, summed.to(summed_ptr.dtype.element_ty), mask=k_valid)
     else:
         x, _ = load_input(x_rows + offs_k[None, :], res_rows + offs_k[None, :], g_ptr + offs_k[None, :],
                        m_valid[:, None] & k_valid[None, :], k_valid[None, :], NORM, RESIDUAL)
@@ -294,9 +297,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             acc, x, w = _prefetch_step(acc, x, w, x_rows, res_rows, norm_w_ptr, w_rows, offs_k, n_valid,
                                        k_end, BLOCK_K // UNIT, SCALED, NORM, RESIDUAL)
         else:
-            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w,
-                                      USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK,
-                                      NORM, RESIDUAL, NORM_SUMS)
+            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, summed_ptr, pid_n == 0,
+                                      offs_k, m_valid, K, w, USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION,
+                                      SWAP_AB, FP8_ACC_CHUNK, NORM, RESIDUAL, NORM_SUMS)
         if LORA:
             lora_h = tl.sum(lora_h, axis=0)
         loop_begin = k_begin + BLOCK_K
@@ -313,7 +316,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         else:
             offs_k = k_start + tl.arange(0, BLOCK_K)
             w = _weight_tile(w_rows, offs_k, n_valid, K)
-            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, offs_k, m_valid, K, w,
+            # NORM_SUMS: program p stores step p's x + residual
+            acc, squares = _gemv_step(acc, squares, x_rows, res_rows, norm_w_ptr, summed_ptr,
+                                      pid_n == (k_start - k_begin) // BLOCK_K, offs_k, m_valid, K, w,
                                       USE_DOT, ONE_ROW, DOT_DTYPE, DOT_PRECISION, SWAP_AB, FP8_ACC_CHUNK,
                                       NORM, RESIDUAL, NORM_SUMS)
     if ONE_ROW:
@@ -471,7 +476,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **fold_args(x, norm),
-        NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits),
+        NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 

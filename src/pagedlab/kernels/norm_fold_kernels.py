@@ -5,8 +5,6 @@ GEMV's; ``tests/test_norm_fold.py`` compares them. Imports triton when it loads.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -33,10 +31,11 @@ def load_input(x_ptrs, res_ptrs, g_ptrs, mask, g_mask, NORM: tl.constexpr, RESID
 @triton.jit
 def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps, write,
               BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
-              WRITE_NORMED: tl.constexpr):
+              WRITE_NORMED: tl.constexpr, WRITE_SUMMED: tl.constexpr = True):
     """A folded RMSNorm's 1/rms of each of the M rows, ``[BLOCK_M]`` (0 from M on), each row read
-    whole (``NORM_BLOCK`` >= K); with ``write`` also stores each row's ``x + residual`` (RESIDUAL)
-    and normalized input (WRITE_NORMED), rounded as ``layers.norm.add_rms_norm`` rounds them."""
+    whole (``NORM_BLOCK`` >= K); with ``write`` also stores each row's ``x + residual`` (RESIDUAL
+    and WRITE_SUMMED) and normalized input (WRITE_NORMED), rounded as ``layers.norm.add_rms_norm``
+    rounds them."""
     offs = tl.arange(0, NORM_BLOCK)
     k_valid = offs < K
     offs_m = tl.arange(0, BLOCK_M)
@@ -51,7 +50,7 @@ def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps
         row_rstd = tl.math.rsqrt(tl.sum(values * values) / K + eps)
         rstd = tl.where(offs_m == row, row_rstd, rstd)
         if write:
-            if RESIDUAL:
+            if RESIDUAL and WRITE_SUMMED:
                 tl.store(summed_ptr + cells, summed, mask=mask)
             if WRITE_NORMED:
                 g = tl.load(g_ptr + offs, mask=k_valid, other=0.0)
@@ -63,18 +62,26 @@ def fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps
 def folded_rstd(squares, x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, K, eps, write,
                 NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr):
     """NORM_SUMS: the one row's 1/rms, ``[1]``, from ``squares``, the sum of squares its program
-    took over the whole of K; with ``write`` the program also writes the norm's outputs (``fold_rstd``)."""
-    if write:
+    took over the whole of K; with ``write`` (and WRITE_NORMED) the program also writes the
+    normalized input (``fold_rstd``; the loop wrote ``x + residual``)."""
+    if write and WRITE_NORMED:
         fold_rstd(x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, 0, 1, K, eps, True, 1, NORM_BLOCK, RESIDUAL,
-                  WRITE_NORMED)
+                  WRITE_NORMED, False)
     return tl.zeros((1,), dtype=tl.float32) + tl.math.rsqrt(squares / K + eps)
 
 
-def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int) -> bool:
-    """Whether a folding GEMV's one program a column tile sums the norm's squares in its loop
-    (one row, one K segment: it reads all of x anyway) rather than reading the row first."""
-    in_loop = os.environ.get("PAGEDLAB_FOLD_SUMS") != "0"
-    return norm is not None and one_row_loop and num_splits == 1 and in_loop
+# The most K steps over which a one-row dense GEMV sums the norm's squares in its loop. On the
+# H200 (batch-1 TPOT, 2026-12-03) the loop's sums won where the loop is short (Qwen3-30B-A3B's
+# qkv and router, 2 steps of 1,024: 2.559 against 2.588 ms with the row read first) and lost
+# where it is long (Llama-3-8B's qkv and gate/up, 8 and 16 steps: 4.197 against 4.074 ms).
+NORM_SUMS_MAX_STEPS = 2
+
+
+def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int, steps: int) -> bool:
+    """Whether a folding dense GEMV's one program a column tile sums the norm's squares in its loop
+    of ``steps`` K steps (one row, one K segment: it reads all of x anyway) rather than reading
+    the row first."""
+    return norm is not None and one_row_loop and num_splits == 1 and steps <= NORM_SUMS_MAX_STEPS
 
 
 def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:

@@ -56,7 +56,7 @@ from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_s
                                    split_k_scratch)
 from pagedlab.kernels.gemv_configs import AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
-from pagedlab.kernels.norm_fold_kernels import fold_args, fold_rstd, folded_rstd, load_input, norm_sums
+from pagedlab.kernels.norm_fold_kernels import fold_args, fold_rstd, load_input
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 from pagedlab.quantization.awq import repacked_shapes
@@ -186,7 +186,7 @@ def _row_sums(values, zeros, scales, x_row, res_row, g_ptr, k_start, K, BLOCK_N:
     offs_w = _step_word_offsets(k_start, BLOCK_K)
     offs_k = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]
     k_valid = offs_k < K
-    x, summed = load_input(x_row + offs_k, res_row + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM, RESIDUAL)
+    x, _ = load_input(x_row + offs_k, res_row + offs_k, g_ptr + offs_k, k_valid, k_valid, NORM, RESIDUAL)
     exact: tl.constexpr = x_row.dtype.element_ty == tl.float32
     x = x.to(tl.float32)
     x_paired = x
@@ -202,20 +202,16 @@ def _row_sums(values, zeros, scales, x_row, res_row, g_ptr, k_start, K, BLOCK_N:
     if exact:
         high_sums = tl.sum(tl.reshape(high_x, (STEP_GROUPS, BLOCK_K // 2 // STEP_GROUPS)), axis=1)
         dots += (128.0 * _PAIR_CARRY) * high_sums[None, :]
-    return scales * (dots - zeros * x_sums[None, :]), summed
+    return scales * (dots - zeros * x_sums[None, :])
 
 
 @triton.jit
-def _one_row_step(acc, squares, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits,
+def _one_row_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr, NORM: tl.constexpr,
-                  RESIDUAL: tl.constexpr, NORM_SUMS: tl.constexpr):
-    """``(acc, squares)``: ``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on
-    the CUDA cores; NORM_SUMS: ``squares`` plus the step's squares of the norm's x + residual."""
-    sums, summed = _row_sums(_unpack_words_paired(words, w_bits), zeros, scales, x_ptr, res_ptr, g_ptr,
-                             k_start, K, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
-    if NORM_SUMS:
-        squares += summed * summed
-    return acc + sums, squares
+                  RESIDUAL: tl.constexpr):
+    """``acc`` ``[BLOCK_N, STEP_GROUPS]`` plus one K step of the one row, on the CUDA cores."""
+    return acc + _row_sums(_unpack_words_paired(words, w_bits), zeros, scales, x_ptr, res_ptr, g_ptr, k_start,
+                           K, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
 
 
 @triton.jit
@@ -229,8 +225,8 @@ def _rows_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_sta
     offs_m = tl.arange(0, BLOCK_M)
     for row in tl.static_range(BLOCK_M):
         row_k = tl.where(row < M, K, 0)
-        sums, _ = _row_sums(values, zeros, scales, x_ptr + row * stride_x, res_ptr + row * stride_x, g_ptr,
-                            k_start, row_k, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
+        sums = _row_sums(values, zeros, scales, x_ptr + row * stride_x, res_ptr + row * stride_x, g_ptr,
+                         k_start, row_k, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
         acc = tl.where((offs_m == row)[:, None, None], acc + sums[None, :, :], acc)
     return acc
 
@@ -254,23 +250,22 @@ def _dot_step(acc, words, zeros, scales, x_rows, res_rows, g_ptr, k_start, K, m_
 
 
 @triton.jit
-def _gemv_step(acc, squares, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, m_valid,
-               w_bits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               STEP_GROUPS: tl.constexpr, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-               NORM_SUMS: tl.constexpr):
-    """``(acc, squares)``: ``acc`` plus one K step, ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)``
-    per group (NORM: x as ``load_input`` folds it); ``squares`` as ``_one_row_step`` sums them."""
+def _gemv_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, m_valid, w_bits,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """``acc`` plus one K step: ``s * (sum_k x (128 + q) - (128 + z) * sum_k x)`` per group (NORM:
+    x as ``load_input`` folds it)."""
     if USE_DOT:
         rows = tl.arange(0, BLOCK_M)[:, None] * stride_x
         return _dot_step(acc, words, zeros, scales, x_ptr + rows, res_ptr + rows, g_ptr, k_start, K, m_valid,
-                         w_bits, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, NORM, RESIDUAL), squares
+                         w_bits, BLOCK_N, BLOCK_K, DOT_DTYPE, DOT_PRECISION, NORM, RESIDUAL)
     elif BLOCK_M == 1:
-        return _one_row_step(acc, squares, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits,
-                             BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL, NORM_SUMS)
+        return _one_row_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, k_start, K, w_bits, BLOCK_N,
+                             BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
     else:
         return _rows_step(acc, words, zeros, scales, x_ptr, res_ptr, g_ptr, stride_x, k_start, K, M, w_bits,
-                          BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL), squares
+                          BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, NORM, RESIDUAL)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "w_bits"])
@@ -283,7 +278,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, NORM: tl.constexpr,
                      NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
-                     NORM_SUMS: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
     """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows, through tl.dot or
     on the CUDA cores (one row, or up to ``AWQ_CUDA_CORE_MAX_ROWS`` sharing each step's unpacked
     words), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
@@ -294,7 +289,9 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     (``num_stages > 1``) each next step's are read before this step's sums, so that a program
     keeps two steps of loads in flight (the loop holds no tl.dot for Triton's pipeliner to stage
     loads for): one register copy more of a step's words. NORM: x is a folded RMSNorm's input, as in
-    ``kernels/gemv.py``'s ``_dense_gemv_kernel`` (NORM_SUMS too, for one row)."""
+    ``kernels/gemv.py``'s ``_dense_gemv_kernel``, its 1/rms always read first (``fold_rstd``):
+    summing the squares in the loop (NORM_SUMS there) made a Llama-3-8B AWQ batch-1 step 0.2 ms
+    slower on the H200 (2.471 against 2.258 ms)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -311,7 +308,6 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         acc = tl.zeros((BLOCK_N, STEP_GROUPS), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N, STEP_GROUPS), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K // 8, 8), dtype=tl.float32)
     k_begin = split * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     # the first K step's weights before the PDL wait; each next one's during (PREFETCH) or after
@@ -320,7 +316,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_begin, k_end, GROUP_SIZE,
                                        STEP_GROUPS)
     pdl_wait_and_trigger(PDL)
-    if NORM and not NORM_SUMS:
+    if NORM:
         rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
                          (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
     for k_start in range(k_begin, k_end, BLOCK_K):
@@ -328,9 +324,9 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
             next_words = _step_words(weight_rows, n_valid, k_start + BLOCK_K, k_end, BLOCK_K)
             next_zeros, next_scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start + BLOCK_K,
                                                          k_end, GROUP_SIZE, STEP_GROUPS)
-        acc, squares = _gemv_step(acc, squares, words, zeros, scales, x_ptr, res_ptr, norm_w_ptr,
-                                  stride_x, k_start, K, M, m_valid, w_bits, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  STEP_GROUPS, USE_DOT, DOT_DTYPE, DOT_PRECISION, NORM, RESIDUAL, NORM_SUMS)
+        acc = _gemv_step(acc, words, zeros, scales, x_ptr, res_ptr, norm_w_ptr, stride_x, k_start, K, M,
+                         m_valid, w_bits, BLOCK_M, BLOCK_N, BLOCK_K, STEP_GROUPS, USE_DOT, DOT_DTYPE,
+                         DOT_PRECISION, NORM, RESIDUAL)
         if PREFETCH:
             words, zeros, scales = next_words, next_zeros, next_scales
         else:
@@ -341,9 +337,6 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         acc = tl.sum(acc, axis=1)[None, :]
     elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
-    if NORM_SUMS:
-        rstd = folded_rstd(tl.sum(squares), x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, K, eps,
-                           pid_n == 0, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
     if NORM:
         acc *= rstd[:, None]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
@@ -524,7 +517,6 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEP_GROUPS=max(1, config.block_k // group_size), USE_DOT=config.block_m > 0,
         PREFETCH=config.num_stages > 1, **fold_args(x, norm),
-        NORM_SUMS=norm_sums(norm, rows == 1 and not config.block_m, num_splits),
         **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
