@@ -12,6 +12,7 @@ import torch
 
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
+from pagedlab.layers import norm
 from pagedlab.layers.norm import add_rms_norm, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,7 +154,7 @@ def _greedy(path, prompts, **engine_args):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_folded_norms_hand_the_residual_on_through_the_model(tiny_models, monkeypatch, arch):
-    """Every consumer told to fold at every batch (CPU: the linear materializes the norm, writing
+    """Every consumer told to fold at every decode batch (CPU: the linear materializes the norm, writing
     the residual buffer the norm returned, and the MoE block's normalized copy): HF's tokens."""
     from conftest import hf_greedy, random_prompts
     from pagedlab.layers.linear import OutputShardedLinear
@@ -162,6 +163,7 @@ def test_folded_norms_hand_the_residual_on_through_the_model(tiny_models, monkey
     materialized = []
     original = FoldedRMSNorm.materialize
     monkeypatch.setattr(FoldedRMSNorm, "materialize", lambda self: materialized.append(1) or original(self))
+    monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)  # every decode batch of this test
     monkeypatch.setattr(OutputShardedLinear, "folds_norm", lambda self, x: True)
     monkeypatch.setattr(SparseMoeBlock, "folds_norm", lambda self, x: True)
     tiny = tiny_models(arch)
@@ -189,6 +191,7 @@ def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     folded = []
     launch = gemv.dense_gemv_triton
     monkeypatch.setattr(linear_method, "dense_gemv_config", any_shape)
+    monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)
     monkeypatch.setattr(gemv, "dense_gemv_triton",
                         lambda x, *args: folded.append(isinstance(x, FoldedRMSNorm)) or launch(x, *args))
     tiny = tiny_models(arch)

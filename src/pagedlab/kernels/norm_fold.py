@@ -18,6 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The most rows (decode batch) at which a norm folds. The GEMVs fold at any of their 1-16 rows
+# (the tests run them), but only one row has been timed on the H200 (BENCHMARKS.md): at more
+# rows every program reads each of its rows whole first, which may cost more than the launch.
+FOLD_MAX_ROWS = 1
+
 
 @dataclass(frozen=True)
 class FoldedRMSNorm:

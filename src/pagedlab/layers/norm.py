@@ -8,9 +8,9 @@ reference, and the CPU path), so the linear skips its own quantization launch.
 
 An ``RMSNorm`` told its consumer at load (``fold_into``: a linear or MoE block with a
 ``folds_norm`` method) returns, where that consumer says it folds the norm into its GEMV
-(decode batches on CUDA), a ``FoldedRMSNorm`` in place of the tensor and launches nothing: the
-consumer's kernel computes the norm (``kernels/norm_fold.py``) and writes ``x + residual`` into
-the buffer this norm returned as the residual.
+(decode batches on CUDA, up to ``FOLD_MAX_ROWS`` rows), a ``FoldedRMSNorm`` in place of the
+tensor and launches nothing: the consumer's kernel computes the norm (``kernels/norm_fold.py``)
+and writes ``x + residual`` into the buffer this norm returned as the residual.
 
 A norm parameter's ``dummy_value`` is what ``load_format="dummy"`` fills it with (1 for a
 scale, 0 for a bias), so random-weight models keep unit-scale activations."""
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlab.kernels.norm_fold import FoldedRMSNorm
+from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS, FoldedRMSNorm
 from pagedlab.layers.batch_invariant import invariant_norm, runs_invariant_kernels
 from pagedlab.layers.fusion import fused
 from pagedlab.quantization.fp8 import QuantizedActivations
@@ -109,7 +109,8 @@ class RMSNorm(nn.Module):
             return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
         if self.fp8_output:
             return rms_norm_fp8(x, self.weight, self.eps, residual)
-        if self.fold_consumer is not None and self.fold_consumer.folds_norm(x):
+        if self.fold_consumer is not None and x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and \
+                self.fold_consumer.folds_norm(x):
             return self._folded(x, residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
