@@ -83,7 +83,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self._norm, self._add_norm = _RMS_NORMS[unit_offset]
         self.fp8_output = False
-        self.fold_consumer = None
+        self.consumer_folds = None  # the consumer's folds_norm (fold_into), held as a method, not a submodule
+        self.consumer_takes_normed_copy = False
 
     def emit_fp8(self, wanted: bool) -> bool:
         """Load-time switch: whether ``forward`` returns its output as ``QuantizedActivations``
@@ -98,7 +99,8 @@ class RMSNorm(nn.Module):
         the batches it says; not for Gemma's ``unit_offset`` norms or a norm that emits FP8.
         Returns whether it folds."""
         folds = not self.unit_offset and not self.fp8_output and hasattr(consumer, "folds_norm")
-        self.fold_consumer = consumer if folds else None
+        self.consumer_folds = consumer.folds_norm if folds else None
+        self.consumer_takes_normed_copy = folds and consumer.takes_normed_copy
         return folds
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -109,18 +111,17 @@ class RMSNorm(nn.Module):
             return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
         if self.fp8_output:
             return rms_norm_fp8(x, self.weight, self.eps, residual)
-        if self.fold_consumer is not None and x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and \
-                self.fold_consumer.folds_norm(x):
+        if self.consumer_folds is not None and x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and \
+                self.consumer_folds(x):
             return self._folded(x, residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)
 
-
     def _folded(self, x: torch.Tensor, residual: torch.Tensor | None):
         """The norm as its consumer's ``FoldedRMSNorm`` (with the residual buffer it fills)."""
         summed = None if residual is None else torch.empty_like(x)
-        normed = torch.empty_like(x) if self.fold_consumer.takes_normed_copy else None
+        normed = torch.empty_like(x) if self.consumer_takes_normed_copy else None
         folded = FoldedRMSNorm(x, residual, self.weight, self.eps, summed, normed)
         return folded if residual is None else (folded, summed)
 
