@@ -198,3 +198,15 @@ def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     prompts = random_prompts(8, max_len=60, seed=4)
     assert _greedy(tiny.path, prompts) == [hf_greedy(tiny.hf_model, p, GREEDY_TOKENS) for p in prompts]
     assert any(folded)
+
+
+def test_fold_norms_leaves_the_module_tree_alone():
+    """Every Llama-family norm folds into its consumer, and the model's parameters and modules
+    stay as they were (the norm holds its consumer's method, not the module)."""
+    from conftest import tiny_config
+    from pagedlab.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_config("llama"), max_position=64)
+    keys, modules = list(model.state_dict()), [name for name, _ in model.named_modules()]
+    assert model.fold_norms() == 2 * len(model.model.layers)
+    assert list(model.state_dict()) == keys and [name for name, _ in model.named_modules()] == modules
