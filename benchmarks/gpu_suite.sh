@@ -19,7 +19,8 @@ for part in "$@"; do
     tests-kernels) python3 -m pytest -m gpu tests/test_gemv.py tests/test_gemv_bench.py tests/test_awq.py \
                        tests/test_fp8.py tests/test_lora_kernels.py tests/test_lora_gemv.py tests/test_lora_gpu.py \
                        tests/test_hf_fp8_peer.py tests/test_fp8_fused_inputs.py tests/test_kernels.py \
-                       tests/test_batch_invariant_attention.py -q -s -rs -p no:cacheprovider 2>&1 | tail -30 ;;
+                       tests/test_batch_invariant_attention.py tests/test_norm_fold.py -q -s -rs -p no:cacheprovider \
+                       2>&1 | tail -30 ;;
     # the linear-layer tables, decode-like timing (one call each: a whole sweep of every shape, TP
     # and row count runs past a device call's 10 minutes)
     gemv)  python3 benchmarks/gemv_bench.py --shape llama3-8b --tp 1 --rows 1 4 16 --chain --out "$OUT/gemv.json" ;;
