@@ -152,7 +152,7 @@ def fuse_into_consumers(model: torch.nn.Module) -> tuple[int, int]:
     for method, switch in switches.items():
         fuse = getattr(model, method, None)
         counts.append(0 if fuse is None or os.environ.get(switch, "1") == "0" else fuse())
-    return counts[0], counts[1]
+    return tuple(counts)
 
 
 class ModelRunner:

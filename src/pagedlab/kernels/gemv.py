@@ -243,8 +243,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     rows read everything after the loop. NORM: x is a folded RMSNorm's input (``kernels/norm_fold.py``):
     each program takes its rows' 1/rms right after the wait (``fold_rstd``; program (0, 0) writes the
     norm's outputs), multiplies ``load_input``'s values and scales its sums by the 1/rms. With
-    NORM_SUMS (one row over the whole of K, no PREFETCH) it sums the squares in its loop instead,
-    and program 0 writes the outputs after it."""
+    NORM_SUMS (one row over the whole of K, no PREFETCH) it sums the squares in its loop instead:
+    program p stores step p's ``x + residual`` there, and program 0 the normalized copy after it."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)

@@ -4,12 +4,12 @@ norm still to apply, and its ``materialize`` the plain-torch reference of what t
 
 At decode batches a decoder layer's add + RMSNorm is a kernel of its own that reads a few KB
 and sits on the step's critical path between two weight-bound GEMVs (twice a layer). Folded,
-each program of the next GEMV reads its rows of ``x`` and ``residual`` whole, takes their
-1/rms, multiplies its weight tile by ``(x + residual) * weight`` and scales its sums by the
-1/rms at the end; one program writes ``x + residual`` (the next residual) and, when a second
-consumer needs it, the normalized input. The products differ from the unfused path's only in
-rounding: the unfused norm rounds its output to the activations' dtype before the linear,
-the folded one keeps float32 until the sums.
+each program of the next GEMV takes the 1/rms of its rows of ``x + residual`` (reading them
+whole first, or summing their squares in its loop), multiplies its weight tile by
+``(x + residual) * weight`` and scales its sums by the 1/rms at the end; the GEMV also writes
+``x + residual`` (the next residual) and, when a second consumer needs it, the normalized input.
+The products differ from the unfused path's only in rounding: the unfused norm rounds its output
+to the activations' dtype before the linear, the folded one keeps float32 until the sums.
 """
 
 from __future__ import annotations
@@ -38,15 +38,8 @@ class FoldedRMSNorm:
     normed: torch.Tensor | None
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    @property
     def is_cuda(self) -> bool:
+        """As ``x``'s (the linears' device test)."""
         return self.x.is_cuda
 
     def materialize(self) -> torch.Tensor:
@@ -61,14 +54,6 @@ class FoldedRMSNorm:
         if self.normed is not None:
             self.normed.copy_(normed)
         return normed
-
-    def kernel_args(self) -> dict:
-        """The folding arguments of the GEMV kernels (``kernels/gemv.py``'s ``fold_args``)."""
-        x = self.x
-        return dict(res_ptr=x if self.residual is None else self.residual, norm_w_ptr=self.weight,
-                    summed_ptr=x if self.summed is None else self.summed,
-                    normed_ptr=x if self.normed is None else self.normed, eps=self.eps, NORM=True,
-                    RESIDUAL=self.residual is not None, WRITE_NORMED=self.normed is not None)
 
     def check(self) -> None:
         """Raise ValueError unless the kernels can fold this: 2-D ``x`` with a contiguous last

@@ -85,8 +85,13 @@ def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int, s
 
 
 def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:
-    """The folding arguments of the GEMV kernels for ``x`` ``[rows, K]``: ``norm``'s, or none."""
+    """The folding arguments of the GEMV kernels for ``x`` ``[rows, K]``: ``norm``'s, or none (the
+    unused pointers stand in as ``x``)."""
     if norm is None:
         return dict(res_ptr=x, norm_w_ptr=x, summed_ptr=x, normed_ptr=x, eps=0.0, NORM=False, NORM_BLOCK=1,
                     RESIDUAL=False, WRITE_NORMED=False)
-    return dict(norm.kernel_args(), NORM_BLOCK=triton.next_power_of_2(x.shape[1]))
+    return dict(res_ptr=x if norm.residual is None else norm.residual, norm_w_ptr=norm.weight,
+                summed_ptr=x if norm.summed is None else norm.summed,
+                normed_ptr=x if norm.normed is None else norm.normed, eps=norm.eps, NORM=True,
+                NORM_BLOCK=triton.next_power_of_2(x.shape[1]), RESIDUAL=norm.residual is not None,
+                WRITE_NORMED=norm.normed is not None)

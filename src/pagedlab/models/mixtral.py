@@ -26,7 +26,7 @@ from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.attention import get_forward_context
 from pagedlab.models.llama import DecoderModel, LlamaForCausalLM
-from pagedlab.quantization.linear_method import dense_gemv_choice, dense_linear
+from pagedlab.quantization.linear_method import dense_gemv_runs, dense_linear
 
 # checkpoint expert tensors: Mixtral's w1/w3/w2 and Qwen3-MoE's gate_proj/up_proj/down_proj
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -82,7 +82,7 @@ class SparseMoeBlock(nn.Module):
     def folds_norm(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` takes ``x``'s RMSNorm as a ``FoldedRMSNorm``: the router's Triton GEMV
         runs this batch."""
-        return x.is_cuda and dense_gemv_choice(x, self.gate.weight) is not None
+        return dense_gemv_runs(x, self.gate.weight)
 
     def forward(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
         experts = fused_moe_triton if get_forward_context().backend.name == "triton" else moe_torch

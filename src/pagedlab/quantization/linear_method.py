@@ -82,7 +82,7 @@ class DenseLinearMethod(LinearMethod):
         return dense_gemv_choice(x, layer.weight)
 
     def folds_norm(self, layer, x: torch.Tensor) -> bool:
-        return x.is_cuda and dense_gemv_choice(x, layer.weight) is not None
+        return dense_gemv_runs(x, layer.weight)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight}
@@ -95,20 +95,23 @@ def dense_linear(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor,
     depends on shapes alone, so CUDA graphs capture it. In batch-invariant mode: the fixed-order
     matmul of ``pagedlab.layers.batch_invariant``. A ``FoldedRMSNorm`` ``x`` goes into the GEMV
     whole; elsewhere it is materialized first."""
-    if isinstance(x, FoldedRMSNorm):
-        if x.x.is_cuda and dense_gemv_choice(x.x, weight) is not None:
-            from pagedlab.kernels.gemv import dense_gemv_triton
-
-            return dense_gemv_triton(x, weight, bias, dense_gemv_choice(x.x, weight))
-        x = x.materialize()
-    if batch_invariant_enabled():
-        return invariant_linear(x, weight, bias)
-    config = dense_gemv_choice(x, weight) if x.is_cuda else None
+    activations = x.x if isinstance(x, FoldedRMSNorm) else x
+    config = dense_gemv_choice(activations, weight) if activations.is_cuda else None
     if config is not None:
         from pagedlab.kernels.gemv import dense_gemv_triton
 
         return dense_gemv_triton(x, weight, bias, config)
+    if isinstance(x, FoldedRMSNorm):
+        x = x.materialize()
+    if batch_invariant_enabled():
+        return invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def dense_gemv_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``dense_linear`` multiplies ``x`` by ``weight`` on the Triton GEMV (so that it can
+    fold the RMSNorm before it, ``FoldedRMSNorm``)."""
+    return x.is_cuda and dense_gemv_choice(x, weight) is not None
 
 
 def dense_gemv_choice(x: torch.Tensor, weight: torch.Tensor) -> TileConfig | None:
