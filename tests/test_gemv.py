@@ -286,3 +286,21 @@ def test_pdl_gemv_chain_in_a_cuda_graph_reads_each_input_after_it_is_written(gem
     for x, weight, out in zip([x0, *outputs[:-1]], weights, outputs, strict=True):
         expected = x[:, :weight.shape[1]].float() @ weight.float().T
         torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", DENSE_CASES[:6], ids=lambda case: f"{case}")
+def test_gated_gemv_writes_silu_and_mul_of_the_plain_gemv(gemv, case, dtype):
+    """``gated``: the GEMV writes ``silu(gate) * up`` of its two output halves, from the gate and
+    up it would write (float16: bit for bit what the compiled ``silu_and_mul`` computes from them)."""
+    from pagedlab.layers.activation import silu_and_mul
+
+    rows, config = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, dtype)).encode()))
+    x = torch.randn(rows, 200, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(100, 200, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(100, generator=gen).to(dtype).to(DEVICE)
+    out = gemv.dense_gemv_triton(x, weight, bias, config, gated=True)
+    expected = silu_and_mul(gemv.dense_gemv_triton(x, weight, bias, config).float()).to(dtype)
+    assert out.shape == (rows, 50)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6 if dtype == torch.float32 else 0)

@@ -47,7 +47,7 @@ _FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False)
 _FOLD_SUMS = dict(_FOLD, NORM_SUMS=True)  # the dense one-row GEMV sums the squares in its loop
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
              ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32,
-             **_NO_FOLD, NORM_SUMS=False)
+             **_NO_FOLD, NORM_SUMS=False, GATED=False)
 # the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
 _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
@@ -68,6 +68,10 @@ KERNELS = {
                                     dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv"),
                                     reads_before_wait=True),
     "dense_gemv_swap": Spec("gemv", "_dense_gemv_kernel", _GEMV_SWAP, _GEMV_POINTERS),
+    # gate/up with SiLU-and-mul in the epilogue (Llama-3-8B's one-row tile, 16 columns: 8 pairs)
+    "dense_gemv_gated": Spec("gemv", "_dense_gemv_kernel",
+                             dict(_GEMV, BLOCK_N=16, BLOCK_K=256, GATED=True, LORA=False, LORA_BLOCK_S=1,
+                                  LORA_BLOCK_R=1), _GEMV_POINTERS, reads_before_wait=True),
     # the norm folded in: Llama-3-8B's qkv_proj, and Qwen3-30B-A3B's router writing the normed copy
     "dense_gemv_fold": Spec("gemv", "_dense_gemv_kernel",
                             dict(_GEMV, **_FOLD_SUMS, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),

@@ -57,10 +57,11 @@ _counters: dict[torch.device, torch.Tensor] = {}
 @triton.jit
 def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
-                     bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     GATED: tl.constexpr = False):
     """Write ``acc`` ``[BLOCK_M, BLOCK_N]`` (rows ``offs_m``, output columns ``offs_n`` in any
     order) plus the bias; with SPLIT, as this segment's share, the last segment of the column
-    tile to finish summing all of them in segment order."""
+    tile to finish summing all of them in segment order. GATED: ``_store_output``'s."""
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT:
         cells = offs_m[:, None] * stride_partial_row + offs_n[None, :]
@@ -74,15 +75,28 @@ def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_sp
                 total += tl.load(partial_ptr + segment * stride_partial_split + cells, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(counter_ptr + pid_n, 0)
-            _store_output(total, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+            _store_output(total, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS,
+                          GATED)
     else:
-        _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS)
+        _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS, GATED)
 
 
 @triton.jit
-def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr):
+def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr,
+                  GATED: tl.constexpr):
+    """GATED: the columns come in (gate, up) pairs, even lanes gate column c, odd ones up column
+    ``c + N / 2``: write ``silu(gate) * up`` at column c, each of gate and up first rounded to
+    the output's dtype as the GEMV writes them (``silu_and_mul`` after the GEMV, compiled)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        half: tl.constexpr = acc.shape[1] // 2
+        rounded = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the GEMV writes gate and up
+        gate, up = tl.split(tl.reshape(rounded, (acc.shape[0], half, 2)))
+        acc = gate * tl.sigmoid(gate) * up
+        offs_n, _ = tl.split(tl.reshape(offs_n, (half, 2)))
+        mask, _ = tl.split(tl.reshape(mask.to(tl.int8), (acc.shape[0], half, 2)))
+        mask = mask != 0
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -216,7 +230,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        LORA: tl.constexpr, LORA_BLOCK_S: tl.constexpr, LORA_BLOCK_R: tl.constexpr,
                        PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
-                       WRITE_NORMED: tl.constexpr, NORM_SUMS: tl.constexpr, PDL: tl.constexpr):
+                       WRITE_NORMED: tl.constexpr, NORM_SUMS: tl.constexpr, GATED: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
@@ -248,9 +263,15 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:  # lane 2i: gate column c, lane 2i + 1: up column c + N / 2 (``_store_output``)
+        lanes = tl.arange(0, BLOCK_N)
+        gate_cols = pid_n * (BLOCK_N // 2) + lanes // 2
+        offs_n = gate_cols + (lanes % 2) * (N // 2)
+        n_valid = gate_cols < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < N
     m_valid = offs_m < M
-    n_valid = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     if ONE_ROW:
         x_rows = x_ptr
@@ -348,7 +369,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                            stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
-                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT, GATED)
 
 
 def dense_gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -405,7 +426,8 @@ def _no_lora_args(out: torch.Tensor) -> dict:
 
 
 def dense_gemv_triton(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: TileConfig | None = None, lora: GemvLoRA | None = None) -> torch.Tensor:
+                      config: TileConfig | None = None, lora: GemvLoRA | None = None,
+                      gated: bool = False) -> torch.Tensor:
     """Triton version of ``dense_gemv_torch`` for ``x`` ``[..., K]`` of at most ``GEMV_MAX_ROWS``
     rows (float16, bfloat16 or float32, ``weight``'s dtype); ``config`` defaults to
     ``default_dense_gemv_config``. With ``lora``, plus each row's adapter delta. ``x`` may be a
@@ -424,10 +446,10 @@ def dense_gemv_triton(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor, bia
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or default_dense_gemv_config(rows, out_features, in_features, num_sms(x.device))
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, out_features // 2 if gated else out_features, dtype=x.dtype, device=x.device)
     if rows:
-        launch_dense_gemv(x2d, weight, bias, out, config, lora=lora, norm=norm)
-    return out.view(*x.shape[:-1], out_features)
+        launch_dense_gemv(x2d, weight, bias, out, config, lora=lora, norm=norm, gated=gated)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -443,22 +465,26 @@ def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       config: TileConfig, row_scales: torch.Tensor | None = None,
                       col_scales: torch.Tensor | None = None, lora: GemvLoRA | None = None,
-                      norm: FoldedRMSNorm | None = None) -> None:
+                      norm: FoldedRMSNorm | None = None, gated: bool = False) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` @ ``weight.T`` (times ``row_scales[m] *
     col_scales[n]`` when given: FP8 operands) + ``bias`` (+ the ``lora`` deltas, not with FP8);
-    with ``norm`` (16-bit operands, no LoRA), x is ``norm.x`` and the norm is folded in; shapes
-    checked by the caller."""
+    with ``norm`` (16-bit operands, no LoRA), x is ``norm.x`` and the norm is folded in; with
+    ``gated`` (16-bit, no LoRA) ``out`` is ``[rows, N / 2]``, ``silu(gate) * up`` of the two
+    halves of the product; shapes checked by the caller."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config.check(rows, gemv=True)
-    if norm is not None and (row_scales is not None or lora is not None):
-        raise ValueError("the GEMV folds an RMSNorm into 16-bit operands without LoRA only")
+    if (norm is not None or gated) and (row_scales is not None or lora is not None):
+        raise ValueError("the GEMV folds an RMSNorm or SiLU-and-mul into 16-bit operands without LoRA "
+                         "only")
+    if gated and (out_features % 2 or config.block_n < 2):
+        raise ValueError(f"a gated GEMV needs an even N ({out_features}) and block_n >= 2 ({config.block_n})")
     if lora is not None:
         if row_scales is not None:
             raise ValueError("the GEMV adds LoRA deltas to 16-bit operands only, not FP8")
         lora.check(rows, out_features, config.block_n)
     k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
-    tiles = triton.cdiv(out_features, config.block_n)
+    tiles = triton.cdiv(out_features, config.block_n)  # gated: half the columns, in tiles of half
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
     scaled = row_scales is not None
     one_row = rows == 1 and config.block_m == 0
@@ -477,6 +503,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **fold_args(x, norm),
         NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
+        GATED=gated,
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 
