@@ -210,3 +210,26 @@ def test_fold_norms_leaves_the_module_tree_alone():
     keys, modules = list(model.state_dict()), [name for name, _ in model.named_modules()]
     assert model.fold_norms() == 2 * len(model.model.layers)
     assert list(model.state_dict()) == keys and [name for name, _ in model.named_modules()] == modules
+
+
+def test_gated_gate_up_gemv_gives_hf_tokens_through_a_model(tiny_models, monkeypatch):
+    """Every one-row gate_up projection on the gated GEMV (the interpreter on the CPU: the dense
+    GEMV told to run every shape): HF float32's tokens."""
+    from conftest import hf_greedy, random_prompts
+    from pagedlab.kernels import gemv
+    from pagedlab.kernels.gemv_configs import default_dense_gemv_config
+    from pagedlab.quantization import linear_method
+
+    gated = []
+    launch = gemv.dense_gemv_triton
+    monkeypatch.setattr(linear_method.DenseLinearMethod, "fuses_silu",
+                        lambda self, layer, x: x.numel() == x.shape[-1])
+    monkeypatch.setattr(linear_method, "dense_gemv_config",
+                        lambda rows, n, k: default_dense_gemv_config(rows, n, k, 132))
+    monkeypatch.setattr(gemv, "dense_gemv_triton",
+                        lambda *args, **kwargs: gated.append(kwargs.get("gated")) or launch(*args, **kwargs))
+    tiny = tiny_models("llama")
+    prompts = random_prompts(2, max_len=20, seed=5)
+    outs = [_greedy(tiny.path, [p]) for p in prompts]  # one request at a time: one-row decode steps
+    assert [o[0] for o in outs] == [hf_greedy(tiny.hf_model, p, GREEDY_TOKENS) for p in prompts]
+    assert any(gated)

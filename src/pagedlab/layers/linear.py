@@ -137,6 +137,19 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
         (``FoldedRMSNorm``): the Triton GEMV of its format at this batch."""
         return self.linear_method.folds_norm(self, x)
 
+    def fuses_silu(self, x: torch.Tensor | FoldedRMSNorm) -> bool:
+        """Whether ``silu_and_mul`` runs in one kernel at this batch (a gate_up projection's
+        dense Triton GEMV with SiLU-and-mul in its epilogue)."""
+        fuses = getattr(self.linear_method, "fuses_silu", None)
+        return fuses is not None and fuses(self, x.x if isinstance(x, FoldedRMSNorm) else x)
+
+    def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
+        """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's
+        epilogue; only where ``fuses_silu(x)``."""
+        if isinstance(x, FoldedRMSNorm) and not self.folds_norm(x.x):
+            x = x.materialize()
+        return self.linear_method.apply_silu_and_mul(self, x, self.bias)
+
     def gemv_config(self, x: torch.Tensor) -> TileConfig | None:
         """The dense GEMV config ``forward(x)`` runs with (``weight`` and ``bias``), or None."""
         return self.linear_method.gemv_config(self, x)

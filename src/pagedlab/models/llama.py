@@ -82,6 +82,9 @@ class DecoderMLP(nn.Module):
         self.act = GatedActivation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fuses = getattr(self.gate_up_proj, "fuses_silu", None)  # not a LoRA wrapper
+        if self.act.name == "silu" and not self.act.fp8_output and fuses is not None and fuses(x):
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

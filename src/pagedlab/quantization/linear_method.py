@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config
-from pagedlab.kernels.norm_fold import FoldedRMSNorm
+from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS, FoldedRMSNorm
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import (VALUES_PER_INT32, AWQConfig, quantize_awq, repack_awq,
                                        repacked_linear_torch)
@@ -83,6 +83,20 @@ class DenseLinearMethod(LinearMethod):
 
     def folds_norm(self, layer, x: torch.Tensor) -> bool:
         return dense_gemv_runs(x, layer.weight)
+
+    def fuses_silu(self, layer, x: torch.Tensor) -> bool:
+        """Whether ``apply_silu_and_mul`` runs the gated Triton GEMV at this batch (up to
+        ``FOLD_MAX_ROWS`` rows, where the GEMV runs)."""
+        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
+
+    def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(apply(x))`` in one gated GEMV (``kernels/gemv.py``; only where
+        ``fuses_silu``)."""
+        from pagedlab.kernels.gemv import dense_gemv_triton
+
+        rows = x.x if isinstance(x, FoldedRMSNorm) else x
+        return dense_gemv_triton(x, layer.weight, bias, dense_gemv_choice(rows, layer.weight), gated=True)
 
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"weight": weight}
