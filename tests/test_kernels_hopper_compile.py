@@ -51,7 +51,7 @@ _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BL
 # the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
 _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
-_AWQ_GEMV = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_DTYPE="bf16", **_TF32, **_NO_FOLD)
+_AWQ_GEMV = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_DTYPE="bf16", **_TF32, **_NO_FOLD, GATED=False)
 _AWQ_POINTERS = dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
@@ -109,6 +109,10 @@ KERNELS = {
                           dict(_AWQ_GEMV, SPLIT=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=2048, STEP_GROUPS=16,
                                USE_DOT=False, PREFETCH=True, **_FOLD), _AWQ_POINTERS, floats=("eps",),
                           reads_before_wait=True),
+    "awq_gemv_gated": Spec("w4a16", "_awq_gemv_kernel",
+                           dict(_AWQ_GEMV, SPLIT=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, STEP_GROUPS=4,
+                                USE_DOT=False, PREFETCH=True, GATED=True), _AWQ_POINTERS,
+                           reads_before_wait=True),
     "awq_gemm": Spec("w4a16", "_awq_gemm_kernel",
                      dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
                           DOT_DTYPE="bf16", SWAP_AB=False, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),

@@ -233,3 +233,20 @@ def test_gated_gate_up_gemv_gives_hf_tokens_through_a_model(tiny_models, monkeyp
     outs = [_greedy(tiny.path, [p]) for p in prompts]  # one request at a time: one-row decode steps
     assert [o[0] for o in outs] == [hf_greedy(tiny.hf_model, p, GREEDY_TOKENS) for p in prompts]
     assert any(gated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", AWQ_FOLD_CASES[:4], ids=lambda case: f"{case}")
+def test_gated_awq_gemv_writes_silu_and_mul_of_the_plain_gemv(w4a16, case, dtype):
+    from pagedlab.layers.activation import silu_and_mul
+    from pagedlab.quantization.awq import quantize_awq, repack_awq
+
+    rows, config = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("gated awq", case, dtype)).encode()))
+    x = torch.randn(rows, 256, generator=gen).to(dtype).to(DEVICE)
+    dense = torch.randn(256, 2 * 64, generator=gen) * 0.05
+    awq = [t.to(DEVICE) for t in repack_awq(*quantize_awq(dense.to(dtype), 32), 32)]
+    out = w4a16.awq_linear_triton(x, *awq, 32, None, config, gated=True)
+    expected = silu_and_mul(w4a16.awq_linear_triton(x, *awq, 32, None, config).float()).to(dtype)
+    assert out.shape == (rows, 64)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6 if dtype == torch.float32 else 0)

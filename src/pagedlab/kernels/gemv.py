@@ -82,6 +82,19 @@ def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_sp
 
 
 @triton.jit
+def column_tile(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """``(offs_n, n_valid)``: the output columns of column tile ``pid_n``, BLOCK_N in a row, or
+    GATED in (gate, up) pairs, lane 2i gate column c and lane 2i + 1 up column c + N / 2 (for
+    ``_store_output``), BLOCK_N / 2 pairs a tile."""
+    if GATED:
+        lanes = tl.arange(0, BLOCK_N)
+        gate_cols = pid_n * (BLOCK_N // 2) + lanes // 2
+        return gate_cols + (lanes % 2) * (N // 2), gate_cols < N // 2
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n < N
+
+
+@triton.jit
 def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr,
                   GATED: tl.constexpr):
     """GATED: the columns come in (gate, up) pairs, even lanes gate column c, odd ones up column
@@ -263,14 +276,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
-    if GATED:  # lane 2i: gate column c, lane 2i + 1: up column c + N / 2 (``_store_output``)
-        lanes = tl.arange(0, BLOCK_N)
-        gate_cols = pid_n * (BLOCK_N // 2) + lanes // 2
-        offs_n = gate_cols + (lanes % 2) * (N // 2)
-        n_valid = gate_cols < N // 2
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < N
+    offs_n, n_valid = column_tile(pid_n, N, BLOCK_N, GATED)
     m_valid = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     if ONE_ROW:
@@ -477,8 +483,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if (norm is not None or gated) and (row_scales is not None or lora is not None):
         raise ValueError("the GEMV folds an RMSNorm or SiLU-and-mul into 16-bit operands without LoRA "
                          "only")
-    if gated and (out_features % 2 or config.block_n < 2):
-        raise ValueError(f"a gated GEMV needs an even N ({out_features}) and block_n >= 2 ({config.block_n})")
+    check_gated(gated, out_features, config)
     if lora is not None:
         if row_scales is not None:
             raise ValueError("the GEMV adds LoRA deltas to 16-bit operands only, not FP8")
@@ -505,6 +510,12 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
         GATED=gated,
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def check_gated(gated: bool, out_features: int, config: TileConfig) -> None:
+    """Raise ValueError unless a gated launch (``column_tile``) can pair this output's halves."""
+    if gated and (out_features % 2 or config.block_n < 2):
+        raise ValueError(f"a gated GEMV needs an even N ({out_features}) and block_n >= 2 ({config.block_n})")
 
 
 def gemv_block_m(rows: int, config: TileConfig) -> int:

@@ -52,8 +52,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.gemv import (dot_settings, gemv_block_m, k_segments, num_sms, split_k_epilogue,
-                                   split_k_scratch)
+from pagedlab.kernels.gemv import (check_gated, column_tile, dot_settings, gemv_block_m, k_segments, num_sms,
+                                   split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig, awq_config
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.kernels.norm_fold_kernels import fold_args, fold_rstd, load_input
@@ -278,7 +278,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
                      USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, NORM: tl.constexpr,
                      NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, WRITE_NORMED: tl.constexpr,
-                     PDL: tl.constexpr):
+                     GATED: tl.constexpr, PDL: tl.constexpr):
     """Program (column tile of BLOCK_N, K segment) for all M <= BLOCK_M rows, through tl.dot or
     on the CUDA cores (one row, or up to ``AWQ_CUDA_CORE_MAX_ROWS`` sharing each step's unpacked
     words), one ``_gemv_step`` per K step. ``w_bits`` (the bits of 128.0) is a
@@ -294,8 +294,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
     slower on the H200 (2.471 against 2.258 ms)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
+    offs_n, n_valid = column_tile(pid_n, N, BLOCK_N, GATED)
     columns = offs_n.to(tl.int64)[:, None]
     weight_rows = qweight_ptr + columns * stride_qweight
     zero_rows = qzeros_ptr + columns * stride_qzeros
@@ -341,7 +340,7 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
         acc *= rstd[:, None]
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
-                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT)
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT, GATED)
 
 
 @triton.jit
@@ -443,7 +442,7 @@ def awq_dequantize_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
 
 def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qzeros: torch.Tensor,
                       scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                      config: TileConfig | None = None) -> torch.Tensor:
+                      config: TileConfig | None = None, gated: bool = False) -> torch.Tensor:
     """Triton version of ``repacked_linear_torch`` (repacked tensors, ``repack_awq``): ``x``
     ``[..., in_features]`` in float16, bfloat16 or float32 -> ``[..., out_features]`` in ``x``'s dtype.
 
@@ -470,17 +469,20 @@ def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qz
     config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
     if norm is not None and (config is None or rows > GEMV_MAX_ROWS):
         x2d, norm = norm.materialize(), None
+    if gated and (config is None or rows > GEMV_MAX_ROWS):
+        raise ValueError(f"the AWQ kernels fold SiLU-and-mul into the GEMV only (1-{GEMV_MAX_ROWS} rows), "
+                         f"not {rows} rows")
     if config is None:
         weight = awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
         out = F.linear(x2d, weight, None if bias is None else bias.to(x.dtype))
         return out.view(*x.shape[:-1], out_features)
     check_awq_config(config, rows, group_size)
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, out_features // 2 if gated else out_features, dtype=x.dtype, device=x.device)
     if rows <= GEMV_MAX_ROWS:
-        _launch_gemv(x2d, qweight, qzeros, scales, bias, out, group_size, config, norm)
+        _launch_gemv(x2d, qweight, qzeros, scales, bias, out, group_size, config, norm, gated)
     elif rows:
         _launch_gemm(x2d, qweight, qzeros, scales, bias, out, group_size, config)
-    return out.view(*x.shape[:-1], out_features)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
@@ -501,11 +503,12 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
 
 
 def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig,
-                 norm: FoldedRMSNorm | None) -> None:
+                 norm: FoldedRMSNorm | None, gated: bool) -> None:
     rows, in_features = x.shape
     if not rows:
         return
-    out_features = out.shape[1]
+    out_features = qweight.shape[0]
+    check_gated(gated, out_features, config)
     k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
     tiles = triton.cdiv(out_features, config.block_n)
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
@@ -516,7 +519,7 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         STEP_GROUPS=max(1, config.block_k // group_size), USE_DOT=config.block_m > 0,
-        PREFETCH=config.num_stages > 1, **fold_args(x, norm),
+        PREFETCH=config.num_stages > 1, **fold_args(x, norm), GATED=gated,
         **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 
 

@@ -179,6 +179,18 @@ class AWQLinearMethod(LinearMethod):
             return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
         return repacked_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
 
+    def fuses_silu(self, layer, x: torch.Tensor) -> bool:
+        """Up to ``FOLD_MAX_ROWS`` rows on CUDA: ``apply_silu_and_mul`` runs the gated GEMV."""
+        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
+
+    def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(apply(x))`` in one gated AWQ GEMV (only where ``fuses_silu``)."""
+        from pagedlab.kernels.w4a16 import awq_linear_triton
+
+        return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias,
+                                 gated=True)
+
     def folds_norm(self, layer, x: torch.Tensor) -> bool:
         """On CUDA up to ``GEMV_MAX_ROWS`` rows: ``awq_linear_triton`` runs its GEMV there."""
         rows = x.numel() // x.shape[-1]
