@@ -96,7 +96,7 @@ def column_tile(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 @triton.jit
 def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr,
-                  GATED: tl.constexpr):
+                  GATED: tl.constexpr = False):
     """GATED: the columns come in (gate, up) pairs, even lanes gate column c, odd ones up column
     ``c + N / 2``: write ``silu(gate) * up`` at column c, each of gate and up first rounded to
     the output's dtype as the GEMV writes them (``silu_and_mul`` after the GEMV, compiled)."""
