@@ -84,12 +84,12 @@ def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_sp
 @triton.jit
 def column_tile(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
     """``(offs_n, n_valid)``: the output columns of column tile ``pid_n``, BLOCK_N in a row, or
-    GATED in (gate, up) pairs, lane 2i gate column c and lane 2i + 1 up column c + N / 2 (for
-    ``_store_output``), BLOCK_N / 2 pairs a tile."""
+    GATED in two halves, BLOCK_N / 2 gate columns c.. then the up columns c + N / 2.. (for
+    ``_store_output``)."""
     if GATED:
         lanes = tl.arange(0, BLOCK_N)
-        gate_cols = pid_n * (BLOCK_N // 2) + lanes // 2
-        return gate_cols + (lanes % 2) * (N // 2), gate_cols < N // 2
+        gate_cols = pid_n * (BLOCK_N // 2) + lanes % (BLOCK_N // 2)
+        return gate_cols + (lanes // (BLOCK_N // 2)) * (N // 2), gate_cols < N // 2
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_n, offs_n < N
 
@@ -97,18 +97,18 @@ def column_tile(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 @triton.jit
 def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr,
                   GATED: tl.constexpr = False):
-    """GATED: the columns come in (gate, up) pairs, even lanes gate column c, odd ones up column
-    ``c + N / 2``: write ``silu(gate) * up`` at column c, each of gate and up first rounded to
+    """GATED: the columns come in two halves, gate columns c.. then up columns ``c + N / 2``..
+    (``column_tile``): write ``silu(gate) * up`` at column c, each of gate and up first rounded to
     the output's dtype as the GEMV writes them (``silu_and_mul`` after the GEMV, compiled)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     if GATED:
         half: tl.constexpr = acc.shape[1] // 2
         rounded = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the GEMV writes gate and up
-        gate, up = tl.split(tl.reshape(rounded, (acc.shape[0], half, 2)))
+        gate, up = tl.split(tl.permute(tl.reshape(rounded, (acc.shape[0], 2, half)), (0, 2, 1)))
         acc = gate * tl.sigmoid(gate) * up
-        offs_n, _ = tl.split(tl.reshape(offs_n, (half, 2)))
-        mask, _ = tl.split(tl.reshape(mask.to(tl.int8), (acc.shape[0], half, 2)))
+        offs_n, _ = tl.split(tl.permute(tl.reshape(offs_n, (2, half)), (1, 0)))
+        mask, _ = tl.split(tl.permute(tl.reshape(mask.to(tl.int8), (acc.shape[0], 2, half)), (0, 2, 1)))
         mask = mask != 0
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
