@@ -193,7 +193,8 @@ def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     monkeypatch.setattr(linear_method, "dense_gemv_config", any_shape)
     monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)
     monkeypatch.setattr(gemv, "dense_gemv_triton",
-                        lambda x, *args: folded.append(isinstance(x, FoldedRMSNorm)) or launch(x, *args))
+                        lambda x, *args, **kwargs: folded.append(isinstance(x, FoldedRMSNorm))
+                        or launch(x, *args, **kwargs))
     tiny = tiny_models(arch)
     prompts = random_prompts(8, max_len=60, seed=4)
     assert _greedy(tiny.path, prompts) == [hf_greedy(tiny.hf_model, p, GREEDY_TOKENS) for p in prompts]
