@@ -143,6 +143,14 @@ def test_awq_gemv_folds_the_norm(w4a16, case, dtype, residual, normed):
 GREEDY_TOKENS = 12
 
 
+def any_gemv_shape(rows: int, out_features: int, in_features: int) -> TileConfig | None:
+    """``dense_gemv_config`` for every shape up to ``GEMV_MAX_ROWS`` rows (the table lists real
+    shapes only), an H200's SM count."""
+    from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, default_dense_gemv_config
+
+    return default_dense_gemv_config(rows, out_features, in_features, 132) if rows <= GEMV_MAX_ROWS else None
+
+
 def _greedy(path, prompts, **engine_args):
     from pagedlab import LLM, SamplingParams
 
@@ -180,17 +188,11 @@ def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     shapes only), so that their norms fold: HF float32's tokens through CUDA graphs."""
     from conftest import hf_greedy, random_prompts
     from pagedlab.kernels import gemv
-    from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, default_dense_gemv_config
     from pagedlab.quantization import linear_method
-
-    def any_shape(rows, out_features, in_features):
-        if rows > GEMV_MAX_ROWS:
-            return None
-        return default_dense_gemv_config(rows, out_features, in_features, 132)
 
     folded = []
     launch = gemv.dense_gemv_triton
-    monkeypatch.setattr(linear_method, "dense_gemv_config", any_shape)
+    monkeypatch.setattr(linear_method, "dense_gemv_config", any_gemv_shape)
     monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)
     monkeypatch.setattr(gemv, "dense_gemv_triton",
                         lambda x, *args, **kwargs: folded.append(isinstance(x, FoldedRMSNorm))
@@ -218,15 +220,13 @@ def test_gated_gate_up_gemv_gives_hf_tokens_through_a_model(tiny_models, monkeyp
     GEMV told to run every shape): HF float32's tokens."""
     from conftest import hf_greedy, random_prompts
     from pagedlab.kernels import gemv
-    from pagedlab.kernels.gemv_configs import default_dense_gemv_config
     from pagedlab.quantization import linear_method
 
     gated = []
     launch = gemv.dense_gemv_triton
     monkeypatch.setattr(linear_method.DenseLinearMethod, "fuses_silu",
                         lambda self, layer, x: x.numel() == x.shape[-1])
-    monkeypatch.setattr(linear_method, "dense_gemv_config",
-                        lambda rows, n, k: default_dense_gemv_config(rows, n, k, 132))
+    monkeypatch.setattr(linear_method, "dense_gemv_config", any_gemv_shape)
     monkeypatch.setattr(gemv, "dense_gemv_triton",
                         lambda *args, **kwargs: gated.append(kwargs.get("gated")) or launch(*args, **kwargs))
     tiny = tiny_models("llama")
