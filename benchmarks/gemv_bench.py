@@ -2,7 +2,10 @@
 names another known shape) on one GPU: cuBLAS bf16 (F.linear), the Triton dense GEMV
 (``kernels/gemv.py``) and the AWQ W4A16 kernels (``kernels/w4a16.py``, on the weights repacked as
 the engine holds them), each Triton kernel over a small sweep of ``TileConfig``s, checked against
-its torch reference (AWQ: ``awq_linear_torch`` on AutoAWQ's GEMM tensors).
+its torch reference (AWQ: ``awq_linear_torch`` on AutoAWQ's GEMM tensors). A one-row gate_up
+(up to ``FOLD_MAX_ROWS`` rows) runs its dense and AWQ GEMVs gated, as the engine's MLP does
+(``silu(gate) * up`` in the epilogue, ``gated_reference``), so that the table's tile is the one
+for the kernel that runs; cuBLAS and FP8 time the plain product there.
 
 Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
 achieved (bytes of weights, scales/zeros and activations read plus the output written, over the
@@ -34,7 +37,9 @@ from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES, dense_gemv_triton, nu
 from pagedlab.kernels.gemv_configs import (AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig,
                                            default_awq_config, default_dense_gemv_config,
                                            default_fp8_gemv_config, row_bucket, splits_for)
+from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
+from pagedlab.layers.activation import silu_and_mul
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
 from pagedlab.quantization.fp8 import fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row, scaled_mm_fp8
 from pagedlab.workloads import model_shape
@@ -195,11 +200,12 @@ def measure(fn, operands: tuple[torch.Tensor, ...], reference: torch.Tensor, mov
 
 
 def sweep(candidates, run, operands: tuple[torch.Tensor, ...], reference: torch.Tensor,
-          moved_bytes: int) -> dict:
+          moved_bytes: int, tolerance: float | None = None) -> dict:
     """The fastest correct candidate of ``run(config, *operands)`` (and the default's result, the
-    first candidate). Correct: within 1% of the largest output of the fp32 reference (bf16
-    rounding is 0.4%)."""
-    tolerance = 1e-2 * reference.abs().max().item()
+    first candidate). Correct: within ``tolerance`` of the fp32 reference, by default 1% of its
+    largest output (bf16 rounding is 0.4%)."""
+    if tolerance is None:
+        tolerance = 1e-2 * reference.abs().max().item()
     results = []
     for config in candidates:
         try:
@@ -222,36 +228,54 @@ def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_
     records = []
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-        record = dict(tp=tp, layer=name, n=n, k=k, rows=rows,
-                      **bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms, paths))
+        gated = name == "gate_up" and rows <= FOLD_MAX_ROWS  # as the engine's MLP runs it
+        found = bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms, paths, gated)
+        record = dict(tp=tp, layer=name, n=n, k=k, rows=rows, gated=gated, **found)
         records.append(record)
         print(format_record(record), flush=True)
     return records
 
 
 def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, quantized: bool, group_size: int,
-               sms: int, paths: tuple[str, ...] = PATHS) -> dict:
+               sms: int, paths: tuple[str, ...] = PATHS, gated: bool = False) -> dict:
     """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and, for a linear the quantized
-    models quantize, the FP8 and AWQ sweeps for one batch: those of ``paths``."""
+    models quantize, the FP8 and AWQ sweeps for one batch: those of ``paths``. ``gated`` (a
+    gate_up projection where the engine's MLP runs it so): the dense and AWQ GEMVs write
+    ``silu(gate) * up`` (``gated=True``), checked against ``gated_reference``; cuBLAS and FP8
+    (whose activation kernel emits FP8) time the plain product."""
     (rows, k), n = x.shape, weight.shape[0]
     io_bytes = (rows * k + rows * n) * 2
     dense_bytes = weight.numel() * 2 + io_bytes
     dense_ref = x.float() @ weight.float().T
     found = dict(cublas=measure(lambda w: F.linear(x, w), (weight,), dense_ref, dense_bytes))
+    gated_bytes = rows * n if gated else 0  # half the output written
     if rows <= GEMV_MAX_ROWS and "gemv" in paths:
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
-                              lambda c, w: dense_gemv_triton(x, w, None, c), (weight,), dense_ref,
-                              dense_bytes)
+                              lambda c, w: dense_gemv_triton(x, w, None, c, gated=gated), (weight,),
+                              *gated_reference(dense_ref, gated, dense_bytes - gated_bytes))
     if quantized and "fp8" in paths:
         found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
     if quantized and "awq" in paths:
-        found.update(bench_awq(x, awq, group_size, io_bytes, sms))
+        found.update(bench_awq(x, awq, group_size, io_bytes - gated_bytes, sms, gated))
     return found
 
 
-def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: int) -> dict:
+def gated_reference(product: torch.Tensor, gated: bool,
+                    moved_bytes: int) -> tuple[torch.Tensor, int, float | None]:
+    """``sweep``'s reference, bytes and tolerance for a GEMV of the fp32 ``product``: as they are,
+    or ``gated``: ``silu_and_mul`` of it within 2% of the largest ``|gate| * |up|`` (the GEMV
+    rounds gate and up to bf16 before multiplying them, 0.4% apiece, silu's slope up to 1.1)."""
+    if not gated:
+        return product, moved_bytes, None
+    gate, up = product.chunk(2, dim=-1)
+    return silu_and_mul(product), moved_bytes, 2e-2 * (gate.abs() * up.abs()).max().item()
+
+
+def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: int,
+              gated: bool = False) -> dict:
     """The AWQ sweep on ``awq`` (AutoAWQ's GEMM tensors, the reference's operands) repacked as the
-    engine holds them; with more than GEMV_MAX_ROWS rows also dequantize-then-cuBLAS."""
+    engine holds them (``gated`` as in ``bench_rows``); with more than GEMV_MAX_ROWS rows also
+    dequantize-then-cuBLAS."""
     (rows, k), (qweight, qzeros, scales) = x.shape, awq
     n = scales.shape[1]
     reference = awq_linear_torch(x.float(), qweight, qzeros, scales.float(), group_size)
@@ -260,8 +284,11 @@ def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: 
     for config in candidates:
         check_awq_config(config, rows, group_size)
     moved = sum(t.numel() * t.element_size() for t in repacked) + io_bytes
-    found = dict(awq=sweep(candidates, lambda c, *packed: awq_linear_triton(x, *packed, group_size, None, c),
-                           repacked, reference, moved))
+
+    def run(config, *packed):
+        return awq_linear_triton(x, *packed, group_size, None, config, gated=gated)
+
+    found = dict(awq=sweep(candidates, run, repacked, *gated_reference(reference, gated, moved)))
     if rows > GEMV_MAX_ROWS:
         def dequantized(*packed):
             return F.linear(x, awq_dequantize_triton(*packed, group_size, x.dtype))
@@ -303,7 +330,8 @@ def _describe(result: dict | None) -> str:
 
 def format_record(record: dict) -> str:
     shape = f"N={record['n']:>6} K={record['k']:>5} M={record['rows']:>3}"
-    parts = [f"TP={record['tp']} {record['layer']:>7} {shape}",
+    gated = " (GEMVs gated: silu(gate) * up)" if record.get("gated") else ""
+    parts = [f"TP={record['tp']} {record['layer']:>7} {shape}{gated}",
              f"cuBLAS {_describe(record['cublas'])}"]
     for path in ("gemv", "fp8", "awq"):
         if path in record:

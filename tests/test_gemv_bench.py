@@ -271,6 +271,36 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
                          (((256, 64), torch.int32), ((256, 1), torch.int32), ((256, 8), torch.bfloat16))}
 
 
+def test_bench_rows_gated_checks_the_gemvs_against_silu_and_mul(monkeypatch):
+    """A one-row gate_up as the engine runs it: the dense and AWQ GEMVs gated, every candidate
+    correct against ``gated_reference`` (a plain GEMV's output has the wrong shape), the
+    half-width output counted in the bytes moved."""
+    def fake_seconds(fn, operands):
+        assert fn(*operands).shape == (1, 64)
+        return 1e-5
+    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
+    for name in ("dense_candidates", "awq_candidates"):
+        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(128, 256, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
+    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    monkeypatch.setattr(gemv_bench, "measure", _only_gated(gemv_bench.measure))
+    found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2, paths=("gemv", "awq"), gated=True)
+    for path in ("gemv", "awq"):
+        assert [r["ok"] for r in found[path]["candidates"]] == [True] * len(found[path]["candidates"]), path
+    assert found["gemv"]["best"]["gbps"] == pytest.approx((128 * 256 * 2 + 256 * 2 + 64 * 2) / 1e-5 / 1e9)
+
+
+def _only_gated(measure):
+    """``measure`` of everything but cuBLAS (the plain product, 128 columns) through ``fake_seconds``."""
+    def gated(fn, operands, reference, moved_bytes):
+        if reference.shape[-1] == 128:
+            return dict(us=10.0, gbps=0.0, peak_fraction=0.0, max_error=0.0)
+        return measure(fn, operands, reference, moved_bytes)
+    return gated
+
+
 def test_bench_rows_runs_only_the_paths_asked(monkeypatch):
     """``--paths awq``: cuBLAS (the reference time) and the AWQ sweep, no dense GEMV or FP8 sweep."""
     def fake_seconds(fn, operands):
