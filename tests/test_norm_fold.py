@@ -90,6 +90,28 @@ def test_dense_gemv_folds_the_norm(gemv, case, dtype, residual, normed):
         torch.testing.assert_close(folded.normed, reference.normed, atol=0, rtol=2 ** -9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [(3, TileConfig(block_n=8, block_k=256, split_k=2)),
+                                  (16, TileConfig(block_n=16, block_k=128, block_m=16))],
+                         ids=lambda case: f"{case}")
+def test_several_rows_fold_k_in_chunks(gemv, case, dtype):
+    """Several rows read K in chunks of ``FOLD_ROWS_CHUNK`` (K=1100: whole chunks and a ragged
+    one), the summed and normalized inputs written by one program: as the norm then the GEMV."""
+    from pagedlab.kernels.norm_fold_kernels import FOLD_ROWS_CHUNK
+
+    rows, config = case
+    chunk = FOLD_ROWS_CHUNK.value
+    assert chunk * 2 < 1100 and 1100 % chunk
+    fold = random_fold(rows, 1100, dtype, True, True, f"chunks {case} {dtype}")
+    weight = torch.randn(40, 1100, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE) / 30
+    folded, reference = fresh_buffers(fold), fresh_buffers(fold)
+    out = gemv.dense_gemv_triton(folded, weight, None, config)
+    expected = gemv.dense_gemv_torch(reference.materialize().float(), weight.float())
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+    assert torch.equal(folded.summed, reference.summed)
+    torch.testing.assert_close(folded.normed, reference.normed, atol=0, rtol=2 ** -9)
+
+
 def test_fold_refuses_buffers_unlike_x(gemv):
     fold = random_fold(1, 64, torch.float32, True, False, "refuses")
     weight = torch.randn(16, 64, device=DEVICE)
