@@ -140,8 +140,7 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
     def fuses_silu(self, x: torch.Tensor | FoldedRMSNorm) -> bool:
         """Whether ``silu_and_mul`` runs in one kernel at this batch (a gate_up projection's
         dense Triton GEMV with SiLU-and-mul in its epilogue)."""
-        fuses = getattr(self.linear_method, "fuses_silu", None)
-        return fuses is not None and fuses(self, x.x if isinstance(x, FoldedRMSNorm) else x)
+        return self.linear_method.fuses_silu(self, x.x if isinstance(x, FoldedRMSNorm) else x)
 
     def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
         """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's

@@ -64,6 +64,17 @@ class LinearMethod:
         kernel (``kernels/norm_fold.py``): its Triton GEMV runs this batch (none here)."""
         return False
 
+    def fuses_silu(self, layer, x: torch.Tensor) -> bool:
+        """Whether ``apply_silu_and_mul`` runs at this batch: up to ``FOLD_MAX_ROWS`` rows, where
+        the format's Triton GEMV (the one that folds norms) runs."""
+        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
+
+    def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """``silu_and_mul(apply(x))`` of a gate_up projection in one gated GEMV, SiLU-and-mul in
+        its epilogue (``kernels/gemv.py``); only where ``fuses_silu``."""
+        raise NotImplementedError(f"{type(self).__name__} has no gated GEMV")
+
     def process_weights_after_loading(self, layer) -> None:
         """Turn the loaded (and tensor-parallel cut) parameters into the layout ``apply`` reads;
         called once per layer by the loader after every weight is set (nothing to do here)."""
@@ -84,15 +95,8 @@ class DenseLinearMethod(LinearMethod):
     def folds_norm(self, layer, x: torch.Tensor) -> bool:
         return dense_gemv_runs(x, layer.weight)
 
-    def fuses_silu(self, layer, x: torch.Tensor) -> bool:
-        """Whether ``apply_silu_and_mul`` runs the gated Triton GEMV at this batch (up to
-        ``FOLD_MAX_ROWS`` rows, where the GEMV runs)."""
-        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
-
     def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
                            bias: torch.Tensor | None) -> torch.Tensor:
-        """``silu_and_mul(apply(x))`` in one gated GEMV (``kernels/gemv.py``; only where
-        ``fuses_silu``)."""
         from pagedlab.kernels.gemv import dense_gemv_triton
 
         rows = x.x if isinstance(x, FoldedRMSNorm) else x
@@ -179,13 +183,8 @@ class AWQLinearMethod(LinearMethod):
             return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
         return repacked_linear_torch(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias)
 
-    def fuses_silu(self, layer, x: torch.Tensor) -> bool:
-        """Up to ``FOLD_MAX_ROWS`` rows on CUDA: ``apply_silu_and_mul`` runs the gated GEMV."""
-        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
-
     def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
                            bias: torch.Tensor | None) -> torch.Tensor:
-        """``silu_and_mul(apply(x))`` in one gated AWQ GEMV (only where ``fuses_silu``)."""
         from pagedlab.kernels.w4a16 import awq_linear_triton
 
         return awq_linear_triton(x, layer.qweight, layer.qzeros, layer.scales, self.group_size, bias,
