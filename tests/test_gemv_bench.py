@@ -245,6 +245,20 @@ def _cut(candidates):
     return cut
 
 
+def _cut_sweeps(monkeypatch, fake_seconds) -> None:
+    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
+    for name in ("dense_candidates", "awq_candidates"):
+        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
+
+
+def _one_row_linear(seed: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One bf16 row, a random ``[n, k]`` weight and its AutoAWQ tensors (groups of 64)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=gen) * 0.1).bfloat16().to(DEVICE)
+    x = torch.randn(1, k, generator=gen).bfloat16().to(DEVICE)
+    return x, weight, gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+
+
 def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
     """One row through cuBLAS, the GEMV, FP8 and AWQ sweeps (cut to their first two candidates and
     one one-row tile), each timed on the tensors its copies are made of."""
@@ -254,13 +268,8 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
         seen.append(tuple((tuple(t.shape), t.dtype) for t in operands))
         fn(*operands)
         return 1e-5
-    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
-    for name in ("dense_candidates", "awq_candidates"):
-        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
-    gen = torch.Generator().manual_seed(1)
-    weight = (torch.randn(256, 512, generator=gen) * 0.1).bfloat16().to(DEVICE)
-    x = torch.randn(1, 512, generator=gen).bfloat16().to(DEVICE)
-    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    _cut_sweeps(monkeypatch, fake_seconds)
+    x, weight, awq = _one_row_linear(1, 256, 512)
     found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2)
     for path in ("gemv", "fp8", "awq"):
         assert [r["ok"] for r in found[path]["candidates"]] == [True] * 3, path
@@ -278,13 +287,8 @@ def test_bench_rows_gated_checks_the_gemvs_against_silu_and_mul(monkeypatch):
     def fake_seconds(fn, operands):
         assert fn(*operands).shape == (1, 64)
         return 1e-5
-    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
-    for name in ("dense_candidates", "awq_candidates"):
-        monkeypatch.setattr(gemv_bench, name, _cut(getattr(gemv_bench, name)))
-    gen = torch.Generator().manual_seed(3)
-    weight = (torch.randn(128, 256, generator=gen) * 0.1).bfloat16().to(DEVICE)
-    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
-    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    _cut_sweeps(monkeypatch, fake_seconds)
+    x, weight, awq = _one_row_linear(3, 128, 256)
     monkeypatch.setattr(gemv_bench, "measure", _only_gated(gemv_bench.measure))
     found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2, paths=("gemv", "awq"), gated=True)
     for path in ("gemv", "awq"):
@@ -306,12 +310,8 @@ def test_bench_rows_runs_only_the_paths_asked(monkeypatch):
     def fake_seconds(fn, operands):
         fn(*operands)
         return 1e-5
-    monkeypatch.setattr(gemv_bench, "decode_seconds", fake_seconds)
-    monkeypatch.setattr(gemv_bench, "awq_candidates", _cut(gemv_bench.awq_candidates))
-    gen = torch.Generator().manual_seed(2)
-    weight = (torch.randn(128, 256, generator=gen) * 0.1).bfloat16().to(DEVICE)
-    x = torch.randn(1, 256, generator=gen).bfloat16().to(DEVICE)
-    awq = gemv_bench.quantize_awq(weight.T.contiguous(), 64)
+    _cut_sweeps(monkeypatch, fake_seconds)
+    x, weight, awq = _one_row_linear(2, 128, 256)
     found = gemv_bench.bench_rows(x, weight, awq, True, 64, sms=2, paths=("awq",))
     assert set(found) == {"cublas", "awq"}
     assert [r["ok"] for r in found["awq"]["candidates"]] == [True] * 2
