@@ -37,7 +37,7 @@ from pagedlab.kernels.gemv import ONE_ROW_PREFETCH_STAGES, dense_gemv_triton, nu
 from pagedlab.kernels.gemv_configs import (AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig,
                                            default_awq_config, default_dense_gemv_config,
                                            default_fp8_gemv_config, row_bucket, splits_for)
-from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS
+from pagedlab.kernels import norm_fold
 from pagedlab.kernels.w4a16 import awq_dequantize_triton, awq_linear_triton, check_awq_config
 from pagedlab.layers.activation import silu_and_mul
 from pagedlab.quantization.awq import awq_linear_torch, quantize_awq, repack_awq
@@ -228,7 +228,7 @@ def bench_shape(tp: int, name: str, n: int, k: int, rows_list: list[int], group_
     records = []
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-        gated = name == "gate_up" and rows <= FOLD_MAX_ROWS  # as the engine's MLP runs it
+        gated = name == "gate_up" and rows <= norm_fold.FOLD_MAX_ROWS  # as the engine's MLP runs it
         found = bench_rows(x, weight, awq, name not in DENSE_ONLY_LINEARS, group_size, sms, paths, gated)
         record = dict(tp=tp, layer=name, n=n, k=k, rows=rows, gated=gated, **found)
         records.append(record)

@@ -10,9 +10,9 @@ import zlib
 import pytest
 import torch
 
+from pagedlab.kernels import norm_fold
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
-from pagedlab.layers import norm
 from pagedlab.layers.norm import add_rms_norm, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,7 +193,7 @@ def test_folded_norms_hand_the_residual_on_through_the_model(tiny_models, monkey
     materialized = []
     original = FoldedRMSNorm.materialize
     monkeypatch.setattr(FoldedRMSNorm, "materialize", lambda self: materialized.append(1) or original(self))
-    monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)  # every decode batch of this test
+    monkeypatch.setattr(norm_fold, "FOLD_MAX_ROWS", 16)  # every decode batch of this test
     monkeypatch.setattr(OutputShardedLinear, "folds_norm", lambda self, x: True)
     monkeypatch.setattr(SparseMoeBlock, "folds_norm", lambda self, x: True)
     tiny = tiny_models(arch)
@@ -215,7 +215,7 @@ def test_folding_gemvs_give_hf_tokens_on_gpu(tiny_models, monkeypatch, arch):
     folded = []
     launch = gemv.dense_gemv_triton
     monkeypatch.setattr(linear_method, "dense_gemv_config", any_gemv_shape)
-    monkeypatch.setattr(norm, "FOLD_MAX_ROWS", 16)
+    monkeypatch.setattr(norm_fold, "FOLD_MAX_ROWS", 16)
     monkeypatch.setattr(gemv, "dense_gemv_triton",
                         lambda x, *args, **kwargs: folded.append(isinstance(x, FoldedRMSNorm))
                         or launch(x, *args, **kwargs))

@@ -18,10 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-# The most rows (decode batch) at which a norm folds. The GEMVs fold at any of their 1-16 rows
-# (the tests run them), but only one row has been timed on the H200 (BENCHMARKS.md): at more
-# rows every program reads each of its rows whole first, which may cost more than the launch.
+# The most rows (decode batch) at which a norm folds into the GEMV after it, and the gate_up GEMV
+# takes the SiLU-and-mul into its epilogue (``fold_rows``). The GEMVs do both at any of their 1-16
+# rows (the tests run them), but on the H200 only one row has won (BENCHMARKS.md): folding at 4
+# and 16 rows, each program then reading its rows one after another, cost 0.5-3.1 ms a step.
 FOLD_MAX_ROWS = 1
+
+
+def fold_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` ``[..., K]`` is a batch of at most ``FOLD_MAX_ROWS`` rows (read at each call,
+    so that one assignment turns both folds up or down for A/B timing)."""
+    return x.numel() <= FOLD_MAX_ROWS * x.shape[-1]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS, FoldedRMSNorm
+from pagedlab.kernels.norm_fold import FoldedRMSNorm, fold_rows
 from pagedlab.layers.batch_invariant import invariant_norm, runs_invariant_kernels
 from pagedlab.layers.fusion import fused
 from pagedlab.quantization.fp8 import QuantizedActivations
@@ -111,8 +111,7 @@ class RMSNorm(nn.Module):
             return invariant_norm(x, self.weight, self.eps, unit_offset=self.unit_offset, residual=residual)
         if self.fp8_output:
             return rms_norm_fp8(x, self.weight, self.eps, residual)
-        if self.consumer_folds is not None and x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and \
-                self.consumer_folds(x):
+        if self.consumer_folds is not None and fold_rows(x) and self.consumer_folds(x):
             return self._folded(x, residual)
         if residual is None:
             return self._norm(x, self.weight, self.eps)

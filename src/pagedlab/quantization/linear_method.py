@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config
-from pagedlab.kernels.norm_fold import FOLD_MAX_ROWS, FoldedRMSNorm
+from pagedlab.kernels.norm_fold import FoldedRMSNorm, fold_rows
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import (VALUES_PER_INT32, AWQConfig, quantize_awq, repack_awq,
                                        repacked_linear_torch)
@@ -67,7 +67,7 @@ class LinearMethod:
     def fuses_silu(self, layer, x: torch.Tensor) -> bool:
         """Whether ``apply_silu_and_mul`` runs at this batch: up to ``FOLD_MAX_ROWS`` rows, where
         the format's Triton GEMV (the one that folds norms) runs."""
-        return x.numel() <= FOLD_MAX_ROWS * x.shape[-1] and self.folds_norm(layer, x)
+        return fold_rows(x) and self.folds_norm(layer, x)
 
     def apply_silu_and_mul(self, layer, x: torch.Tensor | FoldedRMSNorm,
                            bias: torch.Tensor | None) -> torch.Tensor:
