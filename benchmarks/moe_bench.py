@@ -119,9 +119,10 @@ def gemv_candidates(k: int, row_sets: int, top_k: int = 0) -> list[MoeGemvLaunch
              if low <= row_sets * bn * bk // (32 * warps) <= high]
     if top_k:
         low, high = BY_TOKEN_THREAD_VALUES
-        found += [MoeGemvLaunch(bn, bk, warps, 1, True)
+        found += [MoeGemvLaunch(bn, bk, warps, stages, True)
                   for bn in BY_TOKEN_BLOCK_N for bk in sorted({min(b, cap) for b in BY_TOKEN_BLOCK_K})
-                  for warps in GEMV_WARPS if low <= top_k * bn * bk // (32 * warps) <= high]
+                  for warps in GEMV_WARPS for stages in GEMV_STAGES
+                  if low <= top_k * bn * bk // (32 * warps) <= high]
     return found
 
 

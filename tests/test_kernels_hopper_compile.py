@@ -230,6 +230,11 @@ KERNELS = {
                                    dict(TOP_K=8, BLOCK_N=16, BLOCK_K=1024, EVEN_N=True, EVEN_K=False,
                                         PREFETCH=False, PAIRS=True, ALL_PAIRS=True, TOP_K_BLOCK=8),
                                    dict(experts_ptr=_I, partial_ptr=_F, counter_ptr=_I)),
+    # ... and Qwen3-30B-A3B's 1-token tile (2 x 256: three whole steps of its 768) reading ahead
+    "moe_down_gemv_by_token_prefetch": Spec("fused_moe_kernels", "moe_down_gemv_kernel",
+                                            dict(TOP_K=8, BLOCK_N=2, BLOCK_K=256, EVEN_N=True, EVEN_K=True,
+                                                 PREFETCH=True, PAIRS=True, ALL_PAIRS=True, TOP_K_BLOCK=8),
+                                            dict(experts_ptr=_I, partial_ptr=_F, counter_ptr=_I)),
     "moe_reduce": Spec("fused_moe_kernels", "moe_reduce_kernel",
                        dict(SPLIT_K=2, TOP_K=8, TOP_K_BLOCK=8, BLOCK_H=256), dict(partial_ptr=_F)),
 }

@@ -45,7 +45,7 @@ def test_gemv_candidates_sweep_tiles_a_thread_can_hold_with_block_k_capped_at_k(
 
 def test_down_candidates_add_tiles_by_token_that_hold_the_tokens_pairs():
     """With top_k the down sweep adds the form by token: BY_TOKEN tiles whose top_k pairs' weight
-    values a thread a step lie in BY_TOKEN_THREAD_VALUES, one plain stage (it prefetches nothing)."""
+    values a thread a step lie in BY_TOKEN_THREAD_VALUES, each plain and prefetching (GEMV_STAGES)."""
     per_pair = moe_bench.gemv_candidates(768, 1)
     both = moe_bench.gemv_candidates(768, 1, top_k=8)
     by_token = [c for c in both if c.all_pairs]
@@ -55,7 +55,8 @@ def test_down_candidates_add_tiles_by_token_that_hold_the_tokens_pairs():
                                                                moe_bench.BY_TOKEN_BLOCK_K, (2, 4, 8))
                 if low <= 8 * bn * bk // (32 * w) <= high}
     assert {(c.block_n, c.block_k, c.num_warps) for c in by_token} == expected and expected
-    assert {c.num_stages for c in by_token} == {1}
+    assert {(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in by_token} == {
+        (*tile, stages) for tile in expected for stages in moe_bench.GEMV_STAGES}
     for candidate in by_token:
         candidate.check("down")
 

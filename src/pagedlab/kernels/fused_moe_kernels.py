@@ -489,7 +489,7 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
     if ALL_PAIRS:
         token = tl.program_id(1)
         total = _token_down(h_ptr, w2_ptr, weights_ptr, experts_ptr, token, rows, inter, stride_h,
-                            stride_w_expert, TOP_K, TOP_K_BLOCK, BLOCK_K, EVEN_K, PAIRS)
+                            stride_w_expert, TOP_K, TOP_K_BLOCK, BLOCK_K, EVEN_K, PREFETCH, PAIRS)
         tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, total.to(out_ptr.dtype.element_ty),
                  mask=offs_n < hidden)
     else:
@@ -507,14 +507,28 @@ def moe_down_gemv_kernel(h_ptr, w2_ptr, out_ptr, weights_ptr, experts_ptr, parti
 
 
 @triton.jit
+def _token_step(w_rows, x_rows, valid, offs_k, K, FULL: tl.constexpr):
+    """One K step of ``_token_down``: the pairs' weight rows and activations at ``offs_k``
+    (``[1, 1, step]``), unmasked where FULL (whole steps, every slot a pair)."""
+    if FULL:
+        w = tl.load(w_rows + offs_k)
+        return w, tl.load(x_rows + tl.broadcast_to(offs_k, w.shape))
+    mask = valid[:, None, None] & (offs_k < K)
+    w = tl.load(w_rows + offs_k, mask=mask, other=0)
+    return w, tl.load(x_rows + tl.broadcast_to(offs_k, w.shape), mask=mask, other=0)
+
+
+@triton.jit
 def _token_down(h_ptr, w2_ptr, weights_ptr, experts_ptr, token, rows, inter, stride_h, stride_w_expert,
                 TOP_K: tl.constexpr, TOP_K_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                PAIRS: tl.constexpr):
+                PREFETCH: tl.constexpr, PAIRS: tl.constexpr):
     """``sum_slot weight[pair] * (h[pair] . down[n])`` over the token's TOP_K pairs, float32, for
     the weight rows at offsets ``rows`` (``[BLOCK_N, 1]``) of each pair's expert. Each K step
     reads all the pairs' rows as one ``[TOP_K_BLOCK, BLOCK_N, step]`` tile, so that their loads
     are in flight together (a loop over the pairs ran one pair's loads, products and sum after
-    another in the sm_90 SASS); PAIRS as in ``_row_dots``."""
+    another in the sm_90 SASS); PREFETCH: each next step's loads go out before this step's
+    products (the first before the loop, the last step's products after it), two steps in
+    flight; PAIRS as in ``_row_dots``."""
     slots = tl.arange(0, TOP_K_BLOCK)
     valid = slots < TOP_K
     pairs = token * TOP_K + slots
@@ -527,16 +541,19 @@ def _token_down(h_ptr, w2_ptr, weights_ptr, experts_ptr, token, rows, inter, str
     UNIT: tl.constexpr = 2 if PAIRS else 1
     STEP: tl.constexpr = BLOCK_K // UNIT
     K = inter // UNIT
+    full: tl.constexpr = EVEN_K and TOP_K == TOP_K_BLOCK
+    offs_k = tl.arange(0, STEP)[None, None, :]
     acc = tl.zeros([TOP_K_BLOCK, rows.shape[0], STEP], dtype=tl.float32)
-    for k_start in range(0, K, STEP):
-        offs_k = k_start + tl.arange(0, STEP)[None, None, :]
-        if EVEN_K and TOP_K == TOP_K_BLOCK:
-            w = tl.load(w_rows + offs_k)
-            x = tl.load(x_rows + tl.broadcast_to(offs_k, w.shape))
-        else:
-            mask = valid[:, None, None] & (offs_k < K)
-            w = tl.load(w_rows + offs_k, mask=mask, other=0)
-            x = tl.load(x_rows + tl.broadcast_to(offs_k, w.shape), mask=mask, other=0)
+    if PREFETCH:
+        w, x = _token_step(w_rows, x_rows, valid, offs_k, K, full)
+        for k_start in range(STEP, K, STEP):
+            next_w, next_x = _token_step(w_rows, x_rows, valid, k_start + offs_k, K, full)
+            acc = _add_products(acc, x, w, PAIRS)
+            w, x = next_w, next_x
         acc = _add_products(acc, x, w, PAIRS)
+    else:
+        for k_start in range(0, K, STEP):
+            w, x = _token_step(w_rows, x_rows, valid, k_start + offs_k, K, full)
+            acc = _add_products(acc, x, w, PAIRS)
     weights = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     return tl.sum(tl.sum(acc, axis=2) * weights[:, None], axis=0)
