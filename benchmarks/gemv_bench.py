@@ -4,7 +4,7 @@ names another known shape) on one GPU: cuBLAS bf16 (F.linear), the Triton dense 
 the engine holds them), each Triton kernel over a small sweep of ``TileConfig``s, checked against
 its torch reference (AWQ: ``awq_linear_torch`` on AutoAWQ's GEMM tensors). A one-row gate_up
 (up to ``FOLD_MAX_ROWS`` rows) runs its dense and AWQ GEMVs gated, as the engine's MLP does
-(``silu(gate) * up`` in the epilogue, ``gated_reference``), so that the table's tile is the one
+(``silu(gate) * up`` in the epilogue, checked in ``sweep``), so that the table's tile is the one
 for the kernel that runs; cuBLAS and FP8 time the plain product there.
 
 Per (tensor-parallel size, layer, batch rows) it prints each path's best time, the bandwidth it
@@ -200,12 +200,16 @@ def measure(fn, operands: tuple[torch.Tensor, ...], reference: torch.Tensor, mov
 
 
 def sweep(candidates, run, operands: tuple[torch.Tensor, ...], reference: torch.Tensor,
-          moved_bytes: int, tolerance: float | None = None) -> dict:
+          moved_bytes: int, gated: bool = False) -> dict:
     """The fastest correct candidate of ``run(config, *operands)`` (and the default's result, the
-    first candidate). Correct: within ``tolerance`` of the fp32 reference, by default 1% of its
-    largest output (bf16 rounding is 0.4%)."""
-    if tolerance is None:
-        tolerance = 1e-2 * reference.abs().max().item()
+    first candidate). Correct: within 1% of the largest output of the fp32 ``reference`` (bf16
+    rounding is 0.4%); ``gated`` (``run`` writes ``silu(gate) * up`` of the reference's halves):
+    within 2% of the largest ``|gate| * |up|`` of ``silu_and_mul(reference)`` (the GEMV rounds
+    gate and up to bf16 before multiplying them, 0.4% apiece, silu's slope up to 1.1)."""
+    tolerance = 1e-2 * reference.abs().max().item()
+    if gated:
+        gate, up = reference.chunk(2, dim=-1)
+        reference, tolerance = silu_and_mul(reference), 2e-2 * (gate.abs() * up.abs()).max().item()
     results = []
     for config in candidates:
         try:
@@ -241,7 +245,7 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, quantized: boo
     """cuBLAS, the dense GEMV sweep (up to GEMV_MAX_ROWS rows) and, for a linear the quantized
     models quantize, the FP8 and AWQ sweeps for one batch: those of ``paths``. ``gated`` (a
     gate_up projection where the engine's MLP runs it so): the dense and AWQ GEMVs write
-    ``silu(gate) * up`` (``gated=True``), checked against ``gated_reference``; cuBLAS and FP8
+    ``silu(gate) * up`` (``gated=True``, checked by ``sweep``); cuBLAS and FP8
     (whose activation kernel emits FP8) time the plain product."""
     (rows, k), n = x.shape, weight.shape[0]
     io_bytes = (rows * k + rows * n) * 2
@@ -252,23 +256,12 @@ def bench_rows(x: torch.Tensor, weight: torch.Tensor, awq: tuple, quantized: boo
     if rows <= GEMV_MAX_ROWS and "gemv" in paths:
         found["gemv"] = sweep(dense_candidates(rows, n, k, sms),
                               lambda c, w: dense_gemv_triton(x, w, None, c, gated=gated), (weight,),
-                              *gated_reference(dense_ref, gated, dense_bytes - gated_bytes))
+                              dense_ref, dense_bytes - gated_bytes, gated)
     if quantized and "fp8" in paths:
         found["fp8"] = bench_fp8(x, weight, io_bytes, sms)
     if quantized and "awq" in paths:
         found.update(bench_awq(x, awq, group_size, io_bytes - gated_bytes, sms, gated))
     return found
-
-
-def gated_reference(product: torch.Tensor, gated: bool,
-                    moved_bytes: int) -> tuple[torch.Tensor, int, float | None]:
-    """``sweep``'s reference, bytes and tolerance for a GEMV of the fp32 ``product``: as they are,
-    or ``gated``: ``silu_and_mul`` of it within 2% of the largest ``|gate| * |up|`` (the GEMV
-    rounds gate and up to bf16 before multiplying them, 0.4% apiece, silu's slope up to 1.1)."""
-    if not gated:
-        return product, moved_bytes, None
-    gate, up = product.chunk(2, dim=-1)
-    return silu_and_mul(product), moved_bytes, 2e-2 * (gate.abs() * up.abs()).max().item()
 
 
 def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: int,
@@ -288,7 +281,7 @@ def bench_awq(x: torch.Tensor, awq: tuple, group_size: int, io_bytes: int, sms: 
     def run(config, *packed):
         return awq_linear_triton(x, *packed, group_size, None, config, gated=gated)
 
-    found = dict(awq=sweep(candidates, run, repacked, *gated_reference(reference, gated, moved)))
+    found = dict(awq=sweep(candidates, run, repacked, reference, moved, gated))
     if rows > GEMV_MAX_ROWS:
         def dequantized(*packed):
             return F.linear(x, awq_dequantize_triton(*packed, group_size, x.dtype))

@@ -282,7 +282,7 @@ def test_bench_rows_times_every_path_on_its_own_operands(monkeypatch):
 
 def test_bench_rows_gated_checks_the_gemvs_against_silu_and_mul(monkeypatch):
     """A one-row gate_up as the engine runs it: the dense and AWQ GEMVs gated, every candidate
-    correct against ``gated_reference`` (a plain GEMV's output has the wrong shape), the
+    correct against ``silu_and_mul`` of the reference (a plain GEMV's output has the wrong shape), the
     half-width output counted in the bytes moved."""
     def fake_seconds(fn, operands):
         assert fn(*operands).shape == (1, 64)

@@ -144,9 +144,7 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
 
     def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
         """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's
-        epilogue; only where ``fuses_silu(x)``."""
-        if isinstance(x, FoldedRMSNorm) and not self.folds_norm(x.x):
-            x = x.materialize()
+        epilogue; only where ``fuses_silu(x)`` (so a ``FoldedRMSNorm`` folds in there too)."""
         return self.linear_method.apply_silu_and_mul(self, x, self.bias)
 
     def gemv_config(self, x: torch.Tensor) -> TileConfig | None:
