@@ -221,3 +221,27 @@ def random_prompts(count: int, vocab: int = 1000, min_len: int = 3, max_len: int
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def tokens_and_logprobs(outs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """(token ids, {token: logprob} per step) of each request's first completion."""
+    completions = [o.outputs[0] for o in outs]
+    return [(c.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+            for c in completions]
+
+
+def assert_same_decode(fused, unfused, tie: float = 0.25, close: float = 0.25) -> None:
+    """Greedy steps (``tokens_and_logprobs``) agree and their top logprobs lie within ``close``,
+    up to a first divergence, which must be a near-tie (the two tokens within ``tie`` in the fused
+    step): a fused FP8 norm sums in another order than Inductor's, which moves a bf16 rounding of
+    the normed value and so an FP8 rounding in about one element of 16. At the 8B shape's dummy
+    weights that noise moved a top logprob by 0.09 (H200, 2026-12-01); a wrong scale or element
+    moves them by whole units."""
+    for (tokens, logprobs), (other_tokens, other_logprobs) in zip(fused, unfused):
+        for step, (token, other) in enumerate(zip(tokens, other_tokens)):
+            mine, theirs = logprobs[step], other_logprobs[step]
+            for t in mine.keys() & theirs.keys():
+                assert abs(mine[t] - theirs[t]) < close, (step, t, mine[t], theirs[t])
+            if token != other:
+                assert other in mine and abs(mine[token] - mine[other]) < tie, (step, mine, theirs)
+                break

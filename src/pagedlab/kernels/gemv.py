@@ -13,12 +13,13 @@ The counters live in one buffer per device made at the first split-K call (the m
 eager warm-up, before any capture); two split-K kernels must not run at once on one device
 (the engine runs one stream).
 
-With a ``GemvLoRA`` (``kernels/lora.py``'s ``linear_with_lora``, a LoRA linear whose base runs
-this kernel) the epilogue also adds each row's adapter delta, in fp32 before the output is rounded:
-the LoRA shrink's partial sums of the row (summed over the shrink's splits) times the B rows of
-the row's slot for the program's columns, a column tile lying in one fused slice. With split-K it
-rides in segment 0's partial sums, so the last program's in-order sum adds it once. Rows without
-a slot add nothing. This replaces the separate ``lora_expand`` launch after the GEMV.
+With a ``GemvLoRA`` (``kernels/gemv_lora.py``; ``kernels/lora.py``'s ``linear_with_lora``, a
+LoRA linear whose base runs this kernel) the epilogue also adds each row's adapter delta, in fp32
+before the output is rounded: the LoRA shrink's partial sums of the row (summed over the shrink's
+splits) times the B rows of the row's slot for the program's columns, a column tile lying in one
+fused slice. With split-K it rides in segment 0's partial sums, so the last program's in-order sum
+adds it once. Rows without a slot add nothing. This replaces the separate ``lora_expand`` launch
+after the GEMV.
 
 ``dense_gemv_torch`` is the reference; ``pagedlab.quantization.linear_method.dense_linear`` picks
 this kernel only where ``gemv_configs.DENSE_GEMV_CONFIGS`` (measured) says it beats cuBLAS.
@@ -27,8 +28,6 @@ This module imports triton when it loads: import it lazily (see ``kernels/w4a16.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -38,6 +37,7 @@ import triton.language as tl
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.kernels.norm_fold_kernels import fold_args, fold_rstd, folded_rstd, load_input, norm_sums
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, default_dense_gemv_config
+from pagedlab.kernels.gemv_lora import GemvLoRA, lora_delta, lora_partials, lora_row_slots, no_lora_args
 from pagedlab.kernels.pdl import pdl_launch
 from pagedlab.kernels.pdl_jit import pdl_wait_and_trigger
 
@@ -193,43 +193,6 @@ def _prefetch_step(acc, x, w, x_rows, res_rows, g_ptr, w_rows, offs, n_valid, en
     return acc, next_x, next_w
 
 
-@triton.jit
-def _lora_rows(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
-    """The rows that add a LoRA delta (those with a slot, in K segment 0 only: it is added once),
-    their slots, and the column tile's slice (the tile lies in one) with its first column."""
-    slot = tl.load(slots_ptr + offs_m, mask=m_valid, other=-1).to(tl.int64)
-    rows = tl.where(split == 0, slot, -1) >= 0
-    part = (tile_start >= size0).to(tl.int32) + (tile_start >= size0 + size1).to(tl.int32)
-    first = tl.where(part == 2, size0 + size1, tl.where(part == 1, size0, 0))
-    return rows, slot, part, first
-
-
-@triton.jit
-def _lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, stride_h_slice, stride_h_row,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The LoRA shrink's fp32 partial sums ``[BLOCK_S, BLOCK_M, BLOCK_R]`` of ``rows`` (token
-    order) in slice ``part``, every split's in one load (zero elsewhere), to be summed over the
-    splits (axis 0: one fixed order)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    cells = (h_ptr + part * stride_h_slice + offs_s[:, None, None] * stride_h_split
-             + offs_m[None, :, None] * stride_h_row + offs_r[None, None, :])
-    mask = (offs_s < splits)[:, None, None] & rows[None, :, None] & (offs_r < rank)[None, None, :]
-    return tl.load(cells, mask=mask, other=0.0)
-
-
-@triton.jit
-def _lora_delta(h, b_ptr, rows, slot, part, first, offs_n, n_valid, rank, stride_b_slot, stride_b_slice,
-                stride_b_row, BLOCK_R: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` fp32: the rows' shrink sums ``h`` ``[BLOCK_M, BLOCK_R]`` times their
-    slots' B rows for the tile's columns (zero for the other rows)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    b = tl.load(b_ptr + slot[:, None, None] * stride_b_slot + part * stride_b_slice
-                + (offs_n - first)[None, :, None] * stride_b_row + offs_r[None, None, :],
-                mask=rows[:, None, None] & n_valid[None, :, None] & (offs_r < rank)[None, None, :], other=0.0)
-    return tl.sum(h[:, None, :] * b.to(tl.float32), axis=2)
-
-
 @triton.jit(do_not_specialize=["M", "num_splits"])
 def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, row_scale_ptr,
                        col_scale_ptr, M, N, K, K_PER_SPLIT, num_splits, stride_x, stride_w, stride_out,
@@ -309,14 +272,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             offs_k = k_begin + tl.arange(0, BLOCK_K)
             w = _weight_tile(w_rows, offs_k, n_valid, K)
         if LORA:
-            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+            lora_rows, lora_slot, part, first = lora_row_slots(lora_slots_ptr, offs_m, m_valid, split,
                                                            pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
         if NORM and not NORM_SUMS:
             rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
                              (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
         if LORA:
-            lora_h = _lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+            lora_h = lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                     stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         if PREFETCH:
             k_end = tl.minimum(k_begin + K_PER_SPLIT, K) // UNIT
@@ -366,12 +329,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
         acc *= rstd[:, None]
     if LORA:
         if not ONE_ROW:
-            lora_rows, lora_slot, part, first = _lora_rows(lora_slots_ptr, offs_m, m_valid, split,
+            lora_rows, lora_slot, part, first = lora_row_slots(lora_slots_ptr, offs_m, m_valid, split,
                                                            pid_n * BLOCK_N, lora_size0, lora_size1)
-            lora_h = tl.sum(_lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
+            lora_h = tl.sum(lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
                                            stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S,
                                            LORA_BLOCK_R), axis=0)
-        acc += _lora_delta(lora_h, lora_b_ptr, lora_rows, lora_slot, part, first, offs_n, n_valid, lora_rank,
+        acc += lora_delta(lora_h, lora_b_ptr, lora_rows, lora_slot, part, first, offs_n, n_valid, lora_rank,
                            stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
@@ -382,53 +345,6 @@ def dense_gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``x @ weight.T + bias`` in ``x``'s dtype: the reference of ``dense_gemv_triton``."""
     out = x @ weight.to(x.dtype).T
     return out if bias is None else out + bias.to(x.dtype)
-
-
-@dataclass(frozen=True)
-class GemvLoRA:
-    """The adapter deltas the GEMV's epilogue adds (``kernels/lora.py``): ``h`` the LoRA shrink's
-    fp32 partial sums ``[splits, slices, tokens, rank]`` (token order), ``lora_b`` the stacked B
-    ``[slots, slices, max_out, rank]``, ``token_slots`` each row's slot (int32, -1: none) and the
-    output columns of each slice, in order (each slice but the last a whole number of column tiles)."""
-
-    h: torch.Tensor
-    lora_b: torch.Tensor
-    token_slots: torch.Tensor
-    slice_sizes: Sequence[int]
-
-    def check(self, rows: int, out_features: int, block_n: int) -> None:
-        """Raise ValueError unless this fits a GEMV of ``rows`` rows, ``out_features`` outputs and
-        column tiles of ``block_n``."""
-        sizes, slices = list(self.slice_sizes), self.lora_b.shape[1]
-        if not 1 <= len(sizes) <= 3 or len(sizes) != slices or self.h.shape[1] != slices or \
-                sum(sizes) != out_features or max(sizes) > self.lora_b.shape[2]:
-            raise ValueError(f"LoRA slices {sizes} do not fit B {tuple(self.lora_b.shape)}, h "
-                             f"{tuple(self.h.shape)} and {out_features} outputs (1 to 3 slices)")
-        if any(size % block_n for size in sizes[:-1]):
-            raise ValueError(f"LoRA slices {sizes}: block_n={block_n} must divide each but the last")
-        h, b = self.h, self.lora_b
-        if h.dtype != torch.float32 or h.shape[2] < rows or self.token_slots.numel() < rows or \
-                h.shape[3] != b.shape[3] or h.stride(3) != 1 or b.stride(3) != 1:
-            raise ValueError(f"LoRA h {tuple(self.h.shape)} {self.h.dtype}, B {tuple(self.lora_b.shape)} and "
-                             f"{self.token_slots.numel()} token slots do not fit {rows} rows")
-
-    def kernel_args(self) -> dict:
-        """The LoRA arguments of ``_dense_gemv_kernel``."""
-        h, b = self.h, self.lora_b
-        sizes = [*self.slice_sizes, 0][:2]
-        return dict(lora_h_ptr=h, lora_b_ptr=b, lora_slots_ptr=self.token_slots, lora_rank=b.shape[3],
-                    lora_splits=h.shape[0], lora_size0=sizes[0], lora_size1=sizes[1],
-                    stride_h_split=h.stride(0), stride_h_slice=h.stride(1), stride_h_row=h.stride(2),
-                    stride_b_slot=b.stride(0), stride_b_slice=b.stride(1), stride_b_row=b.stride(2),
-                    LORA=True, LORA_BLOCK_S=triton.next_power_of_2(h.shape[0]),
-                    LORA_BLOCK_R=triton.next_power_of_2(b.shape[3]))
-
-
-def _no_lora_args(out: torch.Tensor) -> dict:
-    names = ("lora_rank", "lora_splits", "lora_size0", "lora_size1", "stride_h_split", "stride_h_slice",
-             "stride_h_row", "stride_b_slot", "stride_b_slice", "stride_b_row")
-    return dict(dict.fromkeys(names, 0), lora_h_ptr=out, lora_b_ptr=out, lora_slots_ptr=out, LORA=False,
-                LORA_BLOCK_S=1, LORA_BLOCK_R=1)
 
 
 def dense_gemv_triton(x: torch.Tensor | FoldedRMSNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -506,7 +422,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         BLOCK_M=gemv_block_m(rows, config), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
-        **(lora.kernel_args() if lora is not None else _no_lora_args(out)), **fold_args(x, norm),
+        **(lora.kernel_args() if lora is not None else no_lora_args(out)), **fold_args(x, norm),
         NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
         GATED=gated,
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
