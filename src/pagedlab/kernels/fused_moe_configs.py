@@ -227,13 +227,14 @@ class MoeGemvConfig:
 # loses at 8 (148.0 against 139.1 us); Mixtral's shape is not yet measured. The down launches at 1
 # and 2 tokens: the form by token, from a probe of the down launch alone (2026-12-03, 10 tiles of
 # it against the table's two per-pair ones, CUDA-graph timing): 11.03 against 11.90 us at 1
-# token, 17.95 against 18.99 at 2, outputs equal; the layer times in the comments are the
-# per-pair form's.
+# token, 17.95 against 18.99 at 2, outputs equal. The 1- and 2-token lines: moe_bench's sweep
+# with the by-token down launch in it (2026-12-03, session 24); at 1 token the new line took
+# Qwen3-30B-A3B's W-seed batch-1 TPOT from 2.580 / 2.554 to 2.482 / 2.495 ms (BENCHMARKS.md).
 MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {
-    (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 31.8 us, 2377 GB/s (grouped 36.1 us)
-        MoeGemvConfig(MoeGemvLaunch(16, 256, 8, 1), MoeGemvLaunch(2, 256, 4, 1, True)),
-    (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 50.3 us, 3002 GB/s (grouped 56.8 us)
-        MoeGemvConfig(MoeGemvLaunch(32, 128, 8, 2), MoeGemvLaunch(4, 128, 4, 1, True)),
+    (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 29.9 us, 2525 GB/s (grouped 34.4 us)
+        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(4, 256, 8, 1, True)),
+    (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 48.3 us, 3126 GB/s (grouped 55.6 us)
+        MoeGemvConfig(MoeGemvLaunch(8, 128, 2, 2), MoeGemvLaunch(2, 128, 2, 1, True)),
     (128, 2048, 768, 8, 4):  # qwen3-30b-a3b: 84.2 us, 3248 GB/s (grouped 88.7 us)
         MoeGemvConfig(MoeGemvLaunch(8, 128, 4, 1), MoeGemvLaunch(16, 256, 4, 1)),
 }
