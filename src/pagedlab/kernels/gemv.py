@@ -273,14 +273,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
             w = _weight_tile(w_rows, offs_k, n_valid, K)
         if LORA:
             lora_rows, lora_slot, part, first = lora_row_slots(lora_slots_ptr, offs_m, m_valid, split,
-                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
+                                                               pid_n * BLOCK_N, lora_size0, lora_size1)
         pdl_wait_and_trigger(PDL)
         if NORM and not NORM_SUMS:
             rstd = fold_rstd(x_ptr, res_ptr, norm_w_ptr, summed_ptr, normed_ptr, stride_x, M, K, eps,
                              (pid_n == 0) & (split == 0), BLOCK_M, NORM_BLOCK, RESIDUAL, WRITE_NORMED)
         if LORA:
             lora_h = lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
-                                    stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
+                                   stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S, LORA_BLOCK_R)
         if PREFETCH:
             k_end = tl.minimum(k_begin + K_PER_SPLIT, K) // UNIT
             x = _step_x(x_rows, res_rows, norm_w_ptr, offs_k, K // UNIT, w, SCALED, NORM, RESIDUAL)
@@ -330,12 +330,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
     if LORA:
         if not ONE_ROW:
             lora_rows, lora_slot, part, first = lora_row_slots(lora_slots_ptr, offs_m, m_valid, split,
-                                                           pid_n * BLOCK_N, lora_size0, lora_size1)
+                                                               pid_n * BLOCK_N, lora_size0, lora_size1)
             lora_h = tl.sum(lora_partials(lora_h_ptr, part, lora_rows, offs_m, lora_splits, lora_rank,
-                                           stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S,
-                                           LORA_BLOCK_R), axis=0)
+                                          stride_h_split, stride_h_slice, stride_h_row, LORA_BLOCK_S,
+                                          LORA_BLOCK_R), axis=0)
         acc += lora_delta(lora_h, lora_b_ptr, lora_rows, lora_slot, part, first, offs_n, n_valid, lora_rank,
-                           stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
+                          stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT, GATED)

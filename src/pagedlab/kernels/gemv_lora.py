@@ -26,7 +26,7 @@ def lora_row_slots(slots_ptr, offs_m, m_valid, split, tile_start, size0, size1):
 
 @triton.jit
 def lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, stride_h_slice, stride_h_row,
-                   BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """The LoRA shrink's fp32 partial sums ``[BLOCK_S, BLOCK_M, BLOCK_R]`` of ``rows`` (token
     order) in slice ``part``, every split's in one load (zero elsewhere), to be summed over the
     splits (axis 0: one fixed order)."""
@@ -40,7 +40,7 @@ def lora_partials(h_ptr, part, rows, offs_m, splits, rank, stride_h_split, strid
 
 @triton.jit
 def lora_delta(h, b_ptr, rows, slot, part, first, offs_n, n_valid, rank, stride_b_slot, stride_b_slice,
-                stride_b_row, BLOCK_R: tl.constexpr):
+               stride_b_row, BLOCK_R: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` fp32: the rows' shrink sums ``h`` ``[BLOCK_M, BLOCK_R]`` times their
     slots' B rows for the tile's columns (zero for the other rows)."""
     offs_r = tl.arange(0, BLOCK_R)
