@@ -174,8 +174,7 @@ class MoeGemvLaunch:
     no tl.dot, so Triton's pipeliner stages nothing: that is the stage count's only effect).
     ``all_pairs`` (down only): one program per (column tile, token) reads all the token's pairs'
     rows each K step, instead of one per (column tile, pair) whose token's last program sums the
-    pairs' shares; it prefetches nothing (``num_stages`` has no effect there).
-    Positional order is the table's."""
+    pairs' shares, prefetching as the other launches do. Positional order is the table's."""
 
     block_n: int
     block_k: int
