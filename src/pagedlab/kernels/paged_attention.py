@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.attention_configs import TILE_N, attention_launch, padded_head_dim
+from pagedlab.kernels.attention_configs import TILE_N, AttentionLaunch, attention_launch, padded_head_dim
+from pagedlab.kernels.attention_tuning import (PrefillShape, PrefillTileTuner, device_fingerprint,
+                                               kernel_fingerprint, query_bucket)
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
 from pagedlab.kernels.pdl import pdl_launch
 
@@ -225,7 +227,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            split_kv_size: int | None = None, out: torch.Tensor | None = None,
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                           softcap: float | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                           softcap: float | None = None, batch_invariant: bool = False,
+                           prefill_tuner: PrefillTileTuner | None = None) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -241,17 +244,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
     programs or not, so a token's output is bitwise the same in decode, in a prefill chunk and in
     any batch; ``split_kv_size`` may then only be that size (no split with a window).
+    ``prefill_tuner``: a default-mode launch of longer queries takes its tile (``attention_tuning``).
     """
-    segment_size = 0
-    if batch_invariant:
-        segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
-        if segment_size < 0 or segment_size % TILE_N:
-            raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
-                             f"of {TILE_N}")
-        if split_kv_size not in (None, segment_size or None):
-            raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
-                             f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
-                             "window")
+    segment_size = _batch_invariant_segment_size(split_kv_size, sliding_window) if batch_invariant else 0
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
                                 batch_invariant)
     if out is None:
@@ -259,12 +254,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if max_query_len is None:
-        max_query_len = num_tokens
-    if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    max_query_len = num_tokens if max_query_len is None else max_query_len
+    max_seq_len = block_tables.shape[1] * k_cache.shape[1] if max_seq_len is None else max_seq_len
     if split_kv_size is None:
-        kernels.attend(out, query_start_loc, seq_lens, block_tables, max_query_len, segment_size=segment_size)
+        kernels.attend(out, query_start_loc, seq_lens, block_tables, max_query_len, segment_size=segment_size,
+                       tuner=prefill_tuner)
         return out
 
     if split_kv_size <= 0 or split_kv_size % TILE_N:
@@ -275,9 +269,23 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                             q.device)
     _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
     kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size,
-                   num_segments)
+                   num_segments, tuner=prefill_tuner)
     kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
     return out
+
+
+def _batch_invariant_segment_size(split_kv_size: int | None, sliding_window: int | None) -> int:
+    """The key segment of a batch-invariant launch (0: none, with a window), after checking the
+    split it is asked for."""
+    segment_size = BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
+    if segment_size < 0 or segment_size % TILE_N:
+        raise ValueError(f"BATCH_INVARIANT_SPLIT_KV_SIZE={segment_size} must be 0 or a positive multiple "
+                         f"of {TILE_N}")
+    if split_kv_size not in (None, segment_size or None):
+        raise ValueError(f"batch_invariant attention with split_kv_size={split_kv_size}: it splits "
+                         f"keys only in its {BATCH_INVARIANT_SPLIT_KV_SIZE}-key segments, never with a "
+                         "window")
+    return segment_size
 
 
 def _check_scratch(scratch, num_tokens: int, num_heads: int, num_segments: int, head_dim_padded: int) -> None:
@@ -349,20 +357,19 @@ class _AttentionKernels:
     def attend(self, target, query_start_loc, seq_lens, block_tables, max_query_len: int,
                split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
                prefix_only: bool = False, key_offset: torch.Tensor | None = None,
-               segment_size: int = 0) -> None:
+               segment_size: int = 0, tuner: PrefillTileTuner | None = None) -> None:
         """Normalized output into ``target`` (a tensor like q), or with ``split_kv_size`` the
         partials of segments ``segment_offset ..`` into ``target`` = scratch (acc, max, sum).
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel);
         ``segment_size``: the normalized output folded from key segments of that size (SEGMENTED).
-        A default-mode decode launch may take a tuned key tile (``attention_launch``)."""
+        A default-mode decode launch may take a tuned key tile (``attention_launch``), a
+        default-mode prefill launch the query tile ``tuner`` chooses (``attention_tuning``)."""
+        tunable = not prefix_only and key_offset is None
         launch = attention_launch(
             max_query_len, self.group, self.head_dim, self.kv_dtype_bits,
             batch_invariant_rows=BATCH_INVARIANT_BLOCK_M if self.batch_invariant else 0,
-            tunable=not prefix_only and key_offset is None, split_kv_size=split_kv_size)
-        block_q = launch.block_q
+            tunable=tunable, split_kv_size=split_kv_size)
         num_seqs = seq_lens.shape[0]
-        grid = ((self.q.shape[0] // block_q + num_seqs, self.num_kv_heads)
-                + ((num_segments,) if split_kv_size else ()))
         q = self.q
         if split_kv_size:
             partial_acc, partial_max, partial_sum = target
@@ -372,16 +379,35 @@ class _AttentionKernels:
         else:
             out = partial_acc = partial_max = partial_sum = target
             partial_strides = (0, 0, 0, 0, 0)
-        self.triton_kernels.paged_attention_kernel[grid](
-            q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
-            query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
-            num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
-            block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
-            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=block_q,
-            BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
-            TILE_SEGMENTS=segment_size == launch.tile_n,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
+
+        def run(launch: AttentionLaunch) -> None:
+            grid = ((q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
+                    + ((num_segments,) if split_kv_size else ()))
+            self.triton_kernels.paged_attention_kernel[grid](
+                q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
+                query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
+                num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
+                block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
+                PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=launch.block_q,
+                BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
+                TILE_SEGMENTS=segment_size == launch.tile_n,
+                num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
+
+        if tuner is not None and tunable and max_query_len > 1 and not self.batch_invariant:
+            shape = self._prefill_shape(max_query_len, bool(split_kv_size))
+            launch = tuner.launch(shape, self._fingerprint(), launch, run)
+        run(launch)
+
+    def _prefill_shape(self, max_query_len: int, split: bool) -> PrefillShape:
+        dtype, bucket = str(self.q.dtype).removeprefix("torch."), query_bucket(max_query_len)
+        return PrefillShape(self.head_dim, self.group, self.num_kv_heads, dtype, self.kv_dtype_bits,
+                            self.common["SLIDING"], self.common["SOFTCAP"], split, bucket)
+
+    def _fingerprint(self) -> str:
+        """The GPU, Triton and the kernel's code: what a tuned launch holds for."""
+        kernel = kernel_fingerprint(self.triton_kernels.paged_attention_kernel)
+        return f"{device_fingerprint(self.q.device)}|{kernel}"
 
     def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
         partial_acc, partial_max, partial_sum = scratch

@@ -31,10 +31,10 @@ from importlib import metadata
 from pathlib import Path
 
 import pagedlab
+from pagedlab.cache import cache_root
 from pagedlab.config import EngineInfo
 from pagedlab.lab.monitor import open_nvml
 from pagedlab.lab.plan import count_parameters, size_class
-from pagedlab.loader.gguf import cache_root
 
 MANIFEST_SCHEMA = 1
 # Fields that differ between any two runs by nature; never reported as a difference.

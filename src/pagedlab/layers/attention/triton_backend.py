@@ -6,9 +6,12 @@ attention: ``cascade_prefix_len``), and which forms decode CUDA graphs are captu
 size in the plain form, sizes of ``CASCADE_MIN_SEQS`` and up in the cascade form too, whose
 shared length lives in device memory (``CascadeBuffers``) and is set before each replay. The
 split-KV layout of a launch is chosen from host ints alone (``choose_split_kv_size``), so a
-graph and an eager step of the same shape run the same kernels. In batch-invariant mode there is
-no cascade, every launch uses the same query tile, and a split is only into the mode's fixed key
-segments, which unsplit launches fold in the same order (``batch_invariant=True``).
+graph and an eager step of the same shape run the same kernels. Prefill launches on a GPU take
+the query tiles the backend's ``PrefillTileTuner`` times at each shape's first use and keeps in
+the cache directory (``kernels/attention_tuning.py``); they never change a result. In
+batch-invariant mode there is no cascade, every launch uses the same query tile, and a split is
+only into the mode's fixed key segments, which unsplit launches fold in the same order
+(``batch_invariant=True``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedlab.cache import cache_root
 from pagedlab.kernels import kv_write, paged_attention
+from pagedlab.kernels.attention_tuning import CACHE_FILE, PrefillTileTuner
 from pagedlab.kernels.paged_attention import TILE_N, CascadeBuffers
 from pagedlab.layers.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedlab.layers.batch_invariant import batch_invariant_enabled
@@ -44,6 +49,10 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     shares_prefixes = True
     supports_cuda_graphs = True
+
+    def __init__(self):
+        # prefill launches on a GPU take the tiles tuned at their shape's first use (kept on disk)
+        self.prefill_tuner = PrefillTileTuner(cache_root() / CACHE_FILE)
 
     def plan(self, metadata: AttentionMetadata, layout: BatchLayout) -> None:
         """An eager step: cascade buffers where the batch shares a prefix worth attending once."""
@@ -110,4 +119,5 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-            softcap=softcap, batch_invariant=invariant)
+            softcap=softcap, batch_invariant=invariant,
+            prefill_tuner=self.prefill_tuner if q.is_cuda else None)
