@@ -1,21 +1,24 @@
 """The paged attention kernel's prefill launches, tuned on the GPU at first use and cached on disk.
 
-A launch whose longest query is more than one token (prefill, chunked prefill, mixed steps) in
-the default mode takes its query tile (``block_m`` rows), warps and pipeline stages from a
-``PrefillTileTuner``: the first time a ``PrefillShape`` is met, the tuner times the candidate
-launches (``prefill_candidates``) on that call's own inputs, keeps the fastest, and writes it to
+A default-mode unsplit launch whose longest query is more than one token (prefill, chunked
+prefill, mixed steps) takes its query tile (``block_m`` rows), warps and pipeline stages from a
+``PrefillTileTuner``. The first time a ``PrefillShape`` is met, the tuner times the candidate
+launches (``prefill_candidates``) as CUDA-graph replays on the shape's tuning batch (a full
+prefill step of fresh prompts as long as the bucket, at most ``TUNING_PROMPT_LEN``, random values
+in the call's dtypes and head layout: the same work whichever call meets the shape first, be it
+the start-up memory profile or a CUDA-graph warm-up), keeps the fastest, and writes it to
 ``attention-prefill-tiles.json`` in the cache directory (``pagedlab.cache``) under the GPU's
 name, Triton's version and the kernel's source hash, so a later process on the same machine and
-code reuses it without timing. The search is two passes, to keep first-use compiles few: the
-query tile and warps at the rule's stages, then the stages of the winner.
+code reuses it without timing.
 
-Every candidate keeps the key tile ``TILE_N``: each row's softmax runs over the same key tiles in
-the same order whatever the query tile, so the choice never changes a result (the GPU tests
-check every candidate bitwise against the untuned launch). Batch-invariant launches, decode
-launches (``attention_configs``) and cascade halves are never tuned. Nothing is timed while a
-stream is being captured into a CUDA graph: the mixed-step graphs' warm-up run, just before the
-capture, meets each bucket's shape first. The candidates run on the call's inputs and write only
-its output, so timing them leaves the result the chosen launch writes after.
+No candidate changes a result: the key tile stays ``TILE_N``, so every row's softmax runs over
+the same key tiles in the same order, and the query tile stays in the rule's tensor-core class
+(``WGMMA_BLOCK_MS`` or ``SMALL_BLOCK_MS``), within which the H200 sums a row's dot products in
+one order (the GPU test checks every candidate bitwise against the untuned launch). Batch-
+invariant launches, decode launches (``attention_configs``), split launches and cascade halves
+are never tuned. Nothing is timed while a stream is being captured into a CUDA graph (the
+rule's launch then): the mixed-step graphs' warm-up run, just before each capture, meets each
+bucket's shape first.
 """
 
 from __future__ import annotations
@@ -39,14 +42,23 @@ logger = logging.getLogger(__name__)
 CACHE_FILE = "attention-prefill-tiles.json"
 # Query lengths are bucketed by powers of two up to this; longer queries share its bucket.
 MAX_QUERY_BUCKET = 8192
-# Query tiles the tuner tries (rows = query tokens x the query heads of one KV head).
-PREFILL_BLOCK_MS = (16, 32, 64, 128)
+# The tuning batch: a full prefill step of this many tokens, in prompts of the bucket's length up
+# to TUNING_PROMPT_LEN (W-seed's step: 16 x 512). A batch of one short prompt leaves most SMs
+# idle and favours small tiles that lose on full steps (H200: Gemma-2's 512-token bucket timed on
+# one prompt chose 64 rows, 1.68x slower than 128 on 16 prompts).
+TUNING_BATCH_TOKENS = 8192
+TUNING_PROMPT_LEN = 512
+# Query tiles (rows = query tokens x the query heads of one KV head) by the tensor-core
+# instruction Triton gives them on Hopper: wgmma from 64 rows, mma.sync below. A row's dot
+# products are summed in one order within a class and in another across it (H200, BENCHMARKS.md).
+SMALL_BLOCK_MS, WGMMA_BLOCK_MS = (16, 32), (64, 128)
 
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """What a prefill launch is tuned for: the head layout, the dtypes, the kernel variant and
-    the query length's bucket (``query_bucket``)."""
+    """What a prefill launch is tuned for: the head layout, the dtypes, the kernel variant, the
+    query length's bucket (``query_bucket``) and the rule's query tile (``rule_block_m``), whose
+    instruction class the candidates keep."""
 
     head_dim: int
     group: int  # query heads per KV head
@@ -55,8 +67,8 @@ class PrefillShape:
     kv_dtype_bits: int
     sliding: bool
     softcap: bool
-    split: bool
     query_bucket: int
+    rule_block_m: int
 
     def cache_key(self) -> str:
         """The shape as one string (the cache file's key)."""
@@ -68,22 +80,23 @@ def query_bucket(max_query_len: int) -> int:
     return min(MAX_QUERY_BUCKET, _next_power_of_2(max_query_len))
 
 
-def _stage_choices(head_dim: int) -> tuple[int, int]:
-    """(the rule's stages, the other one tried): three stages of head_dim-256 K and V tiles
-    overflow the H200's shared memory."""
-    return (2, 1) if padded_head_dim(head_dim) > 128 else (3, 2)
+def tuning_prompts(bucket: int) -> list[int]:
+    """The query lengths of the tuning batch of a bucket (``TUNING_BATCH_TOKENS``)."""
+    prompt_len = min(bucket, TUNING_PROMPT_LEN)
+    return [prompt_len] * max(1, TUNING_BATCH_TOKENS // prompt_len)
 
 
-def prefill_candidates(shape: PrefillShape, num_stages: int | None = None) -> list[AttentionLaunch]:
-    """The launches of the first pass (``num_stages`` None: at the rule's stages): each query
-    tile of ``PREFILL_BLOCK_MS`` from the smallest that holds a token's query heads (at least 16
-    rows, tl.dot's least) to the one the bucket fills, at two warp counts."""
-    smallest = max(16, _next_power_of_2(shape.group))
-    largest = min(PREFILL_BLOCK_MS[-1], _next_power_of_2(shape.query_bucket * shape.group))
-    block_ms = [m for m in PREFILL_BLOCK_MS if smallest <= m <= largest] or [smallest]
-    stages = _stage_choices(shape.head_dim)[0] if num_stages is None else num_stages
-    return [AttentionLaunch(block_m, block_m // shape.group, TILE_N, warps, stages)
-            for block_m in block_ms for warps in ((4, 8) if block_m >= 64 else (2, 4))]
+def prefill_candidates(shape: PrefillShape) -> list[AttentionLaunch]:
+    """The launches timed for ``shape``: the query tiles of the rule's class (``WGMMA_BLOCK_MS``
+    or ``SMALL_BLOCK_MS``, those at least one token's query heads tall) x two warp counts x two
+    stage counts (1 or 2 at head_dim over 128, whose three stages overflow shared memory; else 2
+    or 3), so that no candidate changes a result."""
+    block_ms = WGMMA_BLOCK_MS if shape.rule_block_m >= WGMMA_BLOCK_MS[0] else SMALL_BLOCK_MS
+    block_ms = [m for m in block_ms if m >= shape.group] or [shape.rule_block_m]
+    warps = (4, 8) if block_ms[0] >= WGMMA_BLOCK_MS[0] else (2, 4)
+    stages = (1, 2) if padded_head_dim(shape.head_dim) > 128 else (2, 3)
+    return [AttentionLaunch(block_m, block_m // shape.group, TILE_N, num_warps, num_stages)
+            for block_m in block_ms for num_warps in warps for num_stages in stages]
 
 
 def _next_power_of_2(n: int) -> int:
@@ -97,6 +110,7 @@ def time_launch_on_gpu(run: Callable[[], None], rep_ms: float = 10.0) -> float:
     buffer would count in the start-up memory profile whose forward first meets a shape."""
     from triton.testing import do_bench_cudagraph
 
+    torch.cuda.current_stream().synchronize()  # it times on a stream of its own: let the inputs land
     return do_bench_cudagraph(run, rep=rep_ms, return_mode="median")
 
 
@@ -129,10 +143,11 @@ class PrefillTileTuner:
         self._loaded = False
 
     def launch(self, shape: PrefillShape, fingerprint: str, default: AttentionLaunch,
-               run: Callable[[AttentionLaunch], None]) -> AttentionLaunch:
+               make_run: Callable[[], Callable[[AttentionLaunch], None]]) -> AttentionLaunch:
         """The launch for ``shape`` under ``fingerprint`` (``device_fingerprint`` and
-        ``kernel_fingerprint``): known, or timed now with ``run(candidate)``; ``default`` (the
-        rule's launch) while a CUDA graph is being captured."""
+        ``kernel_fingerprint``): known, or timed now with the ``run(candidate)`` that
+        ``make_run()`` builds (its tuning batch); ``default`` (the rule's launch) while a CUDA
+        graph is being captured."""
         key = f"{fingerprint}|{shape.cache_key()}"
         if not self._loaded:
             self.chosen.update(self._read_cache())
@@ -140,7 +155,7 @@ class PrefillTileTuner:
         if key not in self.chosen:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return default
-            self.chosen[key] = self._tune(shape, default, run)
+            self.chosen[key] = self._tune(shape, default, make_run())
             self._write_cache(key, self.chosen[key])
         return self.chosen[key]
 
@@ -149,9 +164,6 @@ class PrefillTileTuner:
         times: dict[AttentionLaunch, float] = {}
         for launch in prefill_candidates(shape):
             self._time(launch, run, times)
-        best = min(times, key=times.get)
-        self._time(AttentionLaunch(best.block_m, best.block_q, best.tile_n, best.num_warps,
-                                   _stage_choices(shape.head_dim)[1]), run, times)
         best = min(times, key=times.get)
         rule = f"{times[default]:.3f} ms" if default in times else "not a candidate"
         logger.info("prefill attention %s: %s in %.3f ms (the rule's %s: %s) of %d launches timed", shape,

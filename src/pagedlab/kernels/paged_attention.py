@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pagedlab.kernels.attention_configs import TILE_N, AttentionLaunch, attention_launch, padded_head_dim
 from pagedlab.kernels.attention_tuning import (PrefillShape, PrefillTileTuner, device_fingerprint,
-                                               kernel_fingerprint, query_bucket)
+                                               kernel_fingerprint, query_bucket, tuning_prompts)
 from pagedlab.kernels.kv_write import FP8_KV_DTYPE, check_fp8_supported, dequantize_kv_torch, is_fp8
 from pagedlab.kernels.pdl import pdl_launch
 
@@ -310,6 +310,7 @@ class _AttentionKernels:
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
+        self.options = (scale, k_scale, v_scale, sliding_window, softcap, batch_invariant)
         self.pdl = pdl_launch(q.device)
         _num_tokens, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -363,14 +364,30 @@ class _AttentionKernels:
         ``prefix_only`` / ``key_offset``: the two halves of a cascade step (see the kernel);
         ``segment_size``: the normalized output folded from key segments of that size (SEGMENTED).
         A default-mode decode launch may take a tuned key tile (``attention_launch``), a
-        default-mode prefill launch the query tile ``tuner`` chooses (``attention_tuning``)."""
+        default-mode unsplit prefill launch the query tile ``tuner`` chooses (``attention_tuning``)."""
         tunable = not prefix_only and key_offset is None
         launch = attention_launch(
             max_query_len, self.group, self.head_dim, self.kv_dtype_bits,
             batch_invariant_rows=BATCH_INVARIANT_BLOCK_M if self.batch_invariant else 0,
             tunable=tunable, split_kv_size=split_kv_size)
-        num_seqs = seq_lens.shape[0]
-        q = self.q
+        prefill = max_query_len > 1 and not (split_kv_size or self.batch_invariant)
+        if tuner is not None and tunable and prefill:
+            bucket = query_bucket(max_query_len)
+            dtype = str(self.q.dtype).removeprefix("torch.")
+            shape = PrefillShape(self.head_dim, self.group, self.num_kv_heads, dtype, self.kv_dtype_bits,
+                                 self.common["SLIDING"], self.common["SOFTCAP"], bucket, launch.block_m)
+            launch = tuner.launch(shape, self._fingerprint(), launch, lambda: self._tuning_run(bucket))
+        self.launch(launch, target, query_start_loc, seq_lens, block_tables, split_kv_size, num_segments,
+                    segment_offset, prefix_only, key_offset, segment_size)
+
+    def launch(self, launch: AttentionLaunch, target, query_start_loc, seq_lens, block_tables,
+               split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
+               prefix_only: bool = False, key_offset: torch.Tensor | None = None,
+               segment_size: int = 0) -> None:
+        """One attention launch of shape ``launch``; the other arguments as ``attend``'s."""
+        q, num_seqs = self.q, seq_lens.shape[0]
+        grid = ((q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
+                + ((num_segments,) if split_kv_size else ()))
         if split_kv_size:
             partial_acc, partial_max, partial_sum = target
             out = q  # unused by the split variant
@@ -379,30 +396,33 @@ class _AttentionKernels:
         else:
             out = partial_acc = partial_max = partial_sum = target
             partial_strides = (0, 0, 0, 0, 0)
+        self.triton_kernels.paged_attention_kernel[grid](
+            q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
+            query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
+            num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
+            block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
+            PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=launch.block_q,
+            BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
+            TILE_SEGMENTS=segment_size == launch.tile_n,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
 
-        def run(launch: AttentionLaunch) -> None:
-            grid = ((q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
-                    + ((num_segments,) if split_kv_size else ()))
-            self.triton_kernels.paged_attention_kernel[grid](
-                q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
-                query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
-                num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
-                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
-                block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
-                PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=launch.block_q,
-                BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
-                TILE_SEGMENTS=segment_size == launch.tile_n,
-                num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
-
-        if tuner is not None and tunable and max_query_len > 1 and not self.batch_invariant:
-            shape = self._prefill_shape(max_query_len, bool(split_kv_size))
-            launch = tuner.launch(shape, self._fingerprint(), launch, run)
-        run(launch)
-
-    def _prefill_shape(self, max_query_len: int, split: bool) -> PrefillShape:
-        dtype, bucket = str(self.q.dtype).removeprefix("torch."), query_bucket(max_query_len)
-        return PrefillShape(self.head_dim, self.group, self.num_kv_heads, dtype, self.kv_dtype_bits,
-                            self.common["SLIDING"], self.common["SOFTCAP"], split, bucket)
+    def _tuning_run(self, bucket: int):
+        """``run(launch)`` over the tuning batch of the ``bucket`` (``tuning_prompts``: fresh
+        prompts, random values in this call's dtypes, heads, block size and options), so a shape
+        is timed on the same work whichever call meets it first."""
+        lens = tuning_prompts(bucket)
+        block_size, device = self.k_cache.shape[1], self.q.device
+        blocks = [-(-n // block_size) for n in lens]
+        cache_shape = (sum(blocks), block_size, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = (torch.randn(cache_shape, device=device).to(self.k_cache.dtype) for _ in range(2))
+        q = torch.randn(sum(lens), *self.q.shape[1:], device=device).to(self.q.dtype)
+        kernels = _AttentionKernels(q, k_cache, v_cache, *self.options)
+        out = torch.empty_like(q)
+        starts = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        block_tables = torch.arange(sum(blocks), dtype=torch.int32, device=device).view(len(lens), blocks[0])
+        return lambda launch: kernels.launch(launch, out, starts, seq_lens, block_tables)
 
     def _fingerprint(self) -> str:
         """The GPU, Triton and the kernel's code: what a tuned launch holds for."""
