@@ -96,6 +96,7 @@ def test_candidates_stay_in_the_rules_tensor_core_class():
     assert {c.num_stages for c in prefill_candidates(gemma)} == {1, 2}
     assert query_bucket(1) == 1 and query_bucket(37) == 64 and query_bucket(100_000) == 8192
     assert tuning_prompts(64) == [64] * 128 and tuning_prompts(8192) == [512] * 16
+    assert tuning_prompts(2) == [2] * 256
     assert attention_launch(512, 4, 128, 16) in prefill_candidates(SHAPE)
 
 

@@ -48,6 +48,7 @@ MAX_QUERY_BUCKET = 8192
 # one prompt chose 64 rows, 1.68x slower than 128 on 16 prompts).
 TUNING_BATCH_TOKENS = 8192
 TUNING_PROMPT_LEN = 512
+TUNING_MAX_PROMPTS = 256  # the engine's default max_num_seqs
 # Query tiles (rows = query tokens x the query heads of one KV head) by the tensor-core
 # instruction Triton gives them on Hopper: wgmma from 64 rows, mma.sync below. A row's dot
 # products are summed in one order within a class and in another across it (H200, BENCHMARKS.md).
@@ -81,9 +82,10 @@ def query_bucket(max_query_len: int) -> int:
 
 
 def tuning_prompts(bucket: int) -> list[int]:
-    """The query lengths of the tuning batch of a bucket (``TUNING_BATCH_TOKENS``)."""
+    """The query lengths of the tuning batch of a bucket (``TUNING_BATCH_TOKENS`` in at most
+    ``TUNING_MAX_PROMPTS`` prompts)."""
     prompt_len = min(bucket, TUNING_PROMPT_LEN)
-    return [prompt_len] * max(1, TUNING_BATCH_TOKENS // prompt_len)
+    return [prompt_len] * max(1, min(TUNING_MAX_PROMPTS, TUNING_BATCH_TOKENS // prompt_len))
 
 
 def prefill_candidates(shape: PrefillShape) -> list[AttentionLaunch]:
