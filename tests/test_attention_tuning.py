@@ -183,6 +183,17 @@ def test_nothing_is_timed_while_a_graph_is_captured(tmp_path, monkeypatch):
     assert timed == [] and not (tmp_path / "tiles.json").exists()
 
 
+def test_no_memory_for_the_tuning_batch_keeps_the_rule_without_caching_it(tmp_path, caplog):
+    def no_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    tuner = PrefillTileTuner(tmp_path / "tiles.json", timer=lambda run: 1.0)
+    rule = attention_launch(512, 4, 128, 16)
+    with caplog.at_level(logging.WARNING, logger=attention_tuning.__name__):
+        assert tuner.launch(SHAPE, "H200", rule, no_memory) == rule
+        assert tuner.launch(SHAPE, "H200", rule, no_memory) == rule  # not tried again
+    assert caplog.text.count("no GPU memory to tune") == 1 and not (tmp_path / "tiles.json").exists()
+
+
 def test_candidate_that_does_not_fit_is_skipped(tmp_path):
     from triton.runtime.errors import OutOfResources
 

@@ -138,6 +138,15 @@ KERNELS = {
              SOFTCAP=False, BROADCAST_DOT=False, SEGMENTED=True, TILE_SEGMENTS=True, **_TF32),
         dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
         ("qk_scale", "v_scale", "softcap_scale", "softcap")),
+    # a prefill launch the tuner picks (kernels/attention_tuning.py): Gemma-2's soft-capped local
+    # layers, head_dim 256, 128 query rows on 8 warps
+    "paged_attention_prefill_gemma": Spec(
+        "triton_kernels", "paged_attention_kernel",
+        dict(HEAD_DIM=256, HEAD_DIM_PADDED=256, GROUP=2, BLOCK_Q=64, BLOCK_M=128, TILE_N=64, BLOCK_SIZE=16,
+             USE_SPLIT=False, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False, SLIDING=True,
+             SOFTCAP=True, BROADCAST_DOT=False, SEGMENTED=False, TILE_SEGMENTS=False, **_TF32),
+        dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
+        ("qk_scale", "v_scale", "softcap_scale", "softcap"), num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
                             dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, SEGMENT_CHUNK=16), _PARTIALS),
     "invariant_split_kv_reduce": Spec("triton_kernels", "invariant_split_kv_reduce_kernel",

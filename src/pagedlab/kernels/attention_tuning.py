@@ -149,7 +149,8 @@ class PrefillTileTuner:
         """The launch for ``shape`` under ``fingerprint`` (``device_fingerprint`` and
         ``kernel_fingerprint``): known, or timed now with the ``run(candidate)`` that
         ``make_run()`` builds (its tuning batch); ``default`` (the rule's launch) while a CUDA
-        graph is being captured."""
+        graph is being captured, and for the rest of the process where the GPU had no memory
+        left for the tuning batch (a full KV cache mid-run must not fail a step)."""
         key = f"{fingerprint}|{shape.cache_key()}"
         if not self._loaded:
             self.chosen.update(self._read_cache())
@@ -157,7 +158,12 @@ class PrefillTileTuner:
         if key not in self.chosen:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return default
-            self.chosen[key] = self._tune(shape, default, make_run())
+            try:
+                self.chosen[key] = self._tune(shape, default, make_run())
+            except torch.cuda.OutOfMemoryError:
+                logger.warning("no GPU memory to tune prefill attention %s: the rule's %s", shape, default)
+                self.chosen[key] = default  # in memory only: a later process tunes it
+                return default
             self._write_cache(key, self.chosen[key])
         return self.chosen[key]
 
