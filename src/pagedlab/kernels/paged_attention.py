@@ -244,7 +244,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
     programs or not, so a token's output is bitwise the same in decode, in a prefill chunk and in
     any batch; ``split_kv_size`` may then only be that size (no split with a window).
-    ``prefill_tuner``: a default-mode launch of longer queries takes its tile (``attention_tuning``).
+    ``prefill_tuner``: an unsplit default-mode launch of longer queries takes its tile from it.
     """
     segment_size = _batch_invariant_segment_size(split_kv_size, sliding_window) if batch_invariant else 0
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
@@ -269,7 +269,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                             q.device)
     _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
     kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size,
-                   num_segments, tuner=prefill_tuner)
+                   num_segments)
     kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
     return out
 
