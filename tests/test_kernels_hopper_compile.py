@@ -55,6 +55,13 @@ _AWQ_GEMV = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_DTYPE="bf16", **_TF32, **_N
 _AWQ_POINTERS = dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
+# the paged attention kernel's decode launch with split-KV (Llama-3-8B's heads); the others vary it
+_ATTENTION = dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, BLOCK_SIZE=16,
+                  USE_SPLIT=True, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False,
+                  SLIDING=False, SOFTCAP=False, BROADCAST_DOT=False, SEGMENTED=False, TILE_SEGMENTS=False,
+                  **_TF32)
+_ATTENTION_POINTERS = dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I)
+_ATTENTION_FLOATS = ("qk_scale", "v_scale", "softcap_scale", "softcap")
 KERNELS = {
     "dense_gemv": Spec("gemv", "_dense_gemv_kernel", dict(_GEMV, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
                        _GEMV_POINTERS, reads_before_wait=True),
@@ -122,31 +129,20 @@ KERNELS = {
                                DOT_DTYPE="bf16", SWAP_AB=True, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
     "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=128),
                            dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
-    "paged_attention": Spec("triton_kernels", "paged_attention_kernel",
-                            dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=1, BLOCK_M=16, TILE_N=64,
-                                 BLOCK_SIZE=16, USE_SPLIT=True, SEQ_CHUNK=256, UPCAST=False,
-                                 PREFIX_ONLY=False, KEY_OFFSET=False, SLIDING=False, SOFTCAP=False,
-                                 BROADCAST_DOT=False,
-                                 SEGMENTED=False, TILE_SEGMENTS=False, **_TF32),
-                            dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
-                            ("qk_scale", "v_scale", "softcap_scale", "softcap")),
+    "paged_attention": Spec("triton_kernels", "paged_attention_kernel", _ATTENTION, _ATTENTION_POINTERS,
+                            _ATTENTION_FLOATS),
     # batch-invariant mode's in-program fold of one-tile key segments
     "paged_attention_tile_segments": Spec(
         "triton_kernels", "paged_attention_kernel",
-        dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=16, BLOCK_M=64, TILE_N=64, BLOCK_SIZE=16,
-             USE_SPLIT=False, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False, SLIDING=False,
-             SOFTCAP=False, BROADCAST_DOT=False, SEGMENTED=True, TILE_SEGMENTS=True, **_TF32),
-        dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
-        ("qk_scale", "v_scale", "softcap_scale", "softcap")),
+        dict(_ATTENTION, BLOCK_Q=16, BLOCK_M=64, USE_SPLIT=False, SEGMENTED=True, TILE_SEGMENTS=True),
+        _ATTENTION_POINTERS, _ATTENTION_FLOATS),
     # a prefill launch the tuner picks (kernels/attention_tuning.py): Gemma-2's soft-capped local
     # layers, head_dim 256, 128 query rows on 8 warps
     "paged_attention_prefill_gemma": Spec(
         "triton_kernels", "paged_attention_kernel",
-        dict(HEAD_DIM=256, HEAD_DIM_PADDED=256, GROUP=2, BLOCK_Q=64, BLOCK_M=128, TILE_N=64, BLOCK_SIZE=16,
-             USE_SPLIT=False, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False, SLIDING=True,
-             SOFTCAP=True, BROADCAST_DOT=False, SEGMENTED=False, TILE_SEGMENTS=False, **_TF32),
-        dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I),
-        ("qk_scale", "v_scale", "softcap_scale", "softcap"), num_warps=8),
+        dict(_ATTENTION, HEAD_DIM=256, HEAD_DIM_PADDED=256, GROUP=2, BLOCK_Q=64, BLOCK_M=128, USE_SPLIT=False,
+             SLIDING=True, SOFTCAP=True),
+        _ATTENTION_POINTERS, _ATTENTION_FLOATS, num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
                             dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, SEGMENT_CHUNK=16), _PARTIALS),
     "invariant_split_kv_reduce": Spec("triton_kernels", "invariant_split_kv_reduce_kernel",
