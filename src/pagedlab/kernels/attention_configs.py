@@ -55,10 +55,11 @@ DECODE_ATTENTION_CONFIGS: dict[tuple[int, int, int], DecodeConfig] = {
 
 def padded_head_dim(head_dim: int) -> int:
     """The kernel's head-dim tile: head_dim rounded up to a power of two, at least 16."""
-    return max(16, _next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
     return 1 << (max(n, 1) - 1).bit_length()
 
 
@@ -115,9 +116,9 @@ def _default_launch(max_query_len: int, group: int, head_dim: int,
     sequences) and for a 2,048-token chunk over 30k keys (334 vs 305 TFLOP/s). Gemma's head_dim
     256 takes two stages: three stages of its K and V tiles overflow shared memory.
     """
-    block_m = max(16, min(64, _next_power_of_2(max_query_len * group)), _next_power_of_2(group))
+    block_m = max(16, min(64, next_power_of_2(max_query_len * group)), next_power_of_2(group))
     if batch_invariant_rows:
-        block_m = max(batch_invariant_rows, _next_power_of_2(group))
+        block_m = max(batch_invariant_rows, next_power_of_2(group))
     num_warps = 8 if block_m >= 128 else 4
     num_stages = 2 if padded_head_dim(head_dim) > 128 else 3
     return AttentionLaunch(block_m, block_m // group, TILE_N, num_warps, num_stages)

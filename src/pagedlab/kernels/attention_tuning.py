@@ -23,6 +23,7 @@ bucket's shape first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from pagedlab.kernels.attention_configs import TILE_N, AttentionLaunch, padded_head_dim
+from pagedlab.kernels.attention_configs import TILE_N, AttentionLaunch, next_power_of_2, padded_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,14 @@ class PrefillShape:
     rule_block_m: int
 
     def cache_key(self) -> str:
-        """The shape as one string (the cache file's key)."""
-        return ",".join(f"{name}={value}" for name, value in asdict(self).items())
+        """The shape as one string (the cache file's key; built on every prefill launch, so
+        without ``asdict``'s copies)."""
+        return ",".join(f"{name}={value}" for name, value in vars(self).items())
 
 
 def query_bucket(max_query_len: int) -> int:
     """``max_query_len`` rounded up to a power of two, at most ``MAX_QUERY_BUCKET``."""
-    return min(MAX_QUERY_BUCKET, _next_power_of_2(max_query_len))
+    return min(MAX_QUERY_BUCKET, next_power_of_2(max_query_len))
 
 
 def tuning_prompts(bucket: int) -> list[int]:
@@ -101,10 +103,6 @@ def prefill_candidates(shape: PrefillShape) -> list[AttentionLaunch]:
             for block_m in block_ms for num_warps in warps for num_stages in stages]
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def time_launch_on_gpu(run: Callable[[], None], rep_ms: float = 10.0) -> float:
     """Milliseconds one ``run()`` takes on the GPU, timed as replays of a CUDA graph of about
     ``rep_ms`` of runs (``triton.testing.do_bench_cudagraph``): host time does not count, so a
@@ -125,6 +123,7 @@ def kernel_fingerprint(kernel) -> str:
     return key[:16]
 
 
+@functools.cache
 def device_fingerprint(device: torch.device) -> str:
     """The GPU's name (or the CPU's) and Triton's version."""
     import triton
