@@ -3,8 +3,9 @@ RMSNorm + quantization and SiLU-and-mul + quantization kernels against their tor
 (the producer, then ``quantize_fp8_per_row``), the FP8 linears taking the quantized input, and
 the engine: on a tiny Llama and Qwen3 with ``quantization="fp8"`` the greedy tokens and logprobs
 are identical with the fusion on and off (``PAGEDLAB_FP8_FUSED_INPUTS=0``), the fused producers
-are where the load-time step puts them (not with LoRA, not in Gemma), and on a GPU at
-Llama-3-8B's shape through CUDA graphs.
+are where the load-time step puts them (not with LoRA, not in Gemma), the gate/up projection's
+gated FP8 GEMV is used exactly where the activation would emit FP8, and on a GPU at Llama-3-8B's
+shape through CUDA graphs (batch 1 through the gated FP8 GEMV).
 
 On a machine without CUDA the kernels run under the Triton interpreter (set here, before the
 kernel modules are first imported; modules another test built without it are rebuilt).
@@ -205,6 +206,27 @@ def test_fused_fp8_inputs_give_the_unfusedtokens_and_logprobs(tiny_models, monke
     assert seen_unfused == {name: {False} for name in seen_fused}
 
 
+def test_gate_up_emits_down_projs_fp8_input_only_where_the_activation_would(tiny_models, monkeypatch):
+    """The MLP's use of the gated FP8 GEMV (GPU only: ``fp8_gemv_silu_and_mul_triton``), on the
+    CPU with its reference standing in: taken when the SiLU-and-mul would hand down_proj
+    ``QuantizedActivations`` (the fusion on), never when it hands a tensor (off); the same tokens
+    and logprobs."""
+    path = tiny_models("llama").path
+    unfused_mlp, _ = _generate(path, True, monkeypatch)
+    calls = []
+
+    def reference(self, layer, x, bias):
+        calls.append(layer)
+        return QuantizedActivations.of(silu_and_mul(fp8_linear_torch(x, layer.weight, layer.weight_scale)))
+    monkeypatch.setattr(linear_method.FP8LinearMethod, "fuses_silu", lambda self, layer, x: True)
+    monkeypatch.setattr(linear_method.FP8LinearMethod, "apply_silu_and_mul", reference)
+    fused_mlp, seen = _generate(path, True, monkeypatch)
+    assert calls and fused_mlp == unfused_mlp and "gate_up_proj" not in seen
+    calls.clear()
+    _generate(path, False, monkeypatch)
+    assert calls == []
+
+
 def test_lora_keeps_fp8_inputs_unfused(tiny_models, monkeypatch):
     """A LoRA linear's shrink reads the unquantized input: with LoRA enabled no producer fuses."""
     results, seen = _generate(tiny_models("llama").path, True, monkeypatch, enable_lora=True, max_lora_rank=8)
@@ -262,7 +284,10 @@ def test_fused_fp8_inputs_at_the_8b_shape_through_cuda_graphs(llama8b_layers2, m
             monkeypatch.setenv("PAGEDLAB_FP8_FUSED_INPUTS", "1" if fused else "0")
             with LLM(llama8b_layers2, quantization="fp8", **args) as llm:
                 assert llm.get_engine_info().cuda_graphs
-                assert llm.llm_engine.model.model.layers[0].mlp.act.fp8_output == fused
+                mlp = llm.llm_engine.model.model.layers[0].mlp
+                assert mlp.act.fp8_output == fused
+                one_row = torch.zeros(1, 4096, dtype=torch.bfloat16, device="cuda")
+                assert mlp.gate_up_proj.fuses_silu(one_row)  # the gated FP8 GEMV where fused
                 outs = llm.generate(batch, params, use_tqdm=False)
             runs[fused] = tokens_and_logprobs(outs)
         assert_same_decode(runs[True], runs[False])

@@ -121,3 +121,57 @@ def test_fp8_gemv_refuses_a_batch_over_its_rows(fp8_kernels):
     with pytest.raises(ValueError, match=r"17 rows is over the GEMV's 16: use torch._scaled_mm"):
         fp8_kernels.fp8_gemv_triton(values, torch.ones(17, 1), weight, torch.ones(16, 1), None,
                                     torch.bfloat16)
+
+
+# (rows, config) of the gated FP8 GEMV: one row on the CUDA cores with K split, the swapped tl.dot
+# tile with K split (its second tile holds 8 of its 32 gate columns), rows on the CUDA cores and
+# through tl.dot.
+GATED_CASES = [
+    (1, TileConfig(block_n=16, block_k=64, split_k=3)),
+    (1, TileConfig(block_n=64, block_k=64, split_k=2, block_m=16, swap_ab=True)),
+    (4, TileConfig(block_n=8, block_k=32, split_k=1)),
+    (5, TileConfig(block_n=16, block_k=32, split_k=2, block_m=16)),
+]
+
+
+@pytest.mark.parametrize(("rows", "config"), GATED_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gated_fp8_gemv_quantizes_its_silu_and_mul(fp8_kernels, rows, config, dtype):
+    """``fp8_gemv_silu_and_mul_triton``: the SiLU-and-mul it writes is ``silu_and_mul`` of the
+    plain FP8 GEMV's gate and up (``gated_tolerance``; a bfloat16 rounding on the CPU, where
+    numpy's exp may land on the other side of a tie), and its FP8 values and scales are
+    ``quantize_fp8_per_row`` of what it wrote, bit for bit: the down projection's input as the
+    unfused path would make it. The largest value sits in the last, partial column tile."""
+    from conftest import gated_tolerance
+    from pagedlab.layers.activation import silu_and_mul
+    from pagedlab.quantization.fp8 import QuantizedActivations
+
+    gen = _generator("gated", rows, config, dtype)
+    direction = torch.randn(200, generator=gen)
+    weight = torch.randn(80, 200, generator=gen) * 0.05
+    weight[[39, 79]] = direction * 0.05  # gate and up of column 39 near 10 in every row: its maxima
+    weight_values, weight_scales = (t.to(DEVICE) for t in quantize_fp8_per_row(weight))
+    rows_in = torch.randn(rows, 200, generator=gen) * 0.1 + direction
+    x = QuantizedActivations(*(t.to(DEVICE) for t in quantize_fp8_per_row(rows_in)), dtype)
+    act = torch.empty(rows, 40, dtype=dtype, device=DEVICE)
+    quantized = fp8_kernels.fp8_gemv_silu_and_mul_triton(x, weight_values, weight_scales, config, act_out=act)
+    plain = fp8_kernels.fp8_gemv_triton(x.values, x.scales, weight_values, weight_scales, None, dtype, config)
+    expected_act = silu_and_mul(plain.float()).to(dtype)
+    close = gated_tolerance(dtype, DEVICE) if dtype == torch.float16 else dict(atol=1e-6, rtol=8e-3)
+    torch.testing.assert_close(act, expected_act, **close)
+    assert (act.float().abs().argmax(dim=1) == 39).all()
+    expected_values, expected_scales = quantize_fp8_per_row(act.cpu())
+    assert quantized.dtype == dtype and quantized.values.shape == (rows, 40)
+    assert torch.equal(quantized.scales.cpu(), expected_scales)
+    assert torch.equal(_bits(quantized.values), _bits(expected_values))
+
+
+def test_tile_maxima_come_only_from_a_gated_launch(fp8_kernels):
+    from pagedlab.kernels.gemv import launch_dense_gemv
+
+    x = torch.zeros(1, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
+    weight = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=DEVICE)
+    out, ones = torch.empty(1, 16, device=DEVICE), torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"must be a gated launch's contiguous float32 \(1, 2\)"):
+        launch_dense_gemv(x, weight, None, out, TileConfig(block_n=8, block_k=32), row_scales=ones[:1],
+                          col_scales=ones, tile_max=torch.empty(1, 2, device=DEVICE))

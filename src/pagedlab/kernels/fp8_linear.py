@@ -17,6 +17,9 @@ the numerics of ``pagedlab.quantization.fp8`` (whose ``quantize_fp8_per_row`` an
   programs of a chunk of a row write its SiLU-and-mul and their ``max|x|``, then programs of a
   chunk quantize it at the scale of its row's maxima. The same values, in two launches over many
   SMs instead of one SM per row (the plain quantization can run split too, when asked).
+- ``fp8_gemv_silu_and_mul_triton``: a gate/up projection's FP8 GEMV with the SiLU-and-mul in its
+  epilogue, each column tile also writing its rows' maxima, then the split quantization's second
+  launch: the down projection's ``QuantizedActivations`` in two launches instead of three.
 - ``fp8_gemv_triton``: at most ``GEMV_MAX_ROWS`` rows of FP8 activations times FP8 weights
   ``[N, K]`` (one byte per weight: the decode step reads half of bf16's bytes), accumulated in
   float32 from exact products (E4M3 values are exact in bf16 and fp32; the swapped tensor-core
@@ -121,9 +124,10 @@ def _chunk_max_kernel(x_ptr, act_ptr, chunk_max_ptr, K, stride_x, stride_act, ch
 def _quantize_chunk_kernel(x_ptr, chunk_max_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, chunks,
                            BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, FP8_MAX: tl.constexpr,
                            MIN_SCALE: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, chunk), the second launch: the row's scale from its chunk maxima (written by
-    chunk 0, the same float32 as ``_per_token_quant_kernel``'s: a maximum is exact in any order)
-    and the chunk's FP8 values."""
+    """Program (row, chunk), the second launch: the row's scale from its ``chunks`` maxima (any
+    number: the first launch's, or a gated GEMV's per column tile; written by chunk 0, the same
+    float32 as ``_per_token_quant_kernel``'s: a maximum is exact in any order) and the FP8 values
+    of the row's BLOCK_K values from ``program_id(1) * BLOCK_K``."""
     pdl_wait_and_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -161,13 +165,21 @@ def _launch_split_quant(x: torch.Tensor, width: int, gated: bool, out: torch.Ten
     if gated and out is None:
         out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     source = out if gated else x  # what the second launch quantizes
-    warps = max(1, min(8, block // 256))
     _chunk_max_kernel[(rows, chunks)](x, source, chunk_max, width, x.stride(0), source.stride(0), chunks,
-                                      BLOCK_K=block, GATED=gated, **pdl_launch(x.device), num_warps=warps)
-    _quantize_chunk_kernel[(rows, chunks)](source, chunk_max, values, scales, width, source.stride(0),
-                                           values.stride(0), chunks, BLOCK_K=block,
-                                           BLOCK_C=triton.next_power_of_2(chunks), FP8_MAX=FP8_MAX,
-                                           MIN_SCALE=_MIN_SCALE, **pdl_launch(x.device), num_warps=warps)
+                                      BLOCK_K=block, GATED=gated, **pdl_launch(x.device),
+                                      num_warps=max(1, min(8, block // 256)))
+    _launch_quantize_chunks(source, width, chunk_max, block, values, scales)
+
+
+def _launch_quantize_chunks(source: torch.Tensor, width: int, maxima: torch.Tensor, block: int,
+                            values: torch.Tensor, scales: torch.Tensor) -> None:
+    """The split quantization's second launch: each row of ``source`` in chunks of ``block``, at
+    the scale of the row's ``maxima`` (``[rows, any number]``, contiguous)."""
+    rows, count = maxima.shape
+    _quantize_chunk_kernel[(rows, triton.cdiv(width, block))](
+        source, maxima, values, scales, width, source.stride(0), values.stride(0), count, BLOCK_K=block,
+        BLOCK_C=triton.next_power_of_2(count), FP8_MAX=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+        **pdl_launch(source.device), num_warps=max(1, min(8, block // 256)))
 
 
 def _launch_per_token_quant(x: torch.Tensor, width: int, static_scale: torch.Tensor | None, gated: bool,
@@ -226,6 +238,34 @@ def silu_and_mul_fp8_triton(x: torch.Tensor, act_out: torch.Tensor | None = None
                          f"({x.shape[0]}, {width})")
     values, scales = _launch_per_token_quant(x if x.stride(-1) == 1 else x.contiguous(), width, None, True,
                                              act_out, split_block)
+    return QuantizedActivations(values, scales, x.dtype)
+
+
+def fp8_gemv_silu_and_mul_triton(x: QuantizedActivations, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                 config: TileConfig, act_out: torch.Tensor | None = None
+                                 ) -> QuantizedActivations:
+    """``silu_and_mul_fp8_triton(fp8_gemv_triton(...))`` of a gate/up projection (``weight``
+    ``[2N, K]``, gate rows then up rows) in two launches instead of three: the gated GEMV writes
+    ``silu(gate) * up`` (each half first rounded to ``x.dtype``, as the GEMV writes them) and each
+    row's ``max|.|`` per column tile (``launch_dense_gemv``'s ``tile_max``), then the split
+    quantization's second launch quantizes the row at the maximum of its tiles' maxima. The FP8
+    values are ``quantize_fp8_per_row`` of that SiLU-and-mul (``act_out``: where it is written,
+    ``[rows, N]`` contiguous, x's dtype; scratch when None)."""
+    rows, width = x.values.shape[0], weight.shape[0] // 2
+    if rows > GEMV_MAX_ROWS or weight.dtype != FP8_DTYPE or x.values.shape[1] != weight.shape[1]:
+        raise ValueError(f"FP8 values {tuple(x.values.shape)} and weight {tuple(weight.shape)} "
+                         f"{weight.dtype}: at most {GEMV_MAX_ROWS} rows of one K, float8_e4m3fn weights")
+    device = weight.device
+    if act_out is None:
+        act_out = torch.empty(rows, width, dtype=x.dtype, device=device)
+    tile_max = torch.empty(rows, triton.cdiv(weight.shape[0], config.block_n), dtype=torch.float32,
+                           device=device)
+    values = torch.empty(rows, width, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=device)
+    if rows:
+        launch_dense_gemv(x.values, weight, None, act_out, config, row_scales=x.scales.reshape(-1),
+                          col_scales=weight_scale.reshape(-1), gated=True, tile_max=tile_max)
+        _launch_quantize_chunks(act_out, width, tile_max, SPLIT_QUANT_BLOCK, values, scales)
     return QuantizedActivations(values, scales, x.dtype)
 
 

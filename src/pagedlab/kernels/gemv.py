@@ -58,10 +58,10 @@ _counters: dict[torch.device, torch.Tensor] = {}
 def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
                      bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                     GATED: tl.constexpr = False):
+                     GATED: tl.constexpr = False, tile_max_ptr=None, TILE_MAX: tl.constexpr = False):
     """Write ``acc`` ``[BLOCK_M, BLOCK_N]`` (rows ``offs_m``, output columns ``offs_n`` in any
     order) plus the bias; with SPLIT, as this segment's share, the last segment of the column
-    tile to finish summing all of them in segment order. GATED: ``_store_output``'s."""
+    tile to finish summing all of them in segment order. GATED, TILE_MAX: ``_store_output``'s."""
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT:
         cells = offs_m[:, None] * stride_partial_row + offs_n[None, :]
@@ -76,9 +76,10 @@ def split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_sp
                                  cache_modifier=".cg")
             tl.store(counter_ptr + pid_n, 0)
             _store_output(total, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS,
-                          GATED)
+                          GATED, tile_max_ptr, pid_n, TILE_MAX)
     else:
-        _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS, GATED)
+        _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS, GATED,
+                      tile_max_ptr, pid_n, TILE_MAX)
 
 
 @triton.jit
@@ -96,10 +97,13 @@ def column_tile(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 @triton.jit
 def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_out, HAS_BIAS: tl.constexpr,
-                  GATED: tl.constexpr = False):
+                  GATED: tl.constexpr = False, tile_max_ptr=None, pid_n=0, TILE_MAX: tl.constexpr = False):
     """GATED: the columns come in two halves, gate columns c.. then up columns ``c + N / 2``..
     (``column_tile``): write ``silu(gate) * up`` at column c, each of gate and up first rounded to
-    the output's dtype as the GEMV writes them (``silu_and_mul`` after the GEMV, compiled)."""
+    the output's dtype as the GEMV writes them (``silu_and_mul`` after the GEMV, compiled).
+    TILE_MAX: also ``max|out|`` of each row's columns of this tile, as written (in the output's
+    dtype), into ``tile_max[row, pid_n]`` (float32, a row per launch's column tiles): an FP8
+    quantization's per-row scale is the maximum of these (``kernels/fp8_linear.py``)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -112,6 +116,11 @@ def _store_output(acc, offs_m, offs_n, mask, n_valid, bias_ptr, out_ptr, stride_
         mask = mask != 0
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if TILE_MAX:
+        written = tl.abs(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
+        row_max = tl.max(tl.where(mask, written, 0.0), axis=1)
+        row_valid = tl.max(mask.to(tl.int32), axis=1) > 0
+        tl.store(tile_max_ptr + offs_m.to(tl.int64) * tl.num_programs(0) + pid_n, row_max, mask=row_valid)
 
 
 @triton.jit
@@ -207,7 +216,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                        PREFETCH: tl.constexpr, SWAP_AB: tl.constexpr, FP8_ACC_CHUNK: tl.constexpr,
                        NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
                        WRITE_NORMED: tl.constexpr, NORM_SUMS: tl.constexpr, GATED: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, tile_max_ptr=None, TILE_MAX: tl.constexpr = False):
     """Program (weight-row tile, K segment) for all M <= BLOCK_M rows of x. On the CUDA cores
     (not USE_DOT) the products are kept per K lane and summed once at the end (ONE_ROW: a 2-D
     tile, which compiles to plain vector loads and FMAs; more rows: a 3-D one); with USE_DOT the rows
@@ -338,7 +347,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr
                           stride_b_slot, stride_b_slice, stride_b_row, LORA_BLOCK_R)
     split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, split, num_splits,
                      partial_ptr, stride_partial_split, stride_partial_row, counter_ptr,
-                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT, GATED)
+                     bias_ptr, out_ptr, stride_out, HAS_BIAS, SPLIT, GATED, tile_max_ptr, TILE_MAX)
 
 
 def dense_gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,18 +396,20 @@ def check_dense_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                       config: TileConfig, row_scales: torch.Tensor | None = None,
                       col_scales: torch.Tensor | None = None, lora: GemvLoRA | None = None,
-                      norm: FoldedRMSNorm | None = None, gated: bool = False) -> None:
+                      norm: FoldedRMSNorm | None = None, gated: bool = False,
+                      tile_max: torch.Tensor | None = None) -> None:
     """``out`` ``[rows, N]`` = ``x`` ``[rows, K]`` @ ``weight.T`` (times ``row_scales[m] *
     col_scales[n]`` when given: FP8 operands) + ``bias`` (+ the ``lora`` deltas, not with FP8);
     with ``norm`` (16-bit operands, no LoRA), x is ``norm.x`` and the norm is folded in; with
-    ``gated`` (16-bit, no LoRA) ``out`` is ``[rows, N / 2]``, ``silu(gate) * up`` of the two
-    halves of the product; shapes checked by the caller."""
+    ``gated`` (no LoRA) ``out`` is ``[rows, N / 2]``, ``silu(gate) * up`` of the two halves of
+    the product, and ``tile_max`` (gated only; float32 ``[rows, column tiles]``, contiguous) takes
+    each row's ``max|out|`` per column tile; shapes checked by the caller."""
     rows, in_features = x.shape
     out_features = weight.shape[0]
     config.check(rows, gemv=True)
-    if (norm is not None or gated) and (row_scales is not None or lora is not None):
-        raise ValueError("the GEMV folds an RMSNorm or SiLU-and-mul into 16-bit operands without LoRA "
-                         "only")
+    if (norm is not None and row_scales is not None) or ((norm is not None or gated) and lora is not None):
+        raise ValueError("the GEMV folds an RMSNorm into 16-bit operands, and an RMSNorm or SiLU-and-mul "
+                         "without LoRA, only")
     check_gated(gated, out_features, config)
     if lora is not None:
         if row_scales is not None:
@@ -406,6 +417,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         lora.check(rows, out_features, config.block_n)
     k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
     tiles = triton.cdiv(out_features, config.block_n)  # gated: half the columns, in tiles of half
+    _check_tile_max(tile_max, gated, rows, tiles)
     partial, counters = split_k_scratch(rows, out_features, num_splits, tiles, out)
     scaled = row_scales is not None
     one_row = rows == 1 and config.block_m == 0
@@ -424,8 +436,15 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else no_lora_args(out)), **fold_args(x, norm),
         NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
-        GATED=gated,
+        GATED=gated, tile_max_ptr=out if tile_max is None else tile_max, TILE_MAX=tile_max is not None,
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _check_tile_max(tile_max: torch.Tensor | None, gated: bool, rows: int, tiles: int) -> None:
+    if tile_max is not None and (not gated or tile_max.shape != (rows, tiles) or not tile_max.is_contiguous()
+                                 or tile_max.dtype != torch.float32):
+        raise ValueError(f"tile_max {tuple(tile_max.shape)} {tile_max.dtype} must be a gated launch's "
+                         f"contiguous float32 ({rows}, {tiles}): a row's maximum per column tile")
 
 
 def check_gated(gated: bool, out_features: int, config: TileConfig) -> None:

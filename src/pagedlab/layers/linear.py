@@ -142,6 +142,12 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
         dense Triton GEMV with SiLU-and-mul in its epilogue)."""
         return self.linear_method.fuses_silu(self, x.x if isinstance(x, FoldedRMSNorm) else x)
 
+    @property
+    def silu_emits_fp8(self) -> bool:
+        """Whether ``silu_and_mul`` returns ``QuantizedActivations`` (FP8 weights: the down
+        projection's input) rather than a tensor."""
+        return self.linear_method.silu_emits_fp8
+
     def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
         """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's
         epilogue; only where ``fuses_silu(x)`` (so a ``FoldedRMSNorm`` folds in there too)."""

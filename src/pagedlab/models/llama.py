@@ -83,7 +83,9 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fuses = getattr(self.gate_up_proj, "fuses_silu", None)  # not a LoRA wrapper
-        if self.act.name == "silu" and not self.act.fp8_output and fuses is not None and fuses(x):
+        # fused where the projection's SiLU-and-mul is what the activation would hand down_proj
+        if (self.act.name == "silu" and fuses is not None and fuses(x)
+                and self.gate_up_proj.silu_emits_fp8 == self.act.fp8_output):
             return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config
+from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config, fp8_gemv_config
 from pagedlab.kernels.norm_fold import FoldedRMSNorm, fold_rows
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
 from pagedlab.quantization.awq import (VALUES_PER_INT32, AWQConfig, quantize_awq, repack_awq,
                                        repacked_linear_torch)
-from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, fp8_kernels_run, fp8_linear_cuda,
-                                       fp8_linear_torch, quantize_fp8_per_row, scaled_mm_runs)
+from pagedlab.quantization.fp8 import (FP8_DTYPE, FP8Config, QuantizedActivations, fp8_kernels_run,
+                                       fp8_linear_cuda, fp8_linear_torch, quantize_fp8_per_row,
+                                       scaled_mm_runs)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class LinearMethod:
     that sets ``quantize_at_load`` takes dense checkpoint weights (through ``quantize_dense``)."""
 
     quantize_at_load = False
+    silu_emits_fp8 = False  # apply_silu_and_mul returns QuantizedActivations, not a tensor
 
     def checkpoint_tensor(self, spec: WeightSpec, loaded, shape: tuple[int, ...]):
         """The checkpoint tensor ``loaded`` of parameter ``spec`` in the layout the layer cuts,
@@ -231,6 +233,28 @@ class FP8LinearMethod(LinearMethod):
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         values, scale = quantize_fp8_per_row(weight)
         return {"weight": values, "weight_scale": scale}
+
+    silu_emits_fp8 = True
+
+    def fuses_silu(self, layer, x: torch.Tensor | QuantizedActivations) -> bool:
+        """At up to ``FOLD_MAX_ROWS`` rows with dynamic activation scales, no bias, on a GPU where
+        the FP8 GEMV runs this gate/up shape (``FP8_GEMV_CONFIGS``): ``apply_silu_and_mul`` then
+        emits the down projection's ``QuantizedActivations`` in two launches."""
+        rows = x.values if isinstance(x, QuantizedActivations) else x
+        return (self.activations == "dynamic" and layer.bias is None and fold_rows(rows)
+                and scaled_mm_runs(layer.weight)
+                and fp8_gemv_config(rows.shape[0], *layer.weight.shape) is not None)
+
+    def apply_silu_and_mul(self, layer, x: torch.Tensor | QuantizedActivations,
+                           bias: torch.Tensor | None) -> QuantizedActivations:
+        """The gated FP8 GEMV and the quantization of its SiLU-and-mul
+        (``kernels/fp8_linear.fp8_gemv_silu_and_mul_triton``); only where ``fuses_silu``."""
+        from pagedlab.kernels.fp8_linear import fp8_gemv_silu_and_mul_triton, quantize_fp8_per_token_triton
+
+        if not isinstance(x, QuantizedActivations):
+            x = QuantizedActivations(*quantize_fp8_per_token_triton(x), x.dtype)
+        config = fp8_gemv_config(x.values.shape[0], *layer.weight.shape)
+        return fp8_gemv_silu_and_mul_triton(x, layer.weight, layer.weight_scale, config)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.activations == "static" else None
