@@ -47,7 +47,7 @@ _FOLD = dict(NORM=True, NORM_BLOCK=4096, RESIDUAL=True, WRITE_NORMED=False)
 _FOLD_SUMS = dict(_FOLD, NORM_SUMS=True)  # the dense one-row GEMV sums the squares in its loop
 _GEMV = dict(HAS_BIAS=False, SPLIT=False, SCALED=False, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, USE_DOT=False,
              ONE_ROW=True, DOT_DTYPE="bf16", PREFETCH=False, SWAP_AB=False, FP8_ACC_CHUNK=None, **_TF32,
-             **_NO_FOLD, NORM_SUMS=False, GATED=False)
+             **_NO_FOLD, NORM_SUMS=False, GATED=False, TILE_MAX=False)
 # the dot path with the weight tile as A (64 weight rows on wgmma's M), the row padded to 16 as B
 _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_ROW=False, SPLIT=True,
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
@@ -93,6 +93,12 @@ KERNELS = {
     "dense_gemv_fp8_swap": Spec("gemv", "_dense_gemv_kernel",
                                 dict(_GEMV_SWAP, SCALED=True, DOT_DTYPE="fp8", FP8_ACC_CHUNK=128),
                                 dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv")),
+    # Llama-3-8B's FP8 gate/up at one row: SiLU-and-mul and each row's maximum per column tile
+    "dense_gemv_fp8_swap_gated": Spec("gemv", "_dense_gemv_kernel",
+                                      dict(_GEMV_SWAP, SCALED=True, DOT_DTYPE="fp8", FP8_ACC_CHUNK=128,
+                                           BLOCK_K=128, SPLIT=False, GATED=True, TILE_MAX=True),
+                                      dict(_GEMV_POINTERS, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv",
+                                           tile_max_ptr=_F)),
     # with the LoRA expand in the epilogue: batch 1 (one row, 32 shrink splits), and 4 rows on tl.dot
     "dense_gemv_lora": Spec("gemv", "_dense_gemv_kernel",
                             dict(_GEMV, LORA=True, LORA_BLOCK_S=32, LORA_BLOCK_R=16), _GEMV_POINTERS,
