@@ -119,9 +119,9 @@ def main() -> None:
         for batch_name in options.batches:
             records.append(bench_batch(model, batch_name))
             report(records[-1])
-    with open(options.out, "w") as file:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=records), file,
-                  indent=1)
+            with open(options.out, "w") as file:  # after every batch: a cut-short run keeps what it measured
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=records),
+                          file, indent=1)
 
 
 if __name__ == "__main__":
