@@ -294,7 +294,8 @@ def test_cascade_prefix_len_finds_the_shared_tiles():
 def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     """A tiny model on the Triton backend: 16 prompts share a cached 256-token prefix, so decode
     steps take the cascade path (its threshold lowered to fit the interpreter); greedy tokens are
-    HF's, and the same with cascade attention off."""
+    HF's. Two prompts over a 68-token prefix (the thresholds lowered further) take it too, and with
+    cascade attention off they never do and still give HF's tokens."""
     from conftest import hf_greedy, random_prompts
     from pagedlab import LLM, SamplingParams
     from pagedlab.kernels import paged_attention
@@ -308,18 +309,21 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     prefix = random_prompts(1, min_len=260, max_len=260, seed=80)[0]
     prompts = [prefix + tail for tail in random_prompts(16, min_len=1, max_len=6, seed=81)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    expected = [hf_greedy(tiny_llama.hf_model, p, 3, eos_token_id=None) for p in prompts]
-    outputs = {}
-    for cascade in (True, False):
+    short = [prefix[:68] + tail for tail in random_prompts(2, min_len=1, max_len=6, seed=82)]
+    # (cascade on, prompts, the shared keys the cascade launches must see: none with it off)
+    runs = [(True, prompts, {256}), (True, short, {64}), (False, short, set())]  # 260 / 68 shared tokens
+    for cascade, batch, shared in runs:
+        if batch is short:
+            monkeypatch.setattr(triton_backend, "CASCADE_MIN_SEQS", 2)
+        expected = [hf_greedy(tiny_llama.hf_model, p, 3, eos_token_id=None) for p in batch]
         with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=16 << 20,
                  enable_cascade_attention=cascade) as llm:
-            outputs[cascade] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        if cascade:
-            assert calls and set(calls) == {256}, calls  # 260 shared tokens: 4 whole tiles
-            calls.clear()
-    assert not calls
-    assert outputs[True] == expected
-    assert outputs[False] == expected
+            outputs = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        assert outputs == expected
+        assert set(calls) == shared, calls
+        calls.clear()
+
+
 def test_tiny_model_end_to_end_triton_equals_torch(tiny_llama):
     """The whole engine on the Triton backend (interpreted here): prefills, chunked prefills,
     prefix-cache hits and decodes give the torch backend's greedy tokens, which are HF's."""
