@@ -162,29 +162,33 @@ def _outputs(llm, prompts, order):
     return by_prompt
 
 
-def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS) -> list[str]:
-    """The batch variants whose outputs are not bitwise the batch-1 ones: the batches of ``orders``,
-    then the prefix cache (warm) and chunked prefill with a ``chunk_tokens`` budget."""
+def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS):
+    """Yield, as it runs them, the batch variants whose outputs are not bitwise the batch-1 ones:
+    the batches of ``orders``, then the prefix cache (warm) and chunked prefill with a
+    ``chunk_tokens`` budget (``list()`` runs them all; ``_any_differs`` stops at the first)."""
     llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=None)
     alone = {i: _outputs(llm, [p], [0])[0] for i, p in enumerate(prompts)}
     n = len(prompts)
     variants = {"all": list(range(n)), "reversed": list(range(n))[::-1], "pair": [1, 0],
                 "shuffled": random.Random(0).sample(range(n), n)}
-    differing = []
     for name in orders:
         order = variants[name]
         got = _outputs(llm, prompts, order)
         if any(got[i] != alone[i] for i in order):
-            differing.append(name)
+            yield name
     llm.set_model_args(enable_prefix_caching=True)
     llm.reset_prefix_cache()
     _outputs(llm, prompts, list(range(n)))  # warms the cache: the second pass reads the prompts from it
     if _outputs(llm, prompts, list(range(n))[::-1]) != alone:
-        differing.append("prefix_cache")
+        yield "prefix_cache"
     llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=chunk_tokens)
     if _outputs(llm, prompts, list(range(n))) != alone:
-        differing.append("chunked_prefill")
-    return differing
+        yield "chunked_prefill"
+
+
+def _any_differs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS) -> bool:
+    """Whether some variant of ``_differing_runs`` differs, running only up to the first that does."""
+    return next(_differing_runs(llm, prompts, chunk_tokens, orders), None) is not None
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +202,9 @@ def test_torch_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_p
     """The torch backend on the CPU: every variant bitwise equal under the mode, and not without it."""
     with LLM(tiny_llama.path, attention_backend="torch", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True) as llm:
-        assert _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16) == []
+        assert list(_differing_runs(llm, shared_prefix_prompts, chunk_tokens=16)) == []
         llm.set_model_args(batch_invariant=False)
-        assert _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16) != []
+        assert _any_differs(llm, shared_prefix_prompts, chunk_tokens=16)
 
 
 def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_prefix_prompts):
@@ -208,9 +212,9 @@ def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     prompts = shared_prefix_prompts[:3]
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True) as llm:
-        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) == []
+        assert list(_differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",))) == []
         llm.set_model_args(batch_invariant=False)
-        assert _differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",)) != []
+        assert _any_differs(llm, prompts, chunk_tokens=16, orders=("reversed",))
 
 
 @pytest.mark.slow
@@ -220,7 +224,8 @@ def test_triton_kernels_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True) as llm:
-        assert _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",)) == []
+        differing = _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",))
+        assert list(differing) == []
 
 
 # ---- settings, the repro check ------------------------------------------------------------------------
