@@ -148,9 +148,11 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
         projection's input) rather than a tensor."""
         return self.linear_method.silu_emits_fp8
 
-    def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm):
         """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's
-        epilogue; only where ``fuses_silu(x)`` (so a ``FoldedRMSNorm`` folds in there too)."""
+        epilogue; only where ``fuses_silu(x)`` (so a ``FoldedRMSNorm`` folds in there too). A
+        tensor, or with FP8 weights (``silu_emits_fp8``) the down projection's
+        ``QuantizedActivations``."""
         return self.linear_method.apply_silu_and_mul(self, x, self.bias)
 
     def gemv_config(self, x: torch.Tensor) -> TileConfig | None:

@@ -210,6 +210,8 @@ class FP8LinearMethod(LinearMethod):
     activation scales ``apply`` also takes ``QuantizedActivations`` from a fused producer
     (``takes_quantized_activations``) and skips the quantization."""
 
+    silu_emits_fp8 = True
+
     def __init__(self, config: FP8Config):
         self.quantize_at_load = config.quantize_at_load
         self.activations = config.activations
@@ -233,8 +235,6 @@ class FP8LinearMethod(LinearMethod):
     def quantize_dense(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         values, scale = quantize_fp8_per_row(weight)
         return {"weight": values, "weight_scale": scale}
-
-    silu_emits_fp8 = True
 
     def fuses_silu(self, layer, x: torch.Tensor | QuantizedActivations) -> bool:
         """At up to ``FOLD_MAX_ROWS`` rows with dynamic activation scales, no bias, on a GPU where
