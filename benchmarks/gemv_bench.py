@@ -111,12 +111,17 @@ def awq_candidates(rows: int, n: int, k: int, group_size: int, sms: int) -> list
     tiles alone make fewer; from 2 to 16 rows tl.dot tiles with K steps of one group at most, K
     cut for about 1, 2 and 4 programs per SM; more rows Hopper-sized GEMM tiles, in both of the
     GEMM's forms (AWQ_GEMM_TILES and AWQ_SWAPPED_GEMM_TILES, those of at most ``max(64, rows)``
-    rows). The default heuristic's choice first."""
+    rows), each also with K cut for about 2 programs per SM where its tiles alone make fewer. The
+    default heuristic's choice first."""
     if rows > GEMV_MAX_ROWS:
         tiles = [(*t, False) for t in AWQ_GEMM_TILES] + [(*t, True) for t in AWQ_SWAPPED_GEMM_TILES]
-        found = [TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w, num_stages=s,
-                            swap_ab=swap)
-                 for m, bn, bk, w, s, swap in tiles if m <= max(64, rows)]
+        found = []
+        for m, bn, bk, w, s, swap in tiles:
+            if m <= max(64, rows):
+                tile = TileConfig(block_m=m, block_n=bn, block_k=min(bk, group_size), num_warps=w,
+                                  num_stages=s, swap_ab=swap)
+                split = splits_for(-(-rows // m) * -(-n // bn), -(-k // tile.block_k), sms)
+                found += [tile] + ([replace(tile, split_k=split)] if split > 1 else [])
         return _default_first(default_awq_config(rows, n, k, group_size, sms), found)
     found = []
     if rows <= AWQ_CUDA_CORE_MAX_ROWS:

@@ -306,8 +306,8 @@ def check_kernel(w4a16, rows, in_features, out_features, group_size, dtype, with
 
 # (rows, config) covering every path: block_m=0 is the GEMV on the CUDA cores (a K step within a
 # group, one group, or several: block_k 16 to 256), block_m=16 the GEMV through tl.dot,
-# more than 16 rows the GEMM; split_k > 1 cuts K into segments summed in-kernel (3 segments of 8
-# K steps are uneven: 3, 3, 2).
+# more than 16 rows the GEMM (x and the words read through TMA descriptors); split_k > 1 cuts K into
+# segments summed in-kernel (3 segments of 8 K steps are uneven: 3, 3, 2), in the GEMM too.
 KERNEL_CASES = [
     (1, TileConfig(block_n=8, block_k=256, split_k=1)),
     (1, TileConfig(block_n=4, block_k=64, split_k=1)),
@@ -321,7 +321,8 @@ KERNEL_CASES = [
     (5, TileConfig(block_n=128, block_k=16, split_k=1, block_m=16)),
     (16, TileConfig(block_n=32, block_k=32, split_k=8, block_m=16)),
     (17, TileConfig(block_n=64, block_k=32, block_m=16)),
-    (40, TileConfig(block_n=32, block_k=16, block_m=32)),
+    (40, TileConfig(block_n=32, block_k=32, block_m=32)),
+    (40, TileConfig(block_n=64, block_k=32, split_k=3, block_m=16)),
     # 2-8 rows on the CUDA cores (block_m=0): a step over several groups with prefetch, 3 rows
     # padded to 4 without prefetch and K split, 8 rows in steps within a group, 5 on 2 warps
     (2, TileConfig(block_n=8, block_k=256, split_k=1)),
@@ -335,11 +336,12 @@ SHAPES = [(256, 136, 32, True), (128, 64, 128, False), (192, 72, 64, True)]
 
 
 # The GEMM's swapped form (the weight tile as the dot's A operand, the rows its N): partial row
-# tiles (17 and 100 rows), one whole one, partial column tiles (72 columns of 64 or 32).
+# tiles (17 and 100 rows), one whole one, partial column tiles (72 columns of 64 or 32), K split.
 SWAPPED_CASES = [
     (17, TileConfig(block_n=64, block_k=32, block_m=32, swap_ab=True)),
-    (64, TileConfig(block_n=32, block_k=16, block_m=64, num_warps=2, swap_ab=True)),
+    (64, TileConfig(block_n=32, block_k=32, block_m=64, num_warps=2, swap_ab=True)),
     (100, TileConfig(block_n=64, block_k=64, block_m=64, num_stages=3, swap_ab=True)),
+    (100, TileConfig(block_n=32, block_k=32, split_k=2, block_m=64, swap_ab=True)),
 ]
 
 
@@ -360,7 +362,7 @@ def test_triton_matches_torch_float16(w4a16, shape, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", [KERNEL_CASES[0], KERNEL_CASES[2], KERNEL_CASES[6], KERNEL_CASES[10],
-                                  KERNEL_CASES[14]], ids=_case_id)
+                                  KERNEL_CASES[13], KERNEL_CASES[15]], ids=_case_id)
 def test_triton_matches_torch_other_dtypes(w4a16, case, dtype):
     rows, config = case
     check_kernel(w4a16, rows, 256, 136, 32, dtype, True, "dtypes", config)
@@ -383,6 +385,26 @@ def test_triton_default_configs(w4a16, monkeypatch, rows, gemm_listed):
             monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (bucket, 64, 256, 128),
                                 TileConfig(block_n=32, block_k=32, block_m=32))
     check_kernel(w4a16, rows, 256, 64, 128, torch.float16, True, "default")
+
+
+@pytest.mark.parametrize("rows, aligned, gemm", [(200, True, True), (300, True, False), (200, False, False)])
+def test_gemm_takes_decode_batches_whose_operands_tma_reads(w4a16, monkeypatch, rows, aligned, gemm):
+    """With the 256-row bucket listed, the GEMM runs a batch of up to AWQ_GEMM_MAX_ROWS rows whose
+    x starts on 16 bytes; a prefill-sized batch, or an x view 2 bytes off (which TMA cannot
+    read), is dequantized for the matmul instead, with the same result."""
+    monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (256, 64, 256, 128),
+                        TileConfig(block_n=32, block_k=32, block_m=64))
+    launches = []
+    launch_gemm = w4a16._launch_gemm
+    monkeypatch.setattr(w4a16, "_launch_gemm", lambda *args: launches.append(launch_gemm(*args)))
+    gen = _generator("tma path", rows)
+    _, _, scales, qweight, qzeros = random_awq(256, 64, 128, gen, torch.float16)
+    x_wide = torch.randn(rows, 257, generator=gen).to(DEVICE, torch.float16)
+    x = x_wide[:, :256].contiguous() if aligned else x_wide[:, 1:]
+    out = w4a16.awq_linear_triton(x, *repacked_on_device(qweight, qzeros, scales, 128), 128)
+    assert len(launches) == int(gemm)
+    expected = awq_linear_torch(x.float().cpu(), qweight, qzeros, scales.float(), 128)
+    torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[torch.float16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
@@ -440,7 +462,8 @@ def test_triton_keeps_leading_dimensions_and_empty_batches(w4a16):
     (20, TileConfig(block_n=64, block_k=64, block_m=16), "block_k=64 must divide group_size=32 on tl.dot"),
     (1, TileConfig(block_n=4, block_k=8), "block_k=8 is under 16"),
     (20, TileConfig(block_n=64, block_k=32), "the GEMM needs block_m >= 16"),
-    (20, TileConfig(block_n=64, block_k=32, block_m=16, split_k=2), "needs block_m >= 16 and split_k=1"),
+    (20, TileConfig(block_n=64, block_k=16, block_m=16), "the GEMM's TMA tiles need block_k >= 32"),
+    (20, TileConfig(block_n=512, block_k=32, block_m=16), "block_m, block_n, block_k <= 256"),
     (1, TileConfig(block_n=48, block_k=32), "block_n=48 must be a power of two"),
     (1, TileConfig(block_n=64, block_k=32, block_m=8), "tl.dot tiles need block_m"),
     (9, TileConfig(block_n=64, block_k=32), "block_m=0 (CUDA cores) is for at most 8 rows"),

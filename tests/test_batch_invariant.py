@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from conftest import KV_BYTES, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
+from pagedlab.kernels.device import tma_loads
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_TILE, TileConfig,
                                            batch_invariant_persistent_config, batch_invariant_splits)
 from pagedlab.layers import batch_invariant
@@ -88,7 +89,7 @@ def test_persistent_launch_is_bitwise_the_in_program_launch(kernels, dtype, in_f
     x = torch.randn(40, in_features, generator=g).to(DEVICE, dtype)
     weight = (torch.randn(72, in_features, generator=g) / 8).to(DEVICE, dtype)
     bias = torch.randn(72, generator=g).to(DEVICE, dtype)
-    assert kernels._tma_loads(x, weight) == tma
+    assert tma_loads(x, weight) == tma
     outputs = {}
     for segments in (1, 3):
         def run(rows, persistent=True, segments=segments):

@@ -151,12 +151,14 @@ def test_awq_cuda_core_tiles_hold_8_to_32_words_a_thread_and_split_where_tiles_a
 
 
 @pytest.mark.parametrize("rows", [17, 64, 256])
-def test_awq_gemm_candidates_sweep_both_forms_in_at_most_20(rows):
+def test_awq_gemm_candidates_sweep_both_forms_in_at_most_40(rows):
     """Over GEMV_MAX_ROWS rows: the plain and the swapped GEMM tiles (block_n 64 or 128, the
-    rows' tiles no larger than max(64, rows)), every one accepted by the kernel."""
+    rows' tiles no larger than max(64, rows)), each also split along K where its tiles make fewer
+    than two programs per SM (down_proj's 4,096 columns), every one accepted by the kernel."""
     found = gemv_bench.awq_candidates(rows, 4096, 14336, 128, H200_SMS)
     swapped = [c for c in found if c.swap_ab]
-    assert len(found) <= 20 and len(swapped) >= 4 and len(found) - len(swapped) >= 4
+    assert len(found) <= 40 and len(swapped) >= 4 and len(found) - len(swapped) >= 4
+    assert {c.split_k > 1 for c in found} == {True, False}
     assert all(c.block_n in (64, 128) and c.block_k in (64, 128) for c in swapped)
     assert {c.block_m for c in swapped} == ({64, 128, 256} if rows == 256 else {64})
     for config in found:

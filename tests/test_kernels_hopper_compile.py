@@ -53,6 +53,10 @@ _GEMV_SWAP = dict(_GEMV, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, USE_DOT=True, ONE_
                   SWAP_AB=True, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1)
 _AWQ_GEMV = dict(GROUP_SIZE=128, HAS_BIAS=False, DOT_DTYPE="bf16", **_TF32, **_NO_FOLD, GATED=False)
 _AWQ_POINTERS = dict(qweight_ptr=_I, qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I)
+_AWQ_GEMM = dict(GROUP_SIZE=128, HAS_BIAS=False, SPLIT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
+                 DOT_DTYPE="bf16", SWAP_AB=False, **_TF32)
+_AWQ_GEMM_DESCRIPTORS = dict(x_desc="tensordesc<bf16[64, 64]>", qweight_desc="tensordesc<i32[128, 8]>",
+                             qzeros_ptr=_I, partial_ptr=_F, counter_ptr=_I)
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
 # the paged attention kernel's decode launch with split-KV (Llama-3-8B's heads); the others vary it
@@ -126,13 +130,11 @@ KERNELS = {
                            dict(_AWQ_GEMV, SPLIT=False, BLOCK_M=1, BLOCK_N=32, BLOCK_K=512, STEP_GROUPS=4,
                                 USE_DOT=False, PREFETCH=True, GATED=True), _AWQ_POINTERS,
                            reads_before_wait=True),
-    "awq_gemm": Spec("w4a16", "_awq_gemm_kernel",
-                     dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
-                          DOT_DTYPE="bf16", SWAP_AB=False, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
-    # the weight tile as the dot's A operand, the rows its N
-    "awq_gemm_swap": Spec("w4a16", "_awq_gemm_kernel",
-                          dict(GROUP_SIZE=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64,
-                               DOT_DTYPE="bf16", SWAP_AB=True, **_TF32), dict(qweight_ptr=_I, qzeros_ptr=_I)),
+    # x and the weight words through TMA descriptors (the launch's 64-row, 128-column, 64-k tiles)
+    "awq_gemm": Spec("w4a16", "_awq_gemm_kernel", _AWQ_GEMM, _AWQ_GEMM_DESCRIPTORS),
+    # the weight tile as the dot's A operand, the rows its N; K split
+    "awq_gemm_swap": Spec("w4a16", "_awq_gemm_kernel", dict(_AWQ_GEMM, SWAP_AB=True, SPLIT=True),
+                          _AWQ_GEMM_DESCRIPTORS),
     "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=128),
                            dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
     "paged_attention": Spec("triton_kernels", "paged_attention_kernel", _ATTENTION, _ATTENTION_POINTERS,
@@ -337,11 +339,12 @@ _WGMMA_FP8_A = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m
 
 
 def test_awq_gemm_swapped_form_feeds_wgmma_the_weights_from_registers(ptx_dir):
-    """Both forms of the AWQ GEMM multiply on wgmma; the plain one reads its A operand (the
-    activations) from shared memory, the swapped one takes A (the dequantized weight tile) from
-    registers."""
+    """Both forms of the AWQ GEMM read x and the weight words by TMA and multiply on wgmma; the
+    plain one reads its A operand (the activations) from shared memory, the swapped one takes A
+    (the dequantized weight tile) from registers."""
     plain, swapped = ((ptx_dir / f"{name}-nopdl.ptx").read_text() for name in ("awq_gemm", "awq_gemm_swap"))
     assert "mma.sync" not in plain + swapped
+    assert "cp.async.bulk.tensor.2d" in plain and "cp.async.bulk.tensor.2d" in swapped
     assert set(_WGMMA_A.findall(plain)) == {"%"} and set(_WGMMA_A.findall(swapped)) == {"{"}
 
 

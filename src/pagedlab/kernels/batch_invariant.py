@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pagedlab.kernels.device import compute_capability
+from pagedlab.kernels.device import tma_loads
 from pagedlab.kernels.gemv import (_store_output, check_dense_operands, dot_settings, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import (BATCH_INVARIANT_PERSISTENT_MIN_ROWS,
@@ -199,7 +199,7 @@ def fixed_tile_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if max_programs is not None and max_programs < 1:
         raise ValueError(f"max_programs={max_programs}: want at least 1")
     programs = min(tiles, max_programs or num_sms(x.device)) if persistent else tiles
-    tma = persistent and _tma_loads(x2d, weight)
+    tma = persistent and tma_loads(x2d, weight)
     x_desc, w_desc = x2d, weight  # stand-ins the kernel does not read without TMA
     if tma:
         x_desc = TensorDescriptor.from_tensor(x2d, [config.block_m, config.block_k])
@@ -253,17 +253,7 @@ def _persistent_launch_fits(x2d: torch.Tensor, weight: torch.Tensor, config: Til
     return (x2d.is_cuda and x2d.shape[0] >= BATCH_INVARIANT_PERSISTENT_MIN_ROWS
             and x2d.dtype in (torch.float16, torch.bfloat16)
             and config.block_k == BATCH_INVARIANT_PERSISTENT_TILE.block_k
-            and weight.shape[1] % config.block_k == 0 and _tma_loads(x2d, weight))
-
-
-def _tma_loads(*operands: torch.Tensor) -> bool:
-    """Whether the persistent launch reads these 2-D operands through TMA descriptors: on Hopper
-    or later (and in the interpreter, which runs them on the CPU), where each starts on 16 bytes
-    and its rows lie a multiple of 16 bytes apart, as TMA requires."""
-    device = operands[0].device
-    if device.type == "cuda" and compute_capability(device)[0] < 9:
-        return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in operands)
+            and weight.shape[1] % config.block_k == 0 and tma_loads(x2d, weight))
 
 
 @triton.jit

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 # Batches of at most this many rows take a GEMV kernel (all rows in one program, K split).
 GEMV_MAX_ROWS = 16
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The most rows the AWQ GEMM takes (a decode batch): more (prefill chunks) dequantize for cuBLAS.
+AWQ_GEMM_MAX_ROWS = ROW_BUCKETS[-1]
 # Rows of a tl.dot tile: the smallest M tensor cores take.
 DOT_MIN_ROWS = 16
 # The CUDA-core AWQ GEMV's default tile (``default_awq_config``): columns a program, largest K
@@ -64,8 +66,8 @@ class TileConfig:
             raise ValueError(f"{self}: tl.dot tiles need block_m, block_n and block_k >= 16")
         if gemv and self.block_m and rows > self.block_m:
             raise ValueError(f"{self}: a GEMV program holds every row, {rows} > block_m={self.block_m}")
-        if not gemv and (not self.block_m or self.split_k != 1):
-            raise ValueError(f"{self}: the GEMM needs block_m >= 16 and split_k=1")
+        if not gemv and not self.block_m:
+            raise ValueError(f"{self}: the GEMM needs block_m >= 16")
         if self.swap_ab and not self.block_m:
             raise ValueError(f"{self}: swap_ab=True swaps a tl.dot tile's operands, it needs block_m >= 16")
 
@@ -84,14 +86,17 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # The tables: ``benchmarks/gemv_bench.py`` on one H200 (2026-12-01), times of CUDA-graph replays
 # with the weights read from HBM (the comments: microseconds).
 # (row bucket, N, K, group_size) -> config of the AWQ W4A16 kernels over the repacked layout
-# (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows takes the dequantizing GEMM only
-# where it is listed (it beat dequantize-then-cuBLAS there); elsewhere the weight is dequantized
-# for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m, num_warps, num_stages[, swap_ab]);
-# comments: microseconds, and the share of 4.8 TB/s of the int4 weights, zero points, scales and
-# activations read. The 2-16-row tl.dot path ran at about half cuBLAS's speed on the 16-bit
-# weights there. The 64-row gate/up entry is the swapped form (2026-12-02, session 15): at 64 and
-# 256 rows it beat the plain form on every Llama-3-8B linear (qkv 64 rows: 33.3 against 60.6 us)
-# but lost to dequantize-then-cuBLAS everywhere else (qkv 32.6, o 21.1, down 77.2 at 64 rows).
+# (``kernels/w4a16.py``). A batch of more than GEMV_MAX_ROWS rows (up to AWQ_GEMM_MAX_ROWS) takes
+# the dequantizing GEMM only where it is listed (it beat dequantize-then-cuBLAS there); elsewhere
+# the weight is dequantized for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m,
+# num_warps, num_stages[, swap_ab]); comments: microseconds, and the share of 4.8 TB/s of the int4
+# weights, zero points, scales and activations read. The 2-16-row tl.dot path ran at about half
+# cuBLAS's speed on the 16-bit weights there. The 64-, 128- and 256-row lines: 2026-12-03 (session
+# 27, a ``.dev`` probe of the GEMM that reads x and the words by TMA, each tile against
+# dequantize-then-cuBLAS in the same run; comments: the GEMM's time, then that path's): K split
+# where the column tiles are few. Where the GEMM lost, cuBLAS stays: gate/up at 64 rows (71.6
+# against 68.9 us), qkv and o at 128 (35.6 / 33.9, 25.1 / 25.2), qkv, o and down at 256 (57.5 /
+# 39.3, 35.8 / 26.8, 98.6 / 87.2).
 # The 1-, 2-, 4- and 8-row lines: 2026-12-02 (sessions 19-20, ``gpu_suite.sh gemv-awq``), the
 # CUDA-core sums with the paired nibble unpacking (``w4a16._unpack_words_paired``): up to 4 rows
 # they won all four linears (4 rows, qkv: 18.5 against 28.7 us for tl.dot), at 8 rows tl.dot
@@ -106,7 +111,6 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (1, 28672, 4096, 128): TileConfig(32, 512, 1, 0, 4, 3),  # 21.6, 59%
     (4, 28672, 4096, 128): TileConfig(16, 1024, 1, 0, 4, 3),  # 70.2, 18%
     (16, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 107.4, 12%
-    (64, 28672, 4096, 128): TileConfig(128, 128, 1, 64, 8, 3, True),  # 78.4, 17%
     (1, 4096, 14336, 128): TileConfig(16, 2048, 1, 0, 8, 3),  # 12.1, 53%
     (4, 4096, 14336, 128): TileConfig(8, 1024, 1, 0, 4, 1),  # 40.6, 16%
     (16, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 59.2, 11%
@@ -118,6 +122,12 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (8, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 104.0, 12%
     (2, 4096, 14336, 128): TileConfig(16, 1024, 1, 0, 8, 3),  # 23.2, 27%
     (8, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 61.2, 10%
+    (64, 6144, 4096, 128): TileConfig(64, 128, 2, 64, 4, 4, True),  # 26.1 (32.3)
+    (64, 4096, 4096, 128): TileConfig(64, 128, 4, 64, 4, 4, True),  # 17.9 (21.0)
+    (64, 4096, 14336, 128): TileConfig(64, 128, 4, 64, 4, 4, True),  # 41.8 (77.2)
+    (128, 28672, 4096, 128): TileConfig(128, 64, 1, 128, 8, 3),  # 84.5 (145.0)
+    (128, 4096, 14336, 128): TileConfig(128, 64, 4, 128, 8, 4, True),  # 65.0 (78.4)
+    (256, 28672, 4096, 128): TileConfig(128, 64, 1, 256, 8, 3, True),  # 157.6 (164.7)
 }
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
 # a shape not listed runs cuBLAS. The batch-1 Llama-3-8B entries marked "chain" come from
@@ -214,7 +224,10 @@ FP8_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
 def awq_config(rows: int, out_features: int, in_features: int, group_size: int,
                num_sms: int) -> TileConfig | None:
     """The AWQ kernel config for this batch and weight: the table's, else the GEMV's default; None
-    for a batch over GEMV_MAX_ROWS rows that the table does not list (dequantize, then cuBLAS)."""
+    for a batch over GEMV_MAX_ROWS rows that the table does not list, and for any over
+    AWQ_GEMM_MAX_ROWS (prefill chunks: dequantize once, then cuBLAS multiplies all the rows)."""
+    if rows > AWQ_GEMM_MAX_ROWS:
+        return None
     found = AWQ_CONFIGS.get((row_bucket(rows), out_features, in_features, group_size))
     if found or rows > GEMV_MAX_ROWS:
         return found

@@ -32,14 +32,16 @@ launched with a ``TileConfig`` from ``gemv_configs.awq_config`` (measured table,
   up to ``AWQ_CUDA_CORE_MAX_ROWS`` (``_rows_step``: each step's words unpacked once, then every
   row's sums). 1 to 16 rows with ``block_m == 16`` go through ``tl.dot``, a K step within one
   group; ``gemv_bench.py`` measures both for 2-8 rows.
-- more rows, where ``AWQ_CONFIGS`` lists the shape: a dequantize-in-the-loop GEMM: each K tile of
-  the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype in registers and feeds
-  ``tl.dot`` with fp32 accumulation, as its B operand (``x @ w.T``) or, where the config sets
-  ``swap_ab``, as its A operand (``w @ x.T``, the rows on the dot's N: Hopper's wgmma takes A from
-  registers); the table holds the form ``benchmarks/gemv_bench.py`` measured faster for the shape.
-- more rows otherwise (prefill chunks, most large decode batches): one kernel writes the
-  dequantized weight ``[N, K]`` and cuBLAS multiplies (``F.linear``). All three read the same
-  repacked tensors: the model holds one copy of its weights.
+- up to ``AWQ_GEMM_MAX_ROWS`` rows (a decode batch), where ``AWQ_CONFIGS`` lists the shape: a
+  dequantize-in-the-loop GEMM: x's tiles and the weight words arrive by TMA (staged ahead by the
+  pipeliner), each K tile of the weight (within one group) becomes ``(q - z) * s`` in ``x``'s dtype
+  in registers and feeds ``tl.dot`` with fp32 accumulation, as its B operand (``x @ w.T``) or,
+  where the config sets ``swap_ab``, as its A operand (``w @ x.T``, the rows on the dot's N:
+  Hopper's wgmma takes A from registers); K split where the tiles are few (down_proj's 4,096
+  columns). The table holds the form ``benchmarks/gemv_bench.py`` measured faster for the shape.
+- more rows otherwise (prefill chunks, shapes the table leaves out, operands TMA cannot read): one
+  kernel writes the dequantized weight ``[N, K]`` and cuBLAS multiplies (``F.linear``). All three
+  read the same repacked tensors: the model holds one copy of its weights.
 
 This module imports triton when it loads; Triton decides at decoration time whether a kernel is
 compiled or interpreted (``TRITON_INTERPRET=1``), so import it lazily, after that is settled.
@@ -51,7 +53,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pagedlab.kernels.device import tma_loads
 from pagedlab.kernels.gemv import (check_gated, column_tile, dot_settings, gemv_block_m, k_segments, num_sms,
                                    split_k_epilogue, split_k_scratch)
 from pagedlab.kernels.gemv_configs import AWQ_CUDA_CORE_MAX_ROWS, GEMV_MAX_ROWS, TileConfig, awq_config
@@ -344,63 +348,63 @@ def _awq_gemv_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_p
 
 
 @triton.jit
-def _dequantized_tile(weight_rows, zero_rows, scale_rows, n_valid, k_start, K, w_bits,
-                      GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantized_words(words, zero_rows, scale_rows, n_valid, k_start, K, w_bits, GROUP_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The float32 weights ``(q - z) * s`` ``[BLOCK_N, BLOCK_K]`` of the columns' K tile at
-    ``k_start`` (within one group)."""
-    words = _step_words(weight_rows, n_valid, k_start, K, BLOCK_K)
+    ``k_start`` (within one group) from its words ``[BLOCK_N, BLOCK_K // 8]``."""
     zeros, scales = _step_zeros_scales(zero_rows, scale_rows, n_valid, k_start, K, GROUP_SIZE, 1)
     # 128 + q, as in the GEMV, less 128 + z
     return (tl.reshape(_unpack_words(words, w_bits), (BLOCK_N, BLOCK_K)) - zeros) * scales
 
 
 @triton.jit(do_not_specialize=["w_bits"])
-def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
-                     stride_x, stride_qweight, stride_qzeros, stride_scales, stride_out, w_bits,
-                     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _awq_gemm_kernel(x_desc, qweight_desc, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr,
+                     counter_ptr, M, N, K, k_per_split, num_splits, stride_qzeros, stride_scales, stride_out,
+                     stride_partial_split, stride_partial_row, w_bits, GROUP_SIZE: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr):
-    """Program (row tile, column tile) of the output. Row tiles vary fastest over the grid, so
-    programs running together share a weight tile (dequantized from L2, read from HBM once).
-    PDL: waits first (a prefill-sized GEMM has nothing to gain from one early weight tile).
+    """Program (row tile, column tile, K segment) of the output. Row tiles vary fastest over the
+    grid, so programs running together share a weight tile (read from HBM once). The x tiles and
+    the weight words come through TMA descriptors (rows past M, columns past N and K past its end
+    read as zeros), which the pipeliner stages in shared memory ``num_stages`` K steps ahead; the
+    zero points and scales are pointer loads. With SPLIT each segment stores its share and the last
+    to finish sums them in segment order (``split_k_epilogue``): the same bits whichever finishes
+    last. PDL: waits first (nothing to gain from one early weight tile).
 
     SWAP_AB computes the transposed tile, ``acc[BLOCK_N, BLOCK_M] += w @ x.T``, transposed for the
-    epilogue: the dequantized weight is the dot's A operand and the rows (a decode batch's 17-256
-    tokens) its N. For sm_90 (Triton 3.9, bf16, groups of 128) both forms compile to wgmma; the
-    plain form stores each weight tile to shared memory, where wgmma reads it as B (x as A); the
-    swapped form's wgmma takes the weights from registers, yet they still pass through shared
-    memory each K step (stored, then ldmatrix into wgmma's A fragments: the layout the words were
-    loaded in is not wgmma's), and each K step's wgmmas run as two groups, the first still running
-    while the second is issued. In both the pipeliner copies x (num_stages buffers), the weight and
-    zero-point words with cp.async (the scales are plain loads). tests/test_kernels_hopper_compile.py
-    checks the operands."""
+    epilogue: the dequantized weight is the dot's A operand and the rows its N. For sm_90 (Triton
+    3.6, bf16, groups of 128) both forms compile to asynchronous wgmma; the swapped one takes the
+    weights from registers, the plain one stores each weight tile to shared memory, where wgmma
+    reads it as B. tests/test_kernels_hopper_compile.py checks the operands."""
     pdl_wait_and_trigger(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_valid = offs_m < M
     n_valid = offs_n < N
     columns = offs_n.to(tl.int64)[:, None]
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
-                              scales_ptr + columns * stride_scales, n_valid, k_start, K, w_bits, GROUP_SIZE,
-                              BLOCK_N, BLOCK_K).to(DOT_DTYPE)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_valid[:, None] & (offs_k < K)[None, :], other=0.0)
+    k_begin = split * k_per_split
+    for k_start in range(k_begin, tl.minimum(K, k_begin + k_per_split), BLOCK_K):
+        words = qweight_desc.load([pid_n * BLOCK_N, k_start // 8])
+        w = _dequantized_words(words, qzeros_ptr + columns * stride_qzeros,
+                               scales_ptr + columns * stride_scales, n_valid, k_start, K, w_bits, GROUP_SIZE,
+                               BLOCK_N, BLOCK_K).to(DOT_DTYPE)
+        x = x_desc.load([pid_m * BLOCK_M, k_start]).to(DOT_DTYPE)
         if SWAP_AB:
-            acc = tl.dot(w, tl.trans(x.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
-            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if SWAP_AB:
         acc = tl.trans(acc)
-    split_k_epilogue(acc, offs_m, offs_n, m_valid, n_valid, pid_n, 0, 1, out_ptr, 0, 0, out_ptr,
-                     bias_ptr, out_ptr, stride_out, HAS_BIAS, False)
+    split_k_epilogue(acc, offs_m, offs_n, offs_m < M, n_valid, pid_m * tl.num_programs(1) + pid_n, split,
+                     num_splits, partial_ptr, stride_partial_split, stride_partial_row, counter_ptr, bias_ptr,
+                     out_ptr, stride_out, HAS_BIAS, SPLIT)
 
 
 @triton.jit(do_not_specialize=["w_bits"])
@@ -416,9 +420,9 @@ def _awq_dequantize_kernel(qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, N, K, s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
     columns = offs_n.to(tl.int64)[:, None]
-    w = _dequantized_tile(qweight_ptr + columns * stride_qweight, qzeros_ptr + columns * stride_qzeros,
-                          scales_ptr + columns * stride_scales, n_valid, pid_k * BLOCK_K, K, w_bits,
-                          GROUP_SIZE, BLOCK_N, BLOCK_K)
+    words = _step_words(qweight_ptr + columns * stride_qweight, n_valid, pid_k * BLOCK_K, K, BLOCK_K)
+    w = _dequantized_words(words, qzeros_ptr + columns * stride_qzeros, scales_ptr + columns * stride_scales,
+                           n_valid, pid_k * BLOCK_K, K, w_bits, GROUP_SIZE, BLOCK_N, BLOCK_K)
     pdl_wait_and_trigger(PDL)
     tl.store(out_ptr + columns * stride_out + offs_k[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_valid[:, None] & (offs_k < K)[None, :])
@@ -448,7 +452,8 @@ def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qz
 
     The tensors may be views (e.g. a shard's rows) as long as their last dimension is contiguous.
     ``config`` (default: ``gemv_configs.awq_config``) sets the tiles; with at most
-    ``GEMV_MAX_ROWS`` rows it runs the GEMV; more rows run the GEMM where the table lists it,
+    ``GEMV_MAX_ROWS`` rows it runs the GEMV; more rows run the GEMM where the table lists it (or
+    ``config`` is given) and TMA can read x and the weight words (Hopper on, 16-byte aligned),
     else the weight is dequantized and cuBLAS multiplies. ``x`` may be a ``FoldedRMSNorm``: the GEMV
     folds it in; the other paths multiply ``x.materialize()``."""
     norm = x if isinstance(x, FoldedRMSNorm) else None
@@ -467,6 +472,10 @@ def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qz
         if tensor is not None and tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     config = config or awq_config(rows, out_features, in_features, group_size, num_sms(x.device))
+    if config is not None:
+        check_awq_config(config, rows, group_size)
+        if rows > GEMV_MAX_ROWS and not tma_loads(x2d, qweight):
+            config = None  # the GEMM reads x and the words through TMA, which these cannot feed
     if norm is not None and (config is None or rows > GEMV_MAX_ROWS):
         x2d, norm = norm.materialize(), None
     if gated and (config is None or rows > GEMV_MAX_ROWS):
@@ -476,7 +485,6 @@ def awq_linear_triton(x: torch.Tensor | FoldedRMSNorm, qweight: torch.Tensor, qz
         weight = awq_dequantize_triton(qweight, qzeros, scales, group_size, x.dtype)
         out = F.linear(x2d, weight, None if bias is None else bias.to(x.dtype))
         return out.view(*x.shape[:-1], out_features)
-    check_awq_config(config, rows, group_size)
     out = torch.empty(rows, out_features // 2 if gated else out_features, dtype=x.dtype, device=x.device)
     if rows <= GEMV_MAX_ROWS:
         _launch_gemv(x2d, qweight, qzeros, scales, bias, out, group_size, config, norm, gated)
@@ -500,6 +508,10 @@ def check_awq_config(config: TileConfig, rows: int, group_size: int) -> None:
     if config.block_m and group_size % config.block_k:
         raise ValueError(f"block_k={config.block_k} must divide group_size={group_size} on tl.dot "
                          "(block_m > 0): a K step there lies in one group")
+    tile = max(config.block_m, config.block_n, config.block_k)
+    if rows > GEMV_MAX_ROWS and (config.block_k < 32 or tile > 256):
+        raise ValueError(f"{config}: the GEMM's TMA tiles need block_k >= 32 (16 bytes of words) and "
+                         "block_m, block_n, block_k <= 256")
 
 
 def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig,
@@ -525,10 +537,14 @@ def _launch_gemv(x, qweight, qzeros, scales, bias, out, group_size: int, config:
 
 def _launch_gemm(x, qweight, qzeros, scales, bias, out, group_size: int, config: TileConfig) -> None:
     rows, in_features = x.shape
-    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out.shape[1], config.block_n))
+    k_per_split, num_splits = k_segments(in_features, config.block_k, config.split_k)
+    grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out.shape[1], config.block_n), num_splits)
+    partial, counters = split_k_scratch(rows, out.shape[1], num_splits, grid[0] * grid[1], out)
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out if bias is None else bias, out, rows, out.shape[1], in_features,
-        x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0), _BITS_OF_128,
-        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab, **dot_settings(x),
-        **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
+        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
+        TensorDescriptor.from_tensor(qweight, [config.block_n, config.block_k // 8]), qzeros, scales,
+        out if bias is None else bias, out, partial, counters, rows, out.shape[1], in_features, k_per_split,
+        num_splits, qzeros.stride(0), scales.stride(0), out.stride(0), partial.stride(0), partial.stride(1),
+        _BITS_OF_128, GROUP_SIZE=group_size, HAS_BIAS=bias is not None, SPLIT=num_splits > 1,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
+        **dot_settings(x), **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
