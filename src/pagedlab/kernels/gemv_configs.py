@@ -95,7 +95,7 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # 27, a ``.dev`` probe of the GEMM that reads x and the words by TMA, each tile against
 # dequantize-then-cuBLAS in the same run; comments: the GEMM's time, then that path's). Where the
 # GEMM lost, cuBLAS stays: gate/up at 64 rows (71.6 against 68.9 us), qkv and o at 128 (35.6 / 33.9,
-# 25.1 / 25.2), qkv, o and down at 256 (57.5 / 39.3, 35.8 / 26.8, 98.6 / 87.2). The probe's K-split
+# 25.1 / 25.2), qkv, o and down at 256 (52.0 / 39.3, 35.8 / 26.8, 98.6 / 87.2). The probe's K-split
 # wins (64 rows: qkv 26.1 / 32.3, o 17.9 / 21.0, down 41.8 / 77.2; down at 128 rows 65.0 / 78.4) are
 # not listed: with the three 64-row lines W-seed batch 64 ran 4,195 against 4,363 tok/s end to end
 # (same call; cause not isolated: the dequantize kernel reads its weights before its PDL wait, the
