@@ -33,6 +33,7 @@ from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from pagedlab.distributed.sharding import check_shape, divide_evenly, read_shard, read_whole
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
+from pagedlab.quantization.fp8 import QuantizedActivations
 from pagedlab.quantization.linear_method import DenseLinearMethod, WeightSpec
 
 
@@ -148,7 +149,7 @@ class OutputShardedLinear(QuantizesAtLoad, nn.Module):
         projection's input) rather than a tensor."""
         return self.linear_method.silu_emits_fp8
 
-    def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm):
+    def silu_and_mul(self, x: torch.Tensor | FoldedRMSNorm) -> torch.Tensor | QuantizedActivations:
         """``silu(gate) * up`` of this gate_up projection's two output halves, in its GEMV's
         epilogue; only where ``fuses_silu(x)`` (so a ``FoldedRMSNorm`` folds in there too). A
         tensor, or with FP8 weights (``silu_emits_fp8``) the down projection's
