@@ -91,15 +91,15 @@ def splits_for(tiles: int, k_steps: int, num_sms: int, waves: int = 2) -> int:
 # the weight is dequantized for cuBLAS. Entries: TileConfig(block_n, block_k, split_k, block_m,
 # num_warps, num_stages[, swap_ab]); comments: microseconds, and the share of 4.8 TB/s of the int4
 # weights, zero points, scales and activations read. The 2-16-row tl.dot path ran at about half
-# cuBLAS's speed on the 16-bit weights there. The 128- and 256-row gate/up lines: 2026-12-03 (session
+# cuBLAS's speed on the 16-bit weights there. The 64-, 128- and 256-row lines: 2026-12-03 (session
 # 27, a ``.dev`` probe of the GEMM that reads x and the words by TMA, each tile against
-# dequantize-then-cuBLAS in the same run; comments: the GEMM's time, then that path's). Where the
-# GEMM lost, cuBLAS stays: gate/up at 64 rows (71.6 against 68.9 us), qkv and o at 128 (35.6 / 33.9,
-# 25.1 / 25.2), qkv, o and down at 256 (52.0 / 39.3, 35.8 / 26.8, 98.6 / 87.2). The probe's K-split
-# wins (64 rows: qkv 26.1 / 32.3, o 17.9 / 21.0, down 41.8 / 77.2; down at 128 rows 65.0 / 78.4) are
-# not listed: with the three 64-row lines W-seed batch 64 ran 4,195 against 4,363 tok/s end to end
-# (same call; cause not isolated: the dequantize kernel reads its weights before its PDL wait, the
-# GEMM after), while the 256-row gate/up line took batch 256 from 6,221 to 6,347.
+# dequantize-then-cuBLAS in the same run; comments: the GEMM's time, then that path's), K split where
+# the column tiles are few. Where the GEMM lost, cuBLAS stays: qkv and o at 128 rows (35.6 / 33.9,
+# 25.1 / 25.2), qkv, o and down at 256 (52.0 / 39.3, 35.8 / 26.8, 98.6 / 87.2). The probe timed
+# dequantize-then-cuBLAS for gate/up at 64 rows at 68.9 us, half its 128-row time and less than
+# writing and reading the 16-bit weight takes; end to end (session 28, W-seed batch 64 AWQ, one
+# H200) it cost: without the 64-row lines 3,746-3,787 tok/s, with gate/up's alone 4,363 (session
+# 27's old GEMM line), with all four 4,895 (bf16 5,179-5,185).
 # The 1-, 2-, 4- and 8-row lines: 2026-12-02 (sessions 19-20, ``gpu_suite.sh gemv-awq``), the
 # CUDA-core sums with the paired nibble unpacking (``w4a16._unpack_words_paired``): up to 4 rows
 # they won all four linears (4 rows, qkv: 18.5 against 28.7 us for tl.dot), at 8 rows tl.dot
@@ -125,7 +125,12 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
     (8, 28672, 4096, 128): TileConfig(64, 128, 2, 16, 4, 3),  # 104.0, 12%
     (2, 4096, 14336, 128): TileConfig(16, 1024, 1, 0, 8, 3),  # 23.2, 27%
     (8, 4096, 14336, 128): TileConfig(64, 128, 9, 16, 4, 3),  # 61.2, 10%
+    (64, 6144, 4096, 128): TileConfig(64, 128, 2, 64, 4, 4, True),  # 26.1 (32.3)
+    (64, 4096, 4096, 128): TileConfig(64, 128, 4, 64, 4, 4, True),  # 17.9 (21.0)
+    (64, 28672, 4096, 128): TileConfig(128, 64, 1, 64, 4, 4),  # 71.6
+    (64, 4096, 14336, 128): TileConfig(64, 128, 4, 64, 4, 4, True),  # 41.8 (77.2)
     (128, 28672, 4096, 128): TileConfig(128, 64, 1, 128, 8, 3),  # 84.5 (145.0)
+    (128, 4096, 14336, 128): TileConfig(128, 64, 4, 128, 8, 4, True),  # 65.0 (78.4)
     (256, 28672, 4096, 128): TileConfig(128, 64, 1, 256, 8, 3, True),  # 157.6 (164.7)
 }
 # (row bucket, N, K) -> config of the dense 16-bit GEMV, only where it beat cuBLAS (F.linear);
