@@ -3,10 +3,11 @@
 
 Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 128) and decode
 batch (256 and 64 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as W-nano's
-steps; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1 decode near its end), every
-candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
-where that splits, with the policy's other split sizes and without the split too (the
-report's "split" lines; the table takes the policy's split only). Each is checked
+steps; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1 decode near its end; 64 of
+513-640, W-seed batch 64's decode steps), every candidate runs with the split-KV choice of the
+current policy (``choose_split_kv_size``) and, where that splits (or with ``--all-splits``
+everywhere), with the policy's other split sizes and without the split too (the report's "split"
+lines; the table takes the policy's split only). ``--batches`` picks some. Each is checked
 against the current config's output (within 1% of its largest value: bf16 rounds at 0.4%) and
 timed as CUDA-graph replays with the KV cache read from HBM (``gpu_timing.graph_seconds``); it
 prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
@@ -40,7 +41,7 @@ from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZE
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
 # name -> (sequences, fewest keys, most keys)
 BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048), "16x8192": (16, 8192, 8192),
-           "1x640": (1, 640, 640)}
+           "1x640": (1, 640, 640), "64x[513,640]": (64, 513, 640)}
 QUICK_BATCHES = ("256x[100,2048]", "16x8192")
 SWEEP = dict(tile_n=(64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
 QUICK_SWEEP = dict(tile_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
@@ -126,14 +127,16 @@ def candidates(sweep: dict, key: tuple[int, int, int], current: DecodeConfig) ->
     return found
 
 
-def split_modes(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> list[int | None]:
-    """The policy's split (None: unsplit) first; where the policy splits, then the other sizes it
-    chooses from (``SPLIT_KV_SMALL_SIZES`` and ``SPLIT_KV_SIZE``) and unsplit."""
+def split_modes(num_seqs: int, num_kv_heads: int, max_seq_len: int, all_splits: bool = False
+                ) -> list[int | None]:
+    """The policy's split (None: unsplit) first; where the policy splits (or with ``all_splits``),
+    then the other sizes it chooses from (``SPLIT_KV_SMALL_SIZES`` and ``SPLIT_KV_SIZE``) and
+    unsplit."""
     policy = choose_split_kv_size(num_seqs, num_kv_heads, 1, max_seq_len)
-    if policy is None:
+    if policy is None and not all_splits:
         return [None]
-    others = [size for size in (SPLIT_KV_SIZE, *reversed(SPLIT_KV_SMALL_SIZES)) if size != policy]
-    return [policy, *others, None]
+    sizes = [size for size in (SPLIT_KV_SIZE, *reversed(SPLIT_KV_SMALL_SIZES)) if size < max_seq_len]
+    return list(dict.fromkeys([policy, *sizes, None]))
 
 
 def current_config(key: tuple[int, int, int], split: int | None) -> DecodeConfig:
@@ -142,7 +145,7 @@ def current_config(key: tuple[int, int, int], split: int | None) -> DecodeConfig
     return DecodeConfig(launch.tile_n, launch.num_warps, launch.num_stages)
 
 
-def bench_batch(shape: str, batch_name: str, sweep: dict) -> dict:
+def bench_batch(shape: str, batch_name: str, sweep: dict, all_splits: bool = False) -> dict:
     """Every candidate of ``sweep`` (under each split mode) on one decode batch of one shape."""
     from pagedlab.kernels import triton_kernels
 
@@ -152,7 +155,7 @@ def bench_batch(shape: str, batch_name: str, sweep: dict) -> dict:
     batch = make_batch(num_seqs, fewest, most, num_heads, num_kv_heads, head_dim)
     keys = int(batch["seq_lens"].sum())
     kv_bytes = keys * num_kv_heads * head_dim * 2 * 2  # K and V, 2 bytes an element
-    modes = split_modes(num_seqs, num_kv_heads, most)
+    modes = split_modes(num_seqs, num_kv_heads, most, all_splits)
     current = current_config(key, modes[0])
 
     def under(config, call):
@@ -201,8 +204,9 @@ def report(record: dict) -> None:
     for result in results:
         if not result.get("correct", True) or "failed" in result:
             print(f"  bad     {_describe(result)}")
-    if record["policy_split"]:
-        for split in dict.fromkeys(r["split"] for r in results):
+    splits = list(dict.fromkeys(r["split"] for r in results))
+    if len(splits) > 1:
+        for split in splits:
             best = next((r for r in timed if r["split"] == split), None)
             print(f"  split {split}: best {_describe(best) if best else 'none correct'}")
 
@@ -232,15 +236,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"batches {QUICK_BATCHES}, configs {QUICK_SWEEP}")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", choices=list(BATCHES), help="these batches only")
+    parser.add_argument("--all-splits", action="store_true",
+                        help="time every split size on every batch, not only where the policy splits")
     args = parser.parse_args()
     start = time.perf_counter()
     sweep, batches = (QUICK_SWEEP, QUICK_BATCHES) if args.quick else (SWEEP, tuple(BATCHES))
+    batches = tuple(args.batches) if args.batches else batches
     print(f"{torch.cuda.get_device_name()}; bf16 KV cache, block size {BLOCK_SIZE}; sweep {sweep}")
     records, lines = [], []
     for shape in args.shapes:
         shape_records = []
         for batch_name in batches:
-            shape_records.append(bench_batch(shape, batch_name, sweep))
+            shape_records.append(bench_batch(shape, batch_name, sweep, args.all_splits))
             report(shape_records[-1])
             print(f"  [{time.perf_counter() - start:.0f} s]", flush=True)
         entry = table_entry(shape_records)

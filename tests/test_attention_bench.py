@@ -33,6 +33,9 @@ def test_split_modes_follow_the_policy():
     assert attention_bench.split_modes(16, 8, 8192) == [SPLIT_KV_SIZE, 128, 64, None]
     assert attention_bench.split_modes(1, 8, 640) == [64, SPLIT_KV_SIZE, 128, None]  # 80 programs
     assert attention_bench.split_modes(SPLIT_KV_MIN_PROGRAMS // 8, 8, 8192) == [None]
+    # --all-splits: an unsplit batch (W-seed batch 64's 512 programs) also times each split size
+    assert attention_bench.split_modes(64, 8, 640, all_splits=True) == [None, SPLIT_KV_SIZE, 128, 64]
+    assert attention_bench.split_modes(64, 8, 200, all_splits=True) == [None, 128, 64]
 
 
 def _record(times: dict[DecodeConfig, float], wrong=()) -> dict:
