@@ -6,7 +6,8 @@ The CPU interpreter never runs the ``gdc_*`` code (PDL is off there), so this is
 the GPU path compiles. Triton compiles for CUDA without a GPU; the kernels must be decorated
 without the interpreter, which this session's conftest turns on, so one subprocess (this file run
 as a script) compiles them all, once per session, and writes each kernel's PTX (or its error).
-Each kernel compiles in its decode launch's constexprs (Llama-3-8B / Qwen3-30B-A3B shapes, bf16).
+Each kernel compiles in its decode launch's constexprs (Llama-3-8B / Qwen3-30B-A3B shapes, bf16)
+and with the alignment such a launch's arguments give (``_launch_alignment``).
 """
 
 from __future__ import annotations
@@ -257,6 +258,19 @@ _WRITE = re.compile(r"\b(st\.global|atom\.global|red\.global)")
 _READ = re.compile(r"\b(ld\.global|cp\.async)")
 
 
+def _launch_alignment(kernel, signature: dict) -> dict:
+    """The alignment a real launch's arguments give the compiler: Triton's launcher specializes a
+    pointer that starts on 16 bytes and an integer divisible by 16 (unless the kernel lists it in
+    ``do_not_specialize``) as ``tt.divisibility`` 16, and the decode launches' pointers and strides
+    (Llama-3-8B / Qwen3-30B-A3B shapes) all are. Without it the compiler cannot vectorize the
+    loads, and the software pipeliner, which needs 4-byte asynchronous copies, stages nothing: the
+    check would look at code no GPU runs."""
+    skipped = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+            if signature[name].startswith("*") or (name.startswith("stride") and signature[name] == "i32"
+                                                   and name not in skipped)}
+
+
 def _compile_all(out_dir: Path) -> None:
     """Compile every kernel of KERNELS for sm_90 with PDL on and off (the default launch); writes
     ``<id>.ptx``/``<id>-nopdl.ptx`` or ``.error``,
@@ -283,7 +297,8 @@ def _compile_all(out_dir: Path) -> None:
                          if a.endswith(("_ptr", "_desc")) else "fp32" if a in spec.floats else "i32"
                          for a in kernel.arg_names}
             source = ASTSource(fn=kernel, signature=signature,
-                               constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()})
+                               constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
+                               attrs=_launch_alignment(kernel, signature))
             options = dict(num_warps=spec.num_warps, num_stages=3)
             compiled = triton.compile(source, target=target, options=options)
             (out_dir / f"{stem}.ptx").write_text(compiled.asm["ptx"])
@@ -346,6 +361,14 @@ def test_awq_gemm_swapped_form_feeds_wgmma_the_weights_from_registers(ptx_dir):
     assert "mma.sync" not in plain + swapped
     assert "cp.async.bulk.tensor.2d" in plain and "cp.async.bulk.tensor.2d" in swapped
     assert set(_WGMMA_A.findall(plain)) == {"%"} and set(_WGMMA_A.findall(swapped)) == {"{"}
+
+
+def test_decode_attention_stages_its_keys_and_values_asynchronously(ptx_dir):
+    """Compiled with a launch's alignment (``_launch_alignment``), the software pipeliner stages
+    the decode attention's key and value tiles through shared memory with asynchronous copies,
+    gathered through the block table; without the alignment it staged nothing."""
+    ptx = (ptx_dir / "paged_attention-nopdl.ptx").read_text()
+    assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
 
 
 def test_swapped_gemv_feeds_wgmma_the_weight_tile_from_shared_memory(ptx_dir):
