@@ -265,10 +265,9 @@ def _launch_alignment(kernel, signature: dict) -> dict:
     (Llama-3-8B / Qwen3-30B-A3B shapes) all are. Without it the compiler cannot vectorize the
     loads, and the software pipeliner, which needs 4-byte asynchronous copies, stages nothing: the
     check would look at code no GPU runs."""
-    skipped = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
     return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
             if signature[name].startswith("*") or (name.startswith("stride") and signature[name] == "i32"
-                                                   and name not in skipped)}
+                                                   and name not in kernel.do_not_specialize)}
 
 
 def _compile_all(out_dir: Path) -> None:
