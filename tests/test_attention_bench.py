@@ -56,6 +56,20 @@ def test_table_entry_takes_the_lowest_mean_ratio_of_correct_configs():
     assert attention_bench.table_entry([_record({DecodeConfig(): 100.0, fast: 99.5})]) is None  # < 1%
 
 
+def test_table_line_keeps_the_current_line_when_nothing_beats_it(monkeypatch):
+    fast = DecodeConfig(128, 4, 2)
+    close = [_record({DecodeConfig(): 100.0, fast: 99.5})]
+    monkeypatch.setattr(attention_configs, "DECODE_ATTENTION_CONFIGS", {})
+    monkeypatch.setattr(attention_bench, "DECODE_ATTENTION_CONFIGS", {})
+    line = attention_bench.table_line("s", close, ("b",))
+    assert line.startswith("    # s: the default launch is within 1%")
+    monkeypatch.setitem(attention_bench.DECODE_ATTENTION_CONFIGS, KEY, DecodeConfig())
+    line = attention_bench.table_line("s", close, ("b",))
+    assert line.startswith(f"    {KEY}: {DecodeConfig()},  # s: the current")
+    line = attention_bench.table_line("s", [_record({DecodeConfig(): 100.0, fast: 80.0})], ("b",))
+    assert line.startswith(f"    {KEY}: {fast},  # s: 20.0% less")
+
+
 # the warm-up pass runs the split-KV reduce over scratch no attention launch wrote
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_bench_batch_runs_and_checks_every_candidate_on_the_cpu(monkeypatch, capsys):
