@@ -13,8 +13,9 @@ timed as CUDA-graph replays with the KV cache read from HBM (``gpu_timing.graph_
 prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
 ``DECODE_ATTENTION_CONFIGS`` lines to paste into ``src/pagedlab/kernels/attention_configs.py``:
 per shape, the config with the lowest mean time relative to the current one over the batches
-(policy split), where it beats the current one by 1% or more, else the current line. Every config is compiled first on
-a thread pool (Triton's ``AsyncCompileMode``); ``--quick`` sweeps fewer configs and batches.
+(policy split), where it beats the current one by 1% or more, else the current line. Every config
+is compiled first on a thread pool (Triton's ``AsyncCompileMode``); ``--quick`` sweeps fewer
+configs and batches.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --out attention_bench.json
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --quick
