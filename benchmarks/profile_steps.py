@@ -5,14 +5,17 @@ Runs one workload (dummy weights) through ``LLMEngine.step`` and reports, for ea
 prompt tokens only, as ``pagedlab.engine.profiling.step_kind`` labels them):
 
 - ``steps`` and ``wall_ms``: the engine's ``pagedlab.step`` ranges, their count and summed length;
-- ``gpu_ms`` by kernel kind (attention, gemm, element-wise (norms included), communication,
-  sampling, other: the ``--profile`` classifier, ``pagedlab.engine.profiling.kernel_kind``) of
-  the kernels each step launched. Kernels are attributed through the step's range (the launch,
-  or the CUDA-graph launch, that queued them), not by timestamps: with asynchronous scheduling a
-  step returns before its kernels run (it waits for the previous step's sampled tokens, not its
-  own), so the kernels running during a step's wall time are mostly the step before's;
 - ``busy_ms``: how long the GPU ran any kernel inside the steps' wall time, and
-  ``host_gap_ms`` = wall - busy: how long it sat idle waiting on the host;
+  ``host_gap_ms`` = wall - busy: how long it sat idle while the host ran those steps;
+- ``gpu``, on the GPU's clock: the steps' forward passes (``forward_ms``: each the span the
+  profiler draws for the step's kind range, from its first kernel to its last, CUDA-graph replays
+  included: ``pagedlab.engine.profiling.forward_spans``), the time of the kernels inside those
+  spans by kernel kind (attention, gemm, element-wise (norms included), communication, sampling,
+  other: the ``--profile`` classifier, ``pagedlab.engine.profiling.kernel_kind``), the GPU idle
+  inside them (``idle_in_forward_ms``) and before them (``idle_before_ms``: from the previous
+  forward's end less the kernels run in between, the sampler's): the GPU waiting for the host to
+  launch the step. With asynchronous scheduling a step's range returns before its kernels run,
+  so these go by the GPU's spans, not by the step's wall interval;
 - ``prefill_phase``: the mixed and prefill steps' wall time against the prompts' FLOPs at the
   matmul peak (issue 21's "prefill at 70% of 809 TFLOP/s").
 
@@ -27,7 +30,6 @@ on in the same process (the weights stay loaded), so the two columns compare lik
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import time
 
@@ -35,7 +37,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagedlab import LLM
-from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, kernel_kind
+from pagedlab.engine.profiling import (STEP_NAME, busy_intervals, busy_within, forward_spans, gpu_split,
+                                       kernel_events, kernel_table, step_label)
 from pagedlab.physical_floor import H200_BF16_FLOPS, physical_floor
 from pagedlab.workloads import DEFAULT_SHAPES, make_workload, shape_dir
 
@@ -101,60 +104,17 @@ def profile_workload(llm, workload, tag: str):
     return prof.events()
 
 
-def _subtree(event):
-    """The event and every CPU event nested in it."""
-    stack = [event]
-    while stack:
-        child = stack.pop()
-        yield child
-        stack.extend(child.cpu_children)
-
-
 def step_records(events) -> list[dict]:
-    """Per engine step: its kind, wall interval (us, the profiler's clock) and the GPU time of the
-    kernels it launched, by kernel kind."""
-    records = []
-    for event in events:
-        if event.name != STEP_NAME or event.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        kind, gpu_us = "idle", {}
-        for child in _subtree(event):
-            if child.name.startswith(KIND_PREFIX):
-                kind = child.name[len(KIND_PREFIX):]
-            for kernel in child.kernels:
-                group = kernel_kind(kernel.name)
-                gpu_us[group] = gpu_us.get(group, 0.0) + kernel.duration
-        records.append({"kind": kind, "start": event.time_range.start, "end": event.time_range.end,
-                        "gpu_us": gpu_us})
-    return records
+    """Per engine step (by start): its kind and wall interval (us, the profiler's clock)."""
+    records = [{"kind": step_label(e), "start": e.time_range.start, "end": e.time_range.end} for e in events
+               if e.name == STEP_NAME and e.device_type == torch.autograd.DeviceType.CPU]
+    return sorted(records, key=lambda r: r["start"])
 
 
-def busy_intervals(events) -> list[tuple[float, float]]:
-    """The union of every GPU kernel's interval (us), sorted and disjoint."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    merged: list[list[float]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
-
-
-def busy_within(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    """Microseconds of ``[start, end]`` covered by the sorted disjoint ``intervals``."""
-    first = max(bisect.bisect_right(intervals, (start, float("inf"))) - 1, 0)
-    covered = 0.0
-    for lo, hi in intervals[first:]:
-        if lo >= end:
-            break
-        covered += max(0.0, min(hi, end) - max(lo, start))
-    return covered
-
-
-def breakdown(records: list[dict], intervals: list[tuple[float, float]]) -> dict[str, dict]:
-    """Each step kind's count, wall, kernel time by kind, GPU-busy time and host gap (ms)."""
+def breakdown(records: list[dict], intervals: list[tuple[float, float]],
+              gpu: dict[str, dict]) -> dict[str, dict]:
+    """Each step kind's count, wall (ms), GPU-busy time within it and host gap (wall - busy: the
+    GPU idle while the host ran the steps), with ``gpu_split``'s figures for the kind."""
     result = {}
     for kind in STEP_KINDS + ("idle",):
         steps = [r for r in records if r["kind"] == kind]
@@ -162,30 +122,11 @@ def breakdown(records: list[dict], intervals: list[tuple[float, float]]) -> dict
             continue
         wall = sum(r["end"] - r["start"] for r in steps)
         busy = sum(busy_within(intervals, r["start"], r["end"]) for r in steps)
-        by_kind: dict[str, float] = {}
-        for r in steps:
-            for group, us in r["gpu_us"].items():
-                by_kind[group] = by_kind.get(group, 0.0) + us
         result[kind] = {
             "steps": len(steps), "wall_ms": wall / 1e3, "wall_ms_per_step": wall / 1e3 / len(steps),
-            "gpu_ms": sum(by_kind.values()) / 1e3,
-            "gpu_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "busy_ms": busy / 1e3, "host_gap_ms": (wall - busy) / 1e3,
-            "host_gap_share": (wall - busy) / wall if wall else None}
+            "host_gap_share": (wall - busy) / wall if wall else None, "gpu": gpu.get(kind)}
     return result
-
-
-def top_kernels(events, count: int) -> list[dict]:
-    """The ``count`` kernels with the most GPU time over the profiled run."""
-    totals: dict[str, list[float]] = {}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(e.name, [0.0, 0])
-            entry[0] += e.time_range.end - e.time_range.start
-            entry[1] += 1
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
-    return [{"name": name[:120], "kind": kernel_kind(name), "ms": us / 1e3, "calls": calls}
-            for name, (us, calls) in rows]
 
 
 def prefill_phase(kinds: dict[str, dict], prefill_floor_s: float) -> dict:
@@ -207,38 +148,41 @@ def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> 
     seconds = run_workload(engine, workload, "timed")
     llm.reset_prefix_cache()
     events = profile_workload(llm, workload, "profiled")
-    records = step_records(events)
-    kinds = breakdown(records, busy_intervals(events))
-    kernels_ms = sum(e.time_range.end - e.time_range.start for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    records, kernels = step_records(events), kernel_events(events)
+    gpu = gpu_split(forward_spans(events), kernels)
+    kinds = breakdown(records, busy_intervals(kernels), gpu)
+    kernels_ms = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
     output_tokens = sum(workload.output_lens)
     return {"run_s": seconds, "output_tok_s": output_tokens / seconds, "floor_s": floor_s,
             "floor_share": floor_s / seconds,
             "mixed_cuda_graphs": llm.get_engine_info().mixed_cuda_graphs,
-            # kernel time no step range claims (e.g. warm-up copies); large would mean lost links
-            "unattributed_gpu_ms": kernels_ms - sum(s["gpu_ms"] for s in kinds.values()),
+            # sampling, copies to the host, warm-up fills: the kernels of no forward pass
+            "outside_forward_ms": kernels_ms - sum(g["kernel_ms"] for g in gpu.values()),
             "step_kinds": kinds, "prefill_phase": prefill_phase(kinds, prefill_floor_s),
-            "top_kernels": top_kernels(events, top)}
+            "top_kernels": kernel_table(events)[:top]}
 
 
 def print_setting(label: str, result: dict) -> None:
     print(f"\n== {label}: {result['run_s']:.3f} s, {result['output_tok_s']:,.0f} output tok/s, "
-          f"floor {result['floor_s']:.3f} s ({result['floor_share']:.0%} of the time), "
-          f"{result['unattributed_gpu_ms']:.1f} ms of kernels outside the steps")
-    print(f"{'kind':<8} {'steps':>6} {'wall ms':>10} {'gpu ms':>10} {'busy ms':>10} {'host gap':>10}  "
-          "kernel time by kind (ms)")
+          f"floor {result['floor_s']:.3f} s ({result['floor_share']:.0%} of the time); "
+          f"{result['outside_forward_ms']:.1f} ms of kernels outside the forward passes (sampling, copies)")
+    print(f"{'kind':<8} {'steps':>6} {'wall ms':>10} {'busy ms':>10} {'host gap':>13} {'fwd ms':>10} "
+          f"{'idle in':>8} {'before':>8}  forward kernels by kind (ms)")
     for kind, s in result["step_kinds"].items():
-        kinds = ", ".join(f"{k} {v:.1f}" for k, v in s["gpu_ms_by_kind"].items())
+        g = s["gpu"] or {"forward_ms": 0.0, "idle_in_forward_ms": 0.0, "idle_before_ms": 0.0,
+                         "kernel_ms_by_kind": {}}
+        kinds = ", ".join(f"{k} {v:.1f}" for k, v in g["kernel_ms_by_kind"].items())
         gap = f"{s['host_gap_share']:.0%}" if s["host_gap_share"] is not None else "n/a"
-        print(f"{kind:<8} {s['steps']:6d} {s['wall_ms']:10.1f} {s['gpu_ms']:10.1f} {s['busy_ms']:10.1f} "
-              f"{s['host_gap_ms']:7.1f} {gap:>3}  {kinds}")
+        print(f"{kind:<8} {s['steps']:6d} {s['wall_ms']:10.1f} {s['busy_ms']:10.1f} {s['host_gap_ms']:8.1f} "
+              f"{gap:>4} {g['forward_ms']:10.1f} {g['idle_in_forward_ms']:8.1f} {g['idle_before_ms']:8.1f}  "
+              f"{kinds}")
     phase = result["prefill_phase"]
     if phase["peak_share"] is not None:
         print(f"prefill phase (mixed and prefill steps): {phase['wall_ms']:.1f} ms against "
               f"{phase['floor_ms']:.1f} at the matmul peak: {phase['tflops']:.0f} TFLOP/s, "
               f"{phase['peak_share']:.0%} of {H200_BF16_FLOPS / 1e12:.0f}")
     for k in result["top_kernels"]:
-        print(f"  {k['ms']:10.2f} ms {k['calls']:7d} calls  {k['kind']:<13} {k['name'][:90]}")
+        print(f"  {k['total_us'] / 1e3:10.2f} ms {k['calls']:7d} calls  {k['kind']:<13} {k['name'][:90]}")
 
 
 def main() -> None:

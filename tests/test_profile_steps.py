@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import SimpleNamespace
 
-import torch
 
 from conftest import KV_BYTES, random_prompts
+from test_profiling import _event, two_steps_and_their_kernels
 from pagedlab import LLM
-from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME
+from pagedlab.engine.profiling import STEP_NAME
 from pagedlab.workloads import Workload
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_steps.py"
@@ -20,38 +19,19 @@ _spec = importlib.util.spec_from_file_location("profile_steps", _SCRIPT)
 profile_steps = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(profile_steps)
 
-CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-
-
-def _event(name, start, end, device=CPU, children=(), kernels=()):
-    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
-                           cpu_children=list(children), kernels=list(kernels))
-
-
-def test_busy_time_is_the_union_of_kernels_clipped_to_the_step():
-    kernels = [_event("k", 0, 10, CUDA), _event("k", 5, 20, CUDA), _event("k", 30, 40, CUDA),
-               _event("step", 0, 100)]  # a CPU event: not GPU time
-    intervals = profile_steps.busy_intervals(kernels)
-    assert intervals == [(0, 20), (30, 40)]
-    assert profile_steps.busy_within(intervals, 15, 35) == 10
-    assert profile_steps.busy_within(intervals, 20, 30) == 0
-    assert profile_steps.busy_within(intervals, -5, 100) == 30
-
-
-def test_kernels_go_to_the_step_that_launched_them_whenever_they_ran():
-    """With asynchronous scheduling step 1's kernels run during step 2: they still count as step 1's."""
-    gemm = SimpleNamespace(name="nvjet_sm90_tst_64x8", device=0, duration=7.0)
-    attention = SimpleNamespace(name="paged_attention_kernel", device=0, duration=3.0)
-    launch = _event("cudaGraphLaunch", 2, 3, kernels=[gemm, attention])
-    first = _event(STEP_NAME, 0, 4, children=[_event(KIND_PREFIX + "mixed", 1, 1),
-                                               _event("forward", 2, 4, children=[launch])])
-    second = _event(STEP_NAME, 4, 10, children=[_event(KIND_PREFIX + "decode", 5, 5)])
-    records = profile_steps.step_records([first, second, _event("k", 4, 14, CUDA)])
-    assert [(r["kind"], r["gpu_us"]) for r in records] == [("mixed", {"gemm": 7.0, "attention": 3.0}),
-                                                           ("decode", {})]
-    result = profile_steps.breakdown(records, [(4, 14)])
-    assert result["mixed"]["gpu_ms"] == 0.01 and result["mixed"]["host_gap_ms"] == 0.004
-    assert result["decode"]["busy_ms"] == 0.006 and result["decode"]["host_gap_share"] == 0
+def test_steps_take_their_kind_and_the_gpu_split_of_their_forward_passes():
+    """The mixed step's forward runs on the GPU during the decode step's wall time (asynchronous
+    scheduling): its kernels still count as the mixed step's; the idle step launched nothing."""
+    events = two_steps_and_their_kernels() + [_event(STEP_NAME, 30, 31)]
+    records, kernels = profile_steps.step_records(events), profile_steps.kernel_events(events)
+    assert [(r["kind"], r["start"], r["end"]) for r in records] == [("mixed", 0, 4), ("decode", 4, 30),
+                                                                    ("idle", 30, 31)]
+    gpu = profile_steps.gpu_split(profile_steps.forward_spans(events), kernels)
+    result = profile_steps.breakdown(records, profile_steps.busy_intervals(kernels), gpu)
+    assert result["mixed"]["busy_ms"] == 0.0 and result["mixed"]["host_gap_ms"] == 0.004
+    assert result["mixed"]["gpu"]["kernel_ms_by_kind"] == {"gemm": 0.007, "attention": 0.003}
+    assert result["decode"]["busy_ms"] == 0.019 and result["decode"]["gpu"] is gpu["decode"]
+    assert result["idle"]["gpu"] is None and result["idle"]["host_gap_share"] == 1
     assert profile_steps.prefill_phase(result, 0.0)["wall_ms"] == 0.004  # the mixed step only
     assert profile_steps.prefill_phase({"decode": result["decode"]}, 1.0)["peak_share"] is None
 
@@ -67,8 +47,10 @@ def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
     kinds = result["step_kinds"]
     assert set(kinds) == {"prefill", "mixed", "decode"}
     assert sum(s["steps"] for s in kinds.values()) == sum(profiled_steps) > 0
-    assert all(s["wall_ms"] > 0 and s["host_gap_ms"] == s["wall_ms"] for s in kinds.values())  # no GPU
-    assert result["unattributed_gpu_ms"] == 0 and result["output_tok_s"] == 19 / result["run_s"]
+    # no GPU: every step's wall is host time, and no forward span or kernel was drawn
+    assert all(s["wall_ms"] > 0 and s["host_gap_ms"] == s["wall_ms"] and s["gpu"] is None
+               for s in kinds.values())
+    assert result["outside_forward_ms"] == 0 and result["output_tok_s"] == 19 / result["run_s"]
     assert not result["mixed_cuda_graphs"]  # the CPU runs eagerly
     phase = result["prefill_phase"]  # the steps with prompt tokens, against 0.2 s at the peak
     assert phase["wall_ms"] == kinds["prefill"]["wall_ms"] + kinds["mixed"]["wall_ms"]

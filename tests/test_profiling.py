@@ -1,15 +1,21 @@
 """``LLM.start_profile()`` / ``stop_profile()``: a trace with a range per engine step and its
-phases, each step labelled by kind, and a kernel (on the CPU: operator) table grouped by kind."""
+phases, each step labelled by kind, and a kernel (on the CPU: operator) table grouped by kind;
+the GPU-side accounting (kernels, busy time, forward spans by kind) on synthetic events."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.engine.profiling import kernel_kind
+from pagedlab.engine.profiling import (KIND_PREFIX, STEP_NAME, busy_intervals, busy_within, forward_spans,
+                                       gpu_split, kernel_events, kernel_kind, step_label, summarize)
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
 def test_a_profile_holds_every_step_its_phases_and_a_kernel_table(tiny_llama, tmp_path):
@@ -63,3 +69,78 @@ def test_profiles_do_not_nest(tiny_llama, tmp_path):
 ])
 def test_kernels_are_grouped_by_kind(name, kind):
     assert kernel_kind(name) == kind
+
+
+def _event(name, start, end, device=CPU, children=(), annotation=False):
+    """A profiler event as ``profile.events()`` gives it (the fields the accounting reads)."""
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_children=list(children), is_user_annotation=annotation)
+
+
+def two_steps_and_their_kernels() -> list:
+    """A mixed step whose forward (a CUDA-graph replay) runs on the GPU during the next, decode,
+    step's wall time, as asynchronous scheduling leaves it; then the sampler and 3 us of idle GPU;
+    then the decode step's forward with 2 us of idle inside it. Flat, as ``profile.events()``
+    lists nested events too; the kind ranges are drawn on the GPU timeline as annotations."""
+    kinds = [_event(KIND_PREFIX + "mixed", 2, 3, children=[_event("cudaGraphLaunch", 2, 3)]),
+             _event(KIND_PREFIX + "decode", 6, 8)]
+    first = _event(STEP_NAME, 0, 4, children=[_event("forward", 2, 4, children=[kinds[0]])])
+    second = _event(STEP_NAME, 4, 30, children=[_event("forward", 6, 8, children=[kinds[1]])])
+    gpu = [_event(KIND_PREFIX + "decode", 19, 29, CUDA, annotation=True),
+           _event(KIND_PREFIX + "mixed", 5, 15, CUDA, annotation=True),
+           _event("nvjet_sm90_tst_64x8", 5, 12, CUDA), _event("paged_attention_kernel", 12, 15, CUDA),
+           _event("gumbel_argmax_chunk_kernel", 15, 16, CUDA),
+           _event("nvjet_sm90_tst_64x8", 19, 23, CUDA), _event("rms_norm_kernel", 25, 29, CUDA)]
+    return [first, second, *kinds, *gpu]
+
+
+def test_busy_time_is_the_union_of_kernels_clipped_to_an_interval():
+    events = [_event("k", 30, 40, CUDA), _event("k", 0, 10, CUDA), _event("k", 5, 20, CUDA),
+              _event("step", 0, 100), _event("forward", 0, 100, CUDA, annotation=True)]  # not kernels
+    kernels = kernel_events(events)
+    assert [k.time_range.start for k in kernels] == [0, 5, 30]
+    intervals = busy_intervals(kernels)
+    assert intervals == [(0, 20), (30, 40)]
+    assert busy_within(intervals, 15, 35) == 10
+    assert busy_within(intervals, 20, 30) == 0
+    assert busy_within(intervals, -5, 100) == 30
+
+
+def test_kernels_go_to_the_forward_whose_gpu_span_holds_them_whenever_the_step_ran():
+    events = two_steps_and_their_kernels()
+    assert [step_label(e) for e in events[:2]] == ["mixed", "decode"]
+    spans = forward_spans(events)
+    assert spans == [("mixed", 5, 15), ("decode", 19, 29)]
+    gpu = gpu_split(spans, kernel_events(events))
+    assert gpu["mixed"] == {"forwards": 1, "forward_ms": 0.01, "idle_in_forward_ms": 0.0,
+                            "idle_before_ms": 0.0, "kernel_ms": 0.01,
+                            "kernel_ms_by_kind": {"gemm": 0.007, "attention": 0.003}}
+    decode = gpu["decode"]
+    assert decode["kernel_ms_by_kind"] == {"gemm": 0.004, "element-wise": 0.004}
+    # 2 us idle inside; before it 15-19 less the sampler's 1 us
+    assert decode["idle_in_forward_ms"] == 0.002 and decode["idle_before_ms"] == 0.003
+    summary = summarize(events, "trace.json")  # the annotations are no kernels in its table
+    assert {k["name"] for k in summary.kernels} == {"nvjet_sm90_tst_64x8", "paged_attention_kernel",
+                                                   "gumbel_argmax_chunk_kernel", "rms_norm_kernel"}
+    assert summary.steps["mixed"]["device_us"] == 10 and summary.steps["decode"]["device_us"] == 8
+    assert summary.steps["decode"]["host_gap_share"] == pytest.approx(1 - 8 / 26)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_each_step_kind_has_its_forward_spans_and_kernels_graph_replays_included(tiny_llama,
+                                                                                             tmp_path):
+    """The profiler draws each kind range on the GPU timeline, decode graph replays and mixed-step
+    graphs included, so every kind's device time is found and the spans are not kernels."""
+    prompts = [[5 + i] * (20 + 7 * i) for i in range(3)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=32) as llm:
+        assert llm.get_engine_info().mixed_cuda_graphs
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        llm.start_profile(str(tmp_path))
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        summary = llm.stop_profile()
+    assert {"prefill", "mixed", "decode"} <= set(summary.steps)
+    for kind in ("prefill", "mixed", "decode"):
+        assert summary.steps[kind]["device_us"] > 0, kind
+    names = {k["name"] for k in summary.kernels}
+    assert not names & {"forward", "prepare", "sample", "pagedlab.step", "pagedlab.kind:decode"}

@@ -29,7 +29,7 @@ from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
-from pagedlab.engine.profiling import KIND_PREFIX, STEP_NAME, StepRanges, step_kind
+from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.structured_output import GrammarCompiler
@@ -324,8 +324,6 @@ class LLMEngine:
                 previous = None
             with self.ranges.range("schedule"):
                 batch = self.scheduler.schedule()
-            if self.ranges.active:  # labelling the step costs a pass over the batch
-                self.ranges.mark(KIND_PREFIX + step_kind(batch))
             changed += batch.preempted
             launched = self._launch(batch, previous)
             if previous is not None:

@@ -446,7 +446,7 @@ class ModelRunner:
                 self.workers.send_step(inputs, table, batch.num_new_tokens)
         if previous is not None:
             previous.queue_sampler()  # its ids feed this step's inputs on the device
-        with self.ranges.range("forward"):
+        with self.ranges.range("forward"), self.ranges.kind_range(batch):
             hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
             rows = inputs.sample_rows + inputs.prompt_rows
             if rows:
