@@ -2,20 +2,20 @@
 (``DecodeConfig``: key tile 64/128 x num_warps 2/4/8 x num_stages 2/3/4) on one GPU, in bf16.
 
 Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 128) and decode
-batch (256 and 64 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as W-nano's
-steps; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1 decode near its end; 64 and
-256 of 513-640, W-seed batch 64's and 256's decode steps), every candidate runs with the split-KV
-choice of the current policy (``choose_split_kv_size``) and, where that splits (or with ``--all-splits``
-everywhere), with the policy's other split sizes and without the split too (the report's "split"
-lines; the table takes the policy's split only). ``--batches`` picks some. Each is checked
-against the current config's output (within 1% of its largest value: bf16 rounds at 0.4%) and
-timed as CUDA-graph replays with the KV cache read from HBM (``gpu_timing.graph_seconds``); it
-prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
-``DECODE_ATTENTION_CONFIGS`` lines to paste into ``src/pagedlab/kernels/attention_configs.py``:
-per shape, the config with the lowest mean time relative to the current one over the batches
-(policy split), where it beats the current one by 1% or more, else the current line. Every config
-is compiled first on a thread pool (Triton's ``AsyncCompileMode``); ``--quick`` sweeps fewer
-configs and batches.
+batch (256, 64 and 32 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as
+W-nano's steps while its batch shrinks; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1
+decode near its end; 64 and 256 of 513-640, W-seed batch 64's and 256's decode steps), every
+candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
+where that splits (or with ``--all-splits`` everywhere), with the policy's other split sizes and
+without the split too (the report's "split" lines; the table takes the policy's split only).
+``--batches`` picks some. Each is checked against the current config's output (within 1% of its
+largest value: bf16 rounds at 0.4%) and timed as CUDA-graph replays with the KV cache read from
+HBM (``gpu_timing.graph_seconds``); it prints microseconds, KV bytes read over the time and the
+fraction of 4.8 TB/s, then the ``DECODE_ATTENTION_CONFIGS`` lines to paste into
+``src/pagedlab/kernels/attention_configs.py``: per shape, the config with the lowest mean time
+relative to the current one over the batches (policy split), where it beats the current one by 1%
+or more, else the current line. Every config is compiled first on a thread pool (Triton's
+``AsyncCompileMode``); ``--quick`` sweeps fewer configs and batches.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --out attention_bench.json
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --quick
@@ -41,7 +41,8 @@ from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZE
 # (query heads, KV heads, head_dim)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
 # name -> (sequences, fewest keys, most keys)
-BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048), "16x8192": (16, 8192, 8192),
+BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048),
+           "32x[100,2048]": (32, 100, 2048), "16x8192": (16, 8192, 8192),
            "1x640": (1, 640, 640), "64x[513,640]": (64, 513, 640), "256x[513,640]": (256, 513, 640)}
 QUICK_BATCHES = ("256x[100,2048]", "16x8192")
 SWEEP = dict(tile_n=(64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
