@@ -59,8 +59,7 @@ def test_table_entry_takes_the_lowest_mean_ratio_of_correct_configs():
 def test_table_line_keeps_the_current_line_when_nothing_beats_it(monkeypatch):
     fast = DecodeConfig(128, 4, 2)
     close = [_record({DecodeConfig(): 100.0, fast: 99.5})]
-    monkeypatch.setattr(attention_configs, "DECODE_ATTENTION_CONFIGS", {})
-    monkeypatch.setattr(attention_bench, "DECODE_ATTENTION_CONFIGS", {})
+    monkeypatch.setattr(attention_bench, "DECODE_ATTENTION_CONFIGS", {})  # the table the bench read
     line = attention_bench.table_line("s", close, ("b",))
     assert line.startswith("    # s: the default launch is within 1%")
     monkeypatch.setitem(attention_bench.DECODE_ATTENTION_CONFIGS, KEY, DecodeConfig())
