@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from conftest import KV_BYTES, random_prompts
-from test_profiling import _event, two_steps_and_their_kernels
+from test_profiling import profiler_event, two_steps_and_their_kernels
 from pagedlab import LLM
 from pagedlab.engine.profiling import STEP_NAME
 from pagedlab.workloads import Workload
@@ -22,7 +22,7 @@ _spec.loader.exec_module(profile_steps)
 def test_steps_take_their_kind_and_the_gpu_split_of_their_forward_passes():
     """The mixed step's forward runs on the GPU during the decode step's wall time (asynchronous
     scheduling): its kernels still count as the mixed step's; the idle step launched nothing."""
-    events = two_steps_and_their_kernels() + [_event(STEP_NAME, 30, 31)]
+    events = two_steps_and_their_kernels() + [profiler_event(STEP_NAME, 30, 31)]
     records, kernels = profile_steps.step_records(events), profile_steps.kernel_events(events)
     assert [(r["kind"], r["start"], r["end"]) for r in records] == [("mixed", 0, 4), ("decode", 4, 30),
                                                                     ("idle", 30, 31)]

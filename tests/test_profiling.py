@@ -71,7 +71,7 @@ def test_kernels_are_grouped_by_kind(name, kind):
     assert kernel_kind(name) == kind
 
 
-def _event(name, start, end, device=CPU, children=(), annotation=False):
+def profiler_event(name, start, end, device=CPU, children=(), annotation=False):
     """A profiler event as ``profile.events()`` gives it (the fields the accounting reads)."""
     return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
                            cpu_children=list(children), is_user_annotation=annotation)
@@ -82,21 +82,24 @@ def two_steps_and_their_kernels() -> list:
     step's wall time, as asynchronous scheduling leaves it; then the sampler and 3 us of idle GPU;
     then the decode step's forward with 2 us of idle inside it. Flat, as ``profile.events()``
     lists nested events too; the kind ranges are drawn on the GPU timeline as annotations."""
-    kinds = [_event(KIND_PREFIX + "mixed", 2, 3, children=[_event("cudaGraphLaunch", 2, 3)]),
-             _event(KIND_PREFIX + "decode", 6, 8)]
-    first = _event(STEP_NAME, 0, 4, children=[_event("forward", 2, 4, children=[kinds[0]])])
-    second = _event(STEP_NAME, 4, 30, children=[_event("forward", 6, 8, children=[kinds[1]])])
-    gpu = [_event(KIND_PREFIX + "decode", 19, 29, CUDA, annotation=True),
-           _event(KIND_PREFIX + "mixed", 5, 15, CUDA, annotation=True),
-           _event("nvjet_sm90_tst_64x8", 5, 12, CUDA), _event("paged_attention_kernel", 12, 15, CUDA),
-           _event("gumbel_argmax_chunk_kernel", 15, 16, CUDA),
-           _event("nvjet_sm90_tst_64x8", 19, 23, CUDA), _event("rms_norm_kernel", 25, 29, CUDA)]
+    kinds = [profiler_event(KIND_PREFIX + "mixed", 2, 3, children=[profiler_event("cudaGraphLaunch", 2, 3)]),
+             profiler_event(KIND_PREFIX + "decode", 6, 8)]
+    first = profiler_event(STEP_NAME, 0, 4, children=[profiler_event("forward", 2, 4, children=[kinds[0]])])
+    second = profiler_event(STEP_NAME, 4, 30, children=[profiler_event("forward", 6, 8, children=[kinds[1]])])
+    gpu = [profiler_event(KIND_PREFIX + "decode", 19, 29, CUDA, annotation=True),
+           profiler_event(KIND_PREFIX + "mixed", 5, 15, CUDA, annotation=True),
+           profiler_event("nvjet_sm90_tst_64x8", 5, 12, CUDA),
+           profiler_event("paged_attention_kernel", 12, 15, CUDA),
+           profiler_event("gumbel_argmax_chunk_kernel", 15, 16, CUDA),
+           profiler_event("nvjet_sm90_tst_64x8", 19, 23, CUDA),
+           profiler_event("rms_norm_kernel", 25, 29, CUDA)]
     return [first, second, *kinds, *gpu]
 
 
 def test_busy_time_is_the_union_of_kernels_clipped_to_an_interval():
-    events = [_event("k", 30, 40, CUDA), _event("k", 0, 10, CUDA), _event("k", 5, 20, CUDA),
-              _event("step", 0, 100), _event("forward", 0, 100, CUDA, annotation=True)]  # not kernels
+    kernels = [profiler_event("k", 30, 40, CUDA), profiler_event("k", 0, 10, CUDA), profiler_event("k", 5, 20, CUDA)]
+    not_kernels = [profiler_event("step", 0, 100), profiler_event("forward", 0, 100, CUDA, annotation=True)]
+    events = kernels + not_kernels
     kernels = kernel_events(events)
     assert [k.time_range.start for k in kernels] == [0, 5, 30]
     intervals = busy_intervals(kernels)
