@@ -97,7 +97,7 @@ def two_steps_and_their_kernels() -> list:
 
 
 def test_busy_time_is_the_union_of_kernels_clipped_to_an_interval():
-    kernels = [profiler_event("k", 30, 40, CUDA), profiler_event("k", 0, 10, CUDA), profiler_event("k", 5, 20, CUDA)]
+    kernels = [profiler_event("k", start, end, CUDA) for start, end in ((30, 40), (0, 10), (5, 20))]
     not_kernels = [profiler_event("step", 0, 100), profiler_event("forward", 0, 100, CUDA, annotation=True)]
     events = kernels + not_kernels
     kernels = kernel_events(events)
