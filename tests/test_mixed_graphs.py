@@ -33,6 +33,13 @@ def test_mixed_buckets_cover_the_budget_in_quarter_octaves():
     assert mixed_capture_sizes(10**6)[-1] == MAX_MIXED_GRAPH_TOKENS  # larger steps run eagerly
 
 
+def test_the_mixed_graph_limit_is_read_when_the_buckets_are_made(monkeypatch):
+    """A benchmark (or a user) that sets MAX_MIXED_GRAPH_TOKENS before building the engine gets
+    graphs up to it: the default is not bound when the module loads."""
+    monkeypatch.setattr(cuda_graph, "MAX_MIXED_GRAPH_TOKENS", 8192)
+    assert mixed_capture_sizes(8192)[-4:] == [5120, 6144, 7168, 8192]
+
+
 def test_padded_sequences_add_one_padding_sequence_then_empty_ones():
     starts, lens = padded_sequences([3, 1, 5], [10, 7, 5], size=16, num_entries=6)
     assert starts == [0, 3, 4, 9, 16, 16, 16]

@@ -56,12 +56,13 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return [s for s in candidates if s < cap] + [next(s for s in candidates if s >= cap)]
 
 
-def mixed_capture_sizes(max_num_batched_tokens: int, limit: int = MAX_MIXED_GRAPH_TOKENS) -> list[int]:
+def mixed_capture_sizes(max_num_batched_tokens: int, limit: int | None = None) -> list[int]:
     """Token buckets of mixed graphs: 16, 32, 48, then four per octave from 64 (64, 80, 96, 112,
     128, 160, ...: a step pads by less than a quarter), every one below the step budget (at most
-    ``limit``) and the budget itself as the last. Few buckets keep capture to a few seconds; a
-    full budget step, the common prefill step, pads by nothing."""
-    cap = min(max_num_batched_tokens, limit)
+    ``limit``, default ``MAX_MIXED_GRAPH_TOKENS`` as it is at the call) and the budget itself as
+    the last. Few buckets keep capture to a few seconds; a full budget step, the common prefill
+    step, pads by nothing."""
+    cap = min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS if limit is None else limit)
     candidates = [16, 32, 48]
     octave = 64
     while octave < cap:
