@@ -159,7 +159,7 @@ def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> 
             # sampling, copies to the host, warm-up fills: the kernels of no forward pass
             "outside_forward_ms": kernels_ms - sum(g["kernel_ms"] for g in gpu.values()),
             "step_kinds": kinds, "prefill_phase": prefill_phase(kinds, prefill_floor_s),
-            "top_kernels": kernel_table(events)[:top]}
+            "top_kernels": kernel_table(events, kernels)[:top]}
 
 
 def print_setting(label: str, result: dict) -> None:

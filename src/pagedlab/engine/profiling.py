@@ -230,10 +230,10 @@ def step_label(step_event) -> str:
     return "idle"
 
 
-def kernel_table(events) -> list[dict]:
-    """The kernels (on the CPU: the aten operators, by self time) of a profile by total time, each
-    ``{"name", "kind", "total_us", "calls"}``."""
-    device = kernel_events(events)
+def kernel_table(events, device: list) -> list[dict]:
+    """The kernels (``device``: ``kernel_events(events)``; on the CPU, where there are none, the
+    aten operators by self time) of a profile by total time, each ``{"name", "kind", "total_us",
+    "calls"}``."""
     timed = device or [e for e in events if e.name.startswith("aten::")]
     kernels: dict[str, dict] = {}
     for e in timed:
@@ -247,7 +247,7 @@ def kernel_table(events) -> list[dict]:
 def summarize(events, trace_path: str) -> ProfileSummary:
     """The summary of a profiler's events (``torch.profiler.profile.events()``)."""
     device = kernel_events(events)
-    table = kernel_table(events)
+    table = kernel_table(events, device)
     by_kind: dict[str, float] = {}
     for k in table:
         by_kind[k["kind"]] = by_kind.get(k["kind"], 0.0) + k["total_us"]
