@@ -36,8 +36,9 @@ def test_mixed_buckets_cover_the_budget_in_quarter_octaves():
 def test_the_mixed_graph_limit_is_read_when_the_buckets_are_made(monkeypatch):
     """A benchmark (or a user) that sets MAX_MIXED_GRAPH_TOKENS before building the engine gets
     graphs up to it: the default is not bound when the module loads."""
-    monkeypatch.setattr(cuda_graph, "MAX_MIXED_GRAPH_TOKENS", 8192)
-    assert mixed_capture_sizes(8192)[-4:] == [5120, 6144, 7168, 8192]
+    assert cuda_graph.MAX_MIXED_GRAPH_TOKENS != 3072  # the value set must differ from the default
+    monkeypatch.setattr(cuda_graph, "MAX_MIXED_GRAPH_TOKENS", 3072)
+    assert mixed_capture_sizes(8192)[-4:] == [1792, 2048, 2560, 3072]
 
 
 def test_padded_sequences_add_one_padding_sequence_then_empty_ones():
