@@ -2,7 +2,7 @@
 (``DecodeConfig``: key tile 64/128 x num_warps 2/4/8 x num_stages 2/3/4) on one GPU, in bf16.
 
 Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 128) and decode
-batch (256, 64 and 32 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as
+batch (256, 128, 64 and 32 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as
 W-nano's steps while its batch shrinks; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1
 decode near its end; 64 and 256 of 513-640, W-seed batch 64's and 256's decode steps), every
 candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
@@ -41,8 +41,8 @@ from pagedlab.kernels.paged_attention import (SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZE
 # (query heads, KV heads, head_dim)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
 # name -> (sequences, fewest keys, most keys)
-BATCHES = {"256x[100,2048]": (256, 100, 2048), "64x[100,2048]": (64, 100, 2048),
-           "32x[100,2048]": (32, 100, 2048), "16x8192": (16, 8192, 8192),
+BATCHES = {"256x[100,2048]": (256, 100, 2048), "128x[100,2048]": (128, 100, 2048),
+           "64x[100,2048]": (64, 100, 2048), "32x[100,2048]": (32, 100, 2048), "16x8192": (16, 8192, 8192),
            "1x640": (1, 640, 640), "64x[513,640]": (64, 513, 640), "256x[513,640]": (256, 513, 640)}
 QUICK_BATCHES = ("256x[100,2048]", "16x8192")
 SWEEP = dict(tile_n=(64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
