@@ -31,13 +31,14 @@ class TinyModel:
     hf_model: torch.nn.Module
 
 
-def gated_tolerance(dtype, device: str) -> dict:
+def gated_tolerance(dtype) -> dict:
     """``assert_close`` tolerances of a gated GEMV's ``silu(gate) * up`` against ``silu_and_mul``
-    of the plain GEMV's output: bit for bit in float16 under the interpreter (numpy's exp on both
-    sides), within a rounding on CUDA, whose sigmoid takes the GPU's fast exp."""
-    if device == "cpu":
-        return dict(atol=1e-6, rtol=1e-6 if dtype == torch.float32 else 0)
-    return dict(atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-3)
+    of the plain GEMV's output. The two launches sum the products in tiles of different shapes, so
+    float32 outputs agree to the GEMV's own tolerance, not bitwise (under the interpreter numpy's
+    BLAS picks its summation order by the tile's shape and the CPU: on an AVX2-only AMD EPYC a
+    16-row float32 case differed by 4.8e-5 at 3.5), and the reference rounds gate and up to the
+    output dtype before the SiLU, so float16 agrees within one rounding (and the GPU's fast exp)."""
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-3)
 
 
 def tiny_config(arch: str, **overrides):

@@ -292,7 +292,7 @@ def test_pdl_gemv_chain_in_a_cuda_graph_reads_each_input_after_it_is_written(gem
 @pytest.mark.parametrize("case", DENSE_CASES[:6], ids=lambda case: f"{case}")
 def test_gated_gemv_writes_silu_and_mul_of_the_plain_gemv(gemv, case, dtype):
     """``gated``: the GEMV writes ``silu(gate) * up`` of its two output halves, from the gate and
-    up it would write (``gated_tolerance``: bit for bit in float16 under the interpreter)."""
+    up it would write (``gated_tolerance``: within the GEMV's own tolerance and one rounding)."""
     from conftest import gated_tolerance
     from pagedlab.layers.activation import silu_and_mul
 
@@ -304,4 +304,4 @@ def test_gated_gemv_writes_silu_and_mul_of_the_plain_gemv(gemv, case, dtype):
     out = gemv.dense_gemv_triton(x, weight, bias, config, gated=True)
     expected = silu_and_mul(gemv.dense_gemv_triton(x, weight, bias, config).float()).to(dtype)
     assert out.shape == (rows, 50)
-    torch.testing.assert_close(out, expected, **gated_tolerance(dtype, DEVICE))
+    torch.testing.assert_close(out, expected, **gated_tolerance(dtype))
