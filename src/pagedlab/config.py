@@ -31,6 +31,7 @@ QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each again
 TOKENIZER_MODES = ("auto", "slow")
 EXECUTOR_BACKENDS = ("mp", "ray")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # a step's token budget with chunked prefill, unless set
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -64,7 +65,8 @@ class EngineConfig:
         plan=True)
     max_num_seqs: int = _setting(256, "most sequences in one step", plan=True)
     max_num_batched_tokens: int | None = _setting(
-        None, "token budget of one step (default: 8192, or max_model_len without chunked prefill)", plan=True)
+        None, f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_model_len "
+              "without chunked prefill)", plan=True)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
     chunked_prefill_size: int | None = _setting(
@@ -356,8 +358,8 @@ def resolve_max_num_batched_tokens(cfg: EngineConfig, max_model_len: int) -> int
                 f"prefill: it must be >= max_model_len ({max_model_len}) so every prompt fits in one step")
         return cfg.max_num_batched_tokens
     if cfg.enable_chunked_prefill:
-        return 8192
-    return max(8192, max_model_len)
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
 
 
 def cpu_kv_cache_bytes(cfg: EngineConfig) -> int:

@@ -35,18 +35,19 @@ import time
 
 import torch
 
+from pagedlab.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedlab.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout, forward_context
 
 logger = logging.getLogger(__name__)
 
 # Tests set this: graph runners skip capture and run each padded step eagerly (works on the CPU).
 PAD_WITHOUT_CAPTURE = False
-# Mixed graphs are captured up to this many tokens (the default step budget); larger steps run
+# Mixed graphs are captured up to this many tokens, the default step budget; larger steps run
 # eagerly. Measured on the H200 (session 30, same call): W-nano (Qwen3-0.6B, 8,192-token steps)
 # 24,726 / 24,651 -> 25,301 / 25,293 tok/s with graphs up to 8,192 instead of 2,048 (a small
 # model's eager full-budget steps leave the GPU waiting on the host); W-seed batch 256 (Llama-3-8B,
 # 188 ms steps that hide the host) 7,032 -> 7,012, within the noise between runs.
-MAX_MIXED_GRAPH_TOKENS = 8192
+MAX_MIXED_GRAPH_TOKENS = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
