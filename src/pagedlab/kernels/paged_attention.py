@@ -378,15 +378,16 @@ class _AttentionKernels:
                                  self.common["SLIDING"], self.common["SOFTCAP"], bucket, launch.block_m)
             launch = tuner.launch(shape, self._fingerprint(), launch, lambda: self._tuning_run(bucket))
         self.launch(launch, target, query_start_loc, seq_lens, block_tables, split_kv_size, num_segments,
-                    segment_offset, prefix_only, key_offset, segment_size)
+                    segment_offset, prefix_only, key_offset, segment_size, decode=max_query_len == 1)
 
     def launch(self, launch: AttentionLaunch, target, query_start_loc, seq_lens, block_tables,
                split_kv_size: int = 0, num_segments: int = 0, segment_offset: int = 0,
                prefix_only: bool = False, key_offset: torch.Tensor | None = None,
-               segment_size: int = 0) -> None:
-        """One attention launch of shape ``launch``; the other arguments as ``attend``'s."""
+               segment_size: int = 0, decode: bool = False) -> None:
+        """One attention launch of shape ``launch``; ``decode``: no sequence has more than one query
+        token (one program per sequence); the other arguments as ``attend``'s."""
         q, num_seqs = self.q, seq_lens.shape[0]
-        grid = ((q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
+        grid = ((num_seqs if decode else q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
                 + ((num_segments,) if split_kv_size else ()))
         if split_kv_size:
             partial_acc, partial_max, partial_sum = target
@@ -404,7 +405,7 @@ class _AttentionKernels:
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=launch.block_q,
             BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
-            TILE_SEGMENTS=segment_size == launch.tile_n,
+            TILE_SEGMENTS=segment_size == launch.tile_n, DECODE=decode,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
 
     def _tuning_run(self, bucket: int):

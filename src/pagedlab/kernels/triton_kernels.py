@@ -218,7 +218,7 @@ def paged_attention_kernel(
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
         SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr, PDL: tl.constexpr,
-        SEGMENTED: tl.constexpr = False, TILE_SEGMENTS: tl.constexpr = False):
+        SEGMENTED: tl.constexpr = False, TILE_SEGMENTS: tl.constexpr = False, DECODE: tl.constexpr = False):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -248,6 +248,9 @@ def paged_attention_kernel(
     ``invariant_split_kv_reduce_kernel`` folds a split launch's partials: a token's output is
     then bitwise the same whichever launch computed it. TILE_SEGMENTS: segments of one key tile.
 
+    DECODE (no sequence has more than one query token): program i is sequence i, found without
+    the search, and the grid has one program per sequence.
+
     PDL (``kernels/pdl.py``): everything it loads is the step's data, so it waits first.
     """
     pdl_wait_and_trigger(PDL)
@@ -255,20 +258,25 @@ def paged_attention_kernel(
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
-    # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i (an upper bound on
-    # the blocks before it, so the grid needs no host sync): ours is the last start <= q_block_global.
-    # Counting starts a chunk at a time costs one memory round trip per chunk, where a binary
-    # search costs log2(num_seqs) dependent ones: it matters for short prefills.
-    num_starts_before = tl.zeros([], dtype=tl.int32)
-    for chunk_start in range(0, num_seqs, SEQ_CHUNK):
-        seq_ids = chunk_start + tl.arange(0, SEQ_CHUNK)
-        starts = tl.load(query_start_loc_ptr + seq_ids, mask=seq_ids < num_seqs, other=2**30)
-        num_starts_before += tl.sum((starts // BLOCK_Q + seq_ids <= q_block_global).to(tl.int32), 0)
-    seq_idx = num_starts_before - 1
+    if DECODE:
+        seq_idx = q_block_global
+    else:
+        # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i (an upper bound on
+        # the blocks before it, so the grid needs no host sync): ours is the last start <= q_block_global.
+        # Counting starts a chunk at a time costs one memory round trip per chunk, where a binary
+        # search costs log2(num_seqs) dependent ones: it matters for short prefills.
+        num_starts_before = tl.zeros([], dtype=tl.int32)
+        for chunk_start in range(0, num_seqs, SEQ_CHUNK):
+            seq_ids = chunk_start + tl.arange(0, SEQ_CHUNK)
+            starts = tl.load(query_start_loc_ptr + seq_ids, mask=seq_ids < num_seqs, other=2**30)
+            num_starts_before += tl.sum((starts // BLOCK_Q + seq_ids <= q_block_global).to(tl.int32), 0)
+        seq_idx = num_starts_before - 1
 
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
-    q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
+    q_block = 0
+    if not DECODE:
+        q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
     if q_block * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq_idx)
