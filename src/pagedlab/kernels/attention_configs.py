@@ -45,13 +45,15 @@ class AttentionLaunch:
 
 # (head_dim, GQA group, bits of a KV-cache element) -> config of default-mode decode launches
 # (longest query 1, no cascade). A shape not listed runs the default ``_default_launch``. Measured
-# by attention_bench.py on one H200: qwen3-0.6b (2026-12-01) over 256x[100,2048], 64x[100,2048]
-# and 16x8192 keys, decode attention time saved against the default in the comment. llama3-8b
+# by attention_bench.py on one H200: qwen3-0.6b (2026-12-04) over W-nano's decode batches (256,
+# 128, 64 and 32 sequences of 100-2,048 keys), decode attention time saved against 64-key tiles
+# in the comment (32 sequences 24%, 128 5%, 256 1%; 64 sequences 3% slower; 16x8192 equal), and
+# W-nano +1.2% output tok/s end to end (BENCHMARKS.md, session 31). llama3-8b
 # (2026-12-04): 64-key tiles fit 5 programs an SM against 128-key tiles' 3, and W-seed's decode
 # batches (64 and 256 sequences of 513-640 keys) then run in fewer waves: W-seed batch 64 +1.3%
 # and batch 256 +0.8% output tok/s end to end (BENCHMARKS.md, session 29).
 DECODE_ATTENTION_CONFIGS: dict[tuple[int, int, int], DecodeConfig] = {
-    (128, 2, 16): DecodeConfig(tile_n=64, num_warps=4, num_stages=2),  # qwen3-0.6b: 9.1%
+    (128, 2, 16): DecodeConfig(tile_n=128, num_warps=4, num_stages=2),  # qwen3-0.6b: 5.9%
     (128, 4, 16): DecodeConfig(tile_n=64, num_warps=4, num_stages=2),  # llama3-8b
 }
 
