@@ -61,10 +61,10 @@ _AWQ_GEMM_DESCRIPTORS = dict(x_desc="tensordesc<bf16[64, 64]>", qweight_desc="te
 _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scale_ptr=_F, lora_h_ptr=_F,
                       lora_slots_ptr=_I)
 # the paged attention kernel's decode launch with split-KV (Llama-3-8B's heads); the others vary it
-_ATTENTION = dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=1, BLOCK_M=16, TILE_N=64, BLOCK_SIZE=16,
+_ATTENTION = dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, BLOCK_SIZE=16,
                   USE_SPLIT=True, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False,
                   SLIDING=False, SOFTCAP=False, BROADCAST_DOT=False, SEGMENTED=False, TILE_SEGMENTS=False,
-                  **_TF32)
+                  DECODE=True, **_TF32)
 _ATTENTION_POINTERS = dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I)
 _ATTENTION_FLOATS = ("qk_scale", "v_scale", "softcap_scale", "softcap")
 KERNELS = {
@@ -143,14 +143,15 @@ KERNELS = {
     # batch-invariant mode's in-program fold of one-tile key segments
     "paged_attention_tile_segments": Spec(
         "triton_kernels", "paged_attention_kernel",
-        dict(_ATTENTION, BLOCK_Q=16, BLOCK_M=64, USE_SPLIT=False, SEGMENTED=True, TILE_SEGMENTS=True),
+        dict(_ATTENTION, BLOCK_Q=16, BLOCK_M=64, USE_SPLIT=False, SEGMENTED=True, TILE_SEGMENTS=True,
+             DECODE=False),
         _ATTENTION_POINTERS, _ATTENTION_FLOATS),
     # a prefill launch the tuner picks (kernels/attention_tuning.py): Gemma-2's soft-capped local
     # layers, head_dim 256, 128 query rows on 8 warps
     "paged_attention_prefill_gemma": Spec(
         "triton_kernels", "paged_attention_kernel",
         dict(_ATTENTION, HEAD_DIM=256, HEAD_DIM_PADDED=256, GROUP=2, BLOCK_Q=64, BLOCK_M=128, USE_SPLIT=False,
-             SLIDING=True, SOFTCAP=True),
+             SLIDING=True, SOFTCAP=True, DECODE=False),
         _ATTENTION_POINTERS, _ATTENTION_FLOATS, num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
                             dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, SEGMENT_CHUNK=16), _PARTIALS),
