@@ -32,6 +32,9 @@ from pagedlab.lab.ray_runner import (check_store_reachable, group_resources,  # 
 from pagedlab.lab.store import ResultStore  # noqa: E402
 from pagedlab.lab.testing import make_tiny_model  # noqa: E402
 
+# Under pytest-xdist (CI: -n 2 --dist loadgroup) the modules that start Ray or share the
+# PostgreSQL database run on one worker, one after another.
+pytestmark = pytest.mark.xdist_group("ray-and-postgres")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 POSTGRES_URL = os.environ.get("PAGEDLAB_TEST_POSTGRES_URL")
 STORES = ["sqlite"] + (["postgresql"] if POSTGRES_URL else [])

@@ -17,6 +17,9 @@ pd = pytest.importorskip("pandas")
 from pagedlab.lab import cli as lab_cli  # noqa: E402
 from pagedlab.lab.store import ResultStore, RunRecord, load_results, resolve_url  # noqa: E402
 
+# Under pytest-xdist (CI: -n 2 --dist loadgroup) the modules that start Ray or share the
+# PostgreSQL database run on one worker, one after another.
+pytestmark = pytest.mark.xdist_group("ray-and-postgres")
 POSTGRES_URL = os.environ.get("PAGEDLAB_TEST_POSTGRES_URL")
 
 

@@ -19,6 +19,9 @@ pq = pytest.importorskip("pyarrow.parquet")
 from pagedlab import LLM, SamplingParams  # noqa: E402
 from pagedlab.lab.testing import make_tiny_model  # noqa: E402
 
+# Under pytest-xdist (CI: -n 2 --dist loadgroup) the modules that start Ray or share the
+# PostgreSQL database run on one worker, one after another.
+pytestmark = pytest.mark.xdist_group("ray-and-postgres")
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "a", "cat", "sat", "on"]
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory_bytes": 4 << 20}

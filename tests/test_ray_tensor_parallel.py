@@ -17,6 +17,9 @@ from pagedlab import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
 
+# Under pytest-xdist (CI: -n 2 --dist loadgroup) the modules that start Ray or share the
+# PostgreSQL database run on one worker, one after another.
+pytestmark = pytest.mark.xdist_group("ray-and-postgres")
 KV_BYTES = 16 << 20
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
