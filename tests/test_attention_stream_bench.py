@@ -1,0 +1,44 @@
+"""``benchmarks/attention_stream_bench.py`` on the CPU: its stream kernel, under the interpreter,
+sums exactly the keys and values its torch reference gathers through the block table (and the
+slab variant the consecutive blocks), on fresh random caches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+attention_stream_bench = pytest.importorskip("attention_stream_bench")
+attention_bench = pytest.importorskip("attention_bench")
+
+
+@pytest.fixture
+def batch(monkeypatch):
+    """Five float32 sequences of 17-70 keys over a scattered block pool (attention_bench's layout)."""
+    monkeypatch.setattr(attention_bench, "DEVICE", "cpu")
+    monkeypatch.setattr(attention_bench, "SEED", int(torch.randint(1 << 30, ())))
+    made = attention_bench.make_batch(5, 17, 70, 4, 2, 16)
+    return {name: t.float() if t.is_floating_point() else t for name, t in made.items()}
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "slab"])
+@pytest.mark.parametrize("tile_n", [16, 32])
+def test_stream_kernel_sums_the_reference_keys_and_values(batch, gather, tile_n):
+    got = attention_stream_bench.stream_kv_triton(batch, gather, tile_n, 4, 2)()
+    expected = attention_stream_bench.stream_kv_torch(batch, gather)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_slab_reads_as_many_bytes_from_other_blocks(batch):
+    """The slab names as many blocks per sequence as the table, consecutive and disjoint."""
+    slab = attention_stream_bench.slab_tables(batch)
+    counts = ((batch["seq_lens"] + 15) // 16).tolist()
+    for i, count in enumerate(counts):
+        assert slab[i, :count].tolist() == list(range(sum(counts[:i]), sum(counts[:i + 1])))
+    assert not torch.equal(attention_stream_bench.stream_kv_torch(batch, False),
+                           attention_stream_bench.stream_kv_torch(batch, True))
+    assert attention_stream_bench.kv_bytes_read(batch) == int(batch["seq_lens"].sum()) * 2 * 16 * 4 * 2
