@@ -139,14 +139,17 @@ def test_split_kv_general_batch_and_reused_buffers():
     check_attention(batch, max_query_len=12, split_kv_size=64)
 
 
-def test_padding_rows_untouched_and_upper_bound_hints():
-    # CUDA-graph style: q padded past the last sequence, loose max_query_len / max_seq_len bounds.
-    seqs = [(40, 1), (3, 1)]
+@pytest.mark.parametrize("max_query_len", [1, 5], ids=["decode", "loose"])
+def test_padding_rows_untouched_and_upper_bound_hints(max_query_len):
+    # CUDA-graph style: q padded past the last sequence, a sequence with no query token between
+    # two decodes, loose max_seq_len (and max_query_len) bounds. Decode (max_query_len 1) runs
+    # one program per sequence, the loose bound the query-start search.
+    seqs = [(40, 1), (9, 0), (3, 1)]
     batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, _generator("padding"))
     batch["q"] = torch.cat([batch["q"], torch.zeros_like(batch["q"][:3])])
     for split in (None, 64):
         out = torch.full_like(batch["q"], 7.0)
-        check_attention(batch, max_query_len=5, max_seq_len=300, split_kv_size=split, out=out)
+        check_attention(batch, max_query_len=max_query_len, max_seq_len=300, split_kv_size=split, out=out)
         assert torch.all(out[2:] == 7.0)
 
 
