@@ -1,7 +1,8 @@
 """How close decode attention comes to merely reading its keys and values, on one GPU in bf16.
 
 On attention_bench's decode batches it times (``gpu_timing.graph_seconds``: CUDA-graph replays,
-L2 flushed) the attention launch as the engine runs it, a kernel that only streams the same K
+L2 flushed) the attention launch as the engine runs it (unsplit: none of these batches has so
+few programs that the policy splits it), a kernel that only streams the same K
 and V tiles by the same paged addresses with the same grid, key tile, warps and stages (it sums
 them, so no load is dropped), the same kernel reading each sequence's blocks as one consecutive
 slab (no block-table gather), and torch summing the whole cache. It prints microseconds, KV
