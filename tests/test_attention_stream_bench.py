@@ -42,3 +42,25 @@ def test_slab_reads_as_many_bytes_from_other_blocks(batch):
     assert not torch.equal(attention_stream_bench.stream_kv_torch(batch, False),
                            attention_stream_bench.stream_kv_torch(batch, True))
     assert attention_stream_bench.kv_bytes_read(batch) == int(batch["seq_lens"].sum()) * 2 * 16 * 4 * 2
+
+
+def test_a_row_times_every_launch_and_reports_its_bytes(monkeypatch):
+    """One small bf16 batch through the whole row under the interpreter (the GPU timing replaced
+    by a clock that counts calls): the engine's launch, each stream and torch's sum are timed,
+    and the bytes are the batch's keys and values."""
+    monkeypatch.setattr(attention_bench, "DEVICE", "cpu")
+    monkeypatch.setitem(attention_bench.BATCHES, "3x[20,70]", (3, 20, 70))
+    calls = []
+
+    def fake_clock(fn) -> float:
+        calls.append(fn)
+        return 1e-3 * len(calls)
+    monkeypatch.setattr(attention_stream_bench, "graph_seconds", fake_clock)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    kv_bytes, times = attention_stream_bench.measure_row("qwen3-0.6b", "3x[20,70]")
+    lens = attention_bench.make_batch(3, 20, 70, 16, 8, 128)["seq_lens"]
+    assert kv_bytes == int(lens.sum()) * 8 * 128 * 2 * 2
+    engine = attention_bench.current_config((128, 2, 16), None)
+    launches = {(engine.tile_n, engine.num_warps, engine.num_stages), *attention_stream_bench.STREAM_LAUNCHES}
+    assert len(times) == len(calls) == 1 + len(launches) + 2
+    assert next(iter(times)) == "attention (engine's launch)" and "stream slab 128/4w/2s" in times
