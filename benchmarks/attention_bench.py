@@ -77,6 +77,12 @@ def make_batch(num_seqs: int, fewest: int, most: int, num_heads: int, num_kv_hea
                 seq_lens=seq_lens.to(torch.int32).to(DEVICE), block_tables=tables.to(DEVICE))
 
 
+def kv_bytes_read(batch: dict) -> int:
+    """Bytes of K and V the batch's sequences hold (what one decode attention launch reads)."""
+    k = batch["k_cache"]
+    return int(batch["seq_lens"].sum()) * k.shape[2] * k.shape[3] * k.element_size() * 2
+
+
 @contextmanager
 def listed(key: tuple[int, int, int], config: DecodeConfig):
     """``config`` in DECODE_ATTENTION_CONFIGS for ``key`` while the block runs."""
@@ -156,7 +162,7 @@ def bench_batch(shape: str, batch_name: str, sweep: dict, all_splits: bool = Fal
     key = (head_dim, num_heads // num_kv_heads, KV_BITS)
     batch = make_batch(num_seqs, fewest, most, num_heads, num_kv_heads, head_dim)
     keys = int(batch["seq_lens"].sum())
-    kv_bytes = keys * num_kv_heads * head_dim * 2 * 2  # K and V, 2 bytes an element
+    kv_bytes = kv_bytes_read(batch)
     modes = split_modes(num_seqs, num_kv_heads, most, all_splits)
     current = current_config(key, modes[0])
 

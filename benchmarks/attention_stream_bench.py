@@ -114,15 +114,9 @@ def measure_row(shape: str, batch_name: str) -> tuple[int, dict[str, float]]:
     slab = stream_kv_triton(batch, False, *engine_line)
     times["stream slab {}/{}w/{}s".format(*engine_line)] = _timed(slab)
     flat = torch.cat([batch["k_cache"].view(-1), batch["v_cache"].view(-1)])
-    kv_bytes = kv_bytes_read(batch)
+    kv_bytes = ab.kv_bytes_read(batch)
     times["torch sum of the whole cache"] = _timed(flat.sum) * kv_bytes / (flat.numel() * flat.element_size())
     return kv_bytes, times
-
-
-def kv_bytes_read(batch: dict) -> int:
-    """Bytes of K and V the batch's sequences hold (what one decode attention launch reads)."""
-    k = batch["k_cache"]
-    return int(batch["seq_lens"].sum()) * k.shape[2] * k.shape[3] * k.element_size() * 2
 
 
 def _timed(call) -> float:
