@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("triton")
 
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton
-from pagedlab.kernels.paged_attention import (SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SIZE, TILE_N, CascadeBuffers,
+from pagedlab.kernels.paged_attention import (SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SHORT_SEQ, SPLIT_KV_SIZE,
+                                              TILE_N, CascadeBuffers, _AttentionKernels,
                                               allocate_split_kv_scratch, cascade_attention_triton,
                                               choose_split_kv_size, paged_attention_torch,
                                               paged_attention_triton)
@@ -165,7 +166,11 @@ def test_sequence_search_over_several_chunks(monkeypatch):
 
 
 def test_choose_split_kv_size():
-    assert choose_split_kv_size(1, 8, 1, 4096) == SPLIT_KV_SIZE
+    # the size is chosen for sequences of up to SPLIT_KV_SHORT_SEQ keys, whatever the launch's bound
+    # (a CUDA graph's max_model_len); longer sequences' segments grow (max_kv_segments)
+    assert choose_split_kv_size(1, 8, 1, 4096) == choose_split_kv_size(1, 8, 1, SPLIT_KV_SHORT_SEQ) == 64
+    assert choose_split_kv_size(2, 8, 1, 40960) == choose_split_kv_size(2, 8, 1, SPLIT_KV_SHORT_SEQ) == 128
+    assert choose_split_kv_size(4, 8, 1, 8192) == SPLIT_KV_SIZE
     assert choose_split_kv_size(4, 8, 1) == SPLIT_KV_SIZE
     assert choose_split_kv_size(SPLIT_KV_MIN_PROGRAMS // 8, 8, 1, 4096) is None  # grid already full
     assert choose_split_kv_size(1, 8, 7, 4096) is None  # not a decode-only batch
@@ -175,6 +180,43 @@ def test_choose_split_kv_size():
     assert choose_split_kv_size(1, 8, 1, 640) == 64  # 80 programs
     assert choose_split_kv_size(2, 8, 1, 640) == 128  # 64-key segments would make 160
     assert choose_split_kv_size(1, 8, 1, 640, split_kv_size=SPLIT_KV_SIZE) == SPLIT_KV_SIZE
+
+
+def test_capped_split_segments_grow_with_the_sequence():
+    # At most 2 segments of at least 64 keys: 301 keys split as 2 x 192 and 129 as 2 x 128, while
+    # short sequences keep 64-key segments; a loose bound sizes nothing past the cap. A sequence
+    # with no query token before a long one: its decode row cannot count the long one's segments
+    # by position and folds them all.
+    seqs = [(300, 1), (15, 1), (3, 0), (128, 1), (0, 1)]
+    batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, _generator("capped"))
+    scratch = allocate_split_kv_scratch(4, 4, 64, 4096, 64, DEVICE, max_segments=2)
+    assert scratch[0].shape[2] == 2
+    check_attention(batch, max_query_len=1, max_seq_len=4096, split_kv_size=64, max_kv_segments=2,
+                    scratch=scratch)
+    check_attention(batch, max_query_len=5, max_seq_len=4096, split_kv_size=64, max_kv_segments=2)
+    with pytest.raises(ValueError, match="max_kv_segments=0"):
+        check_attention(batch, max_query_len=1, split_kv_size=64, max_kv_segments=0)
+
+
+def test_decode_reduce_folds_only_the_segments_a_sequence_fills():
+    # Poison the partials past each sequence's last segment: the decode reduce must not read them.
+    batch = make_batch([(40, 1), (200, 1), (2, 1)], 2, 2, 64, 16, torch.float32, _generator("folds"))
+    q, seq_lens = batch["q"], batch["seq_lens"]
+    scale, num_segments = 64 ** -0.5, 8
+    kernels = _AttentionKernels(q, batch["k_cache"], batch["v_cache"], scale)
+    expected = paged_attention_torch(**batch, scale=scale)
+    for decode in (True, False):
+        scratch = allocate_split_kv_scratch(3, 4, 64, 512, 64, DEVICE)
+        kernels.attend(scratch, batch["query_start_loc"], seq_lens, batch["block_tables"], 1, 64,
+                       num_segments)
+        for token, seq_len in enumerate(seq_lens.tolist()):
+            scratch[1][token, :, -(-seq_len // 64):] = float("inf")
+        out = torch.empty_like(q)
+        kernels.reduce(out, scratch, batch["query_start_loc"], seq_lens, num_segments, 64, decode=decode)
+        if decode:
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        else:
+            assert not torch.isfinite(out).all()  # the poison is there to be read
 
 
 def test_bad_split_size_is_rejected():

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import pytest
 
 _F, _I = "*fp32", "*i32"
-_PARTIALS = dict(partial_acc_ptr=_F, partial_max_ptr=_F, partial_sum_ptr=_F, query_start_loc_ptr=_I)
+_PARTIALS = dict(partial_acc_ptr=_F, partial_max_ptr=_F, partial_sum_ptr=_F, query_start_loc_ptr=_I,
+                 seq_lens_ptr=_I)
 _ROUTING = dict(experts_ptr=_I, local_rank_ptr=_I, block_counts_ptr=_I, sorted_pairs_ptr=_I,
                 block_experts_ptr=_I)
 
@@ -154,9 +155,10 @@ KERNELS = {
              SLIDING=True, SOFTCAP=True, DECODE=False),
         _ATTENTION_POINTERS, _ATTENTION_FLOATS, num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
-                            dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, SEGMENT_CHUNK=16), _PARTIALS),
+                            dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True, SEGMENT_CHUNK=16),
+                            _PARTIALS),
     "invariant_split_kv_reduce": Spec("triton_kernels", "invariant_split_kv_reduce_kernel",
-                                      dict(HEAD_DIM=128, HEAD_DIM_PADDED=128), _PARTIALS),
+                                      dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True), _PARTIALS),
     "write_kv": Spec("kv_write_kernels", "write_kv_kernel",
                      dict(NUM_KV_HEADS=8, NUM_KV_HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
                           BLOCK_SIZE=16, FP8=False, FP8_MAX=448.0),

@@ -165,6 +165,17 @@ SPLIT_KV_SIZE = 256
 # with 64-key segments (80 programs), 9.7 with 128, 11.7 with 256; 16 x 8,192 keys: 256 best.
 SPLIT_KV_SMALL_SIZES = (64, 128)
 SPLIT_KV_TARGET_PROGRAMS = 128
+# The segment size is chosen for sequences of at most this many keys; a CUDA graph sized for
+# longer ones (its ``max_model_len``) keeps that size for the short sequences it mostly runs.
+SPLIT_KV_SHORT_SEQ = 1024
+# At most this many segments per sequence in a default-mode split launch: a longer sequence's
+# segments grow instead (``paged_attention_triton``'s ``max_kv_segments``), so a launch sized for
+# max_model_len keys neither runs nor reduces hundreds of segments per sequence. 32 segments of
+# ``SPLIT_KV_SIZE`` hold 8,192 keys: up to there a sequence splits as when the launch is sized for it.
+# On an H200 (2026-12-04, Qwen3-30B-A3B heads) one sequence of 640 keys in a launch sized for 40,960
+# took 26.5 us before (256-key segments, 160 of them reduced) and 9.0 with the cap and the size
+# chosen for short sequences (7.9 sized for 640); 1 x 40,000 keys 59.9 -> 54.4 us.
+SPLIT_KV_MAX_SEGMENTS = 32
 # Split only below this many (sequence, KV head) programs: about one wave of resident programs.
 SPLIT_KV_MIN_PROGRAMS = 256
 # Query-start entries each program scans per step when it looks up its sequence.
@@ -187,10 +198,10 @@ def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
     Splits only decode-only batches (``max_query_len == 1``) whose 2D grid would have fewer than
     ``SPLIT_KV_MIN_PROGRAMS`` programs, and only when a sequence can be longer than one
     ``SPLIT_KV_SIZE`` segment. The size: ``split_kv_size`` where given (batch-invariant mode's
-    fixed segments), else the smallest of ``SPLIT_KV_SMALL_SIZES`` whose grid fits in
-    ``SPLIT_KV_TARGET_PROGRAMS``, else ``SPLIT_KV_SIZE``. Every argument is a host int, so a
-    CUDA-graph runner can fix the choice per captured size (pass its ``max_model_len`` as
-    ``max_seq_len``).
+    fixed segments), else the smallest of ``SPLIT_KV_SMALL_SIZES`` whose grid over sequences of
+    ``min(max_seq_len, SPLIT_KV_SHORT_SEQ)`` keys fits in ``SPLIT_KV_TARGET_PROGRAMS``, else
+    ``SPLIT_KV_SIZE``. Every argument is a host int, so a CUDA-graph runner can fix the choice
+    per captured size (pass its ``max_model_len`` as ``max_seq_len``).
     """
     programs = num_seqs * num_kv_heads
     if max_query_len != 1 or programs >= SPLIT_KV_MIN_PROGRAMS:
@@ -199,19 +210,28 @@ def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
         return None
     if split_kv_size is not None or max_seq_len is None:
         return split_kv_size or SPLIT_KV_SIZE
+    short = min(max_seq_len, SPLIT_KV_SHORT_SEQ)
     return next((size for size in SPLIT_KV_SMALL_SIZES
-                 if programs * -(-max_seq_len // size) <= SPLIT_KV_TARGET_PROGRAMS), SPLIT_KV_SIZE)
+                 if programs * -(-short // size) <= SPLIT_KV_TARGET_PROGRAMS), SPLIT_KV_SIZE)
+
+
+def split_kv_num_segments(max_seq_len: int, split_kv_size: int, max_segments: int | None = None) -> int:
+    """Segments of a split launch: ``max_seq_len`` keys in ``split_kv_size`` ones, at most
+    ``max_segments`` (None: no cap)."""
+    num_segments = -(-max_seq_len // split_kv_size)
+    return num_segments if max_segments is None else min(num_segments, max_segments)
 
 
 def allocate_split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, max_seq_len: int,
-                              split_kv_size: int, device: torch.device | str
+                              split_kv_size: int, device: torch.device | str, max_segments: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 partials for split-KV: ``(acc [T, H, S, D'], max [T, H, S], sum [T, H, S])``.
 
-    ``S = ceil(max_seq_len / split_kv_size)``, ``D'`` = head_dim padded to a power of two.
-    Allocate once at the largest sizes to reuse it (e.g. across CUDA-graph replays).
+    ``S = split_kv_num_segments(max_seq_len, split_kv_size, max_segments)``, ``D'`` = head_dim
+    padded to a power of two. Allocate once at the largest sizes to reuse it (e.g. across
+    CUDA-graph replays).
     """
-    num_segments = -(-max_seq_len // split_kv_size)
+    num_segments = split_kv_num_segments(max_seq_len, split_kv_size, max_segments)
     head_dim_padded = padded_head_dim(head_dim)
     acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_padded, dtype=torch.float32,
                       device=device)
@@ -224,7 +244,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, *,
                            max_query_len: int | None = None, max_seq_len: int | None = None,
-                           split_kv_size: int | None = None, out: torch.Tensor | None = None,
+                           split_kv_size: int | None = None, max_kv_segments: int | None = None,
+                           out: torch.Tensor | None = None,
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
                            softcap: float | None = None, batch_invariant: bool = False,
@@ -235,7 +256,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sync: ``max_query_len`` (picks the query tile; default ``num_tokens``) and ``max_seq_len``
     (sizes split-KV; default ``block_tables.shape[1] * block_size``) are upper bounds given as
     ints. ``split_kv_size`` (tokens, a multiple of ``TILE_N``) turns on split-KV with a second
-    reduce launch; see ``choose_split_kv_size``. Decode (``max_query_len == 1``) takes its key tile,
+    reduce launch; see ``choose_split_kv_size``. ``max_kv_segments`` caps the segments a
+    sequence is cut into (``SPLIT_KV_MAX_SEGMENTS`` in the engine; None: ``max_seq_len`` over the
+    size): a longer sequence's segments grow to a multiple of the size, and a decode launch's
+    reduce folds only the segments each sequence fills. Decode (``max_query_len == 1``) takes its key tile,
     warps and stages from ``DECODE_ATTENTION_CONFIGS`` (attention_configs.py) where it lists the
     shape. ``out``, ``scratch`` (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA
     graphs. Output rows past ``query_start_loc[-1]`` (padding) stay untouched. FP8 caches are read at
@@ -263,14 +287,18 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     if split_kv_size <= 0 or split_kv_size % TILE_N:
         raise ValueError(f"split_kv_size={split_kv_size} must be a positive multiple of {TILE_N}")
-    num_segments = -(-max_seq_len // split_kv_size)
+    if max_kv_segments is not None and (max_kv_segments < 1 or batch_invariant):
+        raise ValueError(f"max_kv_segments={max_kv_segments} must be a positive count, and None in "
+                         "batch_invariant mode (its segments never grow)")
+    num_segments = split_kv_num_segments(max_seq_len, split_kv_size, max_kv_segments)
     if scratch is None:
         scratch = allocate_split_kv_scratch(num_tokens, q.shape[1], q.shape[2], max_seq_len, split_kv_size,
-                                            q.device)
+                                            q.device, max_kv_segments)
     _check_scratch(scratch, num_tokens, q.shape[1], num_segments, kernels.head_dim_padded)
     kernels.attend(scratch, query_start_loc, seq_lens, block_tables, max_query_len, split_kv_size,
                    num_segments)
-    kernels.reduce(out, scratch, query_start_loc, num_seqs, num_segments)
+    kernels.reduce(out, scratch, query_start_loc, seq_lens, num_segments, split_kv_size,
+                   decode=max_query_len == 1)
     return out
 
 
@@ -430,13 +458,18 @@ class _AttentionKernels:
         kernel = kernel_fingerprint(self.triton_kernels.paged_attention_kernel)
         return f"{device_fingerprint(self.q.device)}|{kernel}"
 
-    def reduce(self, out, scratch, query_start_loc, num_seqs: int, num_segments: int) -> None:
+    def reduce(self, out, scratch, query_start_loc, seq_lens, num_segments: int, split_kv_size: int,
+               decode: bool = False) -> None:
+        """The split launch's partials (``num_segments`` segments of at least ``split_kv_size``
+        keys) merged into ``out``; ``decode``: as ``launch``'s (each row folds only the segments
+        its sequence fills)."""
         partial_acc, partial_max, partial_sum = scratch
-        args = (out, partial_acc, partial_max, partial_sum, query_start_loc, num_seqs, num_segments,
-                out.stride(0), out.stride(1), *partial_acc.stride()[:3], partial_max.stride(0),
-                partial_max.stride(1))
+        args = (out, partial_acc, partial_max, partial_sum, query_start_loc, seq_lens, seq_lens.shape[0],
+                num_segments, split_kv_size, out.stride(0), out.stride(1), *partial_acc.stride()[:3],
+                partial_max.stride(0), partial_max.stride(1))
         grid = (out.shape[0], out.shape[1])
-        dims = dict(HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, num_warps=4, **self.pdl)
+        dims = dict(HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=self.head_dim_padded, DECODE=decode, num_warps=4,
+                    **self.pdl)
         if self.batch_invariant:  # one segment at a time, as a SEGMENTED program folds them
             self.triton_kernels.invariant_split_kv_reduce_kernel[grid](*args, **dims)
         else:
@@ -503,7 +536,7 @@ def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     read at ``k_scale``/``v_scale``; ``softcap`` as in ``paged_attention_torch`` (a sliding
     window has no shared prefix to attend once)."""
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, softcap=softcap)
-    num_rows, num_seqs = q.shape[0], seq_lens.shape[0]
+    num_rows = q.shape[0]
     if buffers.num_rows != num_rows:
         raise ValueError(f"cascade buffers for {buffers.num_rows} rows given {num_rows} query rows")
     split = cascade_prefix_split(max_seq_len)
@@ -516,5 +549,5 @@ def cascade_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     kernels.attend(scratch, query_start_loc, seq_lens, block_tables, 1, span, 1,
                    segment_offset=num_prefix_segments, key_offset=buffers.prefix_len)
     out = torch.empty_like(q)
-    kernels.reduce(out, scratch, query_start_loc, num_seqs, num_prefix_segments + 1)
+    kernels.reduce(out, scratch, query_start_loc, seq_lens, num_prefix_segments + 1, split)
     return out

@@ -199,6 +199,14 @@ def _attend_tile_segment(total_acc, total_sum, total_max, q, k_cache_ptr, v_cach
     return _merge_segment(total_acc, total_sum, total_max, acc * v_scale, row_sum, segment_max)
 
 
+@triton.jit
+def _segment_keys(seq_len, split_kv_size, num_segments):
+    """Keys per split-KV segment of a sequence of ``seq_len`` keys: ``split_kv_size``, or the
+    smallest multiple of it that covers the sequence in ``num_segments`` segments (a launch whose
+    segments are capped below its longest sequence's need: the segments grow with the sequence)."""
+    return split_kv_size * tl.maximum(tl.cdiv(seq_len, split_kv_size * num_segments), 1)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -223,7 +231,8 @@ def paged_attention_kernel(
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
     Without split the program writes the normalized output; with split it covers keys
-    [segment * split_kv_size, (segment + 1) * split_kv_size) and writes fp32 partials
+    [segment * size, (segment + 1) * size), size = ``_segment_keys`` (``split_kv_size``, larger
+    for a sequence longer than the grid's segments of that size hold), and writes fp32 partials
     (unnormalized acc, running max in log2 units, running sum) for the reduce kernel, as partial
     segment ``segment + partial_segment_offset`` (cascade attention puts two launches' segments
     side by side).
@@ -302,8 +311,9 @@ def paged_attention_kernel(
     all_rows_end = ((context_len + first_pos + 1) // TILE_N) * TILE_N
     key_start = 0
     if USE_SPLIT:
-        key_start = segment * split_kv_size
-        key_end = tl.minimum(key_end, key_start + split_kv_size)
+        segment_keys = _segment_keys(seq_len, split_kv_size, tl.num_programs(2))
+        key_start = segment * segment_keys
+        key_end = tl.minimum(key_end, key_start + segment_keys)
     if PREFIX_ONLY:
         key_end = tl.minimum(key_end, context_len)
     if KEY_OFFSET:
@@ -377,19 +387,39 @@ def paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit
+def _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments, split_kv_size,
+                   DECODE: tl.constexpr):
+    """Segments a reduce program folds: with DECODE, where sequence ``token`` holds exactly query
+    token ``token`` (a decode batch: one token a sequence), only those that hold its keys
+    (``_segment_keys``), so a launch sized for long sequences folds a short one's few; else all
+    ``num_segments``. Its loads do not wait for one another."""
+    if DECODE:
+        own = token < num_seqs
+        seq_len = tl.load(seq_lens_ptr + token, mask=own, other=0)
+        start = tl.load(query_start_loc_ptr + token, mask=own, other=-1)
+        end = tl.load(query_start_loc_ptr + token + 1, mask=own, other=-1)
+        used = tl.cdiv(seq_len, _segment_keys(seq_len, split_kv_size, num_segments))
+        return tl.where((start == token) & (end == token + 1), used, num_segments)
+    return num_segments
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def split_kv_reduce_kernel(
-        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-        num_seqs, num_segments,
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, seq_lens_ptr,
+        num_seqs, num_segments, split_kv_size,
         stride_out_token, stride_out_head,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, SEGMENT_CHUNK: tl.constexpr,
-        PDL: tl.constexpr):
-    """Program (token, head): merge the per-segment partials of one output row (PDL: waits first)."""
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DECODE: tl.constexpr,
+        SEGMENT_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, head): merge the per-segment partials of one output row, the segments
+    ``_segments_used`` counts (PDL: waits first)."""
     pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
+    num_segments = _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments,
+                                  split_kv_size, DECODE)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding rows past the last sequence own no partials
     offs_s = tl.arange(0, SEGMENT_CHUNK)
@@ -423,18 +453,20 @@ def split_kv_reduce_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def invariant_split_kv_reduce_kernel(
-        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr,
-        num_seqs, num_segments,
+        out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, seq_lens_ptr,
+        num_seqs, num_segments, split_kv_size,
         stride_out_token, stride_out_head,
         stride_pacc_token, stride_pacc_head, stride_pacc_segment,
         stride_pstat_token, stride_pstat_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PDL: tl.constexpr):
-    """Program (token, head), batch-invariant mode: the segments' partials folded one at a time in
-    segment order by ``_merge_segment``, the arithmetic a SEGMENTED attention program does
-    (PDL: waits first)."""
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, head), batch-invariant mode: the segments' partials (``_segments_used``)
+    folded one at a time in segment order by ``_merge_segment``, the arithmetic a SEGMENTED
+    attention program does (PDL: waits first)."""
     pdl_wait_and_trigger(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
+    num_segments = _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments,
+                                  split_kv_size, DECODE)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
         return  # padding rows past the last sequence own no partials
     row = tl.arange(0, 1)

@@ -110,14 +110,17 @@ class TritonAttentionBackend(AttentionBackend):
         split_size = None  # the default mode's policy
         if invariant:  # the mode splits only into its key segments, which a windowed layer has not
             split_size = paged_attention.BATCH_INVARIANT_SPLIT_KV_SIZE if sliding_window is None else 0
-        split_kv_size = None
+        split_kv_size = max_kv_segments = None
+        num_seqs, num_kv_heads = metadata.seq_lens.shape[0], k_cache.shape[2]
         if split_size != 0:
             split_kv_size = paged_attention.choose_split_kv_size(
-                metadata.seq_lens.shape[0], k_cache.shape[2], metadata.max_query_len, metadata.max_seq_len,
-                split_size)
+                num_seqs, num_kv_heads, metadata.max_query_len, metadata.max_seq_len, split_size)
+        if split_kv_size is not None and not invariant:
+            max_kv_segments = paged_attention.SPLIT_KV_MAX_SEGMENTS
         return paged_attention.paged_attention_triton(
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            split_kv_size=split_kv_size, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+            split_kv_size=split_kv_size, max_kv_segments=max_kv_segments, k_scale=k_scale, v_scale=v_scale,
+            sliding_window=sliding_window,
             softcap=softcap, batch_invariant=invariant,
             prefill_tuner=self.prefill_tuner if q.is_cuda else None)
