@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("triton")
 
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton
-from pagedlab.kernels.paged_attention import (SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SHORT_SEQ, SPLIT_KV_SIZE,
-                                              TILE_N, CascadeBuffers, _AttentionKernels,
-                                              allocate_split_kv_scratch, cascade_attention_triton,
-                                              choose_split_kv_size, paged_attention_torch,
-                                              paged_attention_triton)
+from pagedlab.kernels.paged_attention import (SPLIT_KV_MAX_SEGMENTS, SPLIT_KV_MIN_PROGRAMS,
+                                              SPLIT_KV_SHORT_SEQ, SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES, TILE_N,
+                                              CascadeBuffers, _AttentionKernels, allocate_split_kv_scratch,
+                                              cascade_attention_triton, choose_split_kv_size,
+                                              paged_attention_torch, paged_attention_triton)
 from pagedlab.layers.attention import AttentionMetadata, get_attention_backend
 from pagedlab.layers.attention.triton_backend import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_KEYS,
                                                       cascade_prefix_len)
@@ -418,11 +418,15 @@ def test_gpu_decode_256x576(block_size):
 @gpu
 @pytest.mark.parametrize("batch_size", [1, 4, 15])
 def test_gpu_decode_split_kv(batch_size):
+    # the engine's split of long sequences: at batch 1 (64-key segments) and 15 (256) the longest
+    # pass SPLIT_KV_MAX_SEGMENTS segments and theirs grow; then the uncapped split and no split
     seqs = [(4000 + 997 * i, 1) for i in range(batch_size)]
     max_seq_len = max(c + q for c, q in seqs)
     split = choose_split_kv_size(batch_size, REAL["num_kv_heads"], 1, max_seq_len)
-    assert split == SPLIT_KV_SIZE
+    assert split in (*SPLIT_KV_SMALL_SIZES, SPLIT_KV_SIZE)
     batch = _real_batch(seqs, 16, f"gpu-split-{batch_size}")
+    check_attention(batch, max_query_len=1, max_seq_len=max_seq_len, split_kv_size=split,
+                    max_kv_segments=SPLIT_KV_MAX_SEGMENTS)
     check_attention(batch, max_query_len=1, max_seq_len=max_seq_len, split_kv_size=split)
     check_attention(batch, max_query_len=1, max_seq_len=max_seq_len)
 
