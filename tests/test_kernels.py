@@ -189,7 +189,7 @@ def test_capped_split_segments_grow_with_the_sequence():
     # by position and folds them all.
     seqs = [(300, 1), (15, 1), (3, 0), (128, 1), (0, 1)]
     batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, _generator("capped"))
-    scratch = allocate_split_kv_scratch(4, 4, 64, 4096, 64, DEVICE, max_segments=2)
+    scratch = allocate_split_kv_scratch(4, 4, 64, 4096, 64, DEVICE, max_kv_segments=2)
     assert scratch[0].shape[2] == 2
     check_attention(batch, max_query_len=1, max_seq_len=4096, split_kv_size=64, max_kv_segments=2,
                     scratch=scratch)

@@ -215,23 +215,24 @@ def choose_split_kv_size(num_seqs: int, num_kv_heads: int, max_query_len: int,
                  if programs * -(-short // size) <= SPLIT_KV_TARGET_PROGRAMS), SPLIT_KV_SIZE)
 
 
-def split_kv_num_segments(max_seq_len: int, split_kv_size: int, max_segments: int | None = None) -> int:
+def split_kv_num_segments(max_seq_len: int, split_kv_size: int, max_kv_segments: int | None = None) -> int:
     """Segments of a split launch: ``max_seq_len`` keys in ``split_kv_size`` ones, at most
-    ``max_segments`` (None: no cap)."""
+    ``max_kv_segments`` (None: no cap)."""
     num_segments = -(-max_seq_len // split_kv_size)
-    return num_segments if max_segments is None else min(num_segments, max_segments)
+    return num_segments if max_kv_segments is None else min(num_segments, max_kv_segments)
 
 
 def allocate_split_kv_scratch(num_tokens: int, num_heads: int, head_dim: int, max_seq_len: int,
-                              split_kv_size: int, device: torch.device | str, max_segments: int | None = None
+                              split_kv_size: int, device: torch.device | str,
+                              max_kv_segments: int | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 partials for split-KV: ``(acc [T, H, S, D'], max [T, H, S], sum [T, H, S])``.
 
-    ``S = split_kv_num_segments(max_seq_len, split_kv_size, max_segments)``, ``D'`` = head_dim
+    ``S = split_kv_num_segments(max_seq_len, split_kv_size, max_kv_segments)``, ``D'`` = head_dim
     padded to a power of two. Allocate once at the largest sizes to reuse it (e.g. across
     CUDA-graph replays).
     """
-    num_segments = split_kv_num_segments(max_seq_len, split_kv_size, max_segments)
+    num_segments = split_kv_num_segments(max_seq_len, split_kv_size, max_kv_segments)
     head_dim_padded = padded_head_dim(head_dim)
     acc = torch.empty(num_tokens, num_heads, num_segments, head_dim_padded, dtype=torch.float32,
                       device=device)
