@@ -1,9 +1,10 @@
 """Decode attention (``kernels/paged_attention.py``) over the sweep of its decode launch configs
 (``DecodeConfig``: key tile 64/128 x num_warps 2/4/8 x num_stages 2/3/4) on one GPU, in bf16.
 
-Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, head_dim 128) and decode
-batch (256, 128, 64 and 32 sequences of keys drawn uniformly from [100, 2048] with a fixed seed, as
-W-nano's steps while its batch shrinks; 16 sequences of 8,192 keys; one of 640, W-seed's batch-1
+Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, Qwen3-30B-A3B: 32 / 4,
+head_dim 128) and decode batch (256, 128, 64 and 32 sequences of keys drawn uniformly from
+[100, 2048] with a fixed seed, as W-nano's steps while its batch shrinks; 16 sequences of 8,192
+keys; one of 640, W-seed's batch-1
 decode near its end; 64 and 256 of 513-640, W-seed batch 64's and 256's decode steps), every
 candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
 where that splits (or with ``--all-splits`` everywhere), with the policy's other split sizes and
@@ -40,7 +41,7 @@ from pagedlab.kernels.paged_attention import (SPLIT_KV_MAX_SEGMENTS, SPLIT_KV_SI
                                               paged_attention_triton)
 
 # (query heads, KV heads, head_dim)
-SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}
 # name -> (sequences, fewest keys, most keys)
 BATCHES = {"256x[100,2048]": (256, 100, 2048), "128x[100,2048]": (128, 100, 2048),
            "64x[100,2048]": (64, 100, 2048), "32x[100,2048]": (32, 100, 2048), "16x8192": (16, 8192, 8192),

@@ -51,10 +51,15 @@ class AttentionLaunch:
 # W-nano +1.2% output tok/s end to end (BENCHMARKS.md, session 31). llama3-8b
 # (2026-12-04): 64-key tiles fit 5 programs an SM against 128-key tiles' 3, and W-seed's decode
 # batches (64 and 256 sequences of 513-640 keys) then run in fewer waves: W-seed batch 64 +1.3%
-# and batch 256 +0.8% output tok/s end to end (BENCHMARKS.md, session 29).
+# and batch 256 +0.8% output tok/s end to end (BENCHMARKS.md, session 29). qwen3-30b-a3b
+# (2026-12-04, GQA 8): 64-key tiles, 2 stages tie 128-key tiles on the mean of the bench's batches
+# (5.4% against 5.5%) and win W-seed's (1 x 640 keys, where the batch-1 split's 64-key segments
+# rule out 128-key tiles: 7.5 against 7.9 us; 256 x [513, 640] 86.0 against 93.5 us); batch-1
+# TPOT 2.49 -> 2.47 ms end to end (BENCHMARKS.md, session 33).
 DECODE_ATTENTION_CONFIGS: dict[tuple[int, int, int], DecodeConfig] = {
     (128, 2, 16): DecodeConfig(tile_n=128, num_warps=4, num_stages=2),  # qwen3-0.6b: 5.9%
     (128, 4, 16): DecodeConfig(tile_n=64, num_warps=4, num_stages=2),  # llama3-8b
+    (128, 8, 16): DecodeConfig(tile_n=64, num_warps=4, num_stages=2),  # qwen3-30b-a3b: 5.4%
 }
 
 
