@@ -219,6 +219,22 @@ def test_decode_reduce_folds_only_the_segments_a_sequence_fills():
             assert not torch.isfinite(out).all()  # the poison is there to be read
 
 
+def test_reduce_drops_the_acc_of_segments_without_keys():
+    # Segments past a sequence's keys store stats (max -inf) and no acc; the reduce loads every
+    # segment's acc with its stats, so their NaN-filled acc must not reach the output.
+    batch = make_batch([(40, 1), (200, 1), (2, 1)], 2, 2, 64, 16, torch.float32, _generator("empty"))
+    q, seq_lens, scale = batch["q"], batch["seq_lens"], 64 ** -0.5
+    kernels = _AttentionKernels(q, batch["k_cache"], batch["v_cache"], scale)
+    for decode in (True, False):
+        scratch = allocate_split_kv_scratch(3, 4, 64, 512, 64, DEVICE)
+        scratch[0].fill_(float("nan"))
+        kernels.attend(scratch, batch["query_start_loc"], seq_lens, batch["block_tables"], 1, 64, 8)
+        assert (scratch[1] == float("-inf")).any()  # empty segments are there to be dropped
+        out = torch.empty_like(q)
+        kernels.reduce(out, scratch, batch["query_start_loc"], seq_lens, 8, 64, decode=decode)
+        torch.testing.assert_close(out, paged_attention_torch(**batch, scale=scale), atol=1e-4, rtol=1e-4)
+
+
 def test_bad_split_size_is_rejected():
     batch = make_batch([(10, 1)], 1, 1, 64, 16, torch.float32, _generator("bad"))
     with pytest.raises(ValueError, match="split_kv_size=48"):

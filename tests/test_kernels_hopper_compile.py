@@ -31,7 +31,8 @@ _ROUTING = dict(experts_ptr=_I, local_rank_ptr=_I, block_counts_ptr=_I, sorted_p
 
 class Spec(NamedTuple):
     """A kernel and its decode launch: constexprs, pointer types by argument name (others bf16),
-    float scalars (others int32), warps, and whether it reads constant data before its wait."""
+    float scalars (others int32), warps, and whether it reads before its wait (constant data, or
+    step inputs written before the step: ``kernels/pdl.py``'s rule)."""
 
     module: str
     kernel: str
@@ -139,8 +140,9 @@ KERNELS = {
                           _AWQ_GEMM_DESCRIPTORS),
     "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=128),
                            dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
+    # decode: its sequence's query start and length before the wait
     "paged_attention": Spec("triton_kernels", "paged_attention_kernel", _ATTENTION, _ATTENTION_POINTERS,
-                            _ATTENTION_FLOATS),
+                            _ATTENTION_FLOATS, reads_before_wait=True),
     # batch-invariant mode's in-program fold of one-tile key segments
     "paged_attention_tile_segments": Spec(
         "triton_kernels", "paged_attention_kernel",
@@ -156,9 +158,10 @@ KERNELS = {
         _ATTENTION_POINTERS, _ATTENTION_FLOATS, num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
                             dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True, SEGMENT_CHUNK=16),
-                            _PARTIALS),
+                            _PARTIALS, reads_before_wait=True),
     "invariant_split_kv_reduce": Spec("triton_kernels", "invariant_split_kv_reduce_kernel",
-                                      dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True), _PARTIALS),
+                                      dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True), _PARTIALS,
+                                      reads_before_wait=True),
     "write_kv": Spec("kv_write_kernels", "write_kv_kernel",
                      dict(NUM_KV_HEADS=8, NUM_KV_HEADS_PADDED=8, HEAD_DIM=128, HEAD_DIM_PADDED=128,
                           BLOCK_SIZE=16, FP8=False, FP8_MAX=448.0),

@@ -23,7 +23,10 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   words, zero points and scales), the AWQ dequantize kernel (its whole tile, stored after the
   wait), the per-row norm (its weight row; batch-invariant, or
   with the FP8 epilogue before an FP8 linear);
-- waiting first: paged attention, the split-KV reduces, the KV write (plain, and fused with the
+- waiting after reading step inputs: paged attention in decode and the split-KV reduces (their
+  sequences' query starts and lengths: on an H200, Qwen3-30B-A3B W-seed batch 1 2.467 -> 2.411
+  ms a step; BENCHMARKS.md, session 33);
+- waiting first: paged attention outside decode, the KV write (plain, and fused with the
   q/k norms and rotary embedding), the AWQ GEMM, FP8 per-token quantization (alone or
   reading the SiLU-and-mul), the LoRA expand, the batch-invariant matmul and softmax, the MoE
   route, align, gate-up, down and reduce kernels and the MoE GEMVs (their weights hang on the

@@ -207,6 +207,13 @@ def _segment_keys(seq_len, split_kv_size, num_segments):
     return split_kv_size * tl.maximum(tl.cdiv(seq_len, split_kv_size * num_segments), 1)
 
 
+@triton.jit
+def _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx):
+    """Sequence ``seq_idx``'s first query token, query length and key count."""
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    return q_start, tl.load(query_start_loc_ptr + seq_idx + 1) - q_start, tl.load(seq_lens_ptr + seq_idx)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_block_table"])
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -260,16 +267,20 @@ def paged_attention_kernel(
     DECODE (no sequence has more than one query token): program i is sequence i, found without
     the search, and the grid has one program per sequence.
 
-    PDL (``kernels/pdl.py``): everything it loads is the step's data, so it waits first.
+    PDL (``kernels/pdl.py``): a decode program reads its sequence's query start and length
+    (step inputs, written before the step) before the wait; everything else it loads is the
+    step's data, after the wait.
     """
-    pdl_wait_and_trigger(PDL)
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
     if DECODE:
         seq_idx = q_block_global
+        q_start, query_len, seq_len = _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx)
+        pdl_wait_and_trigger(PDL)
     else:
+        pdl_wait_and_trigger(PDL)
         # Sequence i owns q blocks starting at query_start_loc[i] // BLOCK_Q + i (an upper bound on
         # the blocks before it, so the grid needs no host sync): ours is the last start <= q_block_global.
         # Counting starts a chunk at a time costs one memory round trip per chunk, where a binary
@@ -280,15 +291,13 @@ def paged_attention_kernel(
             starts = tl.load(query_start_loc_ptr + seq_ids, mask=seq_ids < num_seqs, other=2**30)
             num_starts_before += tl.sum((starts // BLOCK_Q + seq_ids <= q_block_global).to(tl.int32), 0)
         seq_idx = num_starts_before - 1
+        q_start, query_len, seq_len = _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx)
 
-    q_start = tl.load(query_start_loc_ptr + seq_idx)
-    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
     q_block = 0
     if not DECODE:
         q_block = q_block_global - (q_start // BLOCK_Q + seq_idx)
     if q_block * BLOCK_Q >= query_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq_idx)
     context_len = seq_len - query_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -404,6 +413,17 @@ def _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segme
     return num_segments
 
 
+@triton.jit
+def _reduce_row_bounds(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments, split_kv_size,
+                       DECODE: tl.constexpr):
+    """A reduce program's ``(_segments_used, query tokens of the step)``, from the step's inputs
+    (written before the step): read before the PDL wait, as only the partials come from the
+    attention launch."""
+    used = _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments, split_kv_size,
+                          DECODE)
+    return used, tl.load(query_start_loc_ptr + num_seqs)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def split_kv_reduce_kernel(
         out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -414,13 +434,14 @@ def split_kv_reduce_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DECODE: tl.constexpr,
         SEGMENT_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head): merge the per-segment partials of one output row, the segments
-    ``_segments_used`` counts (PDL: waits first)."""
-    pdl_wait_and_trigger(PDL)
+    ``_segments_used`` counts (PDL: reads those counts' step inputs before the wait, the
+    partials after it)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    num_segments = _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments,
-                                  split_kv_size, DECODE)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
+    num_segments, num_tokens = _reduce_row_bounds(query_start_loc_ptr, seq_lens_ptr, token, num_seqs,
+                                                  num_segments, split_kv_size, DECODE)
+    pdl_wait_and_trigger(PDL)
+    if token >= num_tokens:
         return  # padding rows past the last sequence own no partials
     offs_s = tl.arange(0, SEGMENT_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
@@ -435,10 +456,11 @@ def split_kv_reduce_kernel(
         seg = chunk_start + offs_s
         seg_max = tl.load(partial_max_ptr + stat_base + seg, mask=seg < num_segments, other=float("-inf"))
         seg_sum = tl.load(partial_sum_ptr + stat_base + seg, mask=seg < num_segments, other=0.0)
-        # Empty segments (max -inf) never wrote their acc: do not read it.
+        # Empty segments (max -inf) never wrote their acc: read with the stats, then dropped.
         has_keys = seg_max > float("-inf")
         seg_acc = tl.load(partial_acc_ptr + acc_base + seg[:, None] * stride_pacc_segment + offs_d[None, :],
-                          mask=has_keys[:, None] & dim_valid[None, :], other=0.0)
+                          mask=(seg < num_segments)[:, None] & dim_valid[None, :], other=0.0)
+        seg_acc = tl.where(has_keys[:, None], seg_acc, 0.0)
         new_max = tl.maximum(total_max, tl.max(seg_max, 0))
         new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
         alpha = tl.math.exp2(total_max - new_max)
@@ -461,13 +483,13 @@ def invariant_split_kv_reduce_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head), batch-invariant mode: the segments' partials (``_segments_used``)
     folded one at a time in segment order by ``_merge_segment``, the arithmetic a SEGMENTED
-    attention program does (PDL: waits first)."""
-    pdl_wait_and_trigger(PDL)
+    attention program does (PDL: as ``split_kv_reduce_kernel``)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    num_segments = _segments_used(query_start_loc_ptr, seq_lens_ptr, token, num_seqs, num_segments,
-                                  split_kv_size, DECODE)
-    if token >= tl.load(query_start_loc_ptr + num_seqs):
+    num_segments, num_tokens = _reduce_row_bounds(query_start_loc_ptr, seq_lens_ptr, token, num_seqs,
+                                                  num_segments, split_kv_size, DECODE)
+    pdl_wait_and_trigger(PDL)
+    if token >= num_tokens:
         return  # padding rows past the last sequence own no partials
     row = tl.arange(0, 1)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
