@@ -4,11 +4,11 @@
 Per head shape (Qwen3-0.6B: 16 query / 8 KV heads, Llama-3-8B: 32 / 8, Qwen3-30B-A3B: 32 / 4,
 head_dim 128) and decode batch (256, 128, 64 and 32 sequences of keys drawn uniformly from
 [100, 2048] with a fixed seed, as W-nano's steps while its batch shrinks; 16 sequences of 8,192
-keys; one of 640, W-seed's batch-1
-decode near its end; 64 and 256 of 513-640, W-seed batch 64's and 256's decode steps), every
-candidate runs with the split-KV choice of the current policy (``choose_split_kv_size``) and,
-where that splits (or with ``--all-splits`` everywhere), with the policy's other split sizes and
-without the split too (the report's "split" lines; the table takes the policy's split only).
+keys; one of 640, W-seed's batch-1 decode near its end; 64 and 256 of 513-640, W-seed batch
+64's and 256's decode steps), every candidate runs with the split-KV choice of the current
+policy (``choose_split_kv_size``) and, where that splits (or with ``--all-splits`` everywhere),
+with the policy's other split sizes and without the split too (the report's "split" lines; the
+table takes the policy's split only).
 ``--batches`` picks some. Each is checked against the current config's output (within 1% of its
 largest value: bf16 rounds at 0.4%) and timed as CUDA-graph replays with the KV cache read from
 HBM (``gpu_timing.graph_seconds``); it prints microseconds, KV bytes read over the time and the
