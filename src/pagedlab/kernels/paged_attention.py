@@ -462,8 +462,8 @@ class _AttentionKernels:
     def reduce(self, out, scratch, query_start_loc, seq_lens, num_segments: int, split_kv_size: int,
                decode: bool = False) -> None:
         """The split launch's partials (``num_segments`` segments of at least ``split_kv_size``
-        keys) merged into ``out``; ``decode``: as ``launch``'s (each row folds only the segments
-        its sequence fills)."""
+        keys) merged into ``out``; ``decode`` (a decode launch's partials): each row folds only
+        the segments its sequence fills."""
         partial_acc, partial_max, partial_sum = scratch
         args = (out, partial_acc, partial_max, partial_sum, query_start_loc, seq_lens, seq_lens.shape[0],
                 num_segments, split_kv_size, out.stride(0), out.stride(1), *partial_acc.stride()[:3],

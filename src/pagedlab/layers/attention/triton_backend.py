@@ -121,6 +121,5 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             split_kv_size=split_kv_size, max_kv_segments=max_kv_segments, k_scale=k_scale, v_scale=v_scale,
-            sliding_window=sliding_window,
-            softcap=softcap, batch_invariant=invariant,
+            sliding_window=sliding_window, softcap=softcap, batch_invariant=invariant,
             prefill_tuner=self.prefill_tuner if q.is_cuda else None)
