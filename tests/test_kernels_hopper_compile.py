@@ -143,6 +143,10 @@ KERNELS = {
     # decode: its sequence's query start and length before the wait
     "paged_attention": Spec("triton_kernels", "paged_attention_kernel", _ATTENTION, _ATTENTION_POINTERS,
                             _ATTENTION_FLOATS, reads_before_wait=True),
+    # a large decode batch's launch: one program a sequence and KV head, no split
+    "paged_attention_unsplit": Spec("triton_kernels", "paged_attention_kernel",
+                                    dict(_ATTENTION, USE_SPLIT=False), _ATTENTION_POINTERS,
+                                    _ATTENTION_FLOATS, reads_before_wait=True),
     # batch-invariant mode's in-program fold of one-tile key segments
     "paged_attention_tile_segments": Spec(
         "triton_kernels", "paged_attention_kernel",
@@ -374,6 +378,18 @@ def test_decode_attention_stages_its_keys_and_values_asynchronously(ptx_dir):
     gathered through the block table; without the alignment it staged nothing."""
     ptx = (ptx_dir / "paged_attention-nopdl.ptx").read_text()
     assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
+
+
+def test_only_the_split_decode_launch_asks_l2_for_its_first_tile_before_the_wait(ptx_dir):
+    """A split decode program (small batches) asks L2 for its first key tile's K and V rows
+    before its PDL wait; the unsplit launch of a large batch, which lost with it, asks for
+    nothing, nor does any launch without PDL."""
+    split, unsplit = ((ptx_dir / f"{name}.ptx").read_text() for name in ("paged_attention",
+                                                                          "paged_attention_unsplit"))
+    assert "prefetch.global.L2" in split and split.index("prefetch.global.L2") < split.index(_WAIT)
+    assert "prefetch.global.L2" not in unsplit
+    assert all("prefetch.global.L2" not in (ptx_dir / f"{name}-nopdl.ptx").read_text()
+               for name in ("paged_attention", "paged_attention_unsplit"))
 
 
 def test_swapped_gemv_feeds_wgmma_the_weight_tile_from_shared_memory(ptx_dir):

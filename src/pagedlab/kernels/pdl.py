@@ -25,7 +25,10 @@ next kernel still waits for this whole grid. Every pagedlab Triton kernel of a s
   with the FP8 epilogue before an FP8 linear);
 - waiting after reading step inputs: paged attention in decode and the split-KV reduces (their
   sequences' query starts and lengths: on an H200, Qwen3-30B-A3B W-seed batch 1 2.467 -> 2.411
-  ms a step; BENCHMARKS.md, session 33);
+  ms a step; BENCHMARKS.md, session 33). A split decode attention launch also reads each
+  program's first key tile's block ids and asks L2 for that tile's K and V rows
+  (``prefetch.global.L2``: a hint whose value is never used, so a slot the step's KV write fills
+  meanwhile is read again after the wait; 2.407 -> 2.386 ms, session 34);
 - waiting first: paged attention outside decode, the KV write (plain, and fused with the
   q/k norms and rotary embedding), the AWQ GEMM, FP8 per-token quantization (alone or
   reading the SiLU-and-mul), the LoRA expand, the batch-invariant matmul and softmax, the MoE

@@ -208,6 +208,42 @@ def _segment_keys(seq_len, split_kv_size, num_segments):
 
 
 @triton.jit
+def _prefetch_first_tile(block_table_row_ptr, k_cache_ptr, v_cache_ptr, k_head_offset, v_head_offset,
+                         key_start, key_end, stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+                         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Before a split decode program's PDL wait (sm_90 only: inline PTX): its first key tile's
+    block ids, step inputs written before the step, read into L1, and that tile's K and V rows
+    asked of L2 (``prefetch.global.L2``, a hint: a slot the step writes meanwhile is read again
+    after the wait), so that the tile's loads after the wait hit L1 and L2 instead of going to
+    HBM. Split launches only (small batches, whose programs each read a tile or two: Qwen3-30B-A3B
+    batch 1 2.407 -> 2.386 ms a step on an H200); the unsplit launch of a large batch lost with it
+    (Llama-3-8B W-seed batch 64 TPOT 7.63 -> 8.05 ms), BENCHMARKS.md session 34."""
+    ELEMENT_BYTES: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+    LINE: tl.constexpr = 128 // ELEMENT_BYTES  # elements in a 128-byte line
+    LINES: tl.constexpr = (HEAD_DIM + LINE - 1) // LINE
+    LINES_PADDED: tl.constexpr = 1 if LINES <= 1 else 2 ** (LINES - 1).bit_length()
+    key_pos = key_start + tl.arange(0, TILE_N)
+    valid = key_pos < key_end
+    block_ids = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = key_pos % BLOCK_SIZE
+    lines = tl.arange(0, LINES_PADDED)
+    wanted = (valid[:, None] & (lines[None, :] < LINES)).to(tl.int32)
+    _prefetch_rows_l2(k_cache_ptr + k_head_offset + block_ids * stride_k_block + slot * stride_k_token,
+                      lines * LINE, wanted)
+    _prefetch_rows_l2(v_cache_ptr + v_head_offset + block_ids * stride_v_block + slot * stride_v_token,
+                      lines * LINE, wanted)
+
+
+@triton.jit
+def _prefetch_rows_l2(rows, line_offsets, wanted):
+    """``prefetch.global.L2`` of each row's lines (``rows [N]`` pointers, ``line_offsets [L]``
+    elements) where ``wanted [N, L]`` is nonzero."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l,r",
+        [rows[:, None] + line_offsets[None, :], wanted], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx):
     """Sequence ``seq_idx``'s first query token, query length and key count."""
     q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -268,8 +304,9 @@ def paged_attention_kernel(
     the search, and the grid has one program per sequence.
 
     PDL (``kernels/pdl.py``): a decode program reads its sequence's query start and length
-    (step inputs, written before the step) before the wait; everything else it loads is the
-    step's data, after the wait.
+    (step inputs, written before the step) before the wait, and a split one its first key tile's
+    block ids, asking L2 for that tile's K and V (``_prefetch_first_tile``); everything else it
+    loads is the step's data, after the wait.
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -278,6 +315,12 @@ def paged_attention_kernel(
     if DECODE:
         seq_idx = q_block_global
         q_start, query_len, seq_len = _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx)
+        if PDL and USE_SPLIT and not (PREFIX_ONLY or KEY_OFFSET or SLIDING):
+            first_key = segment * _segment_keys(seq_len, split_kv_size, tl.num_programs(2))
+            _prefetch_first_tile(block_tables_ptr + seq_idx * stride_block_table, k_cache_ptr, v_cache_ptr,
+                                 kv_head * stride_k_head, kv_head * stride_v_head, first_key, seq_len,
+                                 stride_k_block, stride_k_token, stride_v_block, stride_v_token, HEAD_DIM,
+                                 BLOCK_SIZE, TILE_N)
         pdl_wait_and_trigger(PDL)
     else:
         pdl_wait_and_trigger(PDL)
