@@ -366,13 +366,17 @@ def _tie_logits(num_experts: int, top_k: int) -> torch.Tensor:
 def test_gemv_routing_breaks_ties_as_the_route_kernel(num_experts, top_k, renormalize, num_warps):
     """Each pair's expert by the route kernel's rule, highest logit first and the lowest index
     among equal logits, on rows of ties; the weights within rounding of ``select_experts``'s
-    (equal logits, equal weights)."""
+    (equal logits, equal weights). Column tile 0 stores the experts; the second tile routes its
+    own (``_route_expert``), seen in its columns of the activations."""
     logits = _tie_logits(num_experts, top_k)
-    x, _, w13, _ = _moe_inputs(4, 32, 16, num_experts)
-    _, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
-                                                            MoeGemvLaunch(16, 32, num_warps))
+    x, _, w13, _ = _moe_inputs(4, 32, 32, num_experts)
+    activated, weights, experts = fused_moe.moe_gate_up_gemv_triton(x, logits, w13, top_k, renormalize,
+                                                                    MoeGemvLaunch(16, 32, num_warps))
     expected = _lowest_index_first(logits, top_k)
     assert torch.equal(experts.long(), expected) and experts[1].tolist() == list(range(top_k))
+    gate, up = (torch.einsum("ph,pnh->pn", x.repeat_interleave(top_k, 0), w13[expected.flatten(), rows])
+                for rows in (slice(0, 32), slice(32, 64)))
+    torch.testing.assert_close(activated, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
     assert torch.equal(route_and_align_triton(logits, top_k, renormalize, 16, torch.float32).experts.long(),
                        expected)
     ref_weights, _ = select_experts(logits, top_k, renormalize, torch.float32)

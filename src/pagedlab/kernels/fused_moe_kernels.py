@@ -309,6 +309,34 @@ def _key_logit(key, logits):
 
 
 @triton.jit
+def _routing_keys(logits_row, NUM_EXPERTS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr, COPIES: tl.constexpr):
+    """One token's logits row held COPIES times, its keys (``_expert_keys``) and the key that
+    marks an expert taken (below every key)."""
+    experts = tl.arange(0, EXPERTS_BLOCK)[None, :] + tl.zeros([COPIES, 1], tl.int32)
+    logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
+    keys = _expert_keys(logits, experts)
+    SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
+    if SIXTEEN:
+        taken = -(2 ** 31)
+    else:
+        taken = -(2 ** 63)
+    return logits, keys, taken
+
+
+@triton.jit
+def _route_expert(logits_row, slot, NUM_EXPERTS: tl.constexpr, EXPERTS_BLOCK: tl.constexpr,
+                  COPIES: tl.constexpr):
+    """``_route_slot``'s expert alone, after ``slot + 1`` maxima instead of TOP_K and without its
+    weight: the gate/up GEMV's programs that store no weight start their loads sooner."""
+    _, keys, taken = _routing_keys(logits_row, NUM_EXPERTS, EXPERTS_BLOCK, COPIES)
+    best = tl.max(keys, axis=1)
+    for _ in range(0, slot):
+        keys = tl.where(keys == best[:, None], taken, keys)
+        best = tl.max(keys, axis=1)
+    return tl.max(0xFFFF - (best & 0xFFFF).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                 EXPERTS_BLOCK: tl.constexpr, COPIES: tl.constexpr):
     """The ``slot``-th expert of one token's logits row and its weight, as ``moe_route_kernel``
@@ -323,14 +351,7 @@ def _route_slot(logits_row, slot, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr
     (right under the interpreter); this form was right in every layout tried (1-8 warps, 8-512
     experts, float32/bfloat16/float16 logits). NUM_EXPERTS is a constexpr so that a row of a
     power of two experts loads unmasked."""
-    experts = tl.arange(0, EXPERTS_BLOCK)[None, :] + tl.zeros([COPIES, 1], tl.int32)
-    logits = tl.load(logits_row + experts, mask=experts < NUM_EXPERTS, other=float("-inf"))
-    keys = _expert_keys(logits, experts)
-    SIXTEEN: tl.constexpr = logits.dtype.primitive_bitwidth == 16
-    if SIXTEEN:
-        taken = -(2 ** 31)  # below every key
-    else:
-        taken = -(2 ** 63)
+    logits, keys, taken = _routing_keys(logits_row, NUM_EXPERTS, EXPERTS_BLOCK, COPIES)
     expert = tl.zeros([COPIES], tl.int32)
     prob = tl.zeros([COPIES], tl.float32)
     chosen = tl.zeros([COPIES], tl.float32)
@@ -446,8 +467,9 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
                             EXPERTS_BLOCK: tl.constexpr, COPIES: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                             PREFETCH: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
-    """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself (``_route_slot`` on the
-    token's logits; column tile 0 stores the pair's weight and expert for the down launch), then
+    """Pair ``program_id(1)`` (``token * TOP_K + slot``) routes itself on the token's logits
+    (column tile 0 with ``_route_slot`` and stores the pair's weight and expert for the down
+    launch; the other tiles their expert alone, ``_route_expert``), then
     ``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for the columns ``n`` of tile
     ``program_id(0)``, the expert's gate rows at ``n`` and up rows at ``inter + n`` (columns past
     inter read real rows, ``n % inter``, and store nothing: no row mask in the loop; EVEN_N: the
@@ -455,11 +477,14 @@ def moe_gate_up_gemv_kernel(x_ptr, logits_ptr, w13_ptr, out_ptr, weights_ptr, ex
     pdl_wait_and_trigger(PDL)
     pair = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
-    expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
-                                 RENORMALIZE, EXPERTS_BLOCK, COPIES)
     if tl.program_id(0) == 0:
+        expert, weight = _route_slot(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, TOP_K,
+                                     RENORMALIZE, EXPERTS_BLOCK, COPIES)
         tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
         tl.store(experts_ptr + pair, expert)
+    else:
+        expert = _route_expert(logits_ptr + token * stride_logits, pair % TOP_K, NUM_EXPERTS, EXPERTS_BLOCK,
+                               COPIES)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     gate_rows = (w13_ptr + expert.to(tl.int64) * stride_w_expert
                  + _row_index(offs_n, inter, EVEN_N).to(tl.int64)[:, None] * stride_w_row)
