@@ -14,11 +14,12 @@ pairs); a grouped GEMM writing ``silu(gate) * up`` per pair; a grouped GEMM of t
 projection (K optionally split); a reduce summing each token's splits and ``top_k`` pairs
 weighted by the router. The GEMV path, for decode batches, runs two: a GEMV per (pair, column
 tile) that first routes its pair itself from the token's logits (the route kernel's choice and
-weight; column tile 0 stores them) and writes ``silu(gate) * up`` in the same layout, and a GEMV
-per (pair, column tile) of the down projection weighted by the router whose (token, column tile)'s
-last program sums the token's ``top_k`` shares in slot order (``gemv.split_k_epilogue``'s ticket
-fold: no routing launch, no reduce). At batch 1 the grouped GEMMs' 16-row tiles hold one real row
-each; the GEMVs stream the routed experts' weights with CUDA-core FMAs, like the dense one-row
+weight, which column tile 0 stores; the other tiles find the expert alone) and writes
+``silu(gate) * up`` in the same layout, and a GEMV per (pair, column tile) of the down
+projection weighted by the router whose (token, column tile)'s last program sums the token's
+``top_k`` shares in slot order (``gemv.split_k_epilogue``'s ticket fold: no routing launch, no
+reduce). At batch 1 the grouped GEMMs' 16-row tiles hold one real row each; the GEMVs stream
+the routed experts' weights with CUDA-core FMAs, like the dense one-row
 GEMV (``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (every
 program routes its pair from all of its token's logits): beyond, a ``MoeGemvConfig`` is refused
 with a ValueError and the default config is always the grouped path's. ``fused_moe_configs``

@@ -229,9 +229,14 @@ class MoeGemvConfig:
 # token, 17.95 against 18.99 at 2, outputs equal. The 1- and 2-token lines: moe_bench's sweep
 # with the by-token down launch in it (2026-12-03, session 24); at 1 token the new line took
 # Qwen3-30B-A3B's W-seed batch-1 TPOT from 2.580 / 2.554 to 2.482 / 2.495 ms (BENCHMARKS.md).
+# The 1-token gate/up launch at 2 warps (2026-12-04, session 35, after the programs past column
+# tile 0 stopped computing the pair's weight): fewer copies of the routing row; in one LLM 2.338-
+# 2.341 against the 4-warp line's 2.344-2.349 ms, end to end (run_bench, trees alternated) 2.343 /
+# 2.343 against 2.345 / 2.345 ms. 1 warp, 128-wide K steps, 4 or 16 rows, and every other down
+# tile tried were slower.
 MOE_GEMV_CONFIGS: dict[tuple[int, int, int, int, int], MoeGemvConfig] = {
     (128, 2048, 768, 8, 1):  # qwen3-30b-a3b: 29.9 us, 2525 GB/s (grouped 34.4 us)
-        MoeGemvConfig(MoeGemvLaunch(8, 256, 4, 2), MoeGemvLaunch(4, 256, 8, 1, True)),
+        MoeGemvConfig(MoeGemvLaunch(8, 256, 2, 2), MoeGemvLaunch(4, 256, 8, 1, True)),
     (128, 2048, 768, 8, 2):  # qwen3-30b-a3b: 48.3 us, 3126 GB/s (grouped 55.6 us)
         MoeGemvConfig(MoeGemvLaunch(8, 128, 2, 2), MoeGemvLaunch(2, 128, 2, 1, True)),
     (128, 2048, 768, 8, 4):  # qwen3-30b-a3b: 84.2 us, 3248 GB/s (grouped 88.7 us)
