@@ -56,6 +56,8 @@ DENSE_CASES = [
     # one row reading each next K step during this one's products (ONE_ROW_PREFETCH_STAGES)
     (1, TileConfig(block_n=16, block_k=64, split_k=1, num_stages=4)),
     (1, TileConfig(block_n=16, block_k=32, split_k=3, num_stages=4)),
+    # a weight row a program, all of K in one masked step (Qwen3-30B-A3B's router line)
+    (1, TileConfig(block_n=1, block_k=256, num_stages=3)),
     # tl.dot with the weight tile as A and the rows as B (swap_ab): a partial column tile of 64
     (1, TileConfig(block_n=16, block_k=32, split_k=3, block_m=16, swap_ab=True)),
     (5, TileConfig(block_n=32, block_k=64, block_m=16, swap_ab=True)),

@@ -64,6 +64,7 @@ FOLD_CASES = [
     (1, TileConfig(block_n=16, block_k=64)),
     (1, TileConfig(block_n=8, block_k=32, split_k=3)),
     (1, TileConfig(block_n=16, block_k=64, num_stages=4)),
+    (1, TileConfig(block_n=1, block_k=256, num_stages=3)),
     (3, TileConfig(block_n=8, block_k=64, split_k=2)),
     (5, TileConfig(block_n=16, block_k=64, split_k=2, block_m=16)),
     (2, TileConfig(block_n=16, block_k=32, split_k=3, block_m=16, swap_ab=True)),

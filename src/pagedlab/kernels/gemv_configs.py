@@ -143,8 +143,10 @@ AWQ_CONFIGS: dict[tuple[int, int, int, int], TileConfig] = {
 # The Gemma-2-9B, Qwen3-30B-A3B and Mixtral (LM head) entries: the same timing, 2026-12-01
 # (session 11); Gemma's one-row gate/up lost to cuBLAS there and runs cuBLAS. The Qwen3-30B-A3B
 # router (128 experts x 2048) was timed end to end instead (benchmarks/batch1_matrix.py, batch-1
-# TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms. The swapped qkv lines at 4 and 16
-# rows: gemv_bench, 2026-12-02 (session 16); the 2- and 8-row lines, session 18.
+# TPOT, 2026-12-02); split-K 8 over 256-wide tiles ran 2.72 ms. Re-timed in the step (2026-12-04,
+# session 35, one LLM re-planned per tile): a row a program over all of K in one step, 2.331-2.333
+# ms, against 4 x 1,024's 2.352-2.360 (2 and 4 rows over all of K: 2.332-2.336). The swapped qkv
+# lines at 4 and 16 rows: gemv_bench, 2026-12-02 (session 16); the 2- and 8-row lines, session 18.
 DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 6144, 4096): TileConfig(block_n=8, block_k=512, num_stages=3),  # chain 13.9 (cuBLAS 16.0)
     (1, 4096, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # chain 10.4 (cuBLAS 12.7)
@@ -175,7 +177,7 @@ DENSE_GEMV_CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     (1, 151936, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 135.6 (cuBLAS 143.7)
     (1, 32000, 4096): TileConfig(block_n=4, block_k=1024, num_stages=3),  # decode 59.7 (cuBLAS 63.4)
     (16, 32000, 4096): TileConfig(block_n=64, block_k=128, block_m=16),  # decode 63.0 (cuBLAS 65.3)
-    (1, 128, 2048): TileConfig(block_n=4, block_k=1024, num_stages=3),  # router: TPOT 2.69 (cuBLAS 2.84 ms)
+    (1, 128, 2048): TileConfig(block_n=1, block_k=2048, num_stages=3),  # router: TPOT 2.33 (4 x 1024 2.35)
     (4, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.9 (cuBLAS 16.3), 70%
     (16, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 15.4 (cuBLAS 16.3), 68%
     (2, 6144, 4096): TileConfig(64, 128, 2, 16, 4, 3, True),  # 14.6 (cuBLAS 15.9), 72%
