@@ -19,8 +19,8 @@ weight, which column tile 0 stores; the other tiles find the expert alone) and w
 projection weighted by the router whose (token, column tile)'s last program sums the token's
 ``top_k`` shares in slot order (``gemv.split_k_epilogue``'s ticket fold: no routing launch, no
 reduce). At batch 1 the grouped GEMMs' 16-row tiles hold one real row each; the GEMVs stream
-the routed experts' weights with CUDA-core FMAs, like the dense one-row
-GEMV (``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (every
+the routed experts' weights with CUDA-core FMAs, like the dense one-row GEMV
+(``kernels/gemv.py``). The GEMV path takes at most ``MOE_GEMV_MAX_EXPERTS`` experts (every
 program routes its pair from all of its token's logits): beyond, a ``MoeGemvConfig`` is refused
 with a ValueError and the default config is always the grouped path's. ``fused_moe_configs``
 picks the path, tiles and splits by shape and token count (the GEMV path only where
