@@ -212,7 +212,7 @@ def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     """The Triton attention backend (interpreted): bitwise equal under the mode, and not without it."""
     prompts = shared_prefix_prompts[:3]
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
-             batch_invariant=True) as llm:
+             batch_invariant=True, max_model_len=128) as llm:
         assert list(_differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",))) == []
         llm.set_model_args(batch_invariant=False)
         assert _any_differs(llm, prompts, chunk_tokens=16, orders=("reversed",))
@@ -224,7 +224,7 @@ def test_triton_kernels_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     CPU: bitwise equal alone, reversed, from the prefix cache and in chunks."""
     monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
-             batch_invariant=True) as llm:
+             batch_invariant=True, max_model_len=128) as llm:
         differing = _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",))
         assert list(differing) == []
 
