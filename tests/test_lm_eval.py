@@ -22,6 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
+# One pytest-xdist worker runs the module, so its lm-eval runs (the module fixtures, about a
+# minute) happen once instead of once per worker.
+pytestmark = pytest.mark.xdist_group("lm_eval")
+
 TASKS = ["pagedlab_mc", "pagedlab_ppl", "pagedlab_gen", "pagedlab_gen_sampled"]
 
 
