@@ -16,6 +16,10 @@ if not torch.cuda.is_available():
     # Without CUDA, Triton kernels run interpreted, and Triton fixes that choice when a kernel is
     # decorated: set it before any test module, or a library it imports (peft), loads triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import speed_up_triton_interpreter
+
+    speed_up_triton_interpreter()
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist: share the cores, not oversubscribe them
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # Subprocesses (the CLI, killed experiments) run this checkout's source too, whatever is installed.
