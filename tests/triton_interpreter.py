@@ -32,13 +32,14 @@ def speed_up_triton_interpreter() -> bool:
     except ImportError:
         return False
     builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
     needed = ("_patch_builtin", "_patch_attr", "_patch_lang")
-    if builder is None or not all(hasattr(interpreter, name) for name in needed) \
-            or "sanitize_overflow" not in {f.name for f in dataclasses.fields(builder.options)}:
+    if not (all(hasattr(interpreter, name) for name in needed) and dataclasses.is_dataclass(options)
+            and "sanitize_overflow" in {f.name for f in dataclasses.fields(options)}):
         return False
-    packages = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    packages = (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None))
     builtins = {id(pkg): [(name, member) for name, member in inspect.getmembers(pkg)
-                          if tl.core.is_builtin(member)] for pkg in packages}
+                          if tl.core.is_builtin(member)] for pkg in packages if pkg is not None}
     patch_builtin = interpreter._patch_builtin
 
     def patch_unpatched_builtins(pkg, builder_, scope):
@@ -50,5 +51,5 @@ def speed_up_triton_interpreter() -> bool:
                 interpreter._patch_attr(pkg, name, member, builder_, scope)
 
     interpreter._patch_builtin = patch_unpatched_builtins
-    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
