@@ -33,8 +33,10 @@ def speed_up_triton_interpreter() -> bool:
         return False
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    needed = ("_patch_builtin", "_patch_attr", "_patch_lang")
-    if not (all(hasattr(interpreter, name) for name in needed) and dataclasses.is_dataclass(options)
+    signatures = {"_patch_builtin": ["pkg", "builder", "scope"],
+                  "_patch_attr": ["obj", "name", "member", "builder", "scope"]}
+    if not (all(_parameters(getattr(interpreter, name, None)) == names for name, names in signatures.items())
+            and dataclasses.is_dataclass(options)
             and "sanitize_overflow" in {f.name for f in dataclasses.fields(options)}):
         return False
     packages = (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None))
@@ -53,3 +55,7 @@ def speed_up_triton_interpreter() -> bool:
     interpreter._patch_builtin = patch_unpatched_builtins
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
+
+
+def _parameters(function) -> list[str] | None:
+    return None if function is None else list(inspect.signature(function).parameters)
