@@ -52,6 +52,7 @@ def speed_up_triton_interpreter() -> bool:
             if getattr(pkg, name, None) is member:
                 interpreter._patch_attr(pkg, name, member, builder_, scope)
 
+    patch_unpatched_builtins.triton_patch_builtin = patch_builtin  # for tests/test_triton_interpreter.py
     interpreter._patch_builtin = patch_unpatched_builtins
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
