@@ -198,6 +198,7 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens}: both set the token budget of a step; give one")
 
     def to_dict(self) -> dict:
+        """The config as plain values, ``dtype`` by name (``resolved_settings`` starts from it)."""
         d = dataclasses.asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d

@@ -241,9 +241,12 @@ class LLM:
         return self.llm_engine.info
 
     def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (the one ``generate`` encodes prompts with)."""
         return self.llm_engine.tokenizer
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (later prompts are computed in full; blocks in use stay valid
+        but are no longer shared) and zero the prefix-cache statistics. Returns True, as vLLM's."""
         self.llm_engine.reset_prefix_cache()
         return True
 

@@ -32,6 +32,7 @@ class RequestMetrics:
 
     @property
     def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token; None before it."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
@@ -48,6 +49,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
+        """Whether this completion has ended (its ``finish_reason`` is set)."""
         return self.finish_reason is not None
 
 
@@ -118,10 +120,12 @@ class EngineStats:
 
     @property
     def kv_cache_usage(self) -> float:
+        """Share of the KV cache's blocks in use, 0 to 1."""
         return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
+        """Share of the prompt tokens looked up in the prefix cache that were found there."""
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
 

@@ -241,6 +241,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether sampling is the argmax (temperature 0)."""
         return self.temperature < _GREEDY_EPS
 
     @property
@@ -255,13 +256,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty changes the logits."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
     def clone(self, **changes) -> SamplingParams:
+        """A copy with ``changes`` applied (validated as the constructor validates)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """The parameters as a dict (``dataclasses.asdict``)."""
         return dataclasses.asdict(self)
 
 

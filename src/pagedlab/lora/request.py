@@ -26,12 +26,15 @@ class LoRARequest:
 
     @property
     def adapter_id(self) -> int:
+        """vLLM's alias of ``lora_int_id``."""
         return self.lora_int_id
 
     @property
     def name(self) -> str:
+        """vLLM's alias of ``lora_name``."""
         return self.lora_name
 
     @property
     def path(self) -> str:
+        """vLLM's alias of ``lora_path``."""
         return self.lora_path
