@@ -1,7 +1,8 @@
 """Two costs of Triton's CPU interpreter that the tests need not pay (``TRITON_INTERPRET=1``).
 
-Measured on CI's two cores with triton 3.9 (``test_cascade_end_to_end_gives_hf_tokens`` alone:
-120 s as installed, 92 s with the first change, 68 s with both):
+Measured on a two-core machine like CI's with triton 3.9 (``test_cascade_end_to_end_gives_hf_tokens``
+run alone: 120 s as installed, 92 s with the first change, 68 s with both; the whole CI script
+33 -> 24 minutes):
 
 - Every call of a nested ``@triton.jit`` function inside a kernel patches ``triton.language``
   again: ``inspect.getmembers`` over the language module, its tensor class and ``tl.math``, a
