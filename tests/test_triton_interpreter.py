@@ -26,9 +26,9 @@ def test_faster_patching_patches_what_triton_patches():
         expected, scope = _patched_names(theirs, pkg, interpreter)
         scope.restore()
         got, scope = _patched_names(ours, pkg, interpreter)
-        try:
-            assert got == expected and got, pkg
-            assert _patched_names(ours, pkg, interpreter)[0] == set()  # a nested call: all patched already
-            assert _patched_names(theirs, pkg, interpreter)[0] == set()
-        finally:
-            scope.restore()
+        nested = [_patched_names(patch, pkg, interpreter) for patch in (ours, theirs)]  # all patched already
+        for _, nested_scope in reversed(nested):
+            nested_scope.restore()
+        scope.restore()
+        assert got == expected and got, pkg
+        assert [names for names, _ in nested] == [set(), set()]
