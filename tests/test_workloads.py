@@ -86,6 +86,17 @@ def test_workloads_are_deterministic_and_shaped():
     assert {len(p) for p in prefix.prompts} == {2048 + 64}
 
 
+def test_fixed_length_workloads_name_a_missing_or_bad_length():
+    seed = workloads.make_workload("W-seed", 1000, 3, 7, 5)
+    assert [len(p) for p in seed.prompts] == [7, 7, 7] and seed.output_lens == [5, 5, 5]
+    with pytest.raises(ValueError, match="W-seed needs input_len as a whole number >= 1, not None"):
+        workloads.make_workload("W-seed", 1000, 64, None, 128)
+    with pytest.raises(ValueError, match=r"custom needs output_len .* not 0"):
+        workloads.make_workload("custom", 1000, 2, 16, 0)
+    with pytest.raises(ValueError, match=r"W-lat needs batch_size or num_prompts .* not 0"):
+        workloads.make_workload("W-lat", 1000, 0)
+
+
 def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom",

@@ -141,6 +141,10 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
     (a shared 2,048-token prefix + 64 unique tokens), W-long (4 x 32,768), or "custom"."""
     if name in ("W-seed", "W-lat", "custom"):
         n = num_prompts or batch_size
+        lengths = (("batch_size or num_prompts", n), ("input_len", input_len), ("output_len", output_len))
+        for what, value in lengths:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} needs {what} as a whole number >= 1, not {value!r}")
         return Workload(name, random_prompts(n, [input_len] * n, vocab), [output_len] * n)
     if name == "W-nano":
         g = torch.Generator().manual_seed(0)
