@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import KV_BYTES
@@ -89,6 +90,8 @@ def test_workloads_are_deterministic_and_shaped():
 def test_fixed_length_workloads_name_a_missing_or_bad_length():
     seed = workloads.make_workload("W-seed", 1000, 3, 7, 5)
     assert [len(p) for p in seed.prompts] == [7, 7, 7] and seed.output_lens == [5, 5, 5]
+    from_numpy = workloads.make_workload("W-seed", 1000, np.int64(3), np.int64(7), np.int64(5))
+    assert from_numpy.prompts == seed.prompts and from_numpy.output_lens == seed.output_lens
     with pytest.raises(ValueError, match="W-seed needs input_len as a whole number >= 1, not None"):
         workloads.make_workload("W-seed", 1000, 64, None, 128)
     with pytest.raises(ValueError, match=r"custom needs output_len .* not 0"):

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import numbers
 import platform
 import statistics
 import tempfile
@@ -143,7 +144,7 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
         n = num_prompts or batch_size
         lengths = (("batch_size or num_prompts", n), ("input_len", input_len), ("output_len", output_len))
         for what, value in lengths:
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, numbers.Integral) or value < 1:  # numpy ints from a sweep too
                 raise ValueError(f"{name} needs {what} as a whole number >= 1, not {value!r}")
         return Workload(name, random_prompts(n, [input_len] * n, vocab), [output_len] * n)
     if name == "W-nano":
