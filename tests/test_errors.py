@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from conftest import KV_BYTES, hf_greedy
 from pagedlab import LLM, SamplingParams
@@ -32,10 +34,37 @@ def llm(tiny_llama):
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(top_p=None), "top_p"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* must be"):
         SamplingParams(**kwargs)
+
+
+def test_numpy_and_torch_values_act_as_python_ones(llm, tiny_llama):
+    """A sweep over a pandas table or np.arange hands numpy numbers; token ids come as arrays or
+    tensors. Each behaves as the Python value it holds, and what is stored is a Python number."""
+    params = SamplingParams(temperature=np.float32(0), max_tokens=np.int64(5), seed=np.int64(7),
+                            stop_token_ids=np.array([999]), logit_bias={np.int64(3): np.float64(0.0)})
+    assert params.to_dict() == SamplingParams(temperature=0.0, max_tokens=5, seed=7, stop_token_ids=[999],
+                                              logit_bias={3: 0.0}).to_dict()
+    assert type(params.max_tokens) is int and type(params.stop_token_ids[0]) is int
+    expected = hf_greedy(tiny_llama.hf_model, [5, 6, 7], 5)
+    prompts = [np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int32(6), 7],
+               {"prompt_token_ids": np.array([5, 6, 7])}]
+    for prompt in prompts:
+        out = llm.generate(prompt, params, use_tqdm=False)
+        assert len(out) == 1 and out[0].prompt_token_ids == [5, 6, 7]
+        assert out[0].outputs[0].token_ids == expected
+    llm.set_model_args(max_num_seqs=np.int64(8))
+    assert llm.get_engine_info().config.max_num_seqs == 8
+    assert type(llm.get_engine_info().config.max_num_seqs) is int
+    with pytest.raises(ValueError, match=r"prompt_token_ids=5 is invalid: give a list of token ids"):
+        llm.generate({"prompt_token_ids": 5}, params, use_tqdm=False)
+    llm.set_model_args(max_num_seqs=256)
 
 
 def test_too_long_prompt_is_rejected_and_engine_keeps_serving(llm, tiny_llama):

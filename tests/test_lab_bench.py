@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from pagedlab import LLM
@@ -108,6 +109,22 @@ def test_benchmark_rejects_bad_arguments(llm):
         llm.benchmark(batch_size=[0])
     with pytest.raises(ValueError, match="repeats"):
         llm.benchmark(batch_size=1, input_len=4, output_len=2, repeats=0)
+
+
+def test_benchmark_takes_numpy_arguments_as_python_ones(llm, tmp_path):
+    """A sweep's np.arange batch sizes and numpy lengths run as the Python values they hold, and
+    the saved result is JSON with Python numbers."""
+    result = llm.benchmark(batch_size=np.arange(1, 3), input_len=np.int64(8), output_len=np.int32(3),
+                           warmup=np.int64(0), temperature=np.float32(0.5), seed=np.int64(4))
+    assert [r.batch_size for r in result.runs] == [1, 2]
+    assert all(type(r.batch_size) is int for r in result.runs)
+    assert [r.output_tokens for r in result.runs] == [3, 6]
+    data = json.loads(result.save(tmp_path / "bench.json").read_text())
+    assert data["settings"]["batch_size"] == [1, 2] and data["settings"]["temperature"] == 0.5
+    one = llm.benchmark(batch_size=np.int64(2), input_len=8, output_len=3, warmup=0)
+    assert [r.batch_size for r in one.runs] == [2]
+    with pytest.raises(ValueError, match=r"batch_size=\['8'\] is invalid"):
+        llm.benchmark(batch_size="8")
 
 
 def test_random_prompts_avoid_eos_and_are_reproducible(llm):

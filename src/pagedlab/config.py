@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedlab.names import did_you_mean
+from pagedlab.scalars import python_scalar
 
 if TYPE_CHECKING:  # torch loads only where a dtype or device is resolved: the CLI starts without it
     import torch
@@ -119,6 +120,8 @@ class EngineConfig:
     max_cpu_loras: int | None = _setting(None, "adapters kept read in CPU memory (default: max_loras)")
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # numpy numbers from a sweep's table as Python ones
+            setattr(self, f.name, python_scalar(getattr(self, f.name)))
         if self.seed is None:
             self.seed = random.SystemRandom().randrange(1 << 31)
 

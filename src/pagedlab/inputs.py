@@ -3,14 +3,17 @@ and the server.
 
 A prompt is a string, a list of token ids, or a dict with ``"prompt"`` (and optionally
 ``"add_special_tokens"``) or ``"prompt_token_ids"`` (and optionally the ``"prompt"`` text), as
-in vLLM; ``TextPrompt`` and ``TokensPrompt`` are those dicts' types.
+in vLLM; ``TextPrompt`` and ``TokensPrompt`` are those dicts' types. Token ids may also come as
+numpy integers, a 1-D numpy array or a torch tensor; they become Python ints here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
+
+from pagedlab.scalars import is_1d_array, python_scalar, python_numbers
 
 
 class _TextPromptRequired(TypedDict):
@@ -65,15 +68,15 @@ def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
                              "models; a prompt takes 'prompt' (with 'add_special_tokens') or "
                              "'prompt_token_ids'")
         if "prompt_token_ids" in prompt:
-            return EncodedPrompt(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
+            return EncodedPrompt(_token_ids(prompt["prompt_token_ids"]), prompt.get("prompt"))
         if "prompt" not in prompt:
             raise ValueError(f"prompt {prompt!r} is invalid: a dict prompt needs 'prompt' or "
                              "'prompt_token_ids'")
         text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
     elif isinstance(prompt, str):
         text, add_special = prompt, True
-    elif isinstance(prompt, (list, tuple)):
-        return EncodedPrompt(list(prompt))
+    elif isinstance(prompt, (list, tuple)) or is_1d_array(prompt):
+        return EncodedPrompt(_token_ids(prompt))
     else:
         raise ValueError(f"prompt {prompt!r} is invalid: a prompt is a string, a list of token ids, or a "
                          "dict with 'prompt' or 'prompt_token_ids'")
@@ -81,12 +84,19 @@ def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
     return EncodedPrompt(tokenizer(text, add_special_tokens=add_special).input_ids, text)
 
 
+def _token_ids(ids) -> list[int]:
+    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+        raise ValueError(f"prompt_token_ids={ids!r} is invalid: give a list of token ids (or a 1-D array)")
+    return python_numbers(ids)
+
+
 def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    """One prompt or a list of them, as a list (a flat list of ints is one token-id prompt)."""
-    if isinstance(prompts, (str, dict)):
+    """One prompt or a list of them, as a list (a flat list of ints, numpy's too, or a 1-D array is
+    one token-id prompt)."""
+    if isinstance(prompts, (str, dict)) or is_1d_array(prompts):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(type(python_scalar(t)) is int for t in prompts):
         return [prompts]
     return prompts
 

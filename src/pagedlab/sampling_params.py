@@ -6,9 +6,11 @@ import dataclasses
 import enum
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedlab.names import did_you_mean
+from pagedlab.scalars import python_scalar, python_numbers
 
 _GREEDY_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer (the noise's Philox key)
@@ -20,6 +22,21 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
 
 
 _TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias", "logprob_token_ids")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+                 "min_p")
+_NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+                                  "prompt_logprobs")
+
+
+def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) -> None:
+    """numpy numbers among ``params``' fields (a sweep's table) as Python ones
+    (``pagedlab.scalars``), so the checks and the JSON manifests see what Python values give."""
+    for name in numbers:
+        setattr(params, name, python_scalar(getattr(params, name)))
+    for name in id_lists:
+        ids = getattr(params, name)
+        if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)):
+            setattr(params, name, python_numbers(ids))
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -160,15 +177,23 @@ class SamplingParams:
             _check(self.structured_outputs is None or self.structured_outputs is self.guided_decoding,
                    "guided_decoding", self.guided_decoding, "None when structured_outputs is set")
             self.structured_outputs = self.guided_decoding
+        _python_values(self, _NUMBER_FIELDS, ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"))
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {python_scalar(t): python_scalar(b) for t, b in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)), name, value, "a number")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
@@ -192,10 +217,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= 0), name, value,
                    "None or an integer >= 0")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "a non-empty string or a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "a list of non-negative token ids")
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               self.stop, "a non-empty string or a list of non-empty strings")
+        _check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0
+                                                             for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
         self._validate_logits_controls()
 
     def _validate_logits_controls(self) -> None:
@@ -283,6 +309,8 @@ class BeamSearchParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _python_values(self, ("beam_width", "max_tokens", "temperature", "length_penalty"),
+                       ("stop_token_ids",))
         _check(isinstance(self.beam_width, int) and self.beam_width >= 1, "beam_width", self.beam_width,
                "an integer >= 1")
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens,

@@ -21,7 +21,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.lora.bench import as_list, round_robin
 from pagedlab.lora.request import LoRARequest
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
+from pagedlab.scalars import python_numbers, python_scalar
 from pagedlab.stats import latency_stats
 
 
@@ -270,10 +271,15 @@ def random_prompts(llm, num: int, length: int, seed) -> list[list[int]]:
     return rng.choice(allowed, size=(num, length)).tolist()
 
 
-def _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats):
+def _checked_args(llm, batch_size, input_len, output_len, num_prompts, warmup, repeats) -> tuple:
+    """The arguments as Python numbers (numpy ones from a sweep too, ``pagedlab.scalars``), the
+    batch sizes as a list; a bad one is a ValueError naming it."""
     def bad(name, value, allowed):
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
+    batch_sizes = python_numbers(batch_size if isinstance(batch_size, Iterable) else [batch_size])
+    input_len, output_len, num_prompts, warmup, repeats = map(
+        python_scalar, (input_len, output_len, num_prompts, warmup, repeats))
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         bad("batch_size", batch_sizes, "a positive integer or a list of them")
     if not isinstance(input_len, int) or input_len < 1:
@@ -290,6 +296,7 @@ def _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repe
     if input_len + output_len > max_len:
         raise ValueError(f"input_len + output_len = {input_len + output_len} is invalid: it must be at most "
                          f"max_model_len ({max_len})")
+    return batch_sizes, input_len, output_len, num_prompts, warmup, repeats
 
 
 def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
@@ -309,8 +316,9 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
     ``pagedlab.lab.profile``; the run's ``profile`` holds the record). ``lora_requests`` (one
     ``LoRARequest`` or a list; LLM with ``enable_lora``): prompt ``i`` of a run runs adapter ``i mod
     len``; runs record how many they used, the manifest each adapter's config and checksum."""
-    batch_sizes = [batch_size] if isinstance(batch_size, int) else list(batch_size)
-    _validate(llm, batch_sizes, input_len, output_len, num_prompts, warmup, repeats)
+    batch_sizes, input_len, output_len, num_prompts, warmup, repeats = _checked_args(
+        llm, batch_size, input_len, output_len, num_prompts, warmup, repeats)
+    beam_width, temperature, seed = map(python_scalar, (beam_width, temperature, seed))
     if llm.llm_engine.has_unfinished_requests():
         raise RuntimeError("the engine has unfinished requests: benchmark an idle LLM")
     adapters = _read_adapters(llm, lora_requests)
