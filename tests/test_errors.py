@@ -47,19 +47,19 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_numpy_and_torch_values_act_as_python_ones(llm, tiny_llama):
     """A sweep over a pandas table or np.arange hands numpy numbers; token ids come as arrays or
     tensors. Each behaves as the Python value it holds, and what is stored is a Python number."""
-    params = SamplingParams(temperature=np.float32(0), max_tokens=np.int64(5), seed=np.int64(7),
+    params = SamplingParams(temperature=torch.tensor(0.0), max_tokens=np.int64(5), seed=np.int64(7),
                             stop_token_ids=np.array([999]), logit_bias={np.int64(3): np.float64(0.0)})
     assert params.to_dict() == SamplingParams(temperature=0.0, max_tokens=5, seed=7, stop_token_ids=[999],
                                               logit_bias={3: 0.0}).to_dict()
     assert type(params.max_tokens) is int and type(params.stop_token_ids[0]) is int
     expected = hf_greedy(tiny_llama.hf_model, [5, 6, 7], 5)
     prompts = [np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int32(6), 7],
-               {"prompt_token_ids": np.array([5, 6, 7])}]
+               list(torch.tensor([5, 6, 7])), {"prompt_token_ids": np.array([5, 6, 7])}]
     for prompt in prompts:
         out = llm.generate(prompt, params, use_tqdm=False)
         assert len(out) == 1 and out[0].prompt_token_ids == [5, 6, 7]
         assert out[0].outputs[0].token_ids == expected
-    llm.set_model_args(max_num_seqs=np.int64(8))
+    llm.set_model_args(max_num_seqs=np.int64(8), enable_prefix_caching=np.bool_(True))
     assert llm.get_engine_info().config.max_num_seqs == 8
     assert type(llm.get_engine_info().config.max_num_seqs) is int
     with pytest.raises(ValueError, match=r"prompt_token_ids=5 is invalid: give a list of token ids"):
@@ -137,6 +137,13 @@ def test_missing_weights_are_listed(tiny_llama, tmp_path):
     (dict(dtype="float8"), "dtype='float8' is invalid"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
     (dict(kv_cache_memory_bytes=1024), "fewer than one max_model_len"),
+    # a string where a flag or number goes: "no" would have been true, "0.9" a TypeError
+    (dict(enforce_eager="no"), r"^enforce_eager='no' is invalid: enforce_eager must be True or False$"),
+    (dict(async_scheduling="on"), "async_scheduling must be True or False or None"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization must be a number$"),
+    (dict(max_model_len="2k"), "max_model_len must be an integer or None$"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer$"),
+    (dict(kv_cache_dtype=None), r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"),
 ])
 def test_invalid_engine_args(tiny_llama, kwargs, message):
     args = dict(kv_cache_memory_bytes=KV_BYTES) | kwargs

@@ -31,9 +31,26 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "fp8_e4m3" is vLLM's alias of "
 QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each against config.json
 TOKENIZER_MODES = ("auto", "slow")
 EXECUTOR_BACKENDS = ("mp", "ray")
+# the settings that name one of a few choices (checked before their type: the list is the better hint)
+_CHOICES = {"tokenizer_mode": TOKENIZER_MODES, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
+            "attention_backend": ATTENTION_BACKENDS, "distributed_executor_backend": EXECUTOR_BACKENDS,
+            "quantization": QUANTIZATIONS}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # a step's token budget with chunked prefill, unless set
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+# A field annotation's type names: what fits (a bool is no integer: enforce_eager="no" would be
+# true; a path is a string), and how an error names it.
+_KINDS = {
+    "None": (lambda v: v is None, "None"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "str": (lambda v: isinstance(v, (str, Path)), "a string"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "torch.dtype": (lambda v: type(v).__module__ == "torch", "a torch.dtype"),
+}
 
 
 def _setting(default, help: str, plan: bool = False):
@@ -131,13 +148,19 @@ class EngineConfig:
         def bad(name, allowed):
             raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {name} must be {allowed}")
 
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size % 16:
+        for f in dataclasses.fields(self):  # the type (or choice) first, so no check below meets a str
+            value, kinds = getattr(self, f.name), [_KINDS[name] for name in f.type.split(" | ")]
+            if f.name in _CHOICES and value not in _CHOICES[f.name]:
+                bad(f.name, f"one of {_CHOICES[f.name]}")
+            if not any(fits(value) for fits, _ in kinds):
+                bad(f.name, " or ".join(words for _, words in kinds))
+        if self.block_size < 1 or self.block_size % 16:
             bad("block_size", "a positive multiple of 16 (16, 32, 64, ...)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             bad("gpu_memory_utilization", "in (0, 1]")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             bad("kv_cache_memory_bytes", "a positive number of bytes or None")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if self.max_num_seqs < 1:
             bad("max_num_seqs", "an integer >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
@@ -145,24 +168,10 @@ class EngineConfig:
             self._check_chunked_prefill_size()
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
-        if self.load_format not in LOAD_FORMATS:
-            bad("load_format", f"one of {LOAD_FORMATS}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            bad("attention_backend", f"one of {ATTENTION_BACKENDS}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        if self.tensor_parallel_size < 1:
             bad("tensor_parallel_size", "an integer >= 1 that divides the attention heads")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"one of {KV_CACHE_DTYPES}")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            bad("distributed_executor_backend", f"one of {EXECUTOR_BACKENDS}")
-        if self.quantization not in QUANTIZATIONS:
-            bad("quantization", f"one of {QUANTIZATIONS}")
         self._validate_lora(bad)
-        if self.tokenizer_mode not in TOKENIZER_MODES:
-            bad("tokenizer_mode", f"one of {TOKENIZER_MODES}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "an integer or None")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+        if self.swap_space < 0:
             bad("swap_space", "a number of GiB >= 0 (it is unused: preempted sequences are recomputed)")
         if self.batch_invariant and self.tensor_parallel_size != 1:
             raise ValueError(f"batch_invariant=True with tensor_parallel_size={self.tensor_parallel_size}: "
@@ -178,11 +187,9 @@ class EngineConfig:
 
     def _validate_lora(self, bad) -> None:
         for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if getattr(self, name) < 1:
                 bad(name, "an integer >= 1")
-        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
-                                               or self.max_cpu_loras < self.max_loras):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             bad("max_cpu_loras", f"None or an integer >= max_loras ({self.max_loras})")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora=True with tensor_parallel_size={self.tensor_parallel_size} is not "
@@ -190,7 +197,7 @@ class EngineConfig:
 
     def _check_chunked_prefill_size(self) -> None:
         size = self.chunked_prefill_size
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if size < 1:
             raise ValueError(f"chunked_prefill_size={size!r} is invalid: chunked_prefill_size must be an "
                              "integer >= 1 (the token budget of one step) or None")
         if not self.enable_chunked_prefill:

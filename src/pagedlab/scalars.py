@@ -13,10 +13,13 @@ import numbers
 
 
 def python_scalar(value):
-    """``value`` as a Python ``int``/``float`` where it is another integral or real number (numpy's);
-    Python numbers, bools and everything else as given, for the caller's checks to judge."""
+    """``value`` as the Python number it holds where it is a numpy scalar (``np.int64``,
+    ``np.float32``, ``np.bool_``), a 0-d array or tensor, or another integral or real number;
+    Python numbers and everything else as given, for the caller's checks to judge."""
     if isinstance(value, bool) or type(value) in (int, float):
         return value
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
