@@ -84,6 +84,20 @@ def test_out_of_vocab_and_empty_prompts(llm):
         llm.generate([[1, 2]], [GREEDY, GREEDY], use_tqdm=False)
 
 
+def test_arguments_of_the_wrong_kind_name_what_goes_there(llm):
+    with pytest.raises(ValueError, match=r"^prompts=None is invalid: give a prompt"):
+        llm.generate(None, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"holds \{'temperature': 0\}, which is no SamplingParams"):
+        llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages='hi' is invalid: give a conversation"):
+        llm.chat("hi", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^params=\{'beam_width': 2\} is invalid: beam_search takes a Beam"):
+        llm.beam_search([[1, 2]], {"beam_width": 2})
+    with pytest.raises(ValueError, match=r"prompt token id 2.5 is not an integer"):
+        llm.generate([[1, 2.5]], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_text_prompt_without_tokenizer(llm):
     with pytest.raises(ValueError, match="need a tokenizer"):
         llm.generate("hello", GREEDY, use_tqdm=False)

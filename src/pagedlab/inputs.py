@@ -95,10 +95,24 @@ def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTyp
     one token-id prompt)."""
     if isinstance(prompts, (str, dict)) or is_1d_array(prompts):
         return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts={prompts!r} is invalid: give a prompt (a string, a list of token ids, "
+                         "or a dict with 'prompt' or 'prompt_token_ids') or a list of them")
     prompts = list(prompts)
     if prompts and all(type(python_scalar(t)) is int for t in prompts):
         return [prompts]
     return prompts
+
+
+def as_conversation_list(messages) -> list[list]:
+    """One conversation (a list of message dicts) or a list of them, as a list of conversations."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        return [list(messages)]
+    if not (isinstance(messages, (list, tuple)) and all(
+            isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in messages)):
+        raise ValueError(f"messages={messages!r:.200} is invalid: give a conversation, a list of "
+                         "{'role': ..., 'content': ...} dicts, or a list of conversations")
+    return [list(c) for c in messages]
 
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
 from pagedlab.engine.profiling import EngineProfiler, ProfileSummary
-from pagedlab.inputs import EncodedPrompt, PromptType, as_prompt_list, chat_prompt, encode_prompt
+from pagedlab.inputs import (EncodedPrompt, PromptType, as_conversation_list, as_prompt_list, chat_prompt,
+                             encode_prompt)
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -86,7 +87,7 @@ class LLM:
         continues the last (assistant) message instead of starting a new turn (set
         ``add_generation_prompt=False`` with it); ``chat_template_kwargs`` are extra template
         variables (e.g. ``{"enable_thinking": False}``); ``lora_request`` as in ``generate``."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = as_conversation_list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
                                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
@@ -102,6 +103,9 @@ class LLM:
         ``beam_width``; a beam that ends in EOS among the best is set aside as finished.
         ``lora_request`` as in ``generate``: every beam of a prompt runs with the prompt's adapter.
         """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r:.200} is invalid: beam_search takes a BeamSearchParams "
+                             "(beam_width, max_tokens, ...)")
         encoded = [self._encode(p).token_ids for p in as_prompt_list(prompts)]
         loras = _loras_per_prompt(lora_request, len(encoded))
         for lora in dict.fromkeys(loras):
@@ -306,7 +310,12 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
-    params = list(sampling_params)
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params holds {bad!r:.200}, which is no SamplingParams: give one "
+                         "SamplingParams, a list of one per prompt, or None (fields in a dict: "
+                         "SamplingParams(**fields))")
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts: give one, or one per prompt")
     return params

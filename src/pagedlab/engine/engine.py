@@ -278,10 +278,10 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "prompts must be shorter than max_model_len so at least one token can be generated")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range: "
-                             f"ids must be integers in [0, {vocab})")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            what = "is out of range" if isinstance(bad, int) else "is not an integer"
+            raise ValueError(f"prompt token id {bad!r} {what}: ids must be integers in [0, {vocab})")
 
     def validate_lora_request(self, lora_request: LoRARequest | None) -> None:
         """Read (or find cached) the adapter of ``lora_request``; a bad one is a ValueError."""
