@@ -215,6 +215,8 @@ def test_bad_requests_fail_alone(offline):
             engine.add_request([1, 10_000_000], GREEDY)
         with pytest.raises(ValueError, match="empty"):
             engine.add_request([], GREEDY)
+        with pytest.raises(ValueError, match=r"^params=\{'max_tokens': 4\} is invalid: give a Sampling"):
+            engine.add_request(PROMPTS[0], {"max_tokens": 4})
         stream = engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
         dup = engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
         with pytest.raises(ValueError, match="already in use"):

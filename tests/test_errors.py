@@ -87,8 +87,10 @@ def test_out_of_vocab_and_empty_prompts(llm):
 def test_arguments_of_the_wrong_kind_name_what_goes_there(llm):
     with pytest.raises(ValueError, match=r"^prompts=None is invalid: give a prompt"):
         llm.generate(None, GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"holds \{'temperature': 0\}, which is no SamplingParams"):
+    with pytest.raises(ValueError, match=r"^sampling_params=\{'temperature': 0\} is invalid: give a Sampl"):
         llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^sampling_params\[1\]=\{'temperature': 0\} is invalid"):
+        llm.generate([[1, 2], [3]], [GREEDY, {"temperature": 0}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"^messages='hi' is invalid: give a conversation"):
         llm.chat("hi", GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^params=\{'beam_width': 2\} is invalid: beam_search takes a Beam"):

@@ -16,7 +16,8 @@ from pagedlab.inputs import (EncodedPrompt, PromptType, as_conversation_list, as
                              encode_prompt)
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
-from pagedlab.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedlab.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+                                      check_sampling_params)
 
 
 class LLM:
@@ -310,12 +311,11 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
-    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
-    if bad is not None:
-        raise ValueError(f"sampling_params holds {bad!r:.200}, which is no SamplingParams: give one "
-                         "SamplingParams, a list of one per prompt, or None (fields in a dict: "
-                         "SamplingParams(**fields))")
+    if not isinstance(sampling_params, (list, tuple)):
+        check_sampling_params(sampling_params, "sampling_params")
+    params = list(sampling_params)
+    for i, p in enumerate(params):
+        check_sampling_params(p, f"sampling_params[{i}]")
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts: give one, or one per prompt")
     return params

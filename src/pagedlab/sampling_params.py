@@ -295,6 +295,14 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
+def check_sampling_params(value, name: str) -> None:
+    """ValueError naming ``name`` unless ``value`` is a ``SamplingParams`` (a dict of its fields is
+    the usual slip)."""
+    if not isinstance(value, SamplingParams):
+        raise ValueError(f"{name}={value!r:.200} is invalid: give a SamplingParams (fields in a dict: "
+                         "SamplingParams(**fields))")
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search settings (vLLM's names): the score of a finished beam is

@@ -33,7 +33,7 @@ from pagedlab.engine.engine import LLMEngine
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import EngineStats, RequestOutput
-from pagedlab.sampling_params import RequestOutputKind, SamplingParams
+from pagedlab.sampling_params import RequestOutputKind, SamplingParams, check_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,8 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        check_sampling_params(params, "params")
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
         self.validate_prompt(encoded.token_ids)
         if params.detokenize and self.tokenizer is None and (params.stop or params.wants_logprobs):
