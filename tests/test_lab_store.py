@@ -229,3 +229,28 @@ def test_bad_urls_get_clear_errors(tmp_path):
         ResultStore("nosuchdb://x/y")
     assert resolve_url(tmp_path / "a.db") == f"sqlite:///{tmp_path / 'a.db'}"
     assert resolve_url("postgresql://u@h/db") == "postgresql://u@h/db"
+
+
+def test_a_postgresql_url_without_a_driver_uses_the_installed_one(monkeypatch):
+    """docs/ray.md's postgresql://USER:PASSWORD@HOST/DB: SQLAlchemy 2.1 reads a driver-less URL as
+    psycopg 3, while the lab installs psycopg2 (psycopg2-binary); the store picks what is there."""
+    import importlib.util
+
+    from sqlalchemy.engine import make_url
+
+    from pagedlab.lab.store import with_installed_driver
+
+    installed = {"psycopg2"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in installed else None)
+    assert with_installed_driver(make_url("postgresql://u:p@h/db")).drivername == "postgresql+psycopg2"
+    assert with_installed_driver(make_url("postgresql+pg8000://u@h/db")).drivername == "postgresql+pg8000"
+    installed.add("psycopg")
+    assert with_installed_driver(make_url("postgresql://u@h/db")).drivername == "postgresql"
+    monkeypatch.undo()
+    if POSTGRES_URL:  # CI: the real server through the URL as the docs write it
+        import sqlalchemy as sa
+
+        store = ResultStore(POSTGRES_URL.replace("postgresql+psycopg2://", "postgresql://"))
+        with store.engine.connect() as connection:
+            assert connection.execute(sa.text("SELECT 1")).scalar() == 1
+        store.close()

@@ -20,6 +20,7 @@ that finish the same run store it once.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -46,6 +47,16 @@ def resolve_url(url: str | os.PathLike | None) -> str:
     if "://" not in url:
         url = "sqlite:///" + str(Path(url).expanduser().resolve())
     return url
+
+
+def with_installed_driver(parsed):
+    """``parsed`` (a SQLAlchemy URL) with a PostgreSQL driver that is installed: ``postgresql://``
+    names none, and SQLAlchemy 2.1 then takes psycopg 3, where the lab installs psycopg2
+    (``psycopg2-binary``); so without psycopg 3 the URL means ``postgresql+psycopg2://``."""
+    if (parsed.drivername == "postgresql" and importlib.util.find_spec("psycopg") is None
+            and importlib.util.find_spec("psycopg2") is not None):
+        return parsed.set(drivername="postgresql+psycopg2")
+    return parsed
 
 
 def _require_sqlalchemy():
@@ -180,7 +191,7 @@ class ResultStore:
         self.sa = sa
         self.url = resolve_url(url)
         try:
-            parsed = sa.engine.make_url(self.url)
+            parsed = with_installed_driver(sa.engine.make_url(self.url))
         except Exception as e:
             raise ValueError(f"--db {self.url!r} is not a database URL ({e}): give e.g. sqlite:///results.db "
                              "or postgresql://user:pass@host/db") from None
@@ -196,7 +207,7 @@ class ResultStore:
         else:
             kwargs["pool_pre_ping"] = True
         try:
-            self.engine = sa.create_engine(self.url, **kwargs)
+            self.engine = sa.create_engine(parsed, **kwargs)
         except Exception as e:  # e.g. a missing driver such as psycopg2
             raise ValueError(f"cannot open the results database {self.safe_url()}: {e}") from None
         if self.is_sqlite:
