@@ -9,14 +9,15 @@ keys; one of 640, W-seed's batch-1 decode near its end; 64 and 256 of 513-640, W
 policy (``choose_split_kv_size``) and, where that splits (or with ``--all-splits`` everywhere),
 with the policy's other split sizes and without the split too (the report's "split" lines; the
 table takes the policy's split only).
-``--batches`` picks some. Each is checked against the current config's output (within 1% of its
-largest value: bf16 rounds at 0.4%) and timed as CUDA-graph replays with the KV cache read from
-HBM (``gpu_timing.graph_seconds``); it prints microseconds, KV bytes read over the time and the
-fraction of 4.8 TB/s, then the ``DECODE_ATTENTION_CONFIGS`` lines to paste into
-``src/pagedlab/kernels/attention_configs.py``: per shape, the config with the lowest mean time
-relative to the current one over the batches (policy split), where it beats the current one by 1%
-or more, else the current line. Every config is compiled first on a thread pool (Triton's
-``AsyncCompileMode``); ``--quick`` sweeps fewer configs and batches.
+``--batches`` picks some. Each is checked against the plain-torch reference
+(``paged_attention_torch``, float32: within 1% of its largest value; bf16 rounds at 0.4%) and
+timed as CUDA-graph replays with the KV cache read from HBM (``gpu_timing.graph_seconds``); it
+prints microseconds, KV bytes read over the time and the fraction of 4.8 TB/s, then the
+``DECODE_ATTENTION_CONFIGS`` lines to paste into ``src/pagedlab/kernels/attention_configs.py``:
+per shape, the config with the lowest mean time relative to the current one over the batches
+(policy split), where it beats the current one by 1% or more, else the current line. Every config
+is compiled first on a thread pool (Triton's ``AsyncCompileMode``); ``--quick`` sweeps fewer
+configs and batches.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --out attention_bench.json
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_bench.py --quick
@@ -38,7 +39,7 @@ from pagedlab.kernels.attention_configs import (DECODE_ATTENTION_CONFIGS, Decode
                                                 check_decode_config)
 from pagedlab.kernels.paged_attention import (SPLIT_KV_MAX_SEGMENTS, SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES,
                                               allocate_split_kv_scratch, choose_split_kv_size,
-                                              paged_attention_triton)
+                                              paged_attention_torch, paged_attention_triton)
 
 # (query heads, KV heads, head_dim)
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}
@@ -53,7 +54,7 @@ DEVICE = "cuda"
 BLOCK_SIZE = 16  # the engine's default
 KV_BITS = 16
 SEED = 0
-TOLERANCE = 1e-2  # of the current config's largest output
+TOLERANCE = 1e-2  # of the reference's largest output
 MIN_GAIN = 0.01  # a table entry must beat the current config by this much
 
 
@@ -182,7 +183,9 @@ def bench_batch(shape: str, batch_name: str, sweep: dict, all_splits: bool = Fal
     start = time.perf_counter()
     precompile(triton_kernels, ("paged_attention_kernel",), calls.values())
     compile_s = time.perf_counter() - start
-    reference = decode_call(batch, most, modes[0])().float()
+    reference = paged_attention_torch(batch["q"], batch["k_cache"], batch["v_cache"],
+                                      batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                                      head_dim ** -0.5).float()
     results = [dict(config=asdict(config), split=split, policy_split=split == modes[0],
                     **measure(call, reference, kv_bytes)) for (config, split), call in calls.items()]
     return dict(shape=shape, batch=batch_name, key=list(key), seqs=num_seqs, keys=keys, kv_bytes=kv_bytes,

@@ -384,7 +384,21 @@ def test_triton_default_configs(w4a16, monkeypatch, rows, gemm_listed):
         for bucket in (32, 128):
             monkeypatch.setitem(gemv_configs.AWQ_CONFIGS, (bucket, 64, 256, 128),
                                 TileConfig(block_n=32, block_k=32, block_m=32))
+    paths = []
+
+    def recorded(name):
+        original = getattr(w4a16, name)
+
+        def call(*args, **kwargs):
+            paths.append(name)
+            return original(*args, **kwargs)
+        return call
+
+    for name in ("_launch_gemv", "_launch_gemm", "awq_dequantize_triton"):
+        monkeypatch.setattr(w4a16, name, recorded(name))
     check_kernel(w4a16, rows, 256, 64, 128, torch.float16, True, "default")
+    expected = "_launch_gemv" if rows <= 16 else "_launch_gemm" if gemm_listed else "awq_dequantize_triton"
+    assert paths == [expected]
 
 
 @pytest.mark.parametrize("rows, aligned, gemm", [(200, True, True), (300, True, False), (200, False, False)])

@@ -124,6 +124,11 @@ def test_dummy_awq_weights_load_and_generate(tmp_path):
     set_quantization_config(Path(tiny.path), awq_quantization_config(32))
     with LLM(tiny.path, load_format="dummy", kv_cache_memory_bytes=KV_BYTES) as llm:
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        assert llm.get_engine_info().quantization == "awq"  # read from config.json, not asked for
+        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+        # group 32 from the config: [64 out, 128 in / 8] words, [64 out, 128 / 32] scales, repacked
+        assert layer.awq_repacked and layer.qweight.dtype == torch.int32
+        assert layer.qweight.shape == (64, 128 // 8) and layer.scales.shape == (64, 128 // 32)
     assert len(out[0].outputs[0].token_ids) == 5
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from conftest import KV_BYTES, random_prompts
+from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.kernels.device import tma_loads
@@ -132,6 +132,7 @@ def test_norm_and_softmax_kernels_match_torch_per_row(kernels):
                                kernels.rows_norm_torch(x, weight, 1e-5, bias=bias), **close)
     normed, summed = kernels.rows_norm_triton(x, weight, 1e-6, residual=residual)
     assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, kernels.rows_norm_torch(x + residual, weight, 1e-6), **close)
     assert torch.equal(kernels.rows_norm_triton(x[1, 3:4], weight, 1e-6, residual=residual[1, 3:4])[0],
                        normed[1, 3:4])
     logits = torch.randn(5, 9000, generator=g).to(DEVICE) * 4
@@ -163,12 +164,16 @@ def _outputs(llm, prompts, order):
     return by_prompt
 
 
-def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS):
+def _differing_runs(llm, prompts, chunk_tokens: int, orders: tuple[str, ...] = ORDERS, hf_model=None):
     """Yield, as it runs them, the batch variants whose outputs are not bitwise the batch-1 ones:
     the batches of ``orders``, then the prefix cache (warm) and chunked prefill with a
-    ``chunk_tokens`` budget (``list()`` runs them all; ``_any_differs`` stops at the first)."""
+    ``chunk_tokens`` budget (``list()`` runs them all; ``_any_differs`` stops at the first).
+    With ``hf_model``, first "hf" where a batch-1 run's tokens are not HF's greedy ones."""
     llm.set_model_args(enable_prefix_caching=False, max_num_batched_tokens=None)
     alone = {i: _outputs(llm, [p], [0])[0] for i, p in enumerate(prompts)}
+    if hf_model is not None and any(alone[i][0] != hf_greedy(hf_model, p, 4, eos_token_id=None)
+                                    for i, p in enumerate(prompts)):  # PARAMS: 4 tokens, ignore_eos
+        yield "hf"
     n = len(prompts)
     variants = {"all": list(range(n)), "reversed": list(range(n))[::-1], "pair": [1, 0],
                 "shuffled": random.Random(0).sample(range(n), n)}
@@ -203,7 +208,8 @@ def test_torch_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_p
     """The torch backend on the CPU: every variant bitwise equal under the mode, and not without it."""
     with LLM(tiny_llama.path, attention_backend="torch", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True) as llm:
-        assert list(_differing_runs(llm, shared_prefix_prompts, chunk_tokens=16)) == []
+        runs = _differing_runs(llm, shared_prefix_prompts, chunk_tokens=16, hf_model=tiny_llama.hf_model)
+        assert list(runs) == []
         llm.set_model_args(batch_invariant=False)
         assert _any_differs(llm, shared_prefix_prompts, chunk_tokens=16)
 
@@ -213,7 +219,8 @@ def test_triton_backend_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     prompts = shared_prefix_prompts[:3]
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True, max_model_len=128) as llm:
-        assert list(_differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",))) == []
+        assert list(_differing_runs(llm, prompts, chunk_tokens=16, orders=("reversed",),
+                                    hf_model=tiny_llama.hf_model)) == []
         llm.set_model_args(batch_invariant=False)
         assert _any_differs(llm, prompts, chunk_tokens=16, orders=("reversed",))
 
@@ -225,7 +232,8 @@ def test_triton_kernels_logprobs_are_bitwise_batch_invariant(tiny_llama, shared_
     monkeypatch.setattr(batch_invariant, "TRITON_ON_CPU", True)
     with LLM(tiny_llama.path, attention_backend="triton", kv_cache_memory_bytes=KV_BYTES,
              batch_invariant=True, max_model_len=128) as llm:
-        differing = _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",))
+        differing = _differing_runs(llm, shared_prefix_prompts[:3], chunk_tokens=16, orders=("reversed",),
+                                    hf_model=tiny_llama.hf_model)
         assert list(differing) == []
 
 

@@ -48,10 +48,15 @@ def test_a_token_has_the_same_bits_prefilled_chunked_and_decoded(case, monkeypat
     tables = torch.randperm(3 * blocks_per_seq, generator=g).int().view(3, -1).to(DEVICE)
     q = torch.randn(tokens, heads, dim, generator=g).to(DEVICE, case["dtype"])
     others_q = torch.randn(2, heads, dim, generator=g).to(DEVICE, case["dtype"])
+    reference = paged_attention.paged_attention_torch(  # the prefill, in float32 SDPA
+        q, k_cache, v_cache, torch.tensor([0, tokens], device=DEVICE).int(),
+        torch.tensor([tokens], device=DEVICE).int(), tables[1:2], dim ** -0.5).float()
+    close = dict(atol=1e-4, rtol=1e-4) if case["dtype"] == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for tile_rows, segment in itertools.product(case["tile_rows"], case["segments"]):
         monkeypatch.setattr(paged_attention, "BATCH_INVARIANT_BLOCK_M", tile_rows)
         monkeypatch.setattr(paged_attention, "BATCH_INVARIANT_SPLIT_KV_SIZE", segment)
         full = _attend(q, k_cache, v_cache, [tokens], [tokens], tables[1:2])
+        torch.testing.assert_close(full.float(), reference, **close)
         for context in (1, tokens // 3 + 1, tokens - 1):
             chunk = _attend(q[context:], k_cache, v_cache, [tokens - context], [tokens], tables[1:2])
             assert torch.equal(chunk, full[context:]), (tile_rows, segment, context)

@@ -41,12 +41,14 @@ def test_chat_streams_replies_for_each_turn(smollm2_dir, smollm2_hf):
     model, tokenizer = smollm2_hf
     result = run(["chat", "--max-tokens", "12"] + SMALL, stdin="Hello!\nWhat is 2+2?\n")
     assert result.returncode == 0, result.stderr
-    first_turn = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
-                                               add_generation_prompt=True)
-    reply_ids = hf_greedy(model, tokenizer(first_turn, add_special_tokens=False).input_ids, 12)
-    first_reply = tokenizer.decode(reply_ids, skip_special_tokens=True)
-    assert result.stdout.startswith(first_reply)
-    assert len(result.stdout) > len(first_reply) + 2  # the second turn answered too
+    history, replies = [], []
+    for question in ("Hello!", "What is 2+2?"):  # the second turn sees the first and its reply
+        history.append({"role": "user", "content": question})
+        turn = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        reply_ids = hf_greedy(model, tokenizer(turn, add_special_tokens=False).input_ids, 12)
+        replies.append(tokenizer.decode(reply_ids, skip_special_tokens=True))
+        history.append({"role": "assistant", "content": replies[-1]})
+    assert result.stdout == "".join(f"{reply}\n" for reply in replies)
 
 
 def test_bad_model_is_a_clear_error_without_traceback():

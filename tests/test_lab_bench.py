@@ -19,6 +19,7 @@ def llm(tmp_path_factory):
 
 def test_benchmark_counts_latencies_and_memory(llm):
     result = llm.benchmark(batch_size=[2, 4], input_len=12, output_len=5, warmup=1, repeats=2)
+    assert llm.get_stats().prompt_tokens_computed == 4 * 12  # the engine's count of the last run's prompts
     assert [(r.batch_size, r.repeat) for r in result.runs] == [(2, 0), (2, 1), (4, 0), (4, 1)]
     stats_block = llm.get_stats().block_size
     for r in result.runs:
@@ -39,9 +40,11 @@ def test_benchmark_counts_latencies_and_memory(llm):
         m = r.memory
         assert m["weight_bytes"] > 0 and m["kv_cache_bytes"] > 0
         assert 0 < m["kv_peak_used_bytes"] <= m["kv_cache_bytes"]
-        # all prompts fit at once: the peak holds every prompt and all but the last output token
-        assert m["kv_tokens_at_peak"] <= m["kv_peak_blocks"] * stats_block
-        assert 0 <= m["fragmentation_at_peak"] < 1
+        # all prompts fit at once, each in one block (12 prompt + 4 more tokens = 16 slots): the
+        # block peak is first reached by the prefill, when each block holds its 12 prompt tokens
+        assert stats_block == 16 and m["kv_peak_blocks"] == r.batch_size
+        assert m["kv_tokens_at_peak"] == r.batch_size * 12
+        assert m["fragmentation_at_peak"] == pytest.approx(1 - 12 / 16)
         assert m["memory_used_bytes"] > 0 and m["memory_total_bytes"] >= m["memory_used_bytes"]
         assert r.telemetry["backend"] in ("cpu", "nvml") and r.telemetry["num_samples"] >= 2
         assert r.prefix_cache_hit_rate == 0.0  # random prompts, cache reset before each run

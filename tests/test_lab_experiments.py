@@ -300,7 +300,6 @@ def test_chat_dataset_and_inline_prompts(workdir):
         outs = store.outputs(run["run_id"])
     assert outs[0]["prompt"].startswith("system : be brief user : what is the capital of france")
     assert outs[0]["reference"] is None and outs[1]["reference"] == ["four"]
-    assert run["metrics"]["exact_match"] in (0.0, 1.0)  # scored over the one prompt with a reference
 
 
 def test_benchmark_workload(workdir):

@@ -170,6 +170,8 @@ def test_sampled_generation_is_reproducible(setup, both):
                                          f"kv_cache_memory_bytes={TINY_KV_BYTES}",
                       tasks=["pagedlab_gen_sampled"], batch_size=2)
     assert _responses(again, "pagedlab_gen_sampled") == _responses(ours, "pagedlab_gen_sampled")
+    # and it samples: greedy decoding would be reproducible too
+    assert _responses(ours, "pagedlab_gen_sampled") != _responses(ours, "pagedlab_gen")
 
 
 def test_rolling_windows_longer_than_max_length(setup):
@@ -190,6 +192,12 @@ def test_rolling_windows_longer_than_max_length(setup):
     whole = full.loglikelihood_rolling([req])[0]
     assert windowed < 0 and whole < 0
     assert windowed != pytest.approx(whole, abs=1e-6)  # shorter contexts: a different (worse) score
+    # lm-eval's hf model over the same windows (pagedlab windows at max_model_len - 2 tokens)
+    from lm_eval.models.huggingface import HFLM
+
+    reference = HFLM(pretrained=setup["model"], dtype="float32", max_length=22, device="cpu",
+                     batch_size=1).loglikelihood_rolling([req], disable_tqdm=True)[0]
+    assert windowed == pytest.approx(reference, abs=1e-3)
     # And the single-window score equals a direct loglikelihood of the text after the prefix token.
     direct = full._loglikelihood_tokens([(None, [full.prefix_token_id], full.tok_encode(text))])[0][0]
     assert whole == pytest.approx(direct, abs=1e-4)
