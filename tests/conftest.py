@@ -227,11 +227,11 @@ def assert_hf_tokens_and_logprobs(hf_model, prompts: list[list[int]], outs, max_
                                   atol: float = 1e-4) -> None:
     """Each of ``outs`` (``LLM.generate`` results of ``prompts``, greedy, with logprobs) has HF's
     greedy tokens, and each chosen token's logprob within ``atol`` of HF's log-softmax."""
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         tokens, logits = _hf_greedy_with_logits(hf_model, prompt, max_new_tokens)
         completion = out.outputs[0]
         assert completion.token_ids == tokens
-        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
             ref = torch.log_softmax(logits[step].float(), -1)
             assert abs(position[token].logprob - ref[token].item()) < atol
 
@@ -256,7 +256,8 @@ def assert_same_decode(fused, unfused, tie: float = 0.25, close: float = 0.25) -
     the normed value and so an FP8 rounding in about one element of 16. At the 8B shape's dummy
     weights that noise moved a top logprob by 0.09 (H200, 2026-12-01); a wrong scale or element
     moves them by whole units."""
-    for (tokens, logprobs), (other_tokens, other_logprobs) in zip(fused, unfused):
+    for (tokens, logprobs), (other_tokens, other_logprobs) in zip(fused, unfused, strict=True):
+        assert len(logprobs) == len(tokens) and len(other_logprobs) == len(other_tokens)
         for step, (token, other) in enumerate(zip(tokens, other_tokens)):
             mine, theirs = logprobs[step], other_logprobs[step]
             for t in mine.keys() & theirs.keys():

@@ -36,6 +36,29 @@ def test_bad_word_rule_by_hand():
     assert bad_word_bans(words, [2]) == [7]  # [1, 2, 5] needs both earlier tokens
 
 
+def vllm_bad_word_ids(tokenizer, word: str) -> list[list[int]]:
+    """vLLM's rule, written out: the word as it starts a text, and after a space where that gives
+    another first token and as many tokens."""
+    bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+    if not bare:  # a text of whitespace alone (which SamplingParams refuses)
+        return []
+    return [bare] + ([spaced] if spaced and spaced[0] != bare[0] and len(spaced) == len(bare) else [])
+
+
+def _words_from(tokenizer, plain: list[int]) -> tuple[int, str, str]:
+    """From the plain run: the first two-token span whose text tokenizes back to it (so banning
+    it bans its second token right after its first, at ``plain[i + 1]``), and a later one-token
+    word with a spaced form of its own (two bans) that does not occur before that point."""
+    def forms(ids):
+        return vllm_bad_word_ids(tokenizer, tokenizer.decode(ids))
+
+    i = next(i for i in range(len(plain) - 1) if plain[i:i + 2] in forms(plain[i:i + 2]))
+    j = next(j for j in range(i + 2, len(plain)) if [plain[j]] in forms(plain[j:j + 1])
+             and len(forms(plain[j:j + 1])) == 2 and plain[j] not in plain[:i + 2])
+    return i, tokenizer.decode(plain[i:i + 2]), tokenizer.decode(plain[j:j + 1])
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bad_words_match_hf_bad_words_ids(chat_model, async_scheduling):
     path, hf = chat_model
@@ -44,17 +67,15 @@ def test_bad_words_match_hf_bad_words_ids(chat_model, async_scheduling):
         prompt_ids = tokenizer.encode(PROMPT)
         plain = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids
-        # ban the words the plain run generates: one word made of two of its tokens, one of one token
-        word_two = tokenizer.decode(plain[2:4])
-        word_one = tokenizer.decode(plain[6:7])
+        i, word_two, word_one = _words_from(tokenizer, plain)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word_two, word_one])
         got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
         banned = llm.llm_engine._bad_words_token_ids([word_two, word_one])
-    assert banned[0] == tokenizer.encode(word_two.lstrip(), add_special_tokens=False)  # vLLM's first form
+    expected = vllm_bad_word_ids(tokenizer, word_two) + vllm_bad_word_ids(tokenizer, word_one)
+    assert banned == expected and len(banned) >= 3 and any(len(w) == 2 for w in banned)
     assert prompt_ids[-1] not in [w[0] for w in banned if len(w) > 1]  # HF also matches across the prompt
-    want = hf_greedy(hf, prompt_ids, 12, bad_words_ids=banned, min_new_tokens=12)
-    assert got == want
-    assert got != plain
+    assert got[:i + 1] == plain[:i + 1] and got[i + 1] != plain[i + 1]  # the two-token word's ban acts
+    assert got == hf_greedy(hf, prompt_ids, 12, bad_words_ids=expected, min_new_tokens=12)
 
 
 def _hf_step_logprobs(hf, ids: list[int], num_new: int) -> torch.Tensor:
@@ -168,7 +189,8 @@ def test_output_controls_on_gpu_with_async_steps_and_graphs(chat_model, tiny_lla
         tokenizer = llm.get_tokenizer()
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
-        word = tokenizer.decode(plain[2:4])
+        i, word, _ = _words_from(tokenizer, plain)
         got = llm.generate(PROMPT, greedy.clone(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
-        banned = llm.llm_engine._bad_words_token_ids([word])
+    banned = vllm_bad_word_ids(tokenizer, word)
+    assert got[:i + 1] == plain[:i + 1] and got[i + 1] != plain[i + 1]  # banned after its first token
     assert got == hf_greedy(hf, tokenizer.encode(PROMPT), 12, bad_words_ids=banned, min_new_tokens=12)

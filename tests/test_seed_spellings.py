@@ -5,6 +5,7 @@ plan-level field."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -19,10 +20,13 @@ KV = 16 << 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _prefill_tokens_per_step(llm, prompt: list[int]) -> list[int]:
-    """Prompt tokens each engine step computed for one request, read from the engine's counters."""
+def _prefill_tokens_per_step(llm, *prompts: list[int]) -> list[int]:
+    """Prompt tokens each engine step computed for the requests (submitted at once, one token
+    each, the prefix cache emptied first), read from the engine's counters."""
     engine = llm.llm_engine
-    engine.add_request("chunked", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    llm.reset_prefix_cache()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"chunked-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     per_step, before = [], llm.get_stats().prompt_tokens_computed
     while engine.has_unfinished_requests():
         engine.step()
@@ -146,6 +150,24 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
         alone = llm.generate([[5] * 20], params, use_tqdm=False)[0].prompt_logprobs
         mixed = llm.generate([[7] * 33, [5] * 20, [3] * 9], params, use_tqdm=False)[1].prompt_logprobs
         assert alone == mixed
+    elif field == "max_num_seqs":  # six prompts at once, three a step
+        assert _prefill_tokens_per_step(llm, *([t] * 20 for t in range(4, 10))) == [value * 20] * (6 // value)
+    elif field == "enable_chunked_prefill":  # under a 64-token budget, whole prompts or none
+        llm.set_model_args(max_model_len=64, max_num_batched_tokens=64)  # unchunked: budget >= length
+        assert _prefill_tokens_per_step(llm, [4] * 50, [6] * 40) == [50, 40]  # chunked: [64, 26]
+        llm.set_model_args(max_model_len=None, max_num_batched_tokens=None)
+    elif field == "disable_log_stats":  # the stats line is logged
+        records, logger = [], logging.getLogger("pagedlab.stats")
+        handler, level = logging.Handler(), logger.level
+        handler.emit = records.append
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            llm.generate([[4] * 20], GREEDY, use_tqdm=False)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        assert "KV cache" in records[-1].getMessage()
     elif field == "enable_prefix_caching":
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)

@@ -45,7 +45,8 @@ def _check_two_ranks_give_one_rank_and_hf_tokens(path, hf_model, **engine_args):
     assert [o.outputs[0].token_ids for o in two] == expected
     assert [o.outputs[0].token_ids for o in one] == expected
     assert stats.prefix_cache_hit_tokens > 0
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
+        assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 8
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert pa.keys() == pb.keys()
             assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)

@@ -82,13 +82,25 @@ def test_seed_makes_sampling_reproducible_across_engines(tiny_llama):
     assert isinstance(seed, int) and sample(seed)[0] == drawn  # a drawn seed is recorded and replays
 
 
-def test_tokenizer_mode_slow_loads_transformers_python_tokenizer(tiny_llama, smollm2_dir):
+def test_tokenizer_mode_slow_loads_transformers_python_tokenizer(tiny_llama, smollm2_dir, monkeypatch):
+    """The mode reaches transformers as use_fast (whose 5.x serves this tokenizer by one class in
+    both modes, so the class alone cannot tell them apart)."""
     import transformers
 
+    asked = []
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def recorded(path, **kwargs):
+        asked.append((str(path), kwargs.get("use_fast")))
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recorded)
     for mode, use_fast in (("auto", True), ("slow", False)):
+        asked.clear()
         with LLM(tiny_llama.path, tokenizer=smollm2_dir, tokenizer_mode=mode, kv_cache_memory_bytes=KV_BYTES,
                  max_model_len=64) as llm:
-            expected = transformers.AutoTokenizer.from_pretrained(smollm2_dir, use_fast=use_fast)
+            assert (str(smollm2_dir), use_fast) in asked and {fast for _, fast in asked} == {use_fast}
+            expected = load(smollm2_dir, use_fast=use_fast)
             assert type(llm.get_tokenizer()) is type(expected)
 
 
