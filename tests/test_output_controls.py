@@ -78,6 +78,24 @@ def test_bad_words_match_hf_bad_words_ids(chat_model, async_scheduling):
     assert got == hf_greedy(hf, prompt_ids, 12, bad_words_ids=expected, min_new_tokens=12)
 
 
+def test_the_token_that_stops_a_sequence_stays_out_of_its_text(chat_model):
+    """vLLM's rule: a stop token id (or EOS) ends the sequence and is in token_ids, but its text
+    is not in the output unless include_stop_str_in_output; a stop string is cut the same way."""
+    path, _ = chat_model
+    with LLM(path, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        k = next(j for j in range(2, len(plain)) if plain[j] not in plain[:j]
+                 and "\ufffd" not in tokenizer.decode(plain[j - 1:j + 1]))
+        for include in (False, True):
+            params = greedy.clone(stop_token_ids=[plain[k]], include_stop_str_in_output=include)
+            out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+            assert out.token_ids == plain[:k + 1]
+            assert (out.finish_reason, out.stop_reason) == ("stop", plain[k])
+            assert out.text == tokenizer.decode(plain[:k + 1 if include else k])
+
+
 def _hf_step_logprobs(hf, ids: list[int], num_new: int) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -num_new - 1:-1].float()

@@ -117,10 +117,14 @@ class OutputProcessor:
 
     def _append_text(self, state: CompletionState, token: int) -> str | None:
         """Detokenize one token; the stop string it completes (cutting the text), if any. EOS and
-        stop token ids, which the scheduler has already acted on, take precedence."""
+        stop token ids, which the scheduler has already acted on, take precedence: as in vLLM, the
+        token that stopped the sequence stays out of the text (it is in ``token_ids``) unless
+        ``include_stop_str_in_output``."""
+        request, params = state.request, state.request.sampling_params
+        if request.finish_reason == "stop" and not params.include_stop_str_in_output:
+            return None
         new_text = state.detokenizer.append(token)
         state.text = state.detokenizer.text
-        request, params = state.request, state.request.sampling_params
         if (not params.stop or not new_text or request.num_output_tokens < params.min_tokens
                 or request.finish_reason == "stop"):
             return None
