@@ -135,3 +135,33 @@ def test_async_scheduling_is_a_plan_setting(tiny_llama, flag):
         assert llm.llm_engine.async_scheduling is flag
         after = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+
+
+def test_an_abort_while_its_prompt_logprobs_chunk_runs_leaves_the_rest_alone(tiny_llama):
+    """With the next step launched before this one is read back, a request aborted (and its id
+    reused) while its prompt chunk with prompt_logprobs runs: the chunk is dropped, the other
+    request and the id's new request finish as they do alone."""
+    prompt, other, reused = list(range(10, 60)), [1, 5, 6], [7, 8, 9, 10]
+    logprobs = SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    args = dict(async_scheduling=True, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    alone = {tuple(p): _generate(tiny_llama.path, [p], s, **args)[0][0] for p, s in
+             ((other, greedy), (reused, logprobs))}
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, **args) as llm:
+        engine = llm.llm_engine
+        engine.add_request("a", prompt, logprobs)
+        engine.add_request("b", other, greedy)
+        assert engine.step() == []  # the first chunk of "a" is in flight, nothing read back
+        assert engine.abort_request("a").outputs[0].finish_reason == "abort"
+        engine.add_request("a", reused, logprobs)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert llm.get_stats().kv_blocks_used == 0
+    assert done["b"].outputs[0].token_ids == alone[tuple(other)].outputs[0].token_ids
+    new, expected = done["a"], alone[tuple(reused)]  # its own prompt's records, none of the old chunk's
+    assert new.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert len(new.prompt_logprobs) == len(reused) and new.prompt_logprobs[0] is None
+    for got, want in zip(new.prompt_logprobs[1:], expected.prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)

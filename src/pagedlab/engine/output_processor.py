@@ -138,11 +138,11 @@ class OutputProcessor:
     def _record_prompt_logprobs(self, requests: list[Request],
                                 chunks: dict[str, PromptLogprobsChunk]) -> None:
         for request in requests:
-            chunk = chunks.get(request.request_id)
-            if chunk is None:
-                continue
+            chunk, state = chunks.get(request.request_id), self._completions.get(request.request_id)
+            if chunk is None or state is None or state.request is not request:
+                continue  # aborted (its id perhaps reused) while the step that computed the chunk ran
             params = request.sampling_params
-            records = self._completions[request.request_id].prompt_logprobs
+            records = state.prompt_logprobs
             for j, token in enumerate(chunk.token_ids):
                 records[chunk.start + j] = self._position_logprobs(
                     chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
