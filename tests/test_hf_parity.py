@@ -137,6 +137,21 @@ def test_beam_search_matches_hf(tiny_models, async_scheduling):
             assert abs(seq.score - score) < 1e-4
 
 
+def test_beam_search_where_every_candidate_stops(tiny_models):
+    """Every one of the 2 x beam_width candidates of the first step is a stop token: the search
+    ends there with the best of them (the HF argmax), finished by "stop"."""
+    tiny = tiny_models("qwen2")
+    prompt = random_prompts(1, min_len=4, max_len=12, seed=12)[0]
+    with torch.no_grad():
+        first = torch.log_softmax(tiny.hf_model(torch.tensor([prompt])).logits[0, -1], -1)
+    top2 = first.topk(2).indices.tolist()
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=4, stop_token_ids=top2))
+    (seq,) = out.sequences
+    assert seq.tokens[len(prompt):] == top2[:1] and seq.finish_reason == "stop"
+    assert abs(seq.score - first[top2[0]].item()) < 1e-4
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_mixed_batch_matches_hf(smollm2_dir, smollm2_hf):
     model, tokenizer = smollm2_hf

@@ -139,7 +139,7 @@ class LLM:
                             done[i].append(cand)
                     elif len(live[i]) < width:
                         live[i].append(cand)
-                if len(done[i]) >= width and _score(live[i][0], params, len(encoded[i])) <= min(
+                if live[i] and len(done[i]) >= width and _score(live[i][0], params, len(encoded[i])) <= min(
                         _score(b, params, len(encoded[i])) for b in done[i]):
                     live[i] = []
         results = []
