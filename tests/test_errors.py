@@ -38,6 +38,7 @@ def llm(tiny_llama):
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(temperature="0.5"), "temperature"),
     (dict(top_p=None), "top_p"),
+    (dict(stop=["."], detokenize=False), "stop"),  # vLLM's rule: stop strings are found in the text
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* must be"):
@@ -73,6 +74,18 @@ def test_too_long_prompt_is_rejected_and_engine_keeps_serving(llm, tiny_llama):
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, [5, 6, 7], 5)
+
+
+def test_more_logprobs_than_the_vocabulary_fail_alone(llm, tiny_llama):
+    """Refused when the request is added, naming the field, before it could fail a step."""
+    vocab = tiny_llama.hf_model.config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name}={vocab + 1} is invalid: .* at most the vocabulary "
+                                             rf"size \({vocab}\)"):
+            llm.generate([[1, 2], [3, 4]], [GREEDY, GREEDY.clone(**{name: vocab + 1})], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 7]], GREEDY.clone(logprobs=vocab), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == hf_greedy(tiny_llama.hf_model, [5, 6, 7], 5) and len(out.logprobs[0]) == vocab
 
 
 def test_out_of_vocab_and_empty_prompts(llm):

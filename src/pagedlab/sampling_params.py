@@ -255,15 +255,22 @@ class SamplingParams:
         structured = self.structured_outputs
         _check(structured is None or isinstance(structured, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        _check(self.detokenize or not self.stop, "stop", self.stop,
+               "empty with detokenize=False (stop strings are found in the text; use stop_token_ids)")
 
-    def verify_token_ids(self, vocab_size: int) -> None:
-        """ValueError naming the field when a token id the parameters name is out of vocabulary."""
+    def verify_vocabulary(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id the parameters name is out of vocabulary, or
+        when they ask for more logprobs a position than the vocabulary has."""
         for name in _TOKEN_ID_FIELDS:
             ids = getattr(self, name) or ()
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}={quoted_ids(ids)} is invalid: token id {bad} is out of vocabulary "
                                  f"(ids must be in [0, {vocab_size}))")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            _check(count is None or count <= vocab_size, name, count,
+                   f"at most the vocabulary size ({vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -126,7 +126,7 @@ class OpenAIServing:
                               "request may. Lower n, max_tokens or the number of prompts.",
                               param="max_tokens")
         try:
-            params.verify_token_ids(self.engine.info.hf_config.vocab_size)
+            params.verify_vocabulary(self.engine.info.hf_config.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
         self.admission.check(sequences)
