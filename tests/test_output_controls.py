@@ -5,6 +5,7 @@ float32 logits for the label logprobs, and the cumulative output for the deltas.
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -132,6 +133,38 @@ def _drive(engine, request_id: str, params: SamplingParams, prompt_ids: list[int
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.request_id == request_id]
     return outputs
+
+
+def _spanning_stop(texts: list[str]) -> tuple[int, str]:
+    """(where, stop): in the texts of a run's first k tokens, the first boundary after a token of
+    two or more characters where those two and the next token's first character form a string
+    found nowhere earlier."""
+    for k in range(1, len(texts) - 1):
+        where, after = len(texts[k]), texts[k + 1]
+        stop = after[where - 2:where + 1]
+        if (after.startswith(texts[k]) and where - len(texts[k - 1]) >= 2 and len(stop) == 3
+                and "\ufffd" not in stop and after.find(stop) == where - 2):
+            return where, stop
+    raise AssertionError(f"no stop string spans two tokens in {texts[-1]!r}")
+
+
+def test_streams_never_show_part_of_a_stop_string(chat_model):
+    """A stop string spanning two tokens: the engine's streamed outputs hold back two characters
+    until the text settles, so the DELTA pieces add up to the final text and the cumulative texts
+    only grow (vLLM's rule)."""
+    path, _ = chat_model
+    with LLM(path, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer, engine = llm.get_tokenizer(), llm.llm_engine
+        prompt = tokenizer.encode(PROMPT)
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        where, stop = _spanning_stop([tokenizer.decode(plain[:k]) for k in range(len(plain) + 1)])
+        params = greedy.clone(stop=[stop])
+        deltas = _drive(engine, "d", params.clone(output_kind=RequestOutputKind.DELTA), prompt)
+        cumulative = [o.outputs[0].text for o in _drive(engine, "c", params, prompt)]
+    assert cumulative[-1] == tokenizer.decode(plain)[:where - 2] and deltas[-1].outputs[0].stop_reason == stop
+    assert "".join(o.outputs[0].text for o in deltas) == cumulative[-1]
+    assert all(a == b[:len(a)] for a, b in itertools.pairwise(cumulative))
 
 
 def test_output_kind_offline_engine(tiny_llama):

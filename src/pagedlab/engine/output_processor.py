@@ -199,12 +199,19 @@ class OutputProcessor:
 
 
 def _completion_output(state: CompletionState, delta: bool = False) -> CompletionOutput:
+    """The completion as an output carries it: until it finishes, the text's last (longest stop
+    string - 1) characters are held back, as vLLM holds them, so no output shows part of a stop
+    string that the next token completes (and cuts away); with ``delta`` only what is new."""
     request = state.request
     tokens, text, logprobs = request.output_token_ids, state.text, state.logprobs
+    params = request.sampling_params
+    if request.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+        text = text[:max(0, len(text) - max(map(len, params.stop)) + 1)]
     if delta:
+        shown = len(text)
         tokens, text = tokens[state.sent_tokens:], text[state.sent_text:]
         logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
-        state.sent_tokens, state.sent_text = request.num_output_tokens, len(state.text)
+        state.sent_tokens, state.sent_text = request.num_output_tokens, max(state.sent_text, shown)
     return CompletionOutput(
         index=request.index, text=text, token_ids=tokens,
         cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
