@@ -20,6 +20,7 @@ pytest.importorskip("sacrebleu")
 from pagedlab import LLM
 from pagedlab.lab import cli as lab_cli
 from pagedlab.lab.experiments import ExperimentError, expand_runs, load_experiment, run_experiment
+from pagedlab.lab.datasets import load_dataset
 from pagedlab.lab.store import ResultStore, load_results
 from pagedlab.lab.testing import make_tiny_model
 
@@ -121,6 +122,21 @@ def test_other_clear_errors(workdir):
     bad_jsonl.write_text('{"question": "a", "answer": "b"}\n{"question": \n')
     assert "dataset broken.jsonl:2: not valid JSON" in error_of(workdir,
                                                                 BASE.replace("qa.jsonl", "broken.jsonl"))
+
+
+def test_references_that_are_numbers_become_strings(workdir):
+    refs = workdir / "data" / "refs.jsonl"
+    lines = [{"q": "legs of a spider", "a": ["eight", 8]}, {"q": "two plus two", "a": 4},
+             {"q": "pi", "a": [3.5]}, {"q": "none", "a": None}]
+    refs.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    conf = {"path": str(refs), "prompt_field": "q", "reference_field": "a"}
+    ds = load_dataset(conf, None, lambda key: f"dataset.{key}")
+    assert [it.reference for it in ds.items] == [["eight", "8"], ["4"], ["3.5"], None]
+    for bad in ([None, "x"], ["x", ["y"]], {"x": 1}):
+        records = ({"q": "ok", "a": "fine"}, {"q": "bad", "a": bad})
+        refs.write_text("".join(json.dumps(r) + "\n" for r in records))
+        with pytest.raises(ExperimentError, match=r"dataset refs.jsonl line 2: reference field 'a' must be"):
+            load_dataset(conf, None, lambda key: f"dataset.{key}")
 
 
 # ---- expansion -------------------------------------------------------------------------------------

@@ -110,6 +110,24 @@ def test_report_filters_and_errors(db, tmp_path, capsys):
     assert args.func(args) == 2 and "nothing to report" in capsys.readouterr().err
 
 
+def test_failed_note_counts_only_the_reported_experiments(db, tmp_path):
+    copied = tmp_path / "failed.db"
+    shutil.copyfile(db.removeprefix("sqlite:///"), copied)
+    url = f"sqlite:///{copied}"
+    with ResultStore(url) as store:
+        for name in ("qa", "other"):
+            store.record_run(RunRecord(name, f"{name}:crashed", {}, {}, {}, status="failed", error="boom"))
+
+    def note(experiments):
+        html = build_report(url, tmp_path / "rep", experiments=experiments).read_text()
+        return re.search(r"finished run\(s\) of\n(.*?)\.</p>", html).group(1)
+
+    assert note(["bench"]) == "bench (4 runs)"
+    assert note(["qa"]) == "qa (5 runs); 1 failed run(s) not shown"
+    assert note(["bench", "qa"]).endswith("; 1 failed run(s) not shown")
+    assert note(None).endswith("; 2 failed run(s) not shown")
+
+
 def _render_in_chromium(page: Path) -> str:
     """The page's DOM after it loaded (and its script counted the loaded images)."""
     profile = tempfile.mkdtemp(prefix="pagedlab-chromium-")

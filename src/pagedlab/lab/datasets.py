@@ -137,11 +137,12 @@ def _references(rec: dict, loc: str, conf: dict, where: Where) -> list[str] | No
     raw = rec[key]
     if raw is None:
         return None
-    if isinstance(raw, str):
-        return [raw]
-    if isinstance(raw, list) and all(isinstance(r, str) for r in raw):
-        return list(raw)
-    return [str(raw)]
+    values = raw if isinstance(raw, list) else [raw]
+    bad = [v for v in values if not isinstance(v, (str, int, float))]
+    if bad:
+        raise ExperimentError(f"{loc}: reference field {key!r} must be a string, a number or a list of them; "
+                              f"{bad[0]!r} in {raw!r} is not")
+    return [str(v) for v in values]
 
 
 def _read_records(conf: dict, base_dir: Path | None, where: Where) -> tuple[list[tuple[str, dict]], str]:

@@ -63,7 +63,8 @@ def build_report(db: str | None, out_dir: str | Path, experiments: list[str] | N
         runs = [r for r in store.runs(status="finished", manifest=True)
                 if not experiments or r["experiment"] in experiments]
         url = store.safe_url()
-        failed = len(store.runs(status="failed", manifest=False))
+        failed = sum(1 for r in store.runs(status="failed", manifest=False)
+                     if not experiments or r["experiment"] in experiments)
     if not runs:
         which = f" of experiment(s) {', '.join(experiments)}" if experiments else ""
         raise ValueError(f"no finished runs{which} in {url}: nothing to report")
