@@ -2,6 +2,7 @@
 CPU/RAM fallback, the summary figures, and ``pagedlab monitor`` lines."""
 
 import argparse
+import io
 import logging
 import sys
 import time
@@ -65,6 +66,42 @@ def test_cpu_fallback_says_so_once_and_records_host(no_nvml, caplog):
     assert s["backend"] == "cpu" and s["gpus"] == [] and s["num_samples"] == len(mon.samples)
     assert s["cpu"]["ram_total_bytes"] > s["cpu"]["max_ram_used_bytes"] > 0
     assert s["cpu"]["max_rss_bytes"] > 0 and s["duration_s"] >= 0.1
+
+
+@pytest.fixture
+def cpu_clock(monkeypatch):
+    """psutil's CPU times, advanced only by hand: 3 s busy per 1 s idle, a 75 % load."""
+    psutil = pytest.importorskip("psutil")
+    fields = psutil.cpu_times()._fields
+    times = {"now": psutil.cpu_times()._make([0.0] * len(fields))}
+
+    def advance(seconds):
+        t = times["now"]
+        times["now"] = t._replace(user=t.user + 3 * seconds, idle=t.idle + seconds)
+
+    monkeypatch.setattr(psutil, "cpu_times", lambda percpu=False: times["now"])
+    return advance
+
+
+def test_cpu_percent_covers_the_time_since_the_previous_sample(no_nvml, cpu_clock):
+    mon = GPUMonitor(interval=60).start()  # the thread never ticks: start() and stop() sample
+    cpu_clock(2.0)
+    s = mon.stop()
+    assert [x["cpu_percent"] for x in mon.samples] == [None, 75.0]  # nothing measured at start()
+    assert s["cpu"]["mean_cpu_percent"] == 75.0 and s["cpu"]["max_cpu_percent"] == 75.0
+    mon.start()  # a restart measures from itself, not from the previous stop
+    cpu_clock(1.0)
+    mon.close()
+    assert [x["cpu_percent"] for x in mon.samples[2:]] == [None, 75.0]
+
+
+def test_first_monitor_line_measures_the_cpu_over_a_wait(no_nvml, cpu_clock, monkeypatch):
+    monkeypatch.setattr(monitor, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic,
+                                                               sleep=cpu_clock))
+    out = io.StringIO()
+    assert run_monitor(interval=5, count=2, stream=out) == 2
+    lines = out.getvalue().splitlines()[1:]
+    assert len(lines) == 2 and all("cpu (" in line and "|  75.0 % |" in line for line in lines)
 
 
 def test_nvml_sampler_with_fake_driver(monkeypatch):

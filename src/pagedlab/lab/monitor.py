@@ -35,6 +35,8 @@ _REASONS = (
 THROTTLING_REASONS = frozenset({"sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"})
 
 _no_gpu_reported = False
+# How long ``pagedlab monitor`` measures the CPU before its first line (at most one interval).
+_CPU_WARMUP_S = 0.5
 
 
 def _report_no_gpu(reason: str) -> None:
@@ -144,18 +146,48 @@ def open_nvml() -> tuple[_Nvml | None, str | None]:
         return None, f"no NVIDIA GPU found ({e})"
 
 
-def host_sample(now: float) -> dict:
-    """CPU and RAM of the host, and this process's resident memory."""
-    s: dict = {"t": now, "kind": "cpu", "cpu_count": os.cpu_count()}
+class CpuMeter:
+    """The host's CPU busy percentage since the previous ``read()``, from psutil's CPU times; None
+    for the first read (no interval yet), for two reads within one clock tick, and without psutil.
+
+    Each sampler keeps its own reference: psutil.cpu_percent(interval=None) keeps one per thread,
+    shared with any other caller, and its first reading after priming covers no time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = None
+
+    def read(self) -> float | None:
+        try:
+            import psutil
+        except ImportError:
+            return None
+        now = psutil.cpu_times()
+        with self._lock:
+            last, self._last = self._last, now
+        return None if last is None else _busy_percent(last, now)
+
+
+def _busy_percent(before, after) -> float | None:
+    """psutil.cpu_percent's formula: the share of the CPU time between two ``cpu_times()`` that
+    was not idle (Linux counts guest time in user time too, so it is left out of the total)."""
+    delta = {f: max(0.0, getattr(after, f) - getattr(before, f)) for f in after._fields}
+    total = sum(delta.values()) - delta.get("guest", 0.0) - delta.get("guest_nice", 0.0)
+    busy = total - delta["idle"] - delta.get("iowait", 0.0)
+    return round(100.0 * busy / total, 1) if total > 0 else None
+
+
+def host_sample(now: float, cpu: CpuMeter) -> dict:
+    """CPU (busy share since ``cpu``'s previous read) and RAM of the host, and this process's
+    resident memory."""
+    s: dict = {"t": now, "kind": "cpu", "cpu_count": os.cpu_count(), "cpu_percent": cpu.read()}
     try:
         import psutil
 
-        s["cpu_percent"] = psutil.cpu_percent(interval=None)
         vm = psutil.virtual_memory()
         s["ram_used"], s["ram_total"] = int(vm.total - vm.available), int(vm.total)
         s["rss"] = int(psutil.Process().memory_info().rss)
-    except ImportError:  # /proc fallback: no CPU percentage without psutil
-        s["cpu_percent"] = None
+    except ImportError:  # /proc fallback
         s["ram_used"], s["ram_total"] = _proc_meminfo()
         s["rss"] = _proc_rss()
     s["load1"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -185,7 +217,8 @@ class GPUMonitor:
     """Sample GPU (NVML) and host telemetry every ``interval`` seconds in a daemon thread.
 
     ``samples`` holds dicts with ``kind`` "gpu" (one per GPU per tick) or "cpu" (one per tick);
-    a sample is also taken at ``start()`` and ``stop()`` so short runs have at least two.
+    a sample is also taken at ``start()`` and ``stop()`` so short runs have at least two. A "cpu"
+    sample's ``cpu_percent`` covers the time since the previous sample: None in the one at ``start()``.
     """
 
     def __init__(self, interval: float = 1.0, max_samples: int = 100_000):
@@ -203,16 +236,13 @@ class GPUMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = self._t1 = None
-        if _has_psutil():  # psutil's first cpu_percent() call only primes the counter
-            import psutil
-
-            psutil.cpu_percent(interval=None)
+        self._cpu = CpuMeter()
 
     def sample_once(self) -> list[dict]:
         """Take one sample of every GPU and of the host now (and keep it)."""
         now = time.time()
         batch = self._nvml.sample(now) if self._nvml is not None else []
-        batch.append(host_sample(now))
+        batch.append(host_sample(now, self._cpu))
         with self._lock:
             if len(self.samples) + len(batch) <= self.max_samples:
                 self.samples.extend(batch)
@@ -222,6 +252,7 @@ class GPUMonitor:
         if self._thread is not None:
             raise RuntimeError("this GPUMonitor is already running")
         self._stop.clear()
+        self._cpu = CpuMeter()
         self._t0 = time.time()
         self.sample_once()
         self._thread = threading.Thread(target=self._loop, name="pagedlab-gpu-monitor", daemon=True)
@@ -258,14 +289,6 @@ class GPUMonitor:
         with self._lock:
             samples = list(self.samples)
         return summarize(samples, self.backend, self.no_gpu_reason)
-
-
-def _has_psutil() -> bool:
-    try:
-        import psutil  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 def _values(samples, key):
@@ -363,6 +386,7 @@ def run_monitor(interval: float = 60.0, log: str | None = None, count: int | Non
     if count is not None and count < 1:
         raise ValueError(f"--count {count!r} is invalid: give a number of samples >= 1")
     nvml, reason = open_nvml()
+    show_host = nvml is None or not gpu_only
     log_file = open(log, "a", encoding="utf-8") if log else None  # noqa: SIM115 (closed in the finally below)
     ticks = 0
 
@@ -378,17 +402,17 @@ def run_monitor(interval: float = 60.0, log: str | None = None, count: int | Non
             emit(f"# no NVIDIA GPU to monitor: {reason}; recording CPU and RAM")
         else:
             emit(f"# NVIDIA driver {nvml.driver}, {len(nvml.devices)} GPU(s)")
-        if _has_psutil():
-            import psutil
-
-            psutil.cpu_percent(interval=None)
+        cpu = CpuMeter()
+        if show_host:  # so that the first line's CPU % covers a real interval
+            cpu.read()
+            time.sleep(min(interval, _CPU_WARMUP_S))
         next_tick = time.monotonic()
         while count is None or ticks < count:
             now = time.time()
             stamp = datetime.fromtimestamp(now).strftime("%Y-%m-%d %H:%M:%S")
             samples = nvml.sample(now) if nvml is not None else []
-            if nvml is None or not gpu_only:
-                samples.append(host_sample(now))
+            if show_host:
+                samples.append(host_sample(now, cpu))
             for s in samples:
                 emit(f"{stamp}  {format_sample(s)}")
             ticks += 1
