@@ -11,6 +11,7 @@ from conftest import KV_BYTES
 
 from pagedlab import LLM, workloads
 from pagedlab.cli import main
+from pagedlab.lab.testing import make_tiny_model
 from pagedlab.physical_floor import H200_BANDWIDTH, AllReduceCost, physical_floor
 
 
@@ -98,6 +99,33 @@ def test_fixed_length_workloads_name_a_missing_or_bad_length():
         workloads.make_workload("custom", 1000, 2, 16, 0)
     with pytest.raises(ValueError, match=r"W-lat needs batch_size or num_prompts .* not 0"):
         workloads.make_workload("W-lat", 1000, 0)
+
+
+def test_random_prompts_keep_the_benchmark_ids_of_real_vocabularies():
+    """The prompts behind BENCHMARKS.md: ids drawn from [100, vocab - 100) with torch's generator."""
+    assert workloads.make_workload("W-seed", 151936, 2, 6, 4).prompts == [
+        [69120, 118259, 123185, 58668, 81167, 91455], [31199, 137587, 117221, 45383, 56649, 19286]]
+    assert workloads.random_prompts(1, [8], 32000, seed=1) == [
+        [24545, 20439, 11824, 29868, 14363, 23213, 19191, 8841]]
+    assert workloads.random_prompts(2, [5, 3], 400, seed=3) == [[286, 148, 237, 167, 260], [180, 140, 225]]
+    nano = workloads.make_workload("W-nano", 151936).prompts
+    assert workloads.tokens_sha256(nano) == "cd80e6461526cd1afa36bbb82e515c437a57fd693daba8010c87572901d805c7"
+
+
+def test_small_vocabularies_get_prompts_that_fit(tmp_path, capsys):
+    prompts = workloads.random_prompts(3, [64] * 3, 49)
+    assert prompts == workloads.random_prompts(3, [64] * 3, 49)
+    assert {t for p in prompts for t in p} == set(range(12, 37))  # a quarter of the vocabulary off each end
+    assert workloads.random_prompts(2, [3, 3], 1) == [[0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="vocab=0 is invalid"):
+        workloads.random_prompts(1, [3], 0)
+    model = make_tiny_model(tmp_path / "tiny")  # a vocabulary of 49, as docs/lab.md builds it
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--model", str(model), "--device", "cpu", "--dtype", "float32",
+               "--batch-size", "1", "--input-len", "16", "--output-len", "16", "--json", str(out)])
+    assert rc == 0
+    [row] = json.loads(out.read_text())["results"]
+    assert row["input_tokens"] == 16 and row["output_tokens"] == 16 and row["output_tok_s"] > 0
 
 
 def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path, capsys):

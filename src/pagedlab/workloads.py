@@ -132,8 +132,13 @@ class Workload:
 
 
 def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Ids drawn uniformly from [margin, vocab - margin), away from the special tokens that usually
+    sit at either end; the margin is 100 (the benchmarks' prompts) or a quarter of a small vocabulary."""
+    if vocab < 1:
+        raise ValueError(f"vocab={vocab!r} is invalid: random prompts need a vocabulary of >= 1 token")
+    margin = min(100, vocab // 4)
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lengths[:count]]
+    return [torch.randint(margin, vocab - margin, (n,), generator=g).tolist() for n in lengths[:count]]
 
 
 def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 512, output_len: int = 128,
