@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -13,9 +14,10 @@ from pagedlab.engine.async_engine import RequestStream
 from pagedlab.inputs import EncodedPrompt
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                      CompletionResponseChoice, CompletionStreamResponse, UsageInfo)
+                                      CompletionResponseChoice, CompletionStreamResponse, PromptLogprobs,
+                                      UsageInfo)
 from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, choice_usage,
-                                            merge_streams, prompt_logprobs_body, sse_events, stop_holdback,
+                                            merge_streams, prompt_logprobs_body, sse_events,
                                             usage_info)
 
 
@@ -50,6 +52,45 @@ class OpenAIServingCompletion(OpenAIServing):
         return run.response(await self.collect(streams, disconnected))
 
 
+def _cut(pos: PositionLogprobs, token: int, num: int) -> PositionLogprobs:
+    """``pos`` cut to the chosen token and the ``num`` most likely: a prompt position holds as many
+    as the larger of ``prompt_logprobs`` and ``logprobs`` asked for."""
+    return {tid: lp for tid, lp in pos.items() if tid == token or lp.rank <= num}
+
+
+def _add_positions(logprobs: CompletionLogprobs, positions: Sequence[PositionLogprobs | None],
+                   token_ids: Sequence[int], first_token_text: str = "", num: int | None = None) -> None:
+    """Appends each token's text, logprob and top alternatives (at most ``num`` and the chosen
+    token when ``num`` is given) to ``logprobs``; ``text_offset`` is left to the caller."""
+    for token, pos in zip(token_ids, positions):
+        if pos is None:  # the first prompt token has no logprob
+            text = first_token_text
+            logprobs.token_logprobs.append(None)
+            logprobs.top_logprobs.append(None)
+        else:
+            chosen = pos[token]
+            text = chosen.decoded_token or ""
+            logprobs.token_logprobs.append(chosen.logprob)
+            entries: dict[str, float] = {}
+            if num is not None:
+                pos = _cut(pos, token, num)
+            for _, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
+                # tokens that decode alike share an entry: the best one's
+                entries.setdefault(lp.decoded_token or "", lp.logprob)
+            logprobs.top_logprobs.append(entries)
+        logprobs.tokens.append(text)
+
+
+class _StreamedCompletion(StreamedChoice):
+    """A streamed choice that also knows where its next token's ``text_offset`` is."""
+
+    __slots__ = ("text_offset",)
+
+    def __init__(self):
+        super().__init__()
+        self.text_offset = 0
+
+
 class _CompletionRun:
     """One completion request in flight: what its response or stream chunks are built from."""
 
@@ -59,36 +100,24 @@ class _CompletionRun:
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
-        self.prompt_logprobs = request.prompt_logprobs is not None
+        self.prompt_logprobs = request.prompt_logprobs
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
-        self.holdback = stop_holdback(params)
 
-    def _logprobs(self, positions: Sequence[PositionLogprobs | None], token_ids: Sequence[int], offset: int,
-                  first_token_text: str | None = None) -> CompletionLogprobs:
+    def _logprobs(self, out: RequestOutput, positions: Sequence[PositionLogprobs | None],
+                  token_ids: Sequence[int], start: int, echo: bool) -> CompletionLogprobs:
+        """OpenAI's logprobs of ``token_ids``, after those of the prompt when ``echo``. As in vLLM,
+        ``text_offset`` is the running length of the token strings from ``start``, so the chunks
+        of a stream carry the offsets of the full response."""
         logprobs = CompletionLogprobs()
-        for token, pos in zip(token_ids, positions):
-            if pos is None:  # the first prompt token has no logprob
-                text = first_token_text if first_token_text is not None else ""
-                logprobs.token_logprobs.append(None)
-                logprobs.top_logprobs.append(None)
-            else:
-                chosen = pos[token]
-                text = chosen.decoded_token or ""
-                logprobs.token_logprobs.append(chosen.logprob)
-                entries: dict[str, float] = {}
-                for _, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
-                    # tokens that decode alike share an entry: the best one's
-                    entries.setdefault(lp.decoded_token or "", lp.logprob)
-                logprobs.top_logprobs.append(entries)
-            logprobs.tokens.append(text)
-            logprobs.text_offset.append(offset)
-            offset += len(text)
+        if echo:
+            prompt_ids = out.prompt_token_ids
+            first = self.tokenizer.decode([prompt_ids[0]]) if self.tokenizer is not None else ""
+            prompt_positions = out.prompt_logprobs or [None] * len(prompt_ids)
+            _add_positions(logprobs, prompt_positions, prompt_ids, first, self.params.logprobs)
+        _add_positions(logprobs, positions, token_ids)
+        lengths = [len(token) for token in logprobs.tokens]
+        logprobs.text_offset = list(itertools.accumulate(lengths, initial=start))[:-1]
         return logprobs
-
-    def _echo_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
-        first = self.tokenizer.decode([out.prompt_token_ids[0]]) if self.tokenizer is not None else ""
-        positions = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        return self._logprobs(positions, out.prompt_token_ids, 0, first)
 
     def _choice(self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: str | None,
                 c: CompletionOutput, prompt: EncodedPrompt, token_ids: list[int]) -> CompletionResponseChoice:
@@ -105,45 +134,49 @@ class _CompletionRun:
             for c in out.outputs:
                 logprobs = None
                 if self.params.logprobs is not None:
-                    offset = len(prompt.text or "") if self.echo else 0
-                    logprobs = self._logprobs(c.logprobs or [], c.token_ids, offset)
-                    if self.echo:
-                        logprobs = self._echo_logprobs(out) + logprobs
+                    logprobs = self._logprobs(out, c.logprobs or [], c.token_ids, 0, self.echo)
                 text = (prompt.text or "") + c.text if self.echo else c.text
                 choice = self._choice(i * self.params.n + c.index, text, logprobs, c.finish_reason, c, prompt,
                                       c.token_ids)
-                if self.prompt_logprobs:
-                    choice.prompt_logprobs = prompt_logprobs_body(out.prompt_logprobs)
+                if self.prompt_logprobs is not None:
+                    choice.prompt_logprobs = self._prompt_logprobs(out)
                 choices.append(choice)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=usage_info(self.prompts, outputs))
+
+    def _prompt_logprobs(self, out: RequestOutput) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` field: the number asked for, though echo may have asked the
+        engine for more."""
+        positions = out.prompt_logprobs
+        if positions is not None:
+            positions = [pos if pos is None else _cut(pos, token, self.prompt_logprobs)
+                         for pos, token in zip(positions, out.prompt_token_ids)]
+        return prompt_logprobs_body(positions)
 
     def _chunk(self, choices: list[CompletionResponseChoice], usage: UsageInfo | None = None
                ) -> CompletionStreamResponse:
         return CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                         choices=choices, usage=usage)
 
-    def _chunks(self, i: int, out: RequestOutput, states: list[StreamedChoice]
+    def _chunks(self, i: int, out: RequestOutput, states: list[_StreamedCompletion]
                 ) -> list[CompletionStreamResponse]:
         """A chunk per choice of prompt ``i`` with something new."""
         prompt, n = self.prompts[i], self.params.n
         chunks = []
         for c in out.outputs:
             state = states[c.index]
-            taken = state.take(c, self.holdback)
+            taken = state.take(c)
             if taken is None:
                 continue
             delta, new_ids, new_lps, finish = taken
+            echo = self.echo and not state.started
+            state.started = True
+            if echo:
+                delta = (prompt.text or "") + delta
             logprobs = None
             if self.params.logprobs is not None:
-                offset = (len(prompt.text or "") if self.echo else 0) + state.sent_text - len(delta)
-                logprobs = self._logprobs(new_lps or [], new_ids, offset)
-            if not state.started:
-                state.started = True
-                if self.echo:
-                    delta = (prompt.text or "") + delta
-                    if logprobs is not None:
-                        logprobs = self._echo_logprobs(out) + logprobs
+                logprobs = self._logprobs(out, new_lps or [], new_ids, state.text_offset, echo)
+                state.text_offset += sum(len(token) for token in logprobs.tokens)
             choice = self._choice(i * n + c.index, delta, logprobs, finish, c, prompt, new_ids)
             usage = choice_usage(prompt, state) if self.continuous_usage else None
             chunks.append(self._chunk([choice], usage))
@@ -153,7 +186,7 @@ class _CompletionRun:
                             ) -> AsyncIterator[list[CompletionStreamResponse]]:
         """The chunks of each engine output as it comes; with ``include_usage`` a last chunk with
         the usage and no choices."""
-        states = [[StreamedChoice() for _ in range(self.params.n)] for _ in streams]
+        states = [[_StreamedCompletion() for _ in range(self.params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:

@@ -1,0 +1,120 @@
+"""``/v1/completions`` logprobs with ``echo`` and streaming: how many top logprobs an echoed prompt
+position carries, and ``text_offset`` (the running length of the token strings, as vLLM's), on a
+tiny random Llama with a real tokenizer served live on 127.0.0.1. The references are the
+tokenizer's own decode of each token, the response without ``echo`` and the non-streamed response."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from pagedlab import LLM
+from pagedlab.engine.async_engine import AsyncEngine
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from pagedlab.server.app import ServerThread, build_app  # noqa: E402
+
+MODEL = "tiny"
+PROMPT = "The sky is"
+# the greedy completion of PROMPT has tokens that end mid-character (their text waits for the next)
+SPLIT_CHARACTER = {"prompt": PROMPT}
+# a stop string that never matches: the stream holds text back while its tokens go out
+HELD_BACK = {"prompt": [322, 74, 409, 305], "stop": ["zzzzzz"]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+    engine = AsyncEngine.from_llm(llm)
+    with ServerThread(build_app(engine, served_model_names=[MODEL])) as srv:
+        yield {"url": srv.url, "tokenizer": llm.get_tokenizer()}
+    engine.shutdown()
+    llm.close()
+
+
+def _complete(served, body: dict) -> dict:
+    r = httpx.post(served["url"] + "/v1/completions", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(served, body: dict) -> list[dict]:
+    """The chunks of a streamed completion."""
+    chunks = []
+    with httpx.stream("POST", served["url"] + "/v1/completions",
+                      json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def _tokens_and_offsets(logprobs: dict) -> list[tuple[str, int]]:
+    return list(zip(logprobs["tokens"], logprobs["text_offset"], strict=True))
+
+
+def test_echoed_positions_carry_logprobs_plus_one(served):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "logprobs": 1, "echo": True,
+            "return_token_ids": True}
+    plain = _complete(served, body)["choices"][0]
+    wide = _complete(served, {**body, "prompt_logprobs": 5})["choices"][0]
+    # prompt_logprobs keeps its own count: the chosen token and the 5 most likely at each position
+    assert all(sorted(e["rank"] for e in pos.values())[:5] == [1, 2, 3, 4, 5]
+               for pos in wide["prompt_logprobs"][1:])
+    # the echoed positions do not: the chosen token and the `logprobs` most likely, as without it
+    assert wide["logprobs"]["top_logprobs"] == plain["logprobs"]["top_logprobs"]
+    for top, pos, token in zip(wide["logprobs"]["top_logprobs"][1:], wide["prompt_logprobs"][1:],
+                               wide["prompt_token_ids"][1:]):
+        kept = [(tid, e) for tid, e in pos.items() if e["rank"] <= 1 or int(tid) == token]
+        # tokens that decode alike share one entry, the most likely one's
+        want = {e["decoded_token"]: e["logprob"] for _, e in sorted(kept, key=lambda kv: -kv[1]["rank"])}
+        assert top == pytest.approx(want)
+
+
+def test_prompt_logprobs_keep_their_count_beside_echo(served):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    alone = _complete(served, body)["choices"][0]["prompt_logprobs"]
+    with_echo = _complete(served, {**body, "logprobs": 3, "echo": True})["choices"][0]
+    assert with_echo["prompt_logprobs"] == alone
+    assert max(len(top) for top in with_echo["logprobs"]["top_logprobs"][1:]) == 4
+
+
+def test_echo_offsets_run_over_prompt_then_completion_tokens(served):
+    tokenizer = served["tokenizer"]
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+    echoed = _complete(served, {**body, "echo": True})["choices"][0]
+    plain = _complete(served, body)["choices"][0]
+    n_prompt = len(echoed["prompt_token_ids"])
+    strings = [tokenizer.decode([t]) for t in echoed["prompt_token_ids"] + echoed["token_ids"]]
+    assert echoed["logprobs"]["tokens"] == strings
+    want = list(itertools.accumulate((len(s) for s in strings[:-1]), initial=0))
+    assert echoed["logprobs"]["text_offset"] == want
+    # the completion's offsets are those without echo, after the prompt's token strings
+    prompt_len = sum(len(s) for s in strings[:n_prompt])
+    assert [o - prompt_len for o in want[n_prompt:]] == plain["logprobs"]["text_offset"]
+
+
+@pytest.mark.parametrize("extra", [
+    SPLIT_CHARACTER, HELD_BACK, {**SPLIT_CHARACTER, "echo": True}, {**HELD_BACK, "echo": True},
+    {"prompt": [PROMPT, "Once upon"], "stop": ["zzzzzz"], "n": 2, "seed": 3, "temperature": 1.0},
+], ids=["split-character", "held-back", "split-character-echo", "held-back-echo", "prompts-and-n"])
+def test_streamed_offsets_equal_the_full_response(served, extra):
+    body = {"max_tokens": 10, "temperature": 0, "logprobs": 0, **extra}
+    full = sorted(_complete(served, body)["choices"], key=lambda c: c["index"])
+    streamed: dict[int, list[tuple[str, int]]] = {c["index"]: [] for c in full}
+    texts = dict.fromkeys(streamed, "")
+    for chunk in _stream(served, body):
+        for c in chunk["choices"]:
+            streamed[c["index"]] += _tokens_and_offsets(c["logprobs"])
+            texts[c["index"]] += c["text"]
+    for choice in full:
+        assert texts[choice["index"]] == choice["text"]
+        assert streamed[choice["index"]] == _tokens_and_offsets(choice["logprobs"])
