@@ -418,7 +418,7 @@ def test_bench_serve_random_prompts(served, tmp_path):
                 "median_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                 "mean_itl_ms", "p90_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "std_ttft_ms", "duration"):
         assert isinstance(result[key], (int, float)) and result[key] >= 0, key
-    assert result["p99_e2el_ms"] >= result["p50_e2el_ms"] > result["p50_ttft_ms"]  # each e2e > its TTFT
+    assert result["p99_e2el_ms"] >= result["p50_e2el_ms"] >= result["p50_ttft_ms"]  # each e2e >= its TTFT
     # vLLM's TPOT, (e2e - TTFT) / (6 - 1) per request: the means add up
     assert result["mean_e2el_ms"] == pytest.approx(result["mean_ttft_ms"] + 5 * result["mean_tpot_ms"])
     assert all(1 <= len(itl) <= 5 for itl in result["itls"])  # gaps between the (up to 6) chunks

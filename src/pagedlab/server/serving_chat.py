@@ -21,7 +21,7 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       bad_request)
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
-                                            stop_holdback, usage_info)
+                                            usage_info)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -82,7 +82,6 @@ class _ChatRun:
         self.return_token_ids = request.return_token_ids
         self.prompt_logprobs = request.prompt_logprobs is not None
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
-        self.holdback = stop_holdback(params)
 
     def _logprobs(self, positions: Sequence[PositionLogprobs], token_ids: Sequence[int]
                   ) -> ChatCompletionLogprobs | None:
@@ -125,7 +124,7 @@ class _ChatRun:
         chunks = []
         for c in out.outputs:
             state = states[c.index]
-            taken = state.take(c, self.holdback)
+            taken = state.take(c)
             if taken is None:
                 continue
             text, new_ids, new_lps, finish = taken

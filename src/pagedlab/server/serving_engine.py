@@ -265,8 +265,8 @@ def usage_info(prompts: Sequence[EncodedPrompt], outputs: Sequence[RequestOutput
 
 # ---- streaming ----------------------------------------------------------------------------------
 class StreamedChoice:
-    """What one choice has sent so far. Text is held back by (longest stop string - 1)
-    characters until the choice finishes, so a stop string is never half-sent."""
+    """What one choice has sent so far (the engine's outputs hold back the text a stop string may
+    still claim, so what they show is final)."""
 
     __slots__ = ("done", "sent_text", "sent_tokens", "started")
 
@@ -276,15 +276,13 @@ class StreamedChoice:
         self.started = False
         self.done = False
 
-    def take(self, c: CompletionOutput, holdback: int):
+    def take(self, c: CompletionOutput):
         """(text delta, new token ids, their logprobs, finish_reason), or None when nothing is new."""
         if self.done:
             return None
         finished = c.finish_reason is not None
-        text = c.text
-        end = len(text) if finished else max(self.sent_text, len(text) - holdback)
-        delta = text[self.sent_text:end] if end > self.sent_text else ""
-        self.sent_text = max(self.sent_text, end)
+        delta = c.text[self.sent_text:]
+        self.sent_text = max(self.sent_text, len(c.text))
         new_ids = c.token_ids[self.sent_tokens:]
         new_lps = c.logprobs[self.sent_tokens:] if c.logprobs is not None else None
         self.sent_tokens = len(c.token_ids)
@@ -292,11 +290,6 @@ class StreamedChoice:
             return None
         self.done = finished
         return delta, new_ids, new_lps, c.finish_reason
-
-
-def stop_holdback(params: SamplingParams) -> int:
-    """How many characters a stream holds back so no stop string is half-sent."""
-    return max((len(s) for s in params.stop), default=1) - 1
 
 
 async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
