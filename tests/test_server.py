@@ -421,7 +421,8 @@ def test_bench_serve_random_prompts(served, tmp_path):
     assert result["p99_e2el_ms"] >= result["p50_e2el_ms"] >= result["p50_ttft_ms"]  # each e2e >= its TTFT
     # vLLM's TPOT, (e2e - TTFT) / (6 - 1) per request: the means add up
     assert result["mean_e2el_ms"] == pytest.approx(result["mean_ttft_ms"] + 5 * result["mean_tpot_ms"])
-    assert all(1 <= len(itl) <= 5 for itl in result["itls"])  # gaps between the (up to 6) chunks
+    # gaps between the (up to 6) chunks; a loaded server may send a request's tokens in fewer
+    assert all(len(itl) <= 5 for itl in result["itls"]) and any(result["itls"])
 
 
 def test_bench_serve_dataset_chat_with_rate_and_concurrency(served, tmp_path, capsys):

@@ -1,9 +1,9 @@
-"""The server under load (issue 18), bounded in count and time, on loopback: two rounds of mixed
+"""The server under load (issue 18), bounded in count and time, on loopback: three rounds of mixed
 requests (streaming and not, greedy and seeded, structured and not, completions and chat) from
 concurrent clients, a third of which disconnect after their first chunk, with bad requests
 interleaved. Afterwards every greedy and seeded answer equals the offline ``LLM.generate`` /
 ``LLM.chat``, every structured one is in its language, the KV cache is empty, nothing is left in
-the engine or the server, the second round leaves no more Python objects behind than the first,
+the engine or the server, the third round leaves no more Python objects behind than the second,
 and the /metrics counters agree with what the clients saw. A tiny random Llama with a real
 tokenizer (test_server_support), so a round takes seconds on two cores."""
 
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.sampling_params import StructuredOutputsParams
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
@@ -194,15 +194,25 @@ def _check_round(served, results, before: dict, after: dict) -> None:
     assert delta("pagedlab:generation_tokens_total") == generated, counts
 
 
-def _live_objects() -> int:
-    gc.collect()
-    return len(gc.get_objects())
+def _live_objects(timeout: float = 30.0) -> int:
+    """Objects alive once the server's handlers have let go of every request stream: a client
+    reads its last chunk before the handler that sent it has finished, so counting at once races
+    with their cleanup (on a loaded machine a round's streams could still be held)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        objects = gc.get_objects()
+        if not any(isinstance(o, RequestStream) for o in objects):
+            return len(objects)
+        assert time.monotonic() < deadline, "the server still holds request streams"
+        del objects
+        time.sleep(0.1)
 
 
-def test_mixed_load_two_rounds(served):
+def test_mixed_load_rounds(served):
     engine, app = served["engine"], served["app"]
     counts = []
-    for start in (0, REQUESTS_PER_ROUND):
+    for start in (0, REQUESTS_PER_ROUND, 2 * REQUESTS_PER_ROUND):
         before = _metrics(served["url"])
         results = asyncio.run(asyncio.wait_for(_round(served["url"], start), 240))
         after = _wait_idle(served)
@@ -210,4 +220,6 @@ def test_mixed_load_two_rounds(served):
         assert engine.engine.output_processor.num_unfinished == 0 and not engine._streams
         assert app.state.admission.num_live_sequences() == 0
         counts.append(_live_objects())
-    assert counts[1] - counts[0] < 0.01 * counts[0], counts  # the second round leaks nothing the first kept
+    # the third round leaks nothing the second kept (the second may still fill a cache or two: a
+    # code path a round's random mix first takes, about 130 objects on a loaded machine)
+    assert counts[2] - counts[1] < 0.01 * counts[1], counts
