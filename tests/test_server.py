@@ -71,12 +71,16 @@ def metrics(served) -> dict[str, float]:
 
 
 def wait_idle(served, timeout=15.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
+    """The metrics once nothing runs and two scrapes agree (a finished request's counters are
+    published a moment after the gauges show it gone)."""
+    deadline, previous = time.monotonic() + timeout, None
     while True:
         m = metrics(served)
-        if (m["pagedlab:num_requests_running"] == 0 and m["pagedlab:num_requests_waiting"] == 0
-                and m["pagedlab:kv_cache_blocks_used"] == 0):
+        idle = (m["pagedlab:num_requests_running"] == 0 and m["pagedlab:num_requests_waiting"] == 0
+                and m["pagedlab:kv_cache_blocks_used"] == 0)
+        if idle and m == previous:
             return m
+        previous = m if idle else None
         if time.monotonic() > deadline:
             raise AssertionError(f"the server did not go idle: {m}")
         time.sleep(0.02)
@@ -380,8 +384,27 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(served):
 
 
 # ---- metrics ----------------------------------------------------------------------------------
+def test_metrics_count_from_the_engine_state_when_served():
+    """An LLM that generated offline before AsyncEngine.from_llm: the server's counters start
+    there (they counted those 1,024 tokens as served when the first step published its stats)."""
+    from pagedlab.outputs import EngineStats
+    from pagedlab.server.metrics import ServerMetrics
+
+    def stats(generated: int) -> EngineStats:
+        return EngineStats(num_kv_blocks=8, block_size=16, kv_cache_bytes=1, weight_bytes=1, num_running=0,
+                           num_waiting=0, kv_blocks_used=0, peak_kv_blocks_used=0, kv_tokens_at_peak=0,
+                           prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0, num_preemptions=0,
+                           prompt_tokens_computed=3 * generated, generation_tokens=generated)
+
+    server = ServerMetrics("tiny")
+    server.count_from(stats(1024))
+    server.on_stats(stats(1056))
+    got = parse_metrics(server.render()[0].decode())
+    assert got["pagedlab:generation_tokens_total"] == 32 and got["pagedlab:prompt_tokens_total"] == 96
+
+
 def test_prometheus_metrics(served, client):
-    before = metrics(served)
+    before = wait_idle(served)  # every earlier request's counters published
     client.completions.create(model=MODEL, prompt=PROMPTS_64[9], max_tokens=MAX_TOKENS, temperature=0)
     client.completions.create(model=MODEL, prompt=PROMPTS_64[9], max_tokens=MAX_TOKENS, temperature=0)
     after = wait_idle(served)

@@ -67,6 +67,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
     if metrics is not None:
+        metrics.count_from(engine.get_stats())
         engine.add_listener(metrics)
 
     @contextlib.asynccontextmanager

@@ -105,15 +105,24 @@ class ServerMetrics:
                                                    "Generated tokens per request (all n completions).",
                                                    TOKEN_BUCKETS)
 
+    def _counters(self) -> tuple:
+        """(EngineStats field, the counter that follows it)."""
+        return (("prompt_tokens_computed", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+                ("prefix_cache_queried_tokens", self.prefix_queries),
+                ("prefix_cache_hit_tokens", self.prefix_hits), ("num_preemptions", self.preemptions))
+
+    def count_from(self, stats: EngineStats | None) -> None:
+        """Count from the engine's state now: what it ran before the server (an ``LLM`` that
+        generated offline before ``AsyncEngine.from_llm``) is not the server's."""
+        if stats is not None:
+            with self._lock:
+                self._last.update({key: getattr(stats, key) for key, _ in self._counters()})
+
     # ---- StatsListener (called from the engine thread) ------------------------------------
     def on_stats(self, stats: EngineStats) -> None:
         with self._lock:
             self._stats = stats
-            for key, counter in (("prompt_tokens_computed", self.prompt_tokens),
-                                 ("generation_tokens", self.generation_tokens),
-                                 ("prefix_cache_queried_tokens", self.prefix_queries),
-                                 ("prefix_cache_hit_tokens", self.prefix_hits),
-                                 ("num_preemptions", self.preemptions)):
+            for key, counter in self._counters():
                 value = getattr(stats, key)
                 last = self._last.get(key, 0)
                 if value < last:  # the engine reset its counters (re-plan, reset_stats)
