@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
-from pagedlab.scalars import is_1d_array, python_scalar, python_numbers
+from pagedlab.scalars import is_1d_array, is_value_list, python_numbers, python_scalar
 
 
 class _TextPromptRequired(TypedDict):
@@ -85,7 +85,7 @@ def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
 
 
 def _token_ids(ids) -> list[int]:
-    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Iterable):
+    if not is_value_list(ids):
         raise ValueError(f"prompt_token_ids={ids!r} is invalid: give a list of token ids (or a 1-D array)")
     return python_numbers(ids)
 

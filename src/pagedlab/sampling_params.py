@@ -6,11 +6,10 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedlab.names import did_you_mean
-from pagedlab.scalars import python_scalar, python_numbers
+from pagedlab.scalars import is_value_list, python_numbers, python_scalar
 
 _GREEDY_EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer (the noise's Philox key)
@@ -35,7 +34,7 @@ def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) 
         setattr(params, name, python_scalar(getattr(params, name)))
     for name in id_lists:
         ids = getattr(params, name)
-        if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)):
+        if is_value_list(ids):
             setattr(params, name, python_numbers(ids))
 
 

@@ -10,6 +10,7 @@ or batch sizes as arrays) behave as Python ones do.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
 
 def python_scalar(value):
@@ -30,6 +31,11 @@ def python_scalar(value):
 def is_1d_array(value) -> bool:
     """A 1-D numpy array or torch tensor (token ids, batch sizes)."""
     return hasattr(value, "tolist") and getattr(value, "ndim", None) == 1
+
+
+def is_value_list(value) -> bool:
+    """An iterable of values (a list, tuple, set, 1-D array or tensor), not a string or a mapping."""
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict))
 
 
 def python_numbers(values) -> list:

@@ -21,7 +21,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.lora.bench import as_list, round_robin
 from pagedlab.lora.request import LoRARequest
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
-from pagedlab.scalars import python_numbers, python_scalar
+from pagedlab.scalars import is_value_list, python_numbers, python_scalar
 from pagedlab.stats import latency_stats
 
 
@@ -277,7 +277,7 @@ def _checked_args(llm, batch_size, input_len, output_len, num_prompts, warmup, r
     def bad(name, value, allowed):
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
-    batch_sizes = python_numbers(batch_size if isinstance(batch_size, Iterable) else [batch_size])
+    batch_sizes = python_numbers(batch_size if is_value_list(batch_size) else [batch_size])
     input_len, output_len, num_prompts, warmup, repeats = map(
         python_scalar, (input_len, output_len, num_prompts, warmup, repeats))
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
