@@ -3,6 +3,7 @@ with its seed, its dataset and a run key that identifies it in the results datab
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
 from pagedlab.lab.datasets import Dataset, load_dataset
 from pagedlab.lab.metrics import METRICS
-from pagedlab.lab.schema import SECTIONS, ExperimentError, ExperimentSpec
+from pagedlab.lab.schema import SECTIONS, BenchmarkSettings, DatasetSettings, ExperimentError, ExperimentSpec
 from pagedlab.sampling_params import SamplingParams
 
 # ``where(section, key)`` gives ``file:line: key.path`` of the line that set a resolved setting
@@ -33,6 +34,7 @@ class ResolvedRun:
     seed: int
     run_key: str = ""
     dataset: Dataset | None = None
+    legacy_key: str = ""  # the key pagedlab <= 0.1 gave the run (its config as written)
 
     @property
     def group_key(self) -> str:
@@ -210,17 +212,52 @@ def _seed(spec: ExperimentSpec, config: dict, repeat: int) -> int:
 
 def _assign_run_keys(spec: ExperimentSpec, resolved: list[ResolvedRun]) -> None:
     for run in resolved:
-        ident = {"config": run.config, "repeat": run.repeat, "seed": run.seed,
+        ident = {"repeat": run.repeat, "seed": run.seed,
                  "dataset_sha256": run.dataset.sha256 if run.dataset else None}
-        digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
-        run.run_key = f"{spec.name}:{digest}"
+        run.run_key = f"{spec.name}:{_digest({'config': key_config(run.config), **ident, 'key': 2})}"
+        run.legacy_key = f"{spec.name}:{_digest({'config': run.config, **ident})}"
     keys = [r.run_key for r in resolved]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
         first = [r for r in resolved if r.run_key == dup]
         raise ExperimentError(f"{spec.filename}: runs {first[0].index} and {first[1].index} are identical "
-                              f"({first[0].label()}, repeat {first[0].repeat}): remove the duplicate from "
-                              "grid/runs")
+                              f"({first[0].label()} and {first[1].label()}, repeat {first[0].repeat}): "
+                              "remove the duplicate from grid/runs")
+
+
+def _digest(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+_SECTION_FIELDS = {section: {f.name: f for f in dataclasses.fields(cls)} for section, cls in
+                   (("engine", EngineConfig), ("sampling", SamplingParams), ("dataset", DatasetSettings),
+                    ("benchmark", BenchmarkSettings))}
+
+
+def key_config(config: dict) -> dict:
+    """The run's config as its key sees it: settings equal to their defaults left out, whole
+    numbers in float fields as floats and a lone stop string as a list, so specs that say the same
+    thing (``temperature: 0`` or ``0.0``, ``seed: 0`` spelled out or not) share one key. The
+    sampling seed is left to the key's own ``seed`` (the run's)."""
+    out = {k: v for k, v in config.items() if k not in SECTIONS}
+    for section, fields in _SECTION_FIELDS.items():
+        given = config.get(section)
+        if given is None:
+            continue
+        kept = {}
+        for name, value in given.items():
+            f = fields[name]
+            if f.type.split(" | ")[0] == "float" and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            elif name == "stop" and isinstance(value, str):
+                value = [value]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if value != default or type(value) is not type(default):
+                kept[name] = value
+        if section == "sampling":
+            kept.pop("seed", None)
+        out[section] = kept
+    return out
 
 
 def format_plan(spec: ExperimentSpec, runs: list[ResolvedRun], done: set[str]) -> str:

@@ -327,6 +327,31 @@ class ResultStore:
         with self.engine.connect() as conn:
             return set(conn.execute(q).scalars())
 
+    def rekey_runs(self, renames: dict[str, str]) -> int:
+        """Give stored runs new run keys (``{old: new}``, also in their manifests), each unless a
+        run already holds its new key; returns how many were renamed. Used when the run key's
+        recipe changes, so runs stored under an old key still count as done."""
+        sa, r = self.sa, self.t_runs
+        if not renames:
+            return 0
+        with self._write() as conn, conn.begin():
+            taken = set(conn.execute(sa.select(r.c.run_key).where(r.c.run_key.in_(list(renames.values()))))
+                        .scalars())
+            rows = conn.execute(sa.select(r.c.id, r.c.run_key, r.c.manifest)
+                                .where(r.c.run_key.in_(list(renames)))).all()
+            renamed = 0
+            for row in rows:
+                new = renames[row.run_key]
+                if new in taken:
+                    continue
+                manifest = row.manifest
+                if isinstance(manifest, dict) and isinstance(manifest.get("experiment"), dict):
+                    manifest = {**manifest, "experiment": {**manifest["experiment"], "run_key": new}}
+                conn.execute(r.update().where(r.c.id == row.id).values(run_key=new, manifest=manifest))
+                taken.add(new)
+                renamed += 1
+        return renamed
+
     def record_run(self, rec: RunRecord) -> int:
         """Store a run with its outputs in one transaction; returns its id.
 

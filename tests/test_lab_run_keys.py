@@ -1,0 +1,111 @@
+"""Run keys: specs that say the same thing share a key, settings that change a run change it, and
+runs stored under the key an earlier pagedlab gave them still count as done (and are rekeyed)."""
+
+import pytest
+
+pytest.importorskip("yaml")
+pytest.importorskip("sqlalchemy")
+
+from pagedlab.lab.experiments import ExperimentError, expand_runs, experiment_from_dict, run_experiment
+from pagedlab.lab.store import ResultStore, RunRecord
+
+MODEL = "example-org/tiny-llama"  # a hub id: expansion never loads it
+
+
+def bench_spec(**sections) -> dict:
+    return {"name": "k", "model": MODEL, "engine": {"device": "cpu", "block_size": 32},
+            "benchmark": {"batch_size": 2, "input_len": 8, "output_len": 4, "temperature": 0}, **sections}
+
+
+def dataset_spec(sampling: dict, engine: dict | None = None) -> dict:
+    return {"name": "d", "model": MODEL, "engine": {"device": "cpu", **(engine or {})}, "sampling": sampling,
+            "dataset": {"prompts": ["a b c", "d e"]}}
+
+
+def keys(spec: dict) -> list[str]:
+    return [r.run_key for r in expand_runs(experiment_from_dict(spec))]
+
+
+def test_equivalent_specs_share_a_key():
+    sampling = {"max_tokens": 4, "temperature": 0.5, "stop": ["x"]}
+    base = keys(dataset_spec(sampling))
+    assert keys(dataset_spec({"max_tokens": 4, "temperature": 0.5, "stop": "x", "seed": 0, "top_k": 0,
+                              "repetition_penalty": 1}, {"block_size": 16, "swap_space": 4})) == base
+    zero = keys(dataset_spec({"max_tokens": 4, "temperature": 0}))
+    assert keys(dataset_spec({"max_tokens": 4, "temperature": 0.0})) == zero
+    # what changes a run changes its key
+    assert keys(dataset_spec({**sampling, "stop": ["y"]})) != base
+    assert keys(dataset_spec(sampling, {"block_size": 32})) != base
+    assert keys(dataset_spec({**sampling, "seed": 1})) != base
+    assert keys(dataset_spec({**sampling, "max_tokens": 5})) != base
+    b = bench_spec()
+    b["benchmark"] = {**b["benchmark"], "temperature": 0.0, "warmup": 1}
+    assert keys(b) == keys(bench_spec())
+    b["benchmark"]["warmup"] = 2
+    assert keys(b) != keys(bench_spec())
+
+
+def test_runs_equal_up_to_spelling_are_duplicates():
+    spec = dataset_spec({"max_tokens": 4})
+    spec["grid"] = {"sampling.temperature": [1, 1.0]}
+    with pytest.raises(ExperimentError, match=r"runs 0 and 1 are identical \(sampling.temperature=1 and "
+                                              r"sampling.temperature=1.0"):
+        expand_runs(experiment_from_dict(spec))
+
+
+def test_legacy_key_is_the_earlier_recipe():
+    # the key pagedlab gave this run before keys were canonical (computed at commit 5be19e2)
+    run, = expand_runs(experiment_from_dict(bench_spec()))
+    assert run.legacy_key == "k:c664e2ef3cb31192465f52b3" != run.run_key
+
+
+def _store_legacy(db: str, run, status: str) -> None:
+    with ResultStore(db) as store:
+        store.record_run(RunRecord(experiment="k", run_key=run.legacy_key, params=run.params(), metrics={},
+                                   manifest={"experiment": {"name": "k", "run_key": run.legacy_key}},
+                                   status=status, error="boom" if status == "failed" else None))
+
+
+def _never_loaded(*args, **kwargs):
+    raise AssertionError("a run stored under its legacy key ran again")
+
+
+def test_runs_under_a_legacy_key_count_as_done(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 'r.db'}"
+    spec = experiment_from_dict(bench_spec())
+    run, = expand_runs(spec)
+    _store_legacy(db, run, "finished")
+    assert run_experiment(spec, db=db, dry_run=True).skipped == 1  # read only
+    assert "done" in capsys.readouterr().out.splitlines()[-2]
+    with ResultStore(db) as store:
+        assert store.finished_keys("k") == {run.legacy_key}
+    report = run_experiment(spec, db=db, quiet=True, llm_factory=_never_loaded)
+    assert report.skipped == 1 and report.finished == [] and report.failed == []
+    with ResultStore(db) as store:
+        stored, = store.runs(experiment="k")
+        assert stored["run_key"] == run.run_key == stored["manifest"]["experiment"]["run_key"]
+
+
+def test_failed_legacy_run_is_replaced_under_the_new_key(tmp_path):
+    db = f"sqlite:///{tmp_path / 'f.db'}"
+    spec = experiment_from_dict(bench_spec())
+    run, = expand_runs(spec)
+    _store_legacy(db, run, "failed")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no GPU")
+
+    report = run_experiment(spec, db=db, quiet=True, llm_factory=fails)
+    assert report.skipped == 0 and len(report.failed) == 1
+    with ResultStore(db) as store:
+        stored, = store.runs(experiment="k")  # one row: the new attempt replaced the old one
+        assert stored["run_key"] == run.run_key and "no GPU" in stored["error"]
+
+
+def test_rekey_leaves_a_run_already_under_its_new_key(tmp_path):
+    db = f"sqlite:///{tmp_path / 'b.db'}"
+    with ResultStore(db) as store:
+        for key in ("k:old", "k:new", "k:other"):
+            store.record_run(RunRecord(experiment="k", run_key=key, params={}, metrics={}, manifest={}))
+        assert store.rekey_runs({"k:old": "k:new", "k:other": "k:fresh", "k:absent": "k:x"}) == 1
+        assert sorted(r["run_key"] for r in store.runs(experiment="k")) == ["k:fresh", "k:new", "k:old"]
