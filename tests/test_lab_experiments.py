@@ -255,8 +255,10 @@ def test_pipeline_end_to_end_loads_weights_once(workdir, model_dir):
                                                         for o in outs]]
             assert m["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, refs).score)
             assert m["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, refs).score)
-            for o in outs:
-                assert o["text"] == tokenizer.decode(o["token_ids"], skip_special_tokens=True)
+            for o in outs:  # as vLLM: the text the tokens add after the prompt's
+                prompt_ids = tokenizer(o["prompt"]).input_ids
+                after = tokenizer.decode(prompt_ids + o["token_ids"], skip_special_tokens=True)
+                assert o["text"] == after[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
             assert 0 < m["ttft_p50_ms"] <= m["e2e_p99_ms"]
             assert m["kv_peak_used_bytes"] <= m["kv_cache_bytes"]
             # the manifest records what the engine actually ran with

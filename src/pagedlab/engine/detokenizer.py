@@ -4,13 +4,19 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    """Appends each new token's text; a token that ends mid-character waits for the next one."""
+    """Appends each new token's text; a token that ends mid-character waits for the next one.
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    The stream first reads the end of the prompt (``prompt_token_ids``) and drops its text, so
+    the first output token decodes as it does after the prompt: with SentencePiece tokenizers its
+    leading space stays (prompt text + output text is the whole text), as in vLLM."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_token_ids: list[int] = ()):
         from tokenizers.decoders import DecodeStream
 
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for token_id in _prompt_tail(self._backend, list(prompt_token_ids), skip_special_tokens):
+            self._stream.step(self._backend, token_id)
         self.text = ""
 
     def append(self, token_id: int) -> str:
@@ -29,3 +35,12 @@ def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, in
         if idx != -1 and (best is None or idx < best[1]):
             best = (stop, idx)
     return best
+
+
+def _prompt_tail(backend, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The shortest tail of the prompt, from 4 tokens up, whose text does not start mid-character."""
+    for n in range(min(4, len(prompt_token_ids)), min(24, len(prompt_token_ids)) + 1):
+        tail = prompt_token_ids[-n:]
+        if not backend.decode(tail, skip_special_tokens=skip_special_tokens).startswith("\ufffd"):
+            return tail
+    return prompt_token_ids[-4:]

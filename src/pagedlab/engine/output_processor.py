@@ -79,8 +79,10 @@ class OutputProcessor:
         parent = ParentState(request_id, prompt)
         for child in children:
             params = child.sampling_params
-            detokenizer = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                           if params.detokenize and self.tokenizer is not None else None)
+            detokenizer = None
+            if params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                     child.prompt_token_ids)
             state = CompletionState(child, detokenizer)
             if params.wants_logprobs:
                 state.logprobs = []

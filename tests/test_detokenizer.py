@@ -1,0 +1,60 @@
+"""Incremental detokenization against the tokenizer's own decode: the text the output tokens add
+after the prompt's (vLLM's convention), with a SentencePiece-style tokenizer whose decoder drops
+the first token's leading space and whose byte-fallback tokens split characters."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pagedlab.engine.detokenizer import IncrementalDetokenizer, _prompt_tail
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer():
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20,
+                            trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"]))
+    model = json.loads(tok.to_str())["model"]
+    vocab = {**model["vocab"], **{f"<0x{b:02X}>": len(model["vocab"]) + b for b in range(256)}}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok.model = models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def stream(tokenizer, prompt_ids, output_ids):
+    detok = IncrementalDetokenizer(tokenizer, True, prompt_ids)
+    pieces = [detok.append(t) for t in output_ids]
+    assert "".join(pieces) == detok.text
+    return detok.text
+
+
+@pytest.mark.parametrize("prompt,output", [
+    ("the quick", " brown fox jumps"),
+    ("<s>the lazy", " dog \u00e9 over"),  # a two-byte character over byte-fallback tokens
+    ("\u00e9 the quick brown", " fox \u00fc"),  # the prompt's 4-token tail starts mid-character
+    ("the quick brown fox", "</s>"),
+])
+def test_output_text_is_what_it_adds_to_the_prompt(sp_tokenizer, prompt, output):
+    prompt_ids = sp_tokenizer.encode(prompt, add_special_tokens=False)
+    output_ids = sp_tokenizer.encode(prompt + output, add_special_tokens=False)[len(prompt_ids):]
+    assert sp_tokenizer.decode(prompt_ids + output_ids) == prompt + output  # the split is exact
+    whole = sp_tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=True)
+    added = whole[len(sp_tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
+    assert stream(sp_tokenizer, prompt_ids, output_ids) == added
+    if output.startswith(" "):
+        assert added.startswith(" ") and not sp_tokenizer.decode(output_ids).startswith(" ")
+    # without a prompt the stream decodes as the tokenizer does
+    assert stream(sp_tokenizer, [], output_ids) == sp_tokenizer.decode(output_ids, skip_special_tokens=True)
+
+
+def test_prompt_tail_starts_on_a_character(sp_tokenizer):
+    ids = sp_tokenizer.encode("\u00e9 the quick brown", add_special_tokens=False)
+    backend = sp_tokenizer.backend_tokenizer
+    assert backend.decode(ids[-4:]).startswith("\ufffd")
+    assert _prompt_tail(backend, ids, True) == ids[-5:]
+    assert _prompt_tail(backend, ids[:2], True) == ids[:2]
