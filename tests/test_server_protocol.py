@@ -79,6 +79,9 @@ def test_bad_completion_bodies(body, param, says):
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "must be one of"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice", "tool_choice='auto' needs tools"),
+    ({"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "needs tools"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
@@ -86,6 +89,11 @@ def test_bad_completion_bodies(body, param, says):
 def test_bad_chat_bodies(body, param, says):
     error = _error(ChatCompletionRequest, body)
     assert error.info.param == param and says in error.info.message
+
+
+def test_tool_choice_none_is_no_tools():
+    request = parse_request(ChatCompletionRequest, {"messages": CHAT, "tool_choice": "none", "tools": []})
+    assert request.tool_choice == "none"
 
 
 def test_lenient_where_openai_is():

@@ -345,6 +345,7 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     functions: list | None = None
+    tool_choice: str | dict | None = None
     # vLLM's extensions
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)
@@ -362,6 +363,14 @@ class ChatCompletionRequest(SamplingRequest):
     def _no_tools(cls, value: list, info: ValidationInfo) -> list:
         if value:
             raise ValueError(f"{info.field_name} are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
+        if value not in (None, "none"):  # vLLM: 'auto', 'required' or a named tool need tools
+            raise ValueError(f"tool_choice={value!r} needs tools, which this server does not support; "
+                             "give 'none' or leave it out")
         return value
 
     @property
