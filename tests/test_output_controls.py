@@ -97,6 +97,25 @@ def test_the_token_that_stops_a_sequence_stays_out_of_its_text(chat_model):
             assert out.text == tokenizer.decode(plain[:k + 1 if include else k])
 
 
+def test_stop_strings_wait_past_min_tokens(chat_model):
+    """vLLM's rule: a stop string counts only once more than min_tokens tokens are out, so the
+    min_tokens-th token never ends the text early."""
+    path, _ = chat_model
+    with LLM(path, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        full, piece = tokenizer.decode(plain), lambda j: tokenizer.decode(plain[j:j + 1])
+        k = next(j for j in range(2, len(plain) - 1) if piece(j).strip() and "\ufffd" not in piece(j)
+                 and full.count(piece(j)) == 1 and piece(j) not in tokenizer.decode(plain[:j]))
+        stop = piece(k)
+        stopped = llm.generate(PROMPT, greedy.clone(stop=[stop], min_tokens=k), use_tqdm=False)[0].outputs[0]
+        assert stopped.token_ids == plain[:k + 1]
+        assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+        held = llm.generate(PROMPT, greedy.clone(stop=[stop], min_tokens=k + 1), use_tqdm=False)[0].outputs[0]
+        assert held.token_ids == plain and held.finish_reason == "length" and stop in held.text
+
+
 def _hf_step_logprobs(hf, ids: list[int], num_new: int) -> torch.Tensor:
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -num_new - 1:-1].float()

@@ -127,7 +127,7 @@ class OutputProcessor:
             return None
         new_text = state.detokenizer.append(token)
         state.text = state.detokenizer.text
-        if (not params.stop or not new_text or request.num_output_tokens < params.min_tokens
+        if (not params.stop or not new_text or request.num_output_tokens <= params.min_tokens
                 or request.finish_reason == "stop"):
             return None
         hit = find_stop_string(state.text, len(new_text), params.stop)
