@@ -358,19 +358,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
-    @field_validator("tools", "functions")
+    @field_validator("tools", "functions", "tool_choice")
     @classmethod
-    def _no_tools(cls, value: list, info: ValidationInfo) -> list:
-        if value:
-            raise ValueError(f"{info.field_name} are not supported by this server")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
-        if value not in (None, "none"):  # vLLM: 'auto', 'required' or a named tool need tools
+    def _no_tools(cls, value, info: ValidationInfo):
+        if info.field_name == "tool_choice" and value not in (None, "none"):  # vLLM: a choice needs tools
             raise ValueError(f"tool_choice={value!r} needs tools, which this server does not support; "
                              "give 'none' or leave it out")
+        if info.field_name != "tool_choice" and value:
+            raise ValueError(f"{info.field_name} are not supported by this server")
         return value
 
     @property
