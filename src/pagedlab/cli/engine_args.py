@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from pagedlab.config import ENGINE_FIELDS, EngineConfig
 
@@ -29,9 +30,32 @@ def parse_bytes(value: str) -> int:
     try:
         number = float(text[:-1] if scale != 1 else text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)") from None
+        number = math.nan
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)")
     return int(number * scale)
+
+
+def positive_int(value: str) -> int:
+    """A count or a length: a whole number >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return number
+
+
+def fraction(value: str) -> float:
+    """A share of something: a number in (0, 1]."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number in (0, 1]")
+    return number
 
 
 def _value_type(field: dataclasses.Field):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+from pagedlab.cli.engine_args import fraction, positive_int
 
 
 def register(subparsers) -> None:
@@ -26,13 +29,13 @@ def register(subparsers) -> None:
     where.add_argument("--gpu", help="a GPU by name: H200, H100-80GB, A100-80GB, A100-40GB, L40S, "
                                      "RTX-4090, ...")
     where.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB or 80GB")
-    plan.add_argument("--tensor-parallel-size", type=int, default=1)
+    plan.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     plan.add_argument("--quantization", default=None, help="none (default), fp8 or awq")
     plan.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8")
-    plan.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
-    plan.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    plan.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    plan.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's")
+    plan.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    plan.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=cmd_plan)
 
@@ -113,12 +116,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _model_config(model: str):
     if Path(model).is_dir():
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"--model {model!r}: the directory has no config.json")
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model)
     from pagedlab.workloads import model_shape
 
-    return model_shape(model)
+    try:
+        return model_shape(model)
+    except ValueError as e:
+        raise ValueError(f"--model {model!r} is not a directory; as a benchmark shape: {e}") from None
 
 
 def _parse_bytes(text: str) -> int:
@@ -128,10 +136,14 @@ def _parse_bytes(text: str) -> int:
     for unit, scale in units.items():
         if lowered.endswith(unit):
             try:
-                return int(float(lowered[: -len(unit)]) * scale)
+                size = float(lowered[: -len(unit)]) * scale
             except ValueError:
                 break
-    raise ValueError(f"--gpu-memory {text!r} is invalid: give a size such as 24GiB, 80GB or 40960MiB")
+            if 1 <= size < math.inf:
+                return int(size)
+            break
+    raise ValueError(f"--gpu-memory {text!r} is invalid: give a positive size such as 24GiB, 80GB or "
+                     "40960MiB")
 
 
 def _none(value: str | None) -> str | None:

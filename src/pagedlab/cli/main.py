@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pagedlab import __version__
 from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args,
-                                      changed_engine_kwargs, engine_kwargs)
+                                      changed_engine_kwargs, engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
 
@@ -116,6 +117,17 @@ def check_bench_flags(args: argparse.Namespace) -> None:
     if args.shape is not None and args.model is not None:
         raise ValueError(f"--shape {args.shape} and --model {args.model} both name the model: give one "
                          "(--shape builds dummy weights of a benchmark shape)")
+    if args.json is not None:
+        check_writable(args.json)
+
+
+def check_writable(path: str) -> None:
+    """A ValueError, before any work, where the results could not be written to ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--json {path} is a directory: give a file name")
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise ValueError(f"--json {path}: {folder} is not a writable directory")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -125,19 +137,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     changed = {k: v for k, v in changed_engine_kwargs(args).items() if k != "model"}
     default_sizes = [1] if args.bench_command == "latency" else [1, 16, 64, 256]
     shape = args.shape or workloads.DEFAULT_SHAPES[args.workload]
+    lora = bench_lora(args)
     if args.model is None:
         warn_cpu_shape(shape, args.device)
-    results = workloads.run_bench(
+    results = workloads.run_bench(  # the size flags are None or >= 1 (positive_int)
         args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
         args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
         model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
-        latency=args.bench_command == "latency", profile_dir=args.profile, lora=bench_lora(args))
+        latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora)
     for row in results:
         if "profile" in row.extra:
             print(f"{row.label}: profile in {row.extra['profile']['dir']} (kernels by kind: "
                   f"{row.extra['profile']['kernel_table']})")
     if args.json:
-        workloads.write_json(args.json, results, " ".join(sys.argv))
+        try:
+            workloads.write_json(args.json, results, " ".join(sys.argv))
+        except OSError as e:
+            raise ValueError(f"--json {args.json}: {e}; the rows above are all the results") from None
     return 0
 
 
@@ -193,15 +209,15 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--shape", default=None, choices=SHAPES,
                        help="benchmark shape built with dummy weights when no --model is given (default: "
                             "the workload's); examples/shapes/ holds their config.json files")
-        p.add_argument("--batch-size", type=int, nargs="+", default=None,
+        p.add_argument("--batch-size", type=positive_int, nargs="+", default=None,
                        help=f"W-seed/W-lat/custom: batch sizes (default: {sizes})")
         for flag, what in (("input_len", "prompt tokens"), ("output_len", "output tokens")):
-            p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
+            p.add_argument("--" + flag.replace("_", "-"), type=positive_int, default=None,
                            help=f"W-seed/W-lat/custom: {what} (default: {BENCH_SIZE_DEFAULTS[flag]})")
-        p.add_argument("--num-prompts", type=int, default=None,
+        p.add_argument("--num-prompts", type=positive_int, default=None,
                        help="prompts per run (default: the batch size; 256 for W-nano/W-prefix, 4 for "
                             "W-long)")
-        p.add_argument("--repeats", type=int, default=1 if name == "throughput" else 3)
+        p.add_argument("--repeats", type=positive_int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
         p.add_argument("--num-loras", type=int, default=None, metavar="N",

@@ -1,0 +1,196 @@
+"""Bad values on the command line are refused up front, naming the flag and what it takes (exit 2,
+no traceback); ``pagedlab bench`` checks where its ``--json`` goes before it runs. No model loads:
+``run_bench`` is replaced by a recorder."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedlab import workloads
+from pagedlab.cli.main import main
+
+
+@pytest.fixture
+def bench_calls(monkeypatch):
+    """The arguments of every ``workloads.run_bench`` call (which returns no rows)."""
+    calls = []
+    monkeypatch.setattr(workloads, "run_bench", lambda *args, **kwargs: calls.append((args, kwargs)) or [])
+    return calls
+
+
+def usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "infGiB", "12XB"])
+def test_a_byte_count_that_is_no_number_is_a_usage_error(value, capsys):
+    err = usage_error(["generate", f"--kv-cache-memory-bytes={value}", "--prompt", "hi"], capsys)
+    assert f"argument --kv-cache-memory-bytes: {value!r} is not a byte count" in err
+
+
+@pytest.mark.parametrize("flag, value", [("--input-len", "0"), ("--output-len", "0"), ("--num-prompts", "0"),
+                                         ("--num-prompts", "-3"), ("--repeats", "0"), ("--batch-size", "x")])
+def test_bench_sizes_below_one_are_refused(flag, value, bench_calls, capsys):
+    err = usage_error(["bench", "throughput", "--shape", "qwen3-0.6b", f"{flag}={value}"], capsys)
+    assert f"argument {flag}: {value!r} is not a whole number >= 1" in err
+    assert bench_calls == []
+
+
+def test_bench_batch_sizes_are_each_checked(bench_calls, capsys):
+    err = usage_error(["bench", "throughput", "--shape", "qwen3-0.6b", "--batch-size", "4", "0"], capsys)
+    assert "argument --batch-size: '0' is not a whole number >= 1" in err
+
+
+@pytest.mark.parametrize("command, given, sizes", [
+    ("throughput", [], ([1, 16, 64, 256], 512, 128)),
+    ("latency", [], ([1], 512, 128)),
+    ("throughput", ["--batch-size", "2", "3", "--input-len", "7", "--output-len", "1"], ([2, 3], 7, 1)),
+])
+def test_bench_passes_the_sizes_given_else_the_defaults(command, given, sizes, bench_calls):
+    assert main(["bench", command, "--shape", "qwen3-0.6b", *given]) == 0
+    (args, kwargs), = bench_calls
+    assert args[1:4] == sizes and kwargs["repeats"] == (1 if command == "throughput" else 3)
+
+
+@pytest.mark.parametrize("where, message", [("missing/out.json", "is not a writable directory"),
+                                            (".", "is a directory: give a file name")])
+def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, message, tmp_path, bench_calls,
+                                                                     capsys):
+    path = str(tmp_path / where)
+    assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", path]) == 2
+    assert f"--json {path}" in (err := capsys.readouterr().err) and message in err
+    assert bench_calls == []
+
+
+def test_bench_json_write_failure_is_an_error_not_a_traceback(tmp_path, bench_calls, monkeypatch, capsys):
+    def fail(path, results, command):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(workloads, "write_json", fail)
+    path = str(tmp_path / "out.json")
+    assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", path]) == 2
+    assert f"--json {path}: [Errno 28] No space left on device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--gpu-memory-utilization", "2", "a number in (0, 1]"),
+    ("--gpu-memory-utilization", "0", "a number in (0, 1]"),
+    ("--max-model-len", "0", "a whole number >= 1"), ("--max-model-len", "-5", "a whole number >= 1"),
+    ("--max-num-batched-tokens", "0", "a whole number >= 1"),
+    ("--tensor-parallel-size", "0", "a whole number >= 1"),
+])
+def test_plan_refuses_settings_out_of_range(flag, value, allowed, capsys):
+    err = usage_error(["plan", "--model", "llama3-8b", "--gpu", "H200", f"{flag}={value}"], capsys)
+    assert f"argument {flag}: {value!r} is not {allowed}" in err
+
+
+@pytest.mark.parametrize("size", ["infGiB", "nanGiB", "-5GiB", "0GiB"])
+def test_plan_refuses_a_gpu_memory_that_is_no_positive_size(size, capsys):
+    assert main(["plan", "--model", "llama3-8b", f"--gpu-memory={size}"]) == 2
+    assert f"--gpu-memory {size!r} is invalid: give a positive size" in capsys.readouterr().err
+
+
+def test_plan_names_a_model_directory_without_config_json(tmp_path, capsys):
+    assert main(["plan", "--model", str(tmp_path), "--gpu", "H200"]) == 2
+    assert f"--model {str(tmp_path)!r}: the directory has no config.json" in capsys.readouterr().err
+
+
+def test_plan_says_a_missing_model_is_neither_directory_nor_shape(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    assert main(["plan", "--model", missing, "--gpu", "H200"]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {missing!r} is not a directory" in err and "llama3-8b" in err
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from pagedlab.lab.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def test_generate_reads_stdin_prompts_one_per_line(tiny_dir, monkeypatch, capsys):
+    import io
+    import json
+
+    import torch
+    import transformers
+
+    from conftest import hf_greedy
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the quick brown fox\n\n   \nwhat is the capital\n"))
+    argv = ["generate", "--model", tiny_dir, "--dtype", "float32", "--max-tokens", "5", "--json", "--quiet"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    assert [row["prompt"] for row in rows] == ["the quick brown fox", "what is the capital"]
+    for row in rows:
+        assert row["prompt_token_ids"] == tokenizer(row["prompt"]).input_ids
+        assert row["token_ids"] == hf_greedy(model, row["prompt_token_ids"], 5)
+        whole = tokenizer.decode(row["prompt_token_ids"] + row["token_ids"], skip_special_tokens=True)
+        prompt = tokenizer.decode(row["prompt_token_ids"], skip_special_tokens=True)
+        assert row["text"] == whole[len(prompt):]  # what the tokens add after the prompt (vLLM)
+
+
+def test_generate_without_prompts_says_how_to_give_them(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    assert main(["generate"]) == 2
+    assert "give --prompt TEXT (repeatable) or prompts on standard input" in capsys.readouterr().err
+
+
+def test_sampling_flags_map_to_their_sampling_params():
+    from pagedlab import SamplingParams
+    from pagedlab.cli.main import build_parser, sampling_params
+
+    args = build_parser().parse_args(["generate", "--max-tokens", "9", "--temperature", "0.7",
+                                      "--top-p", "0.5", "--top-k", "3", "--sampling-seed", "11"])
+    assert sampling_params(args) == SamplingParams(max_tokens=9, temperature=0.7, top_p=0.5, top_k=3, seed=11)
+    chat_default = SamplingParams(max_tokens=512, temperature=0.0)
+    assert sampling_params(build_parser().parse_args(["chat"])) == chat_default
+
+
+def test_chat_puts_the_system_prompt_first(tiny_dir, monkeypatch, capsys):
+    import io
+
+    import torch
+    import transformers
+
+    from pagedlab.lab.repro.hf import hf_greedy_whole_sequence
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("what is the capital\n/exit\n"))
+    argv = ["chat", "--model", tiny_dir, "--dtype", "float32", "--max-tokens", "6",
+            "--system", "the lazy dog"]
+    assert main(argv) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    history = [{"role": "system", "content": "the lazy dog"},
+               {"role": "user", "content": "what is the capital"}]
+    prompt_ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    # unmasked forwards: the template's words are <unk>, which is also the pad id generate() would mask
+    reply_ids = hf_greedy_whole_sequence(model, prompt_ids, 6, {tokenizer.eos_token_id})[0]
+    whole = tokenizer.decode(prompt_ids + reply_ids, skip_special_tokens=True)
+    reply = whole[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)):]  # what it adds (vLLM)
+    assert capsys.readouterr().out == reply + "\n"
+
+
+def test_an_interrupted_command_exits_130(monkeypatch):
+    import pagedlab
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pagedlab, "LLM", interrupted)
+    assert main(["generate", "--prompt", "hi"]) == 130
+
+
+def test_a_bad_lora_flag_is_refused_before_the_cpu_warning(bench_calls, capsys):
+    assert main(["bench", "throughput", "--device", "cpu", "--lora-rank", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "give --num-loras too" in err and "warning" not in err and bench_calls == []
