@@ -70,6 +70,51 @@ def test_batch_consistency_detects_batch_dependent_logits(chat_llm, monkeypatch)
     assert r.metrics["first_divergence"] is not None
 
 
+def test_compare_outputs_by_hand():
+    ref_ids, ref_lps = [[1, 2, 3], [4, 5, 6]], [[-0.1, -0.9, -0.3], [-1.0, -1.0, -1.0]]
+    ids, lps = [[1, 2, 3], [4, 9, 6]], [[-0.1, -0.2, -0.3], [-1.5, -3.0, -9.0]]
+    # prompt 0 agrees, |Δ| 0.7 at token 1; prompt 1 diverges at token 1, so only token 0 (0.5) counts
+    from pagedlab.lab.repro.compare import compare_outputs
+
+    got = compare_outputs(ref_ids, ref_lps, ids, lps)
+    assert got == {"prompts_differing": 1, "first_divergence": 1, "max_logprob_diff": pytest.approx(0.7)}
+
+
+def test_batch_consistency_detects_logprob_drift_without_token_changes(chat_llm, monkeypatch):
+    model = chat_llm.llm_engine.runner.model
+    original = model.compute_logits
+
+    def batch_dependent_temperature(hidden):  # scaled logits: the same argmax, other logprobs
+        return original(hidden) * (1.0 + 0.01 * (hidden.shape[0] - 1))
+
+    monkeypatch.setattr(model, "compute_logits", batch_dependent_temperature)
+    r = repro.batch_consistency(chat_llm, PROMPTS, max_tokens=8, variants=["full_batch"])
+    assert r.metrics["full_batch.prompts_differing"] == 0  # the same tokens...
+    assert r.metrics["full_batch.max_logprob_diff"] > 1e-3  # ...with moved logprobs
+    assert r.verdict == "differs", r.format()
+    loose = repro.batch_consistency(chat_llm, PROMPTS, max_tokens=8, variants=["full_batch"],
+                                    logprob_tolerance=1.0)
+    assert loose.verdict == "same", loose.format()
+
+
+def test_batch_prefix_cache_variant_reads_the_cache_or_says_it_did_not(chat_llm):
+    long = [list(range(5, 45)), list(range(50, 83))]  # 40 and 33 tokens
+    r = repro.batch_consistency(chat_llm, long, max_tokens=4, variants=["prefix_cache_on", "full_batch"])
+    # the warm pass caches each prompt's full 16-token blocks but the last token's: 32 + 32
+    assert r.metrics["prefix_cache_on.cached_prompt_tokens"] == 64
+    assert r.details["full_batch"]["cached_prompt_tokens"] == 0 and "tested nothing" not in r.summary
+    short = repro.batch_consistency(chat_llm, [list(range(5, 15)), list(range(20, 36))], max_tokens=4,
+                                    variants=["prefix_cache_on"])
+    assert short.metrics["prefix_cache_on.cached_prompt_tokens"] == 0
+    assert "prefix_cache_on read no prompt token from the cache, so it tested nothing" in short.summary
+
+
+def test_checks_refuse_no_prompts(chat_llm):
+    for check in (repro.batch_consistency, repro.seed_sensitivity):
+        with pytest.raises(ValueError, match="no prompts: give at least one prompt"):
+            check(chat_llm, [])
+
+
 def test_first_divergence():
     assert repro.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert repro.first_divergence([1, 2, 3], [1, 5, 3]) == 1
@@ -93,6 +138,19 @@ def test_seed_sensitivity_greedy_is_same_sampling_differs(chat_llm):
     assert st["min"] <= st["mean"] <= st["max"] and st["std"] > 0
 
 
+def test_seed_threshold_per_metric_and_metrics_that_compare_nothing(chat_llm):
+    hot = SamplingParams(temperature=1.5, max_tokens=12, logprobs=0)
+    strict = repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=range(3),
+                                    threshold={"mean_token_logprob": 0.0})
+    assert "mean_token_logprob" in strict.details["flagged"]
+    loose = repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=range(3),
+                                   threshold={"mean_token_logprob": 10.0, "mean_output_tokens": 10.0,
+                                              "distinct_2": 10.0})
+    assert loose.verdict == "same" and loose.details["flagged"] == [], loose.format()
+    with pytest.raises(ValueError, match="share no metric over every seed"):
+        repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=range(2), metrics_fn=lambda outs, refs: {})
+
+
 def test_summarize_numbers():
     s = repro.summarize([1.0, 2.0, 3.0])
     assert s["mean"] == 2.0 and s["std"] == 1.0 and s["min"] == 1.0 and s["max"] == 3.0
@@ -110,6 +168,19 @@ def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
                                   engine_args=args)
     assert drift.verdict == "differs", drift.format()
     assert drift.metrics["bfloat16.mean_kl"] > 1e-3
+    # bfloat16 ties two tokens where float32 picked the higher id: greedy takes the lower, and so
+    # must the teacher-forced top-1 (not the actual token listed first)
+    assert drift.metrics["bfloat16.first_divergence"] == 0 and drift.metrics["bfloat16.top1_agreement"] < 1.0
+    kl_blind = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), max_tokens=8,
+                                     kl_threshold=1.0, engine_args=args)
+    assert kl_blind.metrics["bfloat16.mean_kl"] < 1.0 and kl_blind.verdict == "differs"  # greedy differs
+
+
+def test_top1_breaks_ties_as_greedy_argmax():
+    from pagedlab.lab.repro.compare import top1
+
+    assert top1({53: -2.9, 16: -2.9, 7: -3.5}) == 16
+    assert top1({53: -1.0, 16: -2.9}) == 53
 
 
 def test_topk_kl_equals_exact_kl_with_full_vocab_and_bounds_it_below():
@@ -146,6 +217,23 @@ def test_tokenizer_drift_detects_removed_merge(chat_dir, merge_removed_dir, chat
     assert {"bleu_a", "bleu_b", "bleu_delta", "exact_match_a", "exact_match_b"} <= set(r.metrics)
 
 
+def test_tokenizer_drift_sees_outputs_decoded_differently(chat_dir, chat_llm, tmp_path):
+    """Tokenizer B encodes as A but has lost its ByteLevel decoder: same ids, other output text."""
+    b = tmp_path / "b"
+    shutil.copytree(chat_dir, b, ignore=shutil.ignore_patterns("*.safetensors"))
+    tok = json.loads((b / "tokenizer.json").read_text())
+    tok["decoder"] = None
+    (b / "tokenizer.json").write_text(json.dumps(tok))
+    r = repro.tokenizer_drift(chat_dir, str(b), PROMPTS, llm=chat_llm, max_tokens=8)
+    assert r.metrics["fraction_tokenized_differently"] == 0 and r.metrics["output_exact_match"] < 1.0
+    assert r.verdict == "differs", r.format()
+
+
+def test_tokenizer_that_does_not_load_is_named(chat_dir):
+    with pytest.raises(ValueError, match="tokenizer '/no/such/tokenizer' could not be loaded"):
+        repro.tokenizer_drift(chat_dir, "/no/such/tokenizer", PROMPTS)
+
+
 # ---- padding -----------------------------------------------------------------------------------------
 def test_padding_correct_mask_same_broken_mask_differs(chat_dir):
     import transformers
@@ -158,6 +246,11 @@ def test_padding_correct_mask_same_broken_mask_differs(chat_dir):
     broken = repro.padding_check(hf, PROMPTS, max_tokens=8, attention_mask="ones")
     assert broken.verdict == "differs", broken.format()
     assert broken.metrics["prompts_differing"] > 0 or broken.metrics["max_logprob_diff"] > 1e-3
+    # float32 SDPA with and without padding rounds differently: a tolerance below that differs
+    assert ok.metrics["max_logprob_diff"] > 0
+    tight = repro.padding_check(hf, PROMPTS, max_tokens=8,
+                                logprob_tolerance=ok.metrics["max_logprob_diff"] / 2)
+    assert tight.metrics["prompts_differing"] == 0 and tight.verdict == "differs", tight.format()
 
 
 # ---- HF parity ---------------------------------------------------------------------------------------
@@ -169,6 +262,22 @@ def test_hf_parity_same_weights_same_other_dtype_differs(chat_llm):
     bf = repro.hf_parity(chat_llm, PROMPTS, max_tokens=8, hf_dtype="bfloat16")
     assert bf.verdict == "differs", bf.format()
     assert bf.metrics["max_abs_logprob_diff"] > 1e-3
+    firsts = [next((i for i, (a, b) in enumerate(zip(h, q)) if a != b), min(len(h), len(q)))
+              for h, q in zip(bf.details["hf"], bf.details["pagedlab"]) if h != q]
+    assert bf.metrics["first_divergence"] == min(firsts)
+    # float32 agrees to ~1e-6, not bitwise: a tolerance below that differs on logprobs alone
+    tight = repro.hf_parity(chat_llm, PROMPTS, max_tokens=8,
+                            logprob_tolerance=r.metrics["max_abs_logprob_diff"] / 2)
+    assert tight.metrics["greedy_match_rate"] == 1.0 and tight.metrics["top1_agreement"] == 1.0
+    assert tight.verdict == "differs", tight.format()
+
+
+def test_hf_dtype_is_checked(chat_llm):
+    with pytest.raises(ValueError, match=r"HF dtype 'bf17' is invalid: give one of \[.*'bf16'"):
+        repro.hf_parity(chat_llm, PROMPTS, hf_dtype="bf17")
+    from pagedlab.lab.repro.hf import hf_torch_dtype
+
+    assert hf_torch_dtype("bf16") is torch.bfloat16 and hf_torch_dtype("float32") is torch.float32
 
 
 def test_hf_parity_of_longrope_prompts_crossing_the_switch(tiny_models):
@@ -279,6 +388,63 @@ def test_cli_seeds_check_takes_an_experiments_sampling_params(chat_dir, tmp_path
     assert "[seeds] DIFFERS" in capsys.readouterr().out
     assert main(args + ["--sampling", '{"temperature": 0.0}']) == 0
     assert "[seeds] SAME" in capsys.readouterr().out
+
+
+def test_load_prompts_files_and_their_mistakes(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "reference": "x"}\n\n{"prompt_token_ids": [3, 4]}\n')
+    assert repro.load_prompts(f) == (["a", [3, 4]], ["x", None])
+    f.write_text('{"prompt": "a"}\n')
+    assert repro.load_prompts(f) == (["a"], None)
+    bad = {"e.jsonl": ("", "holds no prompts"), "e.json": ("[]", "holds no prompts"),
+           "d.json": ('{"prompt": "hi"}', "holds no prompts: give a non-empty list"),
+           "n.jsonl": ('{"prompt": 5}', "item 0: 'prompt' is 5, not text"),
+           "t.jsonl": ('{"prompt_token_ids": "12"}',
+                       "item 0: 'prompt_token_ids' is '12', not a non-empty list"),
+           "k.jsonl": ('{"text": "hi"}', "item 0 has no 'prompt' or 'prompt_token_ids'")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            repro.load_prompts(tmp_path / name)
+
+
+def test_cli_default_checks_need_no_extra_arguments():
+    from pagedlab.lab.repro_cli import default_checks
+
+    assert default_checks(None, None) == ["batch", "seeds", "precision", "padding", "hf"]
+    assert default_checks("tok_b/", "adapter/") == list(repro.ALL_CHECKS)
+
+
+def test_cli_refuses_bad_options_before_loading_a_model(chat_dir, capsys):
+    from pagedlab.lab.repro_cli import main
+
+    base = ["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB"]
+    cases = [(["--checks", "batch,precision", "--dtypes", "float32,bfloat61"], "--dtypes: precision variant "
+              "'bfloat61': 'bfloat61' is neither a dtype"),
+             (["--checks", "batch,precision", "--dtypes", "float32"], "give at least two precision variants"),
+             (["--checks", "batch,hf", "--hf-dtype", "bf17"], "--hf-dtype: HF dtype 'bf17' is invalid"),
+             (["--checks", "batch,tokenizer", "--tokenizer-b", "/no/such/tok"],
+              "tokenizer '/no/such/tok' could not be loaded")]
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        out, err = capsys.readouterr()
+        assert message in err and "loading" not in out, (extra, out, err)
+
+
+def test_cli_keeps_finished_checks_when_a_later_one_fails(chat_dir, tmp_path, monkeypatch, capsys):
+    from pagedlab.lab import repro_cli
+
+    def fails(args, prompts, bar):
+        raise ValueError("padding broke")
+
+    monkeypatch.setattr(repro_cli, "_padding_check", fails)
+    out = tmp_path / "report.json"
+    rc = repro_cli.main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes",
+                         "16MiB", "--checks", "batch,padding", "--max-tokens", "2", "--out", str(out)])
+    assert rc == 2 and "error: padding broke" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert [c["check"] for c in report["checks"]] == ["batch"]
+    assert report["error"] == "ValueError: padding broke"
 
 
 # ---- SmolLM2 -----------------------------------------------------------------------------------------

@@ -43,6 +43,12 @@ def _checks(value: str) -> list[str]:
     return names
 
 
+def default_checks(tokenizer_b: str | None, lora: str | None) -> list[str]:
+    """The checks run without ``--checks``: all of them, but tokenizer only with a second tokenizer
+    (``--tokenizer-b``) and lora only with an adapter (``--lora``)."""
+    return [c for c in ALL_CHECKS if (c != "tokenizer" or tokenizer_b) and (c != "lora" or lora)]
+
+
 def register(subparsers) -> None:
     """Add ``repro check`` to an argparse subparsers object."""
     p = subparsers.add_parser("repro", help="reproducibility checks: batch invariance, seeds, precision, "
@@ -55,8 +61,9 @@ def register(subparsers) -> None:
     c.add_argument("--prompts", default=None,
                    help="prompt file: one text prompt per line, or .jsonl/.json with 'prompt' (or "
                         "'prompt_token_ids') and optional 'reference' (default: 8 built-in prompts)")
-    c.add_argument("--checks", type=_checks, default=[c for c in ALL_CHECKS if c != "lora"],
-                   help=f"comma-separated subset of {','.join(ALL_CHECKS)}, or all (default: all but lora)")
+    c.add_argument("--checks", type=_checks, default=None,
+                   help=f"comma-separated subset of {','.join(ALL_CHECKS)}, or all (default: all but "
+                        "tokenizer and lora, each added when --tokenizer-b or --lora is given)")
     c.add_argument("--db", default=None, help=_DB_HELP)
     c.add_argument("--out", default=None, help="write every result (numbers and details) to this JSON file")
     c.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
@@ -138,9 +145,12 @@ class CheckAnnouncer:
 
 def cmd_repro_check(args: argparse.Namespace) -> int:
     """Run the chosen checks, print each verdict, store and write the results when asked."""
-    from pagedlab.lab.store import ResultStore, jsonable
+    from pagedlab.lab.store import ResultStore
 
-    checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
+    if args.checks is None:
+        checks = default_checks(args.tokenizer_b, args.lora)
+    else:
+        checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
     if args.prompts:
         prompts, references = repro.load_prompts(args.prompts)
     else:
@@ -153,6 +163,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
         print("error: the lora check needs --lora DIR (a PEFT adapter directory)", file=sys.stderr)
         return 2
     seed_params = _seed_params(args) if "seeds" in checks else None  # bad JSON fails early
+    _check_inputs(args, checks)
     store = ResultStore(args.db) if args.db else None
     results: list[repro.CheckResult] = []
     announce = CheckAnnouncer(checks, bars=not args.no_progress)
@@ -164,6 +175,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
             print(f"    stored as run {run_id} in {store.url}", flush=True)
         results.append(result)
 
+    error = None
     try:
         _run_llm_checks(args, checks, prompts, references, seed_params, done, announce)
         for name, check in (("precision", _precision_check), ("padding", _padding_check)):
@@ -171,16 +183,45 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
                 with announce.start(name) as bar:
                     result = check(args, prompts, bar)
                 done(result)
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
     finally:
         if store is not None:
             store.close()
-    differing = [r.check for r in results if not r.same]
+        _report(args, results, error)
+    return 1 if (args.strict and any(not r.same for r in results)) else 0
+
+
+def _report(args, results: list, error: str | None) -> None:
+    """Print the verdicts and write ``--out``: also when a check failed (``error``), so the checks
+    that finished before it are kept."""
+    from pagedlab.lab.store import jsonable
+
     print(f"\n{len(results)} checks: " + ", ".join(f"{r.check} {r.verdict}" for r in results))
     if args.out:
-        Path(args.out).write_text(json.dumps({"model": args.model,
-                                              "checks": [jsonable(r.to_dict()) for r in results]}, indent=2))
-        print(f"wrote {args.out}")
-    return 1 if (args.strict and differing) else 0
+        report = {"model": args.model, "checks": [jsonable(r.to_dict()) for r in results]}
+        if error is not None:
+            report["error"] = error
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}" + (" (the checks finished before the error)" if error else ""))
+
+
+def _check_inputs(args, checks: list[str]) -> None:
+    """Refuse bad values of the checks' own options before any model loads (ValueError)."""
+    if "precision" in checks:
+        _precision_variants(args.dtypes)
+    if "hf" in checks:
+        from pagedlab.lab.repro.hf import hf_torch_dtype
+
+        try:
+            hf_torch_dtype(args.hf_dtype)
+        except ValueError as e:
+            raise ValueError(f"--hf-dtype: {e}") from None
+    if "tokenizer" in checks:
+        from pagedlab.lab.repro.tokenizer import load_tokenizer
+
+        load_tokenizer(args.tokenizer_b)
 
 
 def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, done, announce) -> None:
@@ -223,11 +264,24 @@ def _shared_model_check(name: str, llm, args, prompts, references, seed_params, 
                            logprob_tolerance=args.logprob_tolerance, progress=bar)
 
 
-def _precision_check(args, prompts, bar) -> repro.CheckResult:
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+def _precision_variants(value: str) -> list[str]:
+    """The precision variants of ``--dtypes``: at least two, each a known dtype or variant."""
+    from pagedlab.lab.repro.precision import variant_engine_args
+
+    dtypes = [d.strip() for d in value.split(",") if d.strip()]
     if len(dtypes) < 2:
-        raise ValueError(f"--dtypes {args.dtypes!r}: give at least two precision variants (the first is "
+        raise ValueError(f"--dtypes {value!r}: give at least two precision variants (the first is "
                          "the reference)")
+    for name in dtypes:
+        try:
+            variant_engine_args(name)
+        except ValueError as e:
+            raise ValueError(f"--dtypes: {e}") from None
+    return dtypes
+
+
+def _precision_check(args, prompts, bar) -> repro.CheckResult:
+    dtypes = _precision_variants(args.dtypes)
     return repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
                                  kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args),
                                  progress=bar)

@@ -41,20 +41,23 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
         llm.set_model_args(**dict(original, enable_prefix_caching=False))
         ref_ids, ref_lps = [], []
         for p in ids:  # batch 1: the reference
-            t, lp = _run(llm, [p], params)
+            t, lp, _ = _run(llm, [p], params)
             ref_ids += t
             ref_lps += lp
             progress.update()
         for name in names:
             llm.set_model_args(**all_variants[name])
             llm.reset_prefix_cache()
-            t, lp = _run_variant(llm, name, ids, params, seed)
-            details[name] = compare_outputs(ref_ids, ref_lps, t, lp)
+            t, lp, cached = _run_variant(llm, name, ids, params, seed)
+            details[name] = dict(compare_outputs(ref_ids, ref_lps, t, lp), cached_prompt_tokens=cached)
             progress.update()
     finally:
         llm.set_model_args(**original)
     result = _result(details, len(ids), names, max_tokens, logprob_tolerance, chunk_tokens)
     result.params["batch_invariant"] = info.config.batch_invariant
+    if details.get("prefix_cache_on", {}).get("cached_prompt_tokens") == 0:
+        result.summary += (f" (prefix_cache_on read no prompt token from the cache, so it tested nothing: "
+                           f"give prompts longer than a KV block, {info.config.block_size} tokens)")
     return result
 
 
@@ -72,20 +75,22 @@ def _variant_plans(original: dict, chunk_tokens: int, unchunked_budget: int) -> 
     }
 
 
-def _run(llm, batch: list[list[int]], params) -> tuple[list, list]:
-    """Greedy token ids and chosen-token logprobs of one batch of prompts."""
+def _run(llm, batch: list[list[int]], params) -> tuple[list, list, int]:
+    """Greedy token ids and chosen-token logprobs of one batch of prompts, and how many prompt
+    tokens the batch read from the prefix cache."""
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], [chosen_logprobs(o.outputs[0]) for o in outs]
+    return ([o.outputs[0].token_ids for o in outs], [chosen_logprobs(o.outputs[0]) for o in outs],
+            sum(o.num_cached_tokens for o in outs))
 
 
-def _run_variant(llm, name: str, ids: list[list[int]], params, seed: int) -> tuple[list, list]:
-    """The outputs of every prompt under variant ``name``, in prompt order."""
+def _run_variant(llm, name: str, ids: list[list[int]], params, seed: int) -> tuple[list, list, int]:
+    """The outputs of every prompt under variant ``name``, in prompt order (see ``_run``)."""
     if name == "shuffled":
         order = list(range(len(ids)))
         random.Random(seed).shuffle(order)
-        t, lp = _run(llm, [ids[i] for i in order], params)
+        t, lp, cached = _run(llm, [ids[i] for i in order], params)
         back = {j: k for k, j in enumerate(order)}
-        return [t[back[i]] for i in range(len(ids))], [lp[back[i]] for i in range(len(ids))]
+        return [t[back[i]] for i in range(len(ids))], [lp[back[i]] for i in range(len(ids))], cached
     if name == "prefix_cache_on":
         _run(llm, ids, params)  # warm the cache; the second pass reads prompts from it
     return _run(llm, ids, params)
@@ -105,6 +110,8 @@ def _result(details: dict, num_prompts: int, names: list[str], max_tokens: int, 
     for n, d in details.items():
         metrics[f"{n}.prompts_differing"] = d["prompts_differing"]
         metrics[f"{n}.max_logprob_diff"] = d["max_logprob_diff"]
+    if "prefix_cache_on" in details:
+        metrics["prefix_cache_on.cached_prompt_tokens"] = details["prefix_cache_on"]["cached_prompt_tokens"]
     if differing:
         summary = "; ".join(f"{n}: {d['prompts_differing']}/{num_prompts} prompts differ (first at token "
                             f"{d['first_divergence']}), max |Δ logprob| {d['max_logprob_diff']:.3g}"

@@ -83,31 +83,45 @@ def load_prompts(path: str | Path) -> tuple[list, list | None]:
     if not path.is_file():
         raise ValueError(f"--prompts {str(path)!r} is not a file")
     text = path.read_text()
-    if path.suffix in (".jsonl", ".json"):
-        try:
-            lines = [line for line in text.splitlines() if line.strip()]
-            items = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in lines]
-        except ValueError as e:
-            raise ValueError(f"--prompts {str(path)!r} is not valid JSON: {e}") from None
-        prompts, refs = [], []
-        for i, item in enumerate(items):
-            if isinstance(item, str):
-                prompts.append(item)
-                refs.append(None)
-            elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
-                prompts.append(item["prompt"] if "prompt" in item else list(item["prompt_token_ids"]))
-                refs.append(item.get("reference"))
-            else:
-                raise ValueError(f"--prompts {str(path)!r} item {i} has no 'prompt' or 'prompt_token_ids'")
-        return prompts, (refs if any(r is not None for r in refs) else None)
-    prompts = [line for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"--prompts {str(path)!r} holds no prompts")
-    return prompts, None
+    if path.suffix not in (".jsonl", ".json"):
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts {str(path)!r} holds no prompts")
+        return prompts, None
+    try:
+        lines = [line for line in text.splitlines() if line.strip()]
+        items = json.loads(text) if path.suffix == ".json" else [json.loads(line) for line in lines]
+    except ValueError as e:
+        raise ValueError(f"--prompts {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"--prompts {str(path)!r} holds no prompts: give a non-empty list of objects with "
+                         "'prompt' or 'prompt_token_ids' (or of strings)")
+    pairs = [_prompt_item(item, i, path) for i, item in enumerate(items)]
+    refs = [r for _, r in pairs]
+    return [p for p, _ in pairs], (refs if any(r is not None for r in refs) else None)
+
+
+def _prompt_item(item, i: int, path: Path) -> tuple:
+    """One (prompt, reference) of a JSON prompt file: text, or a list of token ids."""
+    where = f"--prompts {str(path)!r} item {i}"
+    if isinstance(item, str):
+        return item, None
+    if not isinstance(item, dict) or not ("prompt" in item or "prompt_token_ids" in item):
+        raise ValueError(f"{where} has no 'prompt' or 'prompt_token_ids'")
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' is {item['prompt']!r:.80}, not text")
+        return item["prompt"], item.get("reference")
+    ids = item["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ValueError(f"{where}: 'prompt_token_ids' is {ids!r:.80}, not a non-empty list of token ids")
+    return list(ids), item.get("reference")
 
 
 def encode_all(llm, prompts: Sequence) -> list[list[int]]:
     """Token ids of each prompt (text through the engine's tokenizer; id lists as they are)."""
+    if not prompts:
+        raise ValueError("no prompts: give at least one prompt (text or token ids)")
     out = []
     for p in prompts:
         if isinstance(p, str):

@@ -48,7 +48,9 @@ def teacher_forced(llm, sequences: Sequence[Sequence[int]], k: int = 20) -> list
 
 
 def top1(d: dict[int, float]) -> int:
-    return max(d, key=d.get)
+    """The most likely token of a {token id: logprob} dict, a tie going to the lowest id as greedy
+    argmax does (not to the dict's first key, which in ``prompt_logprobs`` is the actual token)."""
+    return max(d, key=lambda t: (d[t], -t))
 
 
 def topk_kl(p: dict[int, float], q: dict[int, float]) -> float:

@@ -6,23 +6,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
 from pagedlab.lab.repro.compare import compare_outputs, first_divergence, teacher_forced, top1
 from pagedlab.loader import resolve_model_source
 
 
+def hf_torch_dtype(dtype: str):
+    """The torch dtype HF transformers loads in for ``dtype`` (float32, bfloat16, float16 or an
+    alias such as bf16); any other name is a ValueError naming the choices."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"HF dtype {dtype!r} is invalid: give one of {sorted(DTYPE_NAMES)}")
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[dtype])
+
+
 def load_hf_model(model, dtype: str = "float32", device=None):
     """A loaded HF model as it is, or one loaded from a pagedlab model name/path (GGUF/embedded
-    models through their converted directory)."""
+    models through their converted directory) in ``dtype`` (see ``hf_torch_dtype``)."""
     if not isinstance(model, (str, Path)):
         return model
     import torch
     import transformers
 
+    torch_dtype = hf_torch_dtype(dtype)
     path = resolve_model_source(str(model)).path
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
+        str(path), dtype=torch_dtype, attn_implementation="sdpa").eval()
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return hf.to(device)

@@ -83,6 +83,9 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
         per_seed.append(fn(outs, references))
         progress.update()
     names = [k for k in per_seed[0] if all(k in d for d in per_seed)]
+    if not names:
+        raise ValueError(f"the metrics {[sorted(d) for d in per_seed[:2]]} share no metric over every seed, "
+                         "so nothing can be compared: metrics_fn must return the same names each run")
     stats, flagged, metrics = {}, [], {"num_seeds": len(seeds), "num_prompts": len(ids)}
     for name in names:
         st = summarize([d[name] for d in per_seed])

@@ -11,12 +11,17 @@ from pagedlab.lab.repro.compare import first_divergence
 
 
 def load_tokenizer(tok):
-    """A tokenizer as it is, or one loaded from a path with transformers."""
-    if isinstance(tok, (str, Path)):
-        import transformers
+    """A tokenizer as it is, or one loaded from a path with transformers (a path it cannot load
+    is a ValueError naming it)."""
+    if not isinstance(tok, (str, Path)):
+        return tok
+    import transformers
 
+    try:
         return transformers.AutoTokenizer.from_pretrained(str(tok))
-    return tok
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {str(tok)!r} could not be loaded (give a directory with tokenizer.json "
+                         f"or tokenizer_config.json): {e}") from None
 
 
 def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_PROMPTS, llm=None,
