@@ -176,6 +176,25 @@ def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
     assert kl_blind.metrics["bfloat16.mean_kl"] < 1.0 and kl_blind.verdict == "differs"  # greedy differs
 
 
+def test_precision_settings_come_from_the_variants_alone(chat_dir):
+    """An engine argument for a precision setting (--kv-cache-dtype fp8) must not reach the reference."""
+    args = {"kv_cache_memory_bytes": KV_BYTES, "device": "cpu", "kv_cache_dtype": "fp8", "dtype": "bfloat16"}
+    r = repro.precision_drift(chat_dir, PROMPTS[:2], dtypes=("float32", "kv-fp8"), max_tokens=2,
+                              engine_args=args)
+    ref, variant = r.details["engines"]
+    assert (ref["dtype"], ref["kv_cache_dtype"]) == ("float32", "float32")
+    assert variant["kv_cache_dtype"] == "float8_e4m3fn"
+
+
+def test_a_nan_logprob_is_a_difference():
+    from pagedlab.lab.repro.compare import compare_outputs, logprob_diff
+
+    assert logprob_diff(float("-inf"), float("-inf")) == 0.0 and logprob_diff(-1.0, -1.5) == 0.5
+    assert logprob_diff(float("nan"), -1.0) == math.inf == logprob_diff(-1.0, float("nan"))
+    cmp = compare_outputs([[1, 2]], [[-0.1, -0.2]], [[1, 2]], [[-0.1, float("nan")]])
+    assert cmp["prompts_differing"] == 0 and cmp["max_logprob_diff"] == math.inf
+
+
 def test_top1_breaks_ties_as_greedy_argmax():
     from pagedlab.lab.repro.compare import top1
 
@@ -270,6 +289,21 @@ def test_hf_parity_same_weights_same_other_dtype_differs(chat_llm):
                             logprob_tolerance=r.metrics["max_abs_logprob_diff"] / 2)
     assert tight.metrics["greedy_match_rate"] == 1.0 and tight.metrics["top1_agreement"] == 1.0
     assert tight.verdict == "differs", tight.format()
+
+
+def test_hf_parity_is_plain_greedy_whatever_generation_config_json_says(chat_dir, tmp_path):
+    """HF's generate applies generation_config.json's repetition_penalty and n-gram ban; the
+    engine's greedy does not, so the parity check must turn them off on the HF side."""
+    model = tmp_path / "m"
+    shutil.copytree(chat_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 5.0,
+                                                              "no_repeat_ngram_size": 1}))
+    with LLM(str(model), kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        r = repro.hf_parity(llm, PROMPTS, max_tokens=8)
+        assert r.verdict == "same", r.format()
+        repeats = [t for t in r.details["pagedlab"] if len(set(t)) < len(t)]
+        assert repeats  # the penalty and the ban would have changed these outputs
 
 
 def test_hf_dtype_is_checked(chat_llm):

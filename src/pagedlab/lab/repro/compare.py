@@ -24,6 +24,14 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def logprob_diff(x: float, y: float) -> float:
+    """|x - y|: 0 where equal (both -inf too), inf where either is NaN (a NaN never agrees)."""
+    if x == y:
+        return 0.0
+    d = abs(x - y)
+    return d if not math.isnan(d) else math.inf
+
+
 def compare_outputs(ref_ids, ref_lps, ids, lps) -> dict:
     """How a run's outputs (token ids and chosen-token logprobs per prompt) differ from a reference."""
     firsts, max_dlp, n_diff = [], 0.0, 0
@@ -34,7 +42,7 @@ def compare_outputs(ref_ids, ref_lps, ids, lps) -> dict:
             firsts.append(d)
         upto = len(r) if d is None else d
         for x, y in zip(rl[:upto], ol[:upto]):
-            max_dlp = max(max_dlp, abs(x - y))
+            max_dlp = max(max_dlp, logprob_diff(x, y))
     return {"prompts_differing": n_diff, "first_divergence": min(firsts) if firsts else None,
             "max_logprob_diff": max_dlp}
 

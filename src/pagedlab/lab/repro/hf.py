@@ -4,12 +4,13 @@ with HF on the same weights."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
-from pagedlab.lab.repro.compare import compare_outputs, first_divergence, teacher_forced, top1
+from pagedlab.lab.repro.compare import compare_outputs, first_divergence, logprob_diff, teacher_forced, top1
 from pagedlab.loader import resolve_model_source
 
 
@@ -59,6 +60,23 @@ def trim_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+@contextmanager
+def plain_greedy(hf):
+    """While inside, ``hf.generate`` decodes plain greedy: it would otherwise apply what the model's
+    generation_config.json sets (repetition_penalty, no_repeat_ngram_size, suppressed tokens, ...),
+    which the engine's greedy runs do not. Only the special token ids are kept."""
+    import transformers
+
+    saved = hf.generation_config
+    hf.generation_config = transformers.GenerationConfig(
+        bos_token_id=saved.bos_token_id, eos_token_id=saved.eos_token_id, pad_token_id=saved.pad_token_id,
+        decoder_start_token_id=saved.decoder_start_token_id)
+    try:
+        yield hf
+    finally:
+        hf.generation_config = saved
+
+
 def hf_greedy_tokens(hf, ids: list[list[int]], max_tokens: int, eos: set[int], progress) -> list[list[int]]:
     """HF's greedy continuation of each prompt alone (up to EOS), one ``progress`` update per
     prompt: ``generate``, or for LongRoPE models ``hf_greedy_whole_sequence``."""
@@ -71,10 +89,11 @@ def hf_greedy_tokens(hf, ids: list[list[int]], max_tokens: int, eos: set[int], p
             if switches_long_rope(hf):
                 tokens.append(hf_greedy_whole_sequence(hf, p, max_tokens, eos)[0])
             else:
-                out = hf.generate(torch.tensor([p], device=dev),
-                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
-                                  max_new_tokens=max_tokens, do_sample=False,
-                                  pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
+                with plain_greedy(hf):
+                    out = hf.generate(torch.tensor([p], device=dev),
+                                      attention_mask=torch.ones(1, len(p), dtype=torch.long, device=dev),
+                                      max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=hf.generation_config.pad_token_id or min(eos or {0}))
                 tokens.append(trim_at_eos(out[0, len(p):].tolist(), eos))
             progress.update()
     return tokens
@@ -260,5 +279,5 @@ def _teacher_forced_parity(hf, seqs: list[list[int]], tf: list[list[dict[int, fl
                 total += 1
                 agree += int(row.argmax().item()) == top1(d)
                 for t, lp in d.items():
-                    max_d = max(max_d, abs(row[t].item() - lp))
+                    max_d = max(max_d, logprob_diff(row[t].item(), lp))
     return max_d, agree, total

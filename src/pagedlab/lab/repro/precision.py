@@ -23,7 +23,9 @@ PRECISION_VARIANTS: dict[str, dict] = {
     "awq": {"quantization": "awq"},
     "kv-fp8": {"kv_cache_dtype": "fp8"},
 }
-_DESCRIPTIONS = ("quantization", "kv_cache_dtype", "dtype")  # resolved settings each variant records
+# The settings the variants alone set (an engine argument for one would change the reference too),
+# each variant recording them resolved.
+_DESCRIPTIONS = ("quantization", "kv_cache_dtype", "dtype")
 
 
 def variant_engine_args(variant: str) -> dict:
@@ -59,7 +61,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
     variants, each one model load and run."""
     variants = {name: variant_engine_args(name) for name in dtypes}  # bad names fail before loading
     engine_args = {k_: v for k_, v in (engine_args or {}).items()
-                   if k_ not in ("model", "dtype", "quantization")}
+                   if k_ not in ("model", *_DESCRIPTIONS)}
     engine_args.setdefault("kv_cache_memory_bytes", 64 << 20)
     runs: list = []
     engines: list = []
