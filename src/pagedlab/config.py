@@ -71,6 +71,11 @@ class EngineConfig:
                                               "the HF cache, $HF_HOME/hub)")
     served_model_name: str | list[str] | None = _setting(
         None, "the name(s) the server answers to and reports (default: the model argument)")
+    generation_config: str = _setting(
+        "auto", "the sampling defaults of a request that sets none (LLM.generate without SamplingParams, "
+                "a server request's unset fields): auto (the model's generation_config.json: temperature, "
+                "top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (SamplingParams' own) or "
+                "a directory holding a generation_config.json")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
     seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "
@@ -258,6 +263,8 @@ class EngineInfo:
     quantization: str | None = None  # the weight format loaded, resolved from the request and config.json
     weight_bytes: int = 0  # the parameters as stored (this rank's shard under tensor parallelism)
     mixed_cuda_graphs: bool = False  # steps with prefill tokens replay CUDA graphs too
+    # SamplingParams fields of a request that sets none (EngineConfig.generation_config)
+    default_sampling_args: dict = field(default_factory=dict)
 
     def resolved_settings(self) -> dict:
         """The engine settings with every "auto"/None replaced by what the engine uses."""

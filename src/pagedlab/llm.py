@@ -65,11 +65,13 @@ class LLM:
         """Complete each prompt; returns one RequestOutput per prompt, in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        Without ``sampling_params``: ``get_default_sampling_params()`` (the model's recommendation).
         ``lora_request`` (with ``enable_lora=True``): one LoRA adapter for every prompt, or a list
         of one per prompt (None: the base model); one batch serves them all.
         """
         prompt_list = as_prompt_list(prompts)
-        params = _params_per_prompt(sampling_params, len(prompt_list))
+        params = _params_per_prompt(sampling_params if sampling_params is not None
+                                    else self.get_default_sampling_params(), len(prompt_list))
         loras = _loras_per_prompt(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
         for prompt in encoded:
@@ -240,6 +242,11 @@ class LLM:
         cache hits); the prefix cache keeps its contents. Benchmarks call it before each run."""
         self.llm_engine.reset_stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of ``generate``/``chat`` without any: SamplingParams' defaults with the
+        fields the model's generation_config.json recommends (``generation_config``), as vLLM."""
+        return SamplingParams(**self.llm_engine.default_sampling_args)
+
     def get_engine_info(self) -> EngineInfo:
         """The resolved settings (dtype, device, max_model_len, attention backend, ...) and the
         model's identity (path, load format, HF config, tokenizer)."""
@@ -307,8 +314,6 @@ def _score(beam: BeamSearchSequence, params: BeamSearchParams, prompt_len: int) 
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if not isinstance(sampling_params, (list, tuple)):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedlab.names import did_you_mean
 from pagedlab.scalars import is_value_list, python_numbers, python_scalar
@@ -299,6 +301,38 @@ class SamplingParams:
     def to_dict(self) -> dict:
         """The parameters as a dict (``dataclasses.asdict``)."""
         return dataclasses.asdict(self)
+
+
+# generation_config.json's keys that recommend a SamplingParams default (vLLM's set)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(setting: str, model_path) -> dict:
+    """The SamplingParams fields a generation_config.json recommends: the model's (``setting``
+    "auto"; none when it has no file), none ("vllm"), or a directory's. Values SamplingParams
+    refuses are a ValueError naming the file."""
+    if setting == "vllm":
+        return {}
+    folder = Path(model_path if setting == "auto" else setting)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting == "auto":
+            return {}
+        raise ValueError(f"generation_config={setting!r} is invalid: give auto, vllm or a directory "
+                         "holding a generation_config.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} could not be read: {e}") from None
+    args = {name: data[key] for key, name in GENERATION_CONFIG_FIELDS.items()
+            if isinstance(data, dict) and data.get(key) is not None}
+    try:
+        SamplingParams(**args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} recommends sampling settings pagedlab refuses: {e}") from None
+    return args
 
 
 def check_sampling_params(value, name: str) -> None:

@@ -40,7 +40,7 @@ from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
 from pagedlab.lora.request import LoRARequest
 from pagedlab.models.registry import check_config_file
 from pagedlab.outputs import EngineStats, RequestOutput
-from pagedlab.sampling_params import SamplingParams
+from pagedlab.sampling_params import SamplingParams, generation_config_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
+        self.default_sampling_args = generation_config_defaults(config.generation_config, self.source.path)
         self.ranges = StepRanges()  # named step phases for the profiler and Nsight
         self.runner = self._load_runner()
         self.runner.ranges = self.ranges
@@ -220,7 +221,8 @@ class LLMEngine:
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
             quantization=self.quantization, weight_bytes=self.runner.weight_bytes,
-            mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs)
+            mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs,
+            default_sampling_args=self.default_sampling_args)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -41,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
         when the client goes away (then the request is aborted)."""
         self.check_engine()
         model = self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = self.with_model_defaults(request, request.to_sampling_params())
         prompt = self.render(request)
         self.validate_prompt(prompt, params.max_tokens, "messages")
         self.check_request([prompt], params)

@@ -31,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         when the client goes away (then the requests are aborted)."""
         self.check_engine()
         model = self.check_model(request.model)
-        params = request.to_sampling_params()
+        params = self.with_model_defaults(request, request.to_sampling_params())
         if params.logprobs is not None or params.stop or params.bad_words:
             self.require_tokenizer("logprobs, stop strings and bad_words")
         prompts = [self.encode(p, "prompt") for p in request.prompt_list()]

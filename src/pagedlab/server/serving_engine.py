@@ -131,6 +131,20 @@ class OpenAIServing:
             raise bad_request(str(e), param=param_of(e)) from None
         self.admission.check(sequences)
 
+    def with_model_defaults(self, request, params: SamplingParams) -> SamplingParams:
+        """``params`` with the fields the request left unset taken from the model's generation
+        config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), an
+        unset token limit capped at its max_new_tokens, as vLLM's server does."""
+        given = request.model_fields_set
+        unset = {k: v for k, v in self.engine.info.default_sampling_args.items() if k not in given}
+        cap = unset.pop("max_tokens", None)
+        if cap is not None and "max_completion_tokens" not in given:
+            unset["max_tokens"] = cap if params.max_tokens is None else min(params.max_tokens, cap)
+        try:
+            return params.clone(**unset) if unset else params
+        except ValueError as e:
+            raise bad_request(str(e), param=param_of(e)) from None
+
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's structured-output grammar in a worker thread, so neither the event
         loop nor the engine thread waits for it (the engine then finds it in xgrammar's cache); a

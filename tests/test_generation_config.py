@@ -1,0 +1,105 @@
+"""The model's generation_config.json as the default sampling settings (vLLM's
+``generation_config="auto"``): LLM.generate without SamplingParams and a server request's unset
+fields take its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens; "vllm"
+ignores it. References: HF's greedy tokens and the file's own values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import hf_greedy
+from pagedlab import LLM, SamplingParams
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.sampling_params import generation_config_defaults
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+PROMPT = "The quick brown fox"
+RECOMMENDED = {"temperature": 0.0, "top_k": 20, "max_new_tokens": 3, "do_sample": True, "top_p": None}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = build_tiny_chat_model(tmp_path_factory.mktemp("gen_config"))
+    config_file = Path(path) / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **RECOMMENDED}))
+    return path
+
+
+def test_defaults_read_from_the_file(tmp_path, model_dir):
+    assert generation_config_defaults("auto", model_dir) == {"temperature": 0.0, "top_k": 20, "max_tokens": 3}
+    assert generation_config_defaults("vllm", model_dir) == {}
+    assert generation_config_defaults("auto", tmp_path) == {}  # a model without the file
+    with pytest.raises(ValueError, match=r"generation_config='.*' is invalid: give auto, vllm or a dir"):
+        generation_config_defaults(str(tmp_path), model_dir)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5, "temperature": 0.7}))
+    with pytest.raises(ValueError, match=r"generation_config.json recommends sampling settings .*top_p"):
+        generation_config_defaults(str(tmp_path), model_dir)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert generation_config_defaults(str(tmp_path), model_dir) == {"temperature": 0.7}
+
+
+def test_generate_without_params_uses_the_model_recommendation(model_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=20, max_tokens=3)
+        ids = llm.get_tokenizer()(PROMPT).input_ids
+        out = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == hf_greedy(hf, ids, 3, eos_token_id=None)[:len(out.token_ids)]
+        assert len(out.token_ids) == 3 or out.finish_reason == "stop"
+        assert len(llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].outputs[0].token_ids) <= 3
+        explicit = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+        assert len(explicit.token_ids) == 5  # a given SamplingParams is used as it is
+    with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_server_fills_unset_fields_from_the_model(model_dir, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+    engine = AsyncEngine.from_llm(llm)
+    greedy5 = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            def complete(**body):
+                body = {"model": "m", "prompt": PROMPT, "ignore_eos": True, "return_token_ids": True, **body}
+                r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+
+            # unset: greedy (the file's temperature 0) and max_tokens min(16, max_new_tokens=3)
+            assert complete() == greedy5[:3]
+            assert complete(max_tokens=5) == greedy5  # a set field wins
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=60)
+            assert r.json()["usage"]["completion_tokens"] == 3  # chat's unset limit is capped too
+            sampled = {tuple(complete(temperature=1.0, max_tokens=5, seed=s)) for s in range(6)}
+            assert len(sampled) > 1  # a temperature the request sets is not the file's
+    finally:
+        engine.shutdown()
+        llm.close()
+
+
+def test_other_directory_and_bad_files_fail_at_load(model_dir, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2, "temperature": 0}))
+    with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, generation_config=str(other)) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                               "top_k": -5}))
+    with pytest.raises(ValueError, match="recommends sampling settings pagedlab refuses: top_k"):
+        LLM(str(broken), kv_cache_memory_bytes=TINY_KV_BYTES)
