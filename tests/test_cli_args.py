@@ -4,6 +4,9 @@ no traceback); ``pagedlab bench`` checks where its ``--json`` goes before it run
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
 
 from pagedlab import workloads
@@ -66,7 +69,7 @@ def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, mess
 
 
 def test_bench_json_write_failure_is_an_error_not_a_traceback(tmp_path, bench_calls, monkeypatch, capsys):
-    def fail(path, results, command):
+    def fail(path, results, command, error=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(workloads, "write_json", fail)
@@ -194,3 +197,25 @@ def test_a_bad_lora_flag_is_refused_before_the_cpu_warning(bench_calls, capsys):
     assert main(["bench", "throughput", "--device", "cpu", "--lora-rank", "4"]) == 2
     err = capsys.readouterr().err
     assert "give --num-loras too" in err and "warning" not in err and bench_calls == []
+
+
+def test_bench_json_keeps_the_rows_finished_before_a_crash(monkeypatch, tmp_path, capsys):
+    """Out of memory at the last batch size: the rows measured before it reach --json, with why
+    the run stopped and the command as typed."""
+    def two_rows_then_oom(*args, results, **kwargs):
+        for bs in (1, 16):
+            results.append(workloads.WorkloadResult("W-seed", "pagedlab", f"bs={bs}", bs, 8 * bs, 4 * bs, 0.5,
+                                                    None, None, None, None, None, None))
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(workloads, "run_bench", two_rows_then_oom)
+    out = tmp_path / "rows.json"
+    argv = ["bench", "throughput", "--shape", "qwen3-0.6b", "--workload", "W-seed", "--batch-size", "1", "16",
+            "256", "--json", str(out), "--device", "cpu"]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(argv)
+    written = json.loads(out.read_text())
+    assert [r["label"] for r in written["results"]] == ["bs=1", "bs=16"]
+    assert written["error"] == "RuntimeError: CUDA out of memory"
+    assert shlex.split(written["command"]) == ["pagedlab", *argv]
+    assert "wrote the 2 finished row(s)" in capsys.readouterr().err

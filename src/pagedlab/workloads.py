@@ -361,9 +361,13 @@ def format_row(r: WorkloadResult) -> str:
             + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else ""))
 
 
-def write_json(path: str, results: list[WorkloadResult], command: str) -> None:
-    Path(path).write_text(json.dumps({"environment": environment(), "command": command,
-                                      "results": [r.to_dict() for r in results]}, indent=2))
+def write_json(path: str, results: list[WorkloadResult], command: str, error: str | None = None) -> None:
+    """Every row with the environment and the command; ``error``: why the run stopped before its
+    last row (the rows are those that finished)."""
+    body = {"environment": environment(), "command": command, "results": [r.to_dict() for r in results]}
+    if error is not None:
+        body["error"] = error
+    Path(path).write_text(json.dumps(body, indent=2))
 
 
 DEFAULT_SHAPES = {"W-seed": "llama3-8b", "W-lat": "llama3-8b", "W-long": "llama3-8b", "W-nano": "qwen3-0.6b",
@@ -375,8 +379,10 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
               shape: str | None = None,
               repeats: int = 1, engine_args: dict | None = None, latency: bool = False,
               progress=print, profile_dir: str | None = None,
-              lora: lora_bench.LoRABench | None = None) -> list[WorkloadResult]:
-    """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row;
+              lora: lora_bench.LoRABench | None = None,
+              results: list[WorkloadResult] | None = None) -> list[WorkloadResult]:
+    """Run one workload on pagedlab (and, if asked, on its HF peer) and return every row (each
+    appended to ``results`` as it finishes, so a caller keeps them when a later row fails);
     ``latency`` stamps every token too (ITL percentiles); ``profile_dir`` profiles each pagedlab
     row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``);
     ``lora`` writes random adapters for the model and spreads them over each batch's requests
@@ -405,7 +411,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     args.update(workloads[0].engine_args)
     args.update(lora.engine_args() if lora is not None else {})
     args.update(engine_args or {})
-    results: list[WorkloadResult] = []
+    results = [] if results is None else results
     with tempfile.TemporaryDirectory(prefix="pagedlab-lora-") as lora_root:
         if lora is not None:
             workloads = lora.spread_over(workloads, lora_root, hf_config, args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from pagedlab import __version__
@@ -140,21 +141,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lora = bench_lora(args)
     if args.model is None:
         warn_cpu_shape(shape, args.device)
-    results = workloads.run_bench(  # the size flags are None or >= 1 (positive_int)
-        args.workload, args.batch_size or default_sizes, args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
-        args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
-        model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
-        latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora)
+    results: list = []
+    try:
+        workloads.run_bench(  # the size flags are None or >= 1 (positive_int)
+            args.workload, args.batch_size or default_sizes,
+            args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
+            args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
+            model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
+            latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora, results=results)
+    except BaseException as e:  # out of memory at the last batch size: keep the rows measured before it
+        if args.json and results:
+            write_bench_json(args, results, f"{type(e).__name__}: {e}")
+        raise
     for row in results:
         if "profile" in row.extra:
             print(f"{row.label}: profile in {row.extra['profile']['dir']} (kernels by kind: "
                   f"{row.extra['profile']['kernel_table']})")
     if args.json:
-        try:
-            workloads.write_json(args.json, results, " ".join(sys.argv))
-        except OSError as e:
-            raise ValueError(f"--json {args.json}: {e}; the rows above are all the results") from None
+        write_bench_json(args, results)
     return 0
+
+
+def write_bench_json(args: argparse.Namespace, results: list, error: str | None = None) -> None:
+    """``--json``: the rows, the command as typed and, for a run that stopped early, why."""
+    from pagedlab import workloads
+
+    try:
+        workloads.write_json(args.json, results, shlex.join(["pagedlab", *args.argv]), error)
+    except OSError as e:
+        raise ValueError(f"--json {args.json}: {e}; the rows above are all the results") from None
+    if error is not None:
+        print(f"wrote the {len(results)} finished row(s) to {args.json} ({error})", file=sys.stderr)
 
 
 def bench_lora(args: argparse.Namespace):
@@ -285,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except ValueError as e:  # bad input: say what and why, no traceback
