@@ -236,6 +236,24 @@ def test_tokenizer_drift_detects_removed_merge(chat_dir, merge_removed_dir, chat
     assert {"bleu_a", "bleu_b", "bleu_delta", "exact_match_a", "exact_match_b"} <= set(r.metrics)
 
 
+def test_reference_scores_count_only_prompts_with_a_reference():
+    from pagedlab.lab.repro.common import corpus_bleu, reference_scores
+
+    scores = reference_scores(["Paris", " four ", "blue"], ["paris", ["4", "four"], None])
+    assert scores["exact_match"] == 0.5  # case counts; any listed answer matches; no reference, no score
+    if "bleu" in scores:
+        assert scores["bleu"] == corpus_bleu(["Paris", " four "], ["paris", "4"])
+    assert reference_scores(["x"], [None]) == {}
+
+
+def test_tokenizer_drift_references_follow_their_text_prompts(chat_dir, chat_llm):
+    text = chat_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4),
+                             use_tqdm=False)[0].outputs[0].text
+    r = repro.tokenizer_drift(chat_dir, chat_dir, [[5, 6, 7], PROMPTS[0]], llm=chat_llm, max_tokens=4,
+                              references=["not it", text])
+    assert r.metrics["num_prompts"] == 1 and r.metrics["exact_match_a"] == 1.0 == r.metrics["exact_match_b"]
+
+
 def test_tokenizer_drift_sees_outputs_decoded_differently(chat_dir, chat_llm, tmp_path):
     """Tokenizer B encodes as A but has lost its ByteLevel decoder: same ids, other output text."""
     b = tmp_path / "b"

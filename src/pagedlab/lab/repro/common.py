@@ -141,6 +141,19 @@ def greedy_params(max_tokens: int, logprobs: int | None = 0, ignore_eos: bool = 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=ignore_eos)
 
 
+def reference_scores(texts: list[str], references: Sequence) -> dict[str, float]:
+    """Exact match (the stripped text equals any of the prompt's references) and corpus BLEU
+    (against its first) over the prompts that have a reference; {} when none has one."""
+    pairs = [(t, [r] if isinstance(r, str) else list(r)) for t, r in zip(texts, references) if r]
+    if not pairs:
+        return {}
+    scores = {"exact_match": sum(t.strip() in {r.strip() for r in rs} for t, rs in pairs) / len(pairs)}
+    bleu = corpus_bleu([t for t, _ in pairs], [rs[0] for _, rs in pairs])
+    if bleu is not None:
+        scores["bleu"] = bleu
+    return scores
+
+
 def corpus_bleu(hyps: list[str], refs: list[str]) -> float | None:
     try:
         import sacrebleu

@@ -6,8 +6,8 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, corpus_bleu,
-                                       encode_all, verdict)
+from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all,
+                                       reference_scores, verdict)
 from pagedlab.sampling_params import SamplingParams
 
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -38,7 +38,7 @@ def summarize(values: Sequence[float]) -> dict:
 
 def default_metrics(outputs, references: Sequence | None = None) -> dict[str, float]:
     """Metrics of one run: mean output length, mean per-token logprob, distinct-2 of the text,
-    and (with references) exact match and BLEU."""
+    and (with references) exact match and BLEU over the prompts that have one."""
     comps = [o.outputs[0] for o in outputs]
     n_tok = [len(c.token_ids) for c in comps]
     m = {"mean_output_tokens": sum(n_tok) / len(n_tok)}
@@ -50,12 +50,7 @@ def default_metrics(outputs, references: Sequence | None = None) -> dict[str, fl
     if grams:
         m["distinct_2"] = len(set(grams)) / len(grams)
     if references is not None:
-        texts = [c.text for c in comps]
-        refs = [r if isinstance(r, str) else (r[0] if r else "") for r in references]
-        m["exact_match"] = sum(t.strip() == r.strip() for t, r in zip(texts, refs)) / len(refs)
-        bleu = corpus_bleu(texts, refs)
-        if bleu is not None:
-            m["bleu"] = bleu
+        m.update(reference_scores([c.text for c in comps], references))
     return m
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, corpus_bleu,
-                                       greedy_params, verdict)
+                                       greedy_params, reference_scores, verdict)
 from pagedlab.lab.repro.compare import first_divergence
 
 
@@ -39,6 +39,8 @@ def tokenizer_drift(tokenizer_a, tokenizer_b, prompts: Sequence[str] = DEFAULT_P
     texts = [p for p in prompts if isinstance(p, str)]
     if not texts:
         raise ValueError("the tokenizer check needs text prompts")
+    if references is not None:  # token-id prompts have no text to tokenize: their references go too
+        references = [r for p, r in zip(prompts, references, strict=True) if isinstance(p, str)]
     ids_a = [list(tok_a(t).input_ids) for t in texts]
     ids_b = [list(tok_b(t).input_ids) for t in texts]
     diff = [i for i, (a, b) in enumerate(zip(ids_a, ids_b)) if a != b]
@@ -95,10 +97,8 @@ def _output_metrics(gen_a: list[str], gen_b: list[str], references: Sequence | N
         if b is not None:
             metrics["bleu_b_vs_a"] = b
         return metrics
-    refs = [r if isinstance(r, str) else (r[0] if r else "") for r in references]
-    ba, bb = corpus_bleu(gen_a, refs), corpus_bleu(gen_b, refs)
-    if ba is not None:
-        metrics.update({"bleu_a": ba, "bleu_b": bb, "bleu_delta": bb - ba})
-    metrics["exact_match_a"] = sum(a.strip() == r.strip() for a, r in zip(gen_a, refs)) / len(refs)
-    metrics["exact_match_b"] = sum(b.strip() == r.strip() for b, r in zip(gen_b, refs)) / len(refs)
+    scores_a, scores_b = reference_scores(gen_a, references), reference_scores(gen_b, references)
+    metrics.update({f"{k}_a": v for k, v in scores_a.items()} | {f"{k}_b": v for k, v in scores_b.items()})
+    if "bleu" in scores_a:
+        metrics["bleu_delta"] = scores_b["bleu"] - scores_a["bleu"]
     return metrics
