@@ -96,6 +96,17 @@ def test_plan_refuses_a_gpu_memory_that_is_no_positive_size(size, capsys):
     assert f"--gpu-memory {size!r} is invalid: give a positive size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, size", [("1073741824", 1 << 30), ("512MiB", 512 << 20), ("2GiB", 2 << 30),
+                                        ("2G", 2 << 30), ("80GB", 80 * 10 ** 9), ("1.5kb", 1500),
+                                        ("64b", 64)])
+def test_byte_sizes_mean_what_their_units_say_on_every_flag(text, size, capsys):
+    from pagedlab.cli.engine_args import parse_bytes
+
+    assert parse_bytes(text) == size
+    assert main(["plan", "--model", "llama3-8b", f"--gpu-memory={text}", "--json"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)["plan"]["gpu_memory_bytes"] == size
+
+
 def test_plan_names_a_model_directory_without_config_json(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--gpu", "H200"]) == 2
     assert f"--model {str(tmp_path)!r}: the directory has no config.json" in capsys.readouterr().err

@@ -23,17 +23,23 @@ class CommandParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
 
+# byte units: binary (KiB..TiB, and K..T alone), decimal (KB..TB), as the units say
+_BYTE_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
+               "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
+
+
 def parse_bytes(value: str) -> int:
-    """"1073741824", "1GiB", "512MiB", "2G", "100M"."""
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    """A byte count: "1073741824", "512MiB", "2GiB" or "2G" (binary), "80GB" (decimal)."""
+    text = value.strip().lower()
+    unit = next((u for u in _BYTE_UNITS if text.endswith(u)), "")
     try:
-        number = float(text[:-1] if scale != 1 else text)
+        number = float(text[:len(text) - len(unit)])
     except ValueError:
         number = math.nan
     if not math.isfinite(number):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB)")
-    return int(number * scale)
+        raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB, "
+                                         "80GB)")
+    return int(number * _BYTE_UNITS.get(unit, 1))
 
 
 def positive_int(value: str) -> int:

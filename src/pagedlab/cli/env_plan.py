@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
-from pagedlab.cli.engine_args import fraction, positive_int
+from pagedlab.cli.engine_args import fraction, parse_bytes, positive_int
 
 
 def register(subparsers) -> None:
@@ -89,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         hf_config = _model_config(args.model)
-        memory = gpu_memory_bytes(args.gpu) if args.gpu else _parse_bytes(args.gpu_memory)
+        memory = gpu_memory_bytes(args.gpu) if args.gpu else _gpu_memory(args.gpu_memory)
         settings = dict(dtype=args.dtype, quantization=_none(args.quantization),
                         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
                         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -129,21 +128,15 @@ def _model_config(model: str):
         raise ValueError(f"--model {model!r} is not a directory; as a benchmark shape: {e}") from None
 
 
-def _parse_bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12, "b": 1}
-    lowered = text.strip().lower()
-    for unit, scale in units.items():
-        if lowered.endswith(unit):
-            try:
-                size = float(lowered[: -len(unit)]) * scale
-            except ValueError:
-                break
-            if 1 <= size < math.inf:
-                return int(size)
-            break
-    raise ValueError(f"--gpu-memory {text!r} is invalid: give a positive size such as 24GiB, 80GB or "
-                     "40960MiB")
+def _gpu_memory(text: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except argparse.ArgumentTypeError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"--gpu-memory {text!r} is invalid: give a positive size such as 24GiB, 80GB or "
+                         "40960MiB")
+    return size
 
 
 def _none(value: str | None) -> str | None:
