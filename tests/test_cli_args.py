@@ -230,3 +230,27 @@ def test_bench_json_keeps_the_rows_finished_before_a_crash(monkeypatch, tmp_path
     assert written["error"] == "RuntimeError: CUDA out of memory"
     assert shlex.split(written["command"]) == ["pagedlab", *argv]
     assert "wrote the 2 finished row(s)" in capsys.readouterr().err
+
+
+def test_generate_interrupted_keeps_the_outputs_already_finished(tiny_dir, monkeypatch, capsys):
+    """Ctrl-C after the second prompt finished first: its output is printed (not lost) and the
+    exit code is 130."""
+    import json
+
+    from pagedlab import LLM
+
+    real = LLM.generate_as_completed
+
+    def interrupted_after_one(self, *args, **kwargs):
+        finished = real(self, *args, **kwargs)
+        yield next(finished)
+        finished.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "generate_as_completed", interrupted_after_one)
+    argv = ["generate", "--model", tiny_dir, "--dtype", "float32", "--json", "--quiet", "--prompt",
+            "the quick brown fox jumps", "--max-tokens", "1", "--prompt", "hello"]
+    assert main(argv) == 130
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 1 and rows[0]["prompt"] in ("the quick brown fox jumps", "hello")
+    assert len(rows[0]["token_ids"]) == 1

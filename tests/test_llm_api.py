@@ -65,3 +65,21 @@ def test_engine_heap_is_frozen_until_close(tiny_llama):
     assert not any(o is model for o in gc.get_objects())
     llm.close()
     assert any(o is model for o in gc.get_objects())
+
+
+def test_generate_as_completed_yields_each_prompt_as_it_finishes(tiny_llama):
+    prompts = random_prompts(4, max_len=30, seed=72)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 6, 4)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        whole = llm.generate(prompts, params, use_tqdm=False)
+        finished = list(llm.generate_as_completed(prompts, params, use_tqdm=False))
+        assert [i for i, _ in finished] == [1, 3, 2, 0]  # shortest first: one batch, as it finishes
+        assert [o.outputs[0].token_ids for _, o in sorted(finished, key=lambda f: f[0])] == \
+            [o.outputs[0].token_ids for o in whole]
+        first = llm.generate_as_completed(prompts, params, use_tqdm=False)
+        assert next(first)[0] == 1
+        assert llm.llm_engine.has_unfinished_requests()
+        first.close()  # leaving early aborts the rest
+        assert not llm.llm_engine.has_unfinished_requests()
+        with pytest.raises(ValueError, match="SamplingParams"):  # bad input fails before any step
+            llm.generate_as_completed(prompts, [params[0]] * 3)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
@@ -69,6 +70,21 @@ class LLM:
         ``lora_request`` (with ``enable_lora=True``): one LoRA adapter for every prompt, or a list
         of one per prompt (None: the base model); one batch serves them all.
         """
+        return self._run(*self._prepare(prompts, sampling_params, lora_request), use_tqdm)
+
+    def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
+                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                              use_tqdm: bool = True,
+                              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                              ) -> Iterator[tuple[int, RequestOutput]]:
+        """As ``generate`` (one batch, the same outputs), but yields ``(index, output)`` for each
+        prompt as soon as it finishes, so a long run can save what is done as it goes; leaving
+        the loop early aborts the prompts not finished."""
+        encoded, params, loras = self._prepare(prompts, sampling_params, lora_request)
+        return self._as_completed(encoded, params, loras, use_tqdm)
+
+    def _prepare(self, prompts, sampling_params, lora_request) -> tuple[list, list, list]:
+        """The encoded prompts, their SamplingParams and LoRA requests, each checked."""
         prompt_list = as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params if sampling_params is not None
                                     else self.get_default_sampling_params(), len(prompt_list))
@@ -78,7 +94,7 @@ class LLM:
             self.llm_engine.validate_prompt(prompt.token_ids)
         for lora in dict.fromkeys(loras):
             self.llm_engine.validate_lora_request(lora)
-        return self._run(encoded, params, use_tqdm, loras)
+        return encoded, params, loras
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -124,7 +140,7 @@ class LLM:
             if not flat:
                 break
             beams = [EncodedPrompt(beam.tokens) for _, beam in flat]
-            outputs = self._run(beams, [step_params] * len(flat), use_tqdm, [loras[i] for i, _ in flat])
+            outputs = self._run(beams, [step_params] * len(flat), [loras[i] for i, _ in flat], use_tqdm)
             candidates: list[list[BeamSearchSequence]] = [[] for _ in encoded]
             for (i, beam), out in zip(flat, outputs):
                 for token, lp in out.outputs[0].logprobs[0].items():
@@ -161,14 +177,23 @@ class LLM:
     def _encode(self, prompt: PromptType) -> EncodedPrompt:
         return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model)
 
-    def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams], use_tqdm: bool,
-             loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
+             loras: list[LoRARequest | None] | None, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        with contextlib.closing(self._as_completed(encoded, params, loras, use_tqdm)) as finished:
+            for i, out in finished:
+                results[i] = out
+        return results
+
+    def _as_completed(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
+                      loras: list[LoRARequest | None] | None,
+                      use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+        """Add every prompt, step the engine and yield (index, final output) as each finishes."""
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in encoded]
         order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        progress = _progress(len(ids), use_tqdm)
         stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
+        progress = _progress(len(ids), use_tqdm)
         try:
             for rid, prompt, p, lora in zip(ids, encoded, params, loras or [None] * len(ids)):
                 if p.output_kind == RequestOutputKind.DELTA:  # as vLLM: offline returns whole final outputs
@@ -179,9 +204,9 @@ class LLM:
                     stats_log.maybe_log()
                 for out in engine.step(stream=False):
                     if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
                         if progress is not None:
                             progress.update(1)
+                        yield order[out.request_id], out
         finally:
             if progress is not None:
                 progress.close()
@@ -189,7 +214,6 @@ class LLM:
                 stats_log.log()
             for rid in ids:  # an interrupted run leaves nothing behind in the engine
                 engine.abort_request(rid)
-        return results
 
     def benchmark(self, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
                   output_len: int = 128, num_prompts: int | None = None, use_beam_search: bool = False,

@@ -48,23 +48,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     params = sampling_params(args)
     with LLM(**engine_kwargs(args)) as llm:
+        inputs = prompts
         if args.chat:
-            conversations = [[{"role": "user", "content": p}] for p in prompts]
-            outputs = llm.chat(conversations, params, use_tqdm=not args.quiet)
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    for prompt, out in zip(prompts, outputs):
-        completion = out.outputs[0]
-        if args.json:
+            inputs = [chat_prompt(llm.get_tokenizer(), [{"role": "user", "content": p}], model=args.model)
+                      for p in prompts]
+        printer = InOrderPrinter(prompts, args.json)
+        try:
+            for i, out in llm.generate_as_completed(inputs, params, use_tqdm=not args.quiet):
+                printer.add(i, out)
+        finally:  # interrupted: the outputs finished out of order are kept too
+            printer.flush_all()
+    return 0
+
+
+class InOrderPrinter:
+    """Prints each finished output as soon as those of every earlier prompt are out."""
+
+    def __init__(self, prompts: list[str], as_json: bool):
+        self.prompts, self.as_json = prompts, as_json
+        self.held: dict = {}
+        self.next = 0
+
+    def add(self, index: int, output) -> None:
+        self.held[index] = output
+        while self.next in self.held:
+            self._print(self.next, self.held.pop(self.next))
+            self.next += 1
+
+    def flush_all(self) -> None:
+        for index in sorted(self.held):
+            self._print(index, self.held.pop(index))
+
+    def _print(self, index: int, out) -> None:
+        prompt, completion = self.prompts[index], out.outputs[0]
+        if self.as_json:
             m = out.metrics
             print(json.dumps({
-                "prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                "index": index, "prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
                 "prompt_token_ids": out.prompt_token_ids, "finish_reason": completion.finish_reason,
                 "time_to_first_token_s": m.time_to_first_token,
-                "latency_s": m.finished_time - m.arrival_time}))
+                "latency_s": m.finished_time - m.arrival_time}), flush=True)
         else:
-            print(f"### {prompt}\n{completion.text}\n")
-    return 0
+            print(f"### {prompt}\n{completion.text}\n", flush=True)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
