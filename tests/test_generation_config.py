@@ -103,3 +103,24 @@ def test_other_directory_and_bad_files_fail_at_load(model_dir, tmp_path):
                                                                "top_k": -5}))
     with pytest.raises(ValueError, match="recommends sampling settings pagedlab refuses: top_k"):
         LLM(str(broken), kv_cache_memory_bytes=TINY_KV_BYTES)
+
+
+def test_override_generation_config_over_the_file_or_alone(model_dir, capsys):
+    assert generation_config_defaults("auto", model_dir, {"temperature": 0.5, "max_new_tokens": 9}) == \
+        {"temperature": 0.5, "top_k": 20, "max_tokens": 9}
+    assert generation_config_defaults("vllm", model_dir, {"top_p": 0.9}) == {"top_p": 0.9}
+    with pytest.raises(ValueError, match=r"'temprature' is none of \['max_new_tokens', 'min_p'"):
+        generation_config_defaults("auto", model_dir, {"temprature": 0.5})
+    with pytest.raises(ValueError, match=r"override_generation_config recommends sampling settings .*top_p"):
+        generation_config_defaults("auto", model_dir, {"top_p": 2.0})
+    from pagedlab.cli.main import build_parser, main
+
+    args = build_parser().parse_args(["generate", "--override-generation-config", '{"temperature": 0.5}'])
+    assert args.override_generation_config == {"temperature": 0.5}
+    with pytest.raises(SystemExit):
+        main(["generate", "--override-generation-config", "temperature=0.5"])
+    err = capsys.readouterr().err
+    assert "argument --override-generation-config: 'temperature=0.5' is not a JSON object" in err
+    override = {"max_new_tokens": 2}
+    with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, override_generation_config=override) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=20, max_tokens=2)

@@ -49,6 +49,7 @@ _KINDS = {
     "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "str": (lambda v: isinstance(v, (str, Path)), "a string"),
     "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "dict": (lambda v: isinstance(v, dict), "a dict"),
     "torch.dtype": (lambda v: type(v).__module__ == "torch", "a torch.dtype"),
 }
 
@@ -76,6 +77,10 @@ class EngineConfig:
                 "a server request's unset fields): auto (the model's generation_config.json: temperature, "
                 "top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (SamplingParams' own) or "
                 "a directory holding a generation_config.json")
+    override_generation_config: dict | None = _setting(
+        None, "values over (or, with generation_config=vllm, instead of) the generation config's, "
+              "e.g. {\"temperature\": 0.5}: temperature, top_p, top_k, min_p, repetition_penalty, "
+              "max_new_tokens")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
     seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "

@@ -309,13 +309,23 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
                             "max_new_tokens": "max_tokens"}
 
 
-def generation_config_defaults(setting: str, model_path) -> dict:
+def generation_config_defaults(setting: str, model_path, override: dict | None = None) -> dict:
     """The SamplingParams fields a generation_config.json recommends: the model's (``setting``
-    "auto"; none when it has no file), none ("vllm"), or a directory's. Values SamplingParams
-    refuses are a ValueError naming the file."""
-    if setting == "vllm":
-        return {}
+    "auto"; none when it has no file), none ("vllm"), or a directory's; then ``override``'s
+    (generation_config.json names). Values SamplingParams refuses are a ValueError naming them."""
     folder = Path(model_path if setting == "auto" else setting)
+    args = {} if setting == "vllm" else _read_generation_config(folder, setting)
+    if override:
+        unknown = sorted(set(override) - set(GENERATION_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"override_generation_config={override!r} is invalid: {unknown[0]!r} is none of "
+                             f"{sorted(GENERATION_CONFIG_FIELDS)}")
+        args.update({GENERATION_CONFIG_FIELDS[key]: value for key, value in override.items()})
+        _check_recommended(args, "override_generation_config")
+    return args
+
+
+def _read_generation_config(folder: Path, setting: str) -> dict:
     path = folder / "generation_config.json"
     if not path.is_file():
         if setting == "auto":
@@ -328,11 +338,15 @@ def generation_config_defaults(setting: str, model_path) -> dict:
         raise ValueError(f"{path} could not be read: {e}") from None
     args = {name: data[key] for key, name in GENERATION_CONFIG_FIELDS.items()
             if isinstance(data, dict) and data.get(key) is not None}
+    _check_recommended(args, str(path))
+    return args
+
+
+def _check_recommended(args: dict, source: str) -> None:
     try:
         SamplingParams(**args)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path} recommends sampling settings pagedlab refuses: {e}") from None
-    return args
+        raise ValueError(f"{source} recommends sampling settings pagedlab refuses: {e}") from None
 
 
 def check_sampling_params(value, name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 
 from pagedlab.config import ENGINE_FIELDS, EngineConfig
@@ -64,13 +65,24 @@ def fraction(value: str) -> float:
     return number
 
 
+def json_object(value: str) -> dict:
+    """A JSON object given on the command line: '{"temperature": 0.5}'."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a JSON object (e.g. '{{\"temperature\": 0.5}}')")
+    return data
+
+
 def _value_type(field: dataclasses.Field):
     """The argparse ``type`` of a field: the first non-None member of its annotation, read from
     the annotation's text (evaluating it would import torch for ``dtype``)."""
     if field.name.endswith("_bytes"):
         return parse_bytes
     kinds = [k.strip() for k in str(field.type).split("|") if k.strip() != "None"]
-    return {"int": int, "float": float, "bool": bool}.get(kinds[0], str)
+    return {"int": int, "float": float, "bool": bool, "dict": json_object}.get(kinds[0], str)
 
 
 def _describe(field: dataclasses.Field) -> str:

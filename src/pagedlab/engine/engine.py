@@ -100,7 +100,8 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
-        self.default_sampling_args = generation_config_defaults(config.generation_config, self.source.path)
+        self.default_sampling_args = generation_config_defaults(config.generation_config, self.source.path,
+                                                                config.override_generation_config)
         self.ranges = StepRanges()  # named step phases for the profiler and Nsight
         self.runner = self._load_runner()
         self.runner.ranges = self.ranges
