@@ -5,6 +5,7 @@ ignores it. References: HF's greedy tokens and the file's own values."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -86,6 +87,15 @@ def test_server_fills_unset_fields_from_the_model(model_dir, tmp_path):
             assert r.json()["usage"]["completion_tokens"] == 3  # chat's unset limit is capped too
             sampled = {tuple(complete(temperature=1.0, max_tokens=5, seed=s)) for s in range(6)}
             assert len(sampled) > 1  # a temperature the request sets is not the file's
+
+        async def final_output():
+            async for out in engine.generate(PROMPT):  # no SamplingParams: the model's
+                last = out
+            return last.outputs[0]
+
+        out = asyncio.run(final_output())
+        assert out.token_ids == greedy5[:len(out.token_ids)] and (len(out.token_ids) == 3
+                                                                  or out.finish_reason == "stop")
     finally:
         engine.shutdown()
         llm.close()

@@ -83,3 +83,20 @@ def test_generate_as_completed_yields_each_prompt_as_it_finishes(tiny_llama):
         assert not llm.llm_engine.has_unfinished_requests()
         with pytest.raises(ValueError, match="SamplingParams"):  # bad input fails before any step
             llm.generate_as_completed(prompts, [params[0]] * 3)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llama):
+    prompt = random_prompts(1, min_len=90, max_len=90, seed=73)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="the prompt has 90 tokens, but max_model_len is 64"):
+            llm.generate(prompt, greedy, use_tqdm=False)
+        out = llm.generate(prompt, greedy.clone(truncate_prompt_tokens=20), use_tqdm=False)[0]
+        assert out.prompt_token_ids == prompt[-20:]
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompt[-20:], 3, eos_token_id=None)
+        longest = llm.generate(prompt, greedy.clone(max_tokens=1, truncate_prompt_tokens=-1),
+                               use_tqdm=False)[0]
+        assert longest.prompt_token_ids == prompt[-63:]
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens=.* is invalid: .* an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -550,3 +550,16 @@ def test_model_without_tokenizer_takes_token_ids(tiny_llama):
     finally:
         engine.shutdown()
         llm.close()
+
+
+def test_truncate_prompt_tokens_keeps_the_end_of_a_prompt_too_long(served):
+    ids = [5 + i % 300 for i in range(served["max_model_len"] + 10)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": 20,
+            "return_token_ids": True}
+    r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 20
+    assert r.json()["choices"][0]["prompt_token_ids"] == ids[-20:]
+    del body["truncate_prompt_tokens"]
+    r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]

@@ -114,14 +114,15 @@ def test_completion_to_sampling_params_maps_every_field():
             "min_tokens": 5, "logprobs": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
             "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
-            "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"]}
+            "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"],
+            "truncate_prompt_tokens": 30}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
                           stop_token_ids=[3, 4], ignore_eos=True, max_tokens=40, min_tokens=5, logprobs=3,
                           prompt_logprobs=2, include_stop_str_in_output=True, skip_special_tokens=False,
                           spaces_between_special_tokens=False, logit_bias={7: -2.5, 9: 1.0},
                           allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"}, bad_words=["no"],
-                          logprob_token_ids=[5, 6],
+                          logprob_token_ids=[5, 6], truncate_prompt_tokens=30,
                           structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     default = SamplingParams()
     not_request_fields = ("detokenize", "output_kind", "guided_decoding")  # output_kind follows "stream"

@@ -90,8 +90,9 @@ class LLM:
                                     else self.get_default_sampling_params(), len(prompt_list))
         loras = _loras_per_prompt(lora_request, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        for prompt in encoded:
-            self.llm_engine.validate_prompt(prompt.token_ids)
+        engine = self.llm_engine
+        for prompt, p in zip(encoded, params):
+            engine.validate_prompt(p.truncate_prompt(prompt.token_ids, engine.max_model_len))
         for lora in dict.fromkeys(loras):
             self.llm_engine.validate_lora_request(lora)
         return encoded, params, loras

@@ -26,7 +26,7 @@ _TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias", "logpro
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
-                                  "prompt_logprobs")
+                                  "prompt_logprobs", "truncate_prompt_tokens")
 
 
 def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) -> None:
@@ -169,6 +169,7 @@ class SamplingParams:
     extra_args: dict | None = None
     bad_words: list[str] | None = None
     logprob_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
@@ -218,6 +219,12 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= 0), name, value,
                    "None or an integer >= 0")
+        _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
+                                                       and (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1)),
+               "truncate_prompt_tokens", self.truncate_prompt_tokens,
+               "None, an integer >= 1 (keep the prompt's last k tokens) or -1 (as many as max_model_len "
+               "allows)")
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
                self.stop, "a non-empty string or a list of non-empty strings")
         _check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0
@@ -293,6 +300,13 @@ class SamplingParams:
         """Whether a presence, frequency or repetition penalty changes the logits."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def truncate_prompt(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the most that leave room for
+        one token in ``max_model_len``), or the prompt as it is."""
+        keep = max_model_len - 1 if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return list(prompt_token_ids[-keep:]) if keep is not None and len(prompt_token_ids) > keep \
+            else prompt_token_ids
 
     def clone(self, **changes) -> SamplingParams:
         """A copy with ``changes`` applied (validated as the constructor validates)."""

@@ -239,10 +239,10 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
-        params = SamplingParams() if params is None else params
+        params = SamplingParams(**self.engine.default_sampling_args) if params is None else params
         check_sampling_params(params, "params")
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
-        self.validate_prompt(encoded.token_ids)
+        self.validate_prompt(params.truncate_prompt(encoded.token_ids, self.max_model_len))
         if params.detokenize and self.tokenizer is None and (params.stop or params.wants_logprobs):
             raise ValueError("stop strings and decoded logprobs need a tokenizer, and this model has none; "
                              "use stop_token_ids")

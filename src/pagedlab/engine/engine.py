@@ -231,6 +231,7 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
         cached); bad input raises ValueError and leaves the engine unchanged."""
+        prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.validate_prompt(prompt_token_ids)
         self.validate_lora_request(lora_request)
         if self.output_processor.has_request(request_id):

@@ -195,6 +195,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
+    truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
 
     @field_validator("stream_options")
@@ -256,7 +257,8 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
                 extra_args=self.vllm_xargs, bad_words=self.bad_words,
                 logprob_token_ids=self.logprob_token_ids, structured_outputs=self.structured_outputs_params(),
                 skip_special_tokens=self.skip_special_tokens,
-                spaces_between_special_tokens=self.spaces_between_special_tokens)
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                truncate_prompt_tokens=self.truncate_prompt_tokens)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 

@@ -43,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         params = self.with_model_defaults(request, request.to_sampling_params())
         prompt = self.render(request)
-        self.validate_prompt(prompt, params.max_tokens, "messages")
+        self.validate_prompt(prompt, params, "messages")
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)

@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.require_tokenizer("logprobs, stop strings and bad_words")
         prompts = [self.encode(p, "prompt") for p in request.prompt_list()]
         for p in prompts:
-            self.validate_prompt(p, params.max_tokens, "prompt")
+            self.validate_prompt(p, params, "prompt")
         self.check_request(prompts, params)
         await self.compile_grammar(params)
         if request.echo:

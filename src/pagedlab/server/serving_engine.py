@@ -182,11 +182,13 @@ class OpenAIServing:
         except (ValueError, TypeError, UnicodeError, OverflowError) as e:  # tokenizers raise all of these
             raise bad_request(f"The {param} could not be tokenized: {e}", param=param) from None
 
-    def validate_prompt(self, prompt: EncodedPrompt, max_tokens: int | None, param: str) -> None:
-        """A 400 for a prompt the model cannot take, or one that leaves no room for ``max_tokens``,
-        worded as vLLM's (clients match on "Prompt cannot be empty", "maximum context length", "out
-        of vocabulary")."""
-        limit, length = self.engine.max_model_len, len(prompt.token_ids)
+    def validate_prompt(self, prompt: EncodedPrompt, params: SamplingParams, param: str) -> None:
+        """Cut ``prompt`` to ``params.truncate_prompt_tokens``; then a 400 for a prompt the model
+        cannot take, or one that leaves no room for ``params.max_tokens``, worded as vLLM's
+        (clients match on "Prompt cannot be empty", "maximum context length", "out of vocabulary")."""
+        limit, max_tokens = self.engine.max_model_len, params.max_tokens
+        prompt.token_ids = params.truncate_prompt(prompt.token_ids, limit)
+        length = len(prompt.token_ids)
         if not length:
             raise bad_request("Prompt cannot be empty.", param=param)
         if length >= limit:
