@@ -254,3 +254,34 @@ def test_generate_interrupted_keeps_the_outputs_already_finished(tiny_dir, monke
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 1 and rows[0]["prompt"] in ("the quick brown fox jumps", "hello")
     assert len(rows[0]["token_ids"]) == 1
+
+
+def test_chat_drops_the_oldest_turns_that_no_longer_fit(tiny_dir, monkeypatch, capsys):
+    """Room for one turn: the second, same question is asked alone again (same greedy reply, HF's);
+    a message too long on its own is refused and the chat goes on."""
+    import io
+
+    import torch
+    import transformers
+
+    from pagedlab.lab.repro.hf import hf_greedy_whole_sequence
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    history = [{"role": "system", "content": "the lazy dog"},
+               {"role": "user", "content": "what is the capital"}]
+    prompt_ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    reply_ids = hf_greedy_whole_sequence(model, prompt_ids, 6, {tokenizer.eos_token_id})[0]
+    whole = tokenizer.decode(prompt_ids + reply_ids, skip_special_tokens=True)
+    reply = whole[len(tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
+    lines = "what is the capital\n" + "the quick brown fox " * 30 + "\nwhat is the capital\n/exit\n"
+    # the long message is refused without touching the conversation: the third line finds turn 1 there
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    argv = ["chat", "--model", tiny_dir, "--dtype", "float32", "--max-tokens", "6", "--system",
+            "the lazy dog", "--max-model-len", str(len(prompt_ids) + 7)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == reply + "\n" + reply + "\n"
+    assert "that message alone is too long" in captured.err
+    assert "(the 2 oldest messages no longer fit" in captured.err

@@ -114,8 +114,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return 0
             if not line.strip():
                 continue
-            history.append({"role": "user", "content": line.strip()})
-            prompt = encode_prompt(chat_prompt(tokenizer, history), tokenizer, args.model)
+            fitted = [*history, {"role": "user", "content": line.strip()}]
+            prompt = fitted_chat_prompt(tokenizer, fitted, args.model, engine.max_model_len)
+            if prompt is None:  # the conversation so far stays as it was
+                print(f"error: that message alone is too long for max_model_len {engine.max_model_len}",
+                      file=sys.stderr)
+                continue
+            if len(fitted) <= len(history):
+                print(f"(the {len(history) + 1 - len(fitted)} oldest messages no longer fit max_model_len "
+                      f"{engine.max_model_len}: dropped)", file=sys.stderr)
+            history = fitted
             request_id = f"chat-{turn}"
             turn += 1
             engine.add_request(request_id, prompt.token_ids, params, prompt=prompt.text)
@@ -127,6 +135,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     shown = reply
             print()
             history.append({"role": "assistant", "content": shown})
+
+
+def fitted_chat_prompt(tokenizer, history: list[dict], model: str, max_model_len: int):
+    """The conversation's prompt, its oldest turns dropped from ``history`` (never a system
+    message) until it is shorter than ``max_model_len``; None when the last message alone is not."""
+    first = 1 if history and history[0]["role"] == "system" else 0
+    while True:
+        prompt = encode_prompt(chat_prompt(tokenizer, history), tokenizer, model)
+        if len(prompt.token_ids) < max_model_len:
+            return prompt
+        if len(history) - first <= 1:
+            return None
+        del history[first:first + 2]  # the oldest user message and its reply
 
 
 def check_bench_flags(args: argparse.Namespace) -> None:
