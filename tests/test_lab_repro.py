@@ -107,6 +107,8 @@ def test_batch_prefix_cache_variant_reads_the_cache_or_says_it_did_not(chat_llm)
                                     variants=["prefix_cache_on"])
     assert short.metrics["prefix_cache_on.cached_prompt_tokens"] == 0
     assert "prefix_cache_on read no prompt token from the cache, so it tested nothing" in short.summary
+    alone = repro.batch_consistency(chat_llm, [list(range(5, 15))], max_tokens=4, variants=["full_batch"])
+    assert "one prompt: full_batch and shuffled ran it alone, so they tested nothing" in alone.summary
 
 
 def test_checks_refuse_no_prompts(chat_llm):

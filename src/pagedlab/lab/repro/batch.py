@@ -58,6 +58,8 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     if details.get("prefix_cache_on", {}).get("cached_prompt_tokens") == 0:
         result.summary += (f" (prefix_cache_on read no prompt token from the cache, so it tested nothing: "
                            f"give prompts longer than a KV block, {info.config.block_size} tokens)")
+    if len(ids) == 1 and {"full_batch", "shuffled"} & set(names):
+        result.summary += " (one prompt: full_batch and shuffled ran it alone, so they tested nothing)"
     return result
 
 
