@@ -326,6 +326,28 @@ def test_hf_parity_is_plain_greedy_whatever_generation_config_json_says(chat_dir
         assert repeats  # the penalty and the ban would have changed these outputs
 
 
+def test_hf_parity_differs_on_top1_alone(chat_llm, monkeypatch):
+    """Greedy outputs equal and logprob tolerance out of the way: a teacher-forced position whose
+    top-1 differs from HF's argmax still makes the check differ."""
+    from pagedlab.lab.repro import hf as hf_check
+
+    real = hf_check.teacher_forced
+
+    def first_top1_swapped(llm, seqs, k):
+        tf = real(llm, seqs, k)
+        first = tf[0][0]
+        (a, logprob_a), (b, logprob_b) = sorted(first.items(), key=lambda item: -item[1])[:2]
+        first[a], first[b] = logprob_b, logprob_a
+        return tf
+
+    loose = {"max_tokens": 8, "logprob_tolerance": 1e9}
+    assert repro.hf_parity(chat_llm, PROMPTS, **loose).verdict == "same"
+    monkeypatch.setattr(hf_check, "teacher_forced", first_top1_swapped)
+    r = repro.hf_parity(chat_llm, PROMPTS, **loose)
+    assert r.metrics["greedy_match_rate"] == 1.0 and r.metrics["top1_agreement"] < 1.0
+    assert r.verdict == "differs", r.format()
+
+
 def test_hf_dtype_is_checked(chat_llm):
     with pytest.raises(ValueError, match=r"HF dtype 'bf17' is invalid: give one of \[.*'bf16'"):
         repro.hf_parity(chat_llm, PROMPTS, hf_dtype="bf17")
