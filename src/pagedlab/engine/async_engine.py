@@ -200,6 +200,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_args(self) -> dict:
+        """The SamplingParams fields of a request that sets none (``EngineConfig.generation_config``)."""
+        return self.engine.default_sampling_args
+
+    @property
     def model_name(self) -> str:
         """The model as it was asked for (``EngineConfig.model``)."""
         return self.engine.config.model
@@ -239,7 +244,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
-        params = SamplingParams(**self.engine.default_sampling_args) if params is None else params
+        params = SamplingParams(**self.default_sampling_args) if params is None else params
         check_sampling_params(params, "params")
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
         self.validate_prompt(params.truncate_prompt(encoded.token_ids, self.max_model_len))

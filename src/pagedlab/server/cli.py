@@ -96,9 +96,9 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"pagedlab serve: {names[0]} on http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len}, {engine.get_stats().num_kv_blocks} KV blocks)",
           file=sys.stderr)
-    if engine.info.default_sampling_args:
+    if engine.default_sampling_args:
         print(f"pagedlab serve: a request's unset sampling fields default to the model's generation config: "
-              f"{engine.info.default_sampling_args} (--generation-config vllm ignores it)", file=sys.stderr)
+              f"{engine.default_sampling_args} (--generation-config vllm ignores it)", file=sys.stderr)
     try:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
                    chat_template=chat_template, log_level=args.log_level,

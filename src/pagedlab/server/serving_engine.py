@@ -136,7 +136,7 @@ class OpenAIServing:
         config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), an
         unset token limit capped at its max_new_tokens, as vLLM's server does."""
         given = request.model_fields_set
-        unset = {k: v for k, v in self.engine.info.default_sampling_args.items() if k not in given}
+        unset = {k: v for k, v in self.engine.default_sampling_args.items() if k not in given}
         cap = unset.pop("max_tokens", None)
         if cap is not None and "max_completion_tokens" not in given:
             unset["max_tokens"] = cap if params.max_tokens is None else min(params.max_tokens, cap)
