@@ -94,7 +94,9 @@ def test_mixed_graphs_with_lora_give_the_eager_tokens(tiny_llama, prompts, repla
     _, graphed, _ = _generate(tiny_llama.path, prompts, loras, **args)
     assert replays["mixed"] > 0
     _, eager, _ = _generate(tiny_llama.path, prompts, loras, enforce_eager=True, **args)
-    _assert_same(graphed, eager)
+    # the LoRA shrink/expand add float32 GEMMs whose row counts differ between the padded graphs
+    # and eager steps: on an H200 (session 41) a logprob moved 1.1e-5, main and cuBLASLt alike
+    _assert_same(graphed, eager, tolerance=1e-4)
 
 
 def test_mixed_graphs_switch_off_in_the_same_engine(tiny_llama, prompts, replays):
@@ -118,3 +120,22 @@ def test_batch_invariant_mixed_graphs_give_bitwise_eager_logprobs(tiny_models, p
     assert replays["mixed"] > 0
     _, eager, _ = _generate(path, prompts, cuda_graph_mixed_steps=False, **args)
     _assert_same(graphed, eager, tolerance=0.0)
+
+
+def test_graphs_are_captured_under_cublaslt_and_the_process_choice_comes_back(tiny_llama, monkeypatch):
+    """Capture asks cuBLASLt for the graphs' matmuls (W-seed batch 64 +1.2%) and leaves the process's
+    own preference (what the user or an HF peer in the same process uses) as it was."""
+    seen = []
+    capture = cuda_graph.CudaGraphRunner.capture
+
+    def recording(self, graph_pool):
+        seen.append(torch.backends.cuda.preferred_blas_library())
+        return capture(self, graph_pool)
+
+    monkeypatch.setattr(cuda_graph.CudaGraphRunner, "capture", recording)
+    before = torch.backends.cuda.preferred_blas_library()
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV) as llm:
+        out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert seen and all(b == torch._C._BlasBackend.Cublaslt for b in seen)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -30,6 +30,7 @@ model eagerly on them instead of capturing: how the CPU checks the padding.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -71,6 +72,18 @@ def mixed_capture_sizes(max_num_batched_tokens: int, limit: int | None = None) -
         candidates += [octave + k * octave // 4 for k in range(4)]
         octave *= 2
     return [s for s in candidates if s < cap] + [cap]
+
+
+@contextlib.contextmanager
+def blas_library(name: str):
+    """Dense matmuls launched inside go to ``name`` (torch's ``preferred_blas_library``: "cublas"
+    or "cublaslt"); a graph captured inside keeps those kernels. The process's choice comes back."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def _capture(graph_pool: dict, forward, *args) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -255,9 +268,10 @@ def capture_all(decode: CudaGraphRunner | None, mixed: MixedGraphs | None, devic
     start = time.perf_counter()
     reserved = torch.cuda.memory_reserved(device)
     graph_pool: dict = {}
-    for graphs in (mixed, decode):
-        if graphs is not None:
-            graphs.capture(graph_pool)
+    with blas_library("cublaslt"):  # W-seed batch 64 +1.2%, the other workloads even (BENCHMARKS.md)
+        for graphs in (mixed, decode):
+            if graphs is not None:
+                graphs.capture(graph_pool)
     logger.info("CUDA graphs: %d decode, %d mixed-step buckets captured in %.1f s (%.2f GiB more reserved)",
                 len(decode.graphs) if decode else 0, len(mixed.graphs) if mixed else 0,
                 time.perf_counter() - start, (torch.cuda.memory_reserved(device) - reserved) / 2**30)
