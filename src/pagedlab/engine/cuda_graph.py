@@ -268,7 +268,9 @@ def capture_all(decode: CudaGraphRunner | None, mixed: MixedGraphs | None, devic
     start = time.perf_counter()
     reserved = torch.cuda.memory_reserved(device)
     graph_pool: dict = {}
-    with blas_library("cublaslt"):  # W-seed batch 64 +1.2%, the other workloads even (BENCHMARKS.md)
+    # W-seed batch 64 +1.2%, the other workloads even (BENCHMARKS.md); a CPU build has no cuBLASLt
+    blas = blas_library("cublaslt") if device.type == "cuda" else contextlib.nullcontext()
+    with blas:
         for graphs in (mixed, decode):
             if graphs is not None:
                 graphs.capture(graph_pool)
