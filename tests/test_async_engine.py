@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import hf_greedy
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError
@@ -338,3 +339,27 @@ def test_final_only_requests(offline):
     assert mixed_quiet.outputs[0].token_ids == expected[PROMPTS[3]].token_ids
     assert len(loud) > 1 and loud[-1].outputs[0].token_ids == expected[PROMPTS[4]].token_ids
     assert engine._num_token_streams == 0
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(offline, model_dir):
+    """A prompt longer than max_model_len is served from its last truncate_prompt_tokens tokens
+    (-1: the most that leave room for one token), as HF continues those tokens alone."""
+    import transformers
+
+    engine, _, _, _ = offline
+    ids = [5 + i % 300 for i in range(engine.max_model_len + 10)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.add_request(ids, greedy)
+        cut = await engine.add_request(ids, greedy.clone(truncate_prompt_tokens=20)).result()
+        longest = await engine.add_request(ids, greedy.clone(max_tokens=1, truncate_prompt_tokens=-1)
+                                           ).result()
+        return cut, longest
+
+    cut, longest = run(main())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    assert cut.prompt_token_ids == ids[-20:]
+    assert cut.outputs[0].token_ids == hf_greedy(hf, ids[-20:], 3, eos_token_id=None)
+    assert longest.prompt_token_ids == ids[-(engine.max_model_len - 1):]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,9 +243,8 @@ def test_generate_interrupted_keeps_the_outputs_already_finished(tiny_dir, monke
     real = LLM.generate_as_completed
 
     def interrupted_after_one(self, *args, **kwargs):
-        finished = real(self, *args, **kwargs)
-        yield next(finished)
-        finished.close()
+        finished = dict(real(self, *args, **kwargs))
+        yield 1, finished[1]  # the second prompt first: held back until the first, which never comes
         raise KeyboardInterrupt
 
     monkeypatch.setattr(LLM, "generate_as_completed", interrupted_after_one)
@@ -252,7 +252,7 @@ def test_generate_interrupted_keeps_the_outputs_already_finished(tiny_dir, monke
             "the quick brown fox jumps", "--max-tokens", "1", "--prompt", "hello"]
     assert main(argv) == 130
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(rows) == 1 and rows[0]["prompt"] in ("the quick brown fox jumps", "hello")
+    assert len(rows) == 1 and (rows[0]["index"], rows[0]["prompt"]) == (1, "hello")
     assert len(rows[0]["token_ids"]) == 1
 
 
@@ -285,3 +285,63 @@ def test_chat_drops_the_oldest_turns_that_no_longer_fit(tiny_dir, monkeypatch, c
     assert captured.out == reply + "\n" + reply + "\n"
     assert "that message alone is too long" in captured.err
     assert "(the 2 oldest messages no longer fit" in captured.err
+
+
+def test_in_order_printer_holds_each_output_until_the_earlier_ones_are_out(capsys):
+    from pagedlab.cli.main import InOrderPrinter
+
+    printer = InOrderPrinter(["p0", "p1", "p2", "p3", "p4"], as_json=False)
+    done = lambda text: SimpleNamespace(outputs=[SimpleNamespace(text=text)])  # noqa: E731
+    printer.add(2, done("c2"))
+    printer.add(0, done("c0"))
+    assert capsys.readouterr().out == "### p0\nc0\n\n"  # 2 waits for 1
+    printer.add(1, done("c1"))
+    assert capsys.readouterr().out == "### p1\nc1\n\n### p2\nc2\n\n"
+    printer.add(4, done("c4"))
+    assert capsys.readouterr().out == ""
+    printer.flush_all()  # interrupted: 3 never finishes, 4 is printed all the same
+    assert capsys.readouterr().out == "### p4\nc4\n\n"
+
+
+def test_fitted_chat_prompt_drops_whole_turns_after_the_system_message(tiny_dir):
+    """A prompt must be shorter than max_model_len; the oldest user message goes with its reply,
+    never the system message; None when the newest message does not fit even alone."""
+    import transformers
+
+    from pagedlab.cli.main import fitted_chat_prompt
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    system = {"role": "system", "content": "the lazy dog"}
+    turns = [{"role": "user", "content": "what is the capital"}, {"role": "assistant", "content": "paris"},
+             {"role": "user", "content": "and of spain"}]
+
+    def ids(history):
+        return tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+
+    for head in ([system], []):
+        full = len(ids([*head, *turns]))
+        history = [*head, *turns]
+        assert fitted_chat_prompt(tokenizer, history, "m", full + 1).token_ids == ids([*head, *turns])
+        assert history == [*head, *turns]
+        prompt = fitted_chat_prompt(tokenizer, history, "m", full)  # exactly max_model_len: too long
+        assert history == [*head, turns[2]] and prompt.token_ids == ids(history)
+        alone = len(ids([*head, turns[2]]))
+        assert fitted_chat_prompt(tokenizer, [*head, *turns], "m", alone) is None
+
+
+def test_bench_json_keeps_the_rows_finished_before_ctrl_c(monkeypatch, tmp_path, capsys):
+    """Ctrl-C during the second batch size: the first row reaches --json and the exit code is 130."""
+    def one_row_then_ctrl_c(*args, results, **kwargs):
+        results.append(workloads.WorkloadResult("W-seed", "pagedlab", "bs=1", 1, 8, 4, 0.5,
+                                                None, None, None, None, None, None))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workloads, "run_bench", one_row_then_ctrl_c)
+    out = tmp_path / "rows.json"
+    argv = ["bench", "throughput", "--shape", "qwen3-0.6b", "--workload", "W-seed", "--batch-size", "1", "16",
+            "--json", str(out), "--device", "cpu"]
+    assert main(argv) == 130
+    written = json.loads(out.read_text())
+    assert [r["label"] for r in written["results"]] == ["bs=1"]
+    assert written["error"].startswith("KeyboardInterrupt")

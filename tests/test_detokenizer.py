@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagedlab.engine.detokenizer import IncrementalDetokenizer, _prompt_tail
+from pagedlab.engine.detokenizer import IncrementalDetokenizer, _prompt_tail, find_stop_string
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,45 @@ def test_prompt_tail_starts_on_a_character(sp_tokenizer):
     assert backend.decode(ids[-4:]).startswith("\ufffd")
     assert _prompt_tail(backend, ids, True) == ids[-5:]
     assert _prompt_tail(backend, ids[:2], True) == ids[:2]
+    # from the euro sign's first byte
+    whole = sp_tokenizer.encode("\u20ac the quick", add_special_tokens=False)[1:]
+    assert sp_tokenizer.convert_ids_to_tokens(whole[:3]) == ["<0xE2>", "<0x82>", "<0xAC>"] and len(whole) == 5
+    assert _prompt_tail(backend, whole, True) == whole  # only the whole prompt starts on a character
+
+
+def test_engine_output_keeps_the_leading_space(sp_tokenizer, tmp_path):
+    """Through the engine: greedy tokens held to "▁fox" and "▁dog" after "the quick brown" read
+    " fox dog" (the text they add to the prompt's), not "fox dog" as they decode alone; the prompt
+    text plus the output text is the tokenizer's decode of all the tokens."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    from pagedlab import LLM, SamplingParams
+
+    sp_tokenizer.save_pretrained(tmp_path)
+    cfg = transformers.LlamaConfig(vocab_size=len(sp_tokenizer), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    allowed = sp_tokenizer.convert_tokens_to_ids(["\u2581fox", "\u2581dog"])
+    prompt = "the quick brown"
+    params = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=allowed)
+    with LLM(str(tmp_path), kv_cache_memory_bytes=8 << 20) as llm:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 4 and set(completion.token_ids) <= set(allowed)
+    want = "".join({allowed[0]: " fox", allowed[1]: " dog"}[t] for t in completion.token_ids)
+    assert completion.text == want
+    assert out.prompt + completion.text == sp_tokenizer.decode(out.prompt_token_ids + completion.token_ids,
+                                                               skip_special_tokens=True)
+
+
+def test_stop_string_completed_by_the_new_text():
+    """vLLM's check: a stop string counts when the new characters complete it, wherever it starts
+    (earlier text included); the earliest one wins; one wholly in the earlier text is not found."""
+    text = "hello world"  # "rld" is new
+    assert find_stop_string(text, 3, ["o wor"]) == ("o wor", 4)
+    assert find_stop_string(text, 3, ["rld", "wor"]) == ("wor", 6)
+    assert find_stop_string(text, 3, ["hell", "o wo"]) is None  # "o wo" ends just before the new text
+    assert find_stop_string(text, len(text), ["hell"]) == ("hell", 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,36 @@ def test_override_generation_config_over_the_file_or_alone(model_dir, capsys):
     override = {"max_new_tokens": 2}
     with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, override_generation_config=override) as llm:
         assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=20, max_tokens=2)
+
+
+def test_every_recommended_key_is_read(tmp_path, model_dir):
+    """All six keys vLLM takes from generation_config.json, each under its SamplingParams name."""
+    recommended = {"temperature": 0.6, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+                   "max_new_tokens": 7, "num_beams": 4}
+    (tmp_path / "generation_config.json").write_text(json.dumps(recommended))
+    assert generation_config_defaults(str(tmp_path), model_dir) == {
+        "temperature": 0.6, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+        "max_tokens": 7}
+
+
+def test_request_limits_against_the_model_cap():
+    """An unset limit is the smaller of the endpoint's own default and max_new_tokens (completions
+    default to 16 tokens, chat to none); a limit the request sets, under either chat name, wins."""
+    pytest.importorskip("pydantic")
+    from pagedlab.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedlab.server.serving_engine import OpenAIServing
+
+    def limit(cap, request):
+        engine = SimpleNamespace(default_sampling_args={"max_tokens": cap, "top_k": 20})
+        params = OpenAIServing(engine, ["m"], admission=object()).with_model_defaults(
+            request, request.to_sampling_params())
+        assert params.top_k == 20
+        return params.max_tokens
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert limit(20, CompletionRequest(model="m", prompt="hi")) == 16
+    assert limit(3, CompletionRequest(model="m", prompt="hi")) == 3
+    assert limit(3, CompletionRequest(model="m", prompt="hi", max_tokens=5)) == 5
+    assert limit(20, ChatCompletionRequest(model="m", messages=messages)) == 20
+    assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_completion_tokens=5)) == 5
+    assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_tokens=5)) == 5

@@ -109,3 +109,10 @@ def test_rekey_leaves_a_run_already_under_its_new_key(tmp_path):
             store.record_run(RunRecord(experiment="k", run_key=key, params={}, metrics={}, manifest={}))
         assert store.rekey_runs({"k:old": "k:new", "k:other": "k:fresh", "k:absent": "k:x"}) == 1
         assert sorted(r["run_key"] for r in store.runs(experiment="k")) == ["k:fresh", "k:new", "k:old"]
+        # two old keys for one new key: the first renamed takes it, the other stays as it was
+        for key in ("k:a", "k:b"):
+            store.record_run(RunRecord(experiment="k", run_key=key, params={}, metrics={}, manifest={}))
+        assert store.rekey_runs({"k:a": "k:ab", "k:b": "k:ab"}) == 1
+        left = sorted(r["run_key"] for r in store.runs(experiment="k")
+                      if r["run_key"] in ("k:a", "k:b", "k:ab"))
+        assert left in (["k:a", "k:ab"], ["k:ab", "k:b"])

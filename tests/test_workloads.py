@@ -176,3 +176,22 @@ def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache
     assert events == [("warm", two, 6), ("timed", two, 6), ("warm", three, 6), ("timed", three, 6)]
     assert [(r.num_requests, r.output_tokens, r.extra["prefix_cache_hit_rate"]) for r in rows] == \
         [(2, 12, 0.0), (3, 18, 0.0)]
+
+
+def test_rows_measured_before_a_failure_stay_in_the_callers_list(tiny_llama, monkeypatch):
+    """Batch sizes 2, 3 and 4, the third failing (out of memory, say): the caller's ``results``
+    holds the two rows measured before it, in order, when the error reaches it."""
+    timed = workloads.run_pagedlab
+
+    def run(llm, workload, *args, **kwargs):
+        if len(workload.prompts) == 4:
+            raise RuntimeError("CUDA out of memory")
+        return timed(llm, workload, *args, **kwargs)
+
+    monkeypatch.setattr(workloads, "run_pagedlab", run)
+    results = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        workloads.run_bench("custom", [2, 3, 4], 8, 2, None, ["pagedlab"], model=tiny_llama.path,
+                            engine_args=dict(kv_cache_memory_bytes=KV_BYTES, dtype="float32"),
+                            progress=lambda line: None, results=results)
+    assert [(r.label, r.num_requests, r.output_tokens) for r in results] == [("bs=2", 2, 4), ("bs=3", 3, 6)]
