@@ -80,12 +80,14 @@ def test_server_fills_unset_fields_from_the_model(model_dir, tmp_path):
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["token_ids"]
 
-            # unset: greedy (the file's temperature 0) and max_tokens min(16, max_new_tokens=3)
-            assert complete() == greedy5[:3]
+            # unset: greedy (the file's temperature 0); the completions default of 16 tokens stays,
+            # as in vLLM, whose get_max_tokens takes max_new_tokens only where a request has no limit
+            unset = complete()
+            assert len(unset) == 16 and unset[:5] == greedy5
             assert complete(max_tokens=5) == greedy5  # a set field wins
             chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
             r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=60)
-            assert r.json()["usage"]["completion_tokens"] == 3  # chat's unset limit is capped too
+            assert r.json()["usage"]["completion_tokens"] == 3  # chat without a limit: max_new_tokens
             sampled = {tuple(complete(temperature=1.0, max_tokens=5, seed=s)) for s in range(6)}
             assert len(sampled) > 1  # a temperature the request sets is not the file's
 
@@ -148,8 +150,8 @@ def test_every_recommended_key_is_read(tmp_path, model_dir):
 
 
 def test_request_limits_against_the_model_cap():
-    """An unset limit is the smaller of the endpoint's own default and max_new_tokens (completions
-    default to 16 tokens, chat to none); a limit the request sets, under either chat name, wins."""
+    """vLLM's get_max_tokens: max_new_tokens where the request has no limit (chat without one);
+    a completion's default of 16 and any limit the request sets, under either chat name, stay."""
     pytest.importorskip("pydantic")
     from pagedlab.server.protocol import ChatCompletionRequest, CompletionRequest
     from pagedlab.server.serving_engine import OpenAIServing
@@ -163,7 +165,7 @@ def test_request_limits_against_the_model_cap():
 
     messages = [{"role": "user", "content": "hi"}]
     assert limit(20, CompletionRequest(model="m", prompt="hi")) == 16
-    assert limit(3, CompletionRequest(model="m", prompt="hi")) == 3
+    assert limit(3, CompletionRequest(model="m", prompt="hi")) == 16
     assert limit(3, CompletionRequest(model="m", prompt="hi", max_tokens=5)) == 5
     assert limit(20, ChatCompletionRequest(model="m", messages=messages)) == 20
     assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_completion_tokens=5)) == 5

@@ -133,13 +133,15 @@ class OpenAIServing:
 
     def with_model_defaults(self, request, params: SamplingParams) -> SamplingParams:
         """``params`` with the fields the request left unset taken from the model's generation
-        config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), an
-        unset token limit capped at its max_new_tokens, as vLLM's server does."""
+        config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), and
+        its max_new_tokens where the request has no token limit (a chat request without one; a
+        completion's default is 16), as vLLM's server does."""
         given = request.model_fields_set
-        unset = {k: v for k, v in self.engine.default_sampling_args.items() if k not in given}
-        cap = unset.pop("max_tokens", None)
-        if cap is not None and "max_completion_tokens" not in given:
-            unset["max_tokens"] = cap if params.max_tokens is None else min(params.max_tokens, cap)
+        defaults = dict(self.engine.default_sampling_args)
+        cap = defaults.pop("max_tokens", None)
+        unset = {k: v for k, v in defaults.items() if k not in given}
+        if cap is not None and params.max_tokens is None:
+            unset["max_tokens"] = cap
         try:
             return params.clone(**unset) if unset else params
         except ValueError as e:
