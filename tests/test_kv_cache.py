@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from conftest import KV_BYTES, random_prompts
+from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import kv_cache as kv_module
 from pagedlab.engine.kv_cache import KVCacheManager, PrefixHit
@@ -185,3 +186,151 @@ def test_released_block_is_a_prefix_only_while_it_holds_its_tokens():
     d = make_request(list(range(12)) + [7], "d")
     assert admit(kv, d) == 0
     check_invariants(kv, [d])
+
+
+def test_a_hit_on_free_cached_blocks_counts_them_against_the_pool():
+    """Pool of 4 blocks of 4, all free, two of them naming tokens 0-7. A 16-token request reusing
+    them needs 2 new blocks (4 in all): it fits. A 20-token one needs 3 new, and the 2 cached blocks
+    it takes leave only 2: it fails and changes nothing."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request(range(9), "a")
+    admit(kv, a)
+    kv.free(a)
+    too_big = make_request(list(range(8)) + list(range(50, 62)), "big")
+    hit = kv.find_cached_prefix(too_big)
+    assert len(hit.block_ids) == 2
+    assert not kv.allocate_slots(too_big, too_big.num_tokens - 8, hit)
+    assert too_big.block_ids == [] and kv.num_free_blocks == 4
+    check_invariants(kv, [])
+    fits = make_request(list(range(8)) + list(range(50, 58)), "fits")
+    assert admit(kv, fits) == 8
+    assert len(fits.block_ids) == 4 and kv.num_free_blocks == 0
+    check_invariants(kv, [fits])
+
+
+def test_evicting_a_duplicate_block_keeps_the_original_name():
+    """b repeats a's 8 tokens, so it recomputes the second block (it holds b's last token) into a
+    block of its own. Evicting that copy must not forget a's block, still held and named."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request(range(8), "a")
+    admit(kv, a)
+    b = make_request(range(8), "b")
+    assert admit(kv, b) == 4
+    assert b.block_ids[1] != a.block_ids[1]
+    kv.free(b)
+    filler = make_request(range(100, 124), "f")  # the 6 free blocks, b's copy among them
+    admit(kv, filler)
+    assert b.block_ids == [] and kv.num_free_blocks == 0
+    kv.free(filler)
+    c = make_request(list(range(8)) + [99], "c")
+    assert admit(kv, c) == 8 and c.block_ids[:2] == a.block_ids
+    check_invariants(kv, [a, c])
+
+
+def test_free_releases_the_tail_first_so_a_prefix_is_evicted_last():
+    """Pool of 6: a (9 tokens) holds 3 blocks and frees them. A 16-token request takes the 3
+    never-used blocks and one more: a's tail, the first of a's freed, so a's prefix survives."""
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request(range(9), "a")
+    admit(kv, a)
+    prefix_blocks, tail = a.block_ids[:2], a.block_ids[2]
+    kv.free(a)
+    filler = make_request(range(100, 116), "f")
+    admit(kv, filler)
+    assert tail in filler.block_ids and not set(prefix_blocks) & set(filler.block_ids)
+    kv.free(filler)
+    again = make_request(range(9), "a2")
+    assert admit(kv, again) == 8 and again.block_ids[:2] == prefix_blocks
+    check_invariants(kv, [again])
+
+
+def test_reset_prefix_cache_forgets_old_names_and_caches_anew():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_request(range(9), "a")
+    admit(kv, a)
+    kv.free(a)
+    kv.reset_prefix_cache()
+    assert kv.cached_blocks == {}
+    b = make_request(range(9), "b")
+    assert admit(kv, b) == 0  # computed again
+    b_prefix = b.block_ids[:2]
+    kv.free(b)
+    c = make_request(range(9), "c")
+    assert admit(kv, c) == 8 and c.block_ids[:2] == b_prefix
+    check_invariants(kv, [c])
+
+
+@pytest.mark.parametrize("block_size, window", [(4, 6), (4, 4), (8, 5)])
+def test_sliding_window_releases_exactly_the_blocks_no_query_sees(block_size, window):
+    """Token p attends to positions p - window + 1 .. p, so before computing token p the blocks
+    wholly before p - window + 1 are dead: (p - window + 1) // block_size of them, no more, no less."""
+    kv = KVCacheManager(num_blocks=16, block_size=block_size, sliding_window=window)
+    request = make_request(range(10))
+    admit(kv, request)
+    request.num_computed_tokens = request.num_tokens
+    for step in range(30):
+        request.all_token_ids.append(500 + step)  # sampled; now computing it at position p
+        p = request.num_computed_tokens
+        assert kv.allocate_slots(request, 1)
+        assert request.num_released_blocks == max(p - window + 1, 0) // block_size, p
+        check_invariants(kv, [request])
+        request.num_computed_tokens += 1
+    kv.free(request)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == 16
+
+
+def test_a_windowed_request_freed_and_taken_back_leaks_nothing():
+    """A request that released blocks to its window is preempted (freed) and admitted again,
+    from a prefix hit, then decodes past its window again: every block goes back to the pool."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, sliding_window=4)
+    request = make_request(range(12))
+    admit(kv, request)
+    decode(kv, request, 8)
+    assert request.num_released_blocks >= 3
+    kv.free(request)  # preempted
+    assert request.num_released_blocks == 0 and kv.num_free_blocks == 8
+    request.num_computed_tokens = 0
+    assert admit(kv, request) > 0
+    decode(kv, request, 8)
+    check_invariants(kv, [request])
+    kv.free(request)
+    check_invariants(kv, [])
+    assert kv.num_free_blocks == 8
+
+
+def test_prompt_logprobs_are_computed_even_where_the_prefix_is_cached(tiny_llama):
+    """A prompt run once leaves its blocks cached; run again asking for prompt logprobs, it takes
+    nothing from the cache (a cached position has no logits) and every prompt position's logprob
+    is HF's teacher-forced one."""
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=72)[0]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, block_size=16) as llm:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+                              use_tqdm=False)
+        assert llm.get_stats().kv_blocks_used == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert out.num_cached_tokens == 0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_generated_blocks_are_cached_for_a_later_prompt(tiny_llama, async_scheduling):
+    """A 20-token prompt generates 30 tokens (blocks of 16; asynchronously, each step's input token
+    is still pending when its slot is allocated). Its 50 tokens fill 3 blocks whose keys are all
+    computed (the last sampled token's is not), so a prompt repeating prompt and output takes 48
+    tokens from the cache, and continues as HF does."""
+    prompt = random_prompts(1, min_len=20, max_len=20, seed=73)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, block_size=16,
+             async_scheduling=async_scheduling) as llm:
+        first = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        longer = prompt + first
+        (out,) = llm.generate([longer], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                              use_tqdm=False)
+        assert llm.get_stats().kv_blocks_used == 0
+    assert out.num_cached_tokens == 48
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, longer, 4, eos_token_id=None)

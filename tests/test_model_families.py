@@ -160,3 +160,23 @@ def test_dense_layers_between_moe_layers_are_refused_by_name(tiny_models):
     cfg.mlp_only_layers = [0]
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]: dense layers between MoE layers"):
         build_model(cfg, 64)
+
+
+
+def test_sliding_window_block_is_reused_the_step_it_is_released(tiny_models):
+    """Mistral, 16-token window, blocks of 16, a pool of 2 blocks, 17 tokens a step, sequences of
+    at most 32 tokens. A (20-token prompt) takes both blocks and B (20 tokens) waits for one. The
+    last position A computes, 30, still sees token 15, so block 0 stays A's until A finishes. Were
+    it released there, one token early, B's first 16-token chunk would overwrite it in that same
+    step and A would read B's keys: HF's tokens and logprobs catch it. Nothing stays held."""
+    tiny = tiny_models("mistral_window")
+    prompts = random_prompts(2, min_len=20, max_len=20, seed=15)
+    cfg = tiny.hf_model.config
+    block_bytes = 2 * cfg.num_hidden_layers * 16 * 2 * 16 * 4  # 16 slots x 2 KV heads x head_dim 16
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=2 * block_bytes, max_model_len=32,
+             max_num_batched_tokens=17, block_size=16) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats.num_kv_blocks == 2 and stats.kv_blocks_used == 0
+    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 12)

@@ -185,3 +185,99 @@ def test_a_request_that_sampled_its_last_token_waits_for_it():
     s.update_from_output([r], [7])
     s.update_from_output(sampled, [8])
     assert r.finish_reason == "length" and r.output_token_ids == [7, 8]
+
+
+def test_a_running_prefill_chunk_stays_within_the_budget():
+    """Budget 16: a decodes (1 token a step) while b's 40-token prompt runs in chunks of what is
+    left, 15, 15 and 10; no step runs more than 16 tokens."""
+    s = make_scheduler(budget=16)
+    a, b = make_request("a", 10), make_request("b", 40, first_token=300)
+    s.add_request(a)
+    run(s)
+    s.add_request(b)
+    chunks = []
+    for _ in range(3):
+        batch = run(s)
+        assert batch.total_tokens <= 16
+        chunks.append(scheduled(batch))
+    assert chunks == [{"a": 1, "b": 15}] * 2 + [{"a": 1, "b": 10}]
+    assert b.num_computed_tokens == 40 and b.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_a_prompt_that_fills_the_budget_exactly_is_admitted():
+    s = make_scheduler(budget=16, chunked=False)
+    s.add_request(make_request("a", 10))
+    run(s)
+    s.add_request(make_request("b", 15, first_token=300))
+    assert scheduled(run(s)) == {"a": 1, "b": 15}  # 1 + 15 = 16
+
+
+def test_a_preempted_request_goes_back_to_the_head_of_the_queue():
+    """As in the preemption test, b is preempted while c (one block's worth) waits behind it; c
+    arrived later, so it is not admitted ahead of b, even in the steps where b does not fit and
+    c would."""
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, prefix_caching=False)
+    a, b = make_request("a", 8), make_request("b", 7, first_token=300)
+    c = make_request("c", 3, first_token=500)
+    s.add_request(a)
+    s.add_request(b)
+    run(s)
+    run(s)
+    run(s)
+    assert s.kv_cache.num_free_blocks == 0
+    s.add_request(c)
+    run(s)
+    run(s)
+    batch = run(s)  # a needs a fourth block: b is preempted
+    assert [r.request_id for r in batch.preempted] == ["b"]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    for _ in range(2):  # b (12 tokens, 3 blocks) does not fit in the 2 free blocks; c waits behind it
+        assert scheduled(run(s)) == {"a": 1} and s.kv_cache.num_free_blocks == 2
+        assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """Blocks of 4, a pool of 5, 5 tokens a step. b's 16-token prompt runs in chunks of 4 beside
+    a's decodes until the pool is full; its fourth chunk finds no block, so b, the latest arrival,
+    is preempted. Its freed blocks would hold a new 4-token chunk of its own, but a step that
+    preempts admits no one: b waits for the next step."""
+    s = make_scheduler(num_blocks=5, block_size=4, budget=5, prefix_caching=False)
+    a, b = make_request("a", 4), make_request("b", 16, first_token=300)
+    s.add_request(a)
+    run(s)
+    s.add_request(b)
+    assert [scheduled(run(s)) for _ in range(3)] == [{"a": 1, "b": 4}] * 3
+    assert s.kv_cache.num_free_blocks == 0
+    batch = run(s)
+    assert batch.preempted == [b] and scheduled(batch) == {"a": 1}
+    assert b.status == RequestStatus.WAITING and s.kv_cache.num_free_blocks == 3  # a holds 2
+    assert scheduled(run(s)) == {"a": 1, "b": 4}  # admitted again, recomputing from its start
+
+
+def test_needs_host_tokens_lasts_while_a_penalized_request_is_unfinished():
+    s = make_scheduler(budget=64)
+    plain = make_request("plain", 5)
+    penalized = make_request("pen", 5, first_token=300, repetition_penalty=1.2)
+    s.add_request(plain)
+    assert not s.needs_host_tokens
+    s.add_request(penalized)
+    run(s)
+    assert s.needs_host_tokens
+    s.finish_request(penalized, "abort")
+    assert not s.needs_host_tokens
+    s.finish_request(plain, "abort")
+    assert s.num_unfinished == 0 and not s.needs_host_tokens
+
+
+def test_stats_count_prompt_and_generated_tokens_once():
+    """a (10) and b (30, in chunks of 15) run 4 steps at a budget of 16: 40 prompt tokens, and one
+    generated token per sampling (a: 4, b: 2)."""
+    s = make_scheduler(budget=16)
+    a, b = make_request("a", 10), make_request("b", 30, first_token=300)
+    s.add_request(a)
+    run(s)
+    s.add_request(b)
+    for _ in range(3):
+        run(s)
+    assert (a.num_output_tokens, b.num_output_tokens) == (4, 2)
+    assert s.stats.prompt_tokens == 40 and s.stats.generation_tokens == 6
