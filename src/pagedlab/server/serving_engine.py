@@ -138,10 +138,10 @@ class OpenAIServing:
         completion's default is 16), as vLLM's server does."""
         given = request.model_fields_set
         defaults = dict(self.engine.default_sampling_args)
-        cap = defaults.pop("max_tokens", None)
+        model_limit = defaults.pop("max_tokens", None)  # max_new_tokens: only where the request has none
         unset = {k: v for k, v in defaults.items() if k not in given}
-        if cap is not None and params.max_tokens is None:
-            unset["max_tokens"] = cap
+        if model_limit is not None and params.max_tokens is None:
+            unset["max_tokens"] = model_limit
         try:
             return params.clone(**unset) if unset else params
         except ValueError as e:
