@@ -27,7 +27,8 @@ from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
-from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
+from pagedlab.engine.step_inputs import (DeviceInputs, HostToDevice, StepInputs, build_sampling_metadata,
+                                         stage_forward_inputs)
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
 from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
@@ -54,27 +55,6 @@ class RunnerPlan:
     kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
     batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
     mixed_cuda_graphs: bool = False  # with cuda_graphs: steps with prefill tokens replay graphs too
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs on the host, flat over its tokens."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    pending_rows: list[int] = field(default_factory=list)  # token index whose id the previous step sampled
-    pending_sources: list[int] = field(default_factory=list)  # its row in that step's sampled ids
-    sample_rows: list[int] = field(default_factory=list)  # token index of each sampling request's last token
-    sampled: list[Request] = field(default_factory=list)
-    sample_positions: list[int] = field(default_factory=list)  # output tokens before each sampled one
-    prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
-    prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
-
-    @property
-    def decode_only(self) -> bool:
-        return len(self.input_ids) == len(self.seq_lens) and not self.prompt_rows
 
 
 @dataclass
@@ -439,6 +419,7 @@ class ModelRunner:
             self.to_device.begin_step()
             inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
             table = self._build_block_table(batch.requests)
+            staged = stage_forward_inputs(inputs, table, self.to_device)
             if self.lora is not None:
                 self.lora.prepare_step([r.lora_request for r in batch.requests], batch.num_new_tokens,
                                        self.to_device)
@@ -447,10 +428,11 @@ class ModelRunner:
         if previous is not None:
             previous.queue_sampler()  # its ids feed this step's inputs on the device
         with self.ranges.range("forward"), self.ranges.kind_range(batch):
-            hidden = self._run_model(self._input_ids(inputs, previous), inputs, table, batch.num_new_tokens)
-            rows = inputs.sample_rows + inputs.prompt_rows
+            ids = self._input_ids(staged, previous)
+            hidden = self._run_model(ids, staged, inputs, table, batch.num_new_tokens)
+            rows = inputs.logit_rows
             if rows:
-                logits = self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
+                logits = self.model.compute_logits(self._logit_hidden(hidden, staged, len(rows)))
         step = LaunchedStep(batch, inputs.sampled)
         if rows:
             step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
@@ -527,28 +509,30 @@ class ModelRunner:
                 inputs.sample_positions.append(start + n - request.num_prompt_tokens)
         return inputs
 
-    def _input_ids(self, inputs: StepInputs, previous: LaunchedStep | None) -> torch.Tensor:
+    @staticmethod
+    def _input_ids(staged: DeviceInputs, previous: LaunchedStep | None) -> torch.Tensor:
         """The step's input ids on the device; those the previous step sampled are taken from its
         device tensor. Every rank of a tensor-parallel model gets rank 0's (a broadcast)."""
-        ids = self.to_device(inputs.input_ids, torch.int64)
-        if inputs.pending_rows:
-            ids[self.to_device(inputs.pending_rows, torch.int64)] = \
-                previous.sampled_token_ids[self.to_device(inputs.pending_sources, torch.int64)]
+        ids = staged.input_ids
+        if staged.pending_rows is not None:
+            ids[staged.pending_rows] = previous.sampled_token_ids[staged.pending_sources]
         return tensor_parallel_broadcast(ids)
 
-    def _run_model(self, ids: torch.Tensor, inputs: StepInputs, table: np.ndarray,
+    @staticmethod
+    def _logit_hidden(hidden: torch.Tensor, staged: DeviceInputs, num_rows: int) -> torch.Tensor:
+        """The hidden states the LM head runs on (a slice where they are the first rows in order)."""
+        return hidden[:num_rows] if staged.logit_rows is None else hidden[staged.logit_rows]
+
+    def _run_model(self, ids: torch.Tensor, staged: DeviceInputs, inputs: StepInputs, table: np.ndarray,
                    query_lens: list[int]) -> torch.Tensor:
         """The model over the step's tokens: a decode batch replays a decode CUDA graph where one
         fits, any other step a mixed-step graph where one fits (``cuda_graph_mixed_steps``)."""
-        positions = self.to_device(inputs.positions, torch.int64)
-        slot_mapping = self.to_device(inputs.slots, torch.int64)
-        block_tables = self.to_device(table, torch.int32)
+        positions, slot_mapping, block_tables = staged.positions, staged.slot_mapping, staged.block_tables
         layout = BatchLayout(query_lens, inputs.seq_lens, table, self.block_size,
                              self.plan.max_model_len, self.plan.cascade_attention)
         graphs, mixed = self.cuda_graphs, self.mixed_graphs
         if inputs.decode_only and graphs is not None and graphs.can_run(len(inputs.input_ids)):
-            seq_lens = self.to_device(inputs.seq_lens, torch.int32)
-            return graphs.run(ids, positions, slot_mapping, seq_lens, block_tables, layout)
+            return graphs.run(ids, positions, slot_mapping, staged.seq_lens, block_tables, layout)
         if mixed is not None and mixed.can_run(len(inputs.input_ids), len(query_lens)):
             return mixed.run(ids, positions, slot_mapping, block_tables, query_lens, inputs.seq_lens,
                              self.to_device)
@@ -560,13 +544,13 @@ class ModelRunner:
         """Rank r > 0 of a tensor-parallel model: the forward rank 0 runs (on this rank's shard),
         with the input ids rank 0 broadcasts, and the LM head's part of the logits gather."""
         self.to_device.begin_step()
+        staged = stage_forward_inputs(inputs, table, self.to_device)
         ids = torch.empty(len(inputs.input_ids), dtype=torch.int64, device=self.device)
         tensor_parallel_broadcast(ids)
         with self.numerics():
-            hidden = self._run_model(ids, inputs, table, query_lens)
-            rows = inputs.sample_rows + inputs.prompt_rows
-            if rows:
-                self.model.compute_logits(hidden[self.to_device(rows, torch.int64)])
+            hidden = self._run_model(ids, staged, inputs, table, query_lens)
+            if inputs.logit_rows:
+                self.model.compute_logits(self._logit_hidden(hidden, staged, len(inputs.logit_rows)))
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()

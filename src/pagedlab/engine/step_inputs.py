@@ -3,6 +3,9 @@ from the scheduled requests."""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -14,17 +17,87 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np
                  torch.bool: np.bool_}
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs on the host, flat over its tokens."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)  # token index whose id the previous step sampled
+    pending_sources: list[int] = field(default_factory=list)  # its row in that step's sampled ids
+    sample_rows: list[int] = field(default_factory=list)  # token index of each sampling request's last token
+    sampled: list[Request] = field(default_factory=list)
+    sample_positions: list[int] = field(default_factory=list)  # output tokens before each sampled one
+    prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
+    prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.seq_lens) and not self.prompt_rows
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The token rows the LM head runs on: the sampled rows, then the prompt-logprob rows."""
+        return self.sample_rows + self.prompt_rows
+
+
+@dataclass
+class DeviceInputs:
+    """A step's forward inputs on the device (``stage_forward_inputs``); ``logit_rows`` is None
+    where the LM head's rows are the first ones in order (a slice, no gather)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    pending_rows: torch.Tensor | None
+    pending_sources: torch.Tensor | None
+    logit_rows: torch.Tensor | None
+
+
+def stage_forward_inputs(inputs: StepInputs, table: np.ndarray, to_device: HostToDevice) -> DeviceInputs:
+    """Every host input of a step's forward pass, staged in one ``to_device.deferred()`` block
+    (one host-to-device copy on CUDA); use the tensors only after the block."""
+    rows = inputs.logit_rows
+    with to_device.deferred():
+        return DeviceInputs(
+            input_ids=to_device(inputs.input_ids, torch.int64),
+            positions=to_device(inputs.positions, torch.int64),
+            slot_mapping=to_device(inputs.slots, torch.int64),
+            seq_lens=to_device(inputs.seq_lens, torch.int32),
+            block_tables=to_device(table, torch.int32),
+            pending_rows=to_device(inputs.pending_rows, torch.int64) if inputs.pending_rows else None,
+            pending_sources=to_device(inputs.pending_sources, torch.int64) if inputs.pending_rows else None,
+            logit_rows=None if rows == list(range(len(rows))) else to_device(rows, torch.int64))
+
+
 class PinnedStaging:
     """Host-to-device copies through two reused pinned buffers, used by alternate steps. Pinning
     a fresh tensor for every input cost ~0.1 ms each, over 1 ms per decode step. A buffer is
-    written again only after the event of the step that last used it has passed."""
+    written again only after the event of the step that last used it has passed.
+
+    Inside ``deferred()`` each array gets a view of the buffer's device mirror at its own offset,
+    and one copy at the block's end fills them all: a decode step's ten inputs were ten copies.
+    A mirror region is overwritten by the copy of the step two later, queued on the same stream
+    after everything this step queued, so its tensors are meant for this step's kernels only."""
 
     def __init__(self, device: torch.device, nbytes: int = 1 << 22):
         self.device = device
-        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._pinned = device.type == "cuda"  # on the CPU (tests) plain buffers, the same offsets
+        self._buffers = [self._host_buffer(nbytes) for _ in range(2)]
+        self._mirrors = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self._released: list[torch.cuda.Event | None] = [None, None]
         self._current = 0
         self._offset = 0
+        self._deferring = False
+        self._pending_from: int | None = None  # where the deferred region not yet copied starts
+        self._mirrored = True  # False once a step outgrew its mirror: later arrays copy at once
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def begin_step(self) -> None:
         self._current ^= 1
@@ -32,32 +105,62 @@ class PinnedStaging:
         if event is not None:
             event.synchronize()
         self._offset = 0
+        self._mirrored = True
 
     def end_step(self, event: torch.cuda.Event) -> None:
         """``event`` is recorded after every copy queued since ``begin_step``."""
         self._released[self._current] = event
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._flush()
+            self._deferring = False
+
+    def _flush(self) -> None:
+        """Queue the one copy of the deferred region staged so far into the mirror."""
+        start, self._pending_from = self._pending_from, None
+        if start is not None and self._offset > start:
+            mirror, buffer = self._mirrors[self._current], self._buffers[self._current]
+            mirror[start:self._offset].copy_(buffer[start:self._offset], non_blocking=True)
 
     def to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         array = np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
         start = -(-self._offset // 64) * 64
         buffer = self._buffers[self._current]
         if start + array.nbytes > buffer.numel():
-            torch.cuda.current_stream(self.device).synchronize()  # copies queued from the old buffer
-            buffer = torch.empty(max(2 * buffer.numel(), array.nbytes), dtype=torch.uint8, pin_memory=True)
-            self._buffers[self._current], start = buffer, 0
-        self._offset = start + array.nbytes
-        host = buffer[start:self._offset].view(dtype).view(array.shape)
+            self._flush()
+            if self._pinned:
+                torch.cuda.current_stream(self.device).synchronize()  # copies queued from the old buffer
+            buffer = self._host_buffer(max(2 * buffer.numel(), array.nbytes))
+            self._buffers[self._current], start, self._mirrored = buffer, 0, False
+        end = start + array.nbytes
+        mirror = self._mirrors[self._current]
+        if self._deferring and self._mirrored and end > mirror.numel():
+            self._flush()
+            self._mirrored = False
+        self._offset = end
+        host = buffer[start:end].view(dtype).view(array.shape)
         host.numpy()[...] = array
-        return host.to(self.device, non_blocking=True)
+        if self._deferring and self._mirrored:
+            self._pending_from = start if self._pending_from is None else self._pending_from
+            return mirror[start:end].view(dtype).view(array.shape)
+        return host.to(self.device, non_blocking=True, copy=True)
 
 
 class HostToDevice:
     """Host lists and arrays to device tensors; on CUDA through ``PinnedStaging`` without waiting
-    for the copy, on the CPU as plain tensors."""
+    for the copy, on the CPU as plain tensors. ``deferred()`` stages several arrays for one copy;
+    on the CPU its tensors hold a poison value until the block ends, as a CUDA kernel queued
+    inside the block would read them before their copy, so the CPU tests catch such a use."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.staging = PinnedStaging(device) if device.type == "cuda" else None
+        self._pending: list[tuple[torch.Tensor, np.ndarray]] | None = None
 
     def begin_step(self) -> None:
         if self.staging is not None:
@@ -67,10 +170,30 @@ class HostToDevice:
         if self.staging is not None:
             self.staging.end_step(event)
 
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: tensors for kernels queued after the block (one copy at its end on CUDA)."""
+        if self.staging is not None:
+            with self.staging.deferred():
+                yield
+            return
+        self._pending = []
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            for tensor, array in pending:
+                tensor.copy_(torch.from_numpy(array))
+
     def __call__(self, values, dtype: torch.dtype) -> torch.Tensor:
-        if self.staging is None:
+        if self.staging is not None:
+            return self.staging.to_device(values, dtype)
+        if self._pending is None:
             return torch.as_tensor(values, dtype=dtype)
-        return self.staging.to_device(values, dtype)
+        array = np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
+        poison = torch.full(array.shape, -(1 << 30) if dtype != torch.float32 else float("nan"), dtype=dtype)
+        self._pending.append((poison, array))
+        return poison
 
 
 def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vocab_size: int,

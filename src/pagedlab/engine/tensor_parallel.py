@@ -34,7 +34,8 @@ from pagedlab.config import EngineConfig
 from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable_peer_all_reduce,
                                                  get_tp_group, init_tensor_parallel)
 from pagedlab.distributed.peer_all_reduce import PeerAllReduce
-from pagedlab.engine.model_runner import ModelRunner, StepInputs, load_model_runner
+from pagedlab.engine.model_runner import ModelRunner, load_model_runner
+from pagedlab.engine.step_inputs import StepInputs
 from pagedlab.loader import resolve_model_source
 
 # Bounds the ranks' rendezvous and every collective. A worker that dies is seen at once (its
