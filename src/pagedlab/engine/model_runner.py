@@ -453,7 +453,7 @@ class ModelRunner:
         if step.unsampled is None:
             return
         (inputs, logits), step.unsampled = step.unsampled, None
-        with self.ranges.range("sample"):
+        with self.ranges.range("sample"), self.to_device.deferred():  # the sampler is queued later
             meta = build_sampling_metadata(
                 inputs.sampled, self.to_device, self.vocab_size, inputs.sample_positions,
                 int(self.step_seeds.integers(1 << 64, dtype=np.uint64))) if inputs.sampled else None
