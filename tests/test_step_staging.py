@@ -104,4 +104,12 @@ def test_forward_inputs_staged_and_the_lm_head_rows_sliced_when_they_lead_in_ord
     staged = stage_forward_inputs(inputs, table, HostToDevice(CPU))
     assert staged.logit_rows.tolist() == [2, 0, 1]
     inputs.pending_rows, inputs.pending_sources = [], []
-    assert stage_forward_inputs(inputs, table, HostToDevice(CPU)).pending_rows is None
+    staged = stage_forward_inputs(inputs, table, HostToDevice(CPU))
+    assert staged.pending_rows is None and staged.input_ids.tolist() == [11, 12, 13]
+    # every id the previous step's, in its order: that tensor is read, nothing staged for the ids
+    inputs.pending_rows, inputs.pending_sources = [0, 1, 2], [0, 1, 2]
+    staged = stage_forward_inputs(inputs, table, HostToDevice(CPU))
+    assert staged.input_ids is None and staged.pending_rows is None and staged.num_tokens == 3
+    inputs.pending_sources = [0, 2, 1]  # reordered: scattered
+    staged = stage_forward_inputs(inputs, table, HostToDevice(CPU))
+    assert staged.pending_sources.tolist() == [0, 2, 1] and staged.input_ids is not None

@@ -513,6 +513,8 @@ class ModelRunner:
     def _input_ids(staged: DeviceInputs, previous: LaunchedStep | None) -> torch.Tensor:
         """The step's input ids on the device; those the previous step sampled are taken from its
         device tensor. Every rank of a tensor-parallel model gets rank 0's (a broadcast)."""
+        if staged.input_ids is None:
+            return tensor_parallel_broadcast(previous.sampled_token_ids[:staged.num_tokens])
         ids = staged.input_ids
         if staged.pending_rows is not None:
             ids[staged.pending_rows] = previous.sampled_token_ids[staged.pending_sources]

@@ -45,10 +45,14 @@ class StepInputs:
 
 @dataclass
 class DeviceInputs:
-    """A step's forward inputs on the device (``stage_forward_inputs``); ``logit_rows`` is None
-    where the LM head's rows are the first ones in order (a slice, no gather)."""
+    """A step's forward inputs on the device (``stage_forward_inputs``). ``input_ids`` is None
+    where every token's id is the previous step's sampled id in its order (a decode batch that
+    kept its requests, or the first of them): the step then reads that tensor's first
+    ``num_tokens`` ids. ``logit_rows`` is None where the LM head's rows are the first ones in
+    order (a slice, no gather)."""
 
-    input_ids: torch.Tensor
+    num_tokens: int
+    input_ids: torch.Tensor | None
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
@@ -61,16 +65,18 @@ class DeviceInputs:
 def stage_forward_inputs(inputs: StepInputs, table: np.ndarray, to_device: HostToDevice) -> DeviceInputs:
     """Every host input of a step's forward pass, staged in one ``to_device.deferred()`` block
     (one host-to-device copy on CUDA); use the tensors only after the block."""
-    rows = inputs.logit_rows
+    rows, n = inputs.logit_rows, len(inputs.input_ids)
+    follows = bool(inputs.pending_rows) and inputs.pending_rows == list(range(n)) == inputs.pending_sources
+    scatter = bool(inputs.pending_rows) and not follows  # some ids from the previous step, elsewhere
     with to_device.deferred():
         return DeviceInputs(
-            input_ids=to_device(inputs.input_ids, torch.int64),
+            num_tokens=n, input_ids=None if follows else to_device(inputs.input_ids, torch.int64),
             positions=to_device(inputs.positions, torch.int64),
             slot_mapping=to_device(inputs.slots, torch.int64),
             seq_lens=to_device(inputs.seq_lens, torch.int32),
             block_tables=to_device(table, torch.int32),
-            pending_rows=to_device(inputs.pending_rows, torch.int64) if inputs.pending_rows else None,
-            pending_sources=to_device(inputs.pending_sources, torch.int64) if inputs.pending_rows else None,
+            pending_rows=to_device(inputs.pending_rows, torch.int64) if scatter else None,
+            pending_sources=to_device(inputs.pending_sources, torch.int64) if scatter else None,
             logit_rows=None if rows == list(range(len(rows))) else to_device(rows, torch.int64))
 
 
