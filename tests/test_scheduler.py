@@ -281,3 +281,27 @@ def test_stats_count_prompt_and_generated_tokens_once():
         run(s)
     assert (a.num_output_tokens, b.num_output_tokens) == (4, 2)
     assert s.stats.prompt_tokens == 40 and s.stats.generation_tokens == 6
+
+
+def test_stats_count_a_chunked_recompute_as_prompt_tokens():
+    """After a preemption every token whose KV was lost runs again as a prompt token; only the
+    final chunk's last token (the output never run) is a decode token. Expected: the prompts
+    once, plus each preempted request's computed tokens at its preemption."""
+    s = make_scheduler(num_blocks=8, block_size=4, budget=4, prefix_caching=False)
+    requests = [make_request("a", 6, max_tokens=12, ignore_eos=True),
+                make_request("b", 6, first_token=300, max_tokens=12, ignore_eos=True)]
+    for request in requests:
+        s.add_request(request)
+    lost, chunks_within_outputs = 0, 0
+    while s.num_unfinished:
+        before = {r.request_id: (r.num_computed_tokens, r.num_preemptions) for r in requests}
+        batch = s.schedule()
+        lost += sum(before[r.request_id][0] for r in requests if r.num_preemptions > before[r.request_id][1])
+        chunks_within_outputs += sum(
+            1 for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+            if n > 1 and r.num_computed_tokens >= r.num_prompt_tokens and not batch.samples(i))
+        sampled = s.update_after_launch(batch)
+        s.update_from_output(sampled, [7] * len(sampled))
+    assert s.stats.num_preemptions >= 1 and chunks_within_outputs >= 1 and lost > 12
+    assert s.stats.prompt_tokens == 12 + lost
+    assert s.stats.generation_tokens == 24

@@ -188,7 +188,10 @@ class Scheduler:
             held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
             empty = sum(len(r.block_ids) * kv.block_size - tokens for r, tokens in held.items())
             self.stats.tokens_at_peak = used * kv.block_size - empty
-        decodes = sum(1 for r in batch.requests if r.num_computed_tokens >= r.num_prompt_tokens)
+        # A request's one decode token is the last it runs, where that is an output token never run
+        # before: a recompute chunk that stops short of the end has none.
+        decodes = sum(1 for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                      if batch.samples(i) and r.num_computed_tokens + n > r.num_prompt_tokens)
         self.stats.prompt_tokens += batch.total_tokens - decodes
 
     # ---- after a step ---------------------------------------------------------------------
