@@ -7,6 +7,7 @@ pytest.importorskip("yaml")
 pytest.importorskip("sqlalchemy")
 
 from pagedlab.lab.experiments import ExperimentError, expand_runs, experiment_from_dict, run_experiment
+from pagedlab.lab.runs import format_plan
 from pagedlab.lab.store import ResultStore, RunRecord
 
 MODEL = "example-org/tiny-llama"  # a hub id: expansion never loads it
@@ -116,3 +117,30 @@ def test_rekey_leaves_a_run_already_under_its_new_key(tmp_path):
         left = sorted(r["run_key"] for r in store.runs(experiment="k")
                       if r["run_key"] in ("k:a", "k:b", "k:ab"))
         assert left in (["k:a", "k:ab"], ["k:ab", "k:b"])
+
+
+def test_runs_expand_as_runs_then_grid_points_then_repeats():
+    spec = dataset_spec({"max_tokens": 4})
+    spec.update(runs=[{"sampling.top_k": 5}, {"sampling.top_k": 7}],
+                grid={"sampling.temperature": [0.5, 1.0]}, repeats=2)
+    runs = expand_runs(experiment_from_dict(spec))
+    got = [(x.config["sampling"]["top_k"], x.config["sampling"]["temperature"], x.repeat) for x in runs]
+    assert got == [(k, t, r) for k in (5, 7) for t in (0.5, 1.0) for r in (0, 1)]
+    assert [x.index for x in runs] == list(range(8))
+
+
+def test_each_dataset_setting_of_a_sweep_loads_its_own_prompts():
+    spec = dataset_spec({"max_tokens": 4})
+    spec.update(dataset={"prompts": ["a", "b c", "d"]}, grid={"dataset.limit": [1, 3]})
+    runs = expand_runs(experiment_from_dict(spec))
+    assert [len(r.dataset.items) for r in runs] == [1, 3] == [r.params()["dataset.num_prompts"] for r in runs]
+    assert runs[0].dataset.sha256 != runs[1].dataset.sha256
+
+
+def test_the_plan_loads_only_groups_with_pending_runs():
+    spec = experiment_from_dict(bench_spec(grid={"engine.dtype": ["float32", "bfloat16"]}))
+    runs = expand_runs(spec)
+    done = {r.run_key for r in runs if r.config["engine"]["dtype"] == "float32"}
+    plan = format_plan(spec, runs, done).splitlines()
+    assert plan[0].startswith("experiment k: 2 run(s), 1 pending, 2 model group(s) (1 to load)")
+    assert [line.split()[5] for line in plan[2:4]] == ["done", "pending"]

@@ -2,14 +2,19 @@
 (CI: export PAGEDLAB_TEST_POSTGRES_URL=$(.ci/start-postgres.sh))."""
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timedelta, timezone
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("sqlalchemy")
 pd = pytest.importorskip("pandas")
@@ -254,3 +259,107 @@ def test_a_postgresql_url_without_a_driver_uses_the_installed_one(monkeypatch):
         with store.engine.connect() as connection:
             assert connection.execute(sa.text("SELECT 1")).scalar() == 1
         store.close()
+
+
+# ---- on SQLite, read back with plain sqlite3 -----------------------------------------------------------
+def _sqlite(path, query, *args) -> list[tuple]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return conn.execute(query, args).fetchall()
+
+
+def test_times_and_scalars_are_stored_as_given(tmp_path):
+    db = tmp_path / "t.db"
+    started = datetime(2025, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    metrics = {"np": np.float32(0.25), "torch": torch.tensor(7), "pair": (1, 2)}
+    with ResultStore(db) as store:
+        rid = store.record_run(RunRecord("exp", "k", {}, metrics, {}, started_at=started,
+                                         finished_at=started + timedelta(seconds=90)))
+        run = store.get_run(rid)
+    assert run["started_at"] == "2025-01-02T03:04:05+00:00"
+    assert run["finished_at"] == "2025-01-02T03:05:35+00:00"
+    (duration, stored_metrics), = _sqlite(db, "SELECT duration_s, metrics FROM runs")
+    assert duration == 90.0
+    assert json.loads(stored_metrics) == {"np": 0.25, "torch": 7, "pair": [1, 2]}  # numbers, not strings
+
+
+def test_runs_are_listed_oldest_first_and_picked_by_id(tmp_path):
+    with ResultStore(tmp_path / "o.db") as store:
+        ids = {key: store.record_run(RunRecord("exp", key, {}, {}, {})) for key in ("c", "a", "b")}
+        assert [r["run_key"] for r in store.runs()] == ["c", "a", "b"]
+        assert list(store.dataframe()["run_key"]) == ["c", "a", "b"]
+        assert [r["run_key"] for r in store.runs(run_ids=[ids["a"]])] == ["a"]
+        assert store.runs(run_ids=[]) == []
+
+
+def test_delete_runs_deletes_only_what_it_is_asked_to(tmp_path):
+    db = tmp_path / "d.db"
+    outputs = [{"prompt": "p", "text": "t", "token_ids": [1]}] * 2
+    with ResultStore(db) as store:
+        store.record_run(RunRecord("a", "a-ok", {}, {}, {}, outputs=outputs))
+        store.record_run(RunRecord("a", "a-bad", {}, {}, {}, outputs=outputs, status="failed", error="x"))
+        store.record_run(RunRecord("b", "b-bad", {}, {}, {}, outputs=outputs, status="failed", error="x"))
+        assert store.delete_runs(experiment="a", status="failed") == 1
+        assert sorted(k for k, in _sqlite(db, "SELECT run_key FROM runs")) == ["a-ok", "b-bad"]
+        assert store.delete_runs(status="failed") == 1
+        assert _sqlite(db, "SELECT run_key FROM runs") == [("a-ok",)]
+        assert _sqlite(db, "SELECT COUNT(*) FROM outputs") == [(2,)]  # the deleted runs' outputs went too
+        assert store.delete_runs() == 1
+        assert _sqlite(db, "SELECT COUNT(*) FROM runs") == [(0,)]
+        assert _sqlite(db, "SELECT COUNT(*) FROM outputs") == [(0,)]
+
+
+def test_a_metric_named_like_a_param_gets_a_column_of_its_own(tmp_path):
+    with ResultStore(tmp_path / "m.db") as store:
+        store.record_run(RunRecord("exp", "k", {"engine.block_size": 16, "score": "param"},
+                                   {"score": 0.5, "repeat": 9.0}, {}, repeat=1))
+        row = store.dataframe().iloc[0]
+    assert row["score"] == "param" and row["metric.score"] == 0.5
+    assert row["repeat"] == 1 and row["metric.repeat"] == 9.0
+
+
+def test_storing_a_run_keeps_its_experiment_spec(tmp_path):
+    db = tmp_path / "e.db"
+
+    def specs():
+        return [(i, json.loads(spec)) for i, spec in _sqlite(db, "SELECT id, spec FROM experiments")]
+
+    with ResultStore(db) as store:
+        exp_id = store.ensure_experiment("exp", {"grid": {"engine.block_size": [16]}})
+        store.record_run(RunRecord("exp", "k", {}, {}, {}))
+        assert specs() == [(exp_id, {"grid": {"engine.block_size": [16]}})]
+        assert store.ensure_experiment("exp", {"repeats": 2}) == exp_id
+    assert specs() == [(exp_id, {"repeats": 2})]
+
+
+def test_a_newer_schema_and_a_bad_status_are_refused(tmp_path):
+    db = tmp_path / "v.db"
+    with ResultStore(db) as store, pytest.raises(ValueError, match="status='running' is invalid"):
+        store.record_run(RunRecord("exp", "k", {}, {}, {}, status="running"))
+    assert _sqlite(db, "SELECT COUNT(*) FROM runs") == [(0,)]
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute("UPDATE pagedlab_meta SET value = '2' WHERE key = 'schema_version'")
+    with pytest.raises(ValueError, match="schema version 2, newer than this pagedlab's 1"):
+        ResultStore(db)
+
+
+def test_a_write_holds_the_write_lock_from_its_begin(tmp_path):
+    # BEGIN IMMEDIATE: a second writer waits on the busy timeout, where a deferred BEGIN would let
+    # it in and fail one of the two when the first upgrades its read to a write (SQLite WAL)
+    db = tmp_path / "lock.db"
+    outcomes = []
+    with ResultStore(db) as store, contextlib.closing(sqlite3.connect(db, timeout=0)) as other:
+        other.isolation_level = None
+
+        def probe(conn, cursor, statement, *args):
+            if statement.lstrip().upper().startswith("SELECT") and not outcomes:  # record_run's first read
+                try:
+                    other.execute("BEGIN IMMEDIATE")
+                    other.execute("ROLLBACK")
+                    outcomes.append("free")
+                except sqlite3.OperationalError as e:
+                    outcomes.append(str(e))
+
+        store.sa.event.listen(store.engine, "before_cursor_execute", probe)
+        store.record_run(RunRecord("exp", "k", {}, {}, {}))
+    assert outcomes == ["database is locked"]
+    assert _sqlite(db, "SELECT run_key, status FROM runs") == [("k", "finished")]
