@@ -54,6 +54,17 @@ def test_runs_equal_up_to_spelling_are_duplicates():
         expand_runs(experiment_from_dict(spec))
 
 
+def test_a_key_in_both_a_run_and_the_grid_is_an_error():
+    spec = dataset_spec({"max_tokens": 4})
+    spec["grid"] = {"sampling.top_k": [1, 2]}
+    spec["runs"] = [{"sampling.temperature": 0.5}, {"sampling.top_k": 5}]
+    with pytest.raises(ExperimentError, match=r"runs\[1\].*sampling.top_k is set both here and in the grid"):
+        experiment_from_dict(spec)
+    spec["runs"] = [{"sampling": {"top_k": 5}}]  # the nested spelling too
+    with pytest.raises(ExperimentError, match="set both here and in the grid"):
+        experiment_from_dict(spec)
+
+
 def test_legacy_key_is_the_earlier_recipe():
     # the key pagedlab gave this run before keys were canonical (computed at commit 5be19e2)
     run, = expand_runs(experiment_from_dict(bench_spec()))

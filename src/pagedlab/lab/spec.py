@@ -208,6 +208,10 @@ def _read_runs(spec: ExperimentSpec, data: dict) -> None:
                 flat[key] = value
         for key in flat:
             check_override_key(spec, key, ("runs", j, key))
+            if key in spec.grid:
+                raise ExperimentError(f"{spec.where('runs', j, key)}: {key} is set both here and in the grid "
+                                      f"({spec.where('grid', key)}), whose values would replace this one: "
+                                      "set it in one of them")
         for key in ("model", LORA_KEY):
             if key in flat:
                 flat[key] = _resolve_value(key, flat[key], spec, ("runs", j, key))
