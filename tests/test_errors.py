@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import KV_BYTES, hf_greedy
-from pagedlab import LLM, SamplingParams
+from pagedlab import LLM, BeamSearchParams, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
 
@@ -39,10 +39,39 @@ def llm(tiny_llama):
     (dict(temperature="0.5"), "temperature"),
     (dict(top_p=None), "top_p"),
     (dict(stop=["."], detokenize=False), "stop"),  # vLLM's rule: stop strings are found in the text
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(seed=1 << 63), "seed"),  # the noise's Philox key is a 64-bit integer
+    (dict(seed=-(1 << 63) - 1), "seed"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}=.* must be"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(presence_penalty=-2.0), dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
+    dict(frequency_penalty=2.0), dict(min_p=0.0), dict(min_p=1.0), dict(top_p=1.0), dict(seed=-(1 << 63)),
+    dict(seed=(1 << 63) - 1), dict(min_tokens=4, max_tokens=4), dict(logprobs=0), dict(prompt_logprobs=0),
+    dict(logit_bias={5: -100.0, 6: 100.0}), dict(temperature=0.0)])
+def test_the_ends_of_each_range_are_valid(kwargs):
+    """vLLM's closed ranges: penalties in [-2, 2], min_p in [0, 1], min_tokens up to max_tokens,
+    biases in [-100, 100], any 64-bit seed, and 0 logprobs (the sampled token's alone)."""
+    params = SamplingParams(**kwargs)
+    assert {name: getattr(params, name) for name in kwargs} == kwargs
+
+
+def test_spellings_vllm_takes():
+    """top_k -1 or None means every token (stored as 0); one stop string is a list of one."""
+    assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=None).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_beam_search_is_deterministic():
+    assert BeamSearchParams(beam_width=2, max_tokens=4, temperature=0).temperature == 0
+    with pytest.raises(ValueError, match=r"^temperature=0.5 is invalid: temperature must be 0"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
 
 
 def test_numpy_and_torch_values_act_as_python_ones(llm, tiny_llama):

@@ -118,7 +118,8 @@ def test_bad_logits_controls(kwargs, field):
 def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):
     vocab = tiny_llama.hf_model.config.vocab_size
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
-        for kwargs in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 3])):
-            with pytest.raises(ValueError, match="out of vocabulary"):
+        for kwargs in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 3]),
+                       dict(stop_token_ids=[vocab]), dict(logprob_token_ids=[5, vocab])):
+            with pytest.raises(ValueError, match=rf"^{next(iter(kwargs))}=.* is out of vocabulary"):
                 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()

@@ -16,6 +16,7 @@ import torch
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.engine.structured_output import GrammarCompiler, grammar_bitmask
 from pagedlab.layers.sampler import apply_token_bitmask
 from pagedlab.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
@@ -84,6 +85,86 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def compiler(tiny_dir) -> GrammarCompiler:
+    """The tiny tokenizer's grammars, ending on EOS (2) or a second stop id, 7 (say, a chat's end-of-turn)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    return GrammarCompiler(tokenizer, len(tokenizer), (2, 7))
+
+
+def _accepts(compiler: GrammarCompiler, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether ``text`` is a whole sentence of ``spec``'s language."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(compiler.compile(spec))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_choice_grammar_is_exactly_its_choices(compiler):
+    choices = ['say "hi"', "a\\b", "caf\u00e9", "ab", "abc"]  # JSON escapes, non-ASCII, a prefix of another
+    spec = StructuredOutputsParams(choice=choices)
+    assert all(_accepts(compiler, spec, c) for c in choices)
+    assert not any(_accepts(compiler, spec, t) for t in ("say hi", "a", "abd", "sayhi", "ab abc", "abcab"))
+
+
+def test_disable_any_whitespace_leaves_json_compact(compiler):
+    """vLLM's disable_any_whitespace: no whitespace of the model's choosing (the one compact form
+    xgrammar writes), for a schema and for json_object; without it any whitespace is valid JSON."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    spaced = ['{ "a": 1 }', '{\n  "a": 1\n}', '{"a" :1}']
+    for spec in (dict(json=schema), dict(json_object=True)):
+        compact = StructuredOutputsParams(**spec, disable_any_whitespace=True)
+        assert any(_accepts(compiler, compact, t) for t in ('{"a":1}', '{"a": 1}'))
+        assert not any(_accepts(compiler, compact, t) for t in spaced)
+        assert all(_accepts(compiler, StructuredOutputsParams(**spec), t) for t in spaced)
+
+
+def test_json_object_is_any_object_and_a_schema_string_is_its_dict(compiler):
+    anything = StructuredOutputsParams(json_object=True)
+    assert all(_accepts(compiler, anything, t) for t in ("{}", '{"x": [1, {"y": null}]}'))
+    assert not any(_accepts(compiler, anything, t) for t in ("[1]", "3", '"x"', "null"))
+    as_text = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    assert _accepts(compiler, as_text, '{"answer": "yes", "count": 3, "ok": true}')
+    assert not any(_accepts(compiler, as_text, t) for t in ('{"answer": "perhaps", "count": 3, "ok": true}',
+                                                           '{"answer": "yes"}', '"text"'))
+
+
+def _allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(bitmask[row, t // 32]) >> (t % 32)) & 1}
+
+
+def test_bitmask_rows_follow_their_grammars_and_the_model_stop_ids(compiler):
+    """Each row allows what its own grammar allows next; a finished sentence allows exactly the
+    stop ids the compiler was given (EOS and 7); a batch larger than the first buffer gets a row
+    each. A token the grammar does not allow is refused, and none once it has ended."""
+    vocab, encode = compiler.vocab_size, compiler.tokenizer.convert_tokens_to_ids
+    spec = StructuredOutputsParams(choice=["xy", "zw"])
+    first = {encode("x"), encode("z")}
+    one = grammar_bitmask([compiler.matcher(spec)])
+    assert one.shape == (1, (vocab + 31) // 32) and _allowed(one, 0, vocab) == first
+    grammars = [compiler.matcher(spec) for _ in range(70)]
+    for i, g in enumerate(grammars):
+        for token in ("xy", "z", "")[i % 3]:
+            assert g.accept(encode(token))
+    assert not grammars[2].accept(encode("y")) and not grammars[2].is_terminated
+    bitmask = grammar_bitmask(grammars)
+    assert bitmask.shape == (70, (vocab + 31) // 32)
+    expected = [{2, 7}, {encode("w")}, first]
+    assert all(_allowed(bitmask, i, vocab) == expected[i % 3] for i in range(70))
+    assert grammars[0].accept(7) and grammars[0].is_terminated and not grammars[0].accept(2)
+
+
+def test_compile_errors_name_the_field(compiler):
+    for spec, field in ((StructuredOutputsParams(json={"type": "objectx"}), "json"),
+                        (StructuredOutputsParams(regex="(ab"), "regex"),
+                        (StructuredOutputsParams(grammar="root ::= item"), "grammar")):
+        with pytest.raises(ValueError, match=rf"^{field}=.* is invalid: xgrammar could not compile it"):
+            compiler.compile(spec)
+
+
+@pytest.fixture(scope="module")
 def offline(tiny_dir):
     """Greedy outputs of each prompt under each grammar, with synchronous and asynchronous steps,
     plus a plain request run alone and beside the structured ones."""
@@ -121,8 +202,6 @@ def test_padded_vocabulary_outside_the_grammar(tiny_dir, tmp_path):
     import shutil
 
     import transformers
-
-    from pagedlab.engine.structured_output import GrammarCompiler
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
     config = transformers.AutoConfig.from_pretrained(tiny_dir)
@@ -164,7 +243,7 @@ def test_guided_decoding_is_the_older_name(tiny_dir):
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"json": SCHEMA, "regex": REGEX}, {"choice": []}, {"regex": ""},
-                                    {"json": 3}])
+                                    {"json": 3}, {"choice": ["a", ""]}, {"json_object": False}])
 def test_bad_structured_outputs_params(kwargs):
     with pytest.raises(ValueError):
         StructuredOutputsParams(**kwargs)
