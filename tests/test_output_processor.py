@@ -40,9 +40,9 @@ class Engine:
     """LLMEngine's step loop over scripted tokens: schedule, append what was "sampled", let the
     output processor record it (a stop string it finds finishes the request), build the outputs."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, token_budget: int = 64):
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), 8, 64, 256)
+        self.scheduler = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), 8, token_budget, 256)
         self.processor = OutputProcessor(tokenizer)
 
     def ids(self, text: str) -> list[int]:
@@ -180,6 +180,45 @@ def test_prompt_logprobs_hold_the_top_n_whatever_logprobs_says(tokenizer):
     assert _records(out.prompt_logprobs[1]) == {b: (-3.0, 5, "b"), c: (-0.1, 1, "c"), a: (-0.2, 2, "a")}
     assert _records(out.prompt_logprobs[2]) == {c: (-0.1, 1, "c"), a: (-0.2, 2, "a")}
     assert request.is_finished and out.finished
+
+
+def _prompt_chunks(engine: Engine, prompt: str, budget: int) -> list[dict[str, PromptLogprobsChunk]]:
+    """The prompt logprob chunks chunked prefill computes for request "r" in steps of ``budget``
+    tokens: a chunk over tokens [s, e) scores tokens s+1 .. e (within the prompt); position p's
+    sampled-token logprob is -p, its top 1 is (token "z", -0.01)."""
+    ids, z = engine.ids(prompt), engine.ids("z")[0]
+    chunks = []
+    for s in range(0, len(ids), budget):
+        targets = ids[s + 1:min(s + budget + 1, len(ids))]
+        rows = [(-float(s + 1 + j), 2, [(z, -0.01)], []) for j in range(len(targets))]
+        chunks.append({"r": PromptLogprobsChunk(s + 1, targets, _top(rows))} if targets else {})
+    return chunks
+
+
+def test_delta_prompt_logprobs_carry_each_chunks_positions_once(tokenizer):
+    """DELTA with prompt_logprobs through chunked prefill (8 prompt tokens, 3 a step): each
+    output carries only the positions recorded since the last one (the first with position 0's
+    None, later ones none), and merged with ``RequestOutput.add`` they equal the cumulative
+    output of the same run."""
+    prompt, a = "abcdefgh", tokenizer.encode("a", add_special_tokens=False)[0]
+    runs = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        engine = Engine(tokenizer, token_budget=3)
+        engine.add("r", SamplingParams(max_tokens=2, prompt_logprobs=1, output_kind=kind), prompt=prompt)
+        runs[kind] = [engine.step({"r": a}, prompt_logprobs=chunk)["r"]
+                      for chunk in _prompt_chunks(engine, prompt, 3) + [{}]]
+    deltas, cumulative = runs[RequestOutputKind.DELTA], runs[RequestOutputKind.CUMULATIVE]
+    assert [len(o.prompt_logprobs) for o in deltas] == [4, 3, 1, 0]
+    assert deltas[0].prompt_logprobs[0] is None
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert [[pos[t].logprob for pos, t in zip(o.prompt_logprobs, ids[start:]) if pos is not None]
+            for o, start in zip(deltas, (0, 4, 7, 8))] == [[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0], [-7.0], []]
+    assert [len(o.prompt_logprobs) for o in cumulative] == [8] * 4
+    merged = deltas[0]
+    for later in deltas[1:]:
+        merged = merged.add(later)
+    assert merged.prompt_logprobs == cumulative[-1].prompt_logprobs
+    assert merged.outputs[0].token_ids == cumulative[-1].outputs[0].token_ids == [a, a]
 
 
 def test_a_parent_finishes_when_all_its_completions_have(tokenizer):

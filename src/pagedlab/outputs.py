@@ -68,7 +68,9 @@ class RequestOutput:
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """Merge a later delta output (``RequestOutputKind.DELTA``) into this one, in place: text,
-        token ids and logprobs are appended, the rest is taken from ``later``."""
+        token ids, logprobs and prompt logprobs are appended, the rest is taken from ``later``."""
+        if self.prompt_logprobs is not None and later.prompt_logprobs is not None:
+            self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
         for mine, theirs in zip(self.outputs, later.outputs):
             mine.text += theirs.text
             mine.token_ids = mine.token_ids + theirs.token_ids

@@ -33,8 +33,10 @@ class CompletionState:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_ready: int = 1  # leading prompt positions recorded (position 0 has none)
     sent_tokens: int = 0  # with RequestOutputKind.DELTA: how much earlier outputs already carried
     sent_text: int = 0
+    sent_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -148,6 +150,8 @@ class OutputProcessor:
             for j, token in enumerate(chunk.token_ids):
                 records[chunk.start + j] = self._position_logprobs(
                     chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
+            state.prompt_logprobs_ready = max(state.prompt_logprobs_ready,
+                                              chunk.start + len(chunk.token_ids))
 
     def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool,
                            label_ids: list[int] | None = None) -> PositionLogprobs:
@@ -191,13 +195,27 @@ class OutputProcessor:
         delta = parent.output_kind == RequestOutputKind.DELTA
         return RequestOutput(
             request_id=request_id, prompt=parent.prompt, prompt_token_ids=first.request.prompt_token_ids,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs_output(first, delta),
             outputs=[_completion_output(state, delta) for state in parent.completions], finished=finished,
             metrics=first.request.metrics, num_cached_tokens=first.request.num_cached_prompt_tokens)
 
     def clear(self) -> None:
         self._parents.clear()
         self._completions.clear()
+
+
+def _prompt_logprobs_output(state: CompletionState, delta: bool) -> list[PositionLogprobs | None] | None:
+    """The prompt logprobs an output carries: all positions (those not computed yet are None), or
+    with ``delta`` the positions recorded since the last output (as vLLM, an empty list once all
+    were sent), so that chunked prefill's pieces add up to the prompt's list."""
+    if state.prompt_logprobs is None:
+        return None
+    if not delta:
+        return list(state.prompt_logprobs)
+    ready = min(state.prompt_logprobs_ready, len(state.prompt_logprobs))
+    new = state.prompt_logprobs[state.sent_prompt_logprobs:ready]
+    state.sent_prompt_logprobs = max(state.sent_prompt_logprobs, ready)
+    return new
 
 
 def _completion_output(state: CompletionState, delta: bool = False) -> CompletionOutput:
