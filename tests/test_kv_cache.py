@@ -146,6 +146,21 @@ def decode(kv: KVCacheManager, request: Request, steps: int, first_token: int = 
     request.num_computed_tokens = request.num_tokens
 
 
+def test_a_block_decode_fills_is_named_at_once_for_a_request_running_beside():
+    """Decode steps that only write into the last block take the fast path, but the step whose
+    tokens fill a block names it then (not when the next block is taken), so a prompt that
+    repeats the running sequence hits it at the next step."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request(range(6))
+    admit(kv, request)
+    for step in range(7):
+        decode(kv, request, 1, first_token=500 + step)
+        assert len(request.block_hashes) == request.num_tokens // kv.block_size
+        follower = make_request(request.all_token_ids + [7], f"f{step}")
+        assert kv.find_cached_prefix(follower).num_tokens(kv.block_size) == (request.num_tokens // 4) * 4
+    check_invariants(kv, [request])
+
+
 def test_sliding_window_holds_a_bounded_number_of_blocks():
     """Window 6, blocks of 4: a query sees at most two blocks back, so a 50-token sequence runs
     in a pool of 4 blocks; the released ones go back to the pool."""
