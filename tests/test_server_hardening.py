@@ -284,6 +284,22 @@ def test_stream_options_usage(served, path, body):
     assert all("usage" not in c for c in alone)
 
 
+def test_streamed_prompt_token_ids_come_once_per_choice(served):
+    """With return_token_ids, a completion stream carries each choice's prompt_token_ids on that
+    choice's first chunk only (as vLLM), not again on every token's chunk."""
+    tokenizer = served["tokenizer"]
+    prompts = [PROMPT, "hello"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    sent: dict[int, list[list[int]]] = {}
+    for chunk in _chunks(served, "/v1/completions", body):
+        choice = chunk["choices"][0]
+        sent.setdefault(choice["index"], []).append(choice.get("prompt_token_ids"))
+    for index, per_chunk in sent.items():
+        assert len(per_chunk) > 1
+        assert per_chunk[0] == tokenizer(prompts[index // 2]).input_ids
+        assert per_chunk[1:] == [None] * (len(per_chunk) - 1)
+
+
 # ---- logits controls ---------------------------------------------------------------------------------
 def test_logit_bias_and_allowed_token_ids(served):
     allowed = [40, 41, 42]

@@ -169,8 +169,8 @@ class _CompletionRun:
             if taken is None:
                 continue
             delta, new_ids, new_lps, finish = taken
-            echo = self.echo and not state.started
-            state.started = True
+            first, state.started = not state.started, True
+            echo = self.echo and first
             if echo:
                 delta = (prompt.text or "") + delta
             logprobs = None
@@ -178,6 +178,8 @@ class _CompletionRun:
                 logprobs = self._logprobs(out, new_lps or [], new_ids, state.text_offset, echo)
                 state.text_offset += sum(len(token) for token in logprobs.tokens)
             choice = self._choice(i * n + c.index, delta, logprobs, finish, c, prompt, new_ids)
+            if not first:  # as vLLM, a choice's prompt token ids go out on its first chunk only
+                choice.prompt_token_ids = None
             usage = choice_usage(prompt, state) if self.continuous_usage else None
             chunks.append(self._chunk([choice], usage))
         return chunks
