@@ -13,12 +13,11 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo, WrapValidator, field_validator, model_serializer, model_validator)
-from pydantic_core import PydanticCustomError
+                      ValidationInfo, field_validator, model_serializer, model_validator)
 
 from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
-from pagedlab.server.protocol_vllm import VLLMOutputFields
+from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting
 
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
 MAX_N = 128  # OpenAI's limit for n (and best_of)
@@ -135,17 +134,6 @@ Integer = Annotated[int, BeforeValidator(_integral_float), AfterValidator(_int64
 TokenId = Annotated[Integer, Field(ge=0)]
 
 
-def _expecting(what: str) -> WrapValidator:
-    """One error saying what the field takes, instead of one per member of its union type."""
-    def validate(value: Any, handler):
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("invalid_type", "expected {what}", {"what": what}) from None
-
-    return WrapValidator(validate)
-
-
 class OpenAIRequest(BaseModel):
     """A request body: strict types, unknown fields ignored, ``null`` meaning the default."""
 
@@ -179,18 +167,18 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Integer | None = None
-    stop: Annotated[str | list[str], _expecting("a string or an array of strings")] = Field(
+    stop: Annotated[str | list[str], expecting("a string or an array of strings")] = Field(
         default_factory=list)
-    logit_bias: Annotated[dict[str, float], _expecting("an object mapping token ids to biases")] | None = None
+    logit_bias: Annotated[dict[str, float], expecting("an object mapping token ids to biases")] | None = None
     # vLLM's extensions
     top_k: Integer = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: Integer = 0
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] = Field(
+    stop_token_ids: Annotated[list[TokenId], expecting("an array of token ids")] = Field(
         default_factory=list)
-    allowed_token_ids: Annotated[list[TokenId], _expecting("an array of token ids")] | None = None
+    allowed_token_ids: Annotated[list[TokenId], expecting("an array of token ids")] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -271,7 +259,7 @@ PROMPT_FORMS = ("a string, an array of strings, an array of token ids or an arra
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
-    prompt: Annotated[str | list[int] | list[str | list[int]], _expecting(PROMPT_FORMS)]
+    prompt: Annotated[str | list[int] | list[str | list[int]], expecting(PROMPT_FORMS)]
     max_tokens: Integer = Field(16, ge=1)
     echo: bool = False
     logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -319,8 +307,8 @@ class ChatCompletionMessageParam(BaseModel):
 
     role: str
     content: Annotated[str | list[TextContentPart] | None,
-                       _expecting("a string or an array of text parts: only text parts (type 'text') are "
-                                  "supported")] = None
+                       expecting("a string or an array of text parts: only text parts (type 'text') are "
+                                 "supported")] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -347,7 +335,7 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     functions: list | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Annotated[str | dict, expecting("a string or an object")] | None = None
     # vLLM's extensions
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from pagedlab.sampling_params import StructuredOutputsParams
 
@@ -18,6 +19,18 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def expecting(what: str) -> WrapValidator:
+    """One error saying what the field takes, instead of one per member of its union type (whose
+    location would name the member: ``guided_json.str``)."""
+    def validate(value: Any, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_type", "expected {what}", {"what": what}) from None
+
+    return WrapValidator(validate)
 
 
 class VLLMOutputFields(BaseModel):
@@ -28,7 +41,7 @@ class VLLMOutputFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     response_format: dict | None = None
-    guided_json: str | dict | None = None
+    guided_json: Annotated[str | dict, expecting("a JSON schema (an object or a string)")] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
