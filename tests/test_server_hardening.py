@@ -338,6 +338,16 @@ def test_tokenize_detokenize_version_and_models(served):
     assert card["max_model_len"] == served["engine"].max_model_len
 
 
+def test_tokenize_messages_validates_return_token_strs(served):
+    """/tokenize with messages takes return_token_strs as a strict boolean, as with a prompt: the
+    token strings come back for true, and "false" (a string) is a 400 naming the field."""
+    tokenizer = served["tokenizer"]
+    r = _post(served, "/tokenize", {"messages": CHAT, "return_token_strs": True}).json()
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    err = _error(_post(served, "/tokenize", {"messages": CHAT, "return_token_strs": "false"}), 400)
+    assert err["param"] == "return_token_strs" and "valid boolean" in err["message"]
+
+
 def test_serve_limit_flags():
     from pagedlab.server.cli import add_serve_args, limits_from_args
 

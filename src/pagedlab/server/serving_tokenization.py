@@ -11,11 +11,17 @@ from pagedlab.server.serving_chat import OpenAIServingChat
 
 
 class TokenizeCompletionRequest(OpenAIRequest):
-    """``/tokenize`` with a ``prompt`` (a conversation is a ``ChatCompletionRequest`` body)."""
+    """``/tokenize`` with a ``prompt`` (a conversation is a ``TokenizeChatRequest``)."""
 
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """``/tokenize`` with ``messages``: the conversation as a chat request renders it."""
+
     return_token_strs: bool = False
 
 
@@ -50,9 +56,9 @@ class OpenAIServingTokenization(OpenAIServingChat):
         """``body`` holds ``prompt`` or ``messages`` (rendered as ``/v1/chat/completions`` would)."""
         tokenizer = self.require_tokenizer("/tokenize")
         if "messages" in body:
-            request = parse_request(ChatCompletionRequest, body)
+            request = parse_request(TokenizeChatRequest, body)
             self.check_model(request.model)
-            ids, want_strs = self.render(request).token_ids, bool(body.get("return_token_strs"))
+            ids, want_strs = self.render(request).token_ids, request.return_token_strs
         else:
             request = parse_request(TokenizeCompletionRequest, body)
             self.check_model(request.model)
