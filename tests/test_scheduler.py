@@ -305,3 +305,18 @@ def test_stats_count_a_chunked_recompute_as_prompt_tokens():
     assert s.stats.num_preemptions >= 1 and chunks_within_outputs >= 1 and lost > 12
     assert s.stats.prompt_tokens == 12 + lost
     assert s.stats.generation_tokens == 24
+
+
+def test_cached_prompt_tokens_are_those_found_at_first_admission():
+    """As vLLM's ``num_cached_tokens``: the prefix hit of a request's first admission. b (6-token
+    prompt, nothing cached) is preempted after 5 outputs; re-admitted, it finds 8 of its own 11
+    tokens cached, which is recompute saved, not a prompt cache hit (and more than its prompt)."""
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 8), make_request("b", 6, first_token=300)
+    s.add_request(a)
+    s.add_request(b)
+    while not b.num_preemptions:
+        run(s)
+    s.finish_request(a, "abort")
+    assert scheduled(run(s)) == {"b": 3}  # 11 tokens, 8 of them found cached
+    assert b.num_cached_prompt_tokens == 0
