@@ -109,6 +109,7 @@ def test_prefix_hit_skips_the_cached_blocks():
     batch = run(s)
     assert scheduled(batch)["b"] == 11 - 8  # two full blocks (8 tokens) of a's prompt are reused
     assert b.num_cached_prompt_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    assert b.metrics.num_cached_prompt_tokens == 8  # RequestOutput.metrics reports it too
     assert s.kv_cache.stats.hit_tokens == 8
 
 

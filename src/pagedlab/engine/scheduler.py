@@ -156,7 +156,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += num_cached
             if not request.num_preemptions:  # a recompute's hit on its own tokens is no prompt cache hit
-                request.num_cached_prompt_tokens = num_cached
+                request.num_cached_prompt_tokens = request.metrics.num_cached_prompt_tokens = num_cached
             self.running.append(request)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
