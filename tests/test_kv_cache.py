@@ -17,11 +17,12 @@ def make_request(tokens, rid="r"):
 
 
 def admit(kv: KVCacheManager, request: Request) -> int:
-    """Allocate a whole prompt the way the scheduler does; returns the cached token count."""
+    """Allocate a whole prompt the way the scheduler does, and count it computed (its step ran);
+    returns the cached token count."""
     hit = kv.find_cached_prefix(request)
     cached = hit.num_tokens(kv.block_size)
     assert kv.allocate_slots(request, request.num_tokens - cached, hit)
-    request.num_computed_tokens += cached
+    request.num_computed_tokens = request.num_tokens
     return cached
 
 
@@ -349,3 +350,27 @@ def test_generated_blocks_are_cached_for_a_later_prompt(tiny_llama, async_schedu
         assert llm.get_stats().kv_blocks_used == 0
     assert out.num_cached_tokens == 48
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, longer, 4, eos_token_id=None)
+
+
+def test_a_step_that_failed_to_launch_leaves_no_prefix_to_find(tiny_llama):
+    """Slots are named as prefix blocks when allocated, before their step runs. A 40-token prompt's
+    first step fails to launch, so its two full blocks never get keys and values; the aborted
+    request must take their names with it, or the same prompt run again takes 32 tokens of
+    unwritten KV from the cache (the engine keeps serving after a failed step)."""
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=74)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, block_size=16) as llm:
+        runner = llm.llm_engine.runner
+        real_launch = runner.launch
+
+        def failing_launch(batch, previous=None):
+            raise RuntimeError("injected launch failure")
+
+        runner.launch = failing_launch
+        with pytest.raises(RuntimeError, match="injected launch failure"):
+            llm.generate([prompt], greedy, use_tqdm=False)
+        runner.launch = real_launch
+        (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+        assert llm.get_stats().kv_blocks_used == 0
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompt, 4, eos_token_id=None)

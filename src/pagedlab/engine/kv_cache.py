@@ -159,13 +159,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes first so shared prefixes are evicted last.
         Full blocks whose keys and values are computed are named first, so a finished or
-        preempted sequence can be found again as a prefix."""
+        preempted sequence can be found again as a prefix; blocks it named for tokens it never
+        computed (their step failed or was interrupted) lose their name."""
         self._cache_full_blocks(request, request.num_computed_tokens)
+        self._forget_uncomputed_blocks(request)
         for block_id in reversed(request.block_ids[request.num_released_blocks:]):
             self._release(block_id)
         request.block_ids.clear()
         request.block_hashes.clear()
         request.num_released_blocks = 0
+
+    def _forget_uncomputed_blocks(self, request: Request) -> None:
+        """Unname the blocks named when slots were allocated for a step whose keys and values were
+        never written (``num_computed_tokens`` stops short of them), so no prefix lookup finds them."""
+        for i in range(request.num_computed_tokens // self.block_size, len(request.block_hashes)):
+            block_id = request.block_ids[i]
+            if self.blocks[block_id].block_hash == request.block_hashes[i]:
+                self._evict(block_id)
 
     def _release_out_of_window(self, request: Request) -> None:
         """Free the request's blocks that no query from its next token on can see: those ending
