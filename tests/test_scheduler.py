@@ -99,6 +99,19 @@ def test_preemption_takes_the_latest_arrival_and_it_recomputes_everything():
     assert b_tokens == 7 + 5 and b.num_computed_tokens == b_tokens and b.num_output_tokens == 6
 
 
+def test_preemption_takes_the_latest_arrival_not_the_next_in_line():
+    """Pool of 3 blocks of 4, each held by one of a (4 tokens), b and c (2 each). a's 5th token
+    needs a new block: c, the latest arrival, is preempted; b, next after a, keeps running."""
+    s = make_scheduler(num_blocks=3, block_size=4, budget=64, prefix_caching=False)
+    a, b, c = make_request("a", 4), make_request("b", 2, 300), make_request("c", 2, 500)
+    for request in (a, b, c):
+        s.add_request(request)
+    run(s)
+    assert s.kv_cache.num_free_blocks == 0
+    batch = run(s)
+    assert batch.preempted == [c] and scheduled(batch) == {"a": 1, "b": 1}
+
+
 def test_prefix_hit_skips_the_cached_blocks():
     s = make_scheduler(block_size=4, budget=64)
     a = make_request("a", 12)
