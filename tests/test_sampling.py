@@ -170,6 +170,21 @@ def test_min_tokens_and_stop_token_ids(tiny_llama):
     assert stop_token not in held.token_ids[:6]
 
 
+def test_min_tokens_bans_eos_with_ignore_eos_too(tiny_llama):
+    """As vLLM's min-tokens rule (every stop id, EOS included, whatever ignore_eos says): with EOS
+    made the likeliest token, the first min_tokens tokens are the greedy choice without it, and the
+    rest, which ignore_eos does not end, are EOS."""
+    prompt = random_prompts(1, seed=51)[0]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        eos = llm.llm_engine.eos_token_ids
+        params = SamplingParams(temperature=0, max_tokens=5, min_tokens=3, ignore_eos=True,
+                                logit_bias={e: 100.0 for e in eos})
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    unbiased = hf_greedy(tiny_llama.hf_model, prompt, 3, eos_token_id=None)
+    assert not set(unbiased) & set(eos)
+    assert out.token_ids[:3] == unbiased and set(out.token_ids[3:]) <= set(eos) and len(out.token_ids) == 5
+
+
 @pytest.mark.slow
 def test_stop_strings_on_smollm2(smollm2_dir, smollm2_hf):
     _, tokenizer = smollm2_hf

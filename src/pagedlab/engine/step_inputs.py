@@ -297,15 +297,16 @@ def _grammar_bitmask(requests: list[Request],
 
 
 def _bans(requests: list[Request], to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that rows may not sample: EOS and stop ids below ``min_tokens``, and the
-    last token of each bad word whose other tokens end the output so far."""
+    """(rows, token ids) that rows may not sample: EOS (with ``ignore_eos`` too, as vLLM) and stop
+    ids below ``min_tokens``, and the last token of each bad word whose other tokens end the
+    output so far."""
     banned_rows: list[int] = []
     banned_ids: list[int] = []
     for row, r in enumerate(requests):
         p = r.sampling_params
         ids = []
         if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
-            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+            ids = list(p.stop_token_ids) + list(r.eos_token_ids)
         if r.bad_words_token_ids:
             ids += bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
         banned_rows.extend([row] * len(ids))
