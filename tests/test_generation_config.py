@@ -170,3 +170,35 @@ def test_request_limits_against_the_model_cap():
     assert limit(20, ChatCompletionRequest(model="m", messages=messages)) == 20
     assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_completion_tokens=5)) == 5
     assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_tokens=5)) == 5
+
+
+def test_the_generation_configs_other_eos_ids_stop_with_their_id(model_dir, tmp_path):
+    """As vLLM, which adds a generation config's EOS ids other than the tokenizer's to the stop
+    token ids: ending on one gives it as stop_reason (the tokenizer's EOS gives None), and
+    ignore_eos runs through it. The extra id is the second token greedy decoding picks."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+    ids = tokenizer(PROMPT).input_ids
+    greedy = hf_greedy(hf, ids, 6, eos_token_id=None)
+    extra = greedy[1]
+    assert tokenizer.eos_token_id not in greedy[:2] and extra != greedy[0]
+    two_eos = tmp_path / "two_eos"
+    shutil.copytree(model_dir, two_eos)
+    config_file = two_eos / "generation_config.json"
+    config = {**json.loads(config_file.read_text()), "eos_token_id": [tokenizer.eos_token_id, extra]}
+    config_file.write_text(json.dumps(config))
+    with LLM(str(two_eos), kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6),
+                               use_tqdm=False)[0].outputs[0]
+        ran_on = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+        own_eos = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6,
+                                                      logit_bias={tokenizer.eos_token_id: 100.0}),
+                               use_tqdm=False)[0].outputs[0]
+    assert (stopped.token_ids, stopped.finish_reason, stopped.stop_reason) == (greedy[:2], "stop", extra)
+    assert ran_on.token_ids == greedy
+    assert (own_eos.token_ids, own_eos.finish_reason, own_eos.stop_reason) == (
+        [tokenizer.eos_token_id], "stop", None)

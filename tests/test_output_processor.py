@@ -50,7 +50,8 @@ class Engine:
 
     def add(self, request_id: str, params: SamplingParams, prompt: str = "Q:") -> list[Request]:
         children = [Request(f"{request_id}#{i}" if params.n > 1 else request_id, self.ids(prompt), params,
-                            eos_token_ids=(EOS,), index=i, parent_id=request_id) for i in range(params.n)]
+                            eos_token_ids=(EOS,), model_eos_token_id=EOS, index=i, parent_id=request_id)
+                    for i in range(params.n)]
         self.processor.add_request(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)

@@ -20,7 +20,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_m
 def make_request(rid: str, num_prompt: int, first_token: int = 100, **params) -> Request:
     params = {"max_tokens": 50, "ignore_eos": False, **params}
     return Request(rid, list(range(first_token, first_token + num_prompt)), SamplingParams(**params),
-                   eos_token_ids=(EOS,))
+                   eos_token_ids=(EOS,), model_eos_token_id=EOS)
 
 
 def run(scheduler: Scheduler, token: int = 7, tokens: dict[str, int] | None = None) -> ScheduledBatch:
@@ -117,7 +117,8 @@ def test_prefix_hit_skips_the_cached_blocks():
     a = make_request("a", 12)
     s.add_request(a)
     run(s)
-    b = Request("b", list(range(100, 110)) + [999], SamplingParams(max_tokens=5), eos_token_ids=(EOS,))
+    b = Request("b", list(range(100, 110)) + [999], SamplingParams(max_tokens=5), eos_token_ids=(EOS,),
+                model_eos_token_id=EOS)
     s.add_request(b)
     batch = run(s)
     assert scheduled(batch)["b"] == 11 - 8  # two full blocks (8 tokens) of a's prompt are reused

@@ -100,6 +100,7 @@ class LLMEngine:
         except OSError:
             generation_config = None
         self.eos_token_ids = _eos_token_ids(self.hf_config, generation_config, self.tokenizer)
+        self.model_eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.default_sampling_args = generation_config_defaults(config.generation_config, self.source.path,
                                                                 config.override_generation_config)
         self.ranges = StepRanges()  # named step phases for the profiler and Nsight
@@ -247,7 +248,8 @@ class LLMEngine:
         arrival_time = arrival_time or time.time()
         children = [
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
-                    eos_token_ids=self.eos_token_ids, index=index, parent_id=request_id,
+                    eos_token_ids=self.eos_token_ids, model_eos_token_id=self.model_eos_token_id,
+                    index=index, parent_id=request_id,
                     arrival_time=arrival_time, lora_request=lora_request, bad_words_token_ids=bad_words,
                     grammar=(self.grammar_compiler.matcher(params.structured_outputs)
                              if params.structured_outputs is not None else None),

@@ -39,6 +39,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    # the tokenizer's EOS: ending on it leaves stop_reason None; the model's other EOS ids (its
+    # generation config's) give their id, as vLLM's, which adds them to the stop token ids
+    model_eos_token_id: int | None = None
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)

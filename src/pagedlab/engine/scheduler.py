@@ -230,7 +230,8 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
-                return self.finish_request(request, "stop")
+                return self.finish_request(request, "stop",
+                                           stop_reason=None if token == request.model_eos_token_id else token)
             if token in params.stop_token_ids:
                 return self.finish_request(request, "stop", stop_reason=token)
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
