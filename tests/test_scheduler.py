@@ -325,7 +325,8 @@ def test_stats_count_a_chunked_recompute_as_prompt_tokens():
 def test_cached_prompt_tokens_are_those_found_at_first_admission():
     """As vLLM's ``num_cached_tokens``: the prefix hit of a request's first admission. b (6-token
     prompt, nothing cached) is preempted after 5 outputs; re-admitted, it finds 8 of its own 11
-    tokens cached, which is recompute saved, not a prompt cache hit (and more than its prompt)."""
+    tokens cached, which is recompute saved, not a prompt cache hit (and more than its prompt);
+    the prefix cache's hit rate leaves that lookup out too, as vLLM's."""
     s = make_scheduler(num_blocks=6, block_size=4, budget=64)
     a, b = make_request("a", 8), make_request("b", 6, first_token=300)
     s.add_request(a)
@@ -333,5 +334,7 @@ def test_cached_prompt_tokens_are_those_found_at_first_admission():
     while not b.num_preemptions:
         run(s)
     s.finish_request(a, "abort")
+    assert (s.kv_cache.stats.queried_tokens, s.kv_cache.stats.hit_tokens) == (8 + 6, 0)
     assert scheduled(run(s)) == {"b": 3}  # 11 tokens, 8 of them found cached
     assert b.num_cached_prompt_tokens == 0
+    assert (s.kv_cache.stats.queried_tokens, s.kv_cache.stats.hit_tokens) == (8 + 6, 0)

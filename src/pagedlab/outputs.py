@@ -127,7 +127,8 @@ class EngineStats:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """Share of the prompt tokens looked up in the prefix cache that were found there."""
+        """Share of the prompt tokens looked up in the prefix cache that were found there (new
+        requests only: a preempted request's recompute is left out, as in vLLM)."""
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
 

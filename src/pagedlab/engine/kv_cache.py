@@ -41,6 +41,9 @@ class KVBlock:
 
 @dataclass
 class PrefixCacheStats:
+    """Tokens new requests looked up in the prefix cache and found there; as vLLM's hit rate, a
+    preempted request's lookup of its own recomputed tokens is not counted."""
+
     queried_tokens: int = 0
     hit_tokens: int = 0
 
@@ -141,7 +144,7 @@ class KVCacheManager:
         num_cached_free = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_cached_free:
             return False
-        if is_first_allocation:
+        if is_first_allocation and not request.num_preemptions:
             self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += hit.num_tokens(self.block_size)
         for block_id in hit.block_ids:
