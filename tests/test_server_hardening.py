@@ -289,7 +289,8 @@ def test_streamed_prompt_token_ids_come_once_per_choice(served):
     choice's first chunk only (as vLLM), not again on every token's chunk."""
     tokenizer = served["tokenizer"]
     prompts = [PROMPT, "hello"]
-    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    body = {"prompt": prompts, "n": 2, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}
     sent: dict[int, list[list[int]]] = {}
     for chunk in _chunks(served, "/v1/completions", body):
         choice = chunk["choices"][0]

@@ -118,3 +118,29 @@ def test_streamed_offsets_equal_the_full_response(served, extra):
     for choice in full:
         assert texts[choice["index"]] == choice["text"]
         assert streamed[choice["index"]] == _tokens_and_offsets(choice["logprobs"])
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt_scored(served):
+    """vLLM's (and OpenAI's legacy) scoring call, echo with max_tokens=0: the choice is the prompt
+    alone, its logprobs those of the prompt positions exactly as echo with one generated token
+    gives them, no generated token in text, logprobs or token_ids; streamed the same; without
+    echo max_tokens=0 is a 400 naming max_tokens."""
+    body = {"prompt": PROMPT, "temperature": 0, "logprobs": 1, "echo": True, "return_token_ids": True}
+    scored = _complete(served, {**body, "max_tokens": 0})["choices"][0]
+    one = _complete(served, {**body, "max_tokens": 1})["choices"][0]
+    num_prompt = len(one["prompt_token_ids"])
+    assert scored["text"] == PROMPT and one["text"].startswith(PROMPT) and one["text"] != PROMPT
+    assert scored["token_ids"] == [] and scored["prompt_token_ids"] == one["prompt_token_ids"]
+    assert scored["finish_reason"] == "length"
+    assert scored["logprobs"] == {key: values[:num_prompt] for key, values in one["logprobs"].items()}
+    assert scored["logprobs"]["token_logprobs"][0] is None and len(scored["logprobs"]["tokens"]) == num_prompt
+    chunks = _stream(served, {**body, "max_tokens": 0})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for lp in streamed for t in lp["tokens"]] == scored["logprobs"]["tokens"]
+    assert [t for lp in streamed for t in lp["text_offset"]] == scored["logprobs"]["text_offset"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(served["url"] + "/v1/completions",
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_tokens" and "needs echo=true" in error["message"]

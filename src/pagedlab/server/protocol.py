@@ -260,11 +260,24 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Annotated[str | list[int] | list[str | list[int]], expecting(PROMPT_FORMS)]
-    max_tokens: Integer = Field(16, ge=1)
     echo: bool = False
+    max_tokens: Integer = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value: int, info: ValidationInfo) -> int:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens=0 needs echo=true (the prompt echoed and scored, nothing "
+                             "generated); otherwise give max_tokens >= 1")
+        return value
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (vLLM's scoring call): the response is the prompt alone."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("prompt")
     @classmethod
@@ -288,7 +301,8 @@ class CompletionRequest(SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        # one token is generated (the engine always samples) and left out of the response
+        return self._sampling_params(max(self.max_tokens, 1), self.logprobs, prompt_logprobs)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------

@@ -100,6 +100,7 @@ class _CompletionRun:
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
+        self.prompt_only = request.scores_prompt_only
         self.prompt_logprobs = request.prompt_logprobs
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
 
@@ -132,12 +133,14 @@ class _CompletionRun:
         choices = []
         for i, (prompt, out) in enumerate(zip(self.prompts, outputs)):
             for c in out.outputs:
+                text, token_ids, positions = ("", [], []) if self.prompt_only else (
+                    c.text, c.token_ids, c.logprobs or [])
                 logprobs = None
                 if self.params.logprobs is not None:
-                    logprobs = self._logprobs(out, c.logprobs or [], c.token_ids, 0, self.echo)
-                text = (prompt.text or "") + c.text if self.echo else c.text
+                    logprobs = self._logprobs(out, positions, token_ids, 0, self.echo)
+                text = (prompt.text or "") + text if self.echo else text
                 choice = self._choice(i * self.params.n + c.index, text, logprobs, c.finish_reason, c, prompt,
-                                      c.token_ids)
+                                      token_ids)
                 if self.prompt_logprobs is not None:
                     choice.prompt_logprobs = self._prompt_logprobs(out)
                 choices.append(choice)
@@ -168,7 +171,7 @@ class _CompletionRun:
             taken = state.take(c)
             if taken is None:
                 continue
-            delta, new_ids, new_lps, finish = taken
+            delta, new_ids, new_lps, finish = ("", [], [], taken[3]) if self.prompt_only else taken
             first, state.started = not state.started, True
             echo = self.echo and first
             if echo:
