@@ -106,8 +106,12 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
         return num_all_reduces * all_reduce.seconds(num_tokens * c.hidden_size * dtype_bytes)
 
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
-    # a chunk of n new tokens after c cached ones attends n * c + n^2 / 2 (query, key) pairs
-    prefill = sum(2 * weights.active_params * (n - c) + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
+    lm_head = c.vocab_size * c.hidden_size
+    # every new prompt token goes through the layers, but only the last one through the LM head (its
+    # logits give the first output token); a chunk of n new tokens after c cached ones attends
+    # n * c + n^2 / 2 (query, key) pairs
+    prefill = sum(2 * (weights.active_params - lm_head) * (n - c) + 2 * lm_head
+                  + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
                   for n, c in zip(prompt_lens, cached)) / flops / tp
     prefill += all_reduces(sum(n - c for n, c in zip(prompt_lens, cached)))
     decode = 0.0
