@@ -53,6 +53,30 @@ def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():
     assert step_256 > 30.5e9 * 2 / H200_BANDWIDTH
 
 
+def test_hf_static_batch_reports_tpot_percentiles_over_requests_and_itl_apart(monkeypatch):
+    """HF generate on a fake clock: prefill 0.5 s, then gaps of 10, 10, 10 and 100 ms for 5 tokens.
+    Every row of the static batch has TPOT (630 - 500) / 4 = 32.5 ms, so TPOT P50 and P99 are both
+    32.5 ms (as pagedlab's rows: over requests); the 100 ms gap shows in ITL P99 (numpy's linear
+    P99 of 10, 10, 10, 100 ms: 97.3 ms), not in the TPOT column."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(workloads, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class FakeModel:
+        device = torch.device("cpu")
+
+        def generate(self, ids, *, max_new_tokens, logits_processor, **kwargs):
+            for gap in (0.5, 0.01, 0.01, 0.01, 0.1)[:max_new_tokens]:
+                clock.now += gap
+                logits_processor[0](ids, None)
+            return torch.cat([ids, torch.zeros(ids.shape[0], max_new_tokens, dtype=ids.dtype)], dim=1)
+
+    batch = workloads.Workload("custom", [[1, 2, 3]] * 2, [5, 5])
+    row = workloads.run_hf_generate(FakeModel(), batch, "bs=2", None)
+    assert row.ttft_p50_ms == pytest.approx(500) and row.output_tokens == 10
+    assert row.tpot_p50_ms == pytest.approx(32.5) and row.tpot_p99_ms == pytest.approx(32.5)
+    assert row.extra["itl_p50_ms"] == pytest.approx(10) and row.extra["itl_p99_ms"] == pytest.approx(97.3)
+
+
 def test_cli_offers_every_benchmark_shape():
     from pagedlab.cli.main import SHAPES
 

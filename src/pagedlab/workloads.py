@@ -297,13 +297,15 @@ def run_hf_generate(model, workload: Workload, label: str, floor: float | None) 
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     ttft = stamps[0] - start
     itl = [b - a for a, b in itertools.pairwise(stamps)]
-    tpot = statistics.fmean(itl) if itl else None
+    # every row of a static batch gets its tokens at the same steps: one TPOT, the mean gap, is
+    # each request's (last - first) / (tokens - 1), so its P50 and P99 over the requests
+    tpot_ms = statistics.fmean(itl) * 1000 if itl else None
     return WorkloadResult(
         workload.name, "hf", label, len(workload.prompts), ids.numel(), produced, elapsed, ttft * 1000,
-        ttft * 1000, None if tpot is None else tpot * 1000, percentile_ms(itl, 99), _peak_gib(), floor,
+        ttft * 1000, tpot_ms, tpot_ms, _peak_gib(), floor,
         extra={**lora_bench.row_record(workload.loras, peft_mixed_batch="adapter_names" in peft_kwargs),
                "output_tokens_sha256": tokens_sha256(out[:, ids.shape[1]:].tolist()),
-               "itl_p50_ms": percentile_ms(itl, 50)})
+               "itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99)})
 
 
 def tokens_sha256(outputs: list[list[int]]) -> str:
