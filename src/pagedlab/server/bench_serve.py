@@ -82,7 +82,8 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
 
 def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int = 0, shuffle: bool = True
                  ) -> list[RequestSpec]:
-    """Records from a JSON list or JSONL file (see the module doc)."""
+    """Records from a JSON list or JSONL file (see the module doc); ``output_len`` (``--output-len``)
+    is every request's, else a record's ``output_len`` or ``max_tokens``, else 128."""
     text = Path(path).read_text()
     try:
         records = json.loads(text)
@@ -100,7 +101,7 @@ def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int 
     for i, r in enumerate(records):
         if not isinstance(r, dict):
             raise ValueError(f"record {i} of {path} is not an object")
-        out = r.get("output_len", r.get("max_tokens", output_len))
+        out = output_len if output_len is not None else r.get("output_len", r.get("max_tokens"))
         if "prompt_token_ids" in r:
             prompt = r["prompt_token_ids"]
         elif "prompt" in r:
@@ -372,7 +373,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
     p.add_argument("--output-len", type=int, default=None,
-                   help="output tokens per request (default: 128, or the dataset's output_len)")
+                   help="output tokens per request, over the dataset's (default: its output_len, else 128)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random prompts: lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--random-prefix-len", type=int, default=0, help="random prompts: shared prefix tokens")
