@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from pagedlab.server.bench_serve import load_dataset
+import pytest
+
+from pagedlab.server.bench_serve import RequestResult, compute_metrics, load_dataset
 
 
 def test_output_len_flag_overrides_the_datasets_lengths(tmp_path):
@@ -15,3 +17,19 @@ def test_output_len_flag_overrides_the_datasets_lengths(tmp_path):
         {"prompt": "a", "output_len": 4}, {"prompt": "b", "max_tokens": 9}, {"prompt": "c"})))
     assert [s.output_len for s in load_dataset(str(data), 3, 7, shuffle=False)] == [7, 7, 7]
     assert [s.output_len for s in load_dataset(str(data), 3, None, shuffle=False)] == [4, 9, 128]
+
+
+def test_figures_leave_out_failed_requests_and_one_token_tpot():
+    """vLLM's definitions by hand over 2 s: a 5-token request (TTFT 0.1 s, latency 0.5 s, prompt
+    10), a 1-token one (TTFT = latency = 0.2 s, prompt 20) and a failed one (prompt 30). Counts and
+    throughputs take the two successes only (30 input, 6 output tokens); TPOT is (0.5 - 0.1) / 4 =
+    100 ms from the first alone (one token has none); TTFT P99 interpolates 100 and 200 ms."""
+    results = [RequestResult(True, 10, 5, 0.1, 0.5, [0.1] * 4), RequestResult(True, 20, 1, 0.2, 0.2),
+               RequestResult(False, 30, error="HTTP 500")]
+    m = compute_metrics(results, 2.0)
+    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (2, 1, 30, 6)
+    assert (m["request_throughput"], m["output_throughput"], m["total_token_throughput"]) == (1.0, 3.0, 18.0)
+    assert m["mean_tpot_ms"] == pytest.approx(100) and m["p99_tpot_ms"] == pytest.approx(100)
+    assert m["mean_ttft_ms"] == pytest.approx(150) and m["std_ttft_ms"] == pytest.approx(50)
+    assert m["p99_ttft_ms"] == pytest.approx(199) and m["mean_e2el_ms"] == pytest.approx(350)
+    assert m["mean_itl_ms"] == pytest.approx(100) and m["output_lens"] == [5, 1, 0]
