@@ -130,6 +130,25 @@ def test_benchmark_takes_numpy_arguments_as_python_ones(llm, tmp_path):
         llm.benchmark(batch_size="8")
 
 
+def test_sampled_benchmark_seeds_each_request_apart(llm, monkeypatch):
+    """temperature > 0 with seed s: request i samples with seed s + i (one seed for all would
+    give every request the same noise), the same in every run; greedy runs carry no seed."""
+    seeds = []
+    engine = llm.llm_engine
+    real_add = engine.add_request
+
+    def recording_add(request_id, prompt, params, **kwargs):
+        seeds.append(params.seed)
+        return real_add(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording_add)
+    llm.benchmark(batch_size=3, input_len=6, output_len=2, warmup=0, repeats=2, temperature=0.8, seed=11)
+    assert seeds == [11, 12, 13] * 2
+    seeds.clear()
+    llm.benchmark(batch_size=2, input_len=6, output_len=2, warmup=0, repeats=1)
+    assert seeds == [None, None]
+
+
 def test_random_prompts_avoid_eos_and_are_reproducible(llm):
     a = random_prompts(llm, 3, 50, [0, 1])
     assert a == random_prompts(llm, 3, 50, [0, 1]) and a != random_prompts(llm, 3, 50, [0, 2])

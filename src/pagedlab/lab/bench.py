@@ -437,15 +437,17 @@ def _timed_run(llm, prompts, loras, sampling, use_beam_search, monitor, monitor_
 
 
 def _drive_engine(engine, prompts, loras, params, arrival) -> list[list[float]]:
-    """Add every prompt at once (prompt ``i`` under ``loras[i]``, if given) and step until all
+    """Add every prompt at once (prompt ``i`` under ``loras[i]``, if given, and with seeded
+    sampling at ``params.seed + i``, so requests draw independent noise) and step until all
     finish, stamping each returned token."""
     prefix = f"bench-{uuid.uuid4().hex[:8]}-"
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     index = {rid: i for i, rid in enumerate(ids)}
     token_times: list[list[float]] = [[] for _ in prompts]
     try:
-        for rid, prompt, lora in zip(ids, prompts, loras or [None] * len(prompts)):
-            engine.add_request(rid, prompt, params, arrival_time=arrival, lora_request=lora)
+        for i, (rid, prompt, lora) in enumerate(zip(ids, prompts, loras or [None] * len(prompts))):
+            seeded = params.clone(seed=params.seed + i) if params.seed is not None else params
+            engine.add_request(rid, prompt, seeded, arrival_time=arrival, lora_request=lora)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             now = time.time()
