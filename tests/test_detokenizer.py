@@ -100,3 +100,14 @@ def test_stop_string_completed_by_the_new_text():
     assert find_stop_string(text, 3, ["rld", "wor"]) == ("wor", 6)
     assert find_stop_string(text, 3, ["hell", "o wo"]) is None  # "o wo" ends just before the new text
     assert find_stop_string(text, len(text), ["hell"]) == ("hell", 0)
+
+
+def test_token_that_rewrites_returned_text_restarts_the_stream(sp_tokenizer):
+    """An ASCII byte token then a stray continuation byte: the tokenizer's decode turns the text
+    already returned ("l") into U+FFFD, which tokenizers' DecodeStream refuses with an error. As in
+    vLLM, the stream starts afresh at that token rather than failing the request (and with it the
+    engine step), in the output and in the prompt's tail alike."""
+    ids = sp_tokenizer.convert_tokens_to_ids(["<0x6C>", "<0x9C>", "\u2581the", "\u2581fox"])
+    assert sp_tokenizer.decode(ids) == "\ufffd\ufffd the fox"
+    assert stream(sp_tokenizer, [], ids) == "lthe fox"
+    assert stream(sp_tokenizer, ids, sp_tokenizer.convert_tokens_to_ids(["\u2581dog"])) == " dog"

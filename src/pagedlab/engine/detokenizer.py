@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# tokenizers' DecodeStream error when a token rewrites text it already returned (see _step)
+_INVALID_PREFIX = "Invalid prefix encountered"
+
 
 class IncrementalDetokenizer:
     """Appends each new token's text; a token that ends mid-character waits for the next one.
@@ -11,19 +14,37 @@ class IncrementalDetokenizer:
     leading space stays (prompt text + output text is the whole text), as in vLLM."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_token_ids: list[int] = ()):
-        from tokenizers.decoders import DecodeStream
-
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = _decode_stream(skip_special_tokens)
         for token_id in _prompt_tail(self._backend, list(prompt_token_ids), skip_special_tokens):
-            self._stream.step(self._backend, token_id)
+            self._step(token_id)
         self.text = ""
 
     def append(self, token_id: int) -> str:
         """Add one token; return the text it completed (possibly empty)."""
-        piece = self._stream.step(self._backend, token_id) or ""
+        piece = self._step(token_id)
         self.text += piece
         return piece
+
+    def _step(self, token_id: int) -> str:
+        """The stream's text for one more token. With byte-fallback tokens a token can turn text
+        already returned into U+FFFD (an ASCII byte token followed by a stray continuation byte),
+        which DecodeStream refuses with an error; as vLLM, the stream starts afresh at this token
+        rather than failing the request (and the engine step that decoded it)."""
+        try:
+            return self._stream.step(self._backend, token_id) or ""
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = _decode_stream(self._skip_special_tokens)
+            return self._stream.step(self._backend, token_id) or ""
+
+
+def _decode_stream(skip_special_tokens: bool):
+    from tokenizers.decoders import DecodeStream
+
+    return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
