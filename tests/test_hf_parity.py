@@ -125,16 +125,40 @@ def test_beam_search_matches_hf(tiny_models, async_scheduling):
     with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, async_scheduling=async_scheduling) as llm:
         outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = tiny.hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
-                                         max_new_tokens=steps, do_sample=False, eos_token_id=None,
-                                         early_stopping=False, length_penalty=1.0, output_scores=True,
-                                         return_dict_in_generate=True)
-        ours = [seq.tokens[len(prompt):] for seq in out.sequences]
-        theirs = [row[len(prompt):].tolist() for row in ref.sequences]
-        assert ours == theirs
-        for seq, score in zip(out.sequences, ref.sequences_scores.tolist()):
-            assert abs(seq.score - score) < 1e-4
+        assert_hf_beams(tiny.hf_model, prompt, out, width, steps)
+
+
+def assert_hf_beams(hf_model, prompt, out, width, steps):
+    """``out``'s beams are HF's beam search of ``steps`` new tokens (no EOS), with HF's scores."""
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                early_stopping=False, length_penalty=1.0, output_scores=True,
+                                return_dict_in_generate=True)
+    ours = [seq.tokens[len(prompt):] for seq in out.sequences]
+    theirs = [row[len(prompt):].tolist() for row in ref.sequences]
+    assert ours == theirs
+    for seq, score in zip(out.sequences, ref.sequences_scores.tolist()):
+        assert abs(seq.score - score) < 1e-4
+
+
+def test_beam_search_ends_a_prompt_at_max_model_len(tiny_models):
+    """A prompt whose beams fill the context (max_model_len) before max_tokens ends there: its
+    beams are HF's search with only that room, finished by "length", while the call's other
+    prompt goes on to max_tokens (the engine refused the full beams as prompts and the whole call
+    failed). A prompt with no room at all is a ValueError before any step."""
+    tiny = tiny_models("qwen2")
+    short = random_prompts(1, min_len=5, max_len=5, seed=13)[0]
+    long = random_prompts(1, min_len=29, max_len=29, seed=14)[0]
+    width, steps = 2, 6
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, max_model_len=32) as llm:
+        outs = llm.beam_search([short, long], BeamSearchParams(beam_width=width, max_tokens=steps,
+                                                               ignore_eos=True))
+        with pytest.raises(ValueError, match="max_model_len is 32"):
+            llm.beam_search([short, long + short], BeamSearchParams(beam_width=width, max_tokens=steps))
+    assert_hf_beams(tiny.hf_model, short, outs[0], width, steps)
+    assert_hf_beams(tiny.hf_model, long, outs[1], width, 32 - len(long))
+    assert all(seq.finish_reason == "length" for out in outs for seq in out.sequences)
 
 
 def test_beam_search_where_every_candidate_stops(tiny_models):

@@ -120,13 +120,16 @@ class LLM:
                     ) -> list[BeamSearchOutput]:
         """Beam search: each step expands every live beam by its top ``2 * beam_width`` tokens
         (one engine pass, prefix caching reusing the beams' shared KV) and keeps the best
-        ``beam_width``; a beam that ends in EOS among the best is set aside as finished.
+        ``beam_width``; a beam that ends in EOS among the best is set aside as finished, and one
+        that fills ``max_model_len`` ends there (finish_reason "length", as at ``max_tokens``).
         ``lora_request`` as in ``generate``: every beam of a prompt runs with the prompt's adapter.
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r:.200} is invalid: beam_search takes a BeamSearchParams "
                              "(beam_width, max_tokens, ...)")
         encoded = [self._encode(p).token_ids for p in as_prompt_list(prompts)]
+        for ids in encoded:
+            self.llm_engine.validate_prompt(ids)
         loras = _loras_per_prompt(lora_request, len(encoded))
         for lora in dict.fromkeys(loras):
             self.llm_engine.validate_lora_request(lora)
@@ -137,7 +140,10 @@ class LLM:
         live = [[BeamSearchSequence(tokens=list(ids))] for ids in encoded]
         done: list[list[BeamSearchSequence]] = [[] for _ in encoded]
         for _ in range(params.max_tokens):
-            flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            # a beam that fills the context (max_model_len) has no room for another token: it stays
+            # live, unexpanded, and ends with finish_reason "length"
+            flat = [(i, beam) for i, beams in enumerate(live) for beam in beams
+                    if len(beam.tokens) < self.llm_engine.max_model_len]
             if not flat:
                 break
             beams = [EncodedPrompt(beam.tokens) for _, beam in flat]
@@ -149,18 +155,8 @@ class LLM:
                         tokens=beam.tokens + [token], logprobs=beam.logprobs + [lp.logprob],
                         cum_logprob=beam.cum_logprob + lp.logprob))
             for i, cands in enumerate(candidates):
-                cands.sort(key=lambda b: b.cum_logprob, reverse=True)
-                live[i] = []
-                for rank, cand in enumerate(cands[:2 * width]):
-                    if not params.ignore_eos and cand.tokens[-1] in eos:
-                        if rank < width:
-                            cand.finish_reason = "stop"
-                            done[i].append(cand)
-                    elif len(live[i]) < width:
-                        live[i].append(cand)
-                if live[i] and len(done[i]) >= width and _score(live[i][0], params, len(encoded[i])) <= min(
-                        _score(b, params, len(encoded[i])) for b in done[i]):
-                    live[i] = []
+                if cands:
+                    live[i] = _next_beams(cands, done[i], params, eos, len(encoded[i]))
         results = []
         for i, ids in enumerate(encoded):
             for beam in live[i]:
@@ -332,6 +328,27 @@ def _not_served(method: str) -> NotImplementedError:
         f"LLM.{method}() is not supported: pagedlab serves text generation only (generate, chat, "
         "beam_search); pooling, embedding, classification, scoring and reward models are not served. For "
         "log-probabilities of a text use generate() with SamplingParams(prompt_logprobs=...) or logprobs=N")
+
+
+def _next_beams(candidates: list[BeamSearchSequence], done: list[BeamSearchSequence],
+                params: BeamSearchParams, eos: set[int], prompt_len: int) -> list[BeamSearchSequence]:
+    """One prompt's beams after a step, from its candidates: the best ``beam_width`` that do not
+    end in EOS; those that do and rank among the best ``beam_width`` join ``done``. None once
+    ``beam_width`` are done and the best live beam scores no better than the worst of them."""
+    width = params.beam_width
+    candidates.sort(key=lambda b: b.cum_logprob, reverse=True)
+    live = []
+    for rank, cand in enumerate(candidates[:2 * width]):
+        if not params.ignore_eos and cand.tokens[-1] in eos:
+            if rank < width:
+                cand.finish_reason = "stop"
+                done.append(cand)
+        elif len(live) < width:
+            live.append(cand)
+    if live and len(done) >= width and _score(live[0], params, prompt_len) <= min(
+            _score(b, params, prompt_len) for b in done):
+        return []
+    return live
 
 
 def _score(beam: BeamSearchSequence, params: BeamSearchParams, prompt_len: int) -> float:
