@@ -145,6 +145,10 @@ def test_chat_template_arguments(smollm2):
                        continue_final_message=True)[0]
     expected = tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
     assert out.prompt == expected and out.prompt.endswith("A colour is")
+    # as vLLM, chat_template_kwargs override the arguments of the same name
+    continue_args = {"add_generation_prompt": False, "continue_final_message": True}
+    out = smollm2.chat(conversation, greedy, use_tqdm=False, chat_template_kwargs=continue_args)[0]
+    assert out.prompt == expected
     template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ suffix }}"
     out = smollm2.chat(conversation[:1], greedy, use_tqdm=False, chat_template=template,
                        chat_template_kwargs={"suffix": "END"})[0]

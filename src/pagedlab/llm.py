@@ -106,11 +106,13 @@ class LLM:
         tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
         continues the last (assistant) message instead of starting a new turn (set
         ``add_generation_prompt=False`` with it); ``chat_template_kwargs`` are extra template
-        variables (e.g. ``{"enable_thinking": False}``); ``lora_request`` as in ``generate``."""
+        variables (e.g. ``{"enable_thinking": False}``), which win over the arguments of the same
+        name, as in vLLM; ``lora_request`` as in ``generate``."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
-        prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
-                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        template_args = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                         "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
+        prompts = [chat_prompt(engine.tokenizer, c, model=engine.config.model, **template_args)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
