@@ -339,6 +339,18 @@ def test_tokenize_detokenize_version_and_models(served):
     assert card["max_model_len"] == served["engine"].max_model_len
 
 
+def test_chat_template_kwargs_win_over_the_template_arguments(served):
+    """As vLLM's server, chat_template_kwargs naming add_generation_prompt override the request's
+    own (it was a 400: the argument given twice): the conversation renders without the prompt."""
+    tokenizer = served["tokenizer"]
+    body = {"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
+    r = _post(served, "/tokenize", body)
+    rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    assert rendered != tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+
+
 def test_tokenize_messages_validates_return_token_strs(served):
     """/tokenize with messages takes return_token_strs as a strict boolean, as with a prompt: the
     token strings come back for true, and "false" (a string) is a 400 naming the field."""
