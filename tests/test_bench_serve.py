@@ -33,3 +33,36 @@ def test_figures_leave_out_failed_requests_and_one_token_tpot():
     assert m["mean_ttft_ms"] == pytest.approx(150) and m["std_ttft_ms"] == pytest.approx(50)
     assert m["p99_ttft_ms"] == pytest.approx(199) and m["mean_e2el_ms"] == pytest.approx(350)
     assert m["mean_itl_ms"] == pytest.approx(100) and m["output_lens"] == [5, 1, 0]
+
+
+def test_sharegpt_records_are_sampled_as_vllm_samples_them(tmp_path):
+    """vLLM's ShareGPT rule with a tokenizer of one token a word: the first turn is the prompt and
+    the second's token count the output length; single turns, pairs under 4 tokens, prompts over
+    1,024 and pairs over 2,048 are skipped; --output-len replaces the reply's length (and its
+    4-token minimum) but not the prompt checks; sampling stops once enough records qualify."""
+    def turns(prompt_words: int, reply_words: int | None) -> dict:
+        conv = [{"from": "human", "value": "w " * prompt_words}]
+        if reply_words is not None:
+            conv.append({"from": "gpt", "value": "r " * reply_words})
+        return {"conversations": conv}
+
+    records = [turns(5, 7), turns(6, None), turns(3, 9), turns(8, 2), turns(1025, 5), turns(1000, 1049),
+               turns(1000, 1048), turns(4, 4)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(records))
+    counted = []
+
+    def count_tokens(text: str) -> int:
+        counted.append(text)
+        return len(text.split())
+
+    specs = load_dataset(str(data), 8, None, shuffle=False, count_tokens=count_tokens)
+    assert [(s.prompt.count("w"), s.output_len) for s in specs] == [(5, 7), (1000, 1048), (4, 4)] * 2 + [
+        (5, 7), (1000, 1048)]
+    assert [(s.prompt.count("w"), s.output_len) for s in load_dataset(
+        str(data), 3, 2, shuffle=False, count_tokens=count_tokens)] == [(5, 2), (8, 2), (1000, 2)]
+    counted.clear()
+    assert len(load_dataset(str(data), 1, None, shuffle=False, count_tokens=count_tokens)) == 1
+    assert len(counted) == 2  # the first record qualified: no other was tokenized
+    with pytest.raises(ValueError, match="ShareGPT conversation: sizing it needs count_tokens"):
+        load_dataset(str(data), 1, None)

@@ -144,3 +144,26 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_scored(served):
                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, timeout=60)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "max_tokens" and "needs echo=true" in error["message"]
+
+
+def test_bench_serve_sizes_sharegpt_turns_by_the_servers_tokenizer(served, tmp_path):
+    """`bench serve --dataset` over ShareGPT records counts each turn through the server's
+    /tokenize: every request asks for its reply's token count (ignore_eos makes the server
+    generate exactly that), so the output total is the replies' token counts by the tokenizer, and
+    the single-turn record is left out."""
+    from pagedlab.server.bench_serve import main
+
+    tokenizer = served["tokenizer"]
+    pairs = [("Why is the sky blue on a clear day?", "Because air scatters blue light more."),
+             ("Name three colors of the rainbow please.", "Red, orange and yellow are three.")]
+    records = [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": r}]}
+               for p, r in pairs]
+    records.append({"conversations": [{"from": "human", "value": "A single turn has no reply to size."}]})
+    data, out = tmp_path / "sharegpt.json", tmp_path / "result.json"
+    data.write_text(json.dumps(records))
+    assert main(["--base-url", served["url"], "--dataset", str(data), "--num-prompts", "2", "--ignore-eos",
+                 "--temperature", "0", "--disable-tqdm", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 2
+    assert result["total_output_tokens"] == sum(len(tokenizer(r).input_ids) for _, r in pairs)
+    assert result["total_input_tokens"] == sum(len(tokenizer(p).input_ids) for p, _ in pairs)

@@ -13,13 +13,15 @@ Prompts are random token ids (``--input-len``, ``--output-len``, ``--random-rang
 ``--random-prefix-len``: exact lengths, no tokenizer needed; the vocabulary size comes from the
 server's ``/v1/models``), or a ``--dataset`` file: JSON/JSONL records with ``prompt`` (text or
 token ids) or ``prompt_token_ids``, optional ``output_len``/``max_tokens``; ShareGPT files
-(``conversations``) work too. Input and output token counts are the server's ``usage``.
+(``conversations``) are sampled as vLLM's ShareGPT dataset (``sharegpt_spec``), their turns
+tokenized by the server's ``/tokenize``. Input and output token counts are the server's ``usage``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -80,10 +82,28 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
     return specs
 
 
-def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int = 0, shuffle: bool = True
-                 ) -> list[RequestSpec]:
-    """Records from a JSON list or JSONL file (see the module doc); ``output_len`` (``--output-len``)
-    is every request's, else a record's ``output_len`` or ``max_tokens``, else 128."""
+def sharegpt_spec(record: dict, output_len: int | None, count_tokens) -> RequestSpec | None:
+    """vLLM's ShareGPT sample of a record: the first turn is the prompt, and the second's token
+    count the output length (unless ``output_len``); None for fewer than two turns, or a pair vLLM
+    skips: under 4 tokens (the reply's only when it sets the length), a prompt over 1,024 tokens,
+    or prompt and output over 2,048. ``count_tokens(text)`` counts as the model's tokenizer."""
+    turns = [t for t in record["conversations"] if isinstance(t, dict)]
+    if len(turns) < 2 or not turns[0].get("value"):
+        return None
+    prompt = turns[0]["value"]
+    prompt_len = count_tokens(prompt)
+    out = output_len if output_len is not None else count_tokens(turns[1].get("value", ""))
+    if prompt_len < 4 or (output_len is None and out < 4) or prompt_len > 1024 or prompt_len + out > 2048:
+        return None
+    return RequestSpec(prompt, None, out)
+
+
+def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int = 0, shuffle: bool = True,
+                 count_tokens=None) -> list[RequestSpec]:
+    """``num_prompts`` requests from a JSON list or JSONL file (see the module doc), the records
+    shuffled by ``seed`` first, cycled through when too few: ``output_len`` (``--output-len``) is
+    every request's, else a record's ``output_len`` or ``max_tokens``, else 128; ShareGPT records
+    go through ``sharegpt_spec`` with ``count_tokens``."""
     text = Path(path).read_text()
     try:
         records = json.loads(text)
@@ -97,33 +117,38 @@ def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int 
                     records.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i} is not valid JSON: {e}") from None
+    order = list(range(len(records)))
+    if shuffle:
+        random.Random(seed).shuffle(order)
     specs = []
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            raise ValueError(f"record {i} of {path} is not an object")
-        out = output_len if output_len is not None else r.get("output_len", r.get("max_tokens"))
-        if "prompt_token_ids" in r:
-            prompt = r["prompt_token_ids"]
-        elif "prompt" in r:
-            prompt = r["prompt"]
-        elif "conversations" in r:  # ShareGPT: the first human turn
-            turns = [t for t in r["conversations"] if isinstance(t, dict)]
-            if len(turns) < 1:
-                continue
-            prompt = turns[0].get("value", "")
-        else:
-            raise ValueError(f"record {i} of {path} has no 'prompt', 'prompt_token_ids' or 'conversations'")
-        if not prompt:
-            continue
-        ids = isinstance(prompt, list)
-        specs.append(RequestSpec(prompt, len(prompt) if ids else None, int(out) if out is not None else 128))
+    for i in order:
+        spec = _record_spec(records[i], f"record {i} of {path}", output_len, count_tokens)
+        if spec is not None:
+            specs.append(spec)
+        if len(specs) == num_prompts:
+            break
     if not specs:
         raise ValueError(f"{path} holds no usable prompts")
-    if shuffle:
-        random.Random(seed).shuffle(specs)
     if num_prompts > len(specs):  # cycle through the file
         specs = [specs[i % len(specs)] for i in range(num_prompts)]
     return specs[:num_prompts]
+
+
+def _record_spec(r, where: str, output_len: int | None, count_tokens) -> RequestSpec | None:
+    if not isinstance(r, dict):
+        raise ValueError(f"{where} is not an object")
+    if "prompt_token_ids" not in r and "prompt" not in r:
+        if "conversations" not in r:
+            raise ValueError(f"{where} has no 'prompt', 'prompt_token_ids' or 'conversations'")
+        if count_tokens is None:
+            raise ValueError(f"{where} is a ShareGPT conversation: sizing it needs count_tokens")
+        return sharegpt_spec(r, output_len, count_tokens)
+    prompt = r["prompt_token_ids"] if "prompt_token_ids" in r else r["prompt"]
+    if not prompt:
+        return None
+    out = output_len if output_len is not None else r.get("output_len", r.get("max_tokens"))
+    return RequestSpec(prompt, len(prompt) if isinstance(prompt, list) else None,
+                       int(out) if out is not None else 128)
 
 
 # ---- one request ----------------------------------------------------------------------------
@@ -405,6 +430,26 @@ def _server_model(client_url: str, api_key: str | None) -> tuple[str, dict]:
     return data[0]["id"], data[0]
 
 
+@contextlib.contextmanager
+def _server_token_counter(base_url: str, model: str, api_key: str | None):
+    """``count_tokens(text)``: the token count of ``text`` by the server's ``/tokenize`` (its
+    model's tokenizer, special tokens added as vLLM's ShareGPT sampling counts them)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=30.0) as client:
+        def count_tokens(text: str) -> int:
+            try:
+                resp = client.post("/tokenize", json={"model": model, "prompt": text})
+                resp.raise_for_status()
+            except httpx.HTTPError as e:
+                raise ValueError(f"ShareGPT turns are sized by the server's /tokenize, which failed: {e}") \
+                    from None
+            return int(resp.json()["count"])
+
+        yield count_tokens
+
+
 def bench_serve_command(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
@@ -425,7 +470,9 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
         model = args.model or model_id
         if args.dataset:
-            specs = load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed)
+            with _server_token_counter(base_url, model, args.api_key) as count_tokens:
+                specs = load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
+                                     count_tokens=count_tokens)
         else:
             vocab = card.get("vocab_size")
             if not vocab:
