@@ -158,3 +158,20 @@ def test_report_in_headless_chromium(db, tmp_path):
     broken = tmp_path / "rep" / "broken.html"
     broken.write_text(html.replace(first, "A" * 40, 1))
     assert re.search(r'<body[^>]*data-images-loaded="4/5"', _render_in_chromium(broken))
+
+
+def test_runs_filed_apart_are_told_apart_by_what_differs(tmp_path):
+    """Two benchmarks of one batch size each, filed into one experiment by separate to_store
+    calls, declare nothing varied; the report still groups them by batch size (not both as
+    "base", averaging batch 1 with batch 4), while runs that differ only in seed share a group."""
+    from pagedlab.lab.report import _groups, _label_runs
+
+    def run(batch: int, seed: int) -> dict:
+        params = {"model": "m", "benchmark.batch_size": batch, "benchmark.input_len": 8, "varied": []}
+        params.update({"sampling.seed": seed, "repeat": seed})
+        return {"experiment": "bench", "model": "m", "params": params, "metrics": {}, "manifest": {}}
+
+    runs = [run(1, 0), run(1, 1), run(4, 0)]
+    _label_runs(runs)
+    assert [r["config"] for r in runs] == ["batch_size=1", "batch_size=1", "batch_size=4"]
+    assert {g: len(members) for g, members in _groups(runs).items()} == {"batch_size=1": 2, "batch_size=4": 1}

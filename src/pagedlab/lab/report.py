@@ -97,6 +97,7 @@ def _label_runs(runs: list[dict]) -> None:
     dtypes = {r["params"].get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
               for r in runs}
     multi_exp = len({r["experiment"] for r in runs}) > 1
+    varied_by_experiment = _varied_keys(runs)
     for r in runs:
         p = r["params"]
         dtype = p.get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
@@ -105,7 +106,7 @@ def _label_runs(runs: list[dict]) -> None:
         model = (r.get("manifest") or {}).get("model") or {}
         r["model_parameters"] = model.get("parameters") or r["metrics"].get("model_parameters")
         r["model_size"] = model.get("size_class") or size_class(r["model_parameters"])
-        varied = [k for k in p.get("varied", []) if k not in ("sampling.seed", "benchmark.seed")]
+        varied = varied_by_experiment[r["experiment"]]
         r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={short_label(p.get(k))}" for k in varied) or "base"
         r["group"] = (f"{r['experiment']}: " if multi_exp else "") + r["config"]
         if p.get("benchmark.batch_size") is not None:
@@ -114,6 +115,25 @@ def _label_runs(runs: list[dict]) -> None:
             r["batch"] = p.get("engine.max_num_seqs")
         else:
             r["batch"] = None
+
+
+_REPEAT_KEYS = ("repeat", "seed", "sampling.seed", "benchmark.seed")  # what differs between repeats
+
+
+def _varied_keys(runs: list[dict]) -> dict[str, list[str]]:
+    """Per experiment, the params that tell its runs apart: those it declares varied, then any
+    other whose value differs between its runs (results filed by separate calls, e.g. one
+    benchmark per batch size), the repeat index and seeds left out."""
+    params_by_experiment: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        params_by_experiment[r["experiment"]].append(r["params"])
+    out = {}
+    for experiment, params in params_by_experiment.items():
+        keys = list(dict.fromkeys(k for p in params for k in p.get("varied", [])))
+        keys += [k for k in dict.fromkeys(k for p in params for k in p)
+                 if k not in keys and k != "varied" and len({repr(p.get(k)) for p in params}) > 1]
+        out[experiment] = [k for k in keys if k not in _REPEAT_KEYS]
+    return out
 
 
 def _groups(runs: list[dict]) -> dict[str, list[dict]]:
