@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KV_BYTES, hf_greedy, random_prompts
+from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams
+from pagedlab.config import resolve_max_model_len
 from pagedlab.loader.gguf import embedded_model_path, gguf_cache_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -49,3 +50,30 @@ def test_gguf_file_path_is_converted_once_with_its_tokenizer(smollm2_dir, smollm
         assert llm.get_tokenizer().chat_template == tokenizer.chat_template
         out = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(model, tokenizer("The capital of France is").input_ids, 12)
+
+
+@pytest.mark.parametrize("rope, positions", [
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128}, 1024),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, 512),
+])
+def test_rope_scaling_stretches_the_context_as_vllm_derives_it(rope, positions):
+    """max_model_len defaults to max_position_embeddings times a linear (or YaRN, from its original
+    length) RoPE factor, as vLLM's _get_and_verify_max_len; Llama 3's is already the scaled one."""
+    config = tiny_config("llama", rope_parameters={"rope_theta": 10000.0, **rope})
+    assert resolve_max_model_len(None, config) == positions
+    with pytest.raises(ValueError, match=f"supports at most {positions} positions"):
+        resolve_max_model_len(positions + 1, config)
+
+
+def test_a_prompt_past_max_position_embeddings_of_a_linear_scaled_model_matches_transformers(tmp_path):
+    """With linear RoPE scaling the engine serves positions past max_position_embeddings (512 here,
+    1024 scaled), its rotary table covering them, and agrees with transformers there."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    tiny = build_tiny_model(tmp_path, "llama", rope_parameters=rope)
+    prompt = random_prompts(1, min_len=600, max_len=601, seed=81)[0]
+    with LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_engine_info().max_model_len == 1024
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny.hf_model, prompt, 12)

@@ -334,9 +334,18 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device) -> 
 
 
 def model_max_len(hf_config) -> int:
-    """Positions the model supports (``max_position_embeddings``); sliding windows do not cap it,
-    since the attention kernels mask keys older than each layer's window."""
-    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    """Positions the model supports: ``max_position_embeddings``, times the RoPE scaling ``factor``
+    that stretches it (linear, dynamic; YaRN's from its ``original_max_position_embeddings``), as
+    vLLM derives it. Llama 3's and LongRoPE's scaling, and per-layer-type RoPE (Gemma 3), come with
+    the scaled length already. Sliding windows do not cap it, since the attention kernels mask keys
+    older than each layer's window."""
+    limit = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in ("default", "llama3", "longrope", "su"):
+        return limit
+    if rope["rope_type"] == "yarn":
+        limit = rope.get("original_max_position_embeddings") or limit
+    return int(limit * (rope.get("factor") or 1.0))
 
 
 def attention_windows(hf_config) -> list[int | None]:
@@ -367,7 +376,7 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
     if requested > limit:
         raise ValueError(
             f"max_model_len={requested} is invalid: the model supports at most {limit} positions "
-            "(max_position_embeddings)")
+            "(max_position_embeddings, times its RoPE scaling factor)")
     return requested
 
 
