@@ -108,6 +108,25 @@ def test_byte_sizes_mean_what_their_units_say_on_every_flag(text, size, capsys):
     assert json.loads(capsys.readouterr().out)["plan"]["gpu_memory_bytes"] == size
 
 
+@pytest.mark.parametrize("text, tokens", [("4096", 4096), ("4k", 4000), ("4K", 4096), ("25.6k", 25600),
+                                          ("1M", 1 << 20)])
+def test_max_model_len_takes_vllms_human_readable_counts(text, tokens):
+    """--max-model-len reads "4k" (decimal, lower case) and "4K" (binary, upper case) as vLLM's
+    human_readable_int does, into the engine config."""
+    from pagedlab.cli.engine_args import engine_config_from_args
+    from pagedlab.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--max-model-len", text])
+    assert engine_config_from_args(args).max_model_len == tokens
+
+
+@pytest.mark.parametrize("text, message", [("4.5K", "a binary suffix (K) takes a whole number"),
+                                           ("4kb", "is not a whole number")])
+def test_max_model_len_that_is_no_count_is_a_usage_error(text, message, capsys):
+    """A binary suffix with decimals, or a unit vLLM does not read, is refused by the flag."""
+    assert message in usage_error(["generate", "--max-model-len", text], capsys)
+
+
 def test_plan_names_a_model_directory_without_config_json(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--gpu", "H200"]) == 2
     assert f"--model {str(tmp_path)!r}: the directory has no config.json" in capsys.readouterr().err

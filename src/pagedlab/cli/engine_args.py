@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 
 from pagedlab.config import ENGINE_FIELDS, EngineConfig
 
@@ -41,6 +42,29 @@ def parse_bytes(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not a byte count (e.g. 1073741824, 512MiB, 2GiB, "
                                          "80GB)")
     return int(number * _BYTE_UNITS.get(unit, 1))
+
+
+_DECIMAL_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+_BINARY_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def human_readable_int(value: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` reads it: "4096", "4k" or "25.6k" (decimal,
+    lower case: 4000, 25600), "4K" (binary, upper case, whole numbers only: 4096)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (e.g. 4096, 4k = 4000, "
+                                             "4K = 4096)") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: a binary suffix ({suffix}) takes a whole number; "
+                                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
 
 
 def positive_int(value: str) -> int:
@@ -81,6 +105,8 @@ def _value_type(field: dataclasses.Field):
     the annotation's text (evaluating it would import torch for ``dtype``)."""
     if field.name.endswith("_bytes"):
         return parse_bytes
+    if field.name == "max_model_len":
+        return human_readable_int
     kinds = [k.strip() for k in str(field.type).split("|") if k.strip() != "None"]
     return {"int": int, "float": float, "bool": bool, "dict": json_object}.get(kinds[0], str)
 
