@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
 from pagedlab import LLM, SamplingParams
@@ -77,3 +78,26 @@ def test_a_prompt_past_max_position_embeddings_of_a_linear_scaled_model_matches_
         assert llm.get_engine_info().max_model_len == 1024
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny.hf_model, prompt, 12)
+
+
+def test_sharded_checkpoint_reads_only_the_files_its_index_names(tiny_llama, tmp_path):
+    """A weight file beside the indexed shards (Mistral ships consolidated.safetensors, its own
+    layout of the same weights) is not read, as transformers and vLLM skip it."""
+    from safetensors.torch import save_file
+
+    tiny_llama.hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(tmp_path / "consolidated.safetensors"))
+    prompt = random_prompts(1, seed=82)[0]
+    with LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompt, 12)
+
+
+def test_a_shard_missing_from_its_index_is_named(tiny_llama, tmp_path):
+    """A shard the index lists but the directory lacks is an error naming that file, not a list
+    of the weights it held."""
+    tiny_llama.hf_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(ValueError, match=rf"weight files \['{shards[1].name}'\] listed in .* are missing"):
+        LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES)

@@ -3,11 +3,37 @@ tensor-parallel model reads only its part of a tensor."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def indexed_files(model_dir: Path) -> list[Path] | None:
+    """The weight files the checkpoint's index (``model.safetensors.index.json``) maps tensors to,
+    None without one; other .safetensors files beside them (Mistral's consolidated.safetensors,
+    another layout of the same weights) are not the checkpoint's, as for transformers and vLLM."""
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"weight index {index} is not a safetensors index (a weight_map of tensor "
+                         f"names to files): {type(e).__name__}: {e}") from None
+    return [model_dir / name for name in names]
+
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    files = indexed_files(model_dir)
+    if files is not None:
+        absent = [path.name for path in files if not path.is_file()]
+        if absent:
+            raise ValueError(f"weight files {absent} listed in {model_dir / INDEX_FILE} are missing (an "
+                             "interrupted download or copy?)")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weight file in {model_dir} (use load_format='dummy' for "
