@@ -104,3 +104,14 @@ def test_hub_tokenizer_from_the_cache(tmp_path, tiny_llama, smollm2_dir, offline
         assert llm.get_engine_info().tokenizer_path == snapshot
         ids = llm.get_tokenizer()(text).input_ids
     assert ids == transformers.AutoTokenizer.from_pretrained(smollm2_dir)(text).input_ids
+
+
+def test_a_cached_snapshot_missing_a_shard_is_not_taken_as_cached(tmp_path, tiny_llama, offline):
+    """A snapshot whose download stopped before every shard its index names arrived is no cached
+    model: offline, that is the 'not in the cache' error, not a load of part of the weights."""
+    sharded = tmp_path / "sharded"
+    tiny_llama.hf_model.save_pretrained(sharded, max_shard_size="100KB")
+    sorted(sharded.glob("model-*.safetensors"))[-1].unlink()
+    write_hub_cache(tmp_path / "cache", REPO, str(sharded))
+    with pytest.raises(ValueError, match=r"not in the Hugging Face cache .* HF_HUB_OFFLINE=1"):
+        resolve_hub_model(REPO, None, str(tmp_path / "cache"))

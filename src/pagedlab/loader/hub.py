@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pagedlab.loader.safetensors import indexed_files
+
 # The files the engine reads: config.json, generation_config.json, the tokenizer's files, the
 # safetensors weights (and their index), a chat template kept beside them.
 _CONFIG_PATTERNS = ["*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt", "*.jinja"]
@@ -36,7 +38,11 @@ def _offline() -> bool:
 
 
 def _has_weights(path: Path) -> bool:
-    return any(path.glob("*.safetensors"))
+    """Whether the snapshot holds the whole checkpoint: every shard its index names (a download
+    cut short leaves some out, and huggingface_hub's cache lookup does not check), else a
+    .safetensors file."""
+    files = indexed_files(path)
+    return all(f.is_file() for f in files) if files is not None else any(path.glob("*.safetensors"))
 
 
 def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None,
