@@ -224,3 +224,17 @@ def test_set_model_args_keeps_weights_and_rejects_bad_keys(llm):
         llm.set_model_args(block_size=20)
     assert llm.get_stats().block_size == 32  # the failed change left the plan as it was
     llm.set_model_args(block_size=16, max_num_seqs=256)
+
+
+def test_a_missing_part_of_a_fused_weight_is_named(tiny_llama, tmp_path):
+    """A checkpoint with q_proj and v_proj but no k_proj is refused naming k_proj: the fused
+    qkv_proj counted as loaded once any part was, leaving k's rows uninitialised memory."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.0\.self_attn\.k_proj\.weight$"):
+        LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)

@@ -28,13 +28,42 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], rou
     quantizing = {name: module for name, module in model.named_modules()
                   if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
     set_names: set[str] = set()
+    parts: dict[str, set[int]] = {}  # fused targets: the parts loaded so far
     for name, full_tensor in weights:
         for target, shard_id, tensor in route(name, full_tensor):
             try:
                 set_names.update(_load_one(model, params, quantizing, target, shard_id, tensor))
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            if shard_id is not None:
+                parts.setdefault(target, set()).add(shard_id)
+    _check_every_part(model, params, quantizing, parts)
     return set_names
+
+
+def _check_every_part(model: nn.Module, params: dict, quantizing: dict, parts: dict[str, set[int]]) -> None:
+    """A fused parameter counts as loaded once any part is; a checkpoint lacking another part
+    (a q_proj without its k_proj) would leave those rows uninitialised: name the missing parts."""
+    missing = []
+    for target, loaded in parts.items():
+        layer_name, _, leaf = target.rpartition(".")
+        layer = quantizing.get(layer_name) if leaf == "weight" else None
+        shapes = layer.dense_checkpoint_shapes if layer is not None else getattr(params.get(target),
+                                                                                 "checkpoint_shapes", ())
+        missing += [_part_name(model, target, shard_id) for shard_id in range(len(shapes))
+                    if shard_id not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"the checkpoint lacks weights for: {shown}")
+
+
+def _part_name(model: nn.Module, target: str, shard_id: int) -> str:
+    """The checkpoint name of part ``shard_id`` of fused ``target`` (``model.packed_modules``)."""
+    prefix, fused, leaf = target.rsplit(".", 2)
+    for checkpoint_name, packed in getattr(model, "packed_modules", {}).items():
+        if packed == (fused, shard_id):
+            return f"{prefix}.{checkpoint_name}.{leaf}"
+    return f"{target} (part {shard_id})"
 
 
 def _load_one(model: nn.Module, params: dict, quantizing: dict, target: str, shard_id: int | None,
