@@ -40,6 +40,17 @@ def test_llama3_8b_weights_and_kv_by_hand():
     assert plan_memory(config, H200, kv_cache_dtype="fp8").kv_bytes_per_token == 2 * 32 * 8 * 128
 
 
+def test_the_default_context_is_the_engines_rope_scaled_one():
+    """Without max_model_len the plan sizes sequences as the engine would: max_position_embeddings
+    times a linear RoPE factor (8,192 x 4 here), not the unscaled length."""
+    config = model_shape("llama3-8b")
+    config.max_position_embeddings = 8192
+    config.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}
+    plan = plan_memory(config, H200)
+    assert plan.max_model_len == 4 * config.max_position_embeddings == 32768
+    assert plan.max_sequences == plan.kv_tokens // 32768
+
+
 def test_kv_tokens_are_what_is_left_of_the_budget():
     config = model_shape("llama3-8b")
     plan = plan_memory(config, H200, max_model_len=8192, gpu_memory_utilization=0.9)
