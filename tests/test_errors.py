@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -177,15 +178,20 @@ def test_truncated_safetensors_names_the_file(tiny_llama, tmp_path):
         LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
 
 
-def test_missing_weights_are_listed(tiny_llama, tmp_path):
+@pytest.mark.parametrize("missing", ["model.layers.1.mlp.down_proj.weight",
+                                     "model.layers.0.self_attn.k_proj.weight"], ids=["plain", "fused-part"])
+def test_missing_weights_are_listed(tiny_llama, tmp_path, missing):
+    """A checkpoint without a weight is refused naming it; also one part of a fused parameter (k_proj
+    of qkv_proj, with q_proj and v_proj there), which counted as loaded once any part was, leaving
+    k's rows uninitialised memory."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
     weights = tmp_path / "m" / "model.safetensors"
     tensors = load_file(weights)
-    del tensors["model.layers.1.mlp.down_proj.weight"]
+    del tensors[missing]
     save_file(tensors, weights)
-    with pytest.raises(ValueError, match=r"lacks weights for: model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(ValueError, match=rf"lacks weights for: {re.escape(missing)}$"):
         LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
 
 
@@ -224,17 +230,3 @@ def test_set_model_args_keeps_weights_and_rejects_bad_keys(llm):
         llm.set_model_args(block_size=20)
     assert llm.get_stats().block_size == 32  # the failed change left the plan as it was
     llm.set_model_args(block_size=16, max_num_seqs=256)
-
-
-def test_a_missing_part_of_a_fused_weight_is_named(tiny_llama, tmp_path):
-    """A checkpoint with q_proj and v_proj but no k_proj is refused naming k_proj: the fused
-    qkv_proj counted as loaded once any part was, leaving k's rows uninitialised memory."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(tiny_llama.path, tmp_path / "m", dirs_exist_ok=True)
-    weights = tmp_path / "m" / "model.safetensors"
-    tensors = load_file(weights)
-    del tensors["model.layers.0.self_attn.k_proj.weight"]
-    save_file(tensors, weights)
-    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.0\.self_attn\.k_proj\.weight$"):
-        LLM(str(tmp_path / "m"), kv_cache_memory_bytes=KV_BYTES)
