@@ -169,7 +169,7 @@ def test_precision_drift_same_dtype_same_other_dtype_differs(chat_dir):
     drift = repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), max_tokens=8,
                                   engine_args=args)
     assert drift.verdict == "differs", drift.format()
-    assert drift.metrics["bfloat16.mean_kl"] > 1e-3
+    assert drift.metrics["bfloat16.mean_kl"] > 1e-4  # the exact KL (k = the vocabulary) is 4.4e-4
     # bfloat16 ties two tokens where float32 picked the higher id: greedy takes the lower, and so
     # must the teacher-forced top-1 (not the actual token listed first)
     assert drift.metrics["bfloat16.first_divergence"] == 0 and drift.metrics["bfloat16.top1_agreement"] < 1.0

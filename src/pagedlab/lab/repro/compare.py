@@ -61,12 +61,15 @@ def top1(d: dict[int, float]) -> int:
     return max(d, key=lambda t: (d[t], -t))
 
 
-def topk_kl(p: dict[int, float], q: dict[int, float]) -> float:
+def topk_kl(p: dict[int, float], q: dict[int, float], k: int | None = None) -> float:
     """KL(P || Q) on the coarse distribution {P's listed tokens, everything else}, from two partial
-    logprob dicts. A token of P missing from Q's dict gets Q's smallest listed logprob (an upper
-    bound on its probability). The coarse KL is a lower bound of the full-vocabulary KL and equals
-    it when the dicts cover the vocabulary."""
-    floor = min(q.values())
+    logprob dicts. A token of P missing from Q's dict gets Q's ``k``-th largest logprob, the
+    smallest of its top-``k`` (an upper bound on its probability): ``teacher_forced`` also lists
+    the actual token where it ranks below the top-``k``, and that far smaller logprob bounds
+    nothing. ``k`` None: every entry of Q is of its top-k. The coarse KL is a lower bound of the
+    full-vocabulary KL and equals it when the dicts cover the vocabulary."""
+    listed = sorted(q.values(), reverse=True)
+    floor = listed[min(k, len(listed)) - 1] if k else listed[-1]
     kl, p_seen, q_seen = 0.0, 0.0, 0.0
     for t, lp in p.items():
         lq = q.get(t, floor)

@@ -89,7 +89,7 @@ def _result(dtypes: list[str], runs: list, engines: list[dict], max_tokens: int,
     details, differing = {}, []
     for i, dtype in enumerate(dtypes[1:], start=1):
         name = dtype if dtype not in details and dtype != ref_dtype else f"{dtype}#{i}"
-        details[name] = _drift(runs[0], runs[i])
+        details[name] = _drift(runs[0], runs[i], k)
         details[name].update({key: engines[i].get(key) for key in ("weight_bytes", *_DESCRIPTIONS)})
         if details[name]["greedy_agreement"] < 1.0 or details[name]["mean_kl"] > kl_threshold:
             differing.append(name)
@@ -113,8 +113,8 @@ def _result(dtypes: list[str], runs: list, engines: list[dict], max_tokens: int,
                         "kl_threshold": kl_threshold, "kl_method": "coarse top-k KL (see topk_kl)"})
 
 
-def _drift(reference: tuple[list, list], other: tuple[list, list]) -> dict:
-    """How one dtype's (greedy tokens, teacher-forced top-k) differ from the reference dtype's."""
+def _drift(reference: tuple[list, list], other: tuple[list, list], k: int) -> dict:
+    """How one dtype's (greedy tokens, teacher-forced top-``k``) differ from the reference dtype's."""
     ref_tokens, ref_tf = reference
     tokens, tf = other
     firsts = [first_divergence(a, b) for a, b in zip(ref_tokens, tokens)]
@@ -125,7 +125,7 @@ def _drift(reference: tuple[list, list], other: tuple[list, list]) -> dict:
         for p, q in zip(rp, qp):
             total += 1
             agree += top1(p) == top1(q)
-            kls.append(topk_kl(p, q))
+            kls.append(topk_kl(p, q, k))
     return {"greedy_agreement": n_same / len(tokens),
             "first_divergence": min((f for f in firsts if f is not None), default=None),
             "top1_agreement": agree / total if total else 1.0,

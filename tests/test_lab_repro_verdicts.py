@@ -1,0 +1,45 @@
+"""pagedlab.lab.repro: verdicts and numbers against references worked out by hand or computed
+independently (the exact KL over the whole vocabulary, the batch order each variant runs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import KV_BYTES
+from pagedlab.lab import repro
+from test_server_support import build_tiny_chat_model
+
+PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
+           "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_tiny_chat_model(tmp_path_factory.mktemp("repro_verdicts"))
+
+
+# ---- precision: the coarse KL ------------------------------------------------------------------------
+def test_topk_kl_gives_a_missing_token_the_kth_logprob_not_the_actual_tokens():
+    """Teacher forcing lists a position's top-k and the actual token, which may rank far below it.
+    P and Q are one distribution but for ranks 2 and 3 swapped by a hair (exact KL ~1e-11): P's
+    rank-2 token, missing from Q's top-2, must get Q's 2nd logprob (KL ~0), not the actual
+    token's 1e-5, which made the KL 1.83."""
+    probs = [0.5, 0.2 + 1e-6, 0.2 - 1e-6, 0.1 - 1e-5, 1e-5]
+    p = [math.log(x) for x in probs]
+    q = [p[0], p[2], p[1], p[3], p[4]]
+    exact = sum(math.exp(a) * (a - b) for a, b in zip(p, q))
+    p_listed, q_listed = {0: p[0], 1: p[1], 4: p[4]}, {0: q[0], 2: q[2], 4: q[4]}
+    assert repro.topk_kl(p_listed, q_listed, k=2) == pytest.approx(exact, abs=1e-9)
+
+
+def test_precision_kl_at_small_k_stays_below_the_exact_kl(chat_dir):
+    """float32 against float16 on the tiny model: the mean and max KL from the top-5 are lower
+    bounds of those over the whole vocabulary (k = 420); taking the floor from the actual token
+    made the top-5 mean KL 0.0024, past the 1e-3 threshold, where the exact one is 7e-6."""
+    args = {"kv_cache_memory_bytes": KV_BYTES, "device": "cpu"}
+    kl = {k: repro.precision_drift(chat_dir, PROMPTS[:3], dtypes=("float32", "float16"), max_tokens=4, k=k,
+                                   engine_args=args).metrics for k in (5, 420)}
+    assert 0 < kl[5]["float16.mean_kl"] <= kl[420]["float16.mean_kl"]
+    assert kl[5]["float16.max_kl"] <= kl[420]["float16.max_kl"]
