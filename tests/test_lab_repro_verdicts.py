@@ -43,3 +43,30 @@ def test_precision_kl_at_small_k_stays_below_the_exact_kl(chat_dir):
                                    engine_args=args).metrics for k in (5, 420)}
     assert 0 < kl[5]["float16.mean_kl"] <= kl[420]["float16.mean_kl"]
     assert kl[5]["float16.max_kl"] <= kl[420]["float16.max_kl"]
+
+
+# ---- batch: the shuffled variant ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_llm(chat_dir):
+    from pagedlab import LLM
+
+    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        yield llm
+
+
+def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatch):
+    """Two prompts shuffled at seed 0 came back in their own order, so ``shuffled`` reran
+    ``full_batch`` and tested nothing; it must run them as [second, first], and map the outputs
+    back to their prompts (the verdict stays SAME on a correct engine)."""
+    batches = []
+    generate = chat_llm.generate
+
+    def recording(prompts, *args, **kwargs):
+        batches.append([p["prompt_token_ids"] for p in prompts])
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(chat_llm, "generate", recording)
+    first, second = list(range(5, 15)), list(range(20, 33))
+    r = repro.batch_consistency(chat_llm, [first, second], max_tokens=4, variants=["shuffled"])
+    assert batches == [[first], [second], [second, first]]  # batch 1 each, then the variant
+    assert r.verdict == "same", r.format()

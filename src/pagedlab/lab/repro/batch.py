@@ -90,6 +90,8 @@ def _run_variant(llm, name: str, ids: list[list[int]], params, seed: int) -> tup
     if name == "shuffled":
         order = list(range(len(ids)))
         random.Random(seed).shuffle(order)
+        if order == sorted(order):  # e.g. two prompts at seed 0: that would rerun full_batch
+            order.reverse()
         t, lp, cached = _run(llm, [ids[i] for i in order], params)
         back = {j: k for k, j in enumerate(order)}
         return [t[back[i]] for i in range(len(ids))], [lp[back[i]] for i in range(len(ids))], cached
