@@ -3,6 +3,7 @@ independently (the exact KL over the whole vocabulary, the batch order each vari
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -70,3 +71,25 @@ def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatc
     r = repro.batch_consistency(chat_llm, [first, second], max_tokens=4, variants=["shuffled"])
     assert batches == [[first], [second], [second, first]]  # batch 1 each, then the variant
     assert r.verdict == "same", r.format()
+
+
+# ---- seeds: the experiment's sampling params ---------------------------------------------------------
+def test_cli_seeds_check_samples_as_the_experiments_runs_do(chat_dir, tmp_path):
+    """An experiment whose ``sampling:`` sets temperature and max_tokens alone samples its runs with
+    top_p 1.0 (``SamplingParams(**sampling)``, as the lab runner builds them); the seeds check of
+    ``--experiment`` must too, not the CLI's own top_p 0.95 for the fields the section leaves out."""
+    from pagedlab.lab.repro_cli import main
+    from pagedlab.sampling_params import SamplingParams
+
+    sampling = {"temperature": 0.7, "max_tokens": 3}
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(f"name: warm\nmodel: {chat_dir}\nsampling: {json.dumps(sampling)}\n"
+                          "dataset:\n  prompts: [{prompt: hello}]\nmetrics: [output_length]\n")
+    out = tmp_path / "report.json"
+    assert main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+                 "--checks", "seeds", "--num-seeds", "2", "--experiment", str(experiment),
+                 "--out", str(out)]) == 0
+    used = json.loads(out.read_text())["checks"][0]["params"]["sampling"]
+    runner = SamplingParams(**sampling)
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
+        assert used[name] == getattr(runner, name), name

@@ -76,7 +76,8 @@ def register(subparsers) -> None:
                         '--temperature/--top-p/--seed-max-tokens)')
     c.add_argument("--experiment", default=None, metavar="YAML",
                    help="seeds check: take the sampling params of this experiment file (its sampling: "
-                        "section; --sampling overrides single fields)")
+                        "section as its runs sample, SamplingParams' defaults for the fields it leaves out; "
+                        "--sampling overrides single fields)")
     c.add_argument("--seed-max-tokens", type=int, default=32,
                    help="seeds check tokens per prompt (default: 32)")
     c.add_argument("--seed-threshold", type=float, default=0.05,
@@ -106,12 +107,17 @@ def register(subparsers) -> None:
 
 
 def _seed_params(args) -> SamplingParams:
-    fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
-              "logprobs": 0}
+    """The seeds check's sampling params: an experiment's ``sampling:`` section as its runs sample
+    (SamplingParams' defaults for what it leaves out, not --temperature, --top-p and
+    --seed-max-tokens), else those three; --sampling's fields over either. ``logprobs`` is 0
+    unless set (the mean token logprob needs it; it changes no token)."""
     if args.experiment:
         from pagedlab.lab.spec import load_experiment
 
-        fields.update(load_experiment(args.experiment).base.get("sampling") or {})
+        fields = {"logprobs": 0, **(load_experiment(args.experiment).base.get("sampling") or {})}
+    else:
+        fields = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.seed_max_tokens,
+                  "logprobs": 0}
     if args.sampling:
         try:
             extra = json.loads(args.sampling)
