@@ -35,6 +35,16 @@ def test_topk_kl_gives_a_missing_token_the_kth_logprob_not_the_actual_tokens():
     assert repro.topk_kl(p_listed, q_listed, k=2) == pytest.approx(exact, abs=1e-9)
 
 
+def test_topk_kl_of_a_nan_is_inf_and_of_a_zero_probability_token_nothing():
+    """A float16 position whose logits overflowed has NaN logprobs: its KL must be inf, so the mean
+    KL exceeds any threshold (a NaN mean compared below every threshold: SAME). A listed token of
+    probability 0 on both sides adds 0 (its 0 * -inf term made the KL NaN)."""
+    nan, inf = math.nan, math.inf
+    p = {0: math.log(0.7), 1: math.log(0.2)}
+    assert repro.topk_kl(p, {0: math.log(0.7), 1: nan}) == inf
+    assert repro.topk_kl({0: nan, 1: math.log(0.2)}, p) == inf
+    assert repro.topk_kl({0: 0.0, 1: -inf}, {0: 0.0, 1: -inf}) == 0.0
+
 def test_precision_kl_at_small_k_stays_below_the_exact_kl(chat_dir):
     """float32 against float16 on the tiny model: the mean and max KL from the top-5 are lower
     bounds of those over the whole vocabulary (k = 420); taking the floor from the actual token

@@ -67,14 +67,18 @@ def topk_kl(p: dict[int, float], q: dict[int, float], k: int | None = None) -> f
     smallest of its top-``k`` (an upper bound on its probability): ``teacher_forced`` also lists
     the actual token where it ranks below the top-``k``, and that far smaller logprob bounds
     nothing. ``k`` None: every entry of Q is of its top-k. The coarse KL is a lower bound of the
-    full-vocabulary KL and equals it when the dicts cover the vocabulary."""
+    full-vocabulary KL and equals it when the dicts cover the vocabulary. A NaN logprob makes it
+    inf (a NaN never agrees, as in ``logprob_diff``); a token P gives probability 0 adds nothing."""
+    if any(math.isnan(lp) for lp in (*p.values(), *q.values())):
+        return math.inf
     listed = sorted(q.values(), reverse=True)
     floor = listed[min(k, len(listed)) - 1] if k else listed[-1]
     kl, p_seen, q_seen = 0.0, 0.0, 0.0
     for t, lp in p.items():
         lq = q.get(t, floor)
         pp = math.exp(lp)
-        kl += pp * (lp - lq)
+        if pp > 0.0:  # 0 * log(0 / q) is 0, not the NaN of 0 * -inf
+            kl += pp * (lp - lq)
         p_seen += pp
         q_seen += math.exp(lq)
     p_rest, q_rest = max(1.0 - p_seen, 0.0), max(1.0 - q_seen, 1e-12)
