@@ -103,3 +103,20 @@ def test_cli_seeds_check_samples_as_the_experiments_runs_do(chat_dir, tmp_path):
     runner = SamplingParams(**sampling)
     for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
         assert used[name] == getattr(runner, name), name
+
+
+def test_seeds_check_flags_a_metric_that_is_nan_on_one_seed(chat_llm):
+    """A metric NaN on one seed (or inf: then its std is NaN) has a NaN spread, which compared
+    below every threshold, so the check said SAME; it must be flagged."""
+    from pagedlab import SamplingParams
+
+    values = iter([0.5, math.nan, -1.0, -math.inf])
+
+    def metrics(outputs, references):
+        return {"score": next(values)}
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for _ in range(2):  # [0.5, NaN], then [-1.0, -inf]
+        r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], params, seeds=range(2), metrics_fn=metrics,
+                                   threshold=1e9)
+        assert r.details["flagged"] == ["score"] and r.verdict == "differs", r.format()

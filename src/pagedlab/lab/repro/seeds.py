@@ -60,7 +60,8 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
     """Run ``params`` (default: temperature 0.8, top_p 0.95, 32 tokens) once per seed and summarize
     each metric over seeds. ``metrics_fn(outputs, references) -> {name: value}`` (default
     ``default_metrics``). A metric is flagged when its relative spread std/|mean| (absolute std when
-    the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold). ``progress``
+    the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold), or is NaN
+    (the metric was NaN or infinite on some seed). ``progress``
     (see ``NoProgress``) counts the seeds."""
     if params is None:
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, logprobs=0)
@@ -87,7 +88,7 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
         limit = threshold.get(name, 0.05) if isinstance(threshold, dict) else threshold
         spread = st["std"] / abs(st["mean"]) if st["mean"] != 0 else st["std"]
         st["relative_spread"] = spread
-        st["flagged"] = spread > limit
+        st["flagged"] = not spread <= limit  # a NaN spread (a NaN or inf metric) is flagged
         stats[name] = st
         if st["flagged"]:
             flagged.append(name)
