@@ -120,3 +120,15 @@ def test_seeds_check_flags_a_metric_that_is_nan_on_one_seed(chat_llm):
         r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], params, seeds=range(2), metrics_fn=metrics,
                                    threshold=1e9)
         assert r.details["flagged"] == ["score"] and r.verdict == "differs", r.format()
+
+
+def test_teacher_forced_past_the_vocabulary_lists_all_of_it(chat_llm):
+    """``precision_drift`` promises the exact KL for a ``k`` at or past the vocabulary (420 tokens
+    here), but the engine refused prompt_logprobs over 420: k = 10,000 must list every token of
+    each position, whose probabilities then sum to 1."""
+    from pagedlab.lab.repro.compare import teacher_forced
+
+    positions = teacher_forced(chat_llm, [[1, 40, 41, 42]], k=10_000)[0]
+    assert len(positions) == 3
+    for dist in positions:
+        assert len(dist) == 420 and sum(math.exp(lp) for lp in dist.values()) == pytest.approx(1.0, abs=1e-4)

@@ -49,7 +49,9 @@ def compare_outputs(ref_ids, ref_lps, ids, lps) -> dict:
 
 def teacher_forced(llm, sequences: Sequence[Sequence[int]], k: int = 20) -> list[list[dict[int, float]]]:
     """For each sequence, for each position 1..n-1: {token id: logprob} of the top-``k`` next tokens
-    plus the actual token (pagedlab's ``prompt_logprobs`` with ``max_tokens=1``)."""
+    plus the actual token (pagedlab's ``prompt_logprobs`` with ``max_tokens=1``); ``k`` past the
+    vocabulary lists all of it (the engine refuses more)."""
+    k = min(k, llm.get_engine_info().hf_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=k)
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return [[{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
