@@ -132,3 +132,21 @@ def test_teacher_forced_past_the_vocabulary_lists_all_of_it(chat_llm):
     assert len(positions) == 3
     for dist in positions:
         assert len(dist) == 420 and sum(math.exp(lp) for lp in dist.values()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_teacher_forced_checks_refuse_k_below_1(chat_llm, chat_dir, capsys):
+    """With k = 0 teacher forcing lists only the actual token, which the top-1 then took for the
+    most likely one: hf_parity read a correct engine as DIFFERS (top-1 agreement 33%) and
+    precision_drift put a bfloat16 drift's top-1 agreement at 100% (87.5% at k = 1). k < 1 is
+    refused, on the command line before any model loads."""
+    from pagedlab.lab.repro_cli import main
+
+    with pytest.raises(ValueError, match="k=0 is invalid"):
+        repro.hf_parity(chat_llm, PROMPTS, max_tokens=2, k=0)
+    with pytest.raises(ValueError, match="k=0 is invalid"):
+        repro.precision_drift(chat_dir, PROMPTS, dtypes=("float32", "bfloat16"), k=0)
+    for check in ("hf", "precision"):
+        assert main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--checks", f"batch,{check}",
+                     "--top-k", "0"]) == 2
+        out, err = capsys.readouterr()
+        assert "--top-k: k=0 is invalid" in err and "loading" not in out, (out, err)

@@ -217,6 +217,13 @@ def _check_inputs(args, checks: list[str]) -> None:
     """Refuse bad values of the checks' own options before any model loads (ValueError)."""
     if "precision" in checks:
         _precision_variants(args.dtypes)
+    if "precision" in checks or "hf" in checks:
+        from pagedlab.lab.repro.compare import check_top_k
+
+        try:
+            check_top_k(args.top_k)
+        except ValueError as e:
+            raise ValueError(f"--top-k: {e}") from None
     if "hf" in checks:
         from pagedlab.lab.repro.hf import hf_torch_dtype
 

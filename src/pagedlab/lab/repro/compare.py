@@ -57,6 +57,16 @@ def teacher_forced(llm, sequences: Sequence[Sequence[int]], k: int = 20) -> list
     return [[{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:]] for o in outs]
 
 
+def check_top_k(k: int) -> int:
+    """``k`` of a teacher-forced comparison, refused below 1 (ValueError): its top-1 agreement needs
+    each position's most likely token, and with ``k`` 0 the actual token alone is listed, so it
+    would be taken for the top-1."""
+    if k < 1:
+        raise ValueError(f"k={k!r} is invalid: the teacher-forced top-1 needs at least each position's "
+                         "most likely token, k >= 1")
+    return k
+
+
 def top1(d: dict[int, float]) -> int:
     """The most likely token of a {token id: logprob} dict, a tie going to the lowest id as greedy
     argmax does (not to the dict's first key, which in ``prompt_logprobs`` is the actual token)."""

@@ -10,7 +10,8 @@ from pathlib import Path
 from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
-from pagedlab.lab.repro.compare import compare_outputs, first_divergence, logprob_diff, teacher_forced, top1
+from pagedlab.lab.repro.compare import (check_top_k, compare_outputs, first_divergence, logprob_diff,
+                                        teacher_forced, top1)
 from pagedlab.loader import resolve_model_source
 
 
@@ -231,6 +232,7 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     (up to EOS) are identical. Teacher-forced on prompt + HF's greedy output: max |Δ logprob| over
     each position's actual next token and pagedlab's top-``k``, and top-1 agreement. ``progress``
     (see ``NoProgress``) counts HF's prompts, pagedlab's run and the teacher-forced comparison."""
+    check_top_k(k)
     info = llm.get_engine_info()
     hf = load_hf_model(hf_model if hf_model is not None else info.model_path, hf_dtype, device=info.device)
     ids = encode_all(llm, prompts)
