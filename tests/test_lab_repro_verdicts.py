@@ -150,3 +150,16 @@ def test_teacher_forced_checks_refuse_k_below_1(chat_llm, chat_dir, capsys):
                      "--top-k", "0"]) == 2
         out, err = capsys.readouterr()
         assert "--top-k: k=0 is invalid" in err and "loading" not in out, (out, err)
+
+
+def test_seeds_check_with_threshold_0_passes_a_metric_equal_on_every_seed(chat_llm):
+    """A threshold of 0 flags any variation, so a metric equal on every seed must keep std 0: three
+    0.1s summed to 0.30000000000000004, a mean above their max and a std of 2e-17 that was flagged."""
+    assert repro.summarize([0.1, 0.1, 0.1]) == {"mean": 0.1, "std": 0.0, "ci95_low": 0.1, "ci95_high": 0.1,
+                                                 "min": 0.1, "max": 0.1}
+    from pagedlab import SamplingParams
+
+    r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1),
+                               seeds=range(3), metrics_fn=lambda outputs, references: {"score": 0.1},
+                               threshold=0.0)
+    assert r.verdict == "same" and r.details["flagged"] == [], r.format()

@@ -26,11 +26,16 @@ def _t975(df: int) -> float:
 
 
 def summarize(values: Sequence[float]) -> dict:
-    """mean, std (sample), the 95% interval of the mean (Student's t), min and max."""
+    """mean, std (sample), the 95% interval of the mean (Student's t), min and max. Equal values
+    have that mean and std 0 exactly (sum / n rounds: three 0.1s gave a mean above their max and
+    a std of 2e-17, which a threshold of 0 flagged)."""
     vals = [float(v) for v in values]
     n = len(vals)
-    mean = sum(vals) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    if all(v == vals[0] for v in vals):
+        mean, std = vals[0], 0.0
+    else:
+        mean = sum(vals) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
     half = _t975(n - 1) * std / math.sqrt(n) if n > 1 else 0.0
     return {"mean": mean, "std": std, "ci95_low": mean - half, "ci95_high": mean + half,
             "min": min(vals), "max": max(vals)}
