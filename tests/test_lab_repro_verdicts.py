@@ -9,6 +9,7 @@ import math
 import pytest
 
 from conftest import KV_BYTES
+from pagedlab import LLM, SamplingParams
 from pagedlab.lab import repro
 from test_server_support import build_tiny_chat_model
 
@@ -21,7 +22,13 @@ def chat_dir(tmp_path_factory):
     return build_tiny_chat_model(tmp_path_factory.mktemp("repro_verdicts"))
 
 
-# ---- precision: the coarse KL ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_llm(chat_dir):
+    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        yield llm
+
+
+# ---- precision and hf: the coarse KL and teacher forcing ---------------------------------------------
 def test_topk_kl_gives_a_missing_token_the_kth_logprob_not_the_actual_tokens():
     """Teacher forcing lists a position's top-k and the actual token, which may rank far below it.
     P and Q are one distribution but for ranks 2 and 3 swapped by a hair (exact KL ~1e-11): P's
@@ -45,6 +52,7 @@ def test_topk_kl_of_a_nan_is_inf_and_of_a_zero_probability_token_nothing():
     assert repro.topk_kl({0: nan, 1: math.log(0.2)}, p) == inf
     assert repro.topk_kl({0: 0.0, 1: -inf}, {0: 0.0, 1: -inf}) == 0.0
 
+
 def test_precision_kl_at_small_k_stays_below_the_exact_kl(chat_dir):
     """float32 against float16 on the tiny model: the mean and max KL from the top-5 are lower
     bounds of those over the whole vocabulary (k = 420); taking the floor from the actual token
@@ -54,72 +62,6 @@ def test_precision_kl_at_small_k_stays_below_the_exact_kl(chat_dir):
                                    engine_args=args).metrics for k in (5, 420)}
     assert 0 < kl[5]["float16.mean_kl"] <= kl[420]["float16.mean_kl"]
     assert kl[5]["float16.max_kl"] <= kl[420]["float16.max_kl"]
-
-
-# ---- batch: the shuffled variant ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chat_llm(chat_dir):
-    from pagedlab import LLM
-
-    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
-        yield llm
-
-
-def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatch):
-    """Two prompts shuffled at seed 0 came back in their own order, so ``shuffled`` reran
-    ``full_batch`` and tested nothing; it must run them as [second, first], and map the outputs
-    back to their prompts (the verdict stays SAME on a correct engine)."""
-    batches = []
-    generate = chat_llm.generate
-
-    def recording(prompts, *args, **kwargs):
-        batches.append([p["prompt_token_ids"] for p in prompts])
-        return generate(prompts, *args, **kwargs)
-
-    monkeypatch.setattr(chat_llm, "generate", recording)
-    first, second = list(range(5, 15)), list(range(20, 33))
-    r = repro.batch_consistency(chat_llm, [first, second], max_tokens=4, variants=["shuffled"])
-    assert batches == [[first], [second], [second, first]]  # batch 1 each, then the variant
-    assert r.verdict == "same", r.format()
-
-
-# ---- seeds: the experiment's sampling params ---------------------------------------------------------
-def test_cli_seeds_check_samples_as_the_experiments_runs_do(chat_dir, tmp_path):
-    """An experiment whose ``sampling:`` sets temperature and max_tokens alone samples its runs with
-    top_p 1.0 (``SamplingParams(**sampling)``, as the lab runner builds them); the seeds check of
-    ``--experiment`` must too, not the CLI's own top_p 0.95 for the fields the section leaves out."""
-    from pagedlab.lab.repro_cli import main
-    from pagedlab.sampling_params import SamplingParams
-
-    sampling = {"temperature": 0.7, "max_tokens": 3}
-    experiment = tmp_path / "exp.yaml"
-    experiment.write_text(f"name: warm\nmodel: {chat_dir}\nsampling: {json.dumps(sampling)}\n"
-                          "dataset:\n  prompts: [{prompt: hello}]\nmetrics: [output_length]\n")
-    out = tmp_path / "report.json"
-    assert main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
-                 "--checks", "seeds", "--num-seeds", "2", "--experiment", str(experiment),
-                 "--out", str(out)]) == 0
-    used = json.loads(out.read_text())["checks"][0]["params"]["sampling"]
-    runner = SamplingParams(**sampling)
-    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
-        assert used[name] == getattr(runner, name), name
-
-
-def test_seeds_check_flags_a_metric_that_is_nan_on_one_seed(chat_llm):
-    """A metric NaN on one seed (or inf: then its std is NaN) has a NaN spread, which compared
-    below every threshold, so the check said SAME; it must be flagged."""
-    from pagedlab import SamplingParams
-
-    values = iter([0.5, math.nan, -1.0, -math.inf])
-
-    def metrics(outputs, references):
-        return {"score": next(values)}
-
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    for _ in range(2):  # [0.5, NaN], then [-1.0, -inf]
-        r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], params, seeds=range(2), metrics_fn=metrics,
-                                   threshold=1e9)
-        assert r.details["flagged"] == ["score"] and r.verdict == "differs", r.format()
 
 
 def test_teacher_forced_past_the_vocabulary_lists_all_of_it(chat_llm):
@@ -152,13 +94,66 @@ def test_teacher_forced_checks_refuse_k_below_1(chat_llm, chat_dir, capsys):
         assert "--top-k: k=0 is invalid" in err and "loading" not in out, (out, err)
 
 
+# ---- batch: the shuffled variant ---------------------------------------------------------------------
+def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatch):
+    """Two prompts shuffled at seed 0 came back in their own order, so ``shuffled`` reran
+    ``full_batch`` and tested nothing; it must run them as [second, first], and map the outputs
+    back to their prompts (the verdict stays SAME on a correct engine)."""
+    batches = []
+    generate = chat_llm.generate
+
+    def recording(prompts, *args, **kwargs):
+        batches.append([p["prompt_token_ids"] for p in prompts])
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(chat_llm, "generate", recording)
+    first, second = list(range(5, 15)), list(range(20, 33))
+    r = repro.batch_consistency(chat_llm, [first, second], max_tokens=4, variants=["shuffled"])
+    assert batches == [[first], [second], [second, first]]  # batch 1 each, then the variant
+    assert r.verdict == "same", r.format()
+
+
+# ---- seeds ------------------------------------------------------------------------------------------
+def test_cli_seeds_check_samples_as_the_experiments_runs_do(chat_dir, tmp_path):
+    """An experiment whose ``sampling:`` sets temperature and max_tokens alone samples its runs with
+    top_p 1.0 (``SamplingParams(**sampling)``, as the lab runner builds them); the seeds check of
+    ``--experiment`` must too, not the CLI's own top_p 0.95 for the fields the section leaves out."""
+    from pagedlab.lab.repro_cli import main
+
+    sampling = {"temperature": 0.7, "max_tokens": 3}
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(f"name: warm\nmodel: {chat_dir}\nsampling: {json.dumps(sampling)}\n"
+                          "dataset:\n  prompts: [{prompt: hello}]\nmetrics: [output_length]\n")
+    out = tmp_path / "report.json"
+    assert main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+                 "--checks", "seeds", "--num-seeds", "2", "--experiment", str(experiment),
+                 "--out", str(out)]) == 0
+    used = json.loads(out.read_text())["checks"][0]["params"]["sampling"]
+    runner = SamplingParams(**sampling)
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
+        assert used[name] == getattr(runner, name), name
+
+
+def test_seeds_check_flags_a_metric_that_is_nan_on_one_seed(chat_llm):
+    """A metric NaN on one seed (or inf: then its std is NaN) has a NaN spread, which compared
+    below every threshold, so the check said SAME; it must be flagged."""
+    values = iter([0.5, math.nan, -1.0, -math.inf])
+
+    def metrics(outputs, references):
+        return {"score": next(values)}
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    for _ in range(2):  # [0.5, NaN], then [-1.0, -inf]
+        r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], params, seeds=range(2), metrics_fn=metrics,
+                                   threshold=1e9)
+        assert r.details["flagged"] == ["score"] and r.verdict == "differs", r.format()
+
+
 def test_seeds_check_with_threshold_0_passes_a_metric_equal_on_every_seed(chat_llm):
     """A threshold of 0 flags any variation, so a metric equal on every seed must keep std 0: three
     0.1s summed to 0.30000000000000004, a mean above their max and a std of 2e-17 that was flagged."""
     assert repro.summarize([0.1, 0.1, 0.1]) == {"mean": 0.1, "std": 0.0, "ci95_low": 0.1, "ci95_high": 0.1,
                                                  "min": 0.1, "max": 0.1}
-    from pagedlab import SamplingParams
-
     r = repro.seed_sensitivity(chat_llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1),
                                seeds=range(3), metrics_fn=lambda outputs, references: {"score": 0.1},
                                threshold=0.0)
