@@ -94,6 +94,23 @@ def test_teacher_forced_checks_refuse_k_below_1(chat_llm, chat_dir, capsys):
         assert "--top-k: k=0 is invalid" in err and "loading" not in out, (out, err)
 
 
+# ---- padding ----------------------------------------------------------------------------------------
+def test_padding_check_decodes_plain_greedy_whatever_the_generation_config(chat_dir):
+    """A generation config's no_repeat_ngram_size (1 here) counts a batch row's left padding as
+    generated n-grams and bans the pad token in the batch only: with the correct mask the check
+    must still say SAME (it decodes plain greedy, as the engine's reference runs do), and leave the
+    model's generation config as it was."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    hf.generation_config.no_repeat_ngram_size = 1
+    ok = repro.padding_check(hf, PROMPTS, max_tokens=8)
+    assert ok.verdict == "same" and ok.metrics["padded_prompts"] > 0, ok.format()
+    assert hf.generation_config.no_repeat_ngram_size == 1
+
+
 # ---- batch: the shuffled variant ---------------------------------------------------------------------
 def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatch):
     """Two prompts shuffled at seed 0 came back in their own order, so ``shuffled`` reran

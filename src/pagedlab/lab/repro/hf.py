@@ -137,11 +137,12 @@ def hf_eos_ids(model) -> set[int]:
 def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16,
                   attention_mask: str = "correct", logprob_tolerance: float = 1e-3, dtype: str = "float32",
                   pad_token_id: int | None = None, progress=None) -> CheckResult:
-    """HF transformers ``generate`` on all prompts in one left-padded batch vs one prompt at a time.
-    ``attention_mask``: "correct" (zeros on padding) or "ones" (the common mistake: padding
-    attended to). Compares greedy tokens (up to EOS) and the log-softmax of each step's scores
-    (``max |Δ logprob|`` of the chosen tokens while the outputs agree). ``progress`` (see
-    ``NoProgress``) counts the one-at-a-time prompts and the batch."""
+    """HF transformers ``generate`` (plain greedy, as ``plain_greedy``) on all prompts in one
+    left-padded batch vs one prompt at a time. ``attention_mask``: "correct" (zeros on padding)
+    or "ones" (the common mistake: padding attended to). Compares greedy tokens (up to EOS) and
+    the log-softmax of each step's scores (``max |Δ logprob|`` of the chosen tokens while the
+    outputs agree). ``progress`` (see ``NoProgress``) counts the one-at-a-time prompts and the
+    batch."""
     if attention_mask not in ("correct", "ones"):
         raise ValueError(f"attention_mask={attention_mask!r} is invalid: 'correct' or 'ones'")
     hf = load_hf_model(model, dtype)
@@ -156,8 +157,9 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
            "return_dict_in_generate": True, "pad_token_id": pad_token_id}
     progress = progress if progress is not None else NoProgress()
     progress.reset(total=len(ids) + 1)
-    single_tokens, single_lps = _generate_one_at_a_time(hf, ids, gen, progress)
-    batch_tokens, batch_lps = _generate_left_padded(hf, ids, gen, attention_mask == "ones")
+    with plain_greedy(hf):  # a generation config's no_repeat_ngram_size would count the padding
+        single_tokens, single_lps = _generate_one_at_a_time(hf, ids, gen, progress)
+        batch_tokens, batch_lps = _generate_left_padded(hf, ids, gen, attention_mask == "ones")
     progress.update()
     cmp = compare_outputs(single_tokens, single_lps, batch_tokens, batch_lps)
     padded = sum(len(p) < max(map(len, ids)) for p in ids)
