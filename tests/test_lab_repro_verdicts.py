@@ -94,6 +94,19 @@ def test_teacher_forced_checks_refuse_k_below_1(chat_llm, chat_dir, capsys):
         assert "--top-k: k=0 is invalid" in err and "loading" not in out, (out, err)
 
 
+def test_compare_outputs_counts_a_missing_logprob_and_refuses_other_prompts():
+    """Equal tokens but a logprob missing on one side is no agreement (infinite difference, not a
+    shorter comparison); runs over different numbers of prompts are refused, not cut to the shorter."""
+    from pagedlab.lab.repro.compare import compare_outputs
+
+    same = compare_outputs([[1, 2, 3]], [[-0.5, -1.0, -2.0]], [[1, 2, 3]], [[-0.5, -1.0, -2.0]])
+    assert same == {"prompts_differing": 0, "first_divergence": None, "max_logprob_diff": 0.0}
+    short = compare_outputs([[1, 2, 3]], [[-0.5, -1.0, -2.0]], [[1, 2, 3]], [[-0.5, -1.0]])
+    assert short["prompts_differing"] == 0 and short["max_logprob_diff"] == math.inf
+    with pytest.raises(ValueError):
+        compare_outputs([[1], [2]], [[-1.0], [-1.0]], [[1]], [[-1.0]])
+
+
 # ---- padding ----------------------------------------------------------------------------------------
 def test_padding_check_decodes_plain_greedy_whatever_the_generation_config(chat_dir):
     """A generation config's no_repeat_ngram_size (1 here) counts a batch row's left padding as

@@ -33,14 +33,18 @@ def logprob_diff(x: float, y: float) -> float:
 
 
 def compare_outputs(ref_ids, ref_lps, ids, lps) -> dict:
-    """How a run's outputs (token ids and chosen-token logprobs per prompt) differ from a reference."""
+    """How a run's outputs (token ids and chosen-token logprobs per prompt) differ from a reference.
+    The runs must cover the same prompts (ValueError); a logprob one side lacks where the tokens
+    agree never agrees (infinite difference)."""
     firsts, max_dlp, n_diff = [], 0.0, 0
-    for r, rl, o, ol in zip(ref_ids, ref_lps, ids, lps):
+    for r, rl, o, ol in zip(ref_ids, ref_lps, ids, lps, strict=True):
         d = first_divergence(r, o)
         if d is not None:
             n_diff += 1
             firsts.append(d)
         upto = len(r) if d is None else d
+        if len(rl[:upto]) != len(ol[:upto]):
+            max_dlp = math.inf
         for x, y in zip(rl[:upto], ol[:upto]):
             max_dlp = max(max_dlp, logprob_diff(x, y))
     return {"prompts_differing": n_diff, "first_divergence": min(firsts) if firsts else None,
