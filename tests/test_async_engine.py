@@ -222,6 +222,8 @@ def test_bad_requests_fail_alone(offline):
         dup = engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
         with pytest.raises(ValueError, match="already in use"):
             await dup.result()
+        abandoned = engine.add_request(PROMPTS[0], GREEDY, request_id="dup")
+        abandoned.abort()  # before reading its refusal: it must not abort the request it collided with
         return await stream.result()
 
     out = run(main())

@@ -135,7 +135,7 @@ class RequestStream:
         """Stop the request now (no-op once it finished)."""
         if not self._done:
             self._done = True
-            self._engine.abort(self.request_id)
+            self._engine.abort(self.request_id, self._stream)
 
     async def aclose(self) -> None:
         self.abort()
@@ -275,10 +275,12 @@ class AsyncEngine:
         finally:
             stream.abort()
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe; unknown or finished ids are ignored)."""
+    def abort(self, request_id: str, stream: _Stream | None = None) -> None:
+        """Abort a request (thread-safe; unknown or finished ids are ignored). From ``stream`` (a
+        RequestStream's own abort): only while the id is that stream's, so a stream refused for
+        reusing a running request's id does not abort that request."""
         if self._running:
-            self._commands.put(("abort", request_id))
+            self._commands.put(("abort", request_id, stream))
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(llm_engine)`` in the engine thread between two steps; returns its Future.
@@ -357,7 +359,7 @@ class AsyncEngine:
             if kind == "add":
                 self._do_add(*cmd[1:])
             elif kind == "abort":
-                self._do_abort(cmd[1])
+                self._do_abort(cmd[1], cmd[2])
             elif kind == "call":
                 fn, future = cmd[1], cmd[2]
                 if future.set_running_or_notify_cancel():
@@ -389,7 +391,9 @@ class AsyncEngine:
             self._num_token_streams -= stream.tokens
         return stream
 
-    def _do_abort(self, request_id: str) -> None:
+    def _do_abort(self, request_id: str, owner: _Stream | None = None) -> None:
+        if owner is not None and self._streams.get(request_id) is not owner:
+            return
         stream = self._remove(request_id)
         if stream is None:
             return
