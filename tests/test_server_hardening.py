@@ -5,6 +5,7 @@ tokenizer, served live on 127.0.0.1; offline ``LLM`` results are the reference."
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -106,6 +107,36 @@ def test_full_waiting_queue_answers_503_with_retry_after(served):
     while served["engine"].get_stats().kv_blocks_used:
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    _healthy(served)
+
+
+def test_waiting_queue_limit_holds_while_grammars_compile(served, monkeypatch):
+    """Five requests whose grammars compile at the same time, against a queue of four: each is
+    admitted only once its grammar is ready, so one of them gets the 503 (counted before the
+    compile, all five saw an empty queue and all were admitted)."""
+    engine, release, gate = served["engine"], threading.Event(), threading.Event()
+    compiler = engine.grammar_compiler
+    compile_now, arrived = compiler.compile, []
+
+    def compile_together(spec):
+        arrived.append(spec)
+        if len(arrived) == 5:
+            gate.set()
+        gate.wait(10)
+        return compile_now(spec)
+
+    monkeypatch.setattr(compiler, "compile", compile_together)
+    engine.call(lambda _: release.wait(30))  # hold the engine thread: whatever is admitted waits
+    body = {"prompt": PROMPT, "max_tokens": 2, "guided_regex": "[ab]+"}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            posts = [pool.submit(_post, served, "/v1/completions", body) for _ in range(5)]
+            concurrent.futures.wait(posts, timeout=10, return_when=concurrent.futures.FIRST_COMPLETED)
+            release.set()
+            statuses = sorted(post.result().status_code for post in posts)
+    finally:
+        release.set()
+    assert statuses == [200, 200, 200, 200, 503]
     _healthy(served)
 
 

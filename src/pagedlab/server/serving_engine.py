@@ -110,8 +110,7 @@ class OpenAIServing:
 
     def check_request(self, prompts: Sequence[EncodedPrompt], params: SamplingParams) -> None:
         """A 400 for a request asking for more sequences or tokens than one request may, or naming
-        token ids out of vocabulary; a 503
-        when the waiting queue cannot take it."""
+        token ids out of vocabulary (the waiting queue is checked by ``add_requests``)."""
         limits, n = self.admission.limits, params.n
         sequences = len(prompts) * n
         if sequences > limits.max_sequences_per_request:
@@ -129,7 +128,6 @@ class OpenAIServing:
             params.verify_vocabulary(self.engine.info.hf_config.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
-        self.admission.check(sequences)
 
     def with_model_defaults(self, request, params: SamplingParams) -> SamplingParams:
         """``params`` with the fields the request left unset taken from the model's generation
@@ -213,7 +211,10 @@ class OpenAIServing:
     def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
                      stream: bool, model: str | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids ``request_id-i`` when there are several), under the
-        LoRA adapter ``model`` names, if it names one."""
+        LoRA adapter ``model`` names, if it names one; a 503 when the waiting queue cannot take
+        them. The queue is checked here, with no await before the requests are tracked, so requests
+        that passed their checks together (a grammar compiling) cannot all take its last place."""
+        self.admission.check(len(prompts) * params.n)
         lora_request = self.lora_modules.get(model) if model is not None else None
         arrival = time.time()
         streams: list[RequestStream] = []
