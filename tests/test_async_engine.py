@@ -240,19 +240,21 @@ def test_call_runs_in_the_engine_thread(offline):
     assert engine.is_running
 
 
+class Listener:
+    """A StatsListener that keeps what it is told."""
+
+    def __init__(self):
+        self.stats, self.finished = [], []
+
+    def on_stats(self, stats):
+        self.stats.append(stats)
+
+    def on_request_finished(self, output):
+        self.finished.append(output)
+
+
 def test_listener_sees_stats_and_finished_requests(offline):
     engine, _, _, _ = offline
-
-    class Listener:
-        def __init__(self):
-            self.stats, self.finished = [], []
-
-        def on_stats(self, stats):
-            self.stats.append(stats)
-
-        def on_request_finished(self, output):
-            self.finished.append(output)
-
     listener = Listener()
     engine.add_listener(listener)
     try:
@@ -289,7 +291,10 @@ def test_from_engine_config_and_shutdown(model_dir):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
+    """The requests in flight fail with the step's error; listeners see each finish once, as
+    aborted (the server's request_aborted_total counts them); the next request runs."""
     engine, expected, _, _ = offline
+    listener = Listener()
     runner = engine.engine.runner
     real_launch = runner.launch
     calls = {"n": 0}
@@ -304,8 +309,10 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         gate = threading.Event()
         engine.call(lambda e: gate.wait(10))  # hold the engine thread so the three arrive together
-        streams = [engine.add_request(p, params) for p in PROMPTS[:3]]
+        streams = [engine.add_request(p, params, request_id=f"failing-{i}")
+                   for i, p in enumerate(PROMPTS[:3])]
         runner.launch = flaky
+        engine.add_listener(listener)
         gate.set()
         return await asyncio.gather(*(s.result() for s in streams), return_exceptions=True)
 
@@ -313,8 +320,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(offline):
         results = run(main())
     finally:
         runner.launch = real_launch
+        engine.listeners.remove(listener)
     assert calls["n"] >= 2
     assert all(isinstance(r, RuntimeError) and "injected failure" in str(r) for r in results), results
+    assert sorted(out.request_id for out in listener.finished) == ["failing-0", "failing-1", "failing-2"]
+    assert all(c.finish_reason == "abort" for out in listener.finished for c in out.outputs)
     _wait_idle(engine)
     out = run(collect(engine, PROMPTS[0], GREEDY))[-1]
     assert out.outputs[0].token_ids == expected[PROMPTS[0]].token_ids

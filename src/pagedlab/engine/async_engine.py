@@ -414,9 +414,12 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 stream = self._remove(request_id)
                 try:
-                    self.engine.abort_request(request_id)
+                    out = self.engine.abort_request(request_id)
                 except Exception:
                     logger.exception("could not abort %s", request_id)
+                else:
+                    if out is not None:  # listeners count it once, as aborted
+                        self._notify_finished(out)
                 stream.put(error)
             return
         self._num_steps += 1
