@@ -27,6 +27,7 @@ pytest.importorskip("prometheus_client")
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402
 from pagedlab.server.limits import ServerLimits  # noqa: E402
+from pagedlab.server.metrics import parse_metrics  # noqa: E402
 from pagedlab.server.protocol import INT64_MAX, INT64_MIN  # noqa: E402
 
 MODEL = "tiny"
@@ -402,6 +403,26 @@ def test_serve_limit_flags():
     assert limits_from_args(args) == ServerLimits(max_waiting_requests=7, max_request_body_bytes=100)
     with pytest.raises(ValueError, match="--max-tokens-per-request 0 is invalid"):
         limits_from_args(parser.parse_args(["--model", "m", "--max-tokens-per-request", "0"]))
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+def test_e2e_latency_runs_to_the_last_completion_of_a_request(served):
+    """n=2 where the first completion stops at its first token and the second runs 200: the
+    request's e2e latency runs to the end of the second, not of the first."""
+    body = {"prompt": PROMPT, "n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 200, "ignore_eos": True,
+            "return_token_ids": True}
+    first, second = (c["token_ids"] for c in _post(served, "/v1/completions", body).json()["choices"])
+    assert first[0] not in second  # so the first token of the first completion stops it alone
+
+    def e2e_seconds() -> float:
+        text = served["app"].state.metrics.render()[0].decode()
+        return parse_metrics(text)["pagedlab:e2e_request_latency_seconds_sum"]
+
+    before, started = e2e_seconds(), time.monotonic()
+    r = _post(served, "/v1/completions", {**body, "stop_token_ids": [first[0]]})
+    wall = time.monotonic() - started
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["stop", "length"]
+    assert e2e_seconds() - before > wall / 2
 
 
 # ---- graceful shutdown -------------------------------------------------------------------------------

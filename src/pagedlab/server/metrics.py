@@ -25,6 +25,7 @@ own token counters after every step; latency histograms are observed when a requ
 from __future__ import annotations
 
 import threading
+import time
 
 from pagedlab.outputs import EngineStats, RequestOutput
 
@@ -148,9 +149,8 @@ class ServerMetrics:
             n = m.num_generated_tokens
             if n > 1 and m.last_token_time is not None:
                 self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
-        end = m.finished_time or m.last_token_time
-        if end is not None:
-            self.e2e.observe(max(0.0, end - m.arrival_time))
+        # now, when its last completion has finished: m holds the times of its first completion only
+        self.e2e.observe(max(0.0, time.time() - m.arrival_time))
 
     # ---- exposition -----------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
