@@ -257,7 +257,8 @@ class OpenAIServing:
             raise APIError(500, f"the request failed: {e}", "server_error") from None
         finally:
             if not task.done():
-                task.cancel()
+                task.cancel()  # the gather then ends with a CancelledError nobody awaits: retrieve it
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             for s in streams:
                 s.abort()
 
