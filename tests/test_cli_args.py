@@ -59,6 +59,18 @@ def test_bench_passes_the_sizes_given_else_the_defaults(command, given, sizes, b
     assert args[1:4] == sizes and kwargs["repeats"] == (1 if command == "throughput" else 3)
 
 
+def test_bench_takes_engine_flags_given_at_the_engines_default(bench_calls):
+    """An engine flag given its EngineConfig default still reaches run_bench, whose own defaults
+    (bfloat16, max_num_seqs of the largest batch) it must override: --max-num-seqs 256 caps a batch
+    of 512 as --max-num-seqs 255 would; engine flags not given stay out."""
+    argv = ["bench", "throughput", "--shape", "qwen3-0.6b", "--batch-size", "512", "--max-num-seqs", "256",
+            "--dtype", "auto", "--enable-prefix-caching", "--device", "cpu"]
+    assert main(argv) == 0
+    (_, kwargs), = bench_calls
+    assert kwargs["engine_args"] == {"max_num_seqs": 256, "dtype": "auto", "enable_prefix_caching": True,
+                                     "device": "cpu"}
+
+
 @pytest.mark.parametrize("where, message", [("missing/out.json", "is not a writable directory"),
                                             (".", "is a directory: give a file name")])
 def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, message, tmp_path, bench_calls,

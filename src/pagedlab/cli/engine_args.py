@@ -120,6 +120,29 @@ def _describe(field: dataclasses.Field) -> str:
     return f"{field.metadata['help']} (default: {shown})"
 
 
+_GIVEN = "engine_flags_given"  # the Namespace attribute naming the engine flags given
+
+
+def _note_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, _GIVEN, {*getattr(namespace, _GIVEN, ()), dest})
+
+
+class _GivenValue(argparse.Action):
+    """Stores the flag's value, as argparse's default action, and notes that the flag was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        _note_given(namespace, self.dest)
+
+
+class _GivenBoolean(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x``, noting that the flag was given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None = None,
                     model_help: str | None = None) -> None:
     """Add every ``EngineConfig`` field as a flag; booleans get ``--x`` / ``--no-x``. A command
@@ -133,11 +156,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None =
         if field.name == "model" and model_help is not None:
             default, help_text = model_default, model_help
         if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=help_text)
+            group.add_argument(flag, dest=field.name, action=_GivenBoolean, default=default, help=help_text)
         else:
             many = {"nargs": "+"} if "list[" in str(field.type) else {}
-            group.add_argument(flag, dest=field.name, type=kind, default=default, help=help_text, **many)
+            group.add_argument(flag, dest=field.name, action=_GivenValue, type=kind, default=default,
+                               help=help_text, **many)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -149,10 +172,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**engine_kwargs(args))
 
 
-def changed_engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine settings whose flags were given a value other than the default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    return {k: v for k, v in engine_kwargs(args).items() if v != defaults[k]}
+def given_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings whose flags were given on the command line, a value equal to the
+    engine's default included: a command with defaults of its own (``bench``: bfloat16, a
+    ``max_num_seqs`` of the batch size) must still take ``--dtype auto`` or ``--max-num-seqs 256``."""
+    given = getattr(args, _GIVEN, ())
+    return {k: v for k, v in engine_kwargs(args).items() if k in given}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

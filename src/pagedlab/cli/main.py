@@ -13,8 +13,8 @@ import shlex
 import sys
 
 from pagedlab import __version__
-from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args,
-                                      changed_engine_kwargs, engine_kwargs, positive_int)
+from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args, engine_kwargs,
+                                      given_engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
 
@@ -181,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_bench_flags(args)
     from pagedlab import workloads
 
-    changed = {k: v for k, v in changed_engine_kwargs(args).items() if k != "model"}
+    given = {k: v for k, v in given_engine_kwargs(args).items() if k != "model"}
     default_sizes = [1] if args.bench_command == "latency" else [1, 16, 64, 256]
     shape = args.shape or workloads.DEFAULT_SHAPES[args.workload]
     lora = bench_lora(args)
@@ -193,7 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.workload, args.batch_size or default_sizes,
             args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
             args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
-            model=args.model, shape=shape, repeats=args.repeats, engine_args=changed,
+            model=args.model, shape=shape, repeats=args.repeats, engine_args=given,
             latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora, results=results)
     except BaseException as e:  # out of memory at the last batch size: keep the rows measured before it
         if args.json and results:
