@@ -190,6 +190,16 @@ def test_generate_without_prompts_says_how_to_give_them(monkeypatch, capsys):
     assert "give --prompt TEXT (repeatable) or prompts on standard input" in capsys.readouterr().err
 
 
+def test_closed_stdin_is_no_input(tiny_dir, monkeypatch, capsys):
+    """Standard input closed (``cmd <&-``: sys.stdin is None) reads as empty, not a traceback:
+    generate says how to give prompts (exit 2) and chat ends as at end of input (exit 0)."""
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["generate"]) == 2
+    assert "give --prompt TEXT (repeatable) or prompts on standard input" in capsys.readouterr().err
+    assert main(["chat", "--model", tiny_dir, "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == ""
+
+
 def test_sampling_flags_map_to_their_sampling_params():
     from pagedlab import SamplingParams
     from pagedlab.cli.main import build_parser, sampling_params

@@ -41,7 +41,7 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedlab import LLM
 
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin or () if line.strip()]
     if not prompts:
         print("error: give --prompt TEXT (repeatable) or prompts on standard input, one per line",
               file=sys.stderr)
@@ -104,12 +104,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 2
         engine = llm.llm_engine
         history = [{"role": "system", "content": args.system}] if args.system else []
-        interactive = sys.stdin.isatty()
+        interactive = sys.stdin is not None and sys.stdin.isatty()
         turn = 0
         while True:
             if interactive:
                 print("> ", end="", flush=True)
-            line = sys.stdin.readline()
+            line = sys.stdin.readline() if sys.stdin is not None else ""  # None: standard input closed
             if not line or line.strip() in ("/exit", "/quit"):
                 return 0
             if not line.strip():
