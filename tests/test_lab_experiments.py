@@ -191,6 +191,16 @@ def test_explicit_seeds_and_overrides(workdir):
         load_experiment(spec.path, ["bogus=1"])
 
 
+
+def test_set_fills_a_section_left_empty_in_the_file(workdir):
+    """A bare ``engine:`` or ``grid:`` is no settings, both without --set and under it: --set
+    engine.x=... and --set grid.x=[...] fill them instead of calling them no mapping."""
+    text = BASE.replace("engine: {device: cpu, dtype: float32, kv_cache_memory_bytes: 4194304}",
+                        "engine:") + "grid:\n"
+    spec = load_experiment(write(workdir, text), ["engine.device=cpu", "grid.engine.block_size=[16, 32]"])
+    assert spec.base["engine"] == {"device": "cpu"} and spec.grid == {"engine.block_size": [16, 32]}
+
+
 # ---- running ---------------------------------------------------------------------------------------
 class CountingFactory:
     """Builds the LLMs of an experiment and records what happens to their weights and plans."""

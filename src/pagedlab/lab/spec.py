@@ -52,7 +52,9 @@ def apply_set_overrides(data, overrides: list[str], filename: str):
         value = yaml.safe_load(raw) if raw.strip() else None
         key = key.strip()
         if key.startswith("grid.") and len(key) > 5:
-            if not isinstance(data.setdefault("grid", {}), dict):
+            if data.get("grid") is None:  # absent, or a bare ``grid:`` (no grid)
+                data["grid"] = {}
+            if not isinstance(data["grid"], dict):
                 raise ExperimentError(f"--set {item!r}: grid is not a mapping in {filename}")
             data["grid"][key[5:]] = value
             continue
@@ -65,7 +67,9 @@ def apply_set_overrides(data, overrides: list[str], filename: str):
                                   "or grid.section.field")
         target = data
         for p in parts[:-1]:
-            target = target.setdefault(p, {})
+            if target.get(p) is None:  # absent, or a bare ``engine:`` (no settings)
+                target[p] = {}
+            target = target[p]
             if not isinstance(target, dict):
                 raise ExperimentError(f"--set {item!r}: {p} is not a mapping in {filename}")
         target[parts[-1]] = value
