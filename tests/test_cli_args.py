@@ -132,6 +132,17 @@ def test_max_model_len_takes_vllms_human_readable_counts(text, tokens):
     assert engine_config_from_args(args).max_model_len == tokens
 
 
+@pytest.mark.parametrize("text, tokens", [("8k", 8000), ("2K", 2048)])
+def test_max_num_batched_tokens_takes_vllms_human_readable_counts(text, tokens):
+    """--max-num-batched-tokens reads human-readable counts as vLLM's flag does (8k = 8000,
+    2K = 2048), so a vLLM command line with --max-num-batched-tokens 8k runs."""
+    from pagedlab.cli.engine_args import engine_config_from_args
+    from pagedlab.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--max-num-batched-tokens", text])
+    assert engine_config_from_args(args).max_num_batched_tokens == tokens
+
+
 @pytest.mark.parametrize("text, message", [("4.5K", "a binary suffix (K) takes a whole number"),
                                            ("4kb", "is not a whole number")])
 def test_max_model_len_that_is_no_count_is_a_usage_error(text, message, capsys):

@@ -49,8 +49,9 @@ _BINARY_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def human_readable_int(value: str) -> int:
-    """A token count as vLLM's ``--max-model-len`` reads it: "4096", "4k" or "25.6k" (decimal,
-    lower case: 4000, 25600), "4K" (binary, upper case, whole numbers only: 4096)."""
+    """A token count as vLLM's ``--max-model-len`` and ``--max-num-batched-tokens`` read it:
+    "4096", "4k" or "25.6k" (decimal, lower case: 4000, 25600), "4K" (binary, upper case, whole
+    numbers only: 4096)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value.strip())
     if match is None:
         try:
@@ -105,7 +106,7 @@ def _value_type(field: dataclasses.Field):
     the annotation's text (evaluating it would import torch for ``dtype``)."""
     if field.name.endswith("_bytes"):
         return parse_bytes
-    if field.name == "max_model_len":
+    if field.name in ("max_model_len", "max_num_batched_tokens"):  # vLLM's human-readable token counts
         return human_readable_int
     kinds = [k.strip() for k in str(field.type).split("|") if k.strip() != "None"]
     return {"int": int, "float": float, "bool": bool, "dict": json_object}.get(kinds[0], str)
