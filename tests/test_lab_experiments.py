@@ -201,6 +201,13 @@ def test_set_fills_a_section_left_empty_in_the_file(workdir):
     assert spec.base["engine"] == {"device": "cpu"} and spec.grid == {"engine.block_size": [16, 32]}
 
 
+
+def test_a_seed_given_twice_is_refused(workdir):
+    """seeds: [5, 5] would store two repeats of the very same samples as if they were independent
+    (a spread over seeds of zero): refused, naming the seed."""
+    assert "seed 5 is given twice" in error_of(workdir, BASE + "seeds: [5, 7, 5]\n")
+
+
 # ---- running ---------------------------------------------------------------------------------------
 class CountingFactory:
     """Builds the LLMs of an experiment and records what happens to their weights and plans."""

@@ -229,6 +229,10 @@ def _read_repeats(spec: ExperimentSpec, data: dict) -> None:
                 isinstance(s, int) and not isinstance(s, bool) for s in seeds):
             raise ExperimentError(f"{spec.where('seeds')}: must be a non-empty list of integers, one per "
                                   "repeat")
+        repeated = next((s for s in seeds if seeds.count(s) > 1), None)
+        if repeated is not None:
+            raise ExperimentError(f"{spec.where('seeds')}: seed {repeated} is given twice: each repeat "
+                                  "needs a seed of its own (a seed run again repeats the same samples)")
         if repeats is not None and repeats != len(seeds):
             raise ExperimentError(f"{spec.where('seeds')}: {len(seeds)} seeds for repeats={repeats}: give "
                                   "one "
