@@ -65,6 +65,15 @@ def test_a_key_in_both_a_run_and_the_grid_is_an_error():
         experiment_from_dict(spec)
 
 
+def test_a_key_set_both_dotted_and_nested_in_one_run_is_an_error():
+    """{engine.block_size: 16, engine: {block_size: 32}} names block_size twice: refused, not run
+    with whichever spelling came last."""
+    spec = dataset_spec({"max_tokens": 4})
+    spec["runs"] = [{"sampling.top_k": 5, "sampling": {"top_k": 7}}]
+    with pytest.raises(ExperimentError, match=r"runs\[0\].*sampling.top_k is set twice in this run"):
+        experiment_from_dict(spec)
+
+
 def test_legacy_key_is_the_earlier_recipe():
     # the key pagedlab gave this run before keys were canonical (computed at commit 5be19e2)
     run, = expand_runs(experiment_from_dict(bench_spec()))

@@ -201,15 +201,7 @@ def _read_runs(spec: ExperimentSpec, data: dict) -> None:
             raise ExperimentError(f"{spec.where('runs', j)}: each run is a non-empty mapping of dotted keys "
                                   "to "
                                   "values, e.g. {engine.max_num_seqs: 8}")
-        flat = {}
-        for key, value in run.items():
-            if key in schema.SECTIONS and isinstance(value, dict):  # nested form: {engine: {block_size: 32}}
-                for sub, v in value.items():
-                    flat[f"{key}.{sub}"] = v
-                    spec.lines.setdefault(("runs", j, f"{key}.{sub}"),
-                                          spec.lines.get(("runs", j, key, sub), 0))
-            else:
-                flat[key] = value
+        flat = _flatten_run(spec, j, run)
         for key in flat:
             check_override_key(spec, key, ("runs", j, key))
             if key in spec.grid:
@@ -220,6 +212,25 @@ def _read_runs(spec: ExperimentSpec, data: dict) -> None:
             if key in flat:
                 flat[key] = _resolve_value(key, flat[key], spec, ("runs", j, key))
         spec.runs.append(flat)
+
+
+def _flatten_run(spec: ExperimentSpec, j: int, run: dict) -> dict:
+    """Run ``j`` as {dotted key: value}, its nested entries ({engine: {block_size: 32}}) flattened; a
+    key set both dotted and nested is an error (neither value may silently win)."""
+    flat = {}
+    for key, value in run.items():
+        if key in schema.SECTIONS and isinstance(value, dict):  # nested form: {engine: {block_size: 32}}
+            entries = [(f"{key}.{sub}", v) for sub, v in value.items()]
+            for sub in value:
+                spec.lines.setdefault(("runs", j, f"{key}.{sub}"), spec.lines.get(("runs", j, key, sub), 0))
+        else:
+            entries = [(key, value)]
+        for name, v in entries:
+            if name in flat:
+                raise ExperimentError(f"{spec.where('runs', j, name)}: {name} is set twice in this run "
+                                      "(dotted and nested): keep one")
+            flat[name] = v
+    return flat
 
 
 def _read_repeats(spec: ExperimentSpec, data: dict) -> None:
