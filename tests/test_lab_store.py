@@ -229,6 +229,18 @@ def test_results_cli(url, tmp_path, capsys):
     assert len(target.read_text().splitlines()) == 2
 
 
+def test_export_to_a_name_without_suffix_writes_csv(tmp_path, capsys):
+    """results export --out NAME, no suffix and no --format, writes CSV as its help says ("from
+    the --out suffix, else csv") instead of refusing an export format ''."""
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    with ResultStore(url) as store:
+        store.record_run(_record("k0"))
+    target = tmp_path / "runs"
+    assert lab_cli.main(["results", "export", "--db", url, "--out", str(target)]) == 0
+    header, row = target.read_text().splitlines()
+    assert "output_throughput" in header.split(",") and "100.0" in row.split(",")
+
+
 def test_bad_urls_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="nosuchdb"):
         ResultStore("nosuchdb://x/y")

@@ -263,7 +263,7 @@ def cmd_results_show(args) -> int:
 def cmd_results_export(args) -> int:
     from pagedlab.lab.store import ResultStore
 
-    fmt = args.format or (Path(args.out).suffix.lstrip(".") if args.out else "csv")
+    fmt = args.format or (Path(args.out).suffix.lstrip(".") if args.out else "") or "csv"
     out = args.out or f"results.{fmt}"
     try:
         with ResultStore(args.db, create=False) as store:
