@@ -164,6 +164,20 @@ def test_a_model_that_fails_to_load_fails_its_whole_group_then_is_retried(tmp_pa
     assert {r["run_key"] for r in retried} == {r["run_key"] for r in rows}
 
 
+def test_a_plan_the_engine_cannot_build_fails_its_own_runs_only(tmp_path, model_dir):
+    """A KV cache too small for one sequence fails the load under the first plan of the group: its
+    runs are stored failed, and the group's other plan loads and runs (docs/lab.md: the others go
+    on)."""
+    spec = spec_of(str(model_dir), grid={"engine.kv_cache_memory_bytes": [1024, 4 << 20]})
+    report = run_experiment(spec, db=str(tmp_path / "p.db"), quiet=True)
+    assert len(report.finished) == 1 and len(report.model_loads) == 1
+    (label, error), = report.failed
+    assert "kv_cache_memory_bytes=1024" in label and error.startswith("loading the model failed")
+    rows = stored_runs(tmp_path / "p.db")
+    assert {r["params"]["engine.kv_cache_memory_bytes"]: r["status"] for r in rows} == {
+        1024: "failed", 4 << 20: "finished"}
+
+
 def test_a_failed_run_is_stored_with_its_traceback(tmp_path, model_dir):
     # max_model_len 4 cannot hold the prompts (docs/lab.md: stored "with status = failed and its traceback")
     spec = spec_of(str(model_dir), grid={"engine.max_model_len": [4, 64]})

@@ -166,22 +166,9 @@ def run_group(session: RunSession, group_runs: list[ResolvedRun], llm_factory: C
     """Load the group's model once and execute its runs, switching plans between them."""
     # Order runs so consecutive ones share plan settings (fewer re-plans); stable otherwise.
     group_runs = sorted(group_runs, key=lambda r: json.dumps(r.plan_args, sort_keys=True, default=str))
-    first = group_runs[0]
-    engine_kwargs = lora_engine_args([r.config.get("lora") for r in group_runs], dict(first.config["engine"]))
-    weight_args = ", ".join(f"{k}={v}" for k, v in engine_kwargs.items() if k in WEIGHT_FIELDS)
-    label = f"{Path(first.config['model']).name} ({weight_args or 'defaults'})"
-    session.log(f"loading {label} for {len(group_runs)} run(s)")
-    t0 = time.perf_counter()
-    try:
-        llm = llm_factory(first.config["model"], **engine_kwargs)
-    except Exception as e:
-        msg = f"loading the model failed: {type(e).__name__}: {e}"
-        for run in group_runs:
-            store_failure(session, run, msg, None)
-            session.advance()
-        session.log(f"{label}: {msg}")
+    llm, group_runs = _load_group(session, group_runs, llm_factory)
+    if llm is None:
         return
-    session.report.model_loads.append({"group": label, "seconds": time.perf_counter() - t0})
     try:
         for run in group_runs:
             if session.store.is_finished(run.run_key):  # another process finished it meanwhile
@@ -191,6 +178,34 @@ def run_group(session: RunSession, group_runs: list[ResolvedRun], llm_factory: C
             session.advance()
     finally:
         llm.close()
+
+
+def _load_group(session: RunSession, group_runs: list[ResolvedRun], llm_factory: Callable[..., Any]):
+    """The group's LLM, built with its first run's plan, and the runs left to execute on it. A
+    load that fails fails the runs of that plan only; the next plan is tried, since a plan the
+    engine cannot build (a KV cache too small for one sequence) must not fail the other runs."""
+    adapters = [r.config.get("lora") for r in group_runs]
+    engine_kwargs = lora_engine_args(adapters, dict(group_runs[0].config["engine"]))
+    weight_args = ", ".join(f"{k}={v}" for k, v in engine_kwargs.items() if k in WEIGHT_FIELDS)
+    label = f"{Path(group_runs[0].config['model']).name} ({weight_args or 'defaults'})"
+    session.log(f"loading {label} for {len(group_runs)} run(s)")
+    while group_runs:
+        first = group_runs[0]
+        engine_kwargs = lora_engine_args(adapters, dict(first.config["engine"]))
+        t0 = time.perf_counter()
+        try:
+            llm = llm_factory(first.config["model"], **engine_kwargs)
+        except Exception as e:
+            msg = f"loading the model failed: {type(e).__name__}: {e}"
+            for run in [r for r in group_runs if r.plan_args == first.plan_args]:
+                store_failure(session, run, msg, None)
+                session.advance()
+            group_runs = [r for r in group_runs if r.plan_args != first.plan_args]
+            session.log(f"{label}: {msg}" + ("; trying the next plan" if group_runs else ""))
+            continue
+        session.report.model_loads.append({"group": label, "seconds": time.perf_counter() - t0})
+        return llm, group_runs
+    return None, []
 
 
 def _replan(session: RunSession, run: ResolvedRun, llm) -> float:
