@@ -6,7 +6,9 @@ actor and no placement group."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,13 +27,17 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    """One Ray instance for the module (start-up is slow): two CPUs, one per rank."""
+def local_ray():
+    """One Ray instance for the module (start-up is slow): two CPUs, one per rank. Its temp dir is
+    short: Ray's unix socket paths (at most 107 bytes) live under it, and pytest's numbered tmp
+    paths pushed them past that."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp,
              runtime_env={"env_vars": {"PYTHONPATH": SRC}})  # the actors import this checkout
     yield
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _tokens(path, prompts, params, **engine_args):
