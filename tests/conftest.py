@@ -197,6 +197,27 @@ def smollm2_hf(smollm2_dir):
     return model, tokenizer
 
 
+REPRO_PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
+                 "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
+
+
+@pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory):
+    """A tiny chat model with a real tokenizer (the repro checks'); read only: tests copy it to
+    change it."""
+    from test_server_support import build_tiny_chat_model
+
+    return build_tiny_chat_model(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def chat_llm(chat_dir):
+    from pagedlab import LLM
+
+    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
+        yield llm
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """HF transformers' greedy continuation of one prompt (no padding involved)."""
     from pagedlab.lab.repro.hf import hf_eos_ids, hf_greedy_whole_sequence, switches_long_rope

@@ -9,23 +9,9 @@ import math
 import pytest
 
 from conftest import KV_BYTES
-from pagedlab import LLM, SamplingParams
+from conftest import REPRO_PROMPTS as PROMPTS
+from pagedlab import SamplingParams
 from pagedlab.lab import repro
-from test_server_support import build_tiny_chat_model
-
-PROMPTS = ["The quick brown fox", "Why is the sky blue?", "Paged attention stores keys",
-           "Question: what is two plus two?\nAnswer:", "hello world, how are you today?"]
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    return build_tiny_chat_model(tmp_path_factory.mktemp("repro_verdicts"))
-
-
-@pytest.fixture(scope="module")
-def chat_llm(chat_dir):
-    with LLM(chat_dir, kv_cache_memory_bytes=KV_BYTES, device="cpu") as llm:
-        yield llm
 
 
 # ---- precision and hf: the coarse KL and teacher forcing ---------------------------------------------
