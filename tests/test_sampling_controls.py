@@ -81,6 +81,21 @@ def test_plain_rows_draw_from_the_logits_as_they_are_and_filters_touch_only_thei
     assert 0 < kept.sum() < VOCAB and torch.equal(rewritten[2, kept], logits[2, kept].float())
 
 
+def test_min_tokens_bans_follow_the_sampled_position_not_the_host_token_count():
+    """min_tokens bans EOS and stop ids by the sampled token's position. A grammar batch builds
+    its sampling inputs after the launch has counted the token being sampled as pending, so the
+    host's output + pending count (2 here, one output known) overstates position 1 by one; with
+    the previous step in flight the same count goes with position 2, where the bans are lifted."""
+    params = SamplingParams(min_tokens=2, stop_token_ids=[7])
+    rows = [_Row(params), _Row(params)]
+    for row in rows:
+        row.output_token_ids, row.eos_token_ids = [3], [5]
+        row.num_output_tokens, row.num_pending_tokens = 1, 1
+    meta = build_sampling_metadata(rows, HostToDevice(torch.device("cpu")), VOCAB, [1, 2], 0)
+    banned_rows, banned_ids = meta.banned_token_ids
+    assert sorted(zip(banned_rows.tolist(), banned_ids.tolist())) == [(0, 5), (0, 7)]
+
+
 def test_logit_bias_and_allowed_token_ids_match_hf_generate(tiny_llama):
     prompts = random_prompts(2, max_len=20, seed=5)
     bias = {17: 6.0, 250: 4.0, 301: -50.0}

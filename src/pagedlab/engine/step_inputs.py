@@ -219,7 +219,7 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.repetition_penalty = to_device([p.repetition_penalty for p in params], torch.float32)
         meta.output_token_ids = _padded([r.output_token_ids for r in requests], to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
-    meta.banned_token_ids = _bans(requests, to_device)
+    meta.banned_token_ids = _bans(requests, positions, to_device)
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
@@ -296,16 +296,19 @@ def _grammar_bitmask(requests: list[Request],
     return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
 
 
-def _bans(requests: list[Request], to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _bans(requests: list[Request], positions: list[int],
+          to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that rows may not sample: EOS (with ``ignore_eos`` too, as vLLM) and stop
-    ids below ``min_tokens``, and the last token of each bad word whose other tokens end the
-    output so far."""
+    ids while fewer than ``min_tokens`` output tokens come before the sampled one (its position:
+    the host's count of output and pending tokens already holds the sampled token itself where a
+    grammar batch builds its inputs after launching), and the last token of each bad word whose
+    other tokens end the output so far."""
     banned_rows: list[int] = []
     banned_ids: list[int] = []
-    for row, r in enumerate(requests):
+    for row, (r, position) in enumerate(zip(requests, positions)):
         p = r.sampling_params
         ids = []
-        if r.num_output_tokens + r.num_pending_tokens < p.min_tokens:
+        if position < p.min_tokens:
             ids = list(p.stop_token_ids) + list(r.eos_token_ids)
         if r.bad_words_token_ids:
             ids += bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
