@@ -3,6 +3,8 @@ greedy generate, and SamplingParams' checks of its own arguments."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -94,6 +96,23 @@ def test_min_tokens_bans_follow_the_sampled_position_not_the_host_token_count():
     meta = build_sampling_metadata(rows, HostToDevice(torch.device("cpu")), VOCAB, [1, 2], 0)
     banned_rows, banned_ids = meta.banned_token_ids
     assert sorted(zip(banned_rows.tolist(), banned_ids.tolist())) == [(0, 5), (0, 7)]
+
+
+def test_logprobs_are_those_of_the_raw_logits_when_the_sampler_rewrites_them():
+    """vLLM's raw_logprobs: a row whose logit_bias and repetition penalty decide its token still
+    reports the logprobs, rank and top alternatives of the logits as the model made them."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = SamplingParams(temperature=0, logprobs=2, logit_bias={3: 10.0}, repetition_penalty=2.0)
+    row = _Row(params)
+    row.prompt_token_ids = [0]
+    meta = build_sampling_metadata([row], HostToDevice(torch.device("cpu")), 4, [0], 0)
+    out = Sampler()(logits.clone(), meta)
+    log_total = math.log(math.exp(2) + math.exp(1) + math.exp(0) + math.exp(-1))
+    assert out.token_ids.tolist() == [3]
+    assert out.logprobs.token_logprob.item() == pytest.approx(-1 - log_total)
+    assert out.logprobs.token_rank.tolist() == [4]
+    assert out.logprobs.top_ids.tolist() == [[0, 1]]
+    assert out.logprobs.top_logprobs[0].tolist() == pytest.approx([2 - log_total, 1 - log_total])
 
 
 def test_logit_bias_and_allowed_token_ids_match_hf_generate(tiny_llama):
