@@ -139,6 +139,19 @@ def test_references_that_are_numbers_become_strings(workdir):
             load_dataset(conf, None, lambda key: f"dataset.{key}")
 
 
+def test_an_empty_reference_cell_is_no_reference(workdir):
+    """A CSV row whose reference cell is empty (or blank) has no reference, as a JSONL row
+    without the field has none: it is not the reference "" that every output misses, and a
+    reference column left empty throughout gives a dataset without references."""
+    table = workdir / "data" / "qa.csv"
+    table.write_text("question,answer\nthe quick brown,fox\ntwo plus two is,\npi,  \n")
+    conf = {"path": str(table), "prompt_field": "question", "reference_field": "answer"}
+    ds = load_dataset(conf, None, lambda key: f"dataset.{key}")
+    assert [it.reference for it in ds.items] == [["fox"], None, None]
+    table.write_text("question,answer\nthe quick brown,\ntwo plus two is,\n")
+    assert not load_dataset(conf, None, lambda key: f"dataset.{key}").has_references
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """

@@ -135,8 +135,8 @@ def _references(rec: dict, loc: str, conf: dict, where: Where) -> list[str] | No
         raise ExperimentError(f"{where('reference_field')}: {loc} has no field {key!r}; its fields are "
                               f"{sorted(rec)}")
     raw = rec[key]
-    if raw is None:
-        return None
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None  # a CSV row's empty cell (or a blank string) gives no reference
     values = raw if isinstance(raw, list) else [raw]
     bad = [v for v in values if not isinstance(v, (str, int, float))]
     if bad:
