@@ -152,6 +152,24 @@ def test_an_empty_reference_cell_is_no_reference(workdir):
     assert not load_dataset(conf, None, lambda key: f"dataset.{key}").has_references
 
 
+def test_a_utf8_file_with_a_byte_order_mark_reads_as_without(workdir):
+    """A UTF-8 dataset file that starts with a byte order mark (as Excel and Notepad save CSV and
+    JSON) gives the same records and the same content hash as the file without it: the mark is
+    not part of the first field's name nor a JSON syntax error."""
+    contents = {"csv": "question,answer\nthe quick brown,fox\n",
+                "jsonl": json.dumps(QA[0]) + "\n", "json": json.dumps([QA[0]])}
+    for suffix, text in contents.items():
+        plain, marked = workdir / "data" / f"plain.{suffix}", workdir / "data" / f"marked.{suffix}"
+        plain.write_text(text, encoding="utf-8")
+        marked.write_text(text, encoding="utf-8-sig")
+        conf = {"prompt_field": "question", "reference_field": "answer"}
+        with_mark = load_dataset({**conf, "path": str(marked)}, None, lambda key: f"dataset.{key}")
+        without = load_dataset({**conf, "path": str(plain)}, None, lambda key: f"dataset.{key}")
+        assert with_mark.items == without.items
+        assert [(it.prompt, it.reference) for it in with_mark.items] == [("the quick brown", ["fox"])]
+        assert with_mark.sha256 == without.sha256
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """

@@ -169,7 +169,7 @@ def _read_records(conf: dict, base_dir: Path | None, where: Where) -> tuple[list
 
 def _read_jsonl(p: Path, fmt: str) -> list[tuple[str, dict]]:
     records = []
-    with open(p, encoding="utf-8") as f:
+    with open(p, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -182,14 +182,14 @@ def _read_jsonl(p: Path, fmt: str) -> list[tuple[str, dict]]:
 
 
 def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
-    with open(p, encoding="utf-8", newline="") as f:
+    with open(p, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t")
         return [(f"line {rowno}", dict(row)) for rowno, row in enumerate(reader, 2)]
 
 
 def _read_json(p: Path, fmt: str) -> list[tuple[str, dict]]:
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = json.loads(p.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         raise ExperimentError(f"dataset {p.name}:{e.lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(data, list):
