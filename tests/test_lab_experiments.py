@@ -170,6 +170,20 @@ def test_a_utf8_file_with_a_byte_order_mark_reads_as_without(workdir):
         assert with_mark.sha256 == without.sha256
 
 
+def test_a_csv_row_with_more_fields_than_the_header_is_an_error(workdir):
+    """A CSV row with more cells than the header (an unquoted comma in a prompt) is an error naming
+    the file and line, not a record read with the prompt cut at the comma and the rest of the row
+    shifted into the reference."""
+    table = workdir / "data" / "qa.csv"
+    table.write_text('question,answer\n"What is 1,000 plus 1?",1001\nWhat is 2,000 plus 2?,2002\n')
+    conf = {"path": str(table), "prompt_field": "question", "reference_field": "answer"}
+    with pytest.raises(ExperimentError, match=r"^dataset qa.csv line 3: 3 fields where the header has 2"):
+        load_dataset(conf, None, lambda key: f"dataset.{key}")
+    table.write_text('question,answer\n"What is 1,000 plus 1?",1001\n')
+    items = load_dataset(conf, None, lambda key: f"dataset.{key}").items
+    assert [(it.prompt, it.reference) for it in items] == [("What is 1,000 plus 1?", ["1001"])]
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """

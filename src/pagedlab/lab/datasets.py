@@ -184,7 +184,15 @@ def _read_jsonl(p: Path, fmt: str) -> list[tuple[str, dict]]:
 def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
     with open(p, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t")
-        return [(f"line {rowno}", dict(row)) for rowno, row in enumerate(reader, 2)]
+        records = []
+        for rowno, row in enumerate(reader, 2):
+            if None in row:  # DictReader's key for the cells past the header's
+                width = len(reader.fieldnames)
+                raise ExperimentError(f"dataset {p.name} line {rowno}: {width + len(row[None])} fields where "
+                                      f"the header has {width} (quote a field that holds a "
+                                      f"{'comma' if fmt == 'csv' else 'tab'})")
+            records.append((f"line {rowno}", row))
+        return records
 
 
 def _read_json(p: Path, fmt: str) -> list[tuple[str, dict]]:
