@@ -184,6 +184,16 @@ def test_a_csv_row_with_more_fields_than_the_header_is_an_error(workdir):
     assert [(it.prompt, it.reference) for it in items] == [("What is 1,000 plus 1?", ["1001"])]
 
 
+def test_csv_errors_name_the_line_past_blank_lines_and_quoted_line_breaks(workdir):
+    """The line a CSV error names is the file's line, counting blank lines (which hold no row) and
+    the line breaks inside a quoted field, not the row's number plus one."""
+    table = workdir / "data" / "qa.csv"
+    table.write_text('answer,question\n\nx,"two\nlines"\nno question\n')
+    conf = {"path": str(table), "prompt_field": "question", "reference_field": "answer"}
+    with pytest.raises(ExperimentError, match=r"^dataset qa.csv line 5: field 'question' must be a string"):
+        load_dataset(conf, None, lambda key: f"dataset.{key}")
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """

@@ -185,7 +185,8 @@ def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
     with open(p, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t")
         records = []
-        for rowno, row in enumerate(reader, 2):
+        for row in reader:
+            rowno = reader.line_num  # the row's last line: blank lines and quoted line breaks count
             if None in row:  # DictReader's key for the cells past the header's
                 width = len(reader.fieldnames)
                 raise ExperimentError(f"dataset {p.name} line {rowno}: {width + len(row[None])} fields where "
