@@ -194,6 +194,26 @@ def test_csv_errors_name_the_line_past_blank_lines_and_quoted_line_breaks(workdi
         load_dataset(conf, None, lambda key: f"dataset.{key}")
 
 
+def test_dataset_hash_follows_the_prompts_and_references_only(workdir):
+    """The dataset's SHA-256 changes when a reference, a prompt or the chat setting changes, and not
+    when the same records come in another file format or with fields the run does not use."""
+    conf = {"prompt_field": "question", "reference_field": "answer"}
+
+    def sha(records, suffix="jsonl", **settings):
+        path = workdir / "data" / f"h.{suffix}"
+        lines = [json.dumps(records)] if suffix == "json" else [json.dumps(r) + "\n" for r in records]
+        path.write_text("".join(lines))
+        ds = load_dataset({**conf, **settings, "path": str(path)}, None, lambda key: f"dataset.{key}")
+        return ds.sha256
+
+    base = sha(QA)
+    assert sha(QA, "json") == base
+    assert sha([{**r, "source": "wiki"} for r in QA]) == base
+    assert sha(QA[:2] + [{**QA[2], "answer": "lyon"}]) != base
+    assert sha(QA[:2] + [{**QA[2], "question": "capital of france"}]) != base
+    assert sha(QA, chat=True) != base
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """
