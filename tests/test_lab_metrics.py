@@ -118,3 +118,27 @@ def test_engine_errors_name_the_line(workdir):
     msg = error(BASE + "grid: {engine.max_num_sequences: [1, 2]}\n")
     assert ":7: grid.engine.max_num_sequences: unknown engine key 'max_num_sequences'" in msg
     assert all(name in msg for name in ENGINE_FIELDS if name != "model")
+
+
+def test_bleu_and_chrf_are_sacrebleu_corpus_scores_over_the_referenced_rows():
+    """BLEU and chrF are sacrebleu's corpus scores (not a mean of sentence scores) over the rows that
+    have references, each row's references given as reference streams, a row with fewer
+    references padded with None, and a row without a reference left out wherever it sits."""
+    from types import SimpleNamespace
+
+    import sacrebleu
+
+    from pagedlab.lab.datasets import DatasetItem
+    from pagedlab.lab.metrics import RunResult
+
+    texts = ["the cat sat on the mat", "no reference here", "a dog ran in the park today"]
+    refs = [["the cat sat on a mat", "a cat sat on the mat"], None, ["a dog ran in a park today"]]
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(text=t)]) for t in texts]
+    result = RunResult(outputs, [DatasetItem("q", None, r) for r in refs], 1.0, None)
+    hyps, streams = [texts[0], texts[2]], [[refs[0][0], refs[2][0]], [refs[0][1], None]]
+    bleu = METRICS["bleu"].fn(result)["bleu"]
+    assert bleu == pytest.approx(sacrebleu.corpus_bleu(hyps, streams).score)
+    assert METRICS["chrf"].fn(result)["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, streams).score)
+    sentence_mean = sum(sacrebleu.sentence_bleu(h, [r for r in rs if r]).score
+                        for h, rs in zip(hyps, zip(*streams))) / 2
+    assert bleu != pytest.approx(sentence_mean)
