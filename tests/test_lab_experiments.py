@@ -214,6 +214,17 @@ def test_dataset_hash_follows_the_prompts_and_references_only(workdir):
     assert sha(QA, chat=True) != base
 
 
+def test_a_template_reaching_into_a_field_it_cannot_is_an_error_naming_the_record(workdir):
+    """A template that takes an attribute or an item of a field (``{question.text}``,
+    ``{question[text]}``) where the record's value is a plain string is an experiment error naming
+    the template setting and the record, not an AttributeError or TypeError out of str.format."""
+    for template in ("{question.text}", "{question[text]}"):
+        conf = {"path": str(workdir / "data" / "qa.jsonl"), "template": template, "reference_field": "answer"}
+        with pytest.raises(ExperimentError, match=r"^dataset.template: the template cannot format dataset "
+                                                  r"qa.jsonl line 1: "):
+            load_dataset(conf, None, lambda key: f"dataset.{key}")
+
+
 # ---- expansion -------------------------------------------------------------------------------------
 def test_grid_runs_repeats_and_seeds(workdir):
     spec = load_experiment(write(workdir, BASE + """

@@ -117,6 +117,8 @@ def _prompt_text(rec: dict, loc: str, conf: dict, where: Where) -> str:
         except (IndexError, ValueError) as e:
             raise ExperimentError(f"{where('template')}: the template is not a valid format string: {e}") \
                 from None
+        except (AttributeError, TypeError) as e:  # {field.name} or {field[key]} on a value without it
+            raise ExperimentError(f"{where('template')}: the template cannot format {loc}: {e}") from None
     prompt_field = conf.get("prompt_field", "prompt")
     if prompt_field not in rec:
         raise ExperimentError(f"{where('prompt_field')}: {loc} has no field {prompt_field!r}; its fields are "
