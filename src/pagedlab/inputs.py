@@ -117,19 +117,22 @@ def as_conversation_list(messages) -> list[list]:
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, model: str = "", continue_final_message: bool = False,
-                **template_kwargs) -> dict:
+                chat_template_kwargs: dict | None = None) -> dict:
     """A conversation rendered through the chat template, as a prompt that adds no special tokens
     (the template already holds them). ``continue_final_message`` leaves the last (assistant)
-    message open for the model to continue, as vLLM does; ``template_kwargs`` are extra variables
-    for the template (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking=False``)."""
+    message open for the model to continue, as vLLM does; ``chat_template_kwargs`` are extra
+    variables for the template (e.g. ``enable_thinking=False``), and win over the arguments of
+    the same name, as vLLM's."""
     tokenizer = require_tokenizer(tokenizer, "chat conversations", model)
+    template_args = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
+    add_generation_prompt = template_args["add_generation_prompt"]
+    continue_final_message = template_args["continue_final_message"]
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt=True and continue_final_message=True conflict: a reply "
                          "either starts a new assistant turn or continues the last message; set one to False")
     if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message=True needs a conversation whose last message is the "
                          "assistant's (the text to continue)")
-    text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, **template_kwargs)
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_args)
     return {"prompt": text, "add_special_tokens": False}

@@ -110,10 +110,8 @@ class LLM:
         name, as in vLLM; ``lora_request`` as in ``generate``."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
-        template_args = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
-                         "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
-        prompts = [chat_prompt(engine.tokenizer, c, model=engine.config.model, **template_args)
-                   for c in conversations]
+        prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
+                               continue_final_message, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -61,12 +61,10 @@ class OpenAIServingChat(OpenAIServing):
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template: start the server with "
                               "--chat-template, or use /v1/completions", param="messages")
-        # as vLLM, chat_template_kwargs win over the request's own template arguments
-        template_args = {"chat_template": template, "add_generation_prompt": request.add_generation_prompt,
-                         **request.chat_template_kwargs}
         try:
-            prompt = chat_prompt(tokenizer, request.conversation(), model=self.served_model_names[0],
-                                 **template_args)
+            prompt = chat_prompt(tokenizer, request.conversation(), template, request.add_generation_prompt,
+                                 self.served_model_names[0],
+                                 chat_template_kwargs=request.chat_template_kwargs)
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
         return self.encode(prompt, "messages")
