@@ -151,6 +151,10 @@ def _record_spec(r, where: str, output_len: int | None, count_tokens) -> Request
                        int(out) if out is not None else 128)
 
 
+def _auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 # ---- one request ----------------------------------------------------------------------------
 def _payload(spec: RequestSpec, model: str, chat: bool, args) -> dict:
     body: dict = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
@@ -253,7 +257,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     sampling = sampling or argparse.Namespace(ignore_eos=False)
     url = base_url.rstrip("/") + endpoint
     chat = endpoint.rstrip("/").endswith("chat/completions")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     bodies = [_payload(s, model, chat, sampling) for s in specs]
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
@@ -421,7 +425,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 def _server_model(client_url: str, api_key: str | None) -> tuple[str, dict]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     resp = httpx.get(client_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0)
     resp.raise_for_status()
     data = resp.json()["data"]
@@ -436,7 +440,7 @@ def _server_token_counter(base_url: str, model: str, api_key: str | None):
     model's tokenizer, special tokens added as vLLM's ShareGPT sampling counts them)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = _auth_headers(api_key)
     with httpx.Client(base_url=base_url, headers=headers, timeout=30.0) as client:
         def count_tokens(text: str) -> int:
             try:
