@@ -46,6 +46,7 @@ class _StepWeights:
     num_layers: int
     num_experts: int
     top_k: int
+    lm_head_params: int  # within shared_params: prefill runs only a prompt's last token through it
 
     @classmethod
     def from_config(cls, c) -> _StepWeights:
@@ -56,8 +57,9 @@ class _StepWeights:
         inter = (getattr(c, "moe_intermediate_size", None) if experts > 1 else None) or c.intermediate_size
         router = experts * c.hidden_size if experts > 1 else 0
         shared = c.num_hidden_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + router)
-        return cls(q, kv, shared + c.vocab_size * c.hidden_size, 3 * c.hidden_size * inter,
-                   c.num_hidden_layers, experts, top_k)
+        lm_head = c.vocab_size * c.hidden_size
+        return cls(q, kv, shared + lm_head, 3 * c.hidden_size * inter, c.num_hidden_layers, experts, top_k,
+                   lm_head)
 
     @property
     def active_params(self) -> int:
@@ -106,7 +108,7 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
         return num_all_reduces * all_reduce.seconds(num_tokens * c.hidden_size * dtype_bytes)
 
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
-    lm_head = c.vocab_size * c.hidden_size
+    lm_head = weights.lm_head_params
     # every new prompt token goes through the layers, but only the last one through the LM head (its
     # logits give the first output token); a chunk of n new tokens after c cached ones attends
     # n * c + n^2 / 2 (query, key) pairs
