@@ -190,3 +190,29 @@ def test_real_nvml():
     assert s["max_temperature_c"] > 0 and s["mean_sm_clock_mhz"] > 0 and s["max_power_w"] > 0
     assert s["max_gpu_memory_used_bytes"] > 64 << 20 and s["gpus"][0]["name"]
     print(s)
+
+
+def test_means_are_weighted_by_time_not_by_sample_count():
+    """The stop() sample can come a moment after the last tick: it stands for that moment, not for
+    a whole interval. GPU readings are averaged over time (trapezoids between samples, numpy's
+    trapezoid rule); a CPU share covers the time since the previous sample, so it weighs that long."""
+    np = pytest.importorskip("numpy")
+    t = [0.0, 1.0, 2.0, 2.05]
+    power, clock, cpu = [60.0, 700.0, 690.0, 100.0], [210, 1980, 1980, 600], [None, 100.0, 90.0, 0.0]
+    samples = []
+    for i, now in enumerate(t):
+        samples.append({"t": now, "kind": "gpu", "index": 0, "name": "g", "power_w": power[i],
+                        "sm_clock_mhz": clock[i], "util_gpu": 50, "throttle": []})
+        samples.append({"t": now, "kind": "cpu", "cpu_percent": cpu[i]})
+    s = summarize(samples, "nvml")
+    span = t[-1] - t[0]
+    assert s["mean_power_w"] == pytest.approx(np.trapezoid(power, t) / span)
+    assert s["gpus"][0]["mean_sm_clock_mhz"] == pytest.approx(np.trapezoid(clock, t) / span)
+    assert s["mean_util_gpu"] == pytest.approx(50)
+    assert s["cpu"]["mean_cpu_percent"] == pytest.approx(np.average(cpu[1:], weights=np.diff(t)))
+    # a reading missing from some samples is averaged over the samples that have it
+    del samples[2]["power_w"]
+    assert summarize(samples, "nvml")["mean_power_w"] == pytest.approx(
+        np.trapezoid([power[0], power[2], power[3]], [t[0], t[2], t[3]]) / span)
+    # one sample, or samples at one instant: the plain mean
+    assert summarize(samples[:2], "nvml")["mean_power_w"] == 60.0

@@ -13,6 +13,7 @@ and RAM only. ``pagedlab monitor`` prints gpustat-like lines from the same sampl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import statistics
@@ -299,8 +300,34 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def _time_mean(samples, key):
+    """The time average of a reading taken at instants: trapezoids between the samples that have
+    it, over the time they span (a sample a moment after the previous one weighs that moment);
+    the plain mean when they span no time."""
+    points = sorted((s["t"], s[key]) for s in samples if s.get(key) is not None)
+    if not points:
+        return None
+    span = points[-1][0] - points[0][0]
+    if span <= 0:
+        return statistics.fmean(v for _, v in points)
+    return sum((t1 - t0) * (v0 + v1) / 2 for (t0, v0), (t1, v1) in itertools.pairwise(points)) / span
+
+
+def _interval_mean(samples, key):
+    """The time average of a reading that covers the time since the previous sample (the CPU
+    share): each weighs the interval it covers."""
+    ordered = sorted(samples, key=lambda s: s["t"])
+    pairs = [(s1["t"] - s0["t"], s1[key]) for s0, s1 in itertools.pairwise(ordered)
+             if s1.get(key) is not None]
+    total = sum(dt for dt, _ in pairs)
+    if total <= 0:
+        return _mean(_values(samples, key))
+    return sum(dt * v for dt, v in pairs) / total
+
+
 def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = None) -> dict:
-    """The figures a benchmark reports from a list of samples (see ``GPUMonitor``)."""
+    """The figures a benchmark reports from a list of samples (see ``GPUMonitor``); the means are
+    averages over time, however unevenly the samples fall."""
     times = [s["t"] for s in samples]
     summary: dict = {"backend": backend, "num_samples": len(samples),
                      "duration_s": (max(times) - min(times)) if times else 0.0}
@@ -314,13 +341,13 @@ def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = Non
         per_gpu.append({
             "index": index, "name": mine[0]["name"],
             "max_temperature_c": max(_values(mine, "temperature_c"), default=None),
-            "mean_sm_clock_mhz": _mean(_values(mine, "sm_clock_mhz")),
+            "mean_sm_clock_mhz": _time_mean(mine, "sm_clock_mhz"),
             "min_sm_clock_mhz": min(_values(mine, "sm_clock_mhz"), default=None),
-            "mean_mem_clock_mhz": _mean(_values(mine, "mem_clock_mhz")),
-            "mean_power_w": _mean(_values(mine, "power_w")),
+            "mean_mem_clock_mhz": _time_mean(mine, "mem_clock_mhz"),
+            "mean_power_w": _time_mean(mine, "power_w"),
             "max_power_w": max(_values(mine, "power_w"), default=None),
             "power_limit_w": max(_values(mine, "power_limit_w"), default=None),
-            "mean_util_gpu": _mean(_values(mine, "util_gpu")),
+            "mean_util_gpu": _time_mean(mine, "util_gpu"),
             "max_mem_used_bytes": max(_values(mine, "mem_used"), default=None),
             "mem_total_bytes": max(_values(mine, "mem_total"), default=None),
             "throttle_reasons": reasons,
@@ -345,7 +372,7 @@ def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = Non
         summary["throttled"] = any(g["throttled_samples"] for g in per_gpu)
     host = [s for s in samples if s["kind"] == "cpu"]
     summary["cpu"] = {
-        "mean_cpu_percent": _mean(_values(host, "cpu_percent")),
+        "mean_cpu_percent": _interval_mean(host, "cpu_percent"),
         "max_cpu_percent": max(_values(host, "cpu_percent"), default=None),
         "max_ram_used_bytes": max(_values(host, "ram_used"), default=None),
         "ram_total_bytes": max(_values(host, "ram_total"), default=None),
