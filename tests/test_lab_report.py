@@ -175,3 +175,29 @@ def test_runs_filed_apart_are_told_apart_by_what_differs(tmp_path):
     _label_runs(runs)
     assert [r["config"] for r in runs] == ["batch_size=1", "batch_size=1", "batch_size=4"]
     assert {g: len(members) for g, members in _groups(runs).items()} == {"batch_size=1": 2, "batch_size=4": 1}
+
+
+def _sweep_run(model: str, temperature: float, seed: int, throughput, batch: int | None = None,
+               input_len: int = 8, varied=("model", "sampling.temperature")) -> dict:
+    params = {"model": model, "sampling.temperature": temperature, "benchmark.input_len": input_len,
+              "varied": list(varied), "sampling.seed": seed, "repeat": seed}
+    if batch is not None:
+        params["benchmark.batch_size"] = batch
+    return {"experiment": "e", "model": model, "params": params, "manifest": {},
+            "metrics": {"output_throughput": throughput}}
+
+
+def test_configurations_whose_labels_look_alike_stay_apart():
+    """Two checkpoints named alike in different directories, and temperatures equal to 4 digits,
+    are different configurations: the summary does not average them together."""
+    from pagedlab.lab.report import _groups, _label_runs
+
+    runs = [_sweep_run("/a/ckpt/final", 0.12341, s, 10.0 + s) for s in (0, 1)]
+    runs += [_sweep_run("/b/ckpt/final", 0.12341, 0, 50.0), _sweep_run("/a/ckpt/final", 0.12344, 0, 90.0)]
+    _label_runs(runs)
+    groups = _groups(runs)
+    distinct = {(r["model"], r["params"]["sampling.temperature"]) for r in runs}
+    assert len(groups) == len(distinct) == 3
+    assert sorted(len(members) for members in groups.values()) == [1, 1, 2]
+    assert len({r["model_label"] for r in runs}) == 2  # the model column tells the checkpoints apart
+

@@ -27,6 +27,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -92,22 +93,28 @@ def short_label(v) -> str:
 
 def _label_runs(runs: list[dict]) -> None:
     """Give each run ``model_label`` (model, with dtype when dtypes differ), ``model_size`` (its
-    size class, e.g. "135M", and parameter count ``model_parameters``), ``config`` (its varied
-    params but the seed) and ``group`` (experiment + config), and ``batch`` when it has one."""
+    size class, e.g. "135M", and parameter count ``model_parameters``), ``labels`` (its varied
+    params but the seed, each value's label), ``config`` (those labels joined) and ``group``
+    (experiment + config), and ``batch`` when it has one. Labels are short (a path's last part, a
+    float to 4 digits) unless that would make two different values of a param look alike."""
     dtypes = {r["params"].get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
               for r in runs}
     multi_exp = len({r["experiment"] for r in runs}) > 1
     varied_by_experiment = _varied_keys(runs)
+    model_label = _labeller([r["model"] or r["params"].get("model") or "?" for r in runs])
+    labellers = {(exp, k): _labeller([r["params"].get(k) for r in runs if r["experiment"] == exp])
+                 for exp, keys in varied_by_experiment.items() for k in keys}
     for r in runs:
         p = r["params"]
         dtype = p.get("engine.dtype") or (r.get("manifest") or {}).get("engine", {}).get("dtype")
-        r["model_label"] = (short_label(r["model"] or p.get("model") or "?")
+        r["model_label"] = (model_label(r["model"] or p.get("model") or "?")
                             + (f" ({dtype})" if len(dtypes) > 1 else ""))
         model = (r.get("manifest") or {}).get("model") or {}
         r["model_parameters"] = model.get("parameters") or r["metrics"].get("model_parameters")
         r["model_size"] = model.get("size_class") or size_class(r["model_parameters"])
         varied = varied_by_experiment[r["experiment"]]
-        r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={short_label(p.get(k))}" for k in varied) or "base"
+        r["labels"] = {k: labellers[r["experiment"], k](p.get(k)) for k in varied}
+        r["config"] = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in r["labels"].items()) or "base"
         r["group"] = (f"{r['experiment']}: " if multi_exp else "") + r["config"]
         if p.get("benchmark.batch_size") is not None:
             r["batch"] = p["benchmark.batch_size"]
@@ -115,6 +122,15 @@ def _label_runs(runs: list[dict]) -> None:
             r["batch"] = p.get("engine.max_num_seqs")
         else:
             r["batch"] = None
+
+
+def _labeller(values: list) -> Callable[[object], str]:
+    """``short_label``, or the whole value where short labels would make two of ``values`` alike
+    (checkpoints named alike in different directories, floats equal to 4 digits)."""
+    distinct = {json.dumps(v, sort_keys=True, default=str): v for v in values}
+    if len({short_label(v) for v in distinct.values()}) == len(distinct):
+        return short_label
+    return lambda v: v if isinstance(v, str) else json.dumps(v, default=str)
 
 
 _REPEAT_KEYS = ("repeat", "seed", "sampling.seed", "benchmark.seed")  # what differs between repeats
