@@ -201,3 +201,27 @@ def test_configurations_whose_labels_look_alike_stay_apart():
     assert sorted(len(members) for members in groups.values()) == [1, 1, 2]
     assert len({r["model_label"] for r in runs}) == 2  # the model column tells the checkpoints apart
 
+
+def test_throughput_plot_has_one_series_per_configuration(monkeypatch):
+    """Runs filed apart (two input lengths, declared varied: batch size only) make two lines, each
+    point the mean of its repeats (as pandas computes it); a repeat whose throughput was not
+    finite (stored as None) is left out rather than breaking the report."""
+    import pandas as pd
+
+    from pagedlab.lab import report
+
+    runs = [_sweep_run("m", 0.0, s, 100.0 * b + input_len + 3 * s, b, input_len, ["benchmark.batch_size"])
+            for input_len in (8, 512) for b in (1, 4) for s in (0, 1)]
+    runs.append(_sweep_run("m", 0.0, 2, None, 4, 512, ["benchmark.batch_size"]))
+    figures = []
+    monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+    report._label_runs(runs)
+    assert report._plot_throughput(runs) is not None
+    ax = figures[0].axes[0]
+    series = {c.get_label(): dict(zip(c.lines[0].get_xdata(), c.lines[0].get_ydata())) for c in ax.containers}
+    df = pd.DataFrame([{**r["params"], "throughput": r["metrics"]["output_throughput"]} for r in runs])
+    expected = df.groupby(["benchmark.input_len", "benchmark.batch_size"])["throughput"].mean()
+    assert len(series) == 2
+    for input_len in (8, 512):
+        (name,) = [n for n in series if f"input_len={input_len}]" in n]
+        assert series[name] == pytest.approx({b: expected[(input_len, b)] for b in (1, 4)})

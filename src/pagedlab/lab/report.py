@@ -214,16 +214,15 @@ def _plot_throughput(runs) -> Plot | None:
         ax = axes[0, 0]
         lines: dict[str, dict] = defaultdict(lambda: defaultdict(list))
         multi_exp = len({r["experiment"] for r in with_batch}) > 1
-        for r in with_batch:
-            others = [k for k in r["params"].get("varied", []) if k not in (
-                "benchmark.batch_size", "engine.max_num_seqs", "sampling.seed", "benchmark.seed", "model")]
-            extra = ", ".join(f"{k.split('.', 1)[-1]}={short_label(r['params'].get(k))}" for k in others)
+        for r in with_batch:  # one line per configuration but its batch size
+            extra = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in r["labels"].items()
+                              if k not in ("benchmark.batch_size", "engine.max_num_seqs", "model"))
             name = (r["model_label"] + (f" [{extra}]" if extra else "")
                     + (f" ({r['experiment']})" if multi_exp else ""))
-            lines[name][r["batch"]].append(r["metrics"]["output_throughput"])
+            lines[name][r["batch"]].append(r)
         for name, points in lines.items():
-            xs = sorted(points)
-            stats = [_mean_std(points[x]) for x in xs]
+            xs = sorted(x for x in points if _vals(points[x], "output_throughput"))
+            stats = [_mean_std(_vals(points[x], "output_throughput")) for x in xs]
             ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", capsize=3,
                         label=name)
         ax.set_xscale("log", base=2)
