@@ -77,13 +77,14 @@ def test_a_key_set_both_dotted_and_nested_in_one_run_is_an_error():
 def test_legacy_key_is_the_earlier_recipe():
     # the key pagedlab gave this run before keys were canonical (computed at commit 5be19e2)
     run, = expand_runs(experiment_from_dict(bench_spec()))
-    assert run.legacy_key == "k:c664e2ef3cb31192465f52b3" != run.run_key
+    assert run.legacy_keys[0] == "k:c664e2ef3cb31192465f52b3" != run.run_key
 
 
 def _store_legacy(db: str, run, status: str) -> None:
     with ResultStore(db) as store:
-        store.record_run(RunRecord(experiment="k", run_key=run.legacy_key, params=run.params(), metrics={},
-                                   manifest={"experiment": {"name": "k", "run_key": run.legacy_key}},
+        old = run.legacy_keys[0]
+        store.record_run(RunRecord(experiment="k", run_key=old, params=run.params(), metrics={},
+                                   manifest={"experiment": {"name": "k", "run_key": old}},
                                    status=status, error="boom" if status == "failed" else None))
 
 
@@ -99,7 +100,7 @@ def test_runs_under_a_legacy_key_count_as_done(tmp_path, capsys):
     assert run_experiment(spec, db=db, dry_run=True).skipped == 1  # read only
     assert "done" in capsys.readouterr().out.splitlines()[-2]
     with ResultStore(db) as store:
-        assert store.finished_keys("k") == {run.legacy_key}
+        assert store.finished_keys("k") == {run.legacy_keys[0]}
     report = run_experiment(spec, db=db, quiet=True, llm_factory=_never_loaded)
     assert report.skipped == 1 and report.finished == [] and report.failed == []
     with ResultStore(db) as store:
@@ -164,3 +165,35 @@ def test_the_plan_loads_only_groups_with_pending_runs():
     plan = format_plan(spec, runs, done).splitlines()
     assert plan[0].startswith("experiment k: 2 run(s), 1 pending, 2 model group(s) (1 to load)")
     assert [line.split()[5] for line in plan[2:4]] == ["done", "pending"]
+
+
+def test_one_dataset_file_spelled_differently_keeps_its_key(tmp_path, capsys):
+    """The same prompts, read from one file however its path is written (relative, ./, absolute,
+    through a symlink) or given inline, are the same runs: one key. A run stored under the key
+    the dataset's spelling gave it before still counts as done."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "qa.jsonl").write_text('{"prompt": "a b c"}\n{"prompt": "d e"}\n')
+    (tmp_path / "link").symlink_to(data)
+
+    def spec_keys(dataset: dict) -> list[str]:
+        spec = {**dataset_spec({"max_tokens": 4}), "dataset": dataset}
+        return [r.run_key for r in expand_runs(experiment_from_dict(spec, base_dir=tmp_path))]
+
+    base = spec_keys({"path": "data/qa.jsonl"})
+    for path in ("./data/qa.jsonl", "data//qa.jsonl", str(data / "qa.jsonl"), "link/qa.jsonl"):
+        assert spec_keys({"path": path}) == base, path
+    assert spec_keys({"path": "data/qa.jsonl", "format": "jsonl"}) == base
+    assert spec_keys({"prompts": ["a b c", "d e"]}) == base
+    assert spec_keys({"path": "data/qa.jsonl", "limit": 1}) != base  # other prompts: another run
+    # stored under the earlier recipe's key: done, and rekeyed
+    db = f"sqlite:///{tmp_path / 'r.db'}"
+    spec = experiment_from_dict({**dataset_spec({"max_tokens": 4}), "dataset": {"path": "data/qa.jsonl"}},
+                                base_dir=tmp_path)
+    run, = expand_runs(spec)
+    with ResultStore(db) as store:
+        store.record_run(RunRecord(experiment="d", run_key=run.legacy_keys[-1], params=run.params(),
+                                   metrics={}, manifest={}))
+    assert run_experiment(spec, db=db, quiet=True, llm_factory=_never_loaded).skipped == 1
+    with ResultStore(db) as store:
+        assert store.finished_keys("d") == {run.run_key}

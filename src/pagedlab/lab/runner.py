@@ -109,7 +109,7 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
         return _dry_run(spec, runs, db, report, quiet)
     with ResultStore(db) as store:
         store.ensure_experiment(spec.name, spec.to_dict())
-        store.rekey_runs({r.legacy_key: r.run_key for r in runs if r.legacy_key != r.run_key})
+        store.rekey_runs({old: r.run_key for r in runs for old in r.legacy_keys if old != r.run_key})
         done = store.finished_keys(spec.name)
         pending = [r for r in runs if r.run_key not in done]
         report.skipped = len(runs) - len(pending)
@@ -152,7 +152,7 @@ def _dry_run(spec: ExperimentSpec, runs: list[ResolvedRun], db: str | None, repo
     try:
         with ResultStore(db, create=False) as store:
             done = store.finished_keys(spec.name)
-        done |= {r.run_key for r in runs if r.legacy_key in done}  # rekeyed when the runs execute
+        done |= {r.run_key for r in runs if done.intersection(r.legacy_keys)}  # rekeyed when they execute
     except FileNotFoundError:
         pass  # no database yet: every run is pending
     except Exception as e:  # a dry run still shows the plan without a database

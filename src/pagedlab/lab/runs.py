@@ -34,7 +34,9 @@ class ResolvedRun:
     seed: int
     run_key: str = ""
     dataset: Dataset | None = None
-    legacy_key: str = ""  # the key pagedlab <= 0.1 gave the run (its config as written)
+    # the keys earlier recipes gave the run: its config as written (pagedlab <= 0.1), then with
+    # its dataset settings (before the dataset counted by its content alone)
+    legacy_keys: tuple[str, ...] = ()
 
     @property
     def group_key(self) -> str:
@@ -214,8 +216,12 @@ def _assign_run_keys(spec: ExperimentSpec, resolved: list[ResolvedRun]) -> None:
     for run in resolved:
         ident = {"repeat": run.repeat, "seed": run.seed,
                  "dataset_sha256": run.dataset.sha256 if run.dataset else None}
-        run.run_key = f"{spec.name}:{_digest({'config': key_config(run.config), **ident, 'key': 2})}"
-        run.legacy_key = f"{spec.name}:{_digest({'config': run.config, **ident})}"
+        canonical = key_config(run.config)
+        run.run_key = f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}"
+        if run.config.get("dataset") is not None:
+            canonical = {**canonical, "dataset": _key_section("dataset", run.config["dataset"])}
+        run.legacy_keys = (f"{spec.name}:{_digest({'config': run.config, **ident})}",
+                           f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}")
     keys = [r.run_key for r in resolved]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
@@ -238,26 +244,31 @@ def key_config(config: dict) -> dict:
     """The run's config as its key sees it: settings equal to their defaults left out, whole
     numbers in float fields as floats and a lone stop string as a list, so specs that say the same
     thing (``temperature: 0`` or ``0.0``, ``seed: 0`` spelled out or not) share one key. The
-    sampling seed is left to the key's own ``seed`` (the run's)."""
+    sampling seed is left to the key's own ``seed`` (the run's), and the dataset settings to its
+    ``dataset_sha256`` (the prompts they read, however the file's path is written)."""
     out = {k: v for k, v in config.items() if k not in SECTIONS}
-    for section, fields in _SECTION_FIELDS.items():
-        given = config.get(section)
-        if given is None:
-            continue
-        kept = {}
-        for name, value in given.items():
-            f = fields[name]
-            if f.type.split(" | ")[0] == "float" and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            elif name == "stop" and isinstance(value, str):
-                value = [value]
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            if value != default or type(value) is not type(default):
-                kept[name] = value
-        if section == "sampling":
-            kept.pop("seed", None)
-        out[section] = kept
+    for section in ("engine", "sampling", "benchmark"):
+        if config.get(section) is not None:
+            out[section] = _key_section(section, config[section])
     return out
+
+
+def _key_section(section: str, given: dict) -> dict:
+    """One section's settings as ``key_config`` sees them."""
+    fields = _SECTION_FIELDS[section]
+    kept = {}
+    for name, value in given.items():
+        f = fields[name]
+        if f.type.split(" | ")[0] == "float" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif name == "stop" and isinstance(value, str):
+            value = [value]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if value != default or type(value) is not type(default):
+            kept[name] = value
+    if section == "sampling":
+        kept.pop("seed", None)
+    return kept
 
 
 def format_plan(spec: ExperimentSpec, runs: list[ResolvedRun], done: set[str]) -> str:
