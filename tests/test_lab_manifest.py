@@ -113,3 +113,28 @@ def test_diff_manifests():
     assert diff_manifests([a, b]) == ["versions.torch", "extra"]
     assert diff_manifests([a, a]) == []
     assert flatten({"a": {"b": {"c": 1}}, "d": []}) == {"a.b.c": 1, "d": []}
+
+
+def test_generation_config_is_part_of_the_provenance(model_dir, tmp_path):
+    """generation_config.json is loaded with the model: its eos_token_id ends sequences (whatever
+    the SamplingParams) and it fills a request's unset fields. Two checkpoints that differ there
+    give different manifests, and the manifest says which ids end a sequence."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    gen = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 5],
+                                                              "temperature": 0.7}))
+    assert GenerationConfig.from_pretrained(other).eos_token_id != GenerationConfig.from_pretrained(
+        model_dir).eos_token_id
+    manifests = []
+    for path in (model_dir, other):
+        with LLM(str(path), device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20) as llm:
+            manifests.append(collect_manifest(llm, sampling_params=SamplingParams(max_tokens=4)))
+    differ = diff_manifests(manifests)
+    assert "model.generation_config_hash" in differ and "engine.eos_token_ids" in differ
+    assert manifests[1]["engine"]["eos_token_ids"] == [2, 5]
+    assert manifests[1]["engine"]["default_sampling_args"]["temperature"] == 0.7

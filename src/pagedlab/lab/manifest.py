@@ -5,10 +5,12 @@
 - ``hardware``: CPU model and cores, RAM, GPUs (name, memory, capability, UUID), NVIDIA driver,
   CUDA and cuDNN versions;
 - ``versions``: Python, pagedlab, torch, triton, transformers, tokenizers, safetensors, numpy;
-- ``model``: name and path, GGUF file if converted, architecture, load format, config hash and
-  weight checksum (SHA-256 of the weight files; cached by path, size and mtime);
+- ``model``: name and path, GGUF file if converted, architecture, load format, hashes of
+  config.json and generation_config.json, and weight checksum (SHA-256 of the weight files;
+  cached by path, size and mtime);
 - ``tokenizer``: class, path, checksum of its files, chat template hash;
-- ``engine``: the fully resolved engine config (dtype, device, max_model_len, token budget, KV blocks);
+- ``engine``: the fully resolved engine config (dtype, device, max_model_len, token budget, KV
+  blocks), the ids that end a sequence and the generation config's sampling defaults;
 - ``sampling``, ``seeds``; ``git``: commit and dirty flag of the working directory (and of the
   pagedlab source tree, when that is a checkout elsewhere); ``env``: variables that change numerics.
 
@@ -197,6 +199,7 @@ def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
         "architecture": (getattr(info.hf_config, "architectures", None) or [None])[0],
         "model_type": getattr(info.hf_config, "model_type", None),
         "config_hash": config_hash(path),
+        "generation_config_hash": json_file_hash(path / "generation_config.json"),
         "weight_bytes": info.weight_bytes,
     }
     out["parameters"] = count_parameters(info.hf_config)
@@ -223,11 +226,17 @@ def weight_files(model_dir: Path, original_file: Path | None = None) -> list[Pat
 
 def config_hash(model_dir: Path) -> str | None:
     """SHA-256 of config.json, canonicalised (key order and whitespace do not count)."""
+    return json_file_hash(Path(model_dir) / "config.json")
+
+
+def json_file_hash(path: Path) -> str | None:
+    """SHA-256 of a JSON file, canonicalised (key order and whitespace do not count); None when
+    there is no such (readable, valid) file."""
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    return _sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    return _sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
 
 
 def tokenizer_info(info: EngineInfo) -> dict:
@@ -247,8 +256,11 @@ def tokenizer_info(info: EngineInfo) -> dict:
 
 
 def engine_info(info: EngineInfo) -> dict:
-    """The engine config with every "auto"/None resolved to what the engine actually uses."""
-    return info.resolved_settings()
+    """The engine config with every "auto"/None resolved to what the engine actually uses, the
+    token ids that end a sequence (config, generation config and tokenizer) and the sampling
+    defaults a request that sets none gets (``generation_config``)."""
+    return {**info.resolved_settings(), "eos_token_ids": list(info.eos_token_ids),
+            "default_sampling_args": dict(info.default_sampling_args)}
 
 
 # ---- checksums ------------------------------------------------------------------------------------
