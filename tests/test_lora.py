@@ -174,3 +174,29 @@ def test_bad_adapters_are_clear_errors(tiny_llama, llama_adapters, tmp_path):
         LLM(tiny_llama.path, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         LLM(tiny_llama.path, enable_lora=True, tensor_parallel_size=2)
+
+
+VARIANT_SETTINGS = {  # PEFT LoRA variants whose forward is not W x + s B A x
+    "alora_invocation_tokens": [5, 6],  # aLoRA: adapts only the tokens from its invocation on
+    "use_bdlora": {"target_modules_bd_a": ["q_proj"], "nblocks": 2},  # block-diagonal factors
+    "kasa_config": {"beta": 1e-4},  # a trained singular-value diagonal between A and B
+    "arrow_config": {"top_k": 2},  # routing between adapters
+    "use_qalora": True,  # inputs pooled in groups before A
+}
+
+
+def test_lora_variants_that_change_the_forward_are_refused(tiny_llama, llama_adapters, tmp_path):
+    """Served as plain LoRA these would give other tokens than PEFT: each is refused by name, as
+    DoRA is (the config as PEFT saves it, beside plain LoRA weights)."""
+    from peft import LoraConfig
+
+    weights = llama_adapters["all-r8"].path + "/adapter_model.safetensors"
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=16) as llm:
+        for lora_id, (key, value) in enumerate(VARIANT_SETTINGS.items(), start=1):
+            directory = tmp_path / key
+            LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS, task_type="CAUSAL_LM",
+                       **{key: value}).save_pretrained(directory)
+            (directory / "adapter_model.safetensors").symlink_to(weights)
+            with pytest.raises(ValueError, match=f"sets {key}="):
+                llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
+                             lora_request=LoRARequest(key, lora_id, str(directory)))

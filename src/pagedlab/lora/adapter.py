@@ -5,8 +5,8 @@ Each targeted module ``m`` holds ``m.lora_A.weight`` ``[r, in]`` and ``m.lora_B.
 ``[out, r]``; its output gains ``scaling * x @ A.T @ B.T`` with ``scaling = lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with ``use_rslora``; ``rank_pattern``/``alpha_pattern`` give some
 modules their own r and alpha (r is read from the tensors). B is stored pre-multiplied by the
-scaling. Features PEFT adds beyond plain LoRA (DoRA, trained biases, ``modules_to_save``) are
-refused by name rather than silently dropped.
+scaling. Features PEFT adds beyond plain LoRA (DoRA and the other variants, trained biases,
+``modules_to_save``) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ _UNSUPPORTED_SETTINGS = {  # adapter_config.json key -> (value that is fine, wha
     "fan_in_fan_out": (False, "Conv1D (GPT-2 style) weights"),
     "layer_replication": (None, "replicated layers"),
     "trainable_token_indices": (None, "trained embedding rows"),
+    # LoRA variants whose forward is not W x + scaling B A x:
+    "alora_invocation_tokens": (None, "activated LoRA, which adapts only the tokens from its invocation on"),
+    "use_bdlora": (None, "block-diagonal LoRA factors"),
+    "kasa_config": (None, "KaSA's singular-value diagonal between A and B"),
+    "arrow_config": (None, "Arrow routing between adapters"),
+    "use_qalora": (False, "QA-LoRA's pooled inputs"),
 }
 
 
