@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import KV_BYTES, hf_greedy, random_prompts
+from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts
 from lora_fixtures import ALL_TARGETS, make_adapter, peft_greedy
 from pagedlab import LLM, LoRARequest, SamplingParams
 
@@ -200,3 +200,16 @@ def test_lora_variants_that_change_the_forward_are_refused(tiny_llama, llama_ada
             with pytest.raises(ValueError, match=f"sets {key}="):
                 llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False,
                              lora_request=LoRARequest(key, lora_id, str(directory)))
+
+
+def test_an_adapter_of_other_shapes_is_refused_when_named(tiny_llama, tmp_path):
+    """An adapter of a model with the same module names but another MLP width (PEFT cannot load it
+    onto this model either) fails the call that names it, before any step runs: a step failing
+    would abort every request in flight."""
+    other = build_tiny_model(tmp_path / "wider", "llama", intermediate_size=96)
+    adapter = make_adapter(other.hf_model, tmp_path / "wider-lora", 0, 4, 8, ALL_TARGETS)
+    lora = LoRARequest("wider", 1, adapter.path)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(ValueError, match=r"wider.*mlp\.\w+_proj.*another model"):
+            llm.llm_engine.validate_lora_request(lora)
+        assert llm.llm_engine.runner.lora.list_loras() == []

@@ -92,13 +92,18 @@ class LoRALinear(nn.Module):
             return self.base(x)
         return self.batch.linear(self.base, x, self.lora_a, self.lora_b, self.slice_sizes)
 
-    def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:
-        """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared)."""
-        rank, size = weights.rank, self.slice_sizes[part]
+    def check_fits(self, part: int, weights: LoRAModuleWeights) -> None:
+        """Raise ValueError unless ``weights`` fit slice ``part`` (its inputs and outputs)."""
+        size = self.slice_sizes[part]
         if weights.lora_a.shape[1] != self.in_features or weights.lora_b.shape[0] != size:
             raise ValueError(f"LoRA weights of shape A {tuple(weights.lora_a.shape)}, B "
                              f"{tuple(weights.lora_b.shape)} do not fit a linear of {self.in_features} "
                              f"inputs and {size} outputs: the adapter was trained for another model")
+
+    def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:
+        """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared)."""
+        self.check_fits(part, weights)
+        rank, size = weights.rank, self.slice_sizes[part]
         self.lora_a[slot, part, :rank].copy_(weights.lora_a)
         self.lora_b[slot, part, :size, :rank].copy_(weights.lora_b)
 

@@ -41,7 +41,8 @@ class LoRAManager:
     # ---- adapters -------------------------------------------------------------------------
     def get_adapter(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter of ``request`` from the CPU cache, else read from disk and checked against
-        the model (evicting the least recently used beyond ``max_cpu_loras``)."""
+        the model's modules and their shapes (evicting the least recently used beyond
+        ``max_cpu_loras``)."""
         adapter = self.cpu_cache.get(request.lora_int_id)
         if adapter is not None:
             self.cpu_cache.move_to_end(request.lora_int_id)
@@ -52,6 +53,12 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {request.lora_name!r} targets {unknown[0]!r}, which this model "
                              f"does not have (its LoRA targets look like {next(iter(self.targets))!r}): the "
                              "adapter was trained for another model")
+        for name, weights in adapter.modules.items():  # here, not when a step puts it in a slot
+            target = self.targets[name]
+            try:
+                target.layer.check_fits(target.slice, weights)
+            except ValueError as e:
+                raise ValueError(f"LoRA adapter {request.lora_name!r}, module {name!r}: {e}") from None
         self.num_loads += 1
         self.cpu_cache[request.lora_int_id] = adapter
         while len(self.cpu_cache) > self.max_cpu_loras:
