@@ -213,3 +213,13 @@ def test_an_adapter_of_other_shapes_is_refused_when_named(tiny_llama, tmp_path):
         with pytest.raises(ValueError, match=r"wider.*mlp\.\w+_proj.*another model"):
             llm.llm_engine.validate_lora_request(lora)
         assert llm.llm_engine.runner.lora.list_loras() == []
+
+
+def test_lora_on_moe_expert_parameters_is_refused_by_name(tiny_models, tmp_path):
+    """PEFT's ``all-linear`` on an MoE model adds ``target_parameters`` (the experts' fused
+    weights, the router): refused naming that setting, not a tensor name PEFT made up."""
+    tiny = tiny_models("mixtral")
+    adapter = make_adapter(tiny.hf_model, tmp_path / "moe", 0, 4, 8, "all-linear")
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=8) as llm, \
+            pytest.raises(ValueError, match=r"sets target_parameters=.*gate_up_proj"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("moe", 1, adapter.path))

@@ -36,6 +36,7 @@ _UNSUPPORTED_SETTINGS = {  # adapter_config.json key -> (value that is fine, wha
     "fan_in_fan_out": (False, "Conv1D (GPT-2 style) weights"),
     "layer_replication": (None, "replicated layers"),
     "trainable_token_indices": (None, "trained embedding rows"),
+    "target_parameters": (None, "LoRA on weight parameters, such as MoE experts'"),
     # LoRA variants whose forward is not W x + scaling B A x:
     "alora_invocation_tokens": (None, "activated LoRA, which adapts only the tokens from its invocation on"),
     "use_bdlora": (None, "block-diagonal LoRA factors"),
