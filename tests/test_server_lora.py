@@ -36,7 +36,8 @@ def served(tmp_path_factory):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     adapters = {"sql": make_adapter(hf_model, root / "sql", 0, 8, 16, ALL_TARGETS),
                 "poet": make_adapter(hf_model, root / "poet", 1, 4, 8, ["q_proj", "v_proj"], use_rslora=True)}
-    modules = [LoRARequest(name, i + 1, a.path) for i, (name, a) in enumerate(adapters.items())]
+    modules = [LoRARequest("sql", 1, adapters["sql"].path),
+               LoRARequest("poet", 2, adapters["poet"].path, base_model_name="tiny-base")]
     llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, enable_lora=True, max_loras=2, max_lora_rank=8)
     ids = llm.get_tokenizer()(PROMPT).input_ids
     expected = {}  # offline output per served name, checked against HF (+PEFT)
@@ -57,6 +58,7 @@ def test_models_lists_the_adapters(served):
     data = served["client"].models.list().data
     assert [m.id for m in data] == [MODEL, "sql", "poet"]
     assert data[1].parent == MODEL and data[1].root == served["modules"][0].lora_path
+    assert data[2].parent == "tiny-base"  # a module's base_model_name, as vLLM lists it
 
 
 @pytest.mark.parametrize("model", [MODEL, "sql", "poet"])
@@ -83,3 +85,17 @@ def test_lora_modules_flag_parses_name_path_pairs():
     for bad in (["a"], ["=/x"], ["a=/x", "a=/y"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             lora_modules_from_args(argparse.Namespace(lora_modules=bad))
+
+
+def test_lora_modules_flag_takes_vllms_json_form():
+    """vLLM's other form: a JSON object with name, path and optionally base_model_name (the
+    parent /v1/models lists); also what a path holding '=' or a comma needs."""
+    specs = ['{"name": "a", "path": "/x=1"}', '{"name": "b", "path": "/y", "base_model_name": "base"}',
+             "c=/z"]
+    assert lora_modules_from_args(argparse.Namespace(lora_modules=specs)) == [
+        LoRARequest("a", 1, "/x=1"), LoRARequest("b", 2, "/y", base_model_name="base"),
+        LoRARequest("c", 3, "/z")]
+    for bad, why in (('{"name": "a"', "not valid JSON"), ('{"name": "a", "path": "/x", "rank": 8}', "rank"),
+                     ('{"path": "/x"}', "name"), ('["a", "/x"]', "JSON object")):
+        with pytest.raises(ValueError, match=f"--lora-modules.*{why}"):
+            lora_modules_from_args(argparse.Namespace(lora_modules=[bad]))

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 class LoRARequest:
     """A LoRA adapter in PEFT format (a directory with ``adapter_config.json`` and
     ``adapter_model.safetensors``), named by ``lora_name`` and identified by ``lora_int_id``
-    (an integer >= 1, unique per adapter: the engine caches weights and KV blocks under it)."""
+    (an integer >= 1, unique per adapter: the engine caches weights and KV blocks under it).
+    ``base_model_name``: the parent the server's ``/v1/models`` lists (default: the served model)."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    base_model_name: str | None = None
 
     def __post_init__(self):
         lora_id = self.lora_int_id

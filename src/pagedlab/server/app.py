@@ -201,14 +201,16 @@ async def prometheus_metrics(raw_request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
     """The served model names, each with the model's root, max_model_len and vocabulary size,
-    then the LoRA adapters (root: the adapter's directory, parent: the base model's name)."""
+    then the LoRA adapters (root: the adapter's directory, parent: its ``base_model_name``, else
+    the base model's name)."""
     state = raw_request.app.state
     info = state.engine.info
     common = dict(created=state.created, max_model_len=info.max_model_len,
                   vocab_size=int(info.hf_config.vocab_size))
     base = [ModelCard(id=name, root=str(info.model_path), **common) for name in state.served_model_names]
-    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=state.served_model_names[0],
-                          **common) for lora in state.lora_modules]
+    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path,
+                          parent=lora.base_model_name or state.served_model_names[0], **common)
+                for lora in state.lora_modules]
     return json_response(ModelList(data=base + adapters))
 
 

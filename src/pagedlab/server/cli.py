@@ -8,6 +8,7 @@ subcommand sets ``func(args) -> int``. Both also run standalone:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -44,20 +45,44 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served under NAME: a request whose model is NAME "
-                        "runs with it (repeatable; turns on --enable-lora)")
+                        "runs with it (repeatable; turns on --enable-lora); or, as in vLLM, JSON "
+                        '\'{"name": NAME, "path": PATH, "base_model_name": PARENT}\'')
 
 
 def lora_modules_from_args(args: argparse.Namespace) -> list[LoRARequest]:
-    """One ``LoRARequest`` per ``--lora-modules NAME=PATH``, with ids 1, 2, ... in order."""
+    """One ``LoRARequest`` per ``--lora-modules`` entry, with ids 1, 2, ... in order."""
     modules = []
     for spec in args.lora_modules:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules {spec!r} is invalid: give NAME=PATH (a PEFT adapter directory)")
+        name, path, base_model_name = _lora_module_fields(spec)
         if any(m.lora_name == name for m in modules):
             raise ValueError(f"--lora-modules names {name!r} twice: each adapter needs its own name")
-        modules.append(LoRARequest(name, len(modules) + 1, path))
+        modules.append(LoRARequest(name, len(modules) + 1, path, base_model_name))
     return modules
+
+
+def _lora_module_fields(spec: str) -> tuple[str, str, str | None]:
+    """(name, path, base model name) of one ``--lora-modules`` entry, read as vLLM reads it:
+    ``NAME=PATH`` when it has an '=' and no comma, else a JSON object with ``name``, ``path`` and
+    optionally ``base_model_name``."""
+    usage = ('give NAME=PATH or a JSON object {"name": ..., "path": ..., "base_model_name": ...} '
+             "(path: a PEFT adapter directory)")
+    if "=" in spec and "," not in spec:
+        name, _, path = spec.partition("=")
+        fields = {"name": name, "path": path}
+    else:
+        try:
+            fields = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules {spec!r} is invalid: not valid JSON ({e}); {usage}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"--lora-modules {spec!r} is invalid: not a JSON object; {usage}")
+        unknown = sorted(set(fields) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise ValueError(f"--lora-modules {spec!r} is invalid: unknown field {unknown[0]!r}; {usage}")
+    name, path, base = fields.get("name"), fields.get("path"), fields.get("base_model_name")
+    if not all(isinstance(v, str) and v for v in (name, path)) or not isinstance(base, str | None):
+        raise ValueError(f"--lora-modules {spec!r} is invalid: it needs a name and a path; {usage}")
+    return name, path, base
 
 
 def serve_command(args: argparse.Namespace) -> int:
