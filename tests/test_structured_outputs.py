@@ -164,6 +164,44 @@ def test_compile_errors_name_the_field(compiler):
             compiler.compile(spec)
 
 
+# Schemas whose keyword xgrammar compiles without enforcing it (the first instance breaks the schema
+# yet xgrammar accepts it): vLLM's xgrammar backend refuses them (has_xgrammar_unsupported_json_features).
+UNENFORCED_SCHEMAS = [
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "multipleOf"),
+    ({"type": "integer", "multipleOf": 2.5}, "3", "multipleOf"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "maxContains": 1}, "[3, 3]",
+     "contains"),
+    ({"type": "object", "properties": {"re": {"type": "string", "format": "regex"}}}, '{"re": "("}',
+     "format"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"', "maxLength"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}, "properties": {"b": {"type": "integer"}}},
+     '{"b": 1}', "propertyNames"),
+]
+
+
+@pytest.mark.parametrize("schema, breaking, keyword", UNENFORCED_SCHEMAS)
+def test_schemas_xgrammar_cannot_enforce_are_refused(compiler, schema, breaking, keyword):
+    import jsonschema
+    import xgrammar
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(breaking), schema, format_checker=jsonschema.FormatChecker())
+    compiled = compiler._xgrammar_compiler().compile_json_schema(json.dumps(schema))
+    assert xgrammar.GrammarMatcher(compiled).accept_string(breaking)  # xgrammar alone lets it through
+    for spec in (StructuredOutputsParams(json=schema), StructuredOutputsParams(json=json.dumps(schema))):
+        with pytest.raises(ValueError, match=rf"^json=.* is invalid: .*{keyword}"):
+            compiler.compile(spec)
+
+
+def test_schema_keywords_xgrammar_enforces_are_kept(compiler):
+    """An integral multipleOf of an integer, a supported format, a lone maxLength: all enforced."""
+    for schema, breaking in (({"type": "integer", "multipleOf": 5}, "7"),
+                             ({"type": "string", "format": "ipv4"}, '"host"'),
+                             ({"type": "string", "maxLength": 2}, '"abc"')):
+        assert not _accepts(compiler, StructuredOutputsParams(json=schema), breaking)
+
+
 @pytest.fixture(scope="module")
 def offline(tiny_dir):
     """Greedy outputs of each prompt under each grammar, with synchronous and asynchronous steps,

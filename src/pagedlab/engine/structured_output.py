@@ -74,6 +74,11 @@ class GrammarCompiler:
         ValueError naming the field."""
         compiler = self._xgrammar_compiler()
         kind = spec.kind
+        if kind == "json":
+            unenforced = unenforced_schema_keyword(spec.json)
+            if unenforced is not None:
+                raise ValueError(f"json={_shown(spec.json)} is invalid: xgrammar cannot enforce "
+                                 f"{unenforced}, so outputs could break the schema; leave that keyword out")
         try:
             if kind == "json":
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
@@ -87,15 +92,90 @@ class GrammarCompiler:
                 return compiler.compile_grammar(choice_grammar(spec.choice))
             return compiler.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / its own errors for bad input
-            value = getattr(spec, kind)
-            shown = repr(value if len(repr(value)) <= 80 else repr(value)[:80] + "...")
-            raise ValueError(f"{kind}={shown} is invalid: xgrammar could not compile it: "
-                             f"{_first_line(e)}") from None
+            raise ValueError(f"{kind}={_shown(getattr(spec, kind))} is invalid: xgrammar could not compile "
+                             f"it: {_first_line(e)}") from None
 
     def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher for one request (each of ``n`` completions gets its own)."""
         xgr = import_xgrammar()
         return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.bitmask_filler)
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+# The string formats xgrammar enforces (those vLLM's xgrammar backend lets through).
+ENFORCED_STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+
+
+def unenforced_schema_keyword(schema: dict | str) -> str | None:
+    """Where a JSON schema uses a keyword xgrammar compiles without enforcing it (``'multipleOf' at
+    /properties/price``), so a completion could break the schema; None if it has none. These are
+    the schemas vLLM's xgrammar backend refuses (``has_xgrammar_unsupported_json_features``), save
+    an integer's integral ``multipleOf``, which xgrammar enforces. A string that is not JSON is
+    left to xgrammar's own error."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return None
+    stack = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{path}/{i}") for i, item in reversed(list(enumerate(node))))
+            continue
+        if not isinstance(node, dict):
+            continue
+        keyword = _unenforced_keyword(node)
+        if keyword is not None:
+            return f"{keyword!r} at {path or '/'}"
+        stack.extend((value, f"{path}/{key}") for key, value in reversed(node.items())
+                     if isinstance(value, (dict, list)))
+    return None
+
+
+def _unenforced_keyword(node: dict) -> str | None:
+    """The keyword of one schema node (its subschemas aside) that xgrammar does not enforce."""
+    declared = node.get("type")
+    declared = declared if isinstance(declared, list) else [declared]
+    types = {t for t in declared if isinstance(t, str)}
+    step = node.get("multipleOf")
+    if "multipleOf" in node and types & {"integer", "number"} and not (
+            types == {"integer"} and isinstance(step, (int, float)) and float(step).is_integer()):
+        return "multipleOf"
+    if "array" in types:
+        for keyword in ("uniqueItems", "contains", "minContains", "maxContains"):
+            if keyword in node:
+                return keyword
+    if "string" in types:
+        if "format" in node and node["format"] not in ENFORCED_STRING_FORMATS:
+            return "format"
+        bound = _length_bound_beside_pattern(node)
+        if bound is not None:
+            return bound
+    if "object" in types:
+        names, patterns = node.get("propertyNames"), node.get("patternProperties")
+        if "propertyNames" in node and (
+                (isinstance(names, dict) and _length_bound_beside_pattern(names) is not None)
+                or "properties" in node or "patternProperties" in node
+                or isinstance(node.get("additionalProperties"), dict)
+                or node.get("unevaluatedProperties", True) is not True):
+            return "propertyNames"
+        if isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1):
+            return "patternProperties"
+    return None
+
+
+def _length_bound_beside_pattern(node: dict) -> str | None:
+    """minLength / maxLength beside a pattern or format: xgrammar keeps the pattern, drops the bound."""
+    if "pattern" not in node and "format" not in node:
+        return None
+    return next((k for k in ("minLength", "maxLength") if k in node), None)
 
 
 def _first_line(error: Exception) -> str:
