@@ -156,6 +156,16 @@ def test_bitmask_rows_follow_their_grammars_and_the_model_stop_ids(compiler):
     assert grammars[0].accept(7) and grammars[0].is_terminated and not grammars[0].accept(2)
 
 
+def test_a_lark_grammar_is_read_as_lark(compiler):
+    """vLLM's rule: a grammar with no ``::=`` rule is Lark (xgrammar's compile_lark), else EBNF;
+    the two spellings of GRAMMAR give the same language."""
+    lark = '// the same language as GRAMMAR\nstart: "(" item ("," item)? ")"\nitem: "x" | "yy"'
+    for grammar in (GRAMMAR, lark):
+        spec = StructuredOutputsParams(grammar=grammar)
+        assert all(_accepts(compiler, spec, t) for t in ("(x)", "(yy,x)"))
+        assert not any(_accepts(compiler, spec, t) for t in ("()", "(x,x,x)", "x"))
+
+
 def test_compile_errors_name_the_field(compiler):
     for spec, field in ((StructuredOutputsParams(json={"type": "objectx"}), "json"),
                         (StructuredOutputsParams(regex="(ab"), "regex"),

@@ -85,7 +85,8 @@ class StructuredOutputsParams:
     """Constrain a completion to a grammar (vLLM's ``StructuredOutputsParams``; the older name
     ``GuidedDecodingParams`` is the same class). Exactly one of: ``json`` (a JSON schema, as a dict
     or a string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
-    or ``grammar`` (EBNF/GBNF). ``disable_any_whitespace`` makes JSON compact."""
+    or ``grammar`` (EBNF/GBNF, or Lark when no rule uses ``::=``, as in vLLM). ``disable_any_whitespace``
+    makes JSON compact."""
 
     json: str | dict | None = None
     regex: str | None = None

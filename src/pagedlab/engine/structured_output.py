@@ -42,6 +42,12 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+def is_lark(grammar: str) -> bool:
+    """vLLM's rule for which syntax a grammar is in: EBNF if a line (comments, ``#`` or ``//``,
+    aside) defines a rule with ``::=``, else Lark."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary (xgrammar caches
     compiled grammars, so the same schema compiles once). Thread-safe, so a server may compile
@@ -90,6 +96,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
+            if is_lark(spec.grammar):
+                return compiler.compile_lark(spec.grammar)
             return compiler.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError / its own errors for bad input
             raise ValueError(f"{kind}={_shown(getattr(spec, kind))} is invalid: xgrammar could not compile "
