@@ -166,6 +166,15 @@ def test_a_lark_grammar_is_read_as_lark(compiler):
         assert not any(_accepts(compiler, spec, t) for t in ("()", "(x,x,x)", "x"))
 
 
+def test_request_stop_ids_are_masked_until_the_grammar_is_complete(compiler):
+    vocab, encode = compiler.vocab_size, compiler.tokenizer.convert_tokens_to_ids
+    grammar = compiler.matcher(StructuredOutputsParams(choice=["xy", "zw"]), (31, encode("x"), 2))
+    assert _allowed(grammar_bitmask([grammar]), 0, vocab) == {encode("z")}  # "x" is a stop id now
+    assert grammar.accept(encode("z")) and grammar.accept(encode("w"))
+    assert _allowed(grammar_bitmask([grammar]), 0, vocab) == {2, 7, 31, encode("x")}  # 31: the sign bit
+    assert grammar.accept(31)
+
+
 def test_compile_errors_name_the_field(compiler):
     for spec, field in ((StructuredOutputsParams(json={"type": "objectx"}), "json"),
                         (StructuredOutputsParams(regex="(ab"), "regex"),
@@ -288,6 +297,23 @@ def test_guided_decoding_is_the_older_name(tiny_dir):
             llm.generate(PROMPTS[0], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")),
                          use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_stop_token_ids_wait_for_the_grammar(tiny_dir):
+    """vLLM (issue 42403): a request's stop_token_ids join the grammar's stop tokens, so one that is
+    also text the grammar allows (here the digits 0-4) cannot end the completion mid-sentence; once
+    the sentence is complete it may stop it."""
+    import transformers
+
+    digits = transformers.AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids(list("01234"))
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=0, n=8, max_tokens=16,
+                                                      stop_token_ids=digits,
+                                                      structured_outputs=StructuredOutputsParams(regex=REGEX)),
+                           use_tqdm=False)[0]
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), (c.text, c.stop_reason)
+        assert c.stop_reason is None or (c.stop_reason in digits and c.token_ids[-1] == c.stop_reason)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"json": SCHEMA, "regex": REGEX}, {"choice": []}, {"regex": ""},

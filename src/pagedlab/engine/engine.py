@@ -251,7 +251,7 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids, model_eos_token_id=self.model_eos_token_id,
                     index=index, parent_id=request_id,
                     arrival_time=arrival_time, lora_request=lora_request, bad_words_token_ids=bad_words,
-                    grammar=(self.grammar_compiler.matcher(params.structured_outputs)
+                    grammar=(self.grammar_compiler.matcher(params.structured_outputs, params.stop_token_ids)
                              if params.structured_outputs is not None else None),
                     seed=params.seed + index if params.seed is not None else None)
             for index in range(params.n)]

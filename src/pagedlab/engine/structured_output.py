@@ -19,9 +19,11 @@ import json
 import os
 import re
 import threading
+from collections.abc import Sequence
 
 import torch
 
+from pagedlab.layers.sampler import BITS_PER_WORD
 from pagedlab.sampling_params import StructuredOutputsParams
 
 INSTALL_HINT = ("structured outputs need the xgrammar package, which is not installed: "
@@ -103,10 +105,13 @@ class GrammarCompiler:
             raise ValueError(f"{kind}={_shown(getattr(spec, kind))} is invalid: xgrammar could not compile "
                              f"it: {_first_line(e)}") from None
 
-    def matcher(self, spec: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for one request (each of ``n`` completions gets its own)."""
+    def matcher(self, spec: StructuredOutputsParams, stop_token_ids: Sequence[int] = ()) -> RequestGrammar:
+        """A fresh matcher for one request (each of ``n`` completions gets its own), whose own
+        ``stop_token_ids`` may end it only where the grammar is complete (see ``RequestGrammar``)."""
         xgr = import_xgrammar()
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.bitmask_filler)
+        extra = tuple(t for t in dict.fromkeys(stop_token_ids)
+                      if t < self.vocab_size and t not in self.stop_token_ids)
+        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.bitmask_filler, extra)
 
 
 def _shown(value) -> str:
@@ -193,15 +198,31 @@ def _first_line(error: Exception) -> str:
 
 
 class RequestGrammar:
-    """One request's place in its grammar, and the engine's filler of its bitmask rows."""
+    """One request's place in its grammar, and the engine's filler of its bitmask rows.
 
-    def __init__(self, matcher, bitmask_filler: BitmaskFiller):
+    ``stop_token_ids``: the request's stop ids beyond the model's (which xgrammar knows). As in
+    vLLM, they are masked until the grammar is complete and allowed from then on: one that is also
+    text the grammar allows (a digit, say) would otherwise end the completion mid-sentence."""
+
+    def __init__(self, matcher, bitmask_filler: BitmaskFiller, stop_token_ids: tuple[int, ...] = ()):
         self.matcher = matcher
         self.bitmask_filler = bitmask_filler
+        self.stop_token_ids = stop_token_ids
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (or has ended)."""
+        if token_id in self.stop_token_ids and self.matcher.is_completed():
+            return True  # the request stops here
         return not self.matcher.is_terminated() and self.matcher.accept_token(token_id)
+
+    def mask_stop_token_ids(self, row: torch.Tensor) -> None:
+        """Set the bits of ``stop_token_ids`` in this grammar's bitmask ``row`` where the grammar is
+        complete, clear them where it is not."""
+        allow = self.matcher.is_completed()
+        for token_id in self.stop_token_ids:
+            word, bit = divmod(token_id, BITS_PER_WORD)
+            flag = 1 << bit if bit < BITS_PER_WORD - 1 else -(1 << bit)  # bit 31 is int32's sign
+            row[word] = row[word] | flag if allow else row[word] & ~flag
 
     @property
     def is_terminated(self) -> bool:
@@ -228,6 +249,9 @@ class BitmaskFiller:
             self._buffer = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._buffer[:rows]
         self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        for grammar, row in zip(grammars, bitmask):
+            if grammar.stop_token_ids:
+                grammar.mask_stop_token_ids(row)
         return bitmask
 
 
