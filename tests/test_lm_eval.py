@@ -203,6 +203,39 @@ def test_rolling_windows_longer_than_max_length(setup):
     assert whole == pytest.approx(direct, abs=1e-4)
 
 
+def _model_without_bos(setup, directory) -> str:
+    """The setup model with a tokenizer that adds no BOS of its own (as GPT-2's and Qwen's)."""
+    import shutil
+
+    shutil.copytree(setup["model"], directory)
+    tokenizer_json = directory / "tokenizer.json"
+    spec = json.loads(tokenizer_json.read_text())
+    spec["post_processor"] = None
+    tokenizer_json.write_text(json.dumps(spec))
+    return str(directory)
+
+
+def test_add_bos_token_on_a_tokenizer_without_bos(setup, tmp_path):
+    """``add_bos_token=True`` makes a tokenizer that adds no BOS add one, as lm-eval's hf model
+    (which builds its tokenizer with it) does: the same tokens and scores."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from pagedlab.integrations.lm_eval import PagedLabLM
+
+    model = _model_without_bos(setup, tmp_path / "model")
+    lm = PagedLabLM(pretrained=model, dtype="float32", kv_cache_memory_bytes=TINY_KV_BYTES,
+                    add_bos_token=True, use_tqdm=False)
+    hf = HFLM(pretrained=model, dtype="float32", device="cpu", batch_size=1, add_bos_token=True)
+    assert lm.tok_encode("The quick brown") == hf.tok_encode("The quick brown")
+    assert lm.tok_encode("The quick brown")[0] == lm.tokenizer.bos_token_id
+    reqs = [Instance("loglikelihood", {}, ("The quick brown", " fox"), 0),
+            Instance("loglikelihood", {}, ("Why is the sky ", "blue"), 1)]
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(lm.loglikelihood(reqs, disable_tqdm=True),
+                                                  hf.loglikelihood(reqs, disable_tqdm=True)):
+        assert lp == pytest.approx(ref_lp, abs=1e-3) and greedy == ref_greedy
+
+
 def test_bad_model_args(setup):
     from pagedlab.integrations.lm_eval import PagedLabLM
 

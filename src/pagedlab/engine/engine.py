@@ -58,14 +58,15 @@ def start_tensor_parallel_workers(config: EngineConfig, device: torch.device) ->
     return TensorParallelWorkers(config, world_size)
 
 
-def load_tokenizer(path, tokenizer_mode: str = "auto"):
+def load_tokenizer(path, tokenizer_mode: str = "auto", **overrides):
     """The tokenizer in ``path`` (``tokenizer_mode="slow"``: the Python one), or None for a
-    directory that holds only weights/config. Never a tokenizer class from the repository's code."""
+    directory that holds only weights/config. Never a tokenizer class from the repository's code.
+    ``overrides`` go to ``from_pretrained`` (e.g. ``add_bos_token``)."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
-                                             use_fast=tokenizer_mode != "slow")
+                                             use_fast=tokenizer_mode != "slow", **overrides)
     except (OSError, ValueError, TypeError) as e:
         logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
         return None

@@ -42,6 +42,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from pagedlab.config import ENGINE_FIELDS
+from pagedlab.engine.engine import load_tokenizer
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 
@@ -87,6 +88,11 @@ class PagedLabLM(TemplateLM):
         if self.tokenizer is None:
             raise ValueError(f"--model pagedlab needs a tokenizer, and {pretrained!r} has none: "
                              "pass tokenizer=DIR")
+        if add_bos_token is not None:
+            # As lm-eval's hf and vllm models: the tokenizer is built with it, so that one that adds
+            # no BOS of its own adds it (add_special_tokens alone would not).
+            self.tokenizer = load_tokenizer(self.engine.tokenizer_path, self.engine.config.tokenizer_mode,
+                                            add_bos_token=add_bos_token)
         self.pretrained = str(pretrained)
         self._max_length = int(max_length) if max_length else None
         if self._max_length is not None and self._max_length > self.engine.max_model_len:
