@@ -236,6 +236,39 @@ def test_add_bos_token_on_a_tokenizer_without_bos(setup, tmp_path):
         assert lp == pytest.approx(ref_lp, abs=1e-3) and greedy == ref_greedy
 
 
+def test_generate_until_stops_at_a_special_token_stop_string(setup, tmp_path):
+    """A stop string that is a special token's text (chat tasks' "<|im_end|>", "<|eot_id|>") stops
+    generation, as in lm-eval's hf model (its stop check decodes special tokens) and vllm model."""
+    import shutil
+
+    import torch
+    import transformers
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from safetensors.torch import load_file, save_file
+
+    from pagedlab.integrations.lm_eval import PagedLabLM
+
+    # The setup model with "<|user|>" where its greedy continuation has its second token.
+    model = tmp_path / "model"
+    shutil.copytree(setup["model"], model)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    prompt = tok("Why is the sky", return_tensors="pt").input_ids
+    second = hf_model.generate(prompt, max_new_tokens=2, do_sample=False)[0, -1].item()
+    user = tok.convert_tokens_to_ids("<|user|>")
+    weights = load_file(model / "model.safetensors")
+    weights["lm_head.weight"][[second, user]] = weights["lm_head.weight"][[user, second]]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+
+    req = Instance("generate_until", {}, ("Why is the sky", {"until": ["<|user|>"], "max_gen_toks": 8,
+                                                             "do_sample": False}), 0)
+    lm = PagedLabLM(pretrained=str(model), dtype="float32", kv_cache_memory_bytes=TINY_KV_BYTES,
+                    use_tqdm=False)
+    hf = HFLM(pretrained=str(model), dtype="float32", device="cpu", batch_size=1)
+    assert lm.generate_until([req], disable_tqdm=True) == hf.generate_until([req], disable_tqdm=True)
+
+
 def test_bad_model_args(setup):
     from pagedlab.integrations.lm_eval import PagedLabLM
 

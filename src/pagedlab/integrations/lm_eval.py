@@ -278,7 +278,10 @@ class PagedLabLM(TemplateLM):
         if do_sample and params.get("seed") is None:
             params["seed"] = (self.seed + seed_key) % (1 << 63)
         stops = [s for s in until if s]
-        return SamplingParams(max_tokens=max_gen_toks, stop=stops, **params), until, max_gen_toks
+        # The stop check sees special tokens' text (lm-eval's hf model decodes them there too), so that
+        # a stop string such as "<|im_end|>" stops; the result is decoded without them.
+        return (SamplingParams(max_tokens=max_gen_toks, stop=stops, skip_special_tokens=False, **params),
+                until, max_gen_toks)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         prompts, params, untils = [], [], []
