@@ -269,6 +269,16 @@ def test_generate_until_stops_at_a_special_token_stop_string(setup, tmp_path):
     assert lm.generate_until([req], disable_tqdm=True) == hf.generate_until([req], disable_tqdm=True)
 
 
+def test_revision_reaches_the_engine(setup):
+    """``revision=`` (lm-eval's hf model passes it to from_pretrained) picks the model's revision as
+    ``LLM(revision=...)`` does, rather than being dropped."""
+    from pagedlab.integrations.lm_eval import PagedLabLM
+
+    lm = PagedLabLM(pretrained=setup["model"], revision="v2", kv_cache_memory_bytes=TINY_KV_BYTES,
+                    use_tqdm=False)
+    assert lm.engine.config.revision == "v2"
+
+
 def test_bad_model_args(setup):
     from pagedlab.integrations.lm_eval import PagedLabLM
 

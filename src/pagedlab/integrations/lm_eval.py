@@ -4,8 +4,9 @@
 
 ``pretrained`` is anything ``LLM(model=...)`` takes (an HF directory, a .gguf file, or the
 embedded ``smollm2-135m-instruct``); the other model_args are ``LLM`` engine arguments
-(``dtype``, ``max_model_len``, ``block_size``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``,
-``max_num_seqs``, ``enable_prefix_caching``, ``seed``, ``load_format``, ``attention_backend`` ...)
+(``dtype``, ``revision``, ``max_model_len``, ``block_size``, ``kv_cache_memory_bytes``,
+``gpu_memory_utilization``, ``max_num_seqs``, ``enable_prefix_caching``, ``seed``, ``load_format``,
+``attention_backend`` ...)
 plus lm-eval's own (``max_length``, ``max_gen_toks``, ``add_bos_token``, ``prefix_token_id``,
 ``batch_size``, ``device``).
 
@@ -53,8 +54,7 @@ _ENGINE_ARGS = tuple(name for name in ENGINE_FIELDS if name not in ("model", "de
 _SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "ignore_eos")
 # lm-eval's lm_eval_args / HF-only keys that mean nothing to the engine
-_IGNORED_ARGS = ("max_batch_size", "parallelize", "trust_remote_code_tokenizer", "revision",
-                 "use_fast_tokenizer")
+_IGNORED_ARGS = ("max_batch_size", "parallelize", "trust_remote_code_tokenizer", "use_fast_tokenizer")
 
 
 def _has_bos_prefix(text: str, bos: str | None) -> bool:
