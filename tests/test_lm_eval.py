@@ -284,6 +284,9 @@ def test_bad_model_args(setup):
 
     with pytest.raises(ValueError, match="unknown model_args"):
         PagedLabLM(pretrained=setup["model"], not_an_arg=1)
+    for batch_size in (-1, "abc", "auto:x"):  # -1 once ran no request at all and returned no results
+        with pytest.raises(ValueError, match=f"batch_size={batch_size!r}"):
+            PagedLabLM(pretrained=setup["model"], kv_cache_memory_bytes=TINY_KV_BYTES, batch_size=batch_size)
     with pytest.raises(ValueError, match="max_length"):
         PagedLabLM(pretrained=setup["model"], kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
                    max_length=100)

@@ -61,6 +61,18 @@ def _has_bos_prefix(text: str, bos: str | None) -> bool:
     return bool(bos) and text.startswith(bos)
 
 
+def _parse_batch_size(batch_size: int | str | None) -> int | None:
+    """Requests submitted at a time: None (all of them) for "auto", "auto:N" or 0, else the number."""
+    text = str(batch_size).strip() if batch_size is not None else "auto"
+    schedule = text.removeprefix("auto").removeprefix(":")
+    if text.startswith("auto") and (not schedule or schedule.replace(".", "", 1).isdigit()):
+        return None
+    if text.isdigit():
+        return int(text) or None
+    raise ValueError(f"batch_size={batch_size!r} is invalid: give a number of requests >= 1, 'auto' or "
+                     "'auto:N'")
+
+
 @register_model("pagedlab")
 class PagedLabLM(TemplateLM):
     """lm-eval ``LM`` over ``pagedlab.LLM``."""
@@ -101,8 +113,7 @@ class PagedLabLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
-        self.batch_size = None if batch_size in (None, "auto") or str(batch_size).startswith("auto") \
-            else int(batch_size)
+        self.batch_size = _parse_batch_size(batch_size)
         self.use_tqdm = use_tqdm
         self.chat_template_args = chat_template_args or {}
         self.seed = int(llm.get_engine_info().config.seed)  # seed=None: the one the engine drew
