@@ -27,7 +27,9 @@ from pagedlab.quantization.awq import (AWQConfig, awq_linear_torch, dequantize_a
                                        quantize_awq)
 from pagedlab.quantization.linear_method import AWQLinearMethod
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3's checkpoints hold q/k/v and gate/up fused)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+           "gate_up_proj")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
 
 
@@ -70,7 +72,7 @@ def set_quantization_config(model_dir: Path, quantization_config: dict) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize(("arch", "group_size"), [("llama", 32), ("qwen3", 64)])
+@pytest.mark.parametrize(("arch", "group_size"), [("llama", 32), ("qwen3", 64), ("phi3", 32)])
 def test_awq_greedy_equals_hf_on_the_dequantized_weights(tmp_path, arch, group_size):
     tiny = build_tiny_model(tmp_path / "hf", arch, seed=3)
     awq_dir, dense_dir = write_awq_checkpoints(tiny, tmp_path, group_size)
