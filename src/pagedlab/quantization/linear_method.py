@@ -287,7 +287,9 @@ def linear_method_for(config: AWQConfig | FP8Config | None, prefix: str) -> Line
         return DenseLinearMethod()
     if isinstance(config, FP8Config):
         parent, _, leaf = prefix.rpartition(".")
-        if config.skips([f"{parent}.{part}" for part in _FUSED_PARTS.get(leaf, (leaf,))]):
+        parts = [f"{parent}.{part}" for part in _FUSED_PARTS.get(leaf, (leaf,))]
+        # a checkpoint that holds the fused module itself (Phi-3's qkv_proj) names it whole
+        if config.skips([prefix]) or config.skips(parts):
             return DenseLinearMethod()
         return FP8LinearMethod(config)
     if any(skipped in prefix for skipped in config.modules_to_not_convert):
