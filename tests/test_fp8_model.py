@@ -177,6 +177,23 @@ def test_phi3_checkpoint_with_fused_qkv_and_gate_up_matches_transformers(tmp_pat
     assert qkv.weight.dtype == (torch.float32 if len(ignore) > 1 else torch.float8_e4m3fn)
 
 
+def test_per_tensor_scales_stored_as_0d_tensors_load_as_their_value(tmp_path):
+    """vLLM reads a per-tensor scale stored with shape ``[]`` as the same one value as ``[1]``:
+    transformers on the ``[1]`` checkpoint is the reference of both."""
+    from safetensors.torch import load_file, save_file
+
+    tiny = build_tiny_model(tmp_path / "hf", "llama", seed=12)
+    prompts = random_prompts(1, max_len=40, seed=6)
+    ckpt = save_ct_checkpoint(ct_quantize(hf_reference(tiny.path), "FP8", calibration=prompts[0]),
+                              tmp_path / "ct")
+    expected = [hf_greedy(hf_reference(str(ckpt)), p, GREEDY.max_tokens) for p in prompts]
+    for path in ckpt.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: t.reshape(()) if k.endswith("_scale") else t for k, t in tensors.items()}, str(path))
+    with LLM(str(ckpt), kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
 def test_fp8_at_two_tensor_parallel_ranks_equals_the_per_rank_reference(tmp_path):
     """Each rank quantizes its own shard of the full weights (so weights match TP=1 exactly, see
     the dummy test); row-parallel layers scale each token over the rank's slice of the input,

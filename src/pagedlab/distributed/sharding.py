@@ -47,7 +47,8 @@ def read_shard(loaded, dim: int, unit: int, start: int, size: int, feature: str)
 
 
 def read_whole(loaded) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    """The whole tensor (``[...]``: a lazy slice of a 0-d tensor takes no ``[:]``)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]
 
 
 def check_shape(loaded, expected: tuple[int, ...]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedlab.distributed.sharding import read_whole
 from pagedlab.kernels.gemv_configs import GEMV_MAX_ROWS, TileConfig, dense_gemv_config, fp8_gemv_config
 from pagedlab.kernels.norm_fold import FoldedRMSNorm, fold_rows
 from pagedlab.layers.batch_invariant import batch_invariant_enabled, invariant_linear
@@ -224,10 +225,11 @@ class FP8LinearMethod(LinearMethod):
         return specs
 
     def checkpoint_tensor(self, spec: WeightSpec, loaded, shape: tuple[int, ...]):
-        """A per-tensor ``weight_scale`` (one value) becomes that value on each of the tensor's
-        rows; a scalar ``input_scale`` the ``[1, 1]`` the layer holds."""
+        """A per-tensor ``weight_scale`` (one value, of shape ``[1]`` or ``[]``, as vLLM reads it)
+        becomes that value on each of the tensor's rows; a scalar ``input_scale`` the ``[1, 1]``
+        the layer holds."""
         if spec.name in ("weight_scale", "input_scale"):
-            value = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+            value = read_whole(loaded)
             if value.numel() == 1:
                 return value.float().reshape(1, 1).expand(shape)
         return loaded
