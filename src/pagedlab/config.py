@@ -351,7 +351,11 @@ def model_max_len(hf_config) -> int:
 def attention_windows(hf_config) -> list[int | None]:
     """Each layer's sliding window (a query sees itself and the ``W - 1`` keys before it), None
     for a full-attention layer: ``sliding_window`` on every layer (Mistral, Mixtral, Phi-3), or
-    on the ``layer_types`` "sliding_attention" layers (Gemma 2/3, Qwen2/3's ``max_window_layers``)."""
+    on the ``layer_types`` "sliding_attention" layers (Gemma 2/3, Qwen2/3's ``max_window_layers``).
+    A config whose attention also sees later tokens (``use_bidirectional_attention``) is refused."""
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported: its tokens attend to later "
+                         "ones too (an embedding model's attention), and pagedlab runs causal decoders only")
     num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
