@@ -315,6 +315,31 @@ def test_a_windowed_request_freed_and_taken_back_leaks_nothing():
     assert kv.num_free_blocks == 8
 
 
+def test_a_block_is_named_for_its_tokens_before_the_window_hands_it_back():
+    """Window 1, blocks of 4, asynchronous steps (one sampled token still pending when the next
+    step is scheduled). Before computing position 16, ``a`` hands back the block of positions
+    12..15, and with the pool otherwise held takes it straight back for positions 16..19. The
+    block must not be named for tokens 12..15 afterwards: a prefix hit on them would read keys of
+    positions 16..19."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, sliding_window=1)
+    a = make_request(range(100, 115), "a")
+    admit(kv, a)
+    a.num_pending_tokens = 1  # its first output token, sampled on the device
+    assert kv.allocate_slots(a, 1)  # position 15 computes from the pending id
+    a.num_computed_tokens = 16
+    a.all_token_ids.append(115)  # read back; position 16's token is pending now
+    b = make_request(list(range(100, 112)) + [7], "b")
+    assert admit(kv, b) == 12  # a's released blocks of positions 0..11
+    d = make_request([900], "d")
+    admit(kv, d)  # the last free block
+    assert kv.allocate_slots(a, 1)  # position 16
+    a.num_computed_tokens = 17
+    check_invariants(kv, [a, b, d])
+    holder = a.block_ids[4]  # where a's keys of positions 16.. are written
+    hit = kv.find_cached_prefix(make_request(list(range(100, 116)) + [7], "e"))
+    assert holder not in hit.block_ids
+
+
 def test_prompt_logprobs_are_computed_even_where_the_prefix_is_cached(tiny_llama):
     """A prompt run once leaves its blocks cached; run again asking for prompt logprobs, it takes
     nothing from the cache (a cached position has no logits) and every prompt position's logprob

@@ -182,8 +182,11 @@ class KVCacheManager:
 
     def _release_out_of_window(self, request: Request) -> None:
         """Free the request's blocks that no query from its next token on can see: those ending
-        at or before ``num_computed_tokens - sliding_window + 1`` (already computed, and named
-        as prefix blocks when they filled)."""
+        at or before ``num_computed_tokens - sliding_window + 1`` (already computed). They are
+        named first: a block filled by a token whose id was still pending when its slots were
+        allocated is not named yet, and naming it once the pool may have handed it out again
+        would give another sequence's keys that name."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
         num_dead = max(request.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
         for block_id in request.block_ids[request.num_released_blocks:num_dead]:
             self._release(block_id)
