@@ -132,6 +132,17 @@ def test_two_ranks_give_hf_tokens(tiny_models, arch):
     assert got == [hf_greedy(tiny.hf_model, p, 6, eos_token_id=None) for p in prompts]
 
 
+def test_gpt_neox_with_gelu_fast_matches_hf(tmp_path):
+    """GPT-NeoX-20B's ``hidden_act="gelu_fast"`` (transformers' FastGELU: the tanh approximation
+    written out) gives HF's greedy tokens and logprobs."""
+    tiny = build_tiny_model(tmp_path, "gpt_neox", hidden_act="gelu_fast")
+    prompts = random_prompts(2, min_len=10, max_len=30, seed=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 6)
+
+
 def test_unsupported_gpt2_variant_is_named(tmp_path):
     tiny = build_tiny_model(tmp_path / "gpt2", "gpt2")
     cfg = tiny.hf_model.config

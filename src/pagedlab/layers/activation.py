@@ -45,8 +45,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 _GATED = {"silu": fused(silu_and_mul), "gelu_pytorch_tanh": fused(gelu_tanh_and_mul)}
-# transformers' names: "gelu_new" (GPT-2) and "gelu_pytorch_tanh" are both the tanh approximation
-_GELUS = {"gelu": fused(gelu), "gelu_new": fused(gelu_tanh), "gelu_pytorch_tanh": fused(gelu_tanh)}
+# transformers' names: "gelu_new" (GPT-2), "gelu_fast" (GPT-NeoX-20B) and "gelu_pytorch_tanh" are all
+# the tanh approximation, written out differently
+_GELU_TANH = fused(gelu_tanh)
+_GELUS = {"gelu": fused(gelu), **dict.fromkeys(("gelu_new", "gelu_fast", "gelu_pytorch_tanh"), _GELU_TANH)}
 
 
 class _NamedActivation(nn.Module):
