@@ -153,6 +153,20 @@ def test_unsupported_gpt2_variant_is_named(tmp_path):
         build_model(cfg, 64)
 
 
+@pytest.mark.parametrize("arch, setting, value", [
+    ("gpt2", "activation_function", "relu"), ("gpt_neox", "hidden_act", "quick_gelu"),
+    ("gemma2", "hidden_activation", "gelu"), ("llama", "hidden_act", "relu"),
+])
+def test_unsupported_activation_is_refused_by_its_config_key(tiny_models, arch, setting, value):
+    """The error names the config.json key the activation came from, as transformers reads it."""
+    from pagedlab.models.registry import build_model
+
+    cfg = copy.deepcopy(tiny_models(arch).hf_model.config)
+    setattr(cfg, setting, value)
+    with pytest.raises(ValueError, match=f"^{setting}='{value}' is not supported"):
+        build_model(cfg, 64)
+
+
 def test_per_layer_type_longrope_is_refused_by_name(tiny_models):
     from pagedlab.models.registry import build_model
 

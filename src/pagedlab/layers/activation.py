@@ -52,15 +52,15 @@ _GELUS = {"gelu": fused(gelu), **dict.fromkeys(("gelu_new", "gelu_fast", "gelu_p
 
 
 class _NamedActivation(nn.Module):
-    """An activation chosen by transformers' name from the subclass's ``table``."""
+    """An activation chosen by transformers' name from the subclass's ``table``; ``setting`` is
+    the config.json key that named it (an unsupported name is an error naming both)."""
 
     table: dict
-    setting: str  # the config.json key that names it
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, setting: str):
         super().__init__()
         if name not in self.table:
-            raise ValueError(f"{self.setting}={name!r} is not supported: supported: {sorted(self.table)}")
+            raise ValueError(f"{setting}={name!r} is not supported: supported: {sorted(self.table)}")
         self.fn = self.table[name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +70,10 @@ class _NamedActivation(nn.Module):
 class GatedActivation(_NamedActivation):
     """``act(gate) * up`` on the fused gate_up projection, ``act`` by transformers' name."""
 
-    table, setting = _GATED, "hidden_act"
+    table = _GATED
 
-    def __init__(self, name: str):
-        super().__init__(name)
+    def __init__(self, name: str, setting: str = "hidden_act"):
+        super().__init__(name, setting)
         self.name = name
         self.fp8_output = False
 
@@ -91,4 +91,4 @@ class GatedActivation(_NamedActivation):
 class Gelu(_NamedActivation):
     """The GELU that transformers calls ``name`` (exact or tanh-approximated)."""
 
-    table, setting = _GELUS, "activation"  # GPT-2's activation_function, GPT-NeoX's hidden_act
+    table = _GELUS

@@ -60,7 +60,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         self.self_attn = GemmaAttention(hf_config, qk_norm, f"{prefix}.self_attn", quant_config)
-        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config, act=hf_config.hidden_activation)
+        self.mlp = DecoderMLP(hf_config, f"{prefix}.mlp", quant_config, act_setting="hidden_activation")
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             self.add_module(name, RMSNorm(hidden, eps, unit_offset=True))

@@ -27,14 +27,15 @@ from pagedlab.models.checkpoint import load_checkpoint, require_dense, split_row
 
 class GeluMLP(nn.Module):
     """``proj(gelu(fc(x)))`` with biases: the MLP of GPT-2 and GPT-NeoX (``fc`` column-, ``proj``
-    row-parallel)."""
+    row-parallel); the GELU named by the config key ``act_setting``."""
 
-    def __init__(self, hidden: int, intermediate: int, activation: str, fc_name: str, proj_name: str):
+    def __init__(self, hf_config, intermediate: int, act_setting: str, fc_name: str, proj_name: str):
         super().__init__()
+        hidden = hf_config.hidden_size
         self.fc_name, self.proj_name = fc_name, proj_name
         self.add_module(fc_name, ColumnParallelLinear(hidden, intermediate, bias=True))
         self.add_module(proj_name, RowParallelLinear(intermediate, hidden, bias=True))
-        self.act = Gelu(activation)
+        self.act = Gelu(getattr(hf_config, act_setting), act_setting)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.proj_name)(self.act(getattr(self, self.fc_name)(x)))
@@ -67,7 +68,7 @@ class GPT2Block(nn.Module):
         self.attn = GPT2Attention(hf_config, layer_idx)
         self.ln_2 = LayerNorm(hidden, eps)
         inner = getattr(hf_config, "n_inner", None) or 4 * hidden
-        self.mlp = GeluMLP(hidden, inner, hf_config.activation_function, "c_fc", "c_proj")
+        self.mlp = GeluMLP(hf_config, inner, "activation_function", "c_fc", "c_proj")
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None):
         """Takes and returns (this sublayer's output, the residual stream before it)."""

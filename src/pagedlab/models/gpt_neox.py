@@ -48,8 +48,8 @@ class GPTNeoXLayer(nn.Module):
         self.input_layernorm = LayerNorm(hidden, eps)
         self.post_attention_layernorm = LayerNorm(hidden, eps)
         self.attention = GPTNeoXAttention(hf_config)
-        self.mlp = GeluMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act,
-                           "dense_h_to_4h", "dense_4h_to_h")
+        self.mlp = GeluMLP(hf_config, hf_config.intermediate_size, "hidden_act", "dense_h_to_4h",
+                           "dense_4h_to_h")
 
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
         attn_out = self.attention(rope, self.input_layernorm(hidden))

@@ -66,20 +66,20 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    """The gated MLP: ``down(act(gate(x)) * up(x))`` (``act`` by its transformers name)."""
+    """The gated MLP: ``down(act(gate(x)) * up(x))`` (``act`` by its transformers name, from the
+    config key ``act_setting``: Gemma's is ``hidden_activation``)."""
 
-    def __init__(self, hf_config, prefix: str, quant_config=None, act: str | None = None):
+    def __init__(self, hf_config, prefix: str, quant_config=None, act_setting: str = "hidden_act"):
         super().__init__()
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
         bias = getattr(hf_config, "mlp_bias", False)
-        act = act or getattr(hf_config, "hidden_act", "silu")
         divide_evenly(inter, get_tp_world_size(), "intermediate_size")  # the config's name in the error
         self.gate_up_proj = ColumnParallelLinear(
             hidden, [inter, inter], bias=bias,
             linear_method=linear_method_for(quant_config, f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(
             inter, hidden, bias=bias, linear_method=linear_method_for(quant_config, f"{prefix}.down_proj"))
-        self.act = GatedActivation(act)
+        self.act = GatedActivation(getattr(hf_config, act_setting, "silu"), act_setting)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fuses = getattr(self.gate_up_proj, "fuses_silu", None)  # not a LoRA wrapper
