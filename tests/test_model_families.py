@@ -143,6 +143,17 @@ def test_gpt_neox_with_gelu_fast_matches_hf(tmp_path):
     assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 6)
 
 
+def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does(tmp_path):
+    """Gemma 3's config keeps ``attn_logit_softcapping``, but transformers' (and vLLM's) Gemma 3
+    attention never caps its logits (only Gemma 2's does): set, it changes nothing."""
+    tiny = build_tiny_model(tmp_path, "gemma3", attn_logit_softcapping=1.0)
+    prompts = random_prompts(2, min_len=10, max_len=30, seed=17)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 6)
+
+
 def test_unsupported_gpt2_variant_is_named(tmp_path):
     tiny = build_tiny_model(tmp_path / "gpt2", "gpt2")
     cfg = tiny.hf_model.config

@@ -5,10 +5,11 @@
   ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); a GELU-tanh gated MLP;
 - attention scaled by ``query_pre_attn_scalar ** -0.5``; Gemma 3 adds q/k RMSNorm and its own
   RoPE base per layer type (local ``sliding_attention`` layers 10k, global ones 1M);
-- final logit soft-capping ``cap * tanh(logits / cap)`` (Gemma 2).
+- final logit soft-capping ``cap * tanh(logits / cap)`` where the config sets it.
 
 The local layers attend within ``sliding_window`` keys (set by ``LlamaForCausalLM``); Gemma 2's
-attention logit soft-capping (``attn_logit_softcapping``) runs inside the attention kernels.
+attention logit soft-capping (``attn_logit_softcapping``) runs inside the attention kernels
+(Gemma 3 ignores the setting, as transformers does).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ class GemmaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, unit_offset=True) if qk_norm else None
         scale = hf_config.query_pre_attn_scalar ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale,
-                              softcap=getattr(hf_config, "attn_logit_softcapping", None))
+        # Gemma 3 (the q/k-norm one) keeps attn_logit_softcapping in its config, but neither
+        # transformers nor vLLM applies it there: only Gemma 2 caps attention logits
+        softcap = None if qk_norm else getattr(hf_config, "attn_logit_softcapping", None)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, softcap=softcap)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
