@@ -189,12 +189,13 @@ def test_per_layer_type_longrope_is_refused_by_name(tiny_models):
         build_model(cfg, 64)
 
 
-def test_bidirectional_gemma3_is_refused_by_name(tiny_models):
-    """transformers' Gemma 3 with ``use_bidirectional_attention`` (EmbeddingGemma) lets every token
-    see later ones, within half the window on its local layers: no causal decoder computes that."""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_bidirectional_gemma_is_refused_by_name(tiny_models, arch):
+    """transformers' Gemma with ``use_bidirectional_attention`` (EmbeddingGemma) lets every token
+    see later ones (within half the window on Gemma 3's local layers): no causal decoder computes that."""
     from pagedlab.models.registry import build_model
 
-    cfg = copy.deepcopy(tiny_models("gemma3").hf_model.config)
+    cfg = copy.deepcopy(tiny_models(arch).hf_model.config)
     cfg.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="use_bidirectional_attention=True is not supported"):
         build_model(cfg, 64)
