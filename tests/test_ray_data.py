@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -70,3 +71,40 @@ def test_every_row_gets_its_completion_in_parquet_with_the_manifest(local_ray, t
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["ray_data"]["input_rows"] == len(rows) and manifest["ray_data"]["concurrency"] == 2
     assert manifest["sampling"]["max_tokens"] == 5
+
+
+# ---- the predictor itself, on numpy batches as map_batches gives them (no Ray needed) ----------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    """The single-process reference: one LLM, ``generate`` over the same prompts."""
+    with LLM(str(tiny_dir), **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def predictor(tiny_dir):
+    from pagedlab.integrations.ray import PagedLabPredictor
+
+    return PagedLabPredictor(str(tiny_dir), {"temperature": 0.8, "seed": 3, "max_tokens": 4}, **ENGINE)
+
+
+def _batch(**columns) -> dict:
+    return {k: np.array(v, dtype=object) for k, v in columns.items()}
+
+
+def test_a_row_without_a_prompt_is_refused_naming_the_row(predictor):
+    with pytest.raises(ValueError, match=r"row 1 of the batch: prompt=None .* text or a list of token ids"):
+        predictor(_batch(prompt=["the quick", None]))
+
+
+def test_token_id_prompts_are_generated_as_token_ids(predictor, offline):
+    ids = [[5, 6, 7], [8, 9]]
+    got = predictor(_batch(prompt=[np.array(i) for i in ids]))
+    want = offline.generate(ids, predictor.sampling_params, use_tqdm=False)
+    assert list(got["generated_text"]) == [o.outputs[0].text for o in want]

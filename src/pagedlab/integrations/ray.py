@@ -33,7 +33,7 @@ from pagedlab.sampling_params import SamplingParams
 class PagedLabPredictor:
     """The callable class for ``Dataset.map_batches``: an ``LLM(model, **engine_args)`` per actor.
     ``sampling_params``: a SamplingParams or its keyword arguments (default: SamplingParams()).
-    ``prompt_column`` holds each row's prompt text."""
+    ``prompt_column`` holds each row's prompt: its text, or a list of token ids."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None,
                  prompt_column: str = "prompt", output_column: str = "generated_text", **engine_args):
@@ -47,11 +47,23 @@ class PagedLabPredictor:
         if self.prompt_column not in batch:
             raise KeyError(f"prompt_column={self.prompt_column!r} is not a column of the dataset: its "
                            f"columns are {sorted(batch)}")
-        prompts = [str(p) for p in batch[self.prompt_column]]
+        prompts = [_prompt(self.prompt_column, i, p) for i, p in enumerate(batch[self.prompt_column])]
         outputs = [o.outputs[0] for o in self.llm.generate(prompts, self.sampling_params, use_tqdm=False)]
         return {**batch, self.output_column: np.array([o.text for o in outputs], dtype=object),
                 "num_output_tokens": np.array([len(o.token_ids) for o in outputs], dtype=np.int64),
                 "finish_reason": np.array([o.finish_reason for o in outputs], dtype=object)}
+
+
+def _prompt(column: str, index: int, value: Any) -> str | list[int]:
+    """One row's prompt for ``generate``: text as it is, a sequence of integers as token ids (an
+    Arrow list column arrives as a numpy array); anything else (a missing value) is refused, never
+    generated from its ``str()``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in value):
+        return [int(t) for t in value]
+    raise ValueError(f"row {index} of the batch: {column}={value!r} is not a prompt: give its text or a list "
+                     "of token ids")
 
 
 def run_batch_inference(input_path: str | Path, output_dir: str | Path, model: str,
