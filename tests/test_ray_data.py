@@ -108,3 +108,10 @@ def test_token_id_prompts_are_generated_as_token_ids(predictor, offline):
     got = predictor(_batch(prompt=[np.array(i) for i in ids]))
     want = offline.generate(ids, predictor.sampling_params, use_tqdm=False)
     assert list(got["generated_text"]) == [o.outputs[0].text for o in want]
+
+
+def test_several_completions_per_row_are_refused_not_cut_to_the_first(tiny_dir):
+    from pagedlab.integrations.ray import PagedLabPredictor
+
+    with pytest.raises(ValueError, match=r"n=2: .* one completion per row"):
+        PagedLabPredictor(str(tiny_dir), {"n": 2}, **ENGINE)

@@ -39,7 +39,7 @@ class PagedLabPredictor:
                  prompt_column: str = "prompt", output_column: str = "generated_text", **engine_args):
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams(**sampling_params)
-        self.sampling_params = sampling_params or SamplingParams()
+        self.sampling_params = _one_completion(sampling_params or SamplingParams())
         self.prompt_column, self.output_column = prompt_column, output_column
         self.llm = LLM(model, **engine_args)
 
@@ -52,6 +52,14 @@ class PagedLabPredictor:
         return {**batch, self.output_column: np.array([o.text for o in outputs], dtype=object),
                 "num_output_tokens": np.array([len(o.token_ids) for o in outputs], dtype=np.int64),
                 "finish_reason": np.array([o.finish_reason for o in outputs], dtype=object)}
+
+
+def _one_completion(params: SamplingParams) -> SamplingParams:
+    """``params``, when they ask for one completion: a row has one output column to hold it."""
+    if params.n != 1:
+        raise ValueError(f"sampling n={params.n}: PagedLabPredictor writes one completion per row; use n=1 "
+                         "(repeat the rows for several samples of a prompt)")
+    return params
 
 
 def _prompt(column: str, index: int, value: Any) -> str | list[int]:
