@@ -115,3 +115,8 @@ def test_several_completions_per_row_are_refused_not_cut_to_the_first(tiny_dir):
 
     with pytest.raises(ValueError, match=r"n=2: .* one completion per row"):
         PagedLabPredictor(str(tiny_dir), {"n": 2}, **ENGINE)
+
+
+def test_an_input_column_the_outputs_would_overwrite_is_refused(predictor):
+    with pytest.raises(ValueError, match=r"column\(s\) 'finish_reason', which .* would overwrite"):
+        predictor(_batch(prompt=["the quick"], finish_reason=["from an earlier pass"]))

@@ -47,6 +47,12 @@ class PagedLabPredictor:
         if self.prompt_column not in batch:
             raise KeyError(f"prompt_column={self.prompt_column!r} is not a column of the dataset: its "
                            f"columns are {sorted(batch)}")
+        outputs = (self.output_column, "num_output_tokens", "finish_reason")
+        taken = [c for c in outputs if c in batch]
+        if taken:
+            raise ValueError(f"the dataset has the column(s) {', '.join(map(repr, taken))}, which the "
+                             f"predictor's outputs {', '.join(outputs)} would overwrite: rename them (or give"
+                             " another output_column)")
         prompts = [_prompt(self.prompt_column, i, p) for i, p in enumerate(batch[self.prompt_column])]
         outputs = [o.outputs[0] for o in self.llm.generate(prompts, self.sampling_params, use_tqdm=False)]
         return {**batch, self.output_column: np.array([o.text for o in outputs], dtype=object),
