@@ -120,3 +120,15 @@ def test_several_completions_per_row_are_refused_not_cut_to_the_first(tiny_dir):
 def test_an_input_column_the_outputs_would_overwrite_is_refused(predictor):
     with pytest.raises(ValueError, match=r"column\(s\) 'finish_reason', which .* would overwrite"):
         predictor(_batch(prompt=["the quick"], finish_reason=["from an earlier pass"]))
+
+
+def test_without_sampling_params_rows_get_what_generate_gives_without_them(tiny_dir, offline):
+    from pagedlab.integrations.ray import PagedLabPredictor
+
+    recommended = {"max_new_tokens": 2, "temperature": 0.0}  # as the model's generation_config.json
+    plain = PagedLabPredictor(str(tiny_dir), **ENGINE, override_generation_config=recommended)
+    prompts = ["the quick brown", "a cat sat"]
+    got = plain(_batch(prompt=prompts))
+    want = offline.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert list(got["generated_text"]) == [o.outputs[0].text for o in want]
+    assert list(got["num_output_tokens"]) == [2, 2]

@@ -32,16 +32,19 @@ from pagedlab.sampling_params import SamplingParams
 
 class PagedLabPredictor:
     """The callable class for ``Dataset.map_batches``: an ``LLM(model, **engine_args)`` per actor.
-    ``sampling_params``: a SamplingParams or its keyword arguments (default: SamplingParams()).
+    ``sampling_params``: a SamplingParams or its keyword arguments (default: those ``LLM.generate``
+    uses without any, the model's recommended ones).
     ``prompt_column`` holds each row's prompt: its text, or a list of token ids."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None,
                  prompt_column: str = "prompt", output_column: str = "generated_text", **engine_args):
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams(**sampling_params)
-        self.sampling_params = _one_completion(sampling_params or SamplingParams())
+        if sampling_params is not None:
+            _one_completion(sampling_params)
         self.prompt_column, self.output_column = prompt_column, output_column
         self.llm = LLM(model, **engine_args)
+        self.sampling_params = sampling_params or self.llm.get_default_sampling_params()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.prompt_column not in batch:
