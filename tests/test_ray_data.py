@@ -132,3 +132,17 @@ def test_without_sampling_params_rows_get_what_generate_gives_without_them(tiny_
     want = offline.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     assert list(got["generated_text"]) == [o.outputs[0].text for o in want]
     assert list(got["num_output_tokens"]) == [2, 2]
+
+
+def test_a_sampling_params_column_sets_each_rows_params_over_the_actors(predictor, offline):
+    prompts = ["the quick brown", "a cat sat", "over the lazy"]
+    # as Arrow gives a struct column: the fields a row lacks are null
+    rows = [{"max_tokens": 1, "temperature": None}, None, {"max_tokens": 2, "temperature": 0.0}]
+    got = predictor(_batch(prompt=prompts, sampling_params=rows))
+    want = offline.generate(prompts, [SamplingParams(temperature=0.8, seed=3, max_tokens=1),
+                                      SamplingParams(temperature=0.8, seed=3, max_tokens=4),
+                                      SamplingParams(temperature=0.0, seed=3, max_tokens=2)], use_tqdm=False)
+    assert list(got["generated_text"]) == [o.outputs[0].text for o in want]
+    assert list(got["num_output_tokens"]) == [1, 4, 2] and list(got["sampling_params"]) == rows
+    with pytest.raises(ValueError, match=r"row 0 of the batch: sampling_params: .*n=3"):
+        predictor(_batch(prompt=prompts[:1], sampling_params=[{"n": 3}]))

@@ -17,6 +17,7 @@ file to a Parquet directory and writes the run's manifest (``manifest.json``) al
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -34,15 +35,19 @@ class PagedLabPredictor:
     """The callable class for ``Dataset.map_batches``: an ``LLM(model, **engine_args)`` per actor.
     ``sampling_params``: a SamplingParams or its keyword arguments (default: those ``LLM.generate``
     uses without any, the model's recommended ones).
-    ``prompt_column`` holds each row's prompt: its text, or a list of token ids."""
+    ``prompt_column`` holds each row's prompt: its text, or a list of token ids. A row's
+    ``sampling_params_column`` (vLLM's Ray Data processor's name), when the dataset has it, holds
+    SamplingParams fields that row samples with over the actor's (a null one keeps the actor's)."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None,
-                 prompt_column: str = "prompt", output_column: str = "generated_text", **engine_args):
+                 prompt_column: str = "prompt", output_column: str = "generated_text",
+                 sampling_params_column: str = "sampling_params", **engine_args):
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams(**sampling_params)
         if sampling_params is not None:
             _one_completion(sampling_params)
         self.prompt_column, self.output_column = prompt_column, output_column
+        self.sampling_params_column = sampling_params_column
         self.llm = LLM(model, **engine_args)
         self.sampling_params = sampling_params or self.llm.get_default_sampling_params()
 
@@ -57,10 +62,26 @@ class PagedLabPredictor:
                              f"predictor's outputs {', '.join(outputs)} would overwrite: rename them (or give"
                              " another output_column)")
         prompts = [_prompt(self.prompt_column, i, p) for i, p in enumerate(batch[self.prompt_column])]
-        outputs = [o.outputs[0] for o in self.llm.generate(prompts, self.sampling_params, use_tqdm=False)]
+        params = self.sampling_params
+        if self.sampling_params_column in batch:
+            params = [self._row_params(i, row) for i, row in enumerate(batch[self.sampling_params_column])]
+        outputs = [o.outputs[0] for o in self.llm.generate(prompts, params, use_tqdm=False)]
         return {**batch, self.output_column: np.array([o.text for o in outputs], dtype=object),
                 "num_output_tokens": np.array([len(o.token_ids) for o in outputs], dtype=np.int64),
                 "finish_reason": np.array([o.finish_reason for o in outputs], dtype=object)}
+
+    def _row_params(self, index: int, fields: dict | None) -> SamplingParams:
+        """The actor's sampling params with a row's non-null fields over them."""
+        if fields is None:
+            return self.sampling_params
+        try:
+            if not isinstance(fields, dict):
+                raise ValueError(f"{fields!r} is not a dict of SamplingParams fields")
+            changes = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()
+                       if v is not None}
+            return _one_completion(dataclasses.replace(self.sampling_params, **changes))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"row {index} of the batch: {self.sampling_params_column}: {e}") from None
 
 
 def _one_completion(params: SamplingParams) -> SamplingParams:
