@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--address", default=None,
                         help="Ray cluster (default: $RAY_ADDRESS, else a local one)")
     parser.add_argument("--concurrency", type=int, default=1, help="actors, each with its own LLM")
-    parser.add_argument("--num-gpus", type=float, default=1, help="GPUs per actor (0: a CPU each)")
+    parser.add_argument("--num-gpus", type=float, default=None,
+                        help="GPUs per actor (default: one per tensor-parallel rank; 0: CPUs)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--prompt-column", default="prompt")
     parser.add_argument("--max-tokens", type=int, default=64)

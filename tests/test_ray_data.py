@@ -146,3 +146,37 @@ def test_a_sampling_params_column_sets_each_rows_params_over_the_actors(predicto
     assert list(got["num_output_tokens"]) == [1, 4, 2] and list(got["sampling_params"]) == rows
     with pytest.raises(ValueError, match=r"row 0 of the batch: sampling_params: .*n=3"):
         predictor(_batch(prompt=prompts[:1], sampling_params=[{"n": 3}]))
+
+
+class _PlannedDataset:
+    """A stand-in for the Dataset ``ray.data.read_json`` returns: it records the map_batches call."""
+
+    def __init__(self):
+        self.map_batches_kwargs = None
+
+    def map_batches(self, fn, **kwargs):
+        self.map_batches_kwargs = kwargs
+        return self
+
+    def write_parquet(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _plan(monkeypatch, tmp_path, text="", **kwargs):
+    from pagedlab.integrations.ray import run_batch_inference
+
+    planned = _PlannedDataset()
+    monkeypatch.setattr(ray.data, "read_json", lambda path: planned)
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(text)
+    manifest = run_batch_inference(source, tmp_path / "out", "m", {"max_tokens": 2}, **kwargs)
+    return planned.map_batches_kwargs, manifest
+
+
+def test_each_actor_asks_for_a_gpu_per_tensor_parallel_rank(monkeypatch, tmp_path):
+    planned, _ = _plan(monkeypatch, tmp_path, tensor_parallel_size=2)
+    assert (planned["num_gpus"], planned["fn_constructor_kwargs"]["tensor_parallel_size"]) == (2, 2)
+    planned, _ = _plan(monkeypatch, tmp_path, num_gpus=0, tensor_parallel_size=2, device="cpu")
+    assert planned["num_cpus"] == 2 and not planned.get("num_gpus")
+    with pytest.raises(ValueError, match=r"num_gpus=1 .* tensor_parallel_size=2"):
+        _plan(monkeypatch, tmp_path, num_gpus=1, tensor_parallel_size=2)

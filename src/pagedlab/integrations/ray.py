@@ -105,15 +105,22 @@ def _prompt(column: str, index: int, value: Any) -> str | list[int]:
 
 
 def run_batch_inference(input_path: str | Path, output_dir: str | Path, model: str,
-                        sampling_params: dict | None = None, concurrency: int = 1, num_gpus: float = 1,
-                        batch_size: int = 64, prompt_column: str = "prompt", **engine_args) -> dict:
+                        sampling_params: dict | None = None, concurrency: int = 1,
+                        num_gpus: float | None = None, batch_size: int = 64, prompt_column: str = "prompt",
+                        **engine_args) -> dict:
     """Generate a completion for every row of the JSONL file ``input_path`` with ``concurrency``
-    actors (``num_gpus`` each; 0 on a CPU cluster, where each takes a CPU), write the rows with
-    their outputs as Parquet under ``output_dir`` and the manifest as ``output_dir/manifest.json``.
-    Returns the manifest."""
+    actors, write the rows with their outputs as Parquet under ``output_dir`` and the manifest as
+    ``output_dir/manifest.json``. Returns the manifest. Each actor asks for ``num_gpus`` (default:
+    one per tensor-parallel rank, as vLLM's Ray Data processor; 0 on a CPU cluster, where it takes
+    a CPU per rank)."""
     sampling = dict(sampling_params or {})
+    ranks = int(engine_args.get("tensor_parallel_size", 1))
+    num_gpus = ranks if num_gpus is None else num_gpus
+    if 0 < num_gpus < ranks:
+        raise ValueError(f"num_gpus={num_gpus} per actor, but tensor_parallel_size={ranks} runs a rank on "
+                         f"each of {ranks} GPUs: give num_gpus={ranks} (or 0 on CPUs)")
     dataset = ray.data.read_json(str(input_path))
-    resources: dict[str, Any] = {"num_gpus": num_gpus} if num_gpus else {"num_cpus": 1}
+    resources: dict[str, Any] = {"num_gpus": num_gpus} if num_gpus else {"num_cpus": ranks}
     dataset = dataset.map_batches(
         PagedLabPredictor, concurrency=concurrency, batch_size=batch_size, **resources,
         fn_constructor_kwargs={"model": model, "sampling_params": sampling, "prompt_column": prompt_column,
