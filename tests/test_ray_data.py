@@ -180,3 +180,12 @@ def test_each_actor_asks_for_a_gpu_per_tensor_parallel_rank(monkeypatch, tmp_pat
     assert planned["num_cpus"] == 2 and not planned.get("num_gpus")
     with pytest.raises(ValueError, match=r"num_gpus=1 .* tensor_parallel_size=2"):
         _plan(monkeypatch, tmp_path, num_gpus=1, tensor_parallel_size=2)
+
+
+def test_the_manifest_counts_the_rows_ray_data_reads(monkeypatch, tmp_path):
+    from pyarrow import json as pa_json  # the reader under ray.data.read_json
+
+    rows = '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}'
+    for text in (rows, rows + "\n\n"):  # no final newline; a blank line at the end
+        _, manifest = _plan(monkeypatch, tmp_path, text=text, num_gpus=0)
+        assert manifest["ray_data"]["input_rows"] == pa_json.read_json(tmp_path / "prompts.jsonl").num_rows

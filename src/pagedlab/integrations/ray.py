@@ -130,7 +130,8 @@ def run_batch_inference(input_path: str | Path, output_dir: str | Path, model: s
     data = Path(input_path).read_bytes()
     manifest = collect_manifest(sampling_params=SamplingParams(**sampling), extra={"ray_data": {
         "model": model, "engine_args": engine_args, "input": str(input_path),
-        "input_sha256": hashlib.sha256(data).hexdigest(), "input_rows": data.count(b"\n"),
+        "input_sha256": hashlib.sha256(data).hexdigest(),
+        "input_rows": sum(1 for line in data.splitlines() if line.strip()),
         "concurrency": concurrency, "num_gpus_per_actor": num_gpus, "batch_size": batch_size,
         "ray_version": ray.__version__}})
     (output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
