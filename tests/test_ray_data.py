@@ -50,17 +50,18 @@ def _example():
 def test_every_row_gets_its_completion_in_parquet_with_the_manifest(local_ray, tmp_path):
     model = make_tiny_model(tmp_path / "tiny")
     rows = [{"id": i, "prompt": " ".join(WORDS[i % 5:i % 5 + 3 + i % 4])} for i in range(12)]
+    for row in rows[::4]:  # a per-row override; the other rows lack the field (null in Arrow)
+        row["sampling_params"] = {"max_tokens": 2}
     source = tmp_path / "prompts.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     _example().main([str(source), str(out), "--model", str(model), "--num-gpus", "0", "--concurrency", "2",
-                     "--batch-size", "4", "--max-tokens", "5"]
+                     "--batch-size", "5", "--max-tokens", "5"]  # 12 rows: batches of 5, 5 and 2
                     + [f"--engine={k}={v}" for k, v in ENGINE.items()])
     table = [row for part in sorted(out.glob("*.parquet")) for row in pq.read_table(part).to_pylist()]
     with LLM(str(model), **ENGINE) as llm:
-        expected = [o.outputs[0] for o in llm.generate([r["prompt"] for r in rows],
-                                                         SamplingParams(temperature=0, max_tokens=5),
-                                                         use_tqdm=False)]
+        params = [SamplingParams(temperature=0, max_tokens=2 if "sampling_params" in r else 5) for r in rows]
+        expected = [o.outputs[0] for o in llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)]
     by_id = {r["id"]: r for r in table}
     assert len(table) == len(rows) and sorted(by_id) == [r["id"] for r in rows]
     for row, want in zip(rows, expected):
@@ -136,8 +137,9 @@ def test_without_sampling_params_rows_get_what_generate_gives_without_them(tiny_
 
 def test_a_sampling_params_column_sets_each_rows_params_over_the_actors(predictor, offline):
     prompts = ["the quick brown", "a cat sat", "over the lazy"]
-    # as Arrow gives a struct column: the fields a row lacks are null
-    rows = [{"max_tokens": 1, "temperature": None}, None, {"max_tokens": 2, "temperature": 0.0}]
+    # as Ray Data gives a struct column: a field a row lacks is null (NaN when numeric), and an
+    # integer field with nulls arrives as floats
+    rows = [{"max_tokens": 1.0, "temperature": np.nan}, None, {"max_tokens": 2.0, "temperature": 0.0}]
     got = predictor(_batch(prompt=prompts, sampling_params=rows))
     want = offline.generate(prompts, [SamplingParams(temperature=0.8, seed=3, max_tokens=1),
                                       SamplingParams(temperature=0.8, seed=3, max_tokens=4),

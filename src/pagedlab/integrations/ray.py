@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ class PagedLabPredictor:
     uses without any, the model's recommended ones).
     ``prompt_column`` holds each row's prompt: its text, or a list of token ids. A row's
     ``sampling_params_column`` (vLLM's Ray Data processor's name), when the dataset has it, holds
-    SamplingParams fields that row samples with over the actor's (a null one keeps the actor's)."""
+    SamplingParams fields that row samples with over the actor's (a null one keeps the actor's; an
+    integer field above 2**53 is not exact, Ray Data having turned it into a float)."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | dict | None = None,
                  prompt_column: str = "prompt", output_column: str = "generated_text",
@@ -77,11 +79,22 @@ class PagedLabPredictor:
         try:
             if not isinstance(fields, dict):
                 raise ValueError(f"{fields!r} is not a dict of SamplingParams fields")
-            changes = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in fields.items()
-                       if v is not None}
+            changes = {k: _field_value(v, getattr(self.sampling_params, k, None)) for k, v in fields.items()
+                       if not (v is None or (isinstance(v, float) and math.isnan(v)))}
             return _one_completion(dataclasses.replace(self.sampling_params, **changes))
         except (TypeError, ValueError) as e:
             raise ValueError(f"row {index} of the batch: {self.sampling_params_column}: {e}") from None
+
+
+def _field_value(value: Any, current: Any) -> Any:
+    """A struct field of a numpy batch as SamplingParams takes it: an array as a list, and an
+    integral float as an int unless the field holds floats (Ray Data's numpy conversion turns an
+    integer field into floats when some row lacks it: max_tokens 2 arrives as 2.0)."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, float) and value.is_integer() and not isinstance(current, float):
+        return int(value)
+    return value
 
 
 def _one_completion(params: SamplingParams) -> SamplingParams:
