@@ -195,3 +195,27 @@ def test_a_group_asks_for_a_gpu_per_rank_or_a_cpu_per_rank_on_the_cpu(tmp_path, 
                                          ["engine.distributed_executor_backend=ray"]))[0]
     with pytest.raises(ValueError, match="would wait forever"):
         group_resources(nested, cluster_has_gpus=True)
+
+
+def test_a_group_no_node_can_hold_is_stored_failed_not_left_pending(tmp_path, model_dir, monkeypatch):
+    from pagedlab.lab.ray_runner import RayGroups
+    from pagedlab.lab.runner import ExperimentReport, RunSession
+
+    def never_submit(*args, **kwargs):
+        raise AssertionError("submitted a task no node can hold: Ray keeps it pending forever")
+
+    # two nodes of one CPU each (as the cluster fixture), a group of two CPU ranks
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeManagerAddress": "10.0.0.1", "Alive": True,
+                                                "Resources": {"CPU": 1.0}}] * 2)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "remote", lambda fn: type("Task", (), {"options": never_submit}))
+    spec = load_experiment(_experiment(tmp_path, model_dir, seeds=(0,)), ["engine.tensor_parallel_size=2"])
+    runs = expand_runs(spec)
+    url = f"sqlite:///{tmp_path / 'ray.db'}"
+    with ResultStore(url) as store:
+        report = ExperimentReport(spec.name, len(runs))
+        RayGroups(url, 0, None)(RunSession(spec, store, report, quiet=True), [runs])
+    assert len(report.failed) == 2 and "no node of the cluster has 2 CPU(s)" in report.failed[0][1]
+    stored = _stored(url, spec.name)
+    assert sorted(stored) == sorted(r.run_key for r in runs)
+    assert {status for status, _, _ in stored.values()} == {"failed"}

@@ -65,6 +65,20 @@ def group_resources(run: ResolvedRun, cluster_has_gpus: bool) -> dict:
     return {"num_cpus": 1, "num_gpus": ranks}
 
 
+def unplaceable(ask: dict, nodes: list[dict]) -> str | None:
+    """Why no node (given by its resources) can run a task asking ``ask``, or None when one can. A
+    group's ranks share one host, so one node must hold them all; Ray would keep the task pending
+    until such a node joins, and the sweep would wait forever."""
+    need = {"CPU": ask["num_cpus"], "GPU": ask["num_gpus"]}
+    if any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
+        return None
+    have = ", ".join(sorted({f"{node.get('CPU', 0):g} CPU(s) and {node.get('GPU', 0):g} GPU(s)"
+                                for node in nodes})) or "none alive"
+    return (f"the group asks for {need['CPU']} CPU(s) and {need['GPU']} GPU(s) on one node (a rank each), "
+            f"but no node of the cluster has {need['CPU']} CPU(s) and {need['GPU']} GPU(s) (its nodes: "
+            f"{have}); lower engine.tensor_parallel_size or add such a node")
+
+
 def run_group_task(spec: ExperimentSpec, url: str, group_runs: list[ResolvedRun]) -> ExperimentReport:
     """One group, in a Ray worker: load the model once, store each run; what it did, as a report."""
     report = ExperimentReport(spec.name, len(group_runs))
@@ -96,8 +110,15 @@ class RayGroups:
                 options["runtime_env"] = self.runtime_env
             pending[task.options(**options).remote(session.spec, self.url, groups[index])] = (index, attempt)
 
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
         for index in range(len(groups)):
-            submit(index, 0)
+            reason = unplaceable(resources[index], nodes)
+            if reason is None:
+                submit(index, 0)
+                continue
+            for run in groups[index]:
+                store_failure(session, run, reason, None)
+            state[index] = "failed"
         progress = _Progress(session, groups)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=PROGRESS_POLL_S)
