@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts
+from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
 from lora_fixtures import ALL_TARGETS, make_adapter, peft_greedy
 from pagedlab import LLM, LoRARequest, SamplingParams
 
@@ -223,3 +223,26 @@ def test_lora_on_moe_expert_parameters_is_refused_by_name(tiny_models, tmp_path)
     with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=8) as llm, \
             pytest.raises(ValueError, match=r"sets target_parameters=.*gate_up_proj"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("moe", 1, adapter.path))
+
+
+def test_phi3_fused_targets_match_peft(tiny_models, tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up, so its adapters put one LoRA on each fused
+    linear (A [r, in], B [q+k+v, r]): each part of pagedlab's fused linear gets A and its rows of
+    B, and tokens and logprobs are PEFT's."""
+    tiny = tiny_models("phi3")
+    targets = ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]
+    adapter = make_adapter(tiny.hf_model, tmp_path / "phi3", 3, 8, 16, targets, rank_pattern={"o_proj": 4})
+    assert peft_greedy(adapter, tiny.hf_model, PROMPTS, GREEDY.max_tokens) != peft_greedy(
+        None, tiny.hf_model, PROMPTS, GREEDY.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, logprobs=1, ignore_eos=True)
+    with LLM(tiny.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=8) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=LoRARequest("phi", 1, adapter.path))
+    assert_hf_tokens_and_logprobs(adapter.peft_model, PROMPTS, outs, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox"])
+def test_models_without_lora_capable_linears_are_refused(tiny_models, arch):
+    """GPT-2's Conv1D ``c_attn`` and NeoX's ``query_key_value`` get no LoRA layers: enable_lora
+    is refused naming the model and what pagedlab puts LoRA on, not accepted to drop adapters."""
+    with pytest.raises(ValueError, match=r"enable_lora=True: \w+ has no linear .*'q_proj'.*'qkv_proj'"):
+        LLM(tiny_models(arch).path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True)

@@ -2,7 +2,8 @@
 ``adapter_model.safetensors``, into per-module A and B matrices on the CPU.
 
 Each targeted module ``m`` holds ``m.lora_A.weight`` ``[r, in]`` and ``m.lora_B.weight``
-``[out, r]``; its output gains ``scaling * x @ A.T @ B.T`` with ``scaling = lora_alpha / r``, or
+``[out, r]`` (for a projection the checkpoint holds fused, Phi-3's ``qkv_proj``, ``out`` is the
+whole fused width); its output gains ``scaling * x @ A.T @ B.T`` with ``scaling = lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with ``use_rslora``; ``rank_pattern``/``alpha_pattern`` give some
 modules their own r and alpha (r is read from the tensors). B is stored pre-multiplied by the
 scaling. Features PEFT adds beyond plain LoRA (DoRA and the other variants, trained biases,
@@ -28,6 +29,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Modules an adapter may target: the decoder's attention and MLP projections.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections some checkpoints (Phi-3) hold fused: one LoRA over the whole fused output.
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
 _UNSUPPORTED_SETTINGS = {  # adapter_config.json key -> (value that is fine, what it would add)
     "use_dora": (False, "DoRA's magnitude vectors"),
     "bias": ("none", "trained biases"),
@@ -130,9 +133,10 @@ def _module_name(key: str, request: LoRARequest) -> str:
     """The module a tensor of the adapter belongs to, checked to be a LoRA-capable target."""
     name = re.sub(r"\.(lora_\w+(\.weight)?|base_layer\.\w+|weight|bias)$", "", key)
     target = name.rsplit(".", 1)[-1]
-    if target not in SUPPORTED_TARGETS:
+    if target not in SUPPORTED_TARGETS + FUSED_TARGETS:
         raise ValueError(f"LoRA adapter {request.lora_name!r} targets module {target!r} ({name}), which is "
-                         f"not supported: target modules must be among {list(SUPPORTED_TARGETS)}")
+                         f"not supported: target modules must be among {list(SUPPORTED_TARGETS)} (or, "
+                         f"fused in the checkpoint as in Phi-3, {list(FUSED_TARGETS)})")
     if not re.fullmatch(r".+\.lora_[AB]\.weight", key):
         raise ValueError(f"LoRA adapter {request.lora_name!r} holds tensor {key!r}, which is not a "
                          "lora_A/lora_B weight: only plain LoRA is served")

@@ -3,7 +3,9 @@ output, with every GPU slot's weights in preallocated stacked buffers (the layou
 ``pagedlab.kernels.lora`` describes), so a CUDA graph captured once serves any adapters.
 
 A fused linear (q/k/v, gate/up) gets one slice per checkpoint part, each with its own A and B,
-added to that part's columns. ``wrap_lora_linears`` swaps them into a model and returns where
+added to that part's columns. An adapter of a checkpoint that holds the projection fused (Phi-3's
+``qkv_proj``: one A, one B over the whole fused width) gives every slice that A and its rows of B,
+which adds the same ``B A x``. ``wrap_lora_linears`` swaps them into a model and returns where
 each checkpoint module name (``model.layers.0.self_attn.q_proj``) lands: a wrapper and a slice.
 """
 
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from pagedlab.layers.linear import OutputShardedLinear, RowParallelLinear
-from pagedlab.lora.adapter import SUPPORTED_TARGETS, LoRAModuleWeights
+from pagedlab.lora.adapter import FUSED_TARGETS, SUPPORTED_TARGETS, LoRAModuleWeights
 from pagedlab.lora.ops import LoRAMapping, add_lora_torch
 
 
@@ -65,10 +67,11 @@ class LoRABatch:
 
 @dataclass(frozen=True)
 class LoRATarget:
-    """Where one checkpoint module's adapter goes: ``slice`` of ``layer``."""
+    """Where one checkpoint module's adapter goes: ``slice`` of ``layer``, or every slice
+    (``None``: the fused module itself)."""
 
     layer: LoRALinear
-    slice: int
+    slice: int | None
 
 
 class LoRALinear(nn.Module):
@@ -92,20 +95,24 @@ class LoRALinear(nn.Module):
             return self.base(x)
         return self.batch.linear(self.base, x, self.lora_a, self.lora_b, self.slice_sizes)
 
-    def check_fits(self, part: int, weights: LoRAModuleWeights) -> None:
-        """Raise ValueError unless ``weights`` fit slice ``part`` (its inputs and outputs)."""
-        size = self.slice_sizes[part]
+    def check_fits(self, part: int | None, weights: LoRAModuleWeights) -> None:
+        """Raise ValueError unless ``weights`` fit slice ``part`` (its inputs and outputs; ``None``:
+        all slices, the fused output)."""
+        size = sum(self.slice_sizes) if part is None else self.slice_sizes[part]
         if weights.lora_a.shape[1] != self.in_features or weights.lora_b.shape[0] != size:
             raise ValueError(f"LoRA weights of shape A {tuple(weights.lora_a.shape)}, B "
                              f"{tuple(weights.lora_b.shape)} do not fit a linear of {self.in_features} "
                              f"inputs and {size} outputs: the adapter was trained for another model")
 
-    def set_slice(self, slot: int, part: int, weights: LoRAModuleWeights) -> None:
-        """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared)."""
+    def set_slice(self, slot: int, part: int | None, weights: LoRAModuleWeights) -> None:
+        """Put an adapter module's A and B in slice ``part`` of ``slot`` (the slot was cleared);
+        ``part=None``: A in every slice and each slice its rows of B, in the fused order."""
         self.check_fits(part, weights)
-        rank, size = weights.rank, self.slice_sizes[part]
-        self.lora_a[slot, part, :rank].copy_(weights.lora_a)
-        self.lora_b[slot, part, :size, :rank].copy_(weights.lora_b)
+        parts = range(len(self.slice_sizes)) if part is None else [part]
+        rows = weights.lora_b.split([self.slice_sizes[p] for p in parts])
+        for index, lora_b in zip(parts, rows, strict=True):
+            self.lora_a[slot, index, :weights.rank].copy_(weights.lora_a)
+            self.lora_b[slot, index, :lora_b.shape[0], :weights.rank].copy_(lora_b)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -140,7 +147,10 @@ def wrap_lora_linears(model: nn.Module, batch: LoRABatch, max_rank: int,
         setattr(model.get_submodule(parent_path), leaf, wrapper)
         for checkpoint_name, index in parts_of[leaf]:
             targets[f"{parent_path}.{checkpoint_name}"] = LoRATarget(wrapper, index)
+        if leaf in FUSED_TARGETS:
+            targets[f"{parent_path}.{leaf}"] = LoRATarget(wrapper, None)
     if not targets:
         raise ValueError(f"enable_lora=True: {type(model).__name__} has no linear pagedlab can put LoRA on "
-                         f"(supported: the Llama-style projections {list(SUPPORTED_TARGETS)})")
+                         f"(supported: the Llama-style projections {list(SUPPORTED_TARGETS)}, and "
+                         f"{list(FUSED_TARGETS)} where the checkpoint fuses them, as Phi-3's)")
     return targets
