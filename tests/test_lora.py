@@ -246,3 +246,24 @@ def test_models_without_lora_capable_linears_are_refused(tiny_models, arch):
     is refused naming the model and what pagedlab puts LoRA on, not accepted to drop adapters."""
     with pytest.raises(ValueError, match=r"enable_lora=True: \w+ has no linear .*'q_proj'.*'qkv_proj'"):
         LLM(tiny_models(arch).path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True)
+
+
+class _NotAWeight:
+    """A pickled object a ``weights_only`` load must refuse."""
+
+
+def test_adapter_model_bin_is_read_without_safetensors(tiny_llama, llama_adapters, expected, tmp_path):
+    """PEFT's older format (``save_pretrained(safe_serialization=False)``: ``adapter_model.bin``)
+    is read as vLLM reads it, ``torch.load(weights_only=True)``: PEFT's tokens; a pickle holding
+    anything but tensors is refused naming the file, and nothing in it runs."""
+    llama_adapters["all-r8"].peft_model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert not (tmp_path / "bin" / "adapter_model.safetensors").exists()
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8}))
+    torch.save({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": _NotAWeight()},
+               tmp_path / "evil" / "adapter_model.bin")
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_lora=True, max_lora_rank=16) as llm:
+        lora = LoRARequest("bin", 1, str(tmp_path / "bin"))
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)) == expected["all-r8"]
+        with pytest.raises(ValueError, match=r"adapter_model\.bin.*weights_only=True.*_NotAWeight"):
+            llm.llm_engine.validate_lora_request(LoRARequest("evil", 2, str(tmp_path / "evil")))

@@ -1,5 +1,6 @@
 """Reading a LoRA adapter saved by PEFT (``save_pretrained``): ``adapter_config.json`` and
-``adapter_model.safetensors``, into per-module A and B matrices on the CPU.
+``adapter_model.safetensors`` (or, without it, PEFT's older ``adapter_model.bin``, read as vLLM
+reads it: ``torch.load`` with ``weights_only=True``), into per-module A and B matrices on the CPU.
 
 Each targeted module ``m`` holds ``m.lora_A.weight`` ``[r, in]`` and ``m.lora_B.weight``
 ``[out, r]`` (for a projection the checkpoint holds fused, Phi-3's ``qkv_proj``, ``out`` is the
@@ -13,6 +14,7 @@ scaling. Features PEFT adds beyond plain LoRA (DoRA and the other variants, trai
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -27,6 +29,7 @@ if TYPE_CHECKING:  # the lab reads adapter configs without loading torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+BIN_WEIGHTS_FILE = "adapter_model.bin"  # PEFT's older format, read where there is no WEIGHTS_FILE
 # Modules an adapter may target: the decoder's attention and MLP projections.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projections some checkpoints (Phi-3) hold fused: one LoRA over the whole fused output.
@@ -84,7 +87,8 @@ def read_adapter_config(path: str | Path) -> dict:
     if not config_path.is_file():
         where = "does not exist" if not directory.exists() else f"has no {CONFIG_FILE}"
         raise ValueError(f"LoRA adapter directory {str(directory)!r} {where}: an adapter is a PEFT directory "
-                         f"with {CONFIG_FILE} and {WEIGHTS_FILE} (PeftModel.save_pretrained)")
+                         f"with {CONFIG_FILE} and {WEIGHTS_FILE} or {BIN_WEIGHTS_FILE} "
+                         "(PeftModel.save_pretrained)")
     config = json.loads(config_path.read_text())
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -101,15 +105,8 @@ def read_adapter_config(path: str | Path) -> dict:
 def load_adapter(request: LoRARequest, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read and check the adapter of ``request`` (rank at most ``max_rank``, known targets only)
     into CPU tensors of ``dtype``."""
-    from safetensors.torch import load_file
-
     config = read_adapter_config(request.lora_path)
-    weights_path = Path(request.lora_path).expanduser() / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(weights_path)!r} does not exist "
-                         "(pagedlab reads adapter weights in safetensors, as PEFT saves them by default)")
-    sha256 = hashlib.sha256(weights_path.read_bytes()).hexdigest()
-    tensors = load_file(str(weights_path))
+    tensors, sha256 = _read_weights(request)
     modules = {}
     for name in sorted({_module_name(key, request) for key in tensors}):
         lora_a = tensors.get(f"{name}.lora_A.weight")
@@ -127,6 +124,35 @@ def load_adapter(request: LoRARequest, max_rank: int, dtype: torch.dtype) -> LoR
     if not modules:
         raise ValueError(f"LoRA adapter {request.lora_name!r} in {request.lora_path!r} holds no LoRA weights")
     return LoRAAdapter(request, config, modules, sha256)
+
+
+def _read_weights(request: LoRARequest) -> tuple[dict[str, torch.Tensor], str]:
+    """The adapter's tensors by name and the sha256 of their file: ``adapter_model.safetensors``,
+    else ``adapter_model.bin`` loaded with ``weights_only=True`` (tensors only, no code runs)."""
+    import torch
+    from safetensors.torch import load
+
+    directory = Path(request.lora_path).expanduser()
+    candidates = (directory / WEIGHTS_FILE, directory / BIN_WEIGHTS_FILE)
+    path = next((candidate for candidate in candidates if candidate.is_file()), None)
+    if path is None:
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(directory)!r} has neither {WEIGHTS_FILE} "
+                         f"nor {BIN_WEIGHTS_FILE} (PEFT's save_pretrained writes one of them)")
+    data = path.read_bytes()
+    sha256 = hashlib.sha256(data).hexdigest()
+    if path.name == WEIGHTS_FILE:
+        return load(data), sha256
+    try:
+        tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle's errors for what weights_only refuses, and for a corrupt file
+        lines = str(e).splitlines() or [""]  # torch's advice to load untrusted files without it: left out
+        reason = next((line.strip() for line in lines if "WeightsUnpickler error" in line), lines[0])
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(path)!r} could not be read with "
+                         f"torch.load(weights_only=True), which loads tensors only ({reason})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(path)!r} holds a "
+                         f"{type(tensors).__name__}, not a dict of tensors as PEFT saves")
+    return tensors, sha256
 
 
 def _module_name(key: str, request: LoRARequest) -> str:

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter in PEFT format (a directory with ``adapter_config.json`` and
-    ``adapter_model.safetensors``), named by ``lora_name`` and identified by ``lora_int_id``
-    (an integer >= 1, unique per adapter: the engine caches weights and KV blocks under it).
+    ``adapter_model.safetensors`` or ``adapter_model.bin``), named by ``lora_name`` and identified
+    by ``lora_int_id`` (an integer >= 1, unique per adapter: the engine caches weights and KV
+    blocks under it).
     ``base_model_name``: the parent the server's ``/v1/models`` lists (default: the served model)."""
 
     lora_name: str
