@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import httpx
 import pytest
 import torch
 
@@ -19,8 +20,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("peft")
 
+from fastapi.testclient import TestClient  # noqa: E402
+
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402  (needs the optional packages above)
 from pagedlab.server.cli import lora_modules_from_args  # noqa: E402
+from pagedlab.server.serving_models import runtime_lora_updating_allowed  # noqa: E402
 
 MODEL = "tiny"
 PROMPT = "the sky is blue and the fox"
@@ -49,7 +53,8 @@ def served(tmp_path_factory):
     engine = AsyncEngine.from_llm(llm)
     with ServerThread(build_app(engine, served_model_names=[MODEL], lora_modules=modules)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        yield {"client": client, "expected": expected, "modules": modules}
+        yield {"client": client, "expected": expected, "modules": modules, "url": srv.url, "engine": engine,
+               "adapters": adapters, "prompt_ids": ids}
     engine.shutdown()
     llm.close()
 
@@ -99,3 +104,105 @@ def test_lora_modules_flag_takes_vllms_json_form():
                      ('{"path": "/x"}', "name"), ('["a", "/x"]', "JSON object")):
         with pytest.raises(ValueError, match=f"--lora-modules.*{why}"):
             lora_modules_from_args(argparse.Namespace(lora_modules=[bad]))
+
+
+# ---- runtime loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING) ----------------------------------------
+@pytest.fixture(scope="module")
+def runtime(served):
+    """A second app on the same engine, with runtime LoRA updating beside the same --lora-modules
+    (one engine takes one app's adapter ids: runtime loads number theirs after these)."""
+    app = build_app(served["engine"], served_model_names=[MODEL], enable_metrics=False,
+                    lora_modules=served["modules"], allow_runtime_lora_updating=True)
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        yield {**served, "client": client, "url": srv.url}
+
+
+def post(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+
+
+def complete(client, model: str, max_tokens: int = GREEDY.max_tokens) -> str:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def test_runtime_lora_routes_exist_only_when_allowed(served, monkeypatch):
+    """vLLM adds the routes only under VLLM_ALLOW_RUNTIME_LORA_UPDATING=1/true (read its way)."""
+    body = {"lora_name": "x", "lora_path": served["modules"][0].lora_path}
+    assert post(served["url"], "load_lora_adapter", body).status_code == 404
+    assert post(served["url"], "unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+    assert [m.id for m in served["client"].models.list().data] == [MODEL, "sql", "poet"]
+    for value, allowed in (("1", True), ("True", True), (" true ", True), ("0", False), ("yes", False),
+                           ("", False)):
+        assert runtime_lora_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}) is allowed, value
+    assert not runtime_lora_updating_allowed({})
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    app = build_app(served["engine"], [MODEL], enable_metrics=False)
+    r = TestClient(app).post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"  # the route answered
+
+
+def test_load_serve_and_unload_an_adapter_at_runtime(runtime):
+    """vLLM's answers: a loaded adapter is listed and serves its name (PEFT's tokens, checked in
+    the fixture); loading a name twice is a 400, unloading an unknown one a 404; once unloaded,
+    requests naming it get 404 and /v1/models drops it; the name can be loaded again."""
+    client, url, path = runtime["client"], runtime["url"], runtime["modules"][0].lora_path
+    static = [MODEL, "sql", "poet"]
+    assert [m.id for m in client.models.list().data] == static
+    for _ in range(2):  # loaded, unloaded, and loaded again under the same name
+        r = post(url, "load_lora_adapter", {"lora_name": "sql-rt", "lora_path": path})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql-rt' added successfully.")
+        cards = client.models.list().data
+        assert [m.id for m in cards] == [*static, "sql-rt"]
+        assert cards[-1].root == path and cards[-1].parent == MODEL
+        assert complete(client, "sql-rt") == runtime["expected"]["sql"].text
+        again = post(url, "load_lora_adapter", {"lora_name": "sql-rt", "lora_path": path})
+        assert again.status_code == 400
+        assert again.json()["error"]["message"] == "The lora adapter 'sql-rt' has already been loaded."
+        r = post(url, "unload_lora_adapter", {"lora_name": "sql-rt"})
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql-rt' removed successfully.")
+        assert [m.id for m in client.models.list().data] == static
+        with pytest.raises(openai.NotFoundError, match="sql-rt"):
+            complete(client, "sql-rt")
+    gone = post(url, "unload_lora_adapter", {"lora_name": "sql-rt"})
+    assert gone.status_code == 404
+    assert gone.json()["error"] == {"message": "The lora adapter 'sql-rt' cannot be found.",
+                                    "type": "NotFoundError", "param": None, "code": 404}
+
+
+def test_bad_runtime_loads_are_refused_and_nothing_is_listed(runtime, tmp_path):
+    url = runtime["url"]
+    (tmp_path / "head").mkdir()
+    head = make_adapter(runtime["adapters"]["sql"].peft_model.get_base_model(), tmp_path / "head", 0, 4, 8,
+                        ["lm_head"])
+    for body, status, message in (
+            ({"lora_name": "a"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+            ({"lora_name": "a", "lora_path": str(tmp_path / "nope")}, 404, "No adapter found for"),
+            ({"lora_name": "a", "lora_path": head.path}, 400, "targets module 'lm_head'"),
+            ({"lora_name": MODEL, "lora_path": head.path}, 400, "name of the base model"),
+            ({"lora_name": 5, "lora_path": head.path}, 400, "lora_name")):
+        r = post(url, "load_lora_adapter", body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)
+    assert post(url, "unload_lora_adapter", {}).status_code == 400
+    assert [m.id for m in runtime["client"].models.list().data] == [MODEL, "sql", "poet"]
+
+
+def test_unloading_an_adapter_mid_request_lets_the_request_finish(runtime):
+    """As in vLLM, unloading drops the engine's copies of the adapter, and a request already
+    running on it reads it again from its directory and finishes with it: PEFT's tokens."""
+    client, url, engine = runtime["client"], runtime["url"], runtime["engine"]
+    max_tokens = 48
+    want = hf_greedy(runtime["adapters"]["poet"].peft_model, runtime["prompt_ids"], max_tokens)
+    r = post(url, "load_lora_adapter", {"lora_name": "poet-rt", "lora_path": runtime["modules"][1].lora_path})
+    assert r.status_code == 200
+    loads = engine.call(lambda e: e.runner.lora.num_loads).result()
+    stream = client.completions.create(model="poet-rt", prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [next(iter(stream))]
+    assert post(url, "unload_lora_adapter", {"lora_name": "poet-rt"}).status_code == 200
+    assert engine.call(lambda e: e.num_unfinished_requests).result() == 1  # it was unloaded mid-request
+    chunks.extend(stream)
+    token_ids = [t for c in chunks for t in (c.choices[0].token_ids or [])]
+    assert token_ids == want
+    assert engine.call(lambda e: e.runner.lora.num_loads).result() == loads + 1  # read again from disk

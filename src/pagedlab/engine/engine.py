@@ -301,6 +301,11 @@ class LLMEngine:
                              "with enable_lora=True (and max_lora_rank >= the adapters' rank)")
         self.runner.lora.get_adapter(lora_request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop adapter ``lora_int_id``'s CPU copy and GPU slot (vLLM's ``remove_lora``); False if
+        it held neither. A request still running on it reads it again from its directory."""
+        return self.runner.lora is not None and self.runner.lora.remove_lora(lora_int_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""
         if not self.output_processor.has_request(request_id):

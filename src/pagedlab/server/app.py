@@ -1,7 +1,9 @@
 """An OpenAI-compatible HTTP server over ``AsyncEngine`` (FastAPI + uvicorn).
 
 Endpoints: ``GET /health``, ``GET /metrics`` (Prometheus), ``GET /version``, ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``.
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``;
+with runtime LoRA updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, see ``serving_models``) also
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``.
 Requests join the running batch as they arrive (online continuous batching) and stream token by
 token with ``"stream": true``. Errors use OpenAI's body, ``{"error": {"message", "type", "param",
 "code"}}``: 400 for bad parameters, malformed JSON and prompts longer than the model allows, 401
@@ -46,6 +48,8 @@ from pagedlab.server.protocol import (APIError, ChatCompletionRequest, Completio
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
 from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
+from pagedlab.server.serving_models import (RUNTIME_LORA_ENV, LoadLoRAAdapterRequest, OpenAIServingModels,
+                                            UnloadLoRAAdapterRequest, runtime_lora_updating_allowed)
 from pagedlab.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -57,12 +61,15 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               api_key: str | None = None, chat_template: str | None = None,
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
               shutdown_engine: bool = False, limits: ServerLimits | None = None,
-              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+              lora_modules: Sequence[LoRARequest] = (),
+              allow_runtime_lora_updating: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
     guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
     ``shutdown_engine`` stops the engine thread when the app shuts down;
-    ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``)."""
+    ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``);
+    ``allow_runtime_lora_updating`` adds the routes loading and unloading adapters (default:
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -80,19 +87,25 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.served_model_names = names
-    app.state.lora_modules = list(lora_modules)
+    app.state.models = models = OpenAIServingModels(engine, names, lora_modules)
     app.state.created = int(time.time())
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
-    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, lora_modules)
-    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, lora_modules)
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models)
     app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission,
-                                                               lora_modules)
+                                                               models)
     app.add_middleware(CatchAllMiddleware)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_updating_allowed()
+    if allow_runtime_lora_updating:
+        logger.warning("LoRA adapters can be loaded and unloaded at runtime (%s): only for local development",
+                       RUNTIME_LORA_ENV)
+        app.include_router(lora_router)
     return app
 
 
@@ -210,7 +223,7 @@ async def list_models(raw_request: Request) -> Response:
     base = [ModelCard(id=name, root=str(info.model_path), **common) for name in state.served_model_names]
     adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path,
                           parent=lora.base_model_name or state.served_model_names[0], **common)
-                for lora in state.lora_modules]
+                for lora in state.models.lora_requests.values()]
     return json_response(ModelList(data=base + adapters))
 
 
@@ -229,6 +242,23 @@ async def create_chat_completion(raw_request: Request) -> Response:
     request = parse_request(ChatCompletionRequest, await _json_body(raw_request))
     return await _respond(raw_request,
                           lambda disconnected: serving.create_chat_completion(request, disconnected))
+
+
+lora_router = APIRouter()  # included only with runtime LoRA updating
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(raw_request: Request) -> Response:
+    """vLLM's runtime adapter loading: ``{"lora_name", "lora_path"}``."""
+    request = parse_request(LoadLoRAAdapterRequest, await _json_body(raw_request))
+    return Response(await raw_request.app.state.models.load_lora_adapter(request), media_type="text/plain")
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(raw_request: Request) -> Response:
+    """vLLM's runtime adapter unloading: ``{"lora_name"}``."""
+    request = parse_request(UnloadLoRAAdapterRequest, await _json_body(raw_request))
+    return Response(await raw_request.app.state.models.unload_lora_adapter(request), media_type="text/plain")
 
 
 # a \uD800-\uDFFF escape, or its UTF-8 form (which json.loads lets through too)

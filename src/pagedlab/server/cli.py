@@ -46,7 +46,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) served under NAME: a request whose model is NAME "
                         "runs with it (repeatable; turns on --enable-lora); or, as in vLLM, JSON "
-                        '\'{"name": NAME, "path": PATH, "base_model_name": PARENT}\'')
+                        '\'{"name": NAME, "path": PATH, "base_model_name": PARENT}\'. With '
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter add and remove adapters while serving (needs --enable-lora)")
 
 
 def lora_modules_from_args(args: argparse.Namespace) -> list[LoRARequest]:

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Sequence
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.inputs import EncodedPrompt, chat_prompt
-from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import PositionLogprobs
 from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogprobs, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -22,6 +21,7 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
                                             usage_info)
+from pagedlab.server.serving_models import OpenAIServingModels
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -30,8 +30,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
                  chat_template: str | None = None, admission: Admission | None = None,
-                 lora_modules: Sequence[LoRARequest] = ()):
-        super().__init__(engine, served_model_names, admission, lora_modules)
+                 models: OpenAIServingModels | None = None):
+        super().__init__(engine, served_model_names, admission, models)
         self.chat_template = chat_template
 
     async def create_chat_completion(self, request: ChatCompletionRequest,

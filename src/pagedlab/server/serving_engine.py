@@ -16,12 +16,12 @@ from pydantic import BaseModel
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
-from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.limits import ServerLimits
 from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, LogprobEntry, PromptLogprobs,
                                       PromptTokensDetails, UsageInfo, bad_request, engine_dead, param_of,
                                       quoted, unavailable)
+from pagedlab.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +91,15 @@ class Admission:
 
 
 class OpenAIServing:
-    """The base of the endpoint handlers: one engine, served under ``served_model_names`` (and each
-    LoRA adapter of ``lora_modules`` under its name), with the limits of ``admission`` (shared by
-    all endpoints; default: ``ServerLimits()``)."""
+    """The base of the endpoint handlers: one engine, served under ``served_model_names`` (and the
+    LoRA adapters of ``models`` under theirs: shared by all endpoints, as the limits of
+    ``admission`` are; defaults: no adapters, ``ServerLimits()``)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
-                 admission: Admission | None = None, lora_modules: Sequence[LoRARequest] = ()):
+                 admission: Admission | None = None, models: OpenAIServingModels | None = None):
         self.engine = engine
         self.served_model_names = list(served_model_names)
-        self.lora_modules = {lora.lora_name: lora for lora in lora_modules}  # served names of adapters
+        self.models = models if models is not None else OpenAIServingModels(engine, served_model_names)
         self.admission = admission if admission is not None else Admission(engine, ServerLimits())
 
     # ---- checks ---------------------------------------------------------------------------
@@ -158,14 +158,7 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> str:
         """The served name the response carries; 404 for a model this server does not serve."""
-        if model is None:
-            return self.served_model_names[0]
-        if model not in self.served_model_names and model not in self.lora_modules:
-            served = [*self.served_model_names, *self.lora_modules]
-            raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                                f"{', '.join(repr(n) for n in served)}.",
-                           "invalid_request_error", "model", "model_not_found")
-        return model
+        return self.models.check_model(model)
 
     def require_tokenizer(self, what: str):
         """The tokenizer, or a 400 saying that ``what`` needs one."""
@@ -211,11 +204,12 @@ class OpenAIServing:
     def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
                      stream: bool, model: str | None = None) -> list[RequestStream]:
         """One engine request per prompt (ids ``request_id-i`` when there are several), under the
-        LoRA adapter ``model`` names, if it names one; a 503 when the waiting queue cannot take
-        them. The queue is checked here, with no await before the requests are tracked, so requests
-        that passed their checks together (a grammar compiling) cannot all take its last place."""
+        LoRA adapter ``model`` names, if it names one (a 404 if it was unloaded since the request's
+        checks); a 503 when the waiting queue cannot take them. The queue is checked here, with no
+        await before the requests are tracked, so requests that passed their checks together (a
+        grammar compiling) cannot all take its last place."""
         self.admission.check(len(prompts) * params.n)
-        lora_request = self.lora_modules.get(model) if model is not None else None
+        lora_request = self.models.lora_request(model)
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
