@@ -80,12 +80,14 @@ def test_bad_completion_bodies(body, param, says):
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "must be one of"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
-    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice", "tool_choice='auto' needs tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function",
+     "'tools[0].function' is required"),
+    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice",
+     "When using `tool_choice`, `tools` must be set."),
     ({"messages": CHAT, "tool_choice": 5}, "tool_choice",
      "5 is not valid for 'tool_choice': expected a string or an object"),
     ({"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
-     "needs tools"),
+     "`tools` must be set"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
@@ -95,9 +97,9 @@ def test_bad_chat_bodies(body, param, says):
     assert error.info.param == param and says in error.info.message
 
 
-def test_tool_choice_none_is_no_tools():
-    request = parse_request(ChatCompletionRequest, {"messages": CHAT, "tool_choice": "none", "tools": []})
-    assert request.tool_choice == "none"
+def test_tool_choice_none_needs_no_tools():
+    request = parse_request(ChatCompletionRequest, {"messages": CHAT, "tool_choice": "none"})
+    assert request.tool_choice == "none" and request.tool_json_schema() is None
 
 
 def test_lenient_where_openai_is():

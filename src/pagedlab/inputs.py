@@ -117,14 +117,15 @@ def as_conversation_list(messages) -> list[list]:
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, model: str = "", continue_final_message: bool = False,
-                chat_template_kwargs: dict | None = None) -> dict:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict:
     """A conversation rendered through the chat template, as a prompt that adds no special tokens
     (the template already holds them). ``continue_final_message`` leaves the last (assistant)
     message open for the model to continue, as vLLM does; ``chat_template_kwargs`` are extra
     variables for the template (e.g. ``enable_thinking=False``), and win over the arguments of
-    the same name, as vLLM's."""
+    the same name, as vLLM's; ``tools`` (OpenAI's tool objects) go to the template's ``tools``."""
     tokenizer = require_tokenizer(tokenizer, "chat conversations", model)
     template_args = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                     "tools": tools,
                      "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
     add_generation_prompt = template_args["add_generation_prompt"]
     continue_final_message = template_args["continue_final_message"]

@@ -62,14 +62,16 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
               shutdown_engine: bool = False, limits: ServerLimits | None = None,
               lora_modules: Sequence[LoRARequest] = (),
-              allow_runtime_lora_updating: bool | None = None) -> FastAPI:
+              allow_runtime_lora_updating: bool | None = None, tool_calling: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
     guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
     ``shutdown_engine`` stops the engine thread when the app shuts down;
     ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``);
     ``allow_runtime_lora_updating`` adds the routes loading and unloading adapters (default:
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM)."""
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM); ``tool_calling`` holds ``OpenAIServingChat``'s
+    tool keywords (``tool_call_parser``, ``enable_auto_tool_choice``,
+    ``exclude_tools_when_tool_choice_none``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -91,7 +93,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.created = int(time.time())
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
     app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models)
-    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models)
+    app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models,
+                                               **(tool_calling or {}))
     app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission,
                                                                models)
     app.add_middleware(CatchAllMiddleware)
@@ -475,9 +478,10 @@ def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *
                served_model_names: Sequence[str] | None = None, api_key: str | None = None,
                chat_template: str | None = None, log_level: str = "info",
                enable_metrics: bool = True, limits: ServerLimits | None = None,
-               shutdown_timeout_s: float = 30.0, lora_modules: Sequence[LoRARequest] = ()) -> None:
+               shutdown_timeout_s: float = 30.0, lora_modules: Sequence[LoRARequest] = (),
+               tool_calling: dict | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
-                    shutdown_engine=True, limits=limits, lora_modules=lora_modules)
+                    shutdown_engine=True, limits=limits, lora_modules=lora_modules, tool_calling=tool_calling)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     GracefulServer(config, shutdown_timeout_s).run()

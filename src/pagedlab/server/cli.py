@@ -17,6 +17,7 @@ from pathlib import Path
 from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
 from pagedlab.lora.request import LoRARequest
 from pagedlab.server.limits import ServerLimits
+from pagedlab.server.tool_parsers import TOOL_PARSERS, tool_parser_named
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--disable-metrics", action="store_true", help="no /metrics endpoint")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests use tool_choice "auto": the model decides, --tool-call-parser reads '
+                        "its tool calls (named and \"required\" tool_choice need neither flag)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read out of the model's text: hermes (Hermes 2 Pro, Qwen2.5, "
+                        "Qwen3: <tool_call> blocks) or llama3_json (Llama 3.1/3.2: JSON objects)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='keep the tools of a tool_choice "none" request out of the chat template '
+                        "(default: the template gets them, as vLLM's)")
     limits = ServerLimits()
     g.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
                    help="sequences waiting to run beyond which requests get 503 with Retry-After "
@@ -105,6 +115,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = limits_from_args(args)
+        tool_calling = tool_calling_from_args(args)
         lora_modules = lora_modules_from_args(args)
         config = engine_config_from_args(args)
         config.enable_lora = config.enable_lora or bool(lora_modules)
@@ -130,7 +141,8 @@ def serve_command(args: argparse.Namespace) -> int:
         run_server(engine, args.host, args.port, served_model_names=names, api_key=args.api_key,
                    chat_template=chat_template, log_level=args.log_level,
                    enable_metrics=not args.disable_metrics, limits=limits,
-                   shutdown_timeout_s=args.shutdown_timeout, lora_modules=lora_modules)
+                   shutdown_timeout_s=args.shutdown_timeout, lora_modules=lora_modules,
+                   tool_calling=tool_calling)
     finally:
         engine.shutdown()
     return 0
@@ -149,6 +161,15 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout} is invalid: it must be >= 0")
     return limits
+
+
+def tool_calling_from_args(args: argparse.Namespace) -> dict:
+    """``OpenAIServingChat``'s tool keywords from the serve flags; a ValueError naming the flag
+    when --enable-auto-tool-choice lacks --tool-call-parser."""
+    tool_parser_named(args.tool_call_parser, args.enable_auto_tool_choice)
+    return {"tool_call_parser": args.tool_call_parser,
+            "enable_auto_tool_choice": args.enable_auto_tool_choice,
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
 
 
 def register(subparsers) -> None:

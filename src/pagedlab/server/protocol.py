@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
+from pagedlab.server.protocol_tools import DeltaToolCall, ToolCall, ToolFields
 from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting
 
 MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
@@ -338,8 +339,8 @@ class ChatCompletionMessageParam(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(ToolFields, SamplingRequest):
+    """``POST /v1/chat/completions`` (its tool fields in ``ToolFields``)."""
 
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
     max_tokens: Integer | None = Field(None, ge=1)
@@ -347,9 +348,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
-    functions: list | None = None
-    tool_choice: Annotated[str | dict, expecting("a string or an object")] | None = None
     # vLLM's extensions
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)
@@ -360,16 +358,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
         if not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        return value
-
-    @field_validator("tools", "functions", "tool_choice")
-    @classmethod
-    def _no_tools(cls, value, info: ValidationInfo):
-        if info.field_name == "tool_choice" and value not in (None, "none"):  # vLLM: a choice needs tools
-            raise ValueError(f"tool_choice={value!r} needs tools, which this server does not support; "
-                             "give 'none' or leave it out")
-        if info.field_name != "tool_choice" and value:
-            raise ValueError(f"{info.field_name} are not supported by this server")
         return value
 
     @property
@@ -510,10 +498,12 @@ class ChatCompletionLogprobs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """The assistant's message of a chat choice."""
+    """The assistant's message of a chat choice: its text and tool calls (vLLM's content is ""
+    when a named or "required" tool_choice made the calls, null when "auto" found no text)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -545,12 +535,13 @@ class ChatCompletionResponse(OpenAIResponse):
 
 
 class DeltaMessage(OpenAIResponse):
-    """A chat choice's new text; ``role`` only on its first chunk."""
+    """A chat choice's new text or tool-call parts; ``role`` only on its first chunk."""
 
-    omitted_when_none = frozenset({"role"})
+    omitted_when_none = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

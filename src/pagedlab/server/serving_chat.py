@@ -18,21 +18,30 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                       ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo,
                                       bad_request)
+from pagedlab.server.protocol_tools import template_messages
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
                                             usage_info)
 from pagedlab.server.serving_models import OpenAIServingModels
+from pagedlab.server.serving_tools import ToolCalling, ToolStream
+from pagedlab.server.tool_parsers import tool_parser_named
 
 
 class OpenAIServingChat(OpenAIServing):
     """Serves chat completions. ``chat_template`` (Jinja) replaces the tokenizer's template; a
-    request's own ``chat_template`` wins over both."""
+    request's own ``chat_template`` wins over both. ``tool_call_parser`` (a ``TOOL_PARSERS`` name)
+    reads tool calls out of the text when ``enable_auto_tool_choice`` lets requests use
+    tool_choice "auto"; ``exclude_tools_when_tool_choice_none`` keeps the tools of a tool_choice
+    "none" request out of the chat template (vLLM's flags)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
                  chat_template: str | None = None, admission: Admission | None = None,
-                 models: OpenAIServingModels | None = None):
+                 models: OpenAIServingModels | None = None, *, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False):
         super().__init__(engine, served_model_names, admission, models)
         self.chat_template = chat_template
+        self.tool_parser = tool_parser_named(tool_call_parser, enable_auto_tool_choice)
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      disconnected: asyncio.Future | None = None
@@ -41,12 +50,19 @@ class OpenAIServingChat(OpenAIServing):
         when the client goes away (then the request is aborted)."""
         self.check_engine()
         model = self.check_model(request.model)
+        if request.tool_choice == "auto" and self.tool_parser is None:
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                              "to be set", param="tool_choice")
         params = self.with_model_defaults(request, request.to_sampling_params())
+        keeps_markers = getattr(self.tool_parser, "keeps_special_tokens", False)
+        if request.tools and request.tool_choice != "none" and keeps_markers:
+            params = params.clone(skip_special_tokens=False)  # the call markers may be special tokens
         prompt = self.render(request)
         self.validate_prompt(prompt, params, "messages")
         self.check_request([prompt], params)
         await self.compile_grammar(params)
-        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission)
+        run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
+                       ToolCalling(request, self.tool_parser))
         streams = self.add_requests([prompt], params, run.request_id, request.stream, model)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams[0]),
@@ -62,9 +78,10 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("this model's tokenizer has no chat template: start the server with "
                               "--chat-template, or use /v1/completions", param="messages")
         try:
-            prompt = chat_prompt(tokenizer, request.conversation(), template, request.add_generation_prompt,
-                                 self.served_model_names[0],
-                                 chat_template_kwargs=request.chat_template_kwargs)
+            prompt = chat_prompt(tokenizer, template_messages(request.conversation()), template,
+                                 request.add_generation_prompt, self.served_model_names[0],
+                                 chat_template_kwargs=request.chat_template_kwargs,
+                                 tools=request.tool_dicts(self.exclude_tools_when_tool_choice_none))
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
         return self.encode(prompt, "messages")
@@ -74,9 +91,10 @@ class _ChatRun:
     """One chat request in flight: what its response or stream chunks are built from."""
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
-                 request: ChatCompletionRequest, admission: Admission):
+                 request: ChatCompletionRequest, admission: Admission, tools: ToolCalling):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
-        self.admission = admission
+        self.admission, self.tools = admission, tools
+        self.wants_every_chunk = request.logprobs or request.return_token_ids
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
         self.top_logprobs = None if request.logprob_token_ids else request.top_logprobs or 0
@@ -103,9 +121,10 @@ class _ChatRun:
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
+            content, tool_calls, finish_reason = self.tools.message(c.text, c.finish_reason)
             choice = ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(content=c.text),
-                logprobs=self._logprobs(c.logprobs or [], c.token_ids), finish_reason=c.finish_reason,
+                index=c.index, message=ChatMessage(content=content, tool_calls=tool_calls),
+                logprobs=self._logprobs(c.logprobs or [], c.token_ids), finish_reason=finish_reason,
                 stop_reason=c.stop_reason)
             if self.return_token_ids:
                 choice.token_ids = c.token_ids
@@ -120,8 +139,18 @@ class _ChatRun:
         return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                             choices=choices, usage=usage)
 
-    def _chunks(self, out: RequestOutput, states: list[StreamedChoice]) -> list[ChatCompletionStreamResponse]:
-        """A chunk per choice with something new; a choice's first chunk says the role."""
+    def _delta(self, c, text: str, finish: str | None, tool_stream: ToolStream
+               ) -> tuple[DeltaMessage, str | None]:
+        """A choice's new text as a delta (content, or tool-call parts) and its finish_reason."""
+        if not self.tools.active:
+            return DeltaMessage(content=text), finish
+        content, tool_calls = tool_stream.step(c.text, finish is not None)
+        return DeltaMessage(content=content, tool_calls=tool_calls), tool_stream.finish_reason(finish)
+
+    def _chunks(self, out: RequestOutput, states: list[StreamedChoice], tool_streams: list[ToolStream]
+                ) -> list[ChatCompletionStreamResponse]:
+        """A chunk per choice with something new (text held back for tool calls is nothing new,
+        unless logprobs or token ids come with it); a choice's first chunk says the role."""
         chunks = []
         for c in out.outputs:
             state = states[c.index]
@@ -129,7 +158,11 @@ class _ChatRun:
             if taken is None:
                 continue
             text, new_ids, new_lps, finish = taken
-            delta = DeltaMessage(content=text, role=None if state.started else "assistant")
+            delta, finish = self._delta(c, text, finish, tool_streams[c.index])
+            nothing_new = delta.content is None and delta.tool_calls is None and not finish
+            if nothing_new and not self.wants_every_chunk:
+                continue
+            delta.role = None if state.started else "assistant"
             state.started = True
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index, delta=delta, logprobs=self._logprobs(new_lps or [], new_ids),
@@ -144,10 +177,11 @@ class _ChatRun:
         """The chunks of each engine output as it comes; with ``include_usage`` a last chunk with
         the usage and no choices."""
         states = [StreamedChoice() for _ in range(self.params.n)]
+        tool_streams = [ToolStream(self.tools) for _ in range(self.params.n)]
         async with contextlib.aclosing(merge_streams([stream])) as merged:
             async for _, out in merged:
                 self.admission.check_not_cut(out)
-                chunks = self._chunks(out, states)
+                chunks = self._chunks(out, states, tool_streams)
                 if out.finished and self.include_usage:
                     chunks.append(self._chunk([], usage_info([self.prompt], [out])))
                 yield chunks

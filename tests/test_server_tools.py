@@ -1,0 +1,257 @@
+"""Tool calling in chat completions, against vLLM's semantics: request validation (vLLM's messages),
+named and "required" tool_choice constrained by the tools' schemas (checked with jsonschema), the
+hermes and llama3_json parsers on the texts vLLM's own parser tests use, "auto" end to end (a
+regex forces the model's text), streams whose deltas add up to the full response, and the chat
+template receiving the tools. A tiny random Llama with a real tokenizer, served live."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedlab import LLM
+from pagedlab.engine.async_engine import AsyncEngine
+from pagedlab.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, tool_parser_named
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from pagedlab.server.app import ServerThread, build_app  # noqa: E402
+from pagedlab.server.protocol import APIError, ChatCompletionRequest, parse_request  # noqa: E402
+
+# renders the tools as Qwen's template does: a JSON line per tool in the system turn
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}{{ c['function']['arguments']['city'] }}{% endfor %}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+WEATHER = {"type": "object",
+           "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"enum": [1, 2, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Two servers on one engine: one without tool flags, one with --enable-auto-tool-choice hermes."""
+    model_dir = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"), max_position_embeddings=1024)
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+    engine = AsyncEngine.from_llm(llm)
+    plain = build_app(engine, served_model_names=["tiny"], chat_template=TOOLS_TEMPLATE, enable_metrics=False)
+    auto = build_app(engine, served_model_names=["tiny"], chat_template=TOOLS_TEMPLATE, enable_metrics=False,
+                     tool_calling={"tool_call_parser": "hermes", "enable_auto_tool_choice": True})
+    with ServerThread(plain) as p, ServerThread(auto) as a:
+        yield {"plain": p.url, "auto": a.url, "app": plain, "tokenizer": llm.get_tokenizer()}
+    engine.shutdown()
+    llm.close()
+
+
+def _chat(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, **body},
+                      timeout=60)
+
+
+def _streamed(url: str, **body) -> tuple[str, dict[int, dict], str, list[dict]]:
+    """(content, calls by index with id/name/arguments, finish_reason, the tool-call deltas) of a stream."""
+    content, calls, finish, deltas = "", {}, None, []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={"messages": MESSAGES, "tools": TOOLS, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for d in choice["delta"].get("tool_calls") or []:
+                deltas.append(d)
+                call = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
+                call["name"] += d.get("function", {}).get("name") or ""
+                call["arguments"] += d.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, calls, finish, deltas
+
+
+def _assert_stream_equals(url: str, **body) -> dict:
+    """The streamed deltas add up to the full response (content, calls, and their ids' form)."""
+    body.setdefault("temperature", 0)
+    full = _chat(url, **body)
+    assert full.status_code == 200, full.text
+    choice = full.json()["choices"][0]
+    content, calls, _, deltas = _streamed(url, **body)
+    assert content == (choice["message"]["content"] or "")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (t["function"]["name"], t["function"]["arguments"]) for t in choice["message"]["tool_calls"]]
+    for call in calls.values():  # the first delta of a call carries its id and type, the later ones not
+        assert call["id"].startswith("chatcmpl-tool-")
+    assert all(d.get("type") == "function" for d in deltas if "id" in d)
+    return choice
+
+
+# ---- request validation (vLLM's messages) --------------------------------------------------------
+@pytest.mark.parametrize("body, says", [
+    ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tools": TOOLS, "tool_choice": "any"},
+     'Invalid value for `tool_choice`: any! Only named tools, "none"'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "Invalid value for `function`: `None`"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+     "Expected field `name` in `function` in `tool_choice`!"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}}, "Invalid `name`"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "The tool specified in `tool_choice` does not match any of the specified `tools`"),
+    ({"tools": []}, "`tools` must not be an empty array."),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "'tools[0].function.name'"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"functions": [{"name": "f"}]}, "functions (OpenAI's deprecated form of tools) are not supported"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "not both"),
+])
+def test_bad_tool_requests_are_400s(body, says):
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, {"messages": MESSAGES, **body}).to_sampling_params()
+    assert e.value.status == 400 and says in e.value.info.message
+
+
+def test_tool_choice_defaults_as_vllm():
+    with_tools = parse_request(ChatCompletionRequest, {"messages": MESSAGES, "tools": TOOLS})
+    assert with_tools.tool_choice == "auto" and with_tools.parallel_tool_calls is True
+    assert parse_request(ChatCompletionRequest, {"messages": MESSAGES}).tool_choice == "none"
+    assert parse_request(ChatCompletionRequest, {"messages": MESSAGES, "tool_choice": "none"}).tools is None
+
+
+def test_auto_needs_the_server_flags(served):
+    r = _chat(served["plain"], max_tokens=2)  # tools without tool_choice: "auto"
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ('"auto" tool choice requires --enable-auto-tool-choice and '
+                                            "--tool-call-parser to be set")
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        tool_parser_named(None, True)
+    with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is invalid"):
+        tool_parser_named("mistral", True)
+
+
+# ---- named and "required" ------------------------------------------------------------------------
+def test_named_tool_choice_returns_schema_valid_arguments(served):
+    # seeded sampling: greedy, the random weights would pad JSON with whitespace up to max_tokens
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    seeded = {"max_tokens": 120, "temperature": 1.0, "seed": 1}
+    choice = _assert_stream_equals(served["plain"], tool_choice=named, **seeded)
+    message = choice["message"]
+    assert message["content"] == "" and choice["finish_reason"] == "stop"  # vLLM's, for a named choice
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    *_, finish, deltas = _streamed(served["plain"], tool_choice=named, **seeded)
+    assert finish == "tool_calls" and deltas[0]["function"]["name"] == "get_weather"
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_returns_calls_of_the_given_tools(served, parallel):
+    choice = _assert_stream_equals(served["plain"], tool_choice="required", max_tokens=300, seed=5,
+                                   temperature=1.0, parallel_tool_calls=parallel)
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
+    # seed 5 makes two calls; without parallel_tool_calls, only the first is returned
+    assert len(calls) == (2 if parallel else 1)
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+# ---- "auto" ----------------------------------------------------------------------------------------
+HERMES_CASES = [  # vLLM's hermes parser tests' outputs
+    ("<tool_call>\n" + CALL + "\n</tool_call>", None, [("get_weather", {"city": "Paris", "days": 2})]),
+    ("I'll check. <tool_call>" + CALL + "</tool_call>\n<tool_call>"
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', "I'll check. ",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]),
+    ("<tool_call>" + CALL, None, [("get_weather", {"city": "Paris", "days": 2})]),  # unclosed last block
+    ("This is a test", "This is a test", []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', None, []),  # malformed JSON
+    ('<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+]
+LLAMA_CASES = [  # vLLM's llama3_json parser tests' outputs
+    ('Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
+     "Here is the result: ", [("getOpenIncidentsTool", {})]),
+    ('{"name": "searchTool", "parameters": {"query": "test1"}} ; {"name": "getOpenIncidentsTool", '
+     '"parameters": {}} ; {"name": "searchTool", "arguments": {"query": "test2"}}', None,
+     [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {}), ("searchTool", {"query": "test2"})]),
+    ('{"name": "complexTool", "parameters": '
+     '{"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}}}',
+     None, [("complexTool", {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}})]),
+    ('<|python_tag|>{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}', None,
+     [("parserTool", {"text": 'He said "Hello {world}"'})]),
+    ("This is just some text without any tool calls", "This is just some text without any tool calls", []),
+    ('{"name": "invalidTool", "parameters": {invalid json}', None, []),
+    ('{"parameters": {}}', None, []),
+    ('{"name": "toolWithoutParams"}', None, []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    *[(HermesToolParser(), *case) for case in HERMES_CASES],
+    *[(Llama3JsonToolParser(), *case) for case in LLAMA_CASES]])
+def test_parsers_on_vllm_examples(parser, text, content, calls):
+    found = parser.extract(text)
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == calls
+    assert found.content == (content if calls else text)  # no calls: the text, whole, is the content
+
+
+def test_parser_holds_back_a_marker_split_across_deltas():
+    hermes = HermesToolParser()
+    assert hermes.hold_from("Sure <tool") == 5 and hermes.hold_from("Sure <tool_call>{") == 5
+    assert hermes.hold_from("a < b") == 5
+    assert Llama3JsonToolParser().hold_from('ok {"name"') == 3
+
+
+@pytest.mark.parametrize("prefix", ["", "Sure. "])
+def test_auto_hermes_end_to_end(served, prefix):
+    forced = {"guided_regex": prefix.replace(".", r"\.") + r"<tool_call>" + CALL.replace("{", r"\{").replace(
+        "}", r"\}") + r"</tool_call>", "max_tokens": 120}
+    choice = _assert_stream_equals(served["auto"], **forced)
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == (prefix or None)
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
+
+
+def test_auto_without_calls_is_plain_content(served):
+    choice = _assert_stream_equals(served["auto"], guided_regex="plain answer", max_tokens=40)
+    assert choice["message"] == {"role": "assistant", "content": "plain answer", "tool_calls": []}
+    assert choice["finish_reason"] == "stop"
+
+
+# ---- the chat template gets the tools -------------------------------------------------------------
+def test_chat_template_receives_tools_and_earlier_calls(served):
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Tokyo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    serving = served["app"].state.serving_chat
+    tokenizer = served["tokenizer"]
+    for choice in ("none", "required"):
+        request = parse_request(ChatCompletionRequest,
+                                {"messages": history, "tools": TOOLS, "tool_choice": choice})
+        template_history = [{**m, "content": m["content"] or ""} for m in json.loads(json.dumps(history))]
+        template_history[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Tokyo", "days": 1}
+        # vLLM hands each tool over whole: type, then function's name, description (null when
+        # absent) and parameters
+        tools = [{"type": "function", "function": {"name": t["function"]["name"],
+                                                   "description": t["function"].get("description"),
+                                                   "parameters": t["function"]["parameters"]}} for t in TOOLS]
+        want = tokenizer.apply_chat_template(template_history, tools=tools, chat_template=TOOLS_TEMPLATE,
+                                             add_generation_prompt=True, tokenize=False)
+        assert '"name": "get_time"' in want and "Tokyo</s>" in want
+        assert serving.render(request).token_ids == tokenizer.encode(want, add_special_tokens=False)
