@@ -92,6 +92,21 @@ def test_dense_gemv_folds_the_norm(gemv, case, dtype, residual, normed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_column_tile_over_two_k_steps_writes_the_whole_residual(gemv, dtype):
+    """A one-row fold whose weight is one column tile (a router of 8 experts) over two K steps:
+    the kernel sums the squares in its loop only where a program stands for each step's write of
+    ``x + residual``; here it reads the row first, and ``summed`` is the norm's in full."""
+    fold = random_fold(1, 200, dtype, True, True, f"one tile {dtype}")
+    weight = torch.randn(8, 200, generator=torch.Generator().manual_seed(9)).to(dtype).to(DEVICE)
+    folded, reference = fresh_buffers(fold), fresh_buffers(fold)
+    out = gemv.dense_gemv_triton(folded, weight, None, TileConfig(block_n=16, block_k=128))
+    expected = gemv.dense_gemv_torch(reference.materialize().float(), weight.float())
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+    assert torch.equal(folded.summed, reference.summed)
+    torch.testing.assert_close(folded.normed, reference.normed, atol=0, rtol=2 ** -9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", [(3, TileConfig(block_n=8, block_k=256, split_k=2)),
                                   (16, TileConfig(block_n=16, block_k=128, block_m=16))],
                          ids=lambda case: f"{case}")

@@ -435,7 +435,7 @@ def launch_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         USE_DOT=config.block_m > 0, ONE_ROW=one_row, **gemv_dot_settings(x, config),
         PREFETCH=prefetch,
         **(lora.kernel_args() if lora is not None else no_lora_args(out)), **fold_args(x, norm),
-        NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k),
+        NORM_SUMS=norm_sums(norm, one_row and not prefetch, num_splits, k_per_split // config.block_k, tiles),
         GATED=gated, tile_max_ptr=out if tile_max is None else tile_max, TILE_MAX=tile_max is not None,
         **pdl_launch(x.device), num_warps=config.num_warps, num_stages=config.num_stages)
 

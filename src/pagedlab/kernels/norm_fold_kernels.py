@@ -126,11 +126,14 @@ def folded_rstd(squares, x_ptr, res_ptr, g_ptr, summed_ptr, normed_ptr, K, eps, 
 NORM_SUMS_MAX_STEPS = 2
 
 
-def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int, steps: int) -> bool:
+def norm_sums(norm: FoldedRMSNorm | None, one_row_loop: bool, num_splits: int, steps: int,
+              tiles: int) -> bool:
     """Whether a folding dense GEMV's one program a column tile sums the norm's squares in its loop
     of ``steps`` K steps (one row, one K segment: it reads all of x anyway) rather than reading
-    the row first."""
-    return norm is not None and one_row_loop and num_splits == 1 and steps <= NORM_SUMS_MAX_STEPS
+    the row first. Program p writes step p's ``x + residual``, so it takes at least as many
+    column ``tiles`` as steps (a router of 8 experts in one tile would leave step 1 unwritten)."""
+    return (norm is not None and one_row_loop and num_splits == 1 and steps <= NORM_SUMS_MAX_STEPS
+            and steps <= tiles)
 
 
 def fold_args(x: torch.Tensor, norm: FoldedRMSNorm | None) -> dict:
