@@ -161,6 +161,14 @@ def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+def test_fused_moe_of_no_tokens_is_empty_as_the_reference():
+    """A batch of no tokens on the default config (the heuristic's, for a shape no table lists)."""
+    x, logits, w13, w2 = _moe_inputs(0, 40, 44, 8)
+    expected = moe_torch(x, logits, w13, w2, 2, True)
+    got = fused_moe_triton(x, logits, w13, w2, 2, True)
+    assert got.shape == expected.shape == (0, 40) and got.dtype == expected.dtype
+
+
 def test_fused_moe_rejects_mismatched_weights():
     x, logits, w13, w2 = _moe_inputs(4, 32, 16, 8)
     with pytest.raises(ValueError, match="must be \\[experts, 2 \\* inter"):

@@ -106,7 +106,7 @@ def default_moe_config(num_tokens: int, num_experts: int, hidden: int, inter: in
     pairs = num_tokens * top_k
     per_expert = pairs / num_experts
     if per_expert <= 16:
-        active = min(num_experts, pairs)
+        active = max(1, min(num_experts, pairs))  # no pairs (an empty batch): launches of no rows
         down_n = _fill_block_n(active, hidden, sms)
         k_steps = -(-inter // 128)
         split = max(1, min(k_steps // 2, -(-2 * sms // (active * -(-hidden // down_n)))))
