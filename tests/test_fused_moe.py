@@ -161,6 +161,19 @@ def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("config", [None, MoeConfig(16, MoeGemmConfig(32, 32), MoeGemmConfig(16, 16, 1, 3))],
+                         ids=["default", "split-k"])
+def test_fused_moe_grouped_path_in_bfloat16(config):
+    """bf16 weights and activations on the grouped GEMMs (the Triton backend runs them for a bf16
+    model, on the CPU under the interpreter too, whose tl.dot is wrong for bf16): within bf16
+    rounding of the float32 reference, as close as ``moe_torch`` in bf16 comes."""
+    x, logits, w13, w2 = _moe_inputs(37, 64, 48, 8, torch.bfloat16, seed=5)
+    expected = moe_torch(x.float(), logits.float(), w13.float(), w2.float(), 2, True)
+    got = fused_moe_triton(x, logits, w13, w2, 2, True, config)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2)
+
+
 def test_fused_moe_of_no_tokens_is_empty_as_the_reference():
     """A batch of no tokens on the default config (the heuristic's, for a shape no table lists)."""
     x, logits, w13, w2 = _moe_inputs(0, 40, 44, 8)

@@ -232,10 +232,10 @@ KERNELS = {
                       dict(TOP_K=8, BLOCK_M=16, TOKENS_BLOCK=16, EXPERTS_BLOCK=128, TOP_K_BLOCK=8,
                            COUNT_ROWS=16), _ROUTING),
     "moe_gate_up": Spec("fused_moe_kernels", "moe_gate_up_kernel",
-                        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
+                        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, DOT_DTYPE="bf16", **_TF32),
                         dict(sorted_pairs_ptr=_I, block_experts_ptr=_I)),
     "moe_down": Spec("fused_moe_kernels", "moe_down_kernel",
-                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, **_TF32),
+                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, DOT_DTYPE="bf16", **_TF32),
                      dict(partial_ptr=_F, sorted_pairs_ptr=_I, block_experts_ptr=_I)),
     # the GEMV path: gate/up routing its pairs itself (Qwen3-30B-A3B's 128 experts, top-8, bf16
     # logits: int32 keys), down folding each token's pairs through the split-K tickets; prefetching

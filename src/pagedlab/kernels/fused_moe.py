@@ -190,14 +190,11 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     return routed(router_logits, top_k, renormalize, block_m, dtype)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def moe_gate_up_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRouting,
                        gemm: MoeGemmConfig) -> torch.Tensor:
     """``silu(gate) * up`` of every pair, ``[tokens * top_k, inter]`` in pair order (one launch)."""
     from pagedlab.kernels import fused_moe_kernels
+    from pagedlab.kernels.gemv import dot_settings
 
     num_tokens, hidden = x.shape
     inter, top_k = w13.shape[1] // 2, routing.weights.shape[1]
@@ -208,7 +205,7 @@ def moe_gate_up_triton(x: torch.Tensor, w13: torch.Tensor, routing: ExpertRoutin
         x, w13, activated, routing.sorted_pairs, routing.block_experts, num_tokens * top_k, top_k, hidden,
         inter, num_row_blocks, x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m,
-        DOT_PRECISION=_dot_precision(x.dtype), **pdl_launch(x.device), num_warps=gemm.num_warps,
+        **dot_settings(x), **pdl_launch(x.device), num_warps=gemm.num_warps,
         num_stages=gemm.num_stages)
     return activated
 
@@ -218,6 +215,7 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
     """Each token's router-weighted sum of its pairs' down projections, ``[tokens, hidden]``: the
     grouped GEMM (per K split, float32 partial sums when split) and the reduce (two launches)."""
     from pagedlab.kernels import fused_moe_kernels
+    from pagedlab.kernels.gemv import dot_settings
 
     num_pairs, inter = activated.shape
     pdl = pdl_launch(activated.device)
@@ -233,7 +231,7 @@ def moe_down_triton(activated: torch.Tensor, w2: torch.Tensor, routing: ExpertRo
         activated, w2, partial, routing.sorted_pairs, routing.block_experts, num_pairs, hidden, inter,
         num_row_blocks, k_per_split, activated.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
         partial.stride(1), BLOCK_M=routing.block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
-        GROUP_M=gemm.group_m, DOT_PRECISION=_dot_precision(activated.dtype), **pdl, num_warps=gemm.num_warps,
+        GROUP_M=gemm.group_m, **dot_settings(activated), **pdl, num_warps=gemm.num_warps,
         num_stages=gemm.num_stages)
     out = torch.empty(num_tokens, hidden, dtype=activated.dtype, device=activated.device)
     top_k_block = _next_power_of_2(top_k)

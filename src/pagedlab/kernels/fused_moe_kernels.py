@@ -186,9 +186,11 @@ def _tile_position(num_row_blocks, num_col_blocks, GROUP_M: tl.constexpr):
 def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, top_k,
                        hidden, inter, num_row_blocks, stride_x, stride_w_expert, stride_w_row, stride_out,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     """``out[pair, n] = silu(x[token] . gate[n]) * (x[token] . up[n])`` for columns
-    ``n`` of this program, the expert's gate rows at ``n`` and up rows at ``inter + n``."""
+    ``n`` of this program, the expert's gate rows at ``n`` and up rows at ``inter + n``; the
+    dots in DOT_DTYPE (``gemv.dot_settings``: x's dtype, float32 for bf16 under the interpreter)."""
     pdl_wait_and_trigger(PDL)
     pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -211,8 +213,9 @@ def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=k_valid[:, None], other=0.0)
         up = tl.load(up_ptrs, mask=k_valid[:, None], other=0.0)
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a = a.to(DOT_DTYPE)
+        acc_gate = tl.dot(a, gate.to(DOT_DTYPE), acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up.to(DOT_DTYPE), acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -225,9 +228,11 @@ def moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_
 def moe_down_kernel(h_ptr, w2_ptr, partial_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, hidden, inter,
                     num_row_blocks, k_per_split, stride_h, stride_w_expert, stride_w_row, stride_split,
                     stride_partial, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    PDL: tl.constexpr):
     """``partial[split, pair, n] = h[pair, K segment] . down[n, K segment]`` for hidden
-    columns ``n``; segment ``program_id(1)`` of ``k_per_split`` (a multiple of BLOCK_K)."""
+    columns ``n``; segment ``program_id(1)`` of ``k_per_split`` (a multiple of BLOCK_K); the dots
+    in DOT_DTYPE, as ``moe_gate_up_kernel``'s."""
     pdl_wait_and_trigger(PDL)
     pid_m, pid_n = _tile_position(num_row_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -248,7 +253,7 @@ def moe_down_kernel(h_ptr, w2_ptr, partial_ptr, sorted_pairs_ptr, block_experts_
         k_valid = offs_k < k_end - k_start
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_valid[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ptrs = (partial_ptr + tl.program_id(1) * stride_split + pairs[:, None] * stride_partial
