@@ -271,7 +271,7 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--workload", default=workload, choices=WORKLOADS)
         p.add_argument("--shape", default=None, choices=SHAPES,
                        help="benchmark shape built with dummy weights when no --model is given (default: "
-                            "the workload's); examples/shapes/ holds their config.json files")
+                            "the workload's); pagedlab.workloads.shape_dir(NAME) writes its config.json")
         p.add_argument("--batch-size", type=positive_int, nargs="+", default=None,
                        help=f"W-seed/W-lat/custom: batch sizes (default: {sizes})")
         for flag, what in (("input_len", "prompt tokens"), ("output_len", "output tokens")):
