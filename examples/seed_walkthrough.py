@@ -3,7 +3,7 @@
     PYTHONPATH=src python examples/seed_walkthrough.py                # the embedded SmolLM2-135M
     PYTHONPATH=src python examples/seed_walkthrough.py --model DIR --model DIR2 --out walkthrough/
 
-1. check the machine (ECC, clocks, throttling, versions): ``pagedlab.lab.env_report()``
+1. check the machine (ECC, clocks, throttling, versions): ``pagedlab.lab.env.env_report()``
 2. will it fit (the hardware table): ``pagedlab.lab.plan.plan_memory``
 3. load with the seed's arguments: ``LLM(..., chunked_prefill_size=..., trust_remote_code=True)``
 4. generate: ``SamplingParams(temperature=0.7, top_p=0.9, seed=1)``
