@@ -90,3 +90,24 @@ def _pid_alive(pid: int) -> bool:
 def test_an_unknown_backend_is_named(tiny_llama):
     with pytest.raises(ValueError, match=r"distributed_executor_backend='dask' is invalid: .* one of"):
         LLM(tiny_llama.path, distributed_executor_backend="dask")
+
+
+def test_a_ray_worker_that_dies_before_the_rendezvous_is_an_error_naming_it(local_ray, tiny_llama,
+                                                                           monkeypatch):
+    """An actor gone before it joins the group is raised at once, not after rank 0 waited out the
+    rendezvous timeout for it."""
+    from pagedlab.engine import engine
+
+    start_workers = engine.start_tensor_parallel_workers
+
+    def start_then_kill_rank1(config, device):
+        workers = start_workers(config, device)
+        ray.kill(workers.actors[0])
+        return workers
+
+    monkeypatch.setattr(engine, "start_tensor_parallel_workers", start_then_kill_rank1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(Ray actor \w+\) exited"):
+        LLM(tiny_llama.path, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES,
+            distributed_executor_backend="ray")
+    assert time.monotonic() - start < 30

@@ -183,3 +183,28 @@ def test_no_worker_outlives_its_driver(tiny_llama, tmp_path, how):
     while psutil.pid_exists(worker_pid) and psutil.Process(worker_pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, f"worker {worker_pid} outlived its driver ({how})"
         time.sleep(0.2)
+
+
+def test_a_worker_that_dies_before_the_rendezvous_is_an_error_naming_it(tiny_llama, monkeypatch):
+    """A worker gone before it joins the group (its imports failed: e.g. a script that builds the
+    LLM without an ``if __name__ == "__main__":`` guard, which spawn re-runs) is raised at once,
+    not after rank 0 waited out the rendezvous timeout for it; the next engine starts."""
+    from pagedlab.engine import engine
+
+    start_workers = engine.start_tensor_parallel_workers
+
+    def start_then_kill_rank1(config, device):
+        workers = start_workers(config, device)
+        os.kill(workers.processes[0].pid, signal.SIGKILL)
+        workers.processes[0].join()
+        return workers
+
+    monkeypatch.setattr(engine, "start_tensor_parallel_workers", start_then_kill_rank1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code -9"):
+        LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES)
+    assert time.monotonic() - start < 30
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedlab-tp-rank")]
+    monkeypatch.undo()
+    with LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_engine_info().config.tensor_parallel_size == 2

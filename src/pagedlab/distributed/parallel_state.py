@@ -37,12 +37,14 @@ _STATE = TensorParallelState()
 
 
 def init_tensor_parallel(world_size: int = 1, rank: int = 0, backend: str = "gloo",
-                         init_method: str = "env://", timeout: timedelta | None = None) -> None:
+                         init_method: str = "env://", timeout: timedelta | None = None,
+                         store: dist.Store | None = None) -> None:
     """Join the tensor-parallel group as ``rank`` of ``world_size`` processes.
 
     ``backend`` is "gloo" for CPU tensors and "nccl" for CUDA ones (then call
     ``torch.cuda.set_device`` for this rank's GPU first); ``init_method`` is where the ranks meet
-    ("tcp://host:port", "file:///path" or "env://"); ``timeout`` bounds every collective.
+    ("tcp://host:port", "file:///path" or "env://"), unless they share a ``store`` already;
+    ``timeout`` bounds every collective.
     """
     global _STATE
     if world_size < 1 or not 0 <= rank < world_size:
@@ -57,7 +59,8 @@ def init_tensor_parallel(world_size: int = 1, rank: int = 0, backend: str = "glo
     for name, value in _MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
     kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
+    kwargs.update({"init_method": init_method} if store is None else {"store": store})
+    dist.init_process_group(backend, world_size=world_size, rank=rank, **kwargs)
     _STATE = TensorParallelState(world_size, rank, dist.group.WORLD)
 
 

@@ -123,7 +123,7 @@ class LLMEngine:
         workers = start_tensor_parallel_workers(self.config, self.device)
         try:
             join_tensor_parallel(world_size, 0, self.device, workers.init_method,
-                                 not self.config.disable_custom_all_reduce)
+                                 not self.config.disable_custom_all_reduce, workers)
             runner = load_model_runner(self.config, self.source, self.hf_config, self.device)
             workers.collect()
         except BaseException:

@@ -102,19 +102,28 @@ class RayWorkers(TensorParallelExecutor):
             raise RuntimeError(f"tensor-parallel rank {rank}: {e.cause!r}") from None
 
     def _death(self, rank: int) -> RuntimeError:
-        where = f"Ray actor {self.actors[rank - 1]._actor_id.hex()}, pid {self.pids[rank - 1]}"
+        pid = self.pids[rank - 1]  # known once its start returned
+        where = f"Ray actor {self.actors[rank - 1]._actor_id.hex()}" + (f", pid {pid}" if pid else "")
         return death_error(rank, where)
 
     def check_alive(self) -> None:
-        """Finished steps are read back here: a worker that failed or died in one is raised."""
-        if not self._steps:
-            return
-        ready, _ = self.ray.wait([ref for _, ref in self._steps], num_returns=len(self._steps), timeout=0)
-        finished = set(ready)
-        done, self._steps = ([c for c in self._steps if c[1] in finished],
-                             [c for c in self._steps if c[1] not in finished])
+        """Finished steps are read back here: a worker that failed or died in one is raised; so is
+        one whose start failed (while rank 0 waits for it to join the group)."""
+        if self._starting:
+            for rank, ref in self._finished(self._replies):  # kept: collect() reads them again
+                self._get(rank, ref)
+        done = self._finished(self._steps)
+        self._steps = [call for call in self._steps if call not in done]
         for rank, ref in done:
             self._get(rank, ref)
+
+    def _finished(self, calls: list) -> list:
+        """The (rank, ref) calls whose result is in."""
+        if not calls:
+            return []
+        ready, _ = self.ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=0)
+        finished = set(ready)
+        return [call for call in calls if call[1] in finished]
 
     def explain(self, error: Exception, grace_s: float = 2.0) -> Exception:
         pending = [ref for _, ref in self._steps + self._replies]

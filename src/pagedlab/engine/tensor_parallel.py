@@ -23,12 +23,15 @@ import dataclasses
 import multiprocessing
 import signal
 import socket
+import time
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pagedlab.config import EngineConfig
 from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable_peer_all_reduce,
@@ -44,6 +47,7 @@ from pagedlab.loader import resolve_model_source
 # 60 s, and every tensor-parallel CI test timed out at the rendezvous.
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 REPLY_POLL_S = 0.5  # how often a wait for the workers checks that they are alive
+ARRIVAL_POLL_S = 0.05  # how often rank 0 looks for the workers at the rendezvous
 
 
 @dataclass
@@ -68,14 +72,44 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_method: str,
-                         peer_all_reduce: bool = True) -> None:
+                         peer_all_reduce: bool = True, workers: TensorParallelExecutor | None = None) -> None:
     """Join the group; on GPUs also set up the one-shot all-reduce over peer memory unless
-    ``peer_all_reduce`` is off (``disable_custom_all_reduce``)."""
+    ``peer_all_reduce`` is off (``disable_custom_all_reduce``). Rank 0 passes its ``workers``
+    (see ``meet``)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_tensor_parallel(world_size, rank, process_group_backend(device), init_method, COLLECTIVE_TIMEOUT)
+    store = meet(world_size, rank, init_method, workers)
+    init_tensor_parallel(world_size, rank, process_group_backend(device), timeout=COLLECTIVE_TIMEOUT,
+                         store=store)
     if device.type == "cuda" and peer_all_reduce:
         enable_peer_all_reduce(PeerAllReduce.from_cuda_ipc(get_tp_group(), device))
+
+
+def meet(world_size: int, rank: int, init_method: str,
+         workers: TensorParallelExecutor | None = None) -> dist.TCPStore:
+    """The group's store at ``init_method`` ("tcp://host:port"), hosted by rank 0, once every rank
+    is there: each worker says it arrived, and rank 0 waits for them while checking that
+    ``workers`` live. A worker whose start failed before it joined (its imports, e.g. a script
+    without an ``if __name__ == "__main__":`` guard, which spawn re-runs) is so raised at once,
+    naming it, instead of being waited for until COLLECTIVE_TIMEOUT as a store timeout."""
+    address = urllib.parse.urlsplit(init_method)
+    store = dist.TCPStore(address.hostname, address.port, world_size, is_master=rank == 0,
+                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    if rank:
+        store.set(f"pagedlab/arrived/{rank}", "1")
+        return store
+    arrivals = {r: f"pagedlab/arrived/{r}" for r in range(1, world_size)}
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    # polled with check(), not wait(timeout): each timed-out wait logs a c10d warning
+    while not store.check(list(arrivals.values())):
+        if workers is not None:
+            workers.check_alive()
+        if time.monotonic() > deadline:
+            missing = [r for r, key in arrivals.items() if not store.check([key])]
+            raise RuntimeError(f"tensor-parallel ranks {missing} did not join the group at {init_method} "
+                               f"within {COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(ARRIVAL_POLL_S)
+    return store
 
 
 class TensorParallelExecutor:
