@@ -132,22 +132,17 @@ def test_two_ranks_give_hf_tokens(tiny_models, arch):
     assert got == [hf_greedy(tiny.hf_model, p, 6, eos_token_id=None) for p in prompts]
 
 
-def test_gpt_neox_with_gelu_fast_matches_hf(tmp_path):
-    """GPT-NeoX-20B's ``hidden_act="gelu_fast"`` (transformers' FastGELU: the tanh approximation
-    written out) gives HF's greedy tokens and logprobs."""
-    tiny = build_tiny_model(tmp_path, "gpt_neox", hidden_act="gelu_fast")
-    prompts = random_prompts(2, min_len=10, max_len=30, seed=16)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    assert_hf_tokens_and_logprobs(tiny.hf_model, prompts, outs, 6)
-
-
-def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does(tmp_path):
-    """Gemma 3's config keeps ``attn_logit_softcapping``, but transformers' (and vLLM's) Gemma 3
-    attention never caps its logits (only Gemma 2's does): set, it changes nothing."""
-    tiny = build_tiny_model(tmp_path, "gemma3", attn_logit_softcapping=1.0)
-    prompts = random_prompts(2, min_len=10, max_len=30, seed=17)
+@pytest.mark.parametrize("arch, overrides, seed", [
+    # GPT-NeoX-20B's "gelu_fast" (transformers' FastGELU: the tanh approximation written out)
+    ("gpt_neox", {"hidden_act": "gelu_fast"}, 16),
+    # Gemma 3 keeps attn_logit_softcapping in its config, but transformers' (and vLLM's) Gemma 3
+    # attention never caps its logits (only Gemma 2's does): set, it changes nothing
+    ("gemma3", {"attn_logit_softcapping": 1.0}, 17),
+])
+def test_config_settings_read_as_transformers_reads_them(tmp_path, arch, overrides, seed):
+    """Greedy tokens and logprobs equal HF's on a config setting transformers reads its own way."""
+    tiny = build_tiny_model(tmp_path, arch, **overrides)
+    prompts = random_prompts(2, min_len=10, max_len=30, seed=seed)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
