@@ -255,3 +255,36 @@ def test_chat_template_receives_tools_and_earlier_calls(served):
                                              add_generation_prompt=True, tokenize=False)
         assert '"name": "get_time"' in want and "Tokyo</s>" in want
         assert serving.render(request).token_ids == tokenizer.encode(want, add_special_tokens=False)
+
+
+# Llama 3.1's check: an assistant message with a 'tool_calls' key must hold exactly one call
+LLAMA31_CALLS_TEMPLATE = (
+    "{% for m in messages %}{% if 'tool_calls' in m %}{% if not m.tool_calls | length == 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "<|{{ m['role'] }}|>\n{{ m.tool_calls[0].function.name }}"
+    "{{ m.tool_calls[0].function.arguments | tojson }}"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endif %}</s>\n{% endfor %}<|assistant|>\n")
+
+
+def _rendered(served, messages: list[dict]) -> list[int]:
+    request = parse_request(ChatCompletionRequest,
+                            {"messages": messages, "chat_template": LLAMA31_CALLS_TEMPLATE})
+    return served["app"].state.serving_chat.render(request).token_ids
+
+
+def _rendered_by_transformers(served, messages: list[dict]) -> list[int]:
+    text = served["tokenizer"].apply_chat_template(messages, chat_template=LLAMA31_CALLS_TEMPLATE,
+                                                   add_generation_prompt=True, tokenize=False)
+    return served["tokenizer"].encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("arguments", ["", None])
+def test_earlier_calls_without_arguments_reach_the_template_as_empty_objects(served, arguments):
+    """vLLM hands a call whose arguments are "" or null (a tool without parameters, as agents
+    replay it) to the template as {}, rather than refusing the conversation."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+    history = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    template_history = json.loads(json.dumps(history))
+    template_history[1]["tool_calls"][0]["function"]["arguments"] = {}
+    assert _rendered(served, history) == _rendered_by_transformers(served, template_history)

@@ -173,19 +173,28 @@ def _shared_definitions(tools: list[ChatCompletionToolsParam]) -> dict:
 
 
 def template_messages(conversation: list[dict]) -> list[dict]:
-    """The conversation with the assistant's earlier tool calls' arguments as objects rather than
-    JSON strings, which is how tool-use chat templates expect them (as vLLM hands them over)."""
+    """The conversation as vLLM hands it to the chat template: the assistant's earlier tool calls'
+    arguments as objects rather than JSON strings (how tool-use templates expect them; none,
+    ``""`` or null, as ``{}``)."""
     for message in conversation:
         calls = message.get("tool_calls") if message.get("role") == "assistant" else None
         for call in calls if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
-                    raise ValueError(f"messages: a tool call's arguments {function['arguments']!r} are not "
-                                     "valid JSON") from None
+            if isinstance(function, dict):
+                function["arguments"] = _arguments_object(function.get("arguments"))
     return conversation
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """An earlier call's arguments for the template: ``{}`` when empty, a JSON string decoded."""
+    if not arguments:
+        return {}
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"messages: a tool call's arguments {arguments!r} are not valid JSON") from None
 
 
 # ---- responses ----------------------------------------------------------------------------------
