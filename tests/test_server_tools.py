@@ -288,3 +288,13 @@ def test_earlier_calls_without_arguments_reach_the_template_as_empty_objects(ser
     template_history = json.loads(json.dumps(history))
     template_history[1]["tool_calls"][0]["function"]["arguments"] = {}
     assert _rendered(served, history) == _rendered_by_transformers(served, template_history)
+
+
+def test_assistant_messages_without_calls_reach_the_template_without_tool_calls(served):
+    """A replayed assistant answer with ``tool_calls: []`` (as this server's own responses carry
+    it) reaches the template without the key, as vLLM hands it over: templates such as Llama
+    3.1's take any message with the key for a tool call."""
+    history = MESSAGES + [{"role": "assistant", "content": "It is sunny.", "tool_calls": []},
+                          {"role": "user", "content": "Thanks"}]
+    without = [{k: v for k, v in m.items() if k != "tool_calls"} for m in history]
+    assert _rendered(served, history) == _rendered_by_transformers(served, without)

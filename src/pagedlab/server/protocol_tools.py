@@ -175,9 +175,12 @@ def _shared_definitions(tools: list[ChatCompletionToolsParam]) -> dict:
 def template_messages(conversation: list[dict]) -> list[dict]:
     """The conversation as vLLM hands it to the chat template: the assistant's earlier tool calls'
     arguments as objects rather than JSON strings (how tool-use templates expect them; none,
-    ``""`` or null, as ``{}``)."""
+    ``""`` or null, as ``{}``), and an empty ``tool_calls`` list left out (templates such as Llama
+    3.1's take any message with the key for a call)."""
     for message in conversation:
         calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if calls == []:
+            del message["tool_calls"]
         for call in calls if isinstance(calls, list) else ():
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict):
