@@ -195,6 +195,9 @@ LLAMA_CASES = [  # vLLM's llama3_json parser tests' outputs
     ('{"name": "invalidTool", "parameters": {invalid json}', None, []),
     ('{"parameters": {}}', None, []),
     ('{"name": "toolWithoutParams"}', None, []),
+    # a ';' that no call follows ends the calls (vLLM's regex matches up to the last object)
+    ('{"name": "searchTool", "parameters": {"query": "a"}};', None, [("searchTool", {"query": "a"})]),
+    ('{"name": "searchTool", "parameters": {"query": "a"}} ; done', None, [("searchTool", {"query": "a"})]),
 ]
 
 

@@ -4,11 +4,11 @@ named as vLLM's ``--tool-call-parser`` names them.
 ``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 blocks (the last one may lack its closing tag); the text before the first block is the content.
 ``llama3_json`` (Llama 3.1 / 3.2 with a JSON tool template): a JSON object ``{"name": ...,
-"parameters": {...}}`` (or ``"arguments"``), several separated by ``;``, optionally after
-``<|python_tag|>``; the text before the first object is the content (vLLM drops it; pagedlab
-keeps it, so a streamed response can equal the full one). Output that does not parse as calls
-stays content, whole. Only the standard library here: the CLI lists the parsers without the
-server's packages.
+"parameters": {...}}`` (or ``"arguments"``), several separated by ``;`` (the calls end where no
+object follows one), optionally after ``<|python_tag|>``; the text before the first object is
+the content (vLLM drops it; pagedlab keeps it, so a streamed response can equal the full one).
+Output that does not parse as calls stays content, whole. Only the standard library here: the
+CLI lists the parsers without the server's packages.
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ class Llama3JsonToolParser(ToolParser):
                 obj, position = self._DECODER.raw_decode(text, position)
                 calls.append(_function_call(obj, ("arguments", "parameters")))
                 rest = text[position:].lstrip()
-                if not rest.startswith(";"):
+                after = rest[1:].lstrip()
+                if not (rest.startswith(";") and after.startswith("{")):  # no further call: the calls end
                     break
-                position = len(text) - len(rest[1:].lstrip())
+                position = len(text) - len(after)
         except ValueError:  # malformed JSON, or an object that is no call: the text stays content
             return ExtractedToolCalls(content=text)
         return ExtractedToolCalls(calls, text[:start].replace("<|python_tag|>", "") or None)
