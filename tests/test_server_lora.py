@@ -4,6 +4,7 @@ selecting an adapter (or the base model), and the adapters listed by ``/v1/model
 from __future__ import annotations
 
 import argparse
+import shutil
 
 import httpx
 import pytest
@@ -172,15 +173,26 @@ def test_load_serve_and_unload_an_adapter_at_runtime(runtime):
 
 
 def test_bad_runtime_loads_are_refused_and_nothing_is_listed(runtime, tmp_path):
+    """vLLM answers any adapter that fails to load with a 400 (404 when none is found): also an
+    unreadable weights file or config, here naming the file."""
     url = runtime["url"]
     (tmp_path / "head").mkdir()
     head = make_adapter(runtime["adapters"]["sql"].peft_model.get_base_model(), tmp_path / "head", 0, 4, 8,
                         ["lm_head"])
+    truncated, listed = tmp_path / "truncated", tmp_path / "listed"  # a cut copy; a config not an object
+    shutil.copytree(runtime["modules"][0].lora_path, truncated)
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    shutil.copytree(runtime["modules"][0].lora_path, listed)
+    (listed / "adapter_config.json").write_text("[8]")
     for body, status, message in (
             ({"lora_name": "a"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
             ({"lora_name": "a", "lora_path": str(tmp_path / "nope")}, 404, "No adapter found for"),
             ({"lora_name": "a", "lora_path": head.path}, 400, "targets module 'lm_head'"),
             ({"lora_name": MODEL, "lora_path": head.path}, 400, "name of the base model"),
+            ({"lora_name": "a", "lora_path": str(truncated)}, 400,
+             "adapter_model.safetensors' could not be read"),
+            ({"lora_name": "a", "lora_path": str(listed)}, 400, "adapter_config.json' is not a JSON object"),
             ({"lora_name": 5, "lora_path": head.path}, 400, "lora_name")):
         r = post(url, "load_lora_adapter", body)
         assert r.status_code == status and message in r.json()["error"]["message"], (body, r.text)

@@ -89,7 +89,14 @@ def read_adapter_config(path: str | Path) -> dict:
         raise ValueError(f"LoRA adapter directory {str(directory)!r} {where}: an adapter is a PEFT directory "
                          f"with {CONFIG_FILE} and {WEIGHTS_FILE} or {BIN_WEIGHTS_FILE} "
                          "(PeftModel.save_pretrained)")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"adapter {str(directory)!r}: {str(config_path)!r} is not valid JSON ({e})"
+                         ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {str(directory)!r}: {str(config_path)!r} is not a JSON object, as PEFT's "
+                         f"adapter configs are (it holds a {type(config).__name__})")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ValueError(f"adapter {str(directory)!r} has peft_type={peft_type!r}: only LORA adapters are "
@@ -141,7 +148,11 @@ def _read_weights(request: LoRARequest) -> tuple[dict[str, torch.Tensor], str]:
     data = path.read_bytes()
     sha256 = hashlib.sha256(data).hexdigest()
     if path.name == WEIGHTS_FILE:
-        return load(data), sha256
+        try:
+            return load(data), sha256
+        except Exception as e:  # safetensors' own error type, for a cut or corrupt file
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(path)!r} could not be read as "
+                             f"safetensors ({e})") from None
     try:
         tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # pickle's errors for what weights_only refuses, and for a corrupt file
