@@ -154,6 +154,13 @@ def test_chat_template_arguments(smollm2):
                        chat_template_kwargs={"suffix": "END"})[0]
     assert out.prompt == "Name a colour.|END"
     assert out.prompt_token_ids == tokenizer("Name a colour.|END", add_special_tokens=False).input_ids
+    # as vLLM's LLM.chat, tools reach the template's ``tools``
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    tool_template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{{ messages[0]['content'] }}"
+    out = smollm2.chat(conversation[:1], greedy, use_tqdm=False, chat_template=tool_template, tools=tools)[0]
+    want = tokenizer.apply_chat_template(conversation[:1], tools=tools, chat_template=tool_template,
+                                         tokenize=False)
+    assert out.prompt == want == "get_time;Name a colour."
     with pytest.raises(ValueError,
                        match="add_generation_prompt=True and continue_final_message=True conflict"):
         smollm2.chat(conversation, greedy, continue_final_message=True)

@@ -101,17 +101,20 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (the
         tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
         continues the last (assistant) message instead of starting a new turn (set
         ``add_generation_prompt=False`` with it); ``chat_template_kwargs`` are extra template
         variables (e.g. ``{"enable_thinking": False}``), which win over the arguments of the same
-        name, as in vLLM; ``lora_request`` as in ``generate``."""
+        name, as in vLLM; ``lora_request`` as in ``generate``; ``tools`` (OpenAI tool objects) go
+        to the template's ``tools``, as vLLM's ``LLM.chat`` passes them (the reply is text: parse
+        any tool calls in it yourself, or use the server's tool calling)."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
-                               continue_final_message, chat_template_kwargs) for c in conversations]
+                               continue_final_message, chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
