@@ -258,6 +258,11 @@ def test_chat_template_receives_tools_and_earlier_calls(served):
                                              add_generation_prompt=True, tokenize=False)
         assert '"name": "get_time"' in want and "Tokyo</s>" in want
         assert serving.render(request).token_ids == tokenizer.encode(want, add_special_tokens=False)
+    # /tokenize renders the tools too, as vLLM's, on a server without auto tool choice
+    tokenized = httpx.post(served["plain"] + "/tokenize", json={"messages": history, "tools": TOOLS},
+                           timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
 
 
 # Llama 3.1's check: an assistant message with a 'tool_calls' key must hold exactly one call
