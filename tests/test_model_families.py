@@ -118,6 +118,21 @@ def test_longrope_sequence_crossing_the_switch_is_recomputed_with_long_factors(t
     assert repeated == [hf_greedy(tiny.hf_model, p, 2, eos_token_id=None) for p in again]
 
 
+def test_longrope_recompute_in_a_chunk_as_long_as_the_last_step_reads_its_new_blocks(tiny_models):
+    """A lone 32-token prompt crosses the switch with its first token: the step that preempts it
+    runs nothing, and its recompute's first chunk (32 tokens, the step budget) holds as many
+    blocks as its last step did. Its block-table row must be its new blocks, not the last
+    step's (freed) ones, whose short-regime keys would feed the long-regime recompute."""
+    tiny = tiny_models("phi3_longrope")
+    prompt = random_prompts(1, min_len=32, max_len=32, seed=16)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32,
+             enable_prefix_caching=False) as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.get_stats().num_preemptions == 1
+    assert out == hf_greedy(tiny.hf_model, prompt, 12, eos_token_id=None)
+
+
 @pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])
 def test_two_ranks_give_hf_tokens(tiny_models, arch):
     """At tensor_parallel_size=2 over gloo: GPT-NeoX (sequential residual) with its per-head fused
