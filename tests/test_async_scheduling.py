@@ -10,7 +10,7 @@ from pagedlab import LLM, SamplingParams
 
 
 def _generate(path, prompts, params, **engine_args):
-    with LLM(path, kv_cache_memory_bytes=KV_BYTES, **engine_args) as llm:
+    with LLM(path, **{"kv_cache_memory_bytes": KV_BYTES, **engine_args}) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
     return outs, stats
@@ -81,6 +81,26 @@ def test_no_token_is_computed_past_max_tokens(tiny_llama):
     assert [len(o.outputs[0].token_ids) for o in outs] == out_lens
     # every prompt token once, and each output token but the last fed back once
     assert sum(computed) == sum(map(len, prompts)) + sum(n - 1 for n in out_lens)
+
+
+def test_no_token_is_computed_past_max_model_len(tiny_llama):
+    """A request whose sampled tokens reach max_model_len (33) is not scheduled again while the
+    last is in flight: position 32 would need a third block of the four, and the request beside
+    it (two blocks) would be preempted for a token that is thrown away. As the synchronous loop:
+    no preemption, the same tokens (HF's)."""
+    prompts = random_prompts(1, min_len=20, max_len=20, seed=66) + random_prompts(1, min_len=16, max_len=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 slots, 2 KV heads of 16, float32
+    runs = {mode: _generate(tiny_llama.path, prompts, params, async_scheduling=mode, max_model_len=33,
+                            kv_cache_memory_bytes=4 * block_bytes) for mode in (False, True)}
+    (sync, sync_stats), (ahead, ahead_stats) = runs[False], runs[True]
+    assert ahead_stats.num_kv_blocks == 4
+    assert ahead_stats.num_preemptions == sync_stats.num_preemptions == 0
+    assert ahead_stats.prompt_tokens_computed == sync_stats.prompt_tokens_computed
+    assert _summary(ahead) == _summary(sync)
+    assert [o.outputs[0].token_ids for o in ahead] == [
+        hf_greedy(tiny_llama.hf_model, p, n, eos_token_id=None) for p, n in zip(prompts, (13, 16))]
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama):

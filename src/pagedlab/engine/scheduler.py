@@ -18,7 +18,8 @@ preempted so that all of its tokens are recomputed in the long regime, as transf
 
 With asynchronous steps, a request whose last token is still pending on the device is
 scheduled like any decode: the model runner takes that input id from the previous step's
-device tensor. A request that has sampled all its ``max_tokens`` waits for them to be read back.
+device tensor. A request that has sampled all its ``max_tokens``, or up to ``max_model_len``, waits
+for them to be read back (as vLLM, which never computes a position past ``max_model_len - 1``).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.output_limit_reached:  # finishes once its pending tokens are read back
-                i += 1
+            if request.output_limit_reached or request.num_tokens_with_pending >= self.max_model_len:
+                i += 1  # finishes once its pending tokens are read back
                 continue
             if self._rope_position_offset(request) != request.rope_position_offset:
                 self._preempt(self.running.pop(i))  # crossed LongRoPE's switch: recompute it all
