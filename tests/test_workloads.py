@@ -31,10 +31,33 @@ def test_floor_of_prefill_runs_the_lm_head_on_each_prompts_last_token_only():
     """A one-layer dense shape by hand (hidden 8, q 8, kv 4, MLP 16, vocab 100): attention 192
     and MLP 384 parameters per token, LM head 800 once per prompt (the engine computes logits for
     the last position only). Prompts of 10 and 6 tokens, one FLOP per second: 2 x 576 x 16 layer
-    FLOPs + 2 x 800 x 2 LM-head FLOPs + 4 x 8 x (10 x 5 + 6 x 3) attention FLOPs = 23,808 s."""
+    FLOPs + 2 x 800 x 2 LM-head FLOPs + 4 x 8 x (55 + 21) attention FLOPs (causal: the query at
+    position i sees i + 1 keys) = 24,064 s."""
     shape = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
                             num_hidden_layers=1, intermediate_size=16, vocab_size=100)
-    assert physical_floor(shape, [10, 6], [1, 1], flops=1.0) == pytest.approx(23808)
+    assert physical_floor(shape, [10, 6], [1, 1], flops=1.0) == pytest.approx(24064)
+
+
+def test_floor_of_sliding_window_layers_counts_only_the_keys_in_their_window():
+    """Gemma 2's layout by hand: layer 0 windowed (3 keys: a query sees itself and the 2 before,
+    as HF masks it), layer 1 full; one FLOP per second, then one byte per second. Prefill of 5 and
+    2 tokens: the full layer attends 1+2+3+4+5 + 1+2 = 18 (query, key) pairs, the windowed one
+    1+2+3+3+3 + 1+2 = 15, at 4 x 8 FLOPs each (1,056), beside 2 x 1,152 x 7 + 2 x 800 x 2 matmul
+    FLOPs (19,328). Decode reads 1,952 parameters (3,904 bytes) a step plus 16 bytes of K and V
+    per key per layer: step 1 keys 6 + 3 (full) and 3 + 3 (window), step 2 7 and 3, step 3 8 and
+    3. With a cached 3-token prefix and contexts of 5, the full layer reads 5 + 5 - 3 keys and the
+    windowed one 3 + 3 - 1 (only position 2 of the prefix is inside both windows)."""
+    shape = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                            num_hidden_layers=2, intermediate_size=16, vocab_size=100, sliding_window=3,
+                            layer_types=["sliding_attention", "full_attention"])
+    assert physical_floor(shape, [5, 2], [1, 1], flops=1.0) == pytest.approx(19328 + 1056)
+    steps = 3 * 3904 + 16 * ((6 + 3 + 3 + 3) + (7 + 3) + (8 + 3))
+    assert physical_floor(shape, [5, 2], [4, 2], flops=float("inf"), bandwidth=1.0) == pytest.approx(steps)
+    assert physical_floor(shape, [4, 4], [2, 2], cached_prefix=3, flops=float("inf"), bandwidth=1.0) == \
+        pytest.approx(3904 + 16 * ((5 + 5 - 3) + (3 + 3 - 1)))
+    mistral = SimpleNamespace(**{**vars(shape), "layer_types": None})  # every layer windowed
+    assert physical_floor(mistral, [5, 2], [4, 2], flops=float("inf"), bandwidth=1.0) == \
+        pytest.approx(3 * 3904 + 16 * ((3 + 3) * 2 + 3 * 2 + 3 * 2))
 
 
 def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():

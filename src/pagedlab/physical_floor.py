@@ -4,7 +4,10 @@ benchmark scripts import it without loading the engine."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+
+from pagedlab.config import attention_windows
 
 # H200 figures measured on our machine (docs/benchmarks.md): device copy bandwidth and bf16 matmul peak.
 H200_BANDWIDTH = 4.25e12
@@ -77,6 +80,22 @@ class _StepWeights:
         return self.shared_params + self.num_layers * self.num_experts * self.expert_params
 
 
+def _pairs(start: int, end: int, window: int | None) -> int:
+    """(query, key) pairs of the queries at positions ``start`` to ``end - 1``, causal: the query
+    at position i sees i + 1 keys, at most ``window`` (itself and the ``window - 1`` before it)."""
+    unwindowed_end = end if window is None else min(end, max(start, window))  # queries seeing i + 1 keys
+    return ((unwindowed_end * (unwindowed_end + 1) - start * (start + 1)) // 2
+            + (end - unwindowed_end) * (window or 0))
+
+
+def _keys_held(contexts: list[int], cached_prefix: int, window: int | None) -> int:
+    """Distinct keys one layer reads in a decode step: each sequence's last ``window`` (or all),
+    the part of the shared ``cached_prefix`` inside them held, so read, once."""
+    inside = [min(n, window) if window else n for n in contexts]
+    shared = [max(0, cached_prefix - (n - k)) for n, k in zip(contexts, inside)]
+    return sum(inside) - sum(shared) + max(shared)
+
+
 def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dtype_bytes: int = 2,
                    cached_prefix: int = 0, bandwidth: float = H200_BANDWIDTH,
                    flops: float = H200_BF16_FLOPS, tensor_parallel_size: int = 1,
@@ -84,7 +103,8 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
                    decode_weight_bytes: float | None = None) -> float:
     """Seconds no engine can beat: prefill FLOPs at the matmul peak, then each decode step reads
     every weight once and every live KV byte (or is bound by its FLOPs, whichever is longer).
-    A mixture of experts reads only the experts its step's tokens are routed to (``_StepWeights``).
+    A mixture of experts reads only the experts its step's tokens are routed to (``_StepWeights``);
+    a sliding-window layer (``config.attention_windows``) attends and reads only its window's keys.
 
     ``cached_prefix``: every prompt after the first starts with that many tokens of the first,
     found in the prefix cache: they are not computed again, and their KV is held, so read, once.
@@ -98,10 +118,10 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     c = hf_config
     tp = tensor_parallel_size
     weights = _StepWeights.from_config(c)
-    q, kv = weights.q_width, weights.kv_width
     bytes_per_param = decode_weight_bytes / weights.all_params if decode_weight_bytes else dtype_bytes
-    kv_bytes_per_token = 2 * c.num_hidden_layers * kv * (kv_dtype_bytes or dtype_bytes)
-    attn_flops_per_pair = 4 * c.num_hidden_layers * q  # QK^T and PV, per (query, key) pair
+    kv_bytes_per_key = 2 * weights.kv_width * (kv_dtype_bytes or dtype_bytes)  # one layer's K and V
+    layers_per_window = Counter(attention_windows(c)).items()  # (window or None, its layers)
+    attn_flops_per_pair = 4 * weights.q_width  # QK^T and PV, per (query, key) pair of one layer
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
 
     def all_reduces(num_tokens: int) -> float:
@@ -110,17 +130,17 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
     lm_head = weights.lm_head_params
     # every new prompt token goes through the layers, but only the last one through the LM head (its
-    # logits give the first output token); a chunk of n new tokens after c cached ones attends
-    # n * c + n^2 / 2 (query, key) pairs
-    prefill = sum(2 * (weights.active_params - lm_head) * (n - c) + 2 * lm_head
-                  + attn_flops_per_pair * (n - c) * (c + (n - c) / 2)
-                  for n, c in zip(prompt_lens, cached)) / flops / tp
-    prefill += all_reduces(sum(n - c for n, c in zip(prompt_lens, cached)))
+    # logits give the first output token)
+    prefill = sum(2 * (weights.active_params - lm_head) * (n - k) + 2 * lm_head
+                  + attn_flops_per_pair * sum(layers * _pairs(k, n, w) for w, layers in layers_per_window)
+                  for n, k in zip(prompt_lens, cached)) / flops / tp
+    prefill += all_reduces(sum(n - k for n, k in zip(prompt_lens, cached)))
     decode = 0.0
     for step in range(1, max(output_lens)):
         live = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
-        held = sum(live) - cached_prefix * max(len(live) - 1, 0)  # every live sequence shares one prefix
-        read = weights.params_read(len(live)) * bytes_per_param + kv_bytes_per_token * held
-        work = 2 * weights.active_params * len(live) + attn_flops_per_pair * sum(live)
+        keys_read = sum(layers * _keys_held(live, cached_prefix, w) for w, layers in layers_per_window)
+        keys_seen = sum(layers * _keys_held(live, 0, w) for w, layers in layers_per_window)  # attended
+        read = weights.params_read(len(live)) * bytes_per_param + kv_bytes_per_key * keys_read
+        work = 2 * weights.active_params * len(live) + attn_flops_per_pair * keys_seen
         decode += max(read / bandwidth, work / flops) / tp + all_reduces(len(live))
     return prefill + decode
