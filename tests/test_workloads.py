@@ -38,6 +38,41 @@ def test_floor_of_prefill_runs_the_lm_head_on_each_prompts_last_token_only():
     assert physical_floor(shape, [10, 6], [1, 1], flops=1.0) == pytest.approx(24064)
 
 
+def _hf_matmul_params(hf_config) -> int:
+    """The weights HF's own model multiplies a token by: its Linear / Conv1D layers' (a tied LM
+    head once; embeddings are looked up, not multiplied), built on the meta device."""
+    import transformers
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    weights = {id(m.weight): m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear | Conv1D)}
+    return sum(weights.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma2", "gpt2", "gpt_neox"])
+def test_floor_of_one_token_multiplies_every_weight_of_hf_own_model(arch):
+    """Every dense family the engine serves: a one-token prompt (one FLOP per second) costs 2
+    FLOPs per weight of HF's model of the config and 4 x query width per layer for its one
+    (query, key) pair. GPT-2 and GPT-NeoX have no ``num_key_value_heads`` (every head has its
+    keys) and a two-matrix MLP, GPT-2 no ``intermediate_size`` (``n_inner``, None: 4 x hidden)."""
+    import transformers
+    from conftest import tiny_config
+
+    if arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_inner=None)
+    elif arch == "gpt_neox":
+        config = transformers.GPTNeoXConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, intermediate_size=96)
+    else:
+        config = tiny_config(arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 4 * config.num_attention_heads * head_dim * config.num_hidden_layers
+    assert physical_floor(config, [1], [1], flops=1.0) == pytest.approx(
+        2 * _hf_matmul_params(config) + attention)
+
+
 def test_floor_of_sliding_window_layers_counts_only_the_keys_in_their_window():
     """Gemma 2's layout by hand: layer 0 windowed (3 keys: a query sees itself and the 2 before,
     as HF masks it), layer 1 full; one FLOP per second, then one byte per second. Prefill of 5 and

@@ -36,6 +36,9 @@ def decode_weight_bytes(info) -> float:
     embedding = 0 if tied else c.vocab_size * c.hidden_size * info.dtype.itemsize
     return info.weight_bytes * info.config.tensor_parallel_size - embedding
 
+# an MLP of up and down projections, no gate (every other family's is gated: gate, up, down)
+_UNGATED_MLP_MODEL_TYPES = ("gpt2", "gpt_neox")
+
 
 @dataclass
 class _StepWeights:
@@ -54,15 +57,18 @@ class _StepWeights:
     @classmethod
     def from_config(cls, c) -> _StepWeights:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads  # GPT-2, GPT-NeoX: MHA
+        q, kv = c.num_attention_heads * head_dim, kv_heads * head_dim
         experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 1
         top_k = getattr(c, "num_experts_per_tok", 1) if experts > 1 else 1
-        inter = (getattr(c, "moe_intermediate_size", None) if experts > 1 else None) or c.intermediate_size
+        inter = ((getattr(c, "moe_intermediate_size", None) if experts > 1 else None)
+                 or getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size)
+        mlp_matrices = 2 if getattr(c, "model_type", None) in _UNGATED_MLP_MODEL_TYPES else 3
         router = experts * c.hidden_size if experts > 1 else 0
         shared = c.num_hidden_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + router)
         lm_head = c.vocab_size * c.hidden_size
-        return cls(q, kv, shared + lm_head, 3 * c.hidden_size * inter, c.num_hidden_layers, experts, top_k,
-                   lm_head)
+        return cls(q, kv, shared + lm_head, mlp_matrices * c.hidden_size * inter, c.num_hidden_layers,
+                   experts, top_k, lm_head)
 
     @property
     def active_params(self) -> int:
