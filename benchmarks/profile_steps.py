@@ -39,8 +39,8 @@ from torch.profiler import ProfilerActivity, profile
 from pagedlab import LLM
 from pagedlab.engine.profiling import (STEP_NAME, busy_intervals, busy_within, forward_spans, gpu_split,
                                        kernel_events, kernel_table, step_label)
-from pagedlab.physical_floor import H200_BF16_FLOPS, physical_floor
-from pagedlab.workloads import DEFAULT_SHAPES, make_workload, shape_dir
+from pagedlab.physical_floor import H200_BF16_FLOPS
+from pagedlab.workloads import DEFAULT_SHAPES, engine_floor, make_workload, shape_dir
 
 STEP_KINDS = ("decode", "mixed", "prefill")
 
@@ -185,16 +185,21 @@ def print_setting(label: str, result: dict) -> None:
         print(f"  {k['total_us'] / 1e3:10.2f} ms {k['calls']:7d} calls  {k['kind']:<13} {k['name'][:90]}")
 
 
+def floors(llm, hf_config, workload_name: str, workload) -> tuple[float, float]:
+    """The workload's physical floor on ``llm`` (``workloads.engine_floor``: its weights, KV dtype,
+    tensor parallelism and prefix cache) and that of its prefill alone (no decode step)."""
+    return (engine_floor(llm, hf_config, workload_name, workload),
+            engine_floor(llm, hf_config, workload_name, workload, [1] * len(workload.prompts)))
+
+
 def main() -> None:
     args = parse_args()
     model, workload, engine_args, hf_config = engine_setup(args)
     settings = {"on": [True], "off": [False], "both": [False, True]}[args.mixed_graphs]
-    prompt_lens = [len(p) for p in workload.prompts]
-    floor_s = physical_floor(hf_config, prompt_lens, workload.output_lens)
-    prefill_floor_s = physical_floor(hf_config, prompt_lens, [1] * len(prompt_lens))  # no decode step
     report = {"workload": args.workload, "batch_size": args.batch_size, "model": model,
               "engine_args": engine_args, "settings": {}}
     with LLM(model, **{**engine_args, "cuda_graph_mixed_steps": settings[0]}) as llm:
+        floor_s, prefill_floor_s = floors(llm, hf_config, args.workload, workload)
         for mixed in settings:
             if mixed != llm.get_engine_info().config.cuda_graph_mixed_steps:
                 llm.set_model_args(cuda_graph_mixed_steps=mixed)

@@ -55,3 +55,25 @@ def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
     phase = result["prefill_phase"]  # the steps with prompt tokens, against 0.2 s at the peak
     assert phase["wall_ms"] == kinds["prefill"]["wall_ms"] + kinds["mixed"]["wall_ms"]
     assert phase["peak_share"] == 200 / phase["wall_ms"]
+
+
+def test_floors_follow_the_engines_prefix_cache_and_stored_weights(tiny_llama):
+    """W-prefix with prefix caching on (the engine's default): every request after the first
+    finds the 2,048-token prefix cached, as ``pagedlab bench``'s "prefix-cache on" row counts it;
+    off, every prompt is computed. The weights read are the engine's own (float32 here: 4 bytes
+    a parameter, not bf16's 2)."""
+    from pagedlab.physical_floor import decode_weight_bytes, physical_floor
+    from pagedlab.workloads import make_workload
+
+    config = tiny_llama.hf_model.config
+    workload = make_workload("W-prefix", config.vocab_size, num_prompts=3)
+    lens = [len(p) for p in workload.prompts]
+    for caching, cached in ((True, 2048), (False, 0)):
+        with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, dtype="float32",
+                 enable_prefix_caching=caching) as llm:
+            info = llm.get_engine_info()
+            floor_s, prefill_floor_s = profile_steps.floors(llm, config, "W-prefix", workload)
+        weights = decode_weight_bytes(info)
+        assert floor_s == physical_floor(config, lens, workload.output_lens, cached_prefix=cached,
+                                         kv_dtype_bytes=4, decode_weight_bytes=weights)
+        assert prefill_floor_s == physical_floor(config, lens, [1] * 3, cached_prefix=cached)

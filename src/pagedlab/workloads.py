@@ -141,6 +141,9 @@ def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) ->
     return [torch.randint(margin, vocab - margin, (n,), generator=g).tolist() for n in lengths[:count]]
 
 
+W_PREFIX_SHARED = 2048  # the prompt tokens W-prefix's requests share
+
+
 def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 512, output_len: int = 128,
                   num_prompts: int | None = None) -> Workload:
     """W-seed / W-lat (random ids, fixed lengths), W-nano (uniform [100, 1024], seed 0), W-prefix
@@ -160,7 +163,7 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
         return Workload(name, random_prompts(n, in_lens, vocab), out_lens, temperature=0.6)
     if name == "W-prefix":
         n = num_prompts or 256
-        prefix = random_prompts(1, [2048], vocab, seed=1)[0]
+        prefix = random_prompts(1, [W_PREFIX_SHARED], vocab, seed=1)[0]
         return Workload(name, [prefix + p for p in random_prompts(n, [64] * n, vocab, seed=2)], [64] * n)
     if name == "W-long":
         n = num_prompts or 4
@@ -430,17 +433,13 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     latency: bool, results: list[WorkloadResult], progress, profile_dir: str | None) -> None:
     """Every workload under every plan variant of ``workload_name``, each warmed up first."""
     for w in workloads:
-        for variant, changes, cached in _variants(workload_name):
+        for variant, changes in _variants(workload_name):
             if changes:
                 llm.set_model_args(**changes)
             _warm_up(llm, w)
-            info = llm.get_engine_info()
             # the floor is the H200's: a ratio to it means nothing on a CPU
-            floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens, cached_prefix=cached,
-                                   tensor_parallel_size=info.config.tensor_parallel_size,
-                                   kv_dtype_bytes=info.kv_cache_dtype.itemsize,
-                                   decode_weight_bytes=decode_weight_bytes(info)) \
-                if info.device.type == "cuda" else None
+            floor = engine_floor(llm, hf_config, workload_name, w) \
+                if llm.get_engine_info().device.type == "cuda" else None
             for r in range(repeats):
                 label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
                          + (f" #{r + 1}" if repeats > 1 else ""))
@@ -494,11 +493,25 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
         torch.cuda.empty_cache()
 
 
-def _variants(workload_name: str) -> list[tuple[str, dict, int]]:
-    """(label, set_model_args changes, cached prefix tokens for the floor) to run per workload."""
+def engine_floor(llm, hf_config, workload_name: str, workload: Workload,
+                 output_lens: list[int] | None = None) -> float:
+    """``physical_floor`` of ``workload`` (its own output lengths unless ``output_lens``) on
+    ``llm`` as it is set now: its tensor parallelism, KV cache dtype and stored weight bytes, and
+    W-prefix's shared prefix cached where prefix caching is on."""
+    info = llm.get_engine_info()
+    caching = workload_name == "W-prefix" and info.config.enable_prefix_caching
+    return physical_floor(hf_config, list(map(len, workload.prompts)), output_lens or workload.output_lens,
+                          cached_prefix=W_PREFIX_SHARED if caching else 0,
+                          tensor_parallel_size=info.config.tensor_parallel_size,
+                          kv_dtype_bytes=info.kv_cache_dtype.itemsize,
+                          decode_weight_bytes=decode_weight_bytes(info))
+
+
+def _variants(workload_name: str) -> list[tuple[str, dict]]:
+    """(label, set_model_args changes) to run per workload."""
     if workload_name == "W-prefix":
-        return [("prefix-cache on", {"enable_prefix_caching": True}, 2048),
-                ("prefix-cache off", {"enable_prefix_caching": False}, 0)]
+        return [("prefix-cache on", {"enable_prefix_caching": True}),
+                ("prefix-cache off", {"enable_prefix_caching": False})]
     if workload_name == "W-long":
-        return [("block_size=16", {"block_size": 16}, 0), ("block_size=64", {"block_size": 64}, 0)]
-    return [("", {}, 0)]
+        return [("block_size=16", {"block_size": 16}), ("block_size=64", {"block_size": 64})]
+    return [("", {})]
