@@ -24,7 +24,7 @@ def test_floor_matches_design_figures():
     qwen = workloads.model_shape("qwen3-0.6b")
     rate = sum(nano.output_lens) / physical_floor(qwen, list(map(len, nano.prompts)),
                                                             nano.output_lens)
-    assert rate == pytest.approx(35000, rel=0.1)
+    assert rate == pytest.approx(37000, rel=0.01)  # docs/benchmarks.md; DESIGN.md §4 still says 35,000
 
 
 def test_floor_of_prefill_runs_the_lm_head_on_each_prompts_last_token_only():
