@@ -194,6 +194,17 @@ def test_per_tensor_scales_stored_as_0d_tensors_load_as_their_value(tmp_path):
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
+def test_a_prequantized_fp8_checkpoint_refuses_load_weights_by_name(tmp_path):
+    """Its weights came quantized (``LLM.load_weights`` re-quantizes dense weights only for
+    ``quantization="fp8"`` on a dense checkpoint, tests/test_weight_update.py): refused, not
+    dense tensors cast into FP8 storage without scales."""
+    tiny = build_tiny_model(tmp_path / "hf", "llama", seed=12)
+    ckpt = save_ct_checkpoint(ct_quantize(hf_reference(tiny.path)), tmp_path / "ct")
+    refused = pytest.raises(ValueError, match=r"quantization='fp8'.*quantized beforehand")
+    with LLM(str(ckpt), kv_cache_memory_bytes=KV_BYTES) as llm, refused:
+        llm.load_weights(tiny.hf_model.state_dict())
+
+
 def test_fp8_at_two_tensor_parallel_ranks_equals_the_per_rank_reference(tmp_path):
     """Each rank quantizes its own shard of the full weights (so weights match TP=1 exactly, see
     the dummy test); row-parallel layers scale each token over the rank's slice of the input,

@@ -8,7 +8,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
@@ -19,6 +20,9 @@ from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                       check_sampling_params)
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LLM:
@@ -285,6 +289,21 @@ class LLM:
         but are no longer shared) and zero the prefix-cache statistics. Returns True, as vLLM's."""
         self.llm_engine.reset_prefix_cache()
         return True
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Update the model's weights in place, without rebuilding the engine (an RL loop's rollout
+        engine taking the trainer's policy; vLLM's ``model.load_weights(state_dict.items())``).
+
+        ``weights``: a state dict (``hf_model.state_dict()``, or part of one) or (name, tensor)
+        pairs, under the checkpoint's (transformers') names, on any device and in any floating
+        dtype (cast to the engine's, as a checkpoint is at load). Each tensor ends as a fresh load
+        of it would leave it (fused q/k/v and gate/up parts, FP8 re-quantized); the tensors not
+        given keep their values. Every name and shape is checked before anything is written: an
+        unknown name or a wrong shape is a ValueError naming the tensor, and the model is
+        unchanged. The prefix cache is reset (vLLM leaves that to the caller). Refused while a
+        request is unfinished (``generate_as_completed`` mid-iteration), for AWQ and prequantized
+        FP8 checkpoints; LoRA adapters are kept; every tensor-parallel rank loads its part."""
+        self.llm_engine.load_weights(weights)
 
     def close(self) -> None:
         """Free the weights, the KV cache and every request."""

@@ -298,6 +298,11 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> None:
         await self.run_in_engine(lambda e: e.reset_prefix_cache())
 
+    async def load_weights(self, weights) -> None:
+        """``LLM.load_weights`` in the engine thread, between two steps (the prefix cache reset with
+        it); a RuntimeError while any request is unfinished: abort them or let them finish first."""
+        await self.run_in_engine(lambda e: e.load_weights(weights))
+
     def add_listener(self, listener: StatsListener) -> None:
         self.listeners.append(listener)
 

@@ -34,6 +34,7 @@ from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
+from pagedlab.engine.weight_update import check_updatable, weight_pairs
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
@@ -377,6 +378,20 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
+
+    def load_weights(self, weights) -> None:
+        """Copy new weights into the model in place, between steps, and reset the prefix cache (no
+        KV computed with the old weights is reused); see ``LLM.load_weights``. Refused while a
+        request is unfinished: its KV and tokens so far come from the old weights."""
+        pairs = weight_pairs(weights)
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"load_weights while {self.num_unfinished_requests} requests are unfinished: "
+                               "their KV cache holds the old weights' keys and values; let them finish or "
+                               "abort them first")
+        check_updatable(self.model, self.quantization)
+        self._finish_in_flight()  # a step launched for requests that have finished since
+        self.runner.load_weights(pairs)
+        self.reset_prefix_cache()
 
     def close(self) -> None:
         """Drop every request, the KV cache and the weights."""

@@ -27,6 +27,7 @@ from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
+from pagedlab.engine.weight_update import WeightPairs, update_weights
 from pagedlab.engine.step_inputs import (DeviceInputs, HostToDevice, StepInputs, build_sampling_metadata,
                                          stage_forward_inputs)
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
@@ -261,6 +262,15 @@ class ModelRunner:
         blocks = self.profile_gpu_kv_blocks(plan.max_num_batched_tokens, plan.max_model_len,
                                             plan.gpu_memory_utilization)
         return min(blocks, ceiling)
+
+    def load_weights(self, pairs: WeightPairs) -> None:
+        """Copy new checkpoint tensors into the weights in place (``weight_update``): this rank's
+        part first (every name and shape checked before a value is written, so a bad tensor
+        reaches no rank), then every other rank's, from the same full tensors."""
+        update_weights(self.model, pairs)
+        if self.workers is not None:
+            self.workers.send("load_weights", [(name, tensor.detach().cpu()) for name, tensor in pairs])
+            self.workers.collect()
 
     def close(self) -> None:
         """Free the KV cache, the graphs and the weights (and stop the other ranks' workers)."""

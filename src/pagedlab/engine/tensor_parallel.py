@@ -237,7 +237,7 @@ class TensorParallelWorker:
     """Rank r >= 1 of a tensor-parallel model, under any executor: it joins the group, loads its
     shard, then executes rank 0's commands in order."""
 
-    REPLIED = frozenset({"configure"})  # commands whose result rank 0 collects
+    REPLIED = frozenset({"configure", "load_weights"})  # commands whose result rank 0 collects
 
     def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
                  device: torch.device):
@@ -249,12 +249,16 @@ class TensorParallelWorker:
             raise
 
     def execute(self, kind: str, payload):
-        """Run one command: "step" (no reply) or "configure" (the block count)."""
+        """Run one command: "step" (no reply), "configure" (the block count) or "load_weights"
+        ((name, tensor) pairs that rank 0 has loaded: this rank loads its part)."""
         if kind == "step":
             return self.runner.run_worker_step(payload.inputs, payload.block_table, payload.query_lens)
         if kind == "configure":  # a ValueError is the same on every rank (they agree on the block count)
             return self.runner.configure(payload)
-        raise ValueError(f"unknown tensor-parallel command {kind!r}: commands are step and configure")
+        if kind == "load_weights":
+            return self.runner.load_weights(payload)
+        raise ValueError(f"unknown tensor-parallel command {kind!r}: commands are step, configure and "
+                         "load_weights")
 
     def close(self) -> None:
         self.runner.close()

@@ -77,6 +77,8 @@ class LoRATarget:
 class LoRALinear(nn.Module):
     """``base(x)`` plus ``x @ A.T @ B.T`` of each token's adapter slot, per output slice."""
 
+    wraps_base_layer = True  # checkpoint names skip it: ``base``'s weights are named as the layer it wraps
+
     def __init__(self, base: nn.Module, in_features: int, slice_sizes: list[int], batch: LoRABatch,
                  max_rank: int, dtype: torch.dtype):
         super().__init__()

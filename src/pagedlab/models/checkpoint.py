@@ -15,18 +15,18 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
-from pagedlab.distributed.sharding import load_replicated, read_part
+from pagedlab.distributed.sharding import check_shape, load_replicated, read_part
 from pagedlab.quantization.formats import resolve_quant_config
 
 Route = Callable[[str, object], Iterable[tuple[str, int | None, object]]]
 
 
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], route: Route) -> set[str]:
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], route: Route,
+                    every_part: bool = True) -> set[str]:
     """Load ``weights`` (name, full tensor or lazy safetensors slice) through ``route``; returns
-    the names of the parameters set."""
-    params = dict(model.named_parameters())
-    quantizing = {name: module for name, module in model.named_modules()
-                  if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
+    the names of the parameters set. ``every_part=False`` (an update of some weights) lets a fused
+    parameter take some of its parts, the others keeping their values."""
+    params, quantizing = _targets(model)
     set_names: set[str] = set()
     parts: dict[str, set[int]] = {}  # fused targets: the parts loaded so far
     for name, full_tensor in weights:
@@ -37,8 +37,61 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], rou
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             if shard_id is not None:
                 parts.setdefault(target, set()).add(shard_id)
-    _check_every_part(model, params, quantizing, parts)
+    if every_part:
+        _check_every_part(model, params, quantizing, parts)
     return set_names
+
+
+def check_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], route: Route) -> None:
+    """Raise the ValueError ``load_checkpoint`` would raise for an unknown name or a shape of
+    ``weights``, naming the tensor, before anything is written: an update must not stop halfway.
+    FP8 KV-cache scales are refused (read once, at load)."""
+    params, quantizing = _targets(model)
+    for name, full_tensor in weights:
+        for target, shard_id, tensor in route(name, full_tensor):
+            try:
+                check_shape(tensor, _expected_shape(model, params, quantizing, target, shard_id))
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+
+
+def _expected_shape(model: nn.Module, params: dict, quantizing: dict, target: str,
+                    shard_id: int | None) -> tuple[int, ...]:
+    """The full checkpoint shape of part ``shard_id`` of ``target``; a ValueError where
+    ``load_checkpoint`` has no place for it."""
+    layer_name, _, leaf = target.rpartition(".")
+    if leaf in ("k_scale", "v_scale") and layer_name.endswith("self_attn"):
+        raise ValueError("FP8 KV-cache scales are read once, when the engine is built: build a new LLM "
+                         "to change them")
+    layer = quantizing.get(layer_name) if leaf == "weight" else None
+    param = params.get(target)
+    if layer is None and param is None:
+        raise ValueError(f"it has no place in {type(model).__name__}")
+    shapes = layer.dense_checkpoint_shapes if layer is not None else getattr(param, "checkpoint_shapes", None)
+    if shapes is None:  # held whole by every rank
+        return tuple(param.shape)
+    if shard_id is None and len(shapes) > 1:
+        raise ValueError(f"{target} fuses {len(shapes)} checkpoint tensors: give its parts")
+    if (shard_id or 0) >= len(shapes):
+        raise ValueError(f"{target} has {len(shapes)} parts, not a part {shard_id}")
+    return tuple(shapes[shard_id or 0])
+
+
+def _targets(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, nn.Module]]:
+    """The model's parameters and its linears that quantize dense weights at load, by checkpoint
+    name: a LoRA wrapper's ``base`` layer (``LoRALinear``) is named as the layer it wraps."""
+    wrappers = [name for name, module in model.named_modules() if getattr(module, "wraps_base_layer", False)]
+
+    def unwrapped(name: str) -> str:
+        for wrapper in wrappers:
+            if name.startswith(f"{wrapper}.base.") or name == f"{wrapper}.base":
+                return wrapper + name[len(wrapper) + len(".base"):]
+        return name
+
+    params = {unwrapped(name): param for name, param in model.named_parameters()}
+    quantizing = {unwrapped(name): module for name, module in model.named_modules()
+                  if getattr(getattr(module, "linear_method", None), "quantize_at_load", False)}
+    return params, quantizing
 
 
 def _check_every_part(model: nn.Module, params: dict, quantizing: dict, parts: dict[str, set[int]]) -> None:

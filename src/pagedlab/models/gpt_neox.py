@@ -104,7 +104,10 @@ class GPTNeoXForCausalLM(nn.Module):
 
     def route(self, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
         """Where checkpoint tensor ``name`` goes: ``query_key_value`` regrouped from per-head
-        interleaved rows into q, k, v; stored masks and inverse frequencies skipped."""
+        interleaved rows into q, k, v; stored masks and inverse frequencies skipped; ``lm_head``
+        (transformers 5's in-memory name, ``model.state_dict()``) is the checkpoint's ``embed_out``."""
+        if name == "lm_head.weight":
+            name = "embed_out.weight"
         if name.endswith((".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")) or (
                 self.tie_word_embeddings and name == "embed_out.weight"):
             return

@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedlab.distributed.sharding import check_shape, divide_evenly, read_part
+from pagedlab.distributed.sharding import check_shape, checkpoint_shape, divide_evenly, read_part
 from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.attention import get_forward_context
@@ -32,6 +32,9 @@ from pagedlab.quantization.linear_method import dense_gemv_runs, dense_linear
 _EXPERT_WEIGHT = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
                             r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _UP, _DOWN = ("w3", "up_proj"), ("w2", "down_proj")
+# transformers 5's in-memory experts (``model.state_dict()``): every expert in one 3-D tensor,
+# gate_up_proj ``[experts, 2 * inter, hidden]`` (gate rows first) and down_proj ``[experts, hidden, inter]``
+_FUSED_EXPERTS = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -105,7 +108,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def route(self, name: str, tensor) -> Iterator[tuple[str, int | None, object]]:
         """Per-expert gate/up (``w1``/``w3``, ``gate_proj``/``up_proj``) into ``w13``, down
-        (``w2``, ``down_proj``) into ``w2``; the router ``gate`` whole; the rest as in Llama."""
+        (``w2``, ``down_proj``) into ``w2``, and likewise each expert of transformers 5's 3-D
+        ``experts.gate_up_proj``/``experts.down_proj``; the router ``gate`` whole; the rest as in
+        Llama."""
+        fused = _FUSED_EXPERTS.match(name)
+        if fused and len(checkpoint_shape(tensor)) == 3:
+            yield from _split_experts(f"{fused.group(1)}.mlp", fused.group(2), tensor)
+            return
         match = _EXPERT_WEIGHT.match(name)
         if match:
             layer, expert, which = match.group(1), int(match.group(2)), match.group(3)
@@ -115,3 +124,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
                 yield f"{layer}.mlp.w13", 2 * expert + (which in _UP), tensor
             return
         yield from super().route(name.replace(".block_sparse_moe.", ".mlp."), tensor)
+
+
+def _split_experts(mlp: str, which: str, tensor) -> Iterator[tuple[str, int, object]]:
+    """Each expert's parts of a 3-D experts tensor (transformers 5): gate and up rows of
+    ``gate_up_proj`` into ``w13``, ``down_proj`` into ``w2``."""
+    num_experts, rows = checkpoint_shape(tensor)[:2]
+    for expert in range(num_experts):
+        weights = read_part(tensor, 0, expert, 1)[0]
+        if which == "down_proj":
+            yield f"{mlp}.w2", expert, weights
+        else:
+            yield f"{mlp}.w13", 2 * expert, weights[:rows // 2]
+            yield f"{mlp}.w13", 2 * expert + 1, weights[rows // 2:]
