@@ -200,3 +200,25 @@ def test_two_tensor_parallel_ranks_each_load_their_part(tmp_path):
         llm.load_weights(b.hf_model.state_dict())
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_hf_tokens_and_logprobs(b.hf_model, prompts, outs, MAX_TOKENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("arch", "engine_args"), [
+    ("llama", {"dtype": "bfloat16"}), ("qwen3", {"dtype": "float32"}), ("mixtral", {"dtype": "bfloat16"}),
+    ("llama", {"dtype": "bfloat16", "quantization": "fp8"})], ids=["llama-bf16", "qwen3-fp32", "mixtral-bf16",
+                                                                    "llama-fp8"])
+def test_cuda_graphs_replay_the_updated_weights(tmp_path, arch, engine_args):
+    """The captured decode and mixed-step graphs read the parameters' storage, which the update
+    copies into: the tokens and logprobs of an engine freshly built from B (float32 CPU tensors
+    cast and moved as the loader does)."""
+    a, b = _pair(tmp_path, arch)
+    prompts = random_prompts(4, max_len=40, seed=12)
+    with LLM(b.path, kv_cache_memory_bytes=KV_BYTES, **engine_args) as fresh:
+        expected = _run(fresh, prompts)
+    with LLM(a.path, kv_cache_memory_bytes=KV_BYTES, **engine_args) as llm:
+        assert llm.get_engine_info().cuda_graphs
+        before = _run(llm, prompts)
+        llm.load_weights(b.hf_model.state_dict())
+        got = _run(llm, prompts)
+    assert got == expected != before
