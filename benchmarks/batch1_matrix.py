@@ -58,9 +58,9 @@ def ratios(records: list[dict]) -> list[dict]:
 
 
 def format_table(records: list[dict]) -> list[str]:
-    lines = [f"{'row':>16} {'PDL':>4} {'TPOT p50':>9} {'x floor':>8}"]
+    lines = [f"{'row':>16} {'PDL':>4} {'TPOT p50':>9} {'x floor':>8}"]  # x a decode step's floor
     for r in records:
-        over = f"{r['over_floor']:.2f}" if r.get("over_floor") is not None else "-"
+        over = f"{r['tpot_over_floor']:.2f}" if r.get("tpot_over_floor") is not None else "-"
         lines.append(f"{r['row']:>16} {r['pdl']:>4} {r['tpot_p50_ms']:8.2f}  {over:>7}")
     for r in ratios(records):
         lines.append(f"{r['row']:>16} {r['pdl']:>4} {r['ratio']:.3f}x bf16 "

@@ -13,7 +13,7 @@ from conftest import KV_BYTES
 from pagedlab import LLM, workloads
 from pagedlab.cli import main
 from pagedlab.lab.testing import make_tiny_model
-from pagedlab.physical_floor import H200_BANDWIDTH, AllReduceCost, physical_floor
+from pagedlab.physical_floor import H200_BANDWIDTH, AllReduceCost, physical_floor, tpot_floor
 
 
 def test_floor_matches_design_figures():
@@ -93,6 +93,23 @@ def test_floor_of_sliding_window_layers_counts_only_the_keys_in_their_window():
     mistral = SimpleNamespace(**{**vars(shape), "layer_types": None})  # every layer windowed
     assert physical_floor(mistral, [5, 2], [4, 2], flops=float("inf"), bandwidth=1.0) == \
         pytest.approx(3 * 3904 + 16 * ((3 + 3) * 2 + 3 * 2 + 3 * 2))
+
+
+def test_tpot_floor_is_a_decode_steps_reads_on_average():
+    """The one-layer shape by hand at one byte per second, batch 1, a 10-token prompt and 4 output
+    tokens: decode steps 1-3 each read 1,376 parameters (attention 192, MLP 384, LM head 800) at 2
+    bytes and K and V (2 x 4 elements, 2 bytes) of contexts 11, 12 and 13: (3 x 2,752 + 16 x 36) / 3
+    = 2,944 s a step, whatever the prefill costs. A row's TPOT p50 is read against it (issue
+    targets such as "batch 1 TPOT at most 1.6x its floor"); the run's time against the whole floor."""
+    shape = SimpleNamespace(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                            num_hidden_layers=1, intermediate_size=16, vocab_size=100)
+    assert tpot_floor(shape, [10], [4], bandwidth=1.0) == pytest.approx(2944)
+    assert tpot_floor(shape, [10], [1], bandwidth=1.0) is None  # no decode step
+    row = workloads.WorkloadResult("W-seed", "pagedlab", "bs=1", 1, 10, 4, 1.0, 5.0, 5.0, 4.6, 4.7, None,
+                                   0.5, tpot_floor_ms=2.3)
+    assert row.tpot_over_floor == pytest.approx(2.0) and row.over_floor == pytest.approx(2.0)
+    assert row.to_dict()["tpot_over_floor"] == pytest.approx(2.0)
+    assert "(p50 2.00x a step's floor)" in workloads.format_row(row)
 
 
 def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():

@@ -28,7 +28,7 @@ from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
 from pagedlab.lora.request import LoRARequest
-from pagedlab.physical_floor import decode_weight_bytes, physical_floor
+from pagedlab.physical_floor import decode_weight_bytes, physical_floor, tpot_floor
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
 
@@ -188,6 +188,7 @@ class WorkloadResult:
     peak_memory_gib: float | None
     floor_s: float | None
     extra: dict = field(default_factory=dict)
+    tpot_floor_ms: float | None = None  # a decode step's floor (``physical_floor.tpot_floor``)
 
     @property
     def output_tok_s(self) -> float:
@@ -199,11 +200,21 @@ class WorkloadResult:
 
     @property
     def over_floor(self) -> float | None:
+        """The whole run's time over its floor (prefill, TTFT and every step included)."""
         return self.elapsed_s / self.floor_s if self.floor_s else None
+
+    @property
+    def tpot_over_floor(self) -> float | None:
+        """TPOT p50 over a decode step's floor (issue targets such as "batch 1 TPOT at most 1.6x
+        its floor" read this one)."""
+        if self.tpot_p50_ms is None or not self.tpot_floor_ms:
+            return None
+        return self.tpot_p50_ms / self.tpot_floor_ms
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, over_floor=self.over_floor)
+        d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, over_floor=self.over_floor,
+                 tpot_over_floor=self.tpot_over_floor)
         return d
 
 
@@ -362,7 +373,9 @@ def format_row(r: WorkloadResult) -> str:
     return (f"{r.workload:9} {r.backend:18} {r.label:22} out {r.output_tok_s:9.1f} tok/s  total "
             f"{r.total_tok_s:9.1f} tok/s  "
             f"TTFT p50/p99 {f(r.ttft_p50_ms)}/{f(r.ttft_p99_ms)} ms  TPOT p50/p99 {f(r.tpot_p50_ms, '.2f')}/"
-            f"{f(r.tpot_p99_ms, '.2f')} ms  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s"
+            f"{f(r.tpot_p99_ms, '.2f')} ms"
+            + (f" (p50 {r.tpot_over_floor:.2f}x a step's floor)" if r.tpot_over_floor is not None else "")
+            + f"  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s"
             + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else ""))
 
 
@@ -438,8 +451,11 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                 llm.set_model_args(**changes)
             _warm_up(llm, w)
             # the floor is the H200's: a ratio to it means nothing on a CPU
-            floor = engine_floor(llm, hf_config, workload_name, w) \
-                if llm.get_engine_info().device.type == "cuda" else None
+            on_gpu = llm.get_engine_info().device.type == "cuda"
+            args = engine_floor_args(llm, workload_name)
+            lens = list(map(len, w.prompts))
+            floor = physical_floor(hf_config, lens, w.output_lens, **args) if on_gpu else None
+            step_floor = tpot_floor(hf_config, lens, w.output_lens, **args) if on_gpu else None
             for r in range(repeats):
                 label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
                          + (f" #{r + 1}" if repeats > 1 else ""))
@@ -449,6 +465,7 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     with profiled(llm, profile_subdir(profile_dir, label)) as record:
                         results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
                     results[-1].extra["profile"] = record
+                results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
                 progress(format_row(results[-1]))
 
 
@@ -486,6 +503,9 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
                 break  # the peer of W-prefix is pagedlab with prefix caching off
             else:
                 results.append(run_hf_generate(peer, w, label, floor))
+                step_floor = tpot_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
+                                        decode_weight_bytes=weights) if on_gpu else None
+                results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
             results[-1].extra.update(hf_peer.row_record(peer, quantization))
             progress(format_row(results[-1]))
     del peer
@@ -493,18 +513,23 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
         torch.cuda.empty_cache()
 
 
+def engine_floor_args(llm, workload_name: str) -> dict:
+    """``physical_floor``'s arguments for ``llm`` as it is set now: its tensor parallelism, KV
+    cache dtype and stored weight bytes, and W-prefix's shared prefix cached where prefix caching
+    is on."""
+    info = llm.get_engine_info()
+    caching = workload_name == "W-prefix" and info.config.enable_prefix_caching
+    return dict(cached_prefix=W_PREFIX_SHARED if caching else 0,
+                tensor_parallel_size=info.config.tensor_parallel_size,
+                kv_dtype_bytes=info.kv_cache_dtype.itemsize, decode_weight_bytes=decode_weight_bytes(info))
+
+
 def engine_floor(llm, hf_config, workload_name: str, workload: Workload,
                  output_lens: list[int] | None = None) -> float:
     """``physical_floor`` of ``workload`` (its own output lengths unless ``output_lens``) on
-    ``llm`` as it is set now: its tensor parallelism, KV cache dtype and stored weight bytes, and
-    W-prefix's shared prefix cached where prefix caching is on."""
-    info = llm.get_engine_info()
-    caching = workload_name == "W-prefix" and info.config.enable_prefix_caching
+    ``llm`` as it is set now (``engine_floor_args``)."""
     return physical_floor(hf_config, list(map(len, workload.prompts)), output_lens or workload.output_lens,
-                          cached_prefix=W_PREFIX_SHARED if caching else 0,
-                          tensor_parallel_size=info.config.tensor_parallel_size,
-                          kv_dtype_bytes=info.kv_cache_dtype.itemsize,
-                          decode_weight_bytes=decode_weight_bytes(info))
+                          **engine_floor_args(llm, workload_name))
 
 
 def _variants(workload_name: str) -> list[tuple[str, dict]]:
