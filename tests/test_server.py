@@ -198,9 +198,10 @@ def test_streaming_completion_and_chat(served, client):
                                             extra_body={"return_token_ids": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
-    # Token by token (a chunk per step; steps a slow reader missed arrive merged).
+    # In several chunks (a chunk per step, but steps a slow reader missed arrive merged: on a loaded
+    # CI machine 16 tokens came in 7 chunks, so how many hold one token is timing, not behaviour).
     sizes = [len(c.choices[0].token_ids) for c in chunks if c.choices]
-    assert sum(sizes, 0) == len(want.token_ids) and sizes.count(1) >= len(sizes) // 2 and len(sizes) > 1
+    assert sum(sizes, 0) == len(want.token_ids) and len(sizes) > 1
     assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == want.token_ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
 
