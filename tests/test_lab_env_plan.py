@@ -100,6 +100,17 @@ def test_bad_plan_settings_are_named():
         plan_memory(config, H200, quantization="int8")
 
 
+def test_a_context_beyond_the_models_is_refused_as_the_engine_refuses_it():
+    """The engine refuses max_model_len above max_position_embeddings (times RoPE scaling); the
+    plan of that setting must not say it fits."""
+    config = model_shape("llama3-8b")
+    limit = config.max_position_embeddings
+    assert plan_memory(config, H200, max_model_len=limit).max_model_len == limit
+    with pytest.raises(ValueError, match=f"max_model_len={limit + 1} is invalid: the model supports at most "
+                                         f"{limit} positions"):
+        plan_memory(config, H200, max_model_len=limit + 1)
+
+
 def test_plan_command(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpu", "H200", "--max-model-len", "8192"]) == 1
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pagedlab.config import model_max_len
+from pagedlab.config import resolve_max_model_len
 
 GIB = 1 << 30
 # Memory as nvidia-smi reports it (MiB) for the GPUs researchers name.
@@ -132,7 +132,7 @@ def plan_memory(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
     _check(dtype, quantization, kv_cache_dtype, tensor_parallel_size, hf_config)
     sizes = ModelSizes.from_config(hf_config)
     tp = tensor_parallel_size
-    max_model_len = max_model_len or model_max_len(hf_config)
+    max_model_len = resolve_max_model_len(max_model_len, hf_config)  # the engine's default and limit
     act_bytes = int(WEIGHT_BYTES[dtype])
     kv_bytes = KV_BYTES[kv_cache_dtype] or act_bytes
     weights = weight_bytes_per_gpu(sizes, tp, dtype, quantization)
