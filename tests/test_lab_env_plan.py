@@ -62,6 +62,16 @@ def test_kv_tokens_are_what_is_left_of_the_budget():
     assert plan.fits
 
 
+def test_a_step_longer_than_the_context_is_profiled_as_several_sequences():
+    """The engine's memory profile runs the largest step (max_num_batched_tokens) as sequences of
+    max_model_len, ceil(8192 / 3000) = 3 of them (9,000 tokens), with up to 256 logit rows each;
+    the plan's activations are that step's, not one 3,000-token sequence's."""
+    config = model_shape("llama3-8b")
+    plan = plan_memory(config, H200, max_model_len=3000, max_num_batched_tokens=8192)
+    per_token = (2 * 4096 + 6144 + 4096 + 3 * 14336) * 2
+    assert plan.activation_peak_bytes == 9000 * per_token + 3 * 256 * 128256 * (2 + 4)
+
+
 def test_tensor_parallel_cuts_weights_and_replicates_kv_heads():
     config = model_shape("llama3-8b")
     two = plan_memory(config, H200, tensor_parallel_size=2, max_model_len=8192)

@@ -136,7 +136,7 @@ def plan_memory(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
     act_bytes = int(WEIGHT_BYTES[dtype])
     kv_bytes = KV_BYTES[kv_cache_dtype] or act_bytes
     weights = weight_bytes_per_gpu(sizes, tp, dtype, quantization)
-    activations = activation_peak_bytes(sizes, tp, act_bytes, min(max_num_batched_tokens, max_model_len))
+    activations = activation_peak_bytes(sizes, tp, act_bytes, max_num_batched_tokens, max_model_len)
     per_token = 2 * sizes.num_layers * sizes.kv_heads_per_rank(tp) * sizes.head_dim * kv_bytes
     kv_cache = int(gpu_memory_bytes * gpu_memory_utilization) - CUDA_CONTEXT_BYTES - weights - activations
     tokens = kv_cache // (per_token * block_size) * block_size if kv_cache > 0 else 0
@@ -161,14 +161,19 @@ def weight_bytes_per_gpu(sizes: ModelSizes, tp: int, dtype: str, quantization: s
     return int(sizes.num_layers * layer + dense)
 
 
-def activation_peak_bytes(sizes: ModelSizes, tp: int, act_bytes: int, num_tokens: int) -> int:
+def activation_peak_bytes(sizes: ModelSizes, tp: int, act_bytes: int, num_tokens: int,
+                          max_model_len: int) -> int:
     """The largest step's live tensors: the residual stream and its normed copy, one layer's QKV,
     attention output and MLP intermediates on this rank, and float32 logits of the sampled rows
-    (the engine profiles up to 256 rows a sequence; the LM head gathers the whole vocabulary)."""
+    (the LM head gathers the whole vocabulary). The step is the one the engine profiles:
+    ``num_tokens`` as sequences of at most ``max_model_len`` (the last one full too), up to 256
+    logit rows each."""
+    seq_len = min(num_tokens, max_model_len)
+    num_seqs = -(-num_tokens // seq_len)
     per_token = (2 * sizes.hidden + (sizes.q_width + 2 * sizes.num_kv_heads * sizes.head_dim) // tp
                  + sizes.q_width // tp + sizes.mlp_matrices * sizes.intermediate // tp)
-    logit_rows = min(num_tokens, 256)
-    return num_tokens * per_token * act_bytes + logit_rows * sizes.vocab * (act_bytes + 4)
+    logit_rows = num_seqs * min(seq_len, 256)
+    return num_seqs * seq_len * per_token * act_bytes + logit_rows * sizes.vocab * (act_bytes + 4)
 
 
 def suggestions(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
