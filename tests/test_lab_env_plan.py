@@ -121,6 +121,19 @@ def test_a_context_beyond_the_models_is_refused_as_the_engine_refuses_it():
         plan_memory(config, H200, max_model_len=limit + 1)
 
 
+def test_a_tensor_parallel_size_the_engine_cannot_split_the_kv_heads_over_is_refused():
+    """12 query heads and 6 KV heads over 4 ranks: the heads divide, the KV heads neither divide
+    nor are fewer than the ranks (vLLM's rule and the engine's, ``split_attention_heads``), so
+    neither the plan nor its advice may offer TP=4."""
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=12288, intermediate_size=49152,
+                                      num_hidden_layers=64, num_attention_heads=12, num_key_value_heads=6,
+                                      max_position_embeddings=4096)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide num_key_value_heads=6"):
+        plan_memory(config, H200, tensor_parallel_size=4)
+    assert not plan_memory(config, H200, tensor_parallel_size=2).fits  # 145 B parameters: 4 GPUs or more
+    assert all(p.tensor_parallel_size in (1, 2) for p in suggestions(config, H200))
+
+
 def test_plan_command(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpu", "H200", "--max-model-len", "8192"]) == 1
     out = capsys.readouterr().out

@@ -25,8 +25,8 @@ from conftest import build_tiny_model, random_prompts
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pagedlab.layers.attention import AttentionMetadata, BatchLayout, TorchAttentionBackend, forward_context
 from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedlab.layers.linear import (ColumnParallelLinear, HeadSplit, QKVParallelLinear, RowParallelLinear,
-                                    split_attention_heads)
+from pagedlab.distributed.head_split import HeadSplit, split_attention_heads
+from pagedlab.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedlab.loader import load_model, resolve_model_source
 from pagedlab.models.registry import build_model
 

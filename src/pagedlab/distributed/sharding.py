@@ -13,13 +13,6 @@ import torch
 from torch import nn
 
 
-def divide_evenly(total: int, tp_size: int, what: str) -> int:
-    """``total // tp_size``; a ValueError naming both numbers when it does not divide."""
-    if total % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} must divide {what}={total}")
-    return total // tp_size
-
-
 def checkpoint_shape(loaded) -> tuple[int, ...]:
     """The shape of a checkpoint tensor or lazy safetensors slice."""
     return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from pagedlab.config import resolve_max_model_len
+from pagedlab.distributed.head_split import split_attention_heads
 
 GIB = 1 << 30
 # Memory as nvidia-smi reports it (MiB) for the GPUs researchers name.
@@ -181,9 +182,8 @@ def suggestions(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
     """What fits when the asked configuration does not: the smallest tensor-parallel size (up to
     8) with the asked weight format, and the first of FP8 and AWQ that fits at the asked size."""
     found = []
-    heads = hf_config.num_attention_heads
     for tp in (1, 2, 4, 8):
-        if tp > tensor_parallel_size and not heads % tp:
+        if tp > tensor_parallel_size and _splits(hf_config, tp):
             plan = plan_memory(hf_config, gpu_memory_bytes, tp, dtype, quantization, **kwargs)
             if plan.fits:
                 found.append(plan)
@@ -195,6 +195,14 @@ def suggestions(hf_config, gpu_memory_bytes: int, tensor_parallel_size: int = 1,
                 found.append(plan)
                 break
     return found
+
+
+def _splits(hf_config, tp: int) -> bool:
+    try:
+        check_tensor_parallel_split(hf_config, tp)
+    except ValueError:
+        return False
+    return True
 
 
 def count_parameters(hf_config) -> int | None:
@@ -243,6 +251,13 @@ def _check(dtype, quantization, kv_cache_dtype, tp, hf_config) -> None:
     if kv_cache_dtype not in KV_BYTES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: it must be one of "
                          f"{sorted(KV_BYTES)}")
-    if tp < 1 or hf_config.num_attention_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads="
-                         f"{hf_config.num_attention_heads}")
+    check_tensor_parallel_split(hf_config, tp)
+
+
+def check_tensor_parallel_split(hf_config, tp: int) -> None:
+    """A ValueError, the engine's, when its layers cannot be cut over ``tp`` ranks: the query
+    heads must divide, the KV heads divide or be fewer and divide ``tp`` (then replicated)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp} is invalid: it must be an integer >= 1")
+    sizes = ModelSizes.from_config(hf_config)
+    split_attention_heads(hf_config.num_attention_heads, sizes.num_kv_heads, tp, 0)

@@ -30,7 +30,8 @@ from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedlab.distributed.sharding import check_shape, divide_evenly, read_shard, read_whole
+from pagedlab.distributed.head_split import divide_evenly, split_attention_heads
+from pagedlab.distributed.sharding import check_shape, read_shard, read_whole
 from pagedlab.kernels.gemv_configs import TileConfig
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.quantization.fp8 import QuantizedActivations
@@ -184,31 +185,6 @@ class ColumnParallelLinear(OutputShardedLinear):
             per_rank = divide_evenly(size, tp_size, "the output size")
             shards.append((size, tp_rank * per_rank, per_rank))
         super().__init__(input_size, shards, bias, linear_method)
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """The attention heads one rank holds: ``num_heads`` query heads from ``first_head`` and
-    ``num_kv_heads`` KV heads from ``first_kv_head``."""
-
-    num_heads: int
-    first_head: int
-    num_kv_heads: int
-    first_kv_head: int
-
-
-def split_attention_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadSplit:
-    """Query heads are split evenly. KV heads are split evenly when there are at least as many
-    as ranks; with fewer, each rank holds one KV head, replicated: rank r holds head
-    ``r * num_kv_heads // tp_size``, the one its query heads attend to."""
-    heads = divide_evenly(num_heads, tp_size, "num_attention_heads")
-    if num_kv_heads >= tp_size:
-        kv_heads = divide_evenly(num_kv_heads, tp_size, "num_key_value_heads")
-        return HeadSplit(heads, tp_rank * heads, kv_heads, tp_rank * kv_heads)
-    if tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp_size} must be a multiple of "
-                         f"num_key_value_heads={num_kv_heads} when it is larger")
-    return HeadSplit(heads, tp_rank * heads, 1, tp_rank * num_kv_heads // tp_size)
 
 
 class QKVParallelLinear(OutputShardedLinear):

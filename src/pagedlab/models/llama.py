@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedlab.config import attention_windows
 from pagedlab.distributed.parallel_state import get_tp_world_size
-from pagedlab.distributed.sharding import divide_evenly
+from pagedlab.distributed.head_split import divide_evenly
 from pagedlab.layers.activation import GatedActivation
 from pagedlab.layers.attention import Attention
 from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -21,7 +21,8 @@ from torch import nn
 
 from pagedlab.distributed.communication import tensor_parallel_all_reduce
 from pagedlab.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from pagedlab.distributed.sharding import check_shape, checkpoint_shape, divide_evenly, read_part
+from pagedlab.distributed.head_split import divide_evenly
+from pagedlab.distributed.sharding import check_shape, checkpoint_shape, read_part
 from pagedlab.kernels.fused_moe import fused_moe_triton, moe_torch
 from pagedlab.kernels.norm_fold import FoldedRMSNorm
 from pagedlab.layers.attention import get_forward_context
