@@ -200,7 +200,12 @@ def test_missing_weights_are_listed(tiny_llama, tmp_path, missing):
     (dict(max_model_len=100000), "max_model_len=100000 is invalid: the model supports at most 512"),
     (dict(dtype="float8"), "dtype='float8' is invalid"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
-    (dict(kv_cache_memory_bytes=1024), "fewer than one max_model_len"),
+    (dict(kv_cache_memory_bytes=1024), "cannot hold one sequence: max_model_len=512 needs"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization=0 is invalid: gpu_memory_utilization must be "
+                                     r"in \(0, 1\]"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 is invalid"),
+    (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes=-1 is invalid: kv_cache_memory_bytes must be a "
+                                     "positive"),
     # a string where a flag or number goes: "no" would have been true, "0.9" a TypeError
     (dict(enforce_eager="no"), r"^enforce_eager='no' is invalid: enforce_eager must be True or False$"),
     (dict(async_scheduling="on"), "async_scheduling must be True or False or None"),

@@ -124,6 +124,21 @@ def test_engine_workload_leaks_nothing(tiny_llama, block_size):
     assert 0.0 <= stats.fragmentation_at_peak < 1.0
 
 
+def test_a_cache_too_small_for_one_sequence_names_the_bytes_and_the_length_that_fits(tiny_llama):
+    """vLLM's check_enough_kv_cache_memory: the error names the memory one max_model_len sequence
+    needs, the memory there is, and the longest max_model_len that fits (10 blocks of 16 here)."""
+    cfg = tiny_llama.hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
+    with pytest.raises(ValueError) as error:
+        LLM(tiny_llama.path, kv_cache_memory_bytes=10 * 16 * token_bytes + 100)
+    message = str(error.value)
+    assert f"kv_cache_memory_bytes={10 * 16 * token_bytes + 100}" in message
+    length = cfg.max_position_embeddings
+    assert f"max_model_len={length} needs {length * token_bytes} bytes" in message
+    assert "lower max_model_len to at most 160" in message
+
+
 def test_fragmentation_counts_shared_prefix_blocks_once(tiny_llama):
     """4 prompts = one 32-token prefix (2 shared blocks of 16) + 5 own tokens (1 own block each):
     6 blocks = 96 slots at the peak, 32 + 4 * 5 = 52 of them filled."""

@@ -193,15 +193,25 @@ class ModelRunner:
         num_blocks = tensor_parallel_min(self._num_kv_blocks(plan), self.device)  # ranks agree
         min_blocks = -(-plan.max_model_len // plan.block_size)
         if num_blocks < min_blocks:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {plan.block_size} tokens, fewer than one "
-                f"max_model_len ({plan.max_model_len}) sequence needs ({min_blocks}); raise "
-                "kv_cache_memory_bytes / gpu_memory_utilization or lower max_model_len")
+            raise ValueError(self._cache_too_small(plan, num_blocks, min_blocks))
         self.allocate_kv_cache(num_blocks)
         if self.uses_cuda_graphs or cuda_graph.PAD_WITHOUT_CAPTURE:
             self._build_graphs(plan, capture=self.uses_cuda_graphs)
         self._warm_up_lm_head_and_sampler(plan.max_num_seqs)
         return num_blocks
+
+    def _cache_too_small(self, plan: RunnerPlan, num_blocks: int, min_blocks: int) -> str:
+        """vLLM's check_enough_kv_cache_memory: what one max_model_len sequence needs, what the
+        setting that sized the cache gives, and the longest max_model_len that would fit."""
+        num_blocks = max(num_blocks, 0)  # a profile can leave less than nothing
+        per_block, tokens = self.bytes_per_block, num_blocks * plan.block_size
+        setting = ("kv_cache_memory_bytes" if plan.kv_cache_memory_bytes is not None
+                   else "gpu_memory_utilization")
+        lower = f" or lower max_model_len to at most {tokens}" if tokens else ""
+        return (f"the KV cache cannot hold one sequence: max_model_len={plan.max_model_len} needs "
+                f"{min_blocks * per_block} bytes ({min_blocks} blocks of {plan.block_size} tokens), and "
+                f"{setting}={getattr(plan, setting)} leaves {num_blocks * per_block} bytes ({num_blocks} "
+                f"blocks); raise {setting}{lower}")
 
     @torch.inference_mode()
     def _warm_up_lm_head_and_sampler(self, max_rows: int) -> None:
