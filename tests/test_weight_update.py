@@ -111,6 +111,20 @@ def test_bad_tensors_are_errors_naming_them_and_change_nothing(tmp_path, bad, me
         assert _run(llm, prompts) == before
 
 
+def test_a_3d_experts_tensor_of_too_few_experts_is_an_error_naming_it(tmp_path):
+    """transformers 5's ``experts.gate_up_proj`` of 4 experts for a model of 8: HF's
+    ``load_state_dict`` refuses the size mismatch; it must not update half the experts."""
+    model = build_tiny_model(tmp_path / "a", "qwen3_moe", seed=1)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    prompts = random_prompts(2, max_len=30, seed=6)
+    with _engine(model.path) as llm:
+        before = _run(llm, prompts)
+        with pytest.raises(ValueError, match=rf"{name!r}: .*4 experts.*8"):
+            llm.load_weights({name: torch.zeros(4, 64, 64)})
+        llm.reset_prefix_cache()  # the same batches as before: MoE sums depend on the tokens batched
+        assert _run(llm, prompts) == before
+
+
 def test_an_unfinished_request_refuses_the_update_and_a_finished_run_takes_it(tmp_path):
     a, b = _pair(tmp_path, "llama")
     prompts = random_prompts(3, max_len=30, seed=7)

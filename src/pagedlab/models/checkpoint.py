@@ -30,13 +30,13 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], rou
     set_names: set[str] = set()
     parts: dict[str, set[int]] = {}  # fused targets: the parts loaded so far
     for name, full_tensor in weights:
-        for target, shard_id, tensor in route(name, full_tensor):
-            try:
+        try:  # the route's own errors too (a tensor it cannot split)
+            for target, shard_id, tensor in route(name, full_tensor):
                 set_names.update(_load_one(model, params, quantizing, target, shard_id, tensor))
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            if shard_id is not None:
-                parts.setdefault(target, set()).add(shard_id)
+                if shard_id is not None:
+                    parts.setdefault(target, set()).add(shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
     if every_part:
         _check_every_part(model, params, quantizing, parts)
     return set_names
@@ -48,11 +48,11 @@ def check_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], ro
     FP8 KV-cache scales are refused (read once, at load)."""
     params, quantizing = _targets(model)
     for name, full_tensor in weights:
-        for target, shard_id, tensor in route(name, full_tensor):
-            try:
+        try:
+            for target, shard_id, tensor in route(name, full_tensor):
                 check_shape(tensor, _expected_shape(model, params, quantizing, target, shard_id))
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 
 
 def _expected_shape(model: nn.Module, params: dict, quantizing: dict, target: str,

@@ -53,7 +53,7 @@ class SparseMoeBlock(nn.Module):
                              "layers between MoE layers are not supported; only every layer MoE is")
         hidden = hf_config.hidden_size
         inter = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
-        self.num_experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+        self.num_experts = num_experts(hf_config)
         self.top_k = hf_config.num_experts_per_tok
         self.renormalize = bool(getattr(hf_config, "norm_topk_prob", True))
         self.tp_size = get_tp_world_size()
@@ -114,7 +114,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         Llama."""
         fused = _FUSED_EXPERTS.match(name)
         if fused and len(checkpoint_shape(tensor)) == 3:
-            yield from _split_experts(f"{fused.group(1)}.mlp", fused.group(2), tensor)
+            mlp = f"{fused.group(1)}.mlp"
+            yield from _split_experts(mlp, fused.group(2), tensor, num_experts(self.config))
             return
         match = _EXPERT_WEIGHT.match(name)
         if match:
@@ -127,11 +128,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
         yield from super().route(name.replace(".block_sparse_moe.", ".mlp."), tensor)
 
 
-def _split_experts(mlp: str, which: str, tensor) -> Iterator[tuple[str, int, object]]:
-    """Each expert's parts of a 3-D experts tensor (transformers 5): gate and up rows of
-    ``gate_up_proj`` into ``w13``, ``down_proj`` into ``w2``."""
-    num_experts, rows = checkpoint_shape(tensor)[:2]
-    for expert in range(num_experts):
+def num_experts(hf_config) -> int:
+    """The experts of each MoE layer (Mixtral's ``num_local_experts``, Qwen3-MoE's ``num_experts``)."""
+    return getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
+
+
+def _split_experts(mlp: str, which: str, tensor, expected: int) -> Iterator[tuple[str, int, object]]:
+    """Each expert's parts of a 3-D experts tensor (transformers 5) of ``expected`` experts: gate
+    and up rows of ``gate_up_proj`` into ``w13``, ``down_proj`` into ``w2``."""
+    experts, rows = checkpoint_shape(tensor)[:2]
+    if experts != expected:  # fewer would load only some experts (an update checks each part alone)
+        raise ValueError(f"weight shape {checkpoint_shape(tensor)} holds {experts} experts, the model has "
+                         f"{expected}")
+    for expert in range(experts):
         weights = read_part(tensor, 0, expert, 1)[0]
         if which == "down_proj":
             yield f"{mlp}.w2", expert, weights
