@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 
 import pytest
 import torch
@@ -109,6 +110,23 @@ def test_bad_tensors_are_errors_naming_them_and_change_nothing(tmp_path, bad, me
         if isinstance(bad[1], torch.Tensor):
             assert repr(bad[0]) in str(error.value)
         assert _run(llm, prompts) == before
+
+
+@pytest.mark.parametrize(("arch", "name", "shape", "message"), [
+    ("phi3", "model.layers.0.self_attn.qkv_proj.weight", (260, 64), "(260, 64)"),  # q/k/v: 128 rows
+    ("phi3", "model.layers.0.mlp.gate_up_proj.weight", (300, 64), "(300, 64)"),  # gate/up: 256 rows
+    ("phi3", "model.layers.7.self_attn.qkv_proj.weight", (128, 64), "no place"),  # 2 layers
+    ("gpt2", "transformer.h.0.attn.c_attn.weight", (64, 200), "(200, 64)"),  # Conv1D [in, 3 * 64], transposed
+    ("gpt2", "transformer.h.0.attn.c_attn.bias", (200,), "(200,)"),
+    ("gpt_neox", "gpt_neox.layers.0.attention.query_key_value.weight", (200, 64), "(200, 64)"),  # 192 rows
+])
+def test_a_fused_checkpoint_tensor_of_another_size_is_an_error_naming_it(tiny_models, arch, name, shape,
+                                                                         message):
+    """HF's ``load_state_dict`` refuses the size mismatch; cut into parts, the rows past the
+    parts' must not be dropped unseen."""
+    refused = pytest.raises(ValueError, match=re.escape(f"{name!r}: ") + ".*" + re.escape(message))
+    with _engine(tiny_models(arch).path) as llm, refused:
+        llm.load_weights({name: torch.zeros(shape)})
 
 
 def test_a_3d_experts_tensor_of_too_few_experts_is_an_error_naming_it(tmp_path):

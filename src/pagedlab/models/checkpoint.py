@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
-from pagedlab.distributed.sharding import check_shape, load_replicated, read_part
+from pagedlab.distributed.sharding import check_shape, checkpoint_shape, load_replicated, read_part
 from pagedlab.quantization.formats import resolve_quant_config
 
 Route = Callable[[str, object], Iterable[tuple[str, int | None, object]]]
@@ -135,8 +135,19 @@ def _load_one(model: nn.Module, params: dict, quantizing: dict, target: str, sha
     return [target]
 
 
+def check_fused(loaded, sizes: list[int], dim: int = 0, unit: int = 1) -> None:
+    """A fused checkpoint tensor must hold exactly its parts' ``sizes`` features along ``dim``
+    (``unit`` features an index, as ``read_shard``'s): cut into its parts, a larger one would have
+    its extra rows dropped unseen and a shape no other loader checks."""
+    shape = checkpoint_shape(loaded)
+    if len(shape) <= dim or shape[dim] * unit != sum(sizes):
+        raise ValueError(f"weight shape {shape} does not fuse parts of {sizes} features along "
+                         f"dimension {dim}")
+
+
 def split_rows(loaded, sizes: list[int]) -> Iterator[object]:
     """Consecutive row ranges of ``sizes`` rows of a fused checkpoint tensor (each read alone)."""
+    check_fused(loaded, sizes)
     start = 0
     for size in sizes:
         yield read_part(loaded, 0, start, size)

@@ -19,7 +19,7 @@ from pagedlab.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlab.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedlab.layers.norm import LayerNorm
 from pagedlab.layers.rotary import RotaryEmbedding, rotary_dim_of
-from pagedlab.models.checkpoint import load_checkpoint, require_dense
+from pagedlab.models.checkpoint import check_fused, load_checkpoint, require_dense
 from pagedlab.models.gpt2 import GeluMLP
 
 
@@ -116,6 +116,7 @@ class GPTNeoXForCausalLM(nn.Module):
             return
         heads = self.config.num_attention_heads
         full = read_whole(tensor)
+        check_fused(full, [self.config.hidden_size] * 3)
         per_head = full.reshape(heads, 3, -1, *full.shape[1:])  # [heads, q/k/v, head_dim, (hidden)]
         for shard_id in range(3):
             yield name, shard_id, per_head[:, shard_id].reshape(-1, *full.shape[1:])

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 
 from pagedlab.distributed.sharding import checkpoint_shape, read_shard
+from pagedlab.models.checkpoint import check_fused
 from pagedlab.models.llama import LlamaForCausalLM, head_dim_of
 
 _FUSED = ("qkv_proj", "gate_up_proj")
@@ -44,11 +45,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         """The parts of fused checkpoint tensor ``module.leaf`` of ``sizes`` output features each,
         along the dimension (and in the units) the layer's parameter runs along the outputs; a
         dense checkpoint ``weight`` (quantized at load) by rows."""
-        spec = getattr(getattr(self.get_submodule(module), leaf, None), "spec", None)
+        try:
+            layer = self.get_submodule(module)
+        except AttributeError:  # no such layer: its parts have no place (``load_checkpoint`` says so)
+            layer = None
+        spec = getattr(getattr(layer, leaf, None), "spec", None)
         dim, unit = (0, 1) if leaf == "weight" or spec is None else (spec.out_dim, spec.out_unit)
         if dim is None or math.prod(checkpoint_shape(tensor)) == 1:
             yield from (tensor for _ in sizes)  # a per-tensor scale: each part's
             return
+        check_fused(tensor, sizes, dim, unit)
         start = 0
         for size in sizes:
             yield read_shard(tensor, dim, unit, start, size, "output")
