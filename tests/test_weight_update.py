@@ -97,6 +97,8 @@ def test_other_dtypes_and_devices_are_cast_as_a_checkpoint_is(tmp_path):
     (("model.layers.0.mlp.gate_proj.bias", torch.zeros(128)), "it has no place in LlamaForCausalLM"),
     (("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64)), r"weight shape \(64, 64\)"),
     (("model.layers.0.self_attn.k_scale", torch.ones(())), "KV-cache scales"),
+    (("model.norm.weight", torch.empty(64, device="meta")), "meta"),  # no data: copying it fails
+    (("model.norm.weight", torch.ones(64, dtype=torch.complex64)), "complex64"),  # a cast drops the imag part
     (("model.norm.weight", [1.0] * 64), "give a dict of name -> torch.Tensor"),
 ])
 def test_bad_tensors_are_errors_naming_them_and_change_nothing(tmp_path, bad, message):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
 from torch import nn
 
 from pagedlab.distributed.sharding import check_shape, checkpoint_shape, load_replicated, read_part
@@ -44,15 +45,25 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], rou
 
 def check_checkpoint(model: nn.Module, weights: Iterable[tuple[str, object]], route: Route) -> None:
     """Raise the ValueError ``load_checkpoint`` would raise for an unknown name or a shape of
-    ``weights``, naming the tensor, before anything is written: an update must not stop halfway.
+    ``weights``, naming the tensor, before anything is written: an update must not stop halfway
+    (so a tensor the copy would fail on or mangle, meta or not floating point, is refused too).
     FP8 KV-cache scales are refused (read once, at load)."""
     params, quantizing = _targets(model)
     for name, full_tensor in weights:
         try:
             for target, shard_id, tensor in route(name, full_tensor):
                 check_shape(tensor, _expected_shape(model, params, quantizing, target, shard_id))
+                _check_values(tensor)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+
+
+def _check_values(tensor: torch.Tensor) -> None:
+    """Values the copy can take: floating point (cast as a checkpoint's are), with data."""
+    if tensor.is_meta:
+        raise ValueError("it is on the meta device (a shape without data): give the tensor's values")
+    if not tensor.is_floating_point():
+        raise ValueError(f"dtype {tensor.dtype} is not a floating-point dtype: give the dense weights")
 
 
 def _expected_shape(model: nn.Module, params: dict, quantizing: dict, target: str,
