@@ -88,7 +88,6 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app = FastAPI(title="pagedlab OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.served_model_names = names
     app.state.models = models = OpenAIServingModels(engine, names, lora_modules)
     app.state.created = int(time.time())
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
@@ -223,9 +222,10 @@ async def list_models(raw_request: Request) -> Response:
     info = state.engine.info
     common = dict(created=state.created, max_model_len=info.max_model_len,
                   vocab_size=int(info.hf_config.vocab_size))
-    base = [ModelCard(id=name, root=str(info.model_path), **common) for name in state.served_model_names]
-    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path,
-                          parent=lora.base_model_name or state.served_model_names[0], **common)
+    names = state.models.served_model_names
+    base = [ModelCard(id=name, root=str(info.model_path), **common) for name in names]
+    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=lora.base_model_name or names[0],
+                          **common)
                 for lora in state.models.lora_requests.values()]
     return json_response(ModelList(data=base + adapters))
 
