@@ -33,7 +33,8 @@ def llm(tiny_llama):
     (dict(min_tokens=9, max_tokens=4), "min_tokens"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop=5), "stop"),
     (dict(stop_token_ids=5), "stop_token_ids"),
@@ -55,10 +56,12 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
     dict(presence_penalty=-2.0), dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
     dict(frequency_penalty=2.0), dict(min_p=0.0), dict(min_p=1.0), dict(top_p=1.0), dict(seed=-(1 << 63)),
     dict(seed=(1 << 63) - 1), dict(min_tokens=4, max_tokens=4), dict(logprobs=0), dict(prompt_logprobs=0),
+    dict(logprobs=-1), dict(prompt_logprobs=-1),
     dict(logit_bias={5: -100.0, 6: 100.0}), dict(temperature=0.0)])
 def test_the_ends_of_each_range_are_valid(kwargs):
     """vLLM's closed ranges: penalties in [-2, 2], min_p in [0, 1], min_tokens up to max_tokens,
-    biases in [-100, 100], any 64-bit seed, and 0 logprobs (the sampled token's alone)."""
+    biases in [-100, 100], any 64-bit seed, 0 logprobs (the sampled token's alone) and -1 (the whole
+    vocabulary)."""
     params = SamplingParams(**kwargs)
     assert {name: getattr(params, name) for name in kwargs} == kwargs
 

@@ -117,6 +117,25 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama):
             assert set(top.indices.tolist()) <= set(entry)
 
 
+def test_minus_one_logprobs_return_the_whole_vocabulary(tiny_llama):
+    """vLLM's ``logprobs=-1`` / ``prompt_logprobs=-1``: every token of the vocabulary at each position,
+    with HF's log_softmax and ranks 1..V."""
+    prompt = random_prompts(1, min_len=6, max_len=6, seed=4)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    vocab = tiny_llama.hf_model.config.vocab_size
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out.outputs[0].token_ids])
+        ref = torch.log_softmax(tiny_llama.hf_model(ids).logits[0].float(), -1)
+    positions = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert out.prompt_logprobs[0] is None and len(positions) == len(prompt) + 1
+    for pos, expected in zip(positions, ref):
+        assert sorted(pos) == list(range(vocab))
+        assert torch.tensor([pos[t].logprob for t in range(vocab)]) == pytest.approx(expected, abs=1e-4)
+        assert sorted(lp.rank for lp in pos.values()) == list(range(1, vocab + 1))
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_beam_search_matches_hf(tiny_models, async_scheduling):
     tiny = tiny_models("qwen2")

@@ -128,7 +128,8 @@ class SamplingParams:
     ``i`` of ``n`` seeded by ``seed + i``, its k-th token by that and k), so the same seed gives the
     same tokens whether the request runs alone or among others, on any engine.
     ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
-    generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first.
+    generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first;
+    -1 (vLLM's) returns the whole vocabulary's.
     Log-probabilities are those of the raw model distribution, before penalties and temperature.
 
     vLLM's logits controls: ``logit_bias`` ({token id: bias}, added to the logits, bias in
@@ -218,8 +219,8 @@ class SamplingParams:
                    f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= 0), name, value,
-                   "None or an integer >= 0")
+            _check(value is None or (isinstance(value, int) and value >= -1), name, value,
+                   "None, an integer >= 0 or -1 (the whole vocabulary)")
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                        and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1)),
@@ -280,6 +281,12 @@ class SamplingParams:
             count = getattr(self, name)
             _check(count is None or count <= vocab_size, name, count,
                    f"at most the vocabulary size ({vocab_size})")
+
+    def with_vocabulary_logprobs(self, vocab_size: int) -> SamplingParams:
+        """These parameters with a ``logprobs`` or ``prompt_logprobs`` of -1 (vLLM's: the whole
+        vocabulary) as ``vocab_size``; themselves when neither is -1."""
+        changes = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
+        return self.clone(**changes) if changes else self
 
     @property
     def greedy(self) -> bool:
