@@ -99,7 +99,7 @@ def test_logprobs_and_prompt_logprobs_match_hf(tiny_llama):
         for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
             ref = torch.log_softmax(gen.logits[step][0].float(), -1)
             assert abs(position[token].logprob - ref[token].item()) < 1e-4
-            assert position[token].rank == int((ref > ref[token]).sum()) + 1
+            assert position[token].rank == int((ref >= ref[token]).sum())
             top = ref.topk(5)
             for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
                 assert abs(position[tid].logprob - lp) < 1e-4
@@ -134,6 +134,36 @@ def test_minus_one_logprobs_return_the_whole_vocabulary(tiny_llama):
         assert sorted(pos) == list(range(vocab))
         assert torch.tensor([pos[t].logprob for t in range(vocab)]) == pytest.approx(expected, abs=1e-4)
         assert sorted(lp.rank for lp in pos.values()) == list(range(1, vocab + 1))
+
+
+def test_tied_logprobs_rank_as_vllm(tiny_llama, tmp_path):
+    """vLLM's ranks under ties: the sampled token's is the count of tokens whose logprob is at least
+    its own (every tie ranks at its end), and the top-k entries keep ranks 1..k. Zeroed LM-head rows
+    give those tokens exactly equal logits; sampling only among them (allowed_token_ids leaves the
+    raw logprobs alone) picks a tied token."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama.path, dtype=torch.float32).eval()
+    tied = list(range(100, 140))
+    with torch.no_grad():
+        model.lm_head.weight[tied] = 0.0
+    model.save_pretrained(tmp_path)
+    prompt = random_prompts(1, min_len=6, max_len=6, seed=4)[0]
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=3, allowed_token_ids=tied, logprobs=2)
+    with LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = [llm.generate({"prompt_token_ids": prompt}, params.clone(logprobs=k), use_tqdm=False)[0]
+                for k in (0, 2)]
+    tokens = outs[0].outputs[0].token_ids
+    assert outs[1].outputs[0].token_ids == tokens and set(tokens) <= set(tied)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1], -1)
+    for step, token in enumerate(tokens):
+        want = int((ref[step] >= ref[step, token]).sum())
+        assert want > int((ref[step] > ref[step, token]).sum()) + 1  # a tie the rules tell apart
+        assert outs[0].outputs[0].logprobs[step][token].rank == want
+        position = outs[1].outputs[0].logprobs[step]
+        assert position[token].rank == want
+        assert sorted(lp.rank for t, lp in position.items() if t != token) == [1, 2]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

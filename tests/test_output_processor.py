@@ -158,6 +158,16 @@ def test_logprob_records_hold_the_top_n_the_sampled_token_and_the_labels(tokeniz
     assert outs["plain"].outputs[0].logprobs is None and outs["plain"].outputs[0].cumulative_logprob is None
 
 
+def test_a_tied_sampled_token_among_the_top_n_takes_its_top_n_rank(tokenizer):
+    """vLLM's record: the sampled token's vocabulary rank counts every token tied with it (2 here,
+    a ties b), but where it is among the top N the entry is the top N's, so the top N rank 1..N."""
+    engine = Engine(tokenizer)
+    a, b = engine.ids("a")[0], engine.ids("b")[0]
+    engine.add("r", SamplingParams(max_tokens=5, logprobs=2))
+    out = engine.step({"r": a}, {"r": (-0.5, 2, [(a, -0.5), (b, -0.5)], [])})["r"].outputs[0]
+    assert _records(out.logprobs[0]) == {a: (-0.5, 1, "a"), b: (-0.5, 2, "b")}
+
+
 def test_cumulative_logprob_sums_the_sampled_tokens(tokenizer):
     engine = Engine(tokenizer)
     a, b = engine.ids("a")[0], engine.ids("b")[0]

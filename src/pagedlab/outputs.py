@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one token, its rank in the distribution (1 = most likely) and its text."""
+    """Log-probability of one token, its rank in the distribution and its text. As in vLLM the rank
+    is how many tokens are at least as likely (1 = most likely; tied tokens all rank at the end of
+    their tie), except that the top-N alternatives of a position rank 1..N."""
 
     logprob: float
     rank: int

@@ -156,13 +156,14 @@ class OutputProcessor:
     def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool,
                            label_ids: list[int] | None = None) -> PositionLogprobs:
         """The sampled token's logprob, then those of ``label_ids`` (``logprob_token_ids``), then the
-        top ``num``."""
+        top ``num``, ranked 1..num (as vLLM: a token among them takes its top-``num`` rank, which
+        differs from its vocabulary rank only where it ties with others)."""
         entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
         for j, tid in enumerate(label_ids or ()):
             entries.setdefault(tid, (float(top.label_logprobs[row, j]), int(top.label_ranks[row, j])))
         top_ids, top_logprobs = top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()
         for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
-            entries.setdefault(tid, (lp, rank))
+            entries[tid] = (lp, rank)
         decode = decode and self.tokenizer is not None
         return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
                 for tid, (lp, rank) in entries.items()}

@@ -228,9 +228,11 @@ class PagedLabLM(TemplateLM):
         for (cache_key, _, _), tokens, ctx_len, out in zip(requests, inputs, ctx_lens, outputs):
             total, greedy = 0.0, True
             for pos in range(max(ctx_len, 1), len(tokens)):
-                entry = out.prompt_logprobs[pos][tokens[pos]]
+                position = out.prompt_logprobs[pos]
+                entry = position[tokens[pos]]
                 total += entry.logprob
-                greedy = greedy and entry.rank == 1
+                # as lm-eval's vllm model: greedy where no token is more likely (a tie for the top counts)
+                greedy = greedy and entry.logprob >= max(lp.logprob for lp in position.values())
             answer = (total, greedy)
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, answer)

@@ -73,9 +73,15 @@ class SamplerOutput:
     logprobs: TopLogprobs | None
 
 
+def token_ranks(logprobs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """vLLM's rank of a token of logprob ``values[i]`` in row ``i``: how many tokens have a logprob at
+    least as large (a token that ties with others ranks at the end of the tie)."""
+    return (logprobs >= values.unsqueeze(-1)).sum(-1)
+
+
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TopLogprobs:
     token_logprob = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-    token_rank = (logprobs > token_logprob.unsqueeze(-1)).sum(-1) + 1
+    token_rank = token_ranks(logprobs, token_logprob)
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
         logprobs.new_empty(logprobs.shape[0], 0), token_ids.new_empty(logprobs.shape[0], 0))
     return TopLogprobs(token_logprob, token_rank, top_ids, top_logprobs)
@@ -85,7 +91,7 @@ def gather_label_logprobs(logprobs: torch.Tensor, top: TopLogprobs, label_ids: t
     """Add the logprobs and ranks of each row's label ids (``logprob_token_ids``) to ``top``; one
     label column at a time, so the rank comparison holds one ``[N, V]`` mask, not ``[N, L, V]``."""
     top.label_logprobs = logprobs.gather(-1, label_ids)
-    top.label_ranks = torch.stack([(logprobs > top.label_logprobs[:, j:j + 1]).sum(-1) + 1
+    top.label_ranks = torch.stack([token_ranks(logprobs, top.label_logprobs[:, j])
                                    for j in range(label_ids.shape[1])], dim=1)
 
 
