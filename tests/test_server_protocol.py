@@ -155,6 +155,9 @@ def test_chat_to_sampling_params():
     assert plain.to_sampling_params() == SamplingParams(max_tokens=50, logprobs=0)
     unlimited = parse_request(ChatCompletionRequest, {"messages": CHAT}).to_sampling_params()
     assert unlimited.max_tokens is None and unlimited.logprobs is None
+    # as vLLM: top_logprobs 0 asks for nothing, so it needs no logprobs flag
+    no_alternatives = parse_request(ChatCompletionRequest, {"messages": CHAT, "top_logprobs": 0})
+    assert no_alternatives.to_sampling_params().logprobs is None
 
 
 def test_prompt_forms_and_conversation():

@@ -356,7 +356,7 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
-        if not info.data.get("logprobs"):
+        if value and not info.data.get("logprobs"):  # as vLLM, 0 (no alternatives) needs no flag
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
