@@ -205,6 +205,25 @@ def test_output_kind_offline_engine(tiny_llama):
     assert offline.outputs[0].token_ids == whole.token_ids  # LLM.generate returns whole outputs, as vLLM
 
 
+def test_no_output_for_a_prefill_chunk_without_tokens(tiny_llama):
+    """As vLLM's engine, which makes an output only for a step that gave the request tokens (or
+    finished it): chunked prefill of a long prompt yields no empty outputs, cumulative or delta;
+    with DELTA prompt logprobs each chunk's positions still come as they are computed."""
+    prompt = random_prompts(1, min_len=40, max_len=40, seed=9)[0]
+    base = dict(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=8) as llm:
+        engine = llm.llm_engine
+        cumulative = _drive(engine, "c", SamplingParams(**base), prompt)
+        deltas = _drive(engine, "d", SamplingParams(**base, output_kind=RequestOutputKind.DELTA), prompt)
+        scored = _drive(engine, "p", SamplingParams(**base, prompt_logprobs=1,
+                                                     output_kind=RequestOutputKind.DELTA), prompt)
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == [1, 2, 3]
+    assert [len(o.outputs[0].token_ids) for o in deltas] == [1, 1, 1]
+    positions = [p for o in scored for p in o.prompt_logprobs]
+    assert len(scored) > 3 and len(positions) == len(prompt) and positions[0] is None
+    assert [t for o in scored for t in o.outputs[0].token_ids] == cumulative[-1].outputs[0].token_ids
+
+
 def test_output_kind_async_engine(chat_model):
     path, _ = chat_model
 

@@ -44,6 +44,15 @@ class ParentState:
     request_id: str
     prompt: str | None
     completions: list[CompletionState] = field(default_factory=list)
+    shown: tuple[int, int] = (0, 0)  # the ``progress`` the last output showed
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """How far the parent has come: its completions' tokens, and its prompt positions with
+        logprobs recorded."""
+        first = self.completions[0]
+        return (sum(c.request.num_output_tokens for c in self.completions),
+                first.prompt_logprobs_ready if first.prompt_logprobs is not None else 0)
 
     @property
     def finished(self) -> bool:
@@ -92,6 +101,7 @@ class OutputProcessor:
                 state.prompt_logprobs = [None] * child.num_prompt_tokens
             parent.completions.append(state)
             self._completions[child.request_id] = state
+        parent.shown = parent.progress
         self._parents[request_id] = parent
 
     # ---- after a step ---------------------------------------------------------------------
@@ -170,8 +180,10 @@ class OutputProcessor:
 
     # ---- outputs --------------------------------------------------------------------------
     def make_outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
-        """The output of each parent of ``changed`` (with ``finished_only``, or for a request whose
-        ``output_kind`` is FINAL_ONLY, only of those that finished); a finished parent is forgotten
+        """The output of each parent of ``changed`` that finished or came further (new tokens, or
+        new prompt logprobs) since its last output: as vLLM, a prefill chunk or a preemption that
+        gave it nothing new makes no output. With ``finished_only``, or for a request whose
+        ``output_kind`` is FINAL_ONLY, only those that finished. A finished parent is forgotten
         once its output is built."""
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in changed):
@@ -179,7 +191,7 @@ class OutputProcessor:
             if parent is None:
                 continue
             final_only = finished_only or parent.output_kind == RequestOutputKind.FINAL_ONLY
-            if parent.finished or not final_only:
+            if parent.finished or (not final_only and parent.progress != parent.shown):
                 outputs.append(self.make_output(parent_id))
         return outputs
 
@@ -187,7 +199,7 @@ class OutputProcessor:
         """The parent's output now: cumulative, or with ``RequestOutputKind.DELTA`` only what no
         earlier output carried."""
         parent = self._parents[request_id]
-        finished = parent.finished
+        finished, parent.shown = parent.finished, parent.progress
         if finished:
             del self._parents[request_id]
             for state in parent.completions:
