@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from conftest import KV_BYTES, build_tiny_model, hf_greedy, random_prompts, tiny_config
+from gguf_fixtures import write_tiny_gguf
+from test_server_support import CHAT_TEMPLATE
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import resolve_max_model_len
 from pagedlab.loader.gguf import embedded_model_path, gguf_cache_dir
@@ -101,3 +103,56 @@ def test_a_shard_missing_from_its_index_is_named(tiny_llama, tmp_path):
     shards[1].unlink()
     with pytest.raises(ValueError, match=rf"weight files \['{shards[1].name}'\] listed in .* are missing"):
         LLM(str(tmp_path), kv_cache_memory_bytes=KV_BYTES)
+
+
+def _hf_from_gguf(path: Path):
+    """transformers' own reading of a GGUF file (dequantized to float32): the reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q8_0"), ("mistral", "BF16"), ("qwen2", "Q4_1"),
+                                         ("qwen3", "Q5_0")])
+def test_a_gguf_without_a_tokenizer_loads_as_transformers_reads_it(arch, qtype, chat_dir, tmp_path,
+                                                                   monkeypatch):
+    """A GGUF file with weights but no tokenizer fields loads as a weights-only directory does,
+    taking ``tokenizer=`` as vLLM's GGUF users pass it, with transformers' dequantized weights and
+    config (rotary permutation, GQA heads, tied embeddings, RoPE base, RMS epsilon)."""
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    # transformers reads no head_dim from a Qwen3 GGUF: its default, 128
+    tiny = build_tiny_model(tmp_path / "hf", arch, **({"head_dim": 128} if arch == "qwen3" else {}))
+    path = tmp_path / f"tiny-{arch}.{qtype}.gguf"
+    write_tiny_gguf(path, tiny.hf_model, qtype)
+    reference = _hf_from_gguf(path)
+    prompts = random_prompts(3, seed=83)
+    with LLM(str(path), tokenizer=chat_dir, kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert llm.get_tokenizer().chat_template == CHAT_TEMPLATE
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]
+
+
+def test_a_gguf_tokenizer_encodes_and_templates_as_transformers_reads_it(chat_dir, tmp_path, monkeypatch):
+    """The tokenizer converted from a GGUF file's fields (byte-level BPE, special tokens, BOS added,
+    chat template) encodes, decodes and applies the template as transformers' GGUF tokenizer."""
+    import transformers
+
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32)
+    path = tmp_path / "chat.Q8_0.gguf"
+    write_tiny_gguf(path, hf_model, "Q8_0", tokenizer_dir=Path(chat_dir))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = ["The quick brown fox", " leading  spaces\tand\nnewlines ", "émoji 🤗 中文", "</s><s>x", ""]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+    with LLM(str(path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        tokenizer = llm.get_tokenizer()
+        for text in texts:
+            ids = reference(text).input_ids
+            assert tokenizer(text).input_ids == ids
+            assert tokenizer.decode(ids) == reference.decode(ids)
+        assert (tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+                == reference.apply_chat_template(chat, add_generation_prompt=True))
+        out = llm.generate("Why is the sky", GREEDY, use_tqdm=False)[0]
+    prompt = reference("Why is the sky").input_ids
+    assert out.outputs[0].token_ids == hf_greedy(_hf_from_gguf(path), prompt, 12)

@@ -41,7 +41,9 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 
 def convert_gguf(gguf_path: Path) -> Path:
     """Return a directory with config.json, model.safetensors and tokenizer files for ``gguf_path``,
-    converting on the first call (about 20 s for SmolLM2 on a CPU) and reusing it afterwards."""
+    converting on the first call (about 20 s for SmolLM2 on a CPU) and reusing it afterwards. A GGUF
+    file without tokenizer fields gives a directory without tokenizer files, as a weights-only HF
+    directory: its prompts are token ids unless ``tokenizer=`` names one."""
     target = gguf_cache_dir(gguf_path)
     if (target / "config.json").is_file():
         return target
@@ -49,33 +51,12 @@ def convert_gguf(gguf_path: Path) -> Path:
         if importlib.util.find_spec(module) is None:
             raise ValueError(f"loading the GGUF file {gguf_path} needs the package {module!r}: "
                              f"pip install {module}")
-    import torch
-    from safetensors.torch import save_file
-
     print(f"pagedlab: converting {gguf_path.name} to safetensors once, into {target}", file=sys.stderr)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except Exception as e:
-        raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
+    model, tokenizer = _read_with_transformers(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
-        config = model.config
-        config.architectures = [type(model).__name__]
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = "float32"
-        config.save_pretrained(staging)
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        state = {k: v.contiguous() for k, v in model.state_dict().items()
-                 if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        save_file(state, str(staging / "model.safetensors"),
-                  metadata={"format": "pt", "source": str(gguf_path)})
+        _save_converted(model, tokenizer, gguf_path, staging)
         try:
             staging.rename(target)
         except OSError:  # another process converted it first
@@ -84,3 +65,37 @@ def convert_gguf(gguf_path: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def _read_with_transformers(gguf_path: Path):
+    """transformers' float32 model of ``gguf_path``, and its tokenizer (None if the file has none)."""
+    import torch
+    from gguf import GGUFReader, Keys
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        has_tokenizer = Keys.Tokenizer.MODEL in GGUFReader(gguf_path).fields
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name) if has_tokenizer else None
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
+    return model, tokenizer
+
+
+def _save_converted(model, tokenizer, gguf_path: Path, folder: Path) -> None:
+    """``model`` (and ``tokenizer``) as an HF directory of float32 safetensors in ``folder``."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt", "source": str(gguf_path)})
