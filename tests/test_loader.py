@@ -156,3 +156,17 @@ def test_a_gguf_tokenizer_encodes_and_templates_as_transformers_reads_it(chat_di
         out = llm.generate("Why is the sky", GREEDY, use_tqdm=False)[0]
     prompt = reference("Why is the sky").input_ids
     assert out.outputs[0].token_ids == hf_greedy(_hf_from_gguf(path), prompt, 12)
+
+
+def test_a_split_gguf_is_refused_naming_its_parts(tiny_llama, tmp_path, monkeypatch):
+    """A GGUF model split in parts (llama-gguf-split's -00001-of-00003.gguf) is refused, as vLLM
+    loads only single-file GGUF models: transformers would read one part and leave the weights of
+    the others random."""
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama.hf_model, split_max_tensors=8)
+    parts = sorted(tmp_path.glob("tiny-*-of-00003.gguf"))
+    assert len(parts) == 3
+    for part in parts:
+        with pytest.raises(ValueError, match=rf"{part.name} is one of the 3 parts of a split GGUF model.*"
+                                             r"llama-gguf-split --merge"):
+            LLM(str(part), kv_cache_memory_bytes=KV_BYTES)

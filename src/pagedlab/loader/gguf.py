@@ -73,10 +73,20 @@ def _read_with_transformers(gguf_path: Path):
     from gguf import GGUFReader, Keys
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        fields = GGUFReader(gguf_path).fields
+    except Exception as e:
+        raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
+    split = fields.get(Keys.Split.LLM_KV_SPLIT_COUNT)
+    if split is not None and split.contents() > 1:
+        # transformers would read this part's tensors only and leave the others' weights random
+        raise ValueError(f"GGUF file {gguf_path.name} is one of the {split.contents()} parts of a split GGUF "
+                         "model; pagedlab, as vLLM, loads single-file GGUF models: merge the parts first "
+                         "with `llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf`")
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        has_tokenizer = Keys.Tokenizer.MODEL in GGUFReader(gguf_path).fields
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name) if has_tokenizer else None
+        tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                     if Keys.Tokenizer.MODEL in fields else None)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as e:
         raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
