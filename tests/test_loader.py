@@ -170,3 +170,14 @@ def test_a_split_gguf_is_refused_naming_its_parts(tiny_llama, tmp_path, monkeypa
         with pytest.raises(ValueError, match=rf"{part.name} is one of the 3 parts of a split GGUF model.*"
                                              r"llama-gguf-split --merge"):
             LLM(str(part), kv_cache_memory_bytes=KV_BYTES)
+
+
+def test_a_gguf_lacking_a_weight_is_refused_naming_it(tiny_llama, tmp_path, monkeypatch):
+    """A GGUF file without a tensor the model needs is an error naming the weight, as vLLM's
+    loader and a safetensors checkpoint lacking it, not a model with that weight left random."""
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "truncated.gguf"
+    write_tiny_gguf(path, tiny_llama.hf_model, leave_out=("model.layers.1.mlp.up_proj.weight",))
+    with pytest.raises(ValueError, match=r"truncated.gguf lacks weights for: model.layers.1.mlp.up_proj"):
+        LLM(str(path), kv_cache_memory_bytes=KV_BYTES)
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing cached

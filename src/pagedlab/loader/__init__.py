@@ -12,6 +12,7 @@ from pagedlab.loader.dummy import init_dummy_weights
 from pagedlab.loader.gguf import EMBEDDED_MODELS, convert_gguf, embedded_model_path
 from pagedlab.loader.hub import is_hub_id, resolve_hub_model
 from pagedlab.loader.safetensors import iterate_safetensors
+from pagedlab.models.checkpoint import some_names
 from pagedlab.models.registry import build_model
 
 
@@ -92,8 +93,7 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch
         loaded = model.load_weights(iterate_safetensors(source.path))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"the checkpoint in {source.path} lacks weights for: {shown}")
+            raise ValueError(f"the checkpoint in {source.path} lacks weights for: {some_names(missing)}")
     process_weights_after_loading(model)
     return model.eval()
 

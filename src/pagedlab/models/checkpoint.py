@@ -117,8 +117,12 @@ def _check_every_part(model: nn.Module, params: dict, quantizing: dict, parts: d
         missing += [_part_name(model, target, shard_id) for shard_id in range(len(shapes))
                     if shard_id not in loaded]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"the checkpoint lacks weights for: {shown}")
+        raise ValueError(f"the checkpoint lacks weights for: {some_names(missing)}")
+
+
+def some_names(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` of ``names`` and how many more, for an error message."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _part_name(model: nn.Module, target: str, shard_id: int) -> str:
