@@ -66,11 +66,16 @@ def load_tokenizer(path, tokenizer_mode: str = "auto", **overrides):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
-                                             use_fast=tokenizer_mode != "slow", **overrides)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False,
+                                                  use_fast=tokenizer_mode != "slow", **overrides)
     except (OSError, ValueError, TypeError) as e:
         logger.info("no tokenizer in %s (%s): prompts must be token ids", path, e)
         return None
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        # transformers builds some classes (Qwen2's) without files: a vocabulary of special tokens only
+        logger.info("no tokenizer files in %s: prompts must be token ids", path)
+        return None
+    return tokenizer
 
 
 class LLMEngine:
