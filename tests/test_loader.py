@@ -184,3 +184,19 @@ def test_a_gguf_lacking_a_weight_is_refused_naming_it(tiny_llama, tmp_path, monk
     with pytest.raises(ValueError, match=r"truncated.gguf lacks weights for: model.layers.1.mlp.up_proj"):
         LLM(str(path), kv_cache_memory_bytes=KV_BYTES)
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing cached
+
+
+@pytest.mark.parametrize("lost", ["config.json", "model.safetensors"])
+def test_a_damaged_gguf_conversion_in_the_cache_is_redone(lost, tiny_llama, tmp_path, monkeypatch):
+    """A cached conversion missing one of its files (a cleanup cut short) is converted again, not
+    read as it is: the model then loads as transformers reads the GGUF file."""
+    from pagedlab.loader.gguf import convert_gguf
+
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_llama.hf_model, "Q8_0")
+    (convert_gguf(path) / lost).unlink()
+    prompt = random_prompts(1, seed=84)[0]
+    with LLM(str(path), kv_cache_memory_bytes=KV_BYTES) as llm:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(_hf_from_gguf(path), prompt, 12)

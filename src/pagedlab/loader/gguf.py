@@ -46,7 +46,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     file without tokenizer fields gives a directory without tokenizer files, as a weights-only HF
     directory: its prompts are token ids unless ``tokenizer=`` names one."""
     target = gguf_cache_dir(gguf_path)
-    if (target / "config.json").is_file():
+    if _is_complete(target):
         return target
     for module in ("gguf", "accelerate"):
         if importlib.util.find_spec(module) is None:
@@ -58,6 +58,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         _save_converted(model, tokenizer, gguf_path, staging)
+        if target.exists() and not _is_complete(target):  # damaged (a cleanup cut short): replaced
+            shutil.rmtree(target, ignore_errors=True)
         try:
             staging.rename(target)
         except OSError:  # another process converted it first
@@ -66,6 +68,12 @@ def convert_gguf(gguf_path: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def _is_complete(converted: Path) -> bool:
+    """Whether a cached conversion has its files (a conversion publishes its directory whole, by a
+    rename, so only damage from outside leaves one without them)."""
+    return all((converted / name).is_file() for name in ("config.json", "model.safetensors"))
 
 
 def _read_with_transformers(gguf_path: Path):
