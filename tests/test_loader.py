@@ -200,3 +200,22 @@ def test_a_damaged_gguf_conversion_in_the_cache_is_redone(lost, tiny_llama, tmp_
     with LLM(str(path), kv_cache_memory_bytes=KV_BYTES) as llm:
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(_hf_from_gguf(path), prompt, 12)
+
+
+def test_tokenizer_may_be_a_gguf_file(tiny_llama, chat_dir, tmp_path, monkeypatch):
+    """``tokenizer=`` naming a .gguf file takes the tokenizer in its fields, as vLLM's get_tokenizer
+    reads one (transformers' GGUF tokenizer), rather than leaving the engine without one."""
+    import transformers
+
+    monkeypatch.setenv("PAGEDLAB_CACHE_DIR", str(tmp_path / "cache"))
+    chat_model = transformers.AutoModelForCausalLM.from_pretrained(chat_dir, dtype=torch.float32)
+    write_tiny_gguf(tmp_path / "chat.gguf", chat_model, tokenizer_dir=Path(chat_dir))
+    write_tiny_gguf(tmp_path / "weights.gguf", tiny_llama.hf_model)
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="chat.gguf")
+    with LLM(str(tmp_path / "weights.gguf"), tokenizer=str(tmp_path / "chat.gguf"),
+             kv_cache_memory_bytes=KV_BYTES) as llm:
+        text = "Why is the sky blue?"
+        assert llm.get_tokenizer()(text).input_ids == reference(text).input_ids
+    config_file = str(Path(tiny_llama.path) / "config.json")
+    with pytest.raises(ValueError, match=r"tokenizer '.*config.json' is a file but not a .gguf file"):
+        LLM(tiny_llama.path, tokenizer=config_file, kv_cache_memory_bytes=KV_BYTES)

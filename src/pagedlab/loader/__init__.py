@@ -54,10 +54,16 @@ def resolve_model_source(model: str, load_format: str = "auto", revision: str | 
 
 
 def resolve_tokenizer_path(tokenizer: str | None, model_path: Path, download_dir: str | None = None) -> Path:
-    """The directory of the tokenizer: the model's, a local directory, or a hub id's snapshot."""
+    """The directory of the tokenizer: the model's, a local directory, the conversion of a .gguf
+    file (as vLLM reads a GGUF tokenizer), or a hub id's snapshot."""
     if tokenizer is None:
         return model_path
     path = Path(tokenizer).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"tokenizer {tokenizer!r} is a file but not a .gguf file; give a directory "
+                             "with the tokenizer's files, a .gguf file or a hub model id (org/name)")
+        return convert_gguf(path)
     if path.exists():
         return path
     if is_hub_id(tokenizer):
