@@ -6,6 +6,7 @@ template receiving the tools. A tiny random Llama with a real tokenizer, served 
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -22,7 +23,9 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402
+from pagedlab.server.cli import add_serve_args, tool_calling_from_args  # noqa: E402
 from pagedlab.server.protocol import APIError, ChatCompletionRequest, parse_request  # noqa: E402
+from pagedlab.server.serving_tools import ToolCalling  # noqa: E402
 
 # renders the tools as Qwen's template does: a JSON line per tool in the system turn
 TOOLS_TEMPLATE = (
@@ -41,6 +44,12 @@ TOOLS = [{"type": "function",
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+# TOOLS as vLLM hands them to the chat template: each whole, type, then function's name,
+# description (null when absent) and parameters
+TEMPLATE_TOOLS = [{"type": "function", "function": {"name": t["function"]["name"],
+                                                     "description": t["function"].get("description"),
+                                                     "parameters": t["function"]["parameters"]}}
+                  for t in TOOLS]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +62,8 @@ def served(tmp_path_factory):
     auto = build_app(engine, served_model_names=["tiny"], chat_template=TOOLS_TEMPLATE, enable_metrics=False,
                      tool_calling={"tool_call_parser": "hermes", "enable_auto_tool_choice": True})
     with ServerThread(plain) as p, ServerThread(auto) as a:
-        yield {"plain": p.url, "auto": a.url, "app": plain, "tokenizer": llm.get_tokenizer()}
+        yield {"plain": p.url, "auto": a.url, "app": plain, "tokenizer": llm.get_tokenizer(),
+               "engine": engine}
     engine.shutdown()
     llm.close()
 
@@ -63,8 +73,13 @@ def _chat(url: str, **body) -> httpx.Response:
                       timeout=60)
 
 
+def _request(**body) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {"messages": MESSAGES, **body})
+
+
 def _streamed(url: str, **body) -> tuple[str, dict[int, dict], str, list[dict]]:
-    """(content, calls by index with id/name/arguments, finish_reason, the tool-call deltas) of a stream."""
+    """(content, calls by index with id/name/arguments, finish_reason, the tool-call deltas) of a stream;
+    the finish_reason comes with the choice's last chunk only."""
     content, calls, finish, deltas = "", {}, None, []
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
                       json={"messages": MESSAGES, "tools": TOOLS, "stream": True, **body}) as r:
@@ -72,6 +87,7 @@ def _streamed(url: str, **body) -> tuple[str, dict[int, dict], str, list[dict]]:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            assert finish is None, "a chunk after the one with the finish_reason"  # OpenAI's: the last only
             choice = json.loads(line[6:])["choices"][0]
             content += choice["delta"].get("content") or ""
             for d in choice["delta"].get("tool_calls") or []:
@@ -79,7 +95,7 @@ def _streamed(url: str, **body) -> tuple[str, dict[int, dict], str, list[dict]]:
                 call = calls.setdefault(d["index"], {"id": d.get("id"), "name": "", "arguments": ""})
                 call["name"] += d.get("function", {}).get("name") or ""
                 call["arguments"] += d.get("function", {}).get("arguments") or ""
-            finish = choice["finish_reason"] or finish
+            finish = choice["finish_reason"]
     return content, calls, finish, deltas
 
 
@@ -105,6 +121,9 @@ def _assert_stream_equals(url: str, **body) -> dict:
     ({"tools": TOOLS, "tool_choice": "any"},
      'Invalid value for `tool_choice`: any! Only named tools, "none"'),
     ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "Invalid value for `function`: `None`"),
+    # vLLM's named tool choice is {"type": "function", ...}: another type is no named choice
+    ({"tools": TOOLS, "tool_choice": {"type": "retrieval", "function": {"name": "get_weather"}}},
+     "Invalid value for `function`"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
      "Expected field `name` in `function` in `tool_choice`!"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}}, "Invalid `name`"),
@@ -118,15 +137,15 @@ def _assert_stream_equals(url: str, **body) -> dict:
 ])
 def test_bad_tool_requests_are_400s(body, says):
     with pytest.raises(APIError) as e:
-        parse_request(ChatCompletionRequest, {"messages": MESSAGES, **body}).to_sampling_params()
+        _request(**body).to_sampling_params()
     assert e.value.status == 400 and says in e.value.info.message
 
 
 def test_tool_choice_defaults_as_vllm():
-    with_tools = parse_request(ChatCompletionRequest, {"messages": MESSAGES, "tools": TOOLS})
+    with_tools = _request(tools=TOOLS)
     assert with_tools.tool_choice == "auto" and with_tools.parallel_tool_calls is True
-    assert parse_request(ChatCompletionRequest, {"messages": MESSAGES}).tool_choice == "none"
-    assert parse_request(ChatCompletionRequest, {"messages": MESSAGES, "tool_choice": "none"}).tools is None
+    assert _request().tool_choice == "none"
+    assert _request(tool_choice="none").tools is None
 
 
 def test_auto_needs_the_server_flags(served):
@@ -138,23 +157,37 @@ def test_auto_needs_the_server_flags(served):
         tool_parser_named(None, True)
     with pytest.raises(ValueError, match="--tool-call-parser 'mistral' is invalid"):
         tool_parser_named("mistral", True)
+    # vLLM reads calls out of the text only with both flags: a parser alone leaves "auto" refused
+    assert tool_parser_named("hermes", False) is None
 
 
 # ---- named and "required" ------------------------------------------------------------------------
-def test_named_tool_choice_returns_schema_valid_arguments(served):
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named_tool_choice_returns_schema_valid_arguments(served, name):
     # seeded sampling: greedy, the random weights would pad JSON with whitespace up to max_tokens
-    named = {"type": "function", "function": {"name": "get_weather"}}
+    named = {"type": "function", "function": {"name": name}}
     seeded = {"max_tokens": 120, "temperature": 1.0, "seed": 1}
     choice = _assert_stream_equals(served["plain"], tool_choice=named, **seeded)
     message = choice["message"]
     assert message["content"] == "" and choice["finish_reason"] == "stop"  # vLLM's, for a named choice
     (call,) = message["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
-    assert call["function"]["name"] == "get_weather"
-    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    assert call["function"]["name"] == name
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
     *_, finish, deltas = _streamed(served["plain"], tool_choice=named, **seeded)
-    assert finish == "tool_calls" and deltas[0]["function"]["name"] == "get_weather"
+    assert finish == "tool_calls" and deltas[0]["function"]["name"] == name
     assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+
+
+def test_named_tool_without_parameters_gets_an_object_of_arguments(served):
+    """A tool without ``parameters`` takes none: its call's arguments are still a JSON object (the
+    OpenAI SDK's ``json.loads(arguments)``), as a "required" call's are in vLLM."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "now"}}]
+    named = {"type": "function", "function": {"name": "now"}}
+    r = _chat(served["plain"], tools=tools, tool_choice=named, max_tokens=60, temperature=1.0, seed=1)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "now" and isinstance(json.loads(call["function"]["arguments"]), dict)
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -167,6 +200,52 @@ def test_required_tool_choice_returns_calls_of_the_given_tools(served, parallel)
     assert len(calls) == (2 if parallel else 1)
     for call in calls:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def _tool_schema(tools: list[dict], tool_choice) -> dict:
+    return _request(tools=tools, tool_choice=tool_choice).to_sampling_params().structured_outputs.json
+
+
+def test_required_schema_takes_one_or_more_calls_of_the_given_tools():
+    """vLLM's "required" schema: an array of at least one ``{"name", "parameters"}`` object, the
+    name one of the tools' and the parameters that tool's."""
+    schema = _tool_schema(TOOLS, "required")
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "UTC"}},
+                         {"name": "get_weather", "parameters": {"city": "Tokyo", "days": 1}}], schema)
+    for bad in ([], [{"name": "get_time"}], [{"name": "get_date", "parameters": {"zone": "UTC"}}],
+                [{"name": "get_time", "parameters": {"city": "Tokyo", "days": 1}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_required_schema_gathers_the_tools_defs_at_its_root():
+    """A tool's ``$ref`` to its ``$defs`` resolves in the array schema, as vLLM moves the tools'
+    definitions to its root; one definition name with two schemas is vLLM's 400."""
+    city = {"enum": ["Paris", "Tokyo"]}
+    weather = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+               "$defs": {"City": city}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, TOOLS[1]]
+    schema = _tool_schema(tools, "required")
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Rome"}}], schema)
+    clash = {"type": "object", "properties": {"town": {"$ref": "#/$defs/City"}},
+             "$defs": {"City": {"type": "string"}}}
+    tools.append({"type": "function", "function": {"name": "get_town", "parameters": clash}})
+    with pytest.raises(APIError) as e:
+        _tool_schema(tools, "required")
+    assert e.value.status == 400 and "Tool definition 'City' has multiple schemas" in e.value.info.message
+
+
+def test_non_ascii_arguments_are_kept_as_is():
+    """vLLM writes arguments with ``json.dumps(..., ensure_ascii=False)``: "Zürich", not "Z\\u00fcrich"."""
+    args = {"city": "Zürich"}
+    required = ToolCalling(_request(tools=TOOLS, tool_choice="required"), None)
+    _, calls, _ = required.message(json.dumps([{"name": "get_weather", "parameters": args}]), "stop")
+    hermes = HermesToolParser().extract(f"<tool_call>{json.dumps({'name': 'f', 'arguments': args})}")
+    llama = Llama3JsonToolParser().extract(json.dumps({"name": "f", "parameters": args}))
+    for call in (calls[0].function, hermes.calls[0], llama.calls[0]):
+        assert call.arguments == json.dumps(args, ensure_ascii=False)
 
 
 # ---- "auto" ----------------------------------------------------------------------------------------
@@ -198,6 +277,8 @@ LLAMA_CASES = [  # vLLM's llama3_json parser tests' outputs
     # a ';' that no call follows ends the calls (vLLM's regex matches up to the last object)
     ('{"name": "searchTool", "parameters": {"query": "a"}};', None, [("searchTool", {"query": "a"})]),
     ('{"name": "searchTool", "parameters": {"query": "a"}} ; done', None, [("searchTool", {"query": "a"})]),
+    # both keys: vLLM takes "arguments"
+    ('{"name": "f", "parameters": {"p": 1}, "arguments": {"a": 2}}', None, [("f", {"a": 2})]),
 ]
 
 
@@ -215,6 +296,9 @@ def test_parser_holds_back_a_marker_split_across_deltas():
     assert hermes.hold_from("Sure <tool") == 5 and hermes.hold_from("Sure <tool_call>{") == 5
     assert hermes.hold_from("a < b") == 5
     assert Llama3JsonToolParser().hold_from('ok {"name"') == 3
+    # the first marker: the full response drops the tag before the call, so the stream holds it too
+    assert Llama3JsonToolParser().hold_from('<|python_tag|>{"name"') == 0
+    assert hermes.hold_from("Sure <tool_call") == 5  # all but the marker's last character
 
 
 @pytest.mark.parametrize("prefix", ["", "Sure. "])
@@ -235,6 +319,29 @@ def test_auto_without_calls_is_plain_content(served):
     assert choice["finish_reason"] == "stop"
 
 
+def test_tool_choice_none_is_never_parsed_for_calls(served):
+    """vLLM's tool_choice "none" returns the text as content, even on a server whose parser would
+    read a call out of it."""
+    text = "<tool_call>" + CALL + "</tool_call>"
+    forced = text.replace("{", r"\{").replace("}", r"\}")
+    choice = _assert_stream_equals(served["auto"], tool_choice="none", guided_regex=forced, max_tokens=120)
+    assert choice["message"] == {"role": "assistant", "content": text, "tool_calls": []}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_hermes_keeps_special_tokens_in_the_text(served):
+    """vLLM's hermes parser turns ``skip_special_tokens`` off when the request has tools (and
+    tool_choice is not "none"): its call markers are special tokens in some tokenizers. A special
+    token the model writes then stays in the text, as transformers decodes it."""
+    tokenizer = served["tokenizer"]
+    special = tokenizer.convert_tokens_to_ids("<|system|>")
+    only_special = {"allowed_token_ids": [special], "max_tokens": 2, "temperature": 0}
+    kept = _chat(served["auto"], **only_special).json()["choices"][0]["message"]
+    assert kept["content"] == tokenizer.decode([special] * 2, skip_special_tokens=False)
+    skipped = _chat(served["auto"], tool_choice="none", **only_special).json()["choices"][0]["message"]
+    assert skipped["content"] == tokenizer.decode([special] * 2, skip_special_tokens=True) == ""
+
+
 # ---- the chat template gets the tools -------------------------------------------------------------
 def test_chat_template_receives_tools_and_earlier_calls(served):
     history = MESSAGES + [
@@ -245,17 +352,12 @@ def test_chat_template_receives_tools_and_earlier_calls(served):
     serving = served["app"].state.serving_chat
     tokenizer = served["tokenizer"]
     for choice in ("none", "required"):
-        request = parse_request(ChatCompletionRequest,
-                                {"messages": history, "tools": TOOLS, "tool_choice": choice})
+        request = _request(messages=history, tools=TOOLS, tool_choice=choice)
         template_history = [{**m, "content": m["content"] or ""} for m in json.loads(json.dumps(history))]
         template_history[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Tokyo", "days": 1}
-        # vLLM hands each tool over whole: type, then function's name, description (null when
-        # absent) and parameters
-        tools = [{"type": "function", "function": {"name": t["function"]["name"],
-                                                   "description": t["function"].get("description"),
-                                                   "parameters": t["function"]["parameters"]}} for t in TOOLS]
-        want = tokenizer.apply_chat_template(template_history, tools=tools, chat_template=TOOLS_TEMPLATE,
-                                             add_generation_prompt=True, tokenize=False)
+        want = tokenizer.apply_chat_template(template_history, tools=TEMPLATE_TOOLS,
+                                             chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+                                             tokenize=False)
         assert '"name": "get_time"' in want and "Tokyo</s>" in want
         assert serving.render(request).token_ids == tokenizer.encode(want, add_special_tokens=False)
     # /tokenize renders the tools too, as vLLM's, on a server without auto tool choice
@@ -263,6 +365,23 @@ def test_chat_template_receives_tools_and_earlier_calls(served):
                            timeout=60)
     assert tokenized.status_code == 200, tokenized.text
     assert tokenized.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
+
+
+def test_exclude_tools_when_tool_choice_none_flag(served):
+    """vLLM's --exclude-tools-when-tool-choice-none: a tool_choice "none" request's tools stay out
+    of the template (what transformers renders without ``tools``); other tool choices keep them."""
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    flags = parser.parse_args(["--model", "m", "--exclude-tools-when-tool-choice-none"])
+    app = build_app(served["engine"], served_model_names=["tiny"], chat_template=TOOLS_TEMPLATE,
+                    enable_metrics=False, tool_calling=tool_calling_from_args(flags))
+    tokenizer = served["tokenizer"]
+    for choice, tools in (("none", None), ("required", TEMPLATE_TOOLS)):
+        rendered = app.state.serving_chat.render(_request(tools=TOOLS, tool_choice=choice))
+        want = tokenizer.apply_chat_template(MESSAGES, tools=tools, chat_template=TOOLS_TEMPLATE,
+                                             add_generation_prompt=True, tokenize=False)
+        assert ("get_time" in want) is (tools is not None)
+        assert rendered.token_ids == tokenizer.encode(want, add_special_tokens=False)
 
 
 # Llama 3.1's check: an assistant message with a 'tool_calls' key must hold exactly one call
