@@ -4,6 +4,7 @@ selecting an adapter (or the base model), and the adapters listed by ``/v1/model
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 
 import httpx
@@ -25,7 +26,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402  (needs the optional packages above)
 from pagedlab.server.cli import lora_modules_from_args  # noqa: E402
-from pagedlab.server.serving_models import runtime_lora_updating_allowed  # noqa: E402
+from pagedlab.server.protocol import APIError  # noqa: E402
+from pagedlab.server.serving_models import (OpenAIServingModels, UnloadLoRAAdapterRequest,  # noqa: E402
+                                            runtime_lora_updating_allowed)
 
 MODEL = "tiny"
 PROMPT = "the sky is blue and the fox"
@@ -218,3 +221,46 @@ def test_unloading_an_adapter_mid_request_lets_the_request_finish(runtime):
     token_ids = [t for c in chunks for t in (c.choices[0].token_ids or [])]
     assert token_ids == want
     assert engine.call(lambda e: e.runner.lora.num_loads).result() == loads + 1  # read again from disk
+
+
+def test_adapters_loaded_together_each_serve_their_own_weights(runtime):
+    """Each runtime load gets an adapter id of its own (the engine caches weights by id): two
+    adapters loaded side by side serve PEFT's tokens of each, not the first one's."""
+    client, url = runtime["client"], runtime["url"]
+    loads = {"sql-2": ("sql", 0), "poet-2": ("poet", 1)}
+    for name, (_, module) in loads.items():
+        assert post(url, "load_lora_adapter",
+                    {"lora_name": name, "lora_path": runtime["modules"][module].lora_path}).status_code == 200
+    try:
+        for name, (served_as, _) in loads.items():
+            assert complete(client, name) == runtime["expected"][served_as].text
+    finally:
+        for name in loads:
+            post(url, "unload_lora_adapter", {"lora_name": name})
+
+
+def test_a_request_whose_adapter_was_unloaded_after_its_checks_is_a_404(runtime):
+    """A request checked while its adapter was served, then unloaded before it reaches the
+    engine (its grammar compiling), is refused with vLLM's 404, never run on the base model."""
+    models = OpenAIServingModels(runtime["engine"], [MODEL], runtime["modules"])
+    assert models.check_model("poet") == "poet"
+    asyncio.run(models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name="poet")))
+    with pytest.raises(APIError) as e:
+        models.lora_request("poet")
+    assert e.value.status == 404 and "poet" in e.value.info.message
+
+
+def test_every_served_name_is_the_base_model(served):
+    """vLLM's --served-model-name with several names: /v1/models lists each, a request may name
+    any (its response carries that name; one naming none, the first), and no adapter may take one."""
+    app = build_app(served["engine"], served_model_names=[MODEL, "tiny-alias"], enable_metrics=False,
+                    allow_runtime_lora_updating=True)
+    client = TestClient(app)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL, "tiny-alias"]
+    for model, answered in (("tiny-alias", "tiny-alias"), (None, MODEL)):
+        body = {"prompt": PROMPT, "max_tokens": 2, **({"model": model} if model else {})}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == answered, r.text
+    r = client.post("/v1/load_lora_adapter",
+                    json={"lora_name": "tiny-alias", "lora_path": served["modules"][0].lora_path})
+    assert r.status_code == 400 and "name of the base model" in r.json()["error"]["message"]
