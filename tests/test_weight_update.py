@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
+import types
 
 import pytest
 import torch
@@ -70,6 +71,7 @@ def test_partial_update_changes_only_the_tensors_given(tmp_path):
         qkv = llm.llm_engine.model.model.layers[0].self_attn.qkv_proj.weight
         kv_rows = qkv[64:].clone()
         llm.load_weights((name, b_state[name]) for name in names)  # any iterable of pairs
+        llm.load_weights(types.MappingProxyType({names[0]: b_state[names[0]]}))  # any Mapping, as documented
         assert torch.equal(qkv[64:], kv_rows) and torch.equal(qkv[:64], b_state[names[0]])
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_hf_tokens_and_logprobs(mixed, prompts, outs, MAX_TOKENS)
