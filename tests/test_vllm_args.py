@@ -173,3 +173,31 @@ def test_pooling_calls_are_refused_by_name(smollm2, method):
     with pytest.raises(NotImplementedError, match=rf"LLM.{method}\(\) is not supported: pagedlab serves text "
                                                   "generation only"):
         getattr(smollm2, method)(["a text"])
+
+
+def test_engine_args_build_the_parser_of_vllm_scripts(tiny_llama):
+    """vLLM's examples add the engine flags with ``EngineArgs.add_cli_args`` to a
+    ``FlexibleArgumentParser`` (or one of its groups), which takes ``--max_model_len`` as
+    ``--max-model-len``, then pass ``vars(args)`` to ``LLM`` or ``EngineArgs.from_cli_args(args)``."""
+    from pagedlab import EngineArgs
+    from pagedlab.utils import FlexibleArgumentParser
+    from pagedlab.utils.argparse_utils import FlexibleArgumentParser as same_parser
+
+    assert same_parser is FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    assert EngineArgs.add_cli_args(parser) is parser
+    args = parser.parse_args(["--model", tiny_llama.path, "--max_model_len=128", "--enable-prefix-caching",
+                              "--kv-cache-memory-bytes", "16MiB"])
+    expected = EngineArgs(model=tiny_llama.path, max_model_len=128, enable_prefix_caching=True,
+                          kv_cache_memory_bytes=KV_BYTES)
+    assert EngineArgs.from_cli_args(args) == expected
+    assert EngineConfig.from_kwargs(**vars(args)) == EngineConfig(**vars(expected))  # LLM(**vars(args))
+
+    parser = FlexibleArgumentParser()
+    group = parser.add_argument_group("Engine arguments")
+    EngineArgs.add_cli_args(group)
+    group.set_defaults(model=tiny_llama.path)
+    parser.add_argument("--max-tokens", type=int)
+    args = vars(parser.parse_args(["--max-num-seqs", "4", "--max-tokens", "8"]))
+    assert args.pop("max_tokens") == 8
+    assert EngineConfig.from_kwargs(**args) == EngineConfig(model=tiny_llama.path, max_num_seqs=4)

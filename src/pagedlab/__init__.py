@@ -22,6 +22,7 @@ _EXPORTS = {
     "BeamSearchSequence": "pagedlab.outputs",
     "EngineConfig": "pagedlab.config",
     "EngineInfo": "pagedlab.config",
+    "EngineArgs": "pagedlab.cli.engine_args",
     "TextPrompt": "pagedlab.inputs",
     "TokensPrompt": "pagedlab.inputs",
     "LoRARequest": "pagedlab.lora.request",
@@ -29,7 +30,7 @@ _EXPORTS = {
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics", "EngineStats", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig",
-           "EngineInfo", "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
+           "EngineInfo", "EngineArgs", "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,7 @@
 """The engine's command-line flags, derived from ``EngineConfig``: one flag per field, with the
 field's default and help text, under vLLM's flag names (``--max-num-seqs``, ...); and
-``CommandParser``, the argument parser of every ``pagedlab`` command.
+``CommandParser``, the argument parser of every ``pagedlab`` command; and vLLM's names for them,
+``EngineArgs`` and ``FlexibleArgumentParser``, which vLLM's scripts build their parsers with.
 
 A leaf module: every command that loads a model (``generate``, ``serve``, ``bench``, ``repro``,
 ``run``) imports it, and it imports nothing of theirs (nor torch: ``--help`` answers at once).
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 
 from pagedlab.config import ENGINE_FIELDS, EngineConfig
 
@@ -23,6 +25,23 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
+class FlexibleArgumentParser(CommandParser):
+    """vLLM's ``FlexibleArgumentParser``: a flag's name may be spelt with underscores too
+    (``--max_model_len=128`` is ``--max-model-len=128``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashed(arg) for arg in args], namespace)
+
+
+def _dashed(arg: str) -> str:
+    """``--a_b=c_d`` as ``--a-b=c_d``: underscores of a flag's name only, never of its value."""
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 # byte units: binary (KiB..TiB, and K..T alone), decimal (KB..TB), as the units say
@@ -146,22 +165,44 @@ class _GivenBoolean(argparse.BooleanOptionalAction):
 
 def add_engine_args(parser: argparse.ArgumentParser, model_default: str | None = None,
                     model_help: str | None = None) -> None:
-    """Add every ``EngineConfig`` field as a flag; booleans get ``--x`` / ``--no-x``. A command
-    whose model default differs from the engine's (``bench``: a benchmark shape) gives
-    ``model_default`` and ``model_help``."""
-    group = parser.add_argument_group("engine")
+    """Add every ``EngineConfig`` field as a flag, in an "engine" group, noting which flags were
+    given (``given_engine_kwargs``). A command whose model default differs from the engine's
+    (``bench``: a benchmark shape) gives ``model_default`` and ``model_help``."""
+    _add_field_flags(parser.add_argument_group("engine"), _GivenValue, _GivenBoolean,
+                     {"model": (model_default, model_help)} if model_help is not None else {})
+
+
+def _add_field_flags(container, value_action, boolean_action, overrides: dict) -> None:
+    """One flag per ``EngineConfig`` field on ``container`` (a parser or a group); booleans get
+    ``--x`` / ``--no-x``; ``overrides`` maps a field to its own (default, help)."""
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _value_type(field)
-        default, help_text = field.default, _describe(field)
-        if field.name == "model" and model_help is not None:
-            default, help_text = model_default, model_help
+        default, help_text = overrides.get(field.name, (field.default, _describe(field)))
         if kind is bool:
-            group.add_argument(flag, dest=field.name, action=_GivenBoolean, default=default, help=help_text)
+            container.add_argument(flag, dest=field.name, action=boolean_action, default=default,
+                                   help=help_text)
         else:
             many = {"nargs": "+"} if "list[" in str(field.type) else {}
-            group.add_argument(flag, dest=field.name, action=_GivenValue, type=kind, default=default,
-                               help=help_text, **many)
+            container.add_argument(flag, dest=field.name, action=value_action, type=kind, default=default,
+                                   help=help_text, **many)
+
+
+class EngineArgs(EngineConfig):
+    """vLLM's ``EngineArgs``: the engine settings (an ``EngineConfig``), with the command-line
+    flags vLLM's scripts parse them from; ``LLMEngine.from_engine_args`` builds an engine of them."""
+
+    @staticmethod
+    def add_cli_args(parser):
+        """Add every engine flag to ``parser`` (a parser or one of its groups) and return it; the
+        parsed namespace holds only field names, so ``LLM(**vars(args))`` takes it."""
+        _add_field_flags(parser, "store", argparse.BooleanOptionalAction, {})
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine settings among parsed ``args``."""
+        return cls(**engine_kwargs(args))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
