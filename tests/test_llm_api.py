@@ -100,3 +100,28 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llama):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match=r"truncate_prompt_tokens=.* is invalid: .* an integer >= 1"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_llm_engine_loop_of_vllm_scripts(chat_dir, chat_llm):
+    """vLLM's ``LLMEngine.from_engine_args(EngineArgs(...))``, then ``add_request(request_id, prompt,
+    params)`` with a text or dict prompt and ``step()`` until ``has_unfinished_requests()`` is
+    False: each output as ``LLM.generate`` gives it for the same prompt."""
+    from pagedlab import EngineArgs, LLMEngine, TokensPrompt
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text = "hello world, how are you today?"
+    ids = chat_llm.get_tokenizer()("the quick brown fox").input_ids
+    engine = LLMEngine.from_engine_args(EngineArgs(model=chat_dir, kv_cache_memory_bytes=KV_BYTES))
+    try:
+        engine.add_request("text", text, greedy)
+        engine.add_request("tokens", TokensPrompt(prompt_token_ids=ids), greedy)
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        engine.close()
+    expected = chat_llm.generate([text, ids], greedy, use_tqdm=False)
+    for got, want in zip((finished["text"], finished["tokens"]), expected, strict=True):
+        assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)
+        assert (got.outputs[0].token_ids, got.outputs[0].text) == (want.outputs[0].token_ids,
+                                                                   want.outputs[0].text)

@@ -23,6 +23,7 @@ _EXPORTS = {
     "EngineConfig": "pagedlab.config",
     "EngineInfo": "pagedlab.config",
     "EngineArgs": "pagedlab.cli.engine_args",
+    "LLMEngine": "pagedlab.engine.engine",
     "TextPrompt": "pagedlab.inputs",
     "TokensPrompt": "pagedlab.inputs",
     "LoRARequest": "pagedlab.lora.request",
@@ -30,7 +31,8 @@ _EXPORTS = {
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics", "EngineStats", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig",
-           "EngineInfo", "EngineArgs", "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
+           "EngineInfo", "EngineArgs", "LLMEngine",
+           "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -25,6 +26,7 @@ from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv
                              resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
                              resolve_quantization)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
+from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
@@ -233,12 +235,21 @@ class LLMEngine:
             mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs,
             default_sampling_args=self.default_sampling_args)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """vLLM's constructor: an engine of ``pagedlab.EngineArgs(...)`` (any ``EngineConfig``)."""
+        return cls(engine_args)
+
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: PromptType, params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
-        cached); bad input raises ValueError and leaves the engine unchanged."""
+        cached); bad input raises ValueError and leaves the engine unchanged. ``prompt_token_ids``
+        may also be any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
+        if isinstance(prompt_token_ids, (str, Mapping)):
+            encoded = encode_prompt(prompt_token_ids, self.tokenizer, self.config.model)
+            prompt_token_ids, prompt = encoded.token_ids, encoded.text
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.validate_prompt(prompt_token_ids)
         self.validate_lora_request(lora_request)
