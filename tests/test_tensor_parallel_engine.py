@@ -208,3 +208,18 @@ def test_a_worker_that_dies_before_the_rendezvous_is_an_error_naming_it(tiny_lla
     monkeypatch.undo()
     with LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
         assert llm.get_engine_info().config.tensor_parallel_size == 2
+
+
+def test_cleanup_after_del_lets_a_new_tensor_parallel_engine_start(tiny_llama):
+    """vLLM's prefix_caching.py: ``del llm``, then ``cleanup_dist_env_and_memory()`` (vLLM's, from
+    ``vllm.distributed``) before a second LLM, which starts at TP=2 too and gives the same tokens."""
+    from pagedlab.distributed import cleanup_dist_env_and_memory
+
+    prompts = random_prompts(2, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    cleanup_dist_env_and_memory()
+    with LLM(tiny_llama.path, tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == first

@@ -10,10 +10,13 @@ default (world) group: tensor parallelism is the only kind of parallelism pagedl
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from pagedlab.distributed.peer_all_reduce import PeerAllReduce
@@ -81,6 +84,19 @@ def destroy_tensor_parallel() -> None:
     _STATE = TensorParallelState()  # the peer buffers go before the group they were exchanged over
     if group is not None:
         dist.destroy_process_group()
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's ``vllm.distributed.cleanup_dist_env_and_memory``: after ``del llm`` (an LLM dropped
+    without ``close()``), leave its tensor-parallel group and free what it held, so that a new
+    ``LLM`` can start in this process; ``shutdown_ray`` stops Ray too, where it runs."""
+    destroy_tensor_parallel()
+    ray = sys.modules.get("ray")  # never imported: nothing of Ray to stop
+    if shutdown_ray and ray is not None:
+        ray.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def get_tp_rank() -> int:
