@@ -53,6 +53,22 @@ def test_profiles_do_not_nest(tiny_llama, tmp_path):
         llm.stop_profile()
 
 
+def test_a_profile_without_a_directory_goes_where_vllms_variable_says(tiny_llama, tmp_path, monkeypatch):
+    """vLLM's simple_profiling.py sets ``VLLM_TORCH_PROFILER_DIR`` and calls ``start_profile()``:
+    the trace goes there (``PAGEDLAB_TORCH_PROFILER_DIR`` first, where both are set)."""
+    monkeypatch.delenv("PAGEDLAB_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "vllm_profile"))
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=8 << 20) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        llm.start_profile()
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert Path(llm.stop_profile().trace_path).parent == tmp_path / "vllm_profile"
+        monkeypatch.setenv("PAGEDLAB_TORCH_PROFILER_DIR", str(tmp_path / "ours"))
+        llm.start_profile()
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert Path(llm.stop_profile().trace_path).parent == tmp_path / "ours"
+
+
 @pytest.mark.parametrize(("name", "kind"), [
     ("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", "gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),

@@ -246,10 +246,12 @@ class LLM:
 
     def start_profile(self, output_dir: str | None = None) -> None:
         """Start recording the engine's steps with the torch profiler (vLLM's name). The trace goes
-        to ``output_dir`` (default: ``$PAGEDLAB_TORCH_PROFILER_DIR``, else ./pagedlab-profile)."""
+        to ``output_dir`` (default: ``$PAGEDLAB_TORCH_PROFILER_DIR``, else vLLM's
+        ``$VLLM_TORCH_PROFILER_DIR``, else ./pagedlab-profile)."""
         if self._profiler is not None:
             raise RuntimeError("a profile is already running: call stop_profile() first")
-        directory = output_dir or os.environ.get("PAGEDLAB_TORCH_PROFILER_DIR", "pagedlab-profile")
+        directory = (output_dir or os.environ.get("PAGEDLAB_TORCH_PROFILER_DIR")
+                     or os.environ.get("VLLM_TORCH_PROFILER_DIR", "pagedlab-profile"))
         self._profiler = EngineProfiler(self.llm_engine.ranges, directory)
         self._profiler.start()
 
