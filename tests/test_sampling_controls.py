@@ -153,7 +153,22 @@ def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):
     vocab = tiny_llama.hf_model.config.vocab_size
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
         for kwargs in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[1, vocab + 3]),
-                       dict(stop_token_ids=[vocab]), dict(logprob_token_ids=[5, vocab])):
+                       dict(logprob_token_ids=[5, vocab])):
             with pytest.raises(ValueError, match=rf"^{next(iter(kwargs))}=.* is out of vocabulary"):
                 llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
         assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_stop_ids_beyond_the_vocabulary_are_accepted_and_never_stop(tiny_llama):
+    """vLLM checks allowed ids, biases and logprob ids against the vocabulary, not stop ids (its
+    multi-LoRA example stops on an adapter's added token, 32003, past Llama-2's 32,000): such an id
+    can never be sampled, so the tokens are HF's greedy ones, with min_tokens banning the others."""
+    vocab = tiny_llama.hf_model.config.vocab_size
+    prompt = random_prompts(1, seed=3)[0]
+    want = hf_greedy(tiny_llama.hf_model, prompt, 6, eos_token_id=None)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                          stop_token_ids=[vocab, vocab + 3], **extra)
+                                           for extra in ({}, {"min_tokens": 3})], use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == want and out.outputs[0].finish_reason == "length"

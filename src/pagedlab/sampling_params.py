@@ -22,7 +22,8 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
 
-_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias", "logprob_token_ids")
+# ids checked against the vocabulary (stop ids beyond it are accepted, as vLLM: ``for_vocabulary``)
+_TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids")
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
@@ -282,10 +283,14 @@ class SamplingParams:
             _check(count is None or count <= vocab_size, name, count,
                    f"at most the vocabulary size ({vocab_size})")
 
-    def with_vocabulary_logprobs(self, vocab_size: int) -> SamplingParams:
-        """These parameters with a ``logprobs`` or ``prompt_logprobs`` of -1 (vLLM's: the whole
-        vocabulary) as ``vocab_size``; themselves when neither is -1."""
+    def for_vocabulary(self, vocab_size: int) -> SamplingParams:
+        """These parameters for a vocabulary of ``vocab_size``: a ``logprobs`` or ``prompt_logprobs``
+        of -1 (vLLM's: the whole vocabulary) as ``vocab_size``, and without the stop ids beyond the
+        vocabulary, which no step can sample (vLLM accepts them: its multi-LoRA example stops on an
+        adapter's added token); themselves when nothing changes."""
         changes = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
+        if any(t >= vocab_size for t in self.stop_token_ids):
+            changes["stop_token_ids"] = [t for t in self.stop_token_ids if t < vocab_size]
         return self.clone(**changes) if changes else self
 
     @property

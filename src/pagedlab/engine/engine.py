@@ -256,7 +256,7 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_vocabulary(self.hf_config.vocab_size)
-        params = params.with_vocabulary_logprobs(self.hf_config.vocab_size)
+        params = params.for_vocabulary(self.hf_config.vocab_size)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "
