@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
+from pagedlab.engine import gpu_memory
 from pagedlab.engine import kv_cache as kv_module
 from pagedlab.engine.kv_cache import KVCacheManager, PrefixHit
+from pagedlab.engine.model_runner import ModelRunner
 from pagedlab.engine.request import Request
 
 
@@ -414,3 +418,47 @@ def test_a_step_that_failed_to_launch_leaves_no_prefix_to_find(tiny_llama):
         assert llm.get_stats().kv_blocks_used == 0
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == hf_greedy(tiny_llama.hf_model, prompt, 4, eos_token_id=None)
+
+
+GIB = 1 << 30
+
+
+def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GIB // 2):
+    """``profile_gpu_kv_blocks`` on an 80 GiB GPU where other processes hold ``others`` and this
+    process's CUDA context ``context`` when the engine starts; by the profile this process has
+    reserved 12 GiB through torch (peak allocated 10 GiB) and 0.25 GiB outside it."""
+    state = {"reserved": 0, "own_non_torch": 0}
+
+    def mem_get_info(device=None):
+        used = others + context + state["reserved"] + state["own_non_torch"]
+        return 80 * GIB - used, 80 * GIB
+
+    monkeypatch.setattr(gpu_memory, "_MEMORY_BASELINES", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    device = torch.device("cuda", 0)
+    gpu_memory.record_memory_baseline(device)  # before the weights, as load_model_runner does
+    state.update(reserved=12 * GIB, own_non_torch=GIB // 4)
+    runner = types.SimpleNamespace(device=device, uses_mixed_cuda_graphs=False, bytes_per_block=1 << 20,
+                                   _profiled_peaks={(8192, 4096): (2 * GIB, 10 * GIB)})
+    return ModelRunner.profile_gpu_kv_blocks(runner, 8192, 4096, utilization)
+
+
+def test_gpu_memory_utilization_is_this_instances_share_of_the_total(monkeypatch):
+    """vLLM (gpu_worker.determine_available_memory, CacheConfig.gpu_memory_utilization): the KV
+    cache gets ``total x utilization`` less this instance's non-KV memory (its torch peak and the
+    non-torch memory it added since it started); memory other processes held at the start is not
+    this instance's: "if you have two vLLM instances running on the same GPU, you can set the GPU
+    memory utilization to 0.5 for each instance"."""
+    blocks = _profile_on_a_fake_gpu(monkeypatch, 0.45)
+    assert blocks == int(80 * GIB * 0.45 - 10 * GIB - GIB // 4) // (1 << 20)
+
+
+def test_more_than_the_free_memory_at_start_is_refused(monkeypatch):
+    """vLLM's start-up check: 0.9 of 80 GiB is more than the 39.5 GiB other processes (and the
+    CUDA context) left when the engine started; the error names both and the largest share."""
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 asks for 72.00 GiB of the GPU's 80.00 "
+                                         r"GiB, but .* held 40.50 GiB when the engine started, leaving "
+                                         r"39.50 GiB: lower gpu_memory_utilization to at most 0.49"):
+        _profile_on_a_fake_gpu(monkeypatch, 0.9)

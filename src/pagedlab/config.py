@@ -87,7 +87,9 @@ class EngineConfig:
                                    "dummy weights; None draws one at random (kept in the config)")
     max_model_len: int | None = _setting(None, "context length (default: the model's)", plan=True)
     block_size: int = _setting(16, "KV cache block size in tokens, a multiple of 16", plan=True)
-    gpu_memory_utilization: float = _setting(0.9, "share of the GPU's memory the engine may use", plan=True)
+    gpu_memory_utilization: float = _setting(
+        0.9, "share of the GPU's total memory this engine may use (weights, activations, KV cache), as in "
+             "vLLM: memory other processes hold is not counted against it", plan=True)
     kv_cache_memory_bytes: int | None = _setting(
         None, "KV cache size, e.g. 4GiB (default: 1 GiB on the CPU; on a GPU from gpu_memory_utilization)",
         plan=True)

@@ -24,6 +24,8 @@ from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
 from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
 from pagedlab.engine import cuda_graph
 from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all, capture_sizes
+from pagedlab.engine.gpu_memory import (GIB, memory_added_outside_torch, record_memory_baseline,
+                                        requested_memory)
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
@@ -111,6 +113,7 @@ class LaunchedStep:
 def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
                       device: torch.device) -> ModelRunner:
     """This rank's shard of the model, loaded on ``device``, in a runner."""
+    record_memory_baseline(device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed,
                        config.quantization)
@@ -342,22 +345,23 @@ class ModelRunner:
 
     def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int,
                               gpu_memory_utilization: float) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU next to the weights, the
-        activations' peak of the largest step (``num_tokens`` tokens) and, with mixed-step CUDA
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU's total memory (vLLM's
+        semantics: this engine's share, whatever other processes hold; ``gpu_memory``) next to
+        the weights, the activations' peak of the largest step (``num_tokens`` tokens), the
+        memory this process added outside torch since it started and, with mixed-step CUDA
         graphs, their pool: it keeps the largest bucket's forward activations for itself, apart
         from the memory the eager LM head and sampler allocate."""
+        requested = requested_memory(self.device, gpu_memory_utilization)
         key = (num_tokens, min(num_tokens, max_model_len))
         if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
             self._profiled_peaks[key] = self._profile_peak_memory(*key)
         forward_activations, peak = self._profiled_peaks[key]
         graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        available = total * gpu_memory_utilization - used_by_others - peak - graph_pool
+        outside_torch = memory_added_outside_torch(self.device)
+        available = requested - outside_torch - peak - graph_pool
         logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
-                    "mixed-step graph pool %.2f GiB)", available / 2**30, peak / 2**30, num_tokens,
-                    graph_pool / 2**30)
+                    "mixed-step graph pool %.2f GiB + %.2f GiB outside torch)", available / GIB, peak / GIB,
+                    num_tokens, graph_pool / GIB, outside_torch / GIB)
         return int(available // self.bytes_per_block)
 
     def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable_peer_all_reduce,
                                                  get_tp_group, init_tensor_parallel)
 from pagedlab.distributed.peer_all_reduce import PeerAllReduce
+from pagedlab.engine.gpu_memory import record_memory_baseline
 from pagedlab.engine.model_runner import ModelRunner, load_model_runner
 from pagedlab.engine.step_inputs import StepInputs
 from pagedlab.loader import resolve_model_source
@@ -78,6 +79,7 @@ def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_
     (see ``meet``)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        record_memory_baseline(device)  # before NCCL's buffers, which are this engine's
     store = meet(world_size, rank, init_method, workers)
     init_tensor_parallel(world_size, rank, process_group_backend(device), timeout=COLLECTIVE_TIMEOUT,
                          store=store)
