@@ -433,14 +433,14 @@ def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GI
         used = others + context + state["reserved"] + state["own_non_torch"]
         return 80 * GIB - used, 80 * GIB
 
-    monkeypatch.setattr(gpu_memory, "_MEMORY_BASELINES", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     device = torch.device("cuda", 0)
-    gpu_memory.record_memory_baseline(device)  # before the weights, as load_model_runner does
+    baseline = gpu_memory.take_memory_baseline(device)  # before the weights, as load_model_runner does
     state.update(reserved=12 * GIB, own_non_torch=GIB // 4)
-    runner = types.SimpleNamespace(device=device, uses_mixed_cuda_graphs=False, bytes_per_block=1 << 20,
+    runner = types.SimpleNamespace(device=device, memory_baseline=baseline, uses_mixed_cuda_graphs=False,
+                                   bytes_per_block=1 << 20,
                                    _profiled_peaks={(8192, 4096): (2 * GIB, 10 * GIB)})
     return ModelRunner.profile_gpu_kv_blocks(runner, 8192, 4096, utilization)
 

@@ -130,9 +130,9 @@ class LLMEngine:
             return load_model_runner(self.config, self.source, self.hf_config, self.device)
         workers = start_tensor_parallel_workers(self.config, self.device)
         try:
-            join_tensor_parallel(world_size, 0, self.device, workers.init_method,
-                                 not self.config.disable_custom_all_reduce, workers)
-            runner = load_model_runner(self.config, self.source, self.hf_config, self.device)
+            baseline = join_tensor_parallel(world_size, 0, self.device, workers.init_method,
+                                            not self.config.disable_custom_all_reduce, workers)
+            runner = load_model_runner(self.config, self.source, self.hf_config, self.device, baseline)
             workers.collect()
         except BaseException:
             workers.close()

@@ -2,9 +2,10 @@
 total memory for this engine alone (weights, activations, KV cache), as in vLLM; what other
 processes held when it started is outside it, and so is this process's CUDA context.
 
-The process looks at the GPU once (``record_memory_baseline``), before its process group and its
-weights; the memory profile then counts what the process added outside torch since (NCCL, peer
-all-reduce buffers) as the engine's, and a share larger than was free at that look is refused.
+Each engine (each tensor-parallel rank) looks at its GPU once as it starts, before its process
+group and its weights (``take_memory_baseline``); the memory profile then counts what the process
+added outside torch since (NCCL, peer all-reduce buffers) as the engine's, and a share larger than
+was free at that look is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class MemoryBaseline:
-    """A GPU's memory at this process's first look (its CUDA context already made):
+    """A GPU's memory as an engine starts (this process's CUDA context already made):
     ``used_outside_torch`` is other processes' and that context's."""
 
     free: int
@@ -26,26 +27,19 @@ class MemoryBaseline:
     used_outside_torch: int
 
 
-_MEMORY_BASELINES: dict[int, MemoryBaseline] = {}  # per GPU index
-
-
-def record_memory_baseline(device: torch.device) -> MemoryBaseline | None:
-    """The device's ``MemoryBaseline``, taken at the first call for it (None off CUDA)."""
+def take_memory_baseline(device: torch.device) -> MemoryBaseline | None:
+    """``device``'s memory now (None off CUDA); call it with ``device`` current."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _MEMORY_BASELINES:
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        _MEMORY_BASELINES[index] = MemoryBaseline(free, total, _used_outside_torch(device, free, total))
-    return _MEMORY_BASELINES[index]
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryBaseline(free, total, _used_outside_torch(device, free, total))
 
 
-def requested_memory(device: torch.device, gpu_memory_utilization: float) -> float:
-    """Bytes the engine may use on ``device``: ``gpu_memory_utilization`` of its total; a
-    ValueError (vLLM's start-up check) when that is more than other processes left at the first
-    look (this process's own torch memory then is in the profile's peak, so it does not count)."""
-    baseline = record_memory_baseline(device)
+def requested_memory(baseline: MemoryBaseline, gpu_memory_utilization: float) -> float:
+    """Bytes the engine may use: ``gpu_memory_utilization`` of the GPU's total; a ValueError
+    (vLLM's start-up check) when that is more than other processes left at the ``baseline``
+    (this process's own torch memory then is in the profile's peak, so it does not count)."""
     requested = baseline.total * gpu_memory_utilization
     left = baseline.total - baseline.used_outside_torch
     if left < requested:
@@ -58,10 +52,9 @@ def requested_memory(device: torch.device, gpu_memory_utilization: float) -> flo
     return requested
 
 
-def memory_added_outside_torch(device: torch.device) -> int:
-    """Bytes this process holds on ``device`` outside torch's allocator beyond what the baseline
+def memory_added_outside_torch(device: torch.device, baseline: MemoryBaseline) -> int:
+    """Bytes this process holds on ``device`` outside torch's allocator beyond what ``baseline``
     saw (other processes' growth since counts too: the safe side)."""
-    baseline = record_memory_baseline(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return max(_used_outside_torch(device, free, total) - baseline.used_outside_torch, 0)

@@ -24,8 +24,8 @@ from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
 from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
 from pagedlab.engine import cuda_graph
 from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all, capture_sizes
-from pagedlab.engine.gpu_memory import (GIB, memory_added_outside_torch, record_memory_baseline,
-                                        requested_memory)
+from pagedlab.engine.gpu_memory import (GIB, MemoryBaseline, memory_added_outside_torch, requested_memory,
+                                        take_memory_baseline)
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
@@ -110,15 +110,17 @@ class LaunchedStep:
         return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
-def load_model_runner(config: EngineConfig, source: ModelSource, hf_config,
-                      device: torch.device) -> ModelRunner:
-    """This rank's shard of the model, loaded on ``device``, in a runner."""
-    record_memory_baseline(device)
+def load_model_runner(config: EngineConfig, source: ModelSource, hf_config, device: torch.device,
+                      memory_baseline: MemoryBaseline | None = None) -> ModelRunner:
+    """This rank's shard of the model, loaded on ``device``, in a runner; ``memory_baseline`` is
+    the GPU's memory as the engine started (taken now when not given: ``gpu_memory``)."""
+    memory_baseline = memory_baseline or take_memory_baseline(device)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     model = load_model(source, hf_config, dtype, device, model_max_len(hf_config), config.seed,
                        config.quantization)
     backend = get_attention_backend(config.attention_backend, device)
     runner = ModelRunner(model, hf_config, device, dtype, backend, config.seed)
+    runner.memory_baseline = memory_baseline
     if config.enable_lora:
         runner.lora = LoRAManager(model, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras or config.max_loras, dtype, device)
@@ -161,6 +163,7 @@ class ModelRunner:
         self.step_seeds = np.random.Generator(np.random.PCG64(seed % (1 << 64)))
         self.to_device = HostToDevice(device)
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
+        self.memory_baseline: MemoryBaseline | None = None  # on a GPU, set by load_model_runner
         self.lora: LoRAManager | None = None  # with enable_lora
         self.ranges = StepRanges()  # the engine's, once it owns this runner
         # the last step's block table and each request's (row, block count, preemptions) in it
@@ -345,19 +348,18 @@ class ModelRunner:
 
     def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int,
                               gpu_memory_utilization: float) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU's total memory (vLLM's
-        semantics: this engine's share, whatever other processes hold; ``gpu_memory``) next to
-        the weights, the activations' peak of the largest step (``num_tokens`` tokens), the
-        memory this process added outside torch since it started and, with mixed-step CUDA
-        graphs, their pool: it keeps the largest bucket's forward activations for itself, apart
-        from the memory the eager LM head and sampler allocate."""
-        requested = requested_memory(self.device, gpu_memory_utilization)
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU's total (this engine's share, as
+        in vLLM: ``gpu_memory``) beside the weights, the activations' peak of the largest step
+        (``num_tokens`` tokens), what this process added outside torch since it started and, with
+        mixed-step CUDA graphs, their pool: it keeps the largest bucket's forward activations for
+        itself, apart from the memory the eager LM head and sampler allocate."""
+        requested = requested_memory(self.memory_baseline, gpu_memory_utilization)
         key = (num_tokens, min(num_tokens, max_model_len))
         if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
             self._profiled_peaks[key] = self._profile_peak_memory(*key)
         forward_activations, peak = self._profiled_peaks[key]
         graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
-        outside_torch = memory_added_outside_torch(self.device)
+        outside_torch = memory_added_outside_torch(self.device, self.memory_baseline)
         available = requested - outside_torch - peak - graph_pool
         logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
                     "mixed-step graph pool %.2f GiB + %.2f GiB outside torch)", available / GIB, peak / GIB,

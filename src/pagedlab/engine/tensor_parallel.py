@@ -37,7 +37,7 @@ from pagedlab.config import EngineConfig
 from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable_peer_all_reduce,
                                                  get_tp_group, init_tensor_parallel)
 from pagedlab.distributed.peer_all_reduce import PeerAllReduce
-from pagedlab.engine.gpu_memory import record_memory_baseline
+from pagedlab.engine.gpu_memory import MemoryBaseline, take_memory_baseline
 from pagedlab.engine.model_runner import ModelRunner, load_model_runner
 from pagedlab.engine.step_inputs import StepInputs
 from pagedlab.loader import resolve_model_source
@@ -73,18 +73,22 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def join_tensor_parallel(world_size: int, rank: int, device: torch.device, init_method: str,
-                         peer_all_reduce: bool = True, workers: TensorParallelExecutor | None = None) -> None:
+                         peer_all_reduce: bool = True,
+                         workers: TensorParallelExecutor | None = None) -> MemoryBaseline | None:
     """Join the group; on GPUs also set up the one-shot all-reduce over peer memory unless
     ``peer_all_reduce`` is off (``disable_custom_all_reduce``). Rank 0 passes its ``workers``
-    (see ``meet``)."""
+    (see ``meet``). Returns the GPU's memory before the group's buffers, which are the engine's
+    (``gpu_memory``; None off CUDA)."""
+    baseline = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        record_memory_baseline(device)  # before NCCL's buffers, which are this engine's
+        baseline = take_memory_baseline(device)
     store = meet(world_size, rank, init_method, workers)
     init_tensor_parallel(world_size, rank, process_group_backend(device), timeout=COLLECTIVE_TIMEOUT,
                          store=store)
     if device.type == "cuda" and peer_all_reduce:
         enable_peer_all_reduce(PeerAllReduce.from_cuda_ipc(get_tp_group(), device))
+    return baseline
 
 
 def meet(world_size: int, rank: int, init_method: str,
@@ -243,9 +247,10 @@ class TensorParallelWorker:
 
     def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
                  device: torch.device):
-        join_tensor_parallel(world_size, rank, device, init_method, not config.disable_custom_all_reduce)
+        baseline = join_tensor_parallel(world_size, rank, device, init_method,
+                                        not config.disable_custom_all_reduce)
         try:
-            self.runner = load_worker_runner(config, device)
+            self.runner = load_worker_runner(config, device, baseline)
         except BaseException:
             destroy_tensor_parallel()
             raise
@@ -287,12 +292,13 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
             worker.close()
 
 
-def load_worker_runner(config: EngineConfig, device: torch.device) -> ModelRunner:
+def load_worker_runner(config: EngineConfig, device: torch.device,
+                       memory_baseline: MemoryBaseline | None = None) -> ModelRunner:
     from transformers import AutoConfig
 
     source = resolve_model_source(config.model, config.load_format, config.revision, config.download_dir)
     hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)  # never repository code
-    return load_model_runner(config, source, hf_config, device)
+    return load_model_runner(config, source, hf_config, device, memory_baseline)
 
 
 def _serve(worker: TensorParallelWorker, connection: Connection) -> None:
