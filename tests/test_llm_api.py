@@ -115,11 +115,16 @@ def test_llm_engine_loop_of_vllm_scripts(chat_dir, chat_llm):
     try:
         engine.add_request("text", text, greedy)
         engine.add_request("tokens", TokensPrompt(prompt_token_ids=ids), greedy)
+        for request_id in ("a", "b"):
+            engine.add_request(request_id, text, greedy)
+        aborted = engine.abort_request(["a", "b", "unknown"])  # vLLM's form: a list of ids
         finished = {}
         while engine.has_unfinished_requests():
             finished.update((out.request_id, out) for out in engine.step() if out.finished)
     finally:
         engine.close()
+    assert [(out.request_id, out.outputs[0].finish_reason) for out in aborted] == [("a", "abort"),
+                                                                                  ("b", "abort")]
     expected = chat_llm.generate([text, ids], greedy, use_tqdm=False)
     for got, want in zip((finished["text"], finished["tokens"]), expected, strict=True):
         assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)

@@ -17,7 +17,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -324,8 +324,13 @@ class LLMEngine:
         it held neither. A request still running on it reads it again from its directory."""
         return self.runner.lora is not None and self.runner.lora.remove_lora(lora_int_id)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output."""
+    def abort_request(self, request_id: str | Iterable[str]) -> RequestOutput | list[RequestOutput] | None:
+        """Stop a request now and free its blocks; returns its final output (None for an id not
+        running). As vLLM's, it also takes a list of ids: each is aborted, and the final outputs of
+        those that were running are returned."""
+        if not isinstance(request_id, str):
+            outputs = [self.abort_request(one) for one in request_id]
+            return [output for output in outputs if output is not None]
         if not self.output_processor.has_request(request_id):
             return None
         for child in self.output_processor.children(request_id):
