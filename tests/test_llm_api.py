@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 import pytest
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
@@ -115,6 +116,7 @@ def test_llm_engine_loop_of_vllm_scripts(chat_dir, chat_llm):
     try:
         engine.add_request("text", text, greedy)
         engine.add_request("tokens", TokensPrompt(prompt_token_ids=ids), greedy)
+        engine.add_request("array", np.array(ids), greedy)  # a sweep's ids, as LLM.generate takes them
         for request_id in ("a", "b"):
             engine.add_request(request_id, text, greedy)
         aborted = engine.abort_request(["a", "b", "unknown"])  # vLLM's form: a list of ids
@@ -126,6 +128,7 @@ def test_llm_engine_loop_of_vllm_scripts(chat_dir, chat_llm):
     assert [(out.request_id, out.outputs[0].finish_reason) for out in aborted] == [("a", "abort"),
                                                                                   ("b", "abort")]
     expected = chat_llm.generate([text, ids], greedy, use_tqdm=False)
+    assert finished["array"].outputs[0].token_ids == finished["tokens"].outputs[0].token_ids
     for got, want in zip((finished["text"], finished["tokens"]), expected, strict=True):
         assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)
         assert (got.outputs[0].token_ids, got.outputs[0].text) == (want.outputs[0].token_ids,

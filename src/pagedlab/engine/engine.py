@@ -17,7 +17,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
@@ -247,9 +247,9 @@ class LLMEngine:
         """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
         cached); bad input raises ValueError and leaves the engine unchanged. ``prompt_token_ids``
         may also be any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
-        if isinstance(prompt_token_ids, (str, Mapping)):
+        if not isinstance(prompt_token_ids, list):  # text, a prompt dict, a tuple or a 1-D array of ids
             encoded = encode_prompt(prompt_token_ids, self.tokenizer, self.config.model)
-            prompt_token_ids, prompt = encoded.token_ids, encoded.text
+            prompt_token_ids, prompt = encoded.token_ids, encoded.text if encoded.text is not None else prompt
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.validate_prompt(prompt_token_ids)
         self.validate_lora_request(lora_request)
