@@ -159,6 +159,23 @@ def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):
         assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_max_logprobs_caps_what_a_request_may_ask(tiny_llama):
+    """vLLM's engine argument ``max_logprobs``: a request asking for more logprobs or prompt
+    logprobs (-1: the whole vocabulary) is refused naming the field; -1 lifts the cap; pagedlab's
+    default (None) has none, as ``max_logprobs=-1``."""
+    prompt = random_prompts(1, seed=3)[0]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_logprobs=3) as llm:
+        params = SamplingParams(max_tokens=2, logprobs=3, prompt_logprobs=3)
+        out = llm.generate([prompt], params, use_tqdm=False)
+        assert len(out[0].outputs[0].logprobs[0]) >= 3
+        for kwargs in (dict(logprobs=4), dict(prompt_logprobs=-1)):
+            with pytest.raises(ValueError, match=rf"^{next(iter(kwargs))}=.* max_logprobs \(3"):
+                llm.generate([prompt], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="max_logprobs"):
+        LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, max_logprobs=-2)
+
+
 def test_stop_ids_beyond_the_vocabulary_are_accepted_and_never_stop(tiny_llama):
     """vLLM checks allowed ids, biases and logprob ids against the vocabulary, not stop ids (its
     multi-LoRA example stops on an adapter's added token, 32003, past Llama-2's 32,000): such an id

@@ -137,6 +137,9 @@ class EngineConfig:
     swap_space: float = _setting(4.0, "CPU swap space in GiB, accepted for vLLM scripts and unused: a "
                                       "preempted sequence is recomputed, never swapped")
     cpu_offload_gb: float = _setting(0.0, "GiB of weights to keep in CPU memory: not supported, must be 0")
+    max_logprobs: int | None = _setting(
+        None, "most logprobs / prompt_logprobs a request may ask for, -1 for no cap (vLLM's; its default is "
+              "20, pagedlab's None: up to the vocabulary)")
     disable_log_stats: bool = _setting(True, "no periodic throughput/KV-cache log lines from LLM.generate "
                                              "(--no-disable-log-stats logs one every 5 s)", plan=True)
     quantization: str | None = _setting(
@@ -176,6 +179,8 @@ class EngineConfig:
             bad("max_num_seqs", "an integer >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
+        if self.max_logprobs is not None and self.max_logprobs < -1:
+            bad("max_logprobs", "an integer >= 0, -1 (no cap) or None")
         if self.chunked_prefill_size is not None:
             self._check_chunked_prefill_size()
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -269,9 +269,10 @@ class SamplingParams:
         _check(self.detokenize or not self.stop, "stop", self.stop,
                "empty with detokenize=False (stop strings are found in the text; use stop_token_ids)")
 
-    def verify_vocabulary(self, vocab_size: int) -> None:
+    def verify_vocabulary(self, vocab_size: int, max_logprobs: int | None = None) -> None:
         """ValueError naming the field when a token id the parameters name is out of vocabulary, or
-        when they ask for more logprobs a position than the vocabulary has."""
+        when they ask for more logprobs a position than the vocabulary has or ``max_logprobs``
+        allows (the engine's cap, as vLLM's; -1 or None: none; -1 logprobs count the vocabulary)."""
         for name in _TOKEN_ID_FIELDS:
             ids = getattr(self, name) or ()
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -282,6 +283,9 @@ class SamplingParams:
             count = getattr(self, name)
             _check(count is None or count <= vocab_size, name, count,
                    f"at most the vocabulary size ({vocab_size})")
+            if count is not None and max_logprobs not in (None, -1):
+                _check((vocab_size if count == -1 else count) <= max_logprobs, name, count,
+                       f"at most the engine's max_logprobs ({max_logprobs}; -1 is the whole vocabulary)")
 
     def for_vocabulary(self, vocab_size: int) -> SamplingParams:
         """These parameters for a vocabulary of ``vocab_size``: a ``logprobs`` or ``prompt_logprobs``

@@ -255,7 +255,7 @@ class LLMEngine:
         self.validate_lora_request(lora_request)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params.verify_vocabulary(self.hf_config.vocab_size)
+        params.verify_vocabulary(self.hf_config.vocab_size, self.config.max_logprobs)
         params = params.for_vocabulary(self.hf_config.vocab_size)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
