@@ -152,14 +152,17 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     return prefill + decode
 
 
-def tpot_floor(hf_config, prompt_lens: list[int], output_lens: list[int], **floor_args) -> float | None:
+def tpot_floor(hf_config, prompt_lens: list[int], output_lens: list[int], whole: float | None = None,
+               **floor_args) -> float | None:
     """Seconds of a decode step at the floor, over the workload's decode steps on average: what its
     TPOT (time per output token after the first; at batch 1 one decode step) cannot beat. None
     when no request decodes. ``floor_args`` as ``physical_floor``'s; the decode part is the floor
-    of the whole workload less that of its prefill (every request stopped after its first token)."""
+    of the whole workload (``whole``, when the caller has it) less that of its prefill (every
+    request stopped after its first token)."""
     steps = max(output_lens) - 1
     if steps < 1:
         return None
-    whole = physical_floor(hf_config, prompt_lens, output_lens, **floor_args)
+    if whole is None:
+        whole = physical_floor(hf_config, prompt_lens, output_lens, **floor_args)
     prefill = physical_floor(hf_config, prompt_lens, [1] * len(prompt_lens), **floor_args)
     return (whole - prefill) / steps

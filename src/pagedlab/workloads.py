@@ -455,7 +455,7 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             args = engine_floor_args(llm, workload_name)
             lens = list(map(len, w.prompts))
             floor = physical_floor(hf_config, lens, w.output_lens, **args) if on_gpu else None
-            step_floor = tpot_floor(hf_config, lens, w.output_lens, **args) if on_gpu else None
+            step_floor = tpot_floor(hf_config, lens, w.output_lens, floor, **args) if on_gpu else None
             for r in range(repeats):
                 label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
                          + (f" #{r + 1}" if repeats > 1 else ""))
@@ -489,22 +489,23 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
         peer = lora_bench.peft_peer(peer, loras)
     for w in workloads:
         on_gpu = torch.cuda.is_available()
-        floor = physical_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
-                               decode_weight_bytes=weights) if on_gpu else None
+        fixed = w  # W-nano's peer generates 256 tokens a request (``run_hf_generate_batch``)
+        if workload_name == "W-nano":
+            fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
+        lens = list(map(len, w.prompts))
+        floor = physical_floor(hf_config, lens, fixed.output_lens, decode_weight_bytes=weights) \
+            if on_gpu else None
+        step_floor = tpot_floor(hf_config, lens, w.output_lens, floor, decode_weight_bytes=weights) \
+            if on_gpu and fixed is w else None
         for r in range(repeats):
             label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}"
                      + (f" #{r + 1}" if repeats > 1 else ""))
             if workload_name == "W-nano":
-                fixed = Workload(w.name, w.prompts, [256] * len(w.prompts), w.temperature)
-                floor = (physical_floor(hf_config, list(map(len, w.prompts)), fixed.output_lens,
-                                        decode_weight_bytes=weights) if on_gpu else None)
                 results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
             elif workload_name == "W-prefix":
                 break  # the peer of W-prefix is pagedlab with prefix caching off
             else:
                 results.append(run_hf_generate(peer, w, label, floor))
-                step_floor = tpot_floor(hf_config, list(map(len, w.prompts)), w.output_lens,
-                                        decode_weight_bytes=weights) if on_gpu else None
                 results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
             results[-1].extra.update(hf_peer.row_record(peer, quantization))
             progress(format_row(results[-1]))
