@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402  (needs the optional packages above)
 from pagedlab.server.cli import lora_modules_from_args  # noqa: E402
-from pagedlab.server.protocol import APIError  # noqa: E402
+from pagedlab.server.errors import APIError  # noqa: E402
 from pagedlab.server.serving_models import (OpenAIServingModels, UnloadLoRAAdapterRequest,  # noqa: E402
                                             runtime_lora_updating_allowed)
 

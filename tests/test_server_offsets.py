@@ -1,7 +1,8 @@
 """``/v1/completions`` logprobs with ``echo`` and streaming: how many top logprobs an echoed prompt
 position carries, and ``text_offset`` (the running length of the token strings, as vLLM's), on a
 tiny random Llama with a real tokenizer served live on 127.0.0.1. The references are the
-tokenizer's own decode of each token, the response without ``echo`` and the non-streamed response."""
+tokenizer's own decode of each token, the response without ``echo`` and the non-streamed response.
+The engine's ``max_logprobs`` (``--max-logprobs``) is 30 here, the server's cap in place of 20."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 
 import pytest
 
-from pagedlab import LLM
+from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
@@ -22,6 +23,7 @@ pytest.importorskip("prometheus_client")
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402
 
 MODEL = "tiny"
+MAX_LOGPROBS = 30  # the engine's cap, above the server's default 20
 PROMPT = "The sky is"
 # the greedy completion of PROMPT has tokens that end mid-character (their text waits for the next)
 SPLIT_CHARACTER = {"prompt": PROMPT}
@@ -32,10 +34,12 @@ HELD_BACK = {"prompt": [322, 74, 409, 305], "stop": ["zzzzzz"]}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model_dir = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES)
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_logprobs=MAX_LOGPROBS)
+    offline = llm.chat([{"role": "user", "content": PROMPT}],
+                       SamplingParams(temperature=0.0, max_tokens=3, logprobs=MAX_LOGPROBS), use_tqdm=False)
     engine = AsyncEngine.from_llm(llm)
     with ServerThread(build_app(engine, served_model_names=[MODEL])) as srv:
-        yield {"url": srv.url, "tokenizer": llm.get_tokenizer()}
+        yield {"url": srv.url, "tokenizer": llm.get_tokenizer(), "offline_chat": offline[0].outputs[0]}
     engine.shutdown()
     llm.close()
 
@@ -167,3 +171,27 @@ def test_bench_serve_sizes_sharegpt_turns_by_the_servers_tokenizer(served, tmp_p
     assert result["completed"] == 2
     assert result["total_output_tokens"] == sum(len(tokenizer(r).input_ids) for _, r in pairs)
     assert result["total_input_tokens"] == sum(len(tokenizer(p).input_ids) for p, _ in pairs)
+
+
+def test_max_logprobs_is_the_servers_cap(served):
+    """As vLLM's ``--max-logprobs``: up to the engine's cap the server answers, past it a 400 naming
+    the field; the top logprobs served are the offline engine's."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": MAX_LOGPROBS}
+    r = httpx.post(served["url"] + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    want = served["offline_chat"]
+    for entry, position, token in zip(r.json()["choices"][0]["logprobs"]["content"], want.logprobs,
+                                      want.token_ids, strict=True):
+        assert entry["logprob"] == pytest.approx(position[token].logprob, abs=1e-5)
+        top = sorted(lp.logprob for lp in position.values() if lp.rank <= MAX_LOGPROBS)
+        assert sorted(t["logprob"] for t in entry["top_logprobs"]) == pytest.approx(top, abs=1e-5)
+        assert len(top) == MAX_LOGPROBS
+    text, over = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}, MAX_LOGPROBS + 1
+    assert _complete(served, {**text, "logprobs": MAX_LOGPROBS})["choices"][0]["logprobs"]["top_logprobs"]
+    for path, body, param in [("/v1/chat/completions", {**chat, "top_logprobs": over}, "top_logprobs"),
+                              ("/v1/completions", {**text, "logprobs": over}, "logprobs"),
+                              ("/v1/completions", {**text, "logprobs": -1}, "logprobs")]:
+        r = httpx.post(served["url"] + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert f"in [0, {MAX_LOGPROBS}]" in r.json()["error"]["message"]

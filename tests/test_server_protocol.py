@@ -12,7 +12,8 @@ pytest.importorskip("pydantic")
 
 from pagedlab import SamplingParams
 from pagedlab.sampling_params import StructuredOutputsParams
-from pagedlab.server.protocol import (MAX_LOGPROBS, APIError, ChatCompletionRequest, CompletionRequest,
+from pagedlab.server.errors import APIError
+from pagedlab.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
                                       CompletionResponseChoice, CompletionStreamResponse, DeltaMessage,
                                       PromptTokensDetails, UsageInfo, parse_request)
 
@@ -36,8 +37,9 @@ def _error(request_type, body: dict) -> APIError:
      "'x' is not valid for 'max_tokens': input should be a valid integer"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 needs echo=true"),
     ({"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
-    ({"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs", "less than or equal to 20"),
-    ({"prompt": "hi", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+    ({"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs", "logprobs=21 is invalid: it must be in"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs", "needs -1 there"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "in [0, 20] (the server's --max-logprobs"),
     ({"prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     ({"prompt": "hi", "echo": 1}, "echo", "valid boolean"),
     ({"prompt": "hi", "stop": 3}, "stop", "expected a string or an array of strings"),
@@ -78,7 +80,7 @@ def test_bad_completion_bodies(body, param, says):
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
      "a string or an array of text parts"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs set to true"),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 is invalid"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "must be one of"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function",
      "'tools[0].function' is required"),
@@ -95,6 +97,36 @@ def test_bad_completion_bodies(body, param, says):
 def test_bad_chat_bodies(body, param, says):
     error = _error(ChatCompletionRequest, body)
     assert error.info.param == param and says in error.info.message
+
+
+@pytest.mark.parametrize("cap", [50, -1])
+def test_logprob_counts_follow_the_servers_max_logprobs(cap):
+    """``parse_request``'s context carries the engine's ``max_logprobs`` (vLLM's cap): counts up to it
+    parse, one more is a 400 naming the field and the cap; -1 (the whole vocabulary) only uncapped."""
+    def parse(body):
+        request_type = ChatCompletionRequest if "messages" in body else CompletionRequest
+        return parse_request(request_type, body, {"max_logprobs": cap}).to_sampling_params()
+
+    def refused(body):
+        with pytest.raises(APIError) as raised:
+            parse(body)
+        return raised.value.info.param, raised.value.info.message
+
+    most = 50 if cap == 50 else 100_000
+    assert parse({"messages": CHAT, "logprobs": True, "top_logprobs": most}).logprobs == most
+    text = parse({"prompt": "hi", "logprobs": most, "prompt_logprobs": most})
+    assert (text.logprobs, text.prompt_logprobs) == (most, most)
+    if cap == 50:
+        for body, param in [({"messages": CHAT, "logprobs": True, "top_logprobs": 51}, "top_logprobs"),
+                            ({"prompt": "hi", "prompt_logprobs": 51}, "prompt_logprobs")]:
+            name, message = refused(body)
+            assert name == param and "in [0, 50]" in message
+    else:
+        assert parse({"messages": CHAT, "logprobs": True, "top_logprobs": -1}).logprobs == -1
+        name, message = refused({"prompt": "hi", "logprobs": -2})
+        assert name == "logprobs" and "-1 (the whole vocabulary) or >= 0" in message
+        # the whole vocabulary's prompt logprobs are not streamed either
+        assert refused({"prompt": "hi", "stream": True, "prompt_logprobs": -1})[0] == "prompt_logprobs"
 
 
 def test_tool_choice_none_needs_no_tools():

@@ -24,7 +24,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402
 from pagedlab.server.cli import add_serve_args, tool_calling_from_args  # noqa: E402
-from pagedlab.server.protocol import APIError, ChatCompletionRequest, parse_request  # noqa: E402
+from pagedlab.server.errors import APIError  # noqa: E402
+from pagedlab.server.protocol import ChatCompletionRequest, parse_request  # noqa: E402
 from pagedlab.server.serving_tools import ToolCalling  # noqa: E402
 
 # renders the tools as Qwen's template does: a JSON line per tool in the system turn

@@ -139,7 +139,7 @@ class EngineConfig:
     cpu_offload_gb: float = _setting(0.0, "GiB of weights to keep in CPU memory: not supported, must be 0")
     max_logprobs: int | None = _setting(
         None, "most logprobs / prompt_logprobs a request may ask for, -1 for no cap (vLLM's; its default is "
-              "20, pagedlab's None: up to the vocabulary)")
+              "20, pagedlab's None: up to the vocabulary offline, 20 in `pagedlab serve`)")
     disable_log_stats: bool = _setting(True, "no periodic throughput/KV-cache log lines from LLM.generate "
                                              "(--no-disable-log-stats logs one every 5 s)", plan=True)
     quantization: str | None = _setting(

@@ -42,9 +42,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedlab import __version__
 from pagedlab.engine.async_engine import AsyncEngine
 from pagedlab.lora.request import LoRARequest
+from pagedlab.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request
 from pagedlab.server.metrics import ServerMetrics
-from pagedlab.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorInfo,
-                                      ErrorResponse, ModelCard, ModelList, bad_request, parse_request)
+from pagedlab.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ModelCard,
+                                      ModelList, parse_request)
 from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
 from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
@@ -90,6 +91,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.metrics = metrics
     app.state.models = models = OpenAIServingModels(engine, names, lora_modules)
     app.state.created = int(time.time())
+    max_logprobs = engine.info.config.max_logprobs  # the engine's cap; vLLM's default where none is set
+    app.state.request_context = {"max_logprobs": MAX_LOGPROBS if max_logprobs is None else max_logprobs}
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
     app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models)
     app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models,
@@ -234,7 +237,8 @@ async def list_models(raw_request: Request) -> Response:
 async def create_completion(raw_request: Request) -> Response:
     """OpenAI's text completions (``CompletionRequest``)."""
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
-    request = parse_request(CompletionRequest, await _json_body(raw_request))
+    request = parse_request(CompletionRequest, await _json_body(raw_request),
+                            raw_request.app.state.request_context)
     return await _respond(raw_request, lambda disconnected: serving.create_completion(request, disconnected))
 
 
@@ -242,7 +246,8 @@ async def create_completion(raw_request: Request) -> Response:
 async def create_chat_completion(raw_request: Request) -> Response:
     """OpenAI's chat completions (``ChatCompletionRequest``)."""
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
-    request = parse_request(ChatCompletionRequest, await _json_body(raw_request))
+    request = parse_request(ChatCompletionRequest, await _json_body(raw_request),
+                            raw_request.app.state.request_context)
     return await _respond(raw_request,
                           lambda disconnected: serving.create_chat_completion(request, disconnected))
 

@@ -17,76 +17,24 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
+from pagedlab.server.errors import bad_request, param_of
 from pagedlab.server.protocol_tools import DeltaToolCall, ToolCall, ToolFields
 from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting
 
-MAX_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+MAX_LOGPROBS = 20  # logprobs / top_logprobs a request may ask for without --max-logprobs (OpenAI's, vLLM's)
 MAX_N = 128  # OpenAI's limit for n (and best_of)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # what the engine's int64 tensors and seeds take
 _MAX_QUOTED_VALUE = 80  # an error message quotes at most this much of the bad value (prompts can be long)
 
 
-# ---- errors -------------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    """The inside of an error body: what went wrong, its kind, the field at fault, a machine code."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body and an HTTP status (and extra response
-    ``headers``, such as ``Retry-After`` on a 503)."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-        self.headers = headers or {}
-
-    def response(self) -> ErrorResponse:
-        """The body to answer with."""
-        return ErrorResponse(error=self.info)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error``."""
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def engine_dead(message: str) -> APIError:
-    """A 503: the engine thread is not running."""
-    return APIError(503, message, "server_error", None, "engine_dead")
-
-
-def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
-    """A 503 the client may retry after ``retry_after_s`` seconds (the server is busy or draining)."""
-    return APIError(503, message, "server_error", None, code, {"Retry-After": str(retry_after_s)})
-
-
-def param_of(error: ValueError) -> str | None:
-    """SamplingParams' and the engine's errors start with "name=value is invalid"; that name is the param."""
-    head = str(error).split("=", 1)[0]
-    return head if head.isidentifier() else None
-
-
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
-def parse_request(request_type: type[RequestT], body: dict) -> RequestT:
-    """``body`` validated as ``request_type``; the first error is raised as a 400 naming its field."""
+def parse_request(request_type: type[RequestT], body: dict, context: dict | None = None) -> RequestT:
+    """``body`` validated as ``request_type`` (``context``: server settings, ``max_logprobs``); the
+    first error is raised as a 400 naming its field."""
     try:
-        return request_type.model_validate(body)
+        return request_type.model_validate(body, context=context)
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         param = _param(error["loc"]) or None
@@ -133,6 +81,20 @@ def _int64(value: int, info: ValidationInfo) -> int:
 
 Integer = Annotated[int, BeforeValidator(_integral_float), AfterValidator(_int64)]
 TokenId = Annotated[Integer, Field(ge=0)]
+
+
+def _within_max_logprobs(value: int, info: ValidationInfo) -> int:
+    """At most the server's cap (``parse_request``'s context, else MAX_LOGPROBS); -1 (vLLM's: the
+    whole vocabulary) only where the cap is -1."""
+    cap = (info.context or {}).get("max_logprobs", MAX_LOGPROBS)
+    if 0 <= value <= cap or (cap == -1 and value >= -1):
+        return value
+    allowed = "-1 (the whole vocabulary) or >= 0" if cap == -1 else (
+        f"in [0, {cap}] (the server's --max-logprobs, default 20; -1, the whole vocabulary, needs -1 there)")
+    raise ValueError(f"{info.field_name}={quoted(value)} is invalid: it must be {allowed}")
+
+
+LogprobCount = Annotated[Integer, AfterValidator(_within_max_logprobs)]
 
 
 class OpenAIRequest(BaseModel):
@@ -215,7 +177,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     @field_validator("prompt_logprobs", check_fields=False)
     @classmethod
     def _not_streamed(cls, value: int, info: ValidationInfo) -> int:
-        if value > 0 and info.data.get("stream"):
+        if value and info.data.get("stream"):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
@@ -263,8 +225,8 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[int] | list[str | list[int]], expecting(PROMPT_FORMS)]
     echo: bool = False
     max_tokens: Integer = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
-    logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
     suffix: str | None = None
 
     @field_validator("max_tokens")
@@ -346,8 +308,8 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     max_tokens: Integer | None = Field(None, ge=1)
     max_completion_tokens: Integer | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: Integer | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
     # vLLM's extensions
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)

@@ -13,11 +13,11 @@ from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.inputs import EncodedPrompt, chat_prompt
 from pagedlab.outputs import PositionLogprobs
+from pagedlab.server.errors import bad_request
 from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogprobs, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatCompletionResponseChoice,
                                       ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-                                      ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo,
-                                      bad_request)
+                                      ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo)
 from pagedlab.server.protocol_tools import template_messages
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,

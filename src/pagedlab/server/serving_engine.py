@@ -18,9 +18,9 @@ from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestSt
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.limits import ServerLimits
-from pagedlab.server.protocol import (APIError, ErrorInfo, ErrorResponse, LogprobEntry, PromptLogprobs,
-                                      PromptTokensDetails, UsageInfo, bad_request, engine_dead, param_of,
-                                      quoted, unavailable)
+from pagedlab.server.errors import (APIError, ErrorInfo, ErrorResponse, bad_request, engine_dead, param_of,
+                                    unavailable)
+from pagedlab.server.protocol import LogprobEntry, PromptLogprobs, PromptTokensDetails, UsageInfo, quoted
 from pagedlab.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from pagedlab.engine.async_engine import AsyncEngine
 from pagedlab.lora.request import LoRARequest
-from pagedlab.server.protocol import APIError, OpenAIRequest
+from pagedlab.server.errors import APIError
+from pagedlab.server.protocol import OpenAIRequest
 
 logger = logging.getLogger(__name__)
 

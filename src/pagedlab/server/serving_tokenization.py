@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from pagedlab.server.errors import bad_request
 from pagedlab.server.protocol import (ChatCompletionRequest, OpenAIRequest, OpenAIResponse, TokenId,
-                                      bad_request, parse_request)
+                                      parse_request)
 from pagedlab.server.serving_chat import OpenAIServingChat
 
 
