@@ -137,6 +137,8 @@ class EngineConfig:
     swap_space: float = _setting(4.0, "CPU swap space in GiB, accepted for vLLM scripts and unused: a "
                                       "preempted sequence is recomputed, never swapped")
     cpu_offload_gb: float = _setting(0.0, "GiB of weights to keep in CPU memory: not supported, must be 0")
+    enable_sleep_mode: bool = _setting(False, "accepted for vLLM scripts: LLM.sleep() / wake_up() work on "
+                                              "every engine (pagedlab's allocator needs no switch for them)")
     max_logprobs: int | None = _setting(
         None, "most logprobs / prompt_logprobs a request may ask for, -1 for no cap (vLLM's; its default is "
               "20, pagedlab's None: up to the vocabulary offline, 20 in `pagedlab serve`)")

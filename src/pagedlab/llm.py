@@ -307,6 +307,22 @@ class LLM:
         FP8 checkpoints; LoRA adapters are kept; every tensor-parallel rank loads its part."""
         self.llm_engine.load_weights(weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the engine's GPU memory back while it idles (vLLM's sleep mode, for a trainer that
+        needs the GPU between rollouts): the KV cache and CUDA graphs are freed, and the weights'
+        device memory with them. ``level=1`` keeps the weights in host memory for ``wake_up()``;
+        ``level=2`` drops them (the caller then loads new ones, ``load_weights``). The prefix cache
+        is reset. Requests are refused until ``wake_up()``; refused itself while a request is
+        unfinished. No ``enable_sleep_mode`` is needed (it is accepted, as vLLM's)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep()``: ``tags`` ``["weights"]`` (then ``load_weights`` into them without a KV
+        cache allocated, as verl does), ``["kv_cache"]`` (the weights must be awake: the KV cache is
+        planned and the CUDA graphs captured again, a few seconds on a GPU), or None for both.
+        After ``sleep(level=2)`` requests are refused until ``load_weights`` has run."""
+        self.llm_engine.wake_up(tags)
+
     def close(self) -> None:
         """Free the weights, the KV cache and every request."""
         if self._engine is not None:

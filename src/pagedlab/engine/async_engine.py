@@ -303,6 +303,18 @@ class AsyncEngine:
         it); a RuntimeError while any request is unfinished: abort them or let them finish first."""
         await self.run_in_engine(lambda e: e.load_weights(weights))
 
+    async def sleep(self, level: int = 1) -> None:
+        """``LLM.sleep`` in the engine thread (vLLM's ``AsyncLLM.sleep``): a RuntimeError while any
+        request is unfinished; requests are refused until ``wake_up``."""
+        await self.run_in_engine(lambda e: e.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLM.wake_up`` in the engine thread."""
+        await self.run_in_engine(lambda e: e.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self.run_in_engine(lambda e: e.is_sleeping())
+
     def add_listener(self, listener: StatsListener) -> None:
         self.listeners.append(listener)
 

@@ -34,6 +34,7 @@ from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from pagedlab.engine.sleep_mode import RankSleep, check_sleep_level, check_wake_up_tags
 from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.weight_update import check_updatable, weight_pairs
@@ -118,6 +119,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # launched, not yet read back
+        self._sleep = RankSleep()  # this rank's weights while asleep (sleep mode)
+        self._kv_cache_asleep = False
+        self._weights_discarded = False  # woken from level 2, not yet loaded
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
         self.build_plan()
@@ -144,6 +148,8 @@ class LLMEngine:
     def update_plan(self, **changes) -> None:
         """Change plan-level settings (see ``config.PLAN_FIELDS``) and rebuild the KV cache and
         scheduler; the weights stay where they are. On error the previous plan is restored."""
+        if self.is_sleeping():
+            raise RuntimeError("cannot re-plan while the engine is asleep (sleep()): wake_up() first")
         previous = self.config
         self.config = dataclasses.replace(previous, **changes)
         try:
@@ -247,6 +253,7 @@ class LLMEngine:
         """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
         cached); bad input raises ValueError and leaves the engine unchanged. ``prompt_token_ids``
         may also be any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
+        self._check_awake()
         if not isinstance(prompt_token_ids, list):  # text, a prompt dict, a tuple or a 1-D array of ids
             encoded = encode_prompt(prompt_token_ids, self.tokenizer, self.config.model)
             prompt_token_ids, prompt = encoded.token_ids, encoded.text if encoded.text is not None else prompt
@@ -411,9 +418,64 @@ class LLMEngine:
                                "their KV cache holds the old weights' keys and values; let them finish or "
                                "abort them first")
         check_updatable(self.model, self.quantization)
+        if self._sleep.weights is not None:
+            raise RuntimeError("load_weights while the weights are asleep (sleep()): "
+                               "wake_up(tags=['weights']) first")
         self._finish_in_flight()  # a step launched for requests that have finished since
         self.runner.load_weights(pairs)
+        self._weights_discarded = False
         self.reset_prefix_cache()
+
+    # ---- sleep mode (vLLM's) ------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Give back the GPU memory of the KV cache, the CUDA graphs and the weights on every rank
+        (``sleep_mode``): level 1 keeps the weights in host memory, level 2 drops them. Refused
+        while requests are unfinished; the prefix cache is reset; a part already asleep stays so."""
+        check_sleep_level(level)
+        self._finish_in_flight()
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"sleep while {self.num_unfinished_requests} requests are unfinished: let "
+                               "them finish or abort them first")
+        self.reset_prefix_cache()
+        self._on_every_rank("sleep", level, lambda: self._sleep.sleep(self.runner, level))
+        self._kv_cache_asleep = True
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: both), the weights first: they come
+        back as they were (level 1) or uninitialised until ``load_weights`` (level 2); the KV cache
+        is planned and its graphs captured again. The KV cache needs the weights awake."""
+        tags = check_wake_up_tags(tags)
+        if "weights" in tags and self._sleep.weights is not None:
+            self._weights_discarded |= not self._sleep.weights.kept
+            self._on_every_rank("wake_weights", None, self._sleep.wake_weights)
+        if "kv_cache" in tags and self._kv_cache_asleep:
+            if self._sleep.weights is not None:
+                raise RuntimeError("wake_up(tags=['kv_cache']) while the weights sleep: the KV cache's "
+                                   "memory profile and CUDA graphs run the model; wake the weights first")
+            self.build_plan()
+            self._kv_cache_asleep = False
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine (weights, KV cache) is asleep."""
+        return self._kv_cache_asleep or self._sleep.weights is not None
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep (sleep()): call wake_up() before adding requests")
+        if self._weights_discarded:
+            raise RuntimeError("the weights were dropped by sleep(level=2): load_weights() before adding "
+                               "requests")
+
+    def _on_every_rank(self, command: str, payload, run_here) -> None:
+        """``run_here`` on this rank and ``command`` on every other rank's worker."""
+        workers = self.runner.workers
+        if workers is not None:
+            workers.send(command, payload)
+        try:
+            run_here()
+        finally:
+            if workers is not None:
+                workers.collect()
 
     def close(self) -> None:
         """Drop every request, the KV cache and the weights."""

@@ -39,6 +39,7 @@ from pagedlab.distributed.parallel_state import (destroy_tensor_parallel, enable
 from pagedlab.distributed.peer_all_reduce import PeerAllReduce
 from pagedlab.engine.gpu_memory import MemoryBaseline, take_memory_baseline
 from pagedlab.engine.model_runner import ModelRunner, load_model_runner
+from pagedlab.engine.sleep_mode import RankSleep
 from pagedlab.engine.step_inputs import StepInputs
 from pagedlab.loader import resolve_model_source
 
@@ -243,7 +244,8 @@ class TensorParallelWorker:
     """Rank r >= 1 of a tensor-parallel model, under any executor: it joins the group, loads its
     shard, then executes rank 0's commands in order."""
 
-    REPLIED = frozenset({"configure", "load_weights"})  # commands whose result rank 0 collects
+    # the commands whose result rank 0 collects
+    REPLIED = frozenset({"configure", "load_weights", "sleep", "wake_weights"})
 
     def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
                  device: torch.device):
@@ -254,18 +256,24 @@ class TensorParallelWorker:
         except BaseException:
             destroy_tensor_parallel()
             raise
+        self.sleeping = RankSleep()
 
     def execute(self, kind: str, payload):
-        """Run one command: "step" (no reply), "configure" (the block count) or "load_weights"
-        ((name, tensor) pairs that rank 0 has loaded: this rank loads its part)."""
+        """Run one command: "step" (no reply), "configure" (the block count), "load_weights"
+        ((name, tensor) pairs that rank 0 has loaded: this rank loads its part), "sleep" (a level)
+        or "wake_weights" (sleep mode, as rank 0)."""
         if kind == "step":
             return self.runner.run_worker_step(payload.inputs, payload.block_table, payload.query_lens)
         if kind == "configure":  # a ValueError is the same on every rank (they agree on the block count)
             return self.runner.configure(payload)
         if kind == "load_weights":
             return self.runner.load_weights(payload)
-        raise ValueError(f"unknown tensor-parallel command {kind!r}: commands are step, configure and "
-                         "load_weights")
+        if kind == "sleep":
+            return self.sleeping.sleep(self.runner, payload)
+        if kind == "wake_weights":
+            return self.sleeping.wake_weights()
+        raise ValueError(f"unknown tensor-parallel command {kind!r}: commands are step, configure, "
+                         "load_weights, sleep and wake_weights")
 
     def close(self) -> None:
         self.runner.close()
