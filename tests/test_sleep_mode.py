@@ -163,8 +163,9 @@ def test_on_the_gpu_memory_goes_back_and_the_graphs_replay_the_woken_weights(tmp
     """The device memory the driver sees falls by the weights and the KV cache; woken, the
     re-captured decode and mixed-step graphs give the tokens and logprobs of before (level 1)
     and of a fresh engine of model B (level 2 and B's weights loaded)."""
-    a = build_tiny_model(tmp_path / "a", "llama", seed=1, hidden_size=256, intermediate_size=512)
-    b = build_tiny_model(tmp_path / "b", "llama", seed=2, hidden_size=256, intermediate_size=512)
+    wide = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, head_dim=128)  # ~70 MB
+    a = build_tiny_model(tmp_path / "a", "llama", seed=1, **wide)
+    b = build_tiny_model(tmp_path / "b", "llama", seed=2, **wide)
     prompts = random_prompts(4, max_len=40, seed=25)
     with LLM(b.path, kv_cache_memory_bytes=256 << 20, **engine_args) as fresh:
         expected = [o.outputs[0].token_ids for o in _generate(fresh, prompts)]
