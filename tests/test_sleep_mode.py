@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, random_prompts
+from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
 
@@ -184,3 +184,44 @@ def test_on_the_gpu_memory_goes_back_and_the_graphs_replay_the_woken_weights(tmp
         llm.load_weights(b.hf_model.state_dict())
         llm.wake_up(tags=["kv_cache"])
         assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == expected != before
+
+
+def test_server_dev_routes_sleep_and_wake_and_refuse_requests_asleep(tiny_llama):
+    """vLLM's ``VLLM_SERVER_DEV_MODE`` routes: a completion while asleep is a 503 the client may
+    retry (``engine_asleep``), and woken the server answers with HF's greedy tokens."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    prompt = [5, 6, 7]
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    want = hf_greedy(tiny_llama.hf_model, prompt, MAX_TOKENS, eos_token_id=None)
+    llm = _engine(tiny_llama.path, max_model_len=512)
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine, enable_metrics=False)) as plain:
+            assert httpx.post(plain.url + "/sleep", timeout=60).status_code == 404  # dev mode off
+        with ServerThread(build_app(engine, enable_metrics=False, dev_mode=True)) as srv:
+            def post(path, **kwargs):
+                return httpx.post(srv.url + path, timeout=60, **kwargs)
+
+            bad = post("/sleep", params={"level": 3})
+            assert bad.status_code == 400 and "level=3 is invalid" in bad.json()["error"]["message"]
+            assert post("/sleep", params={"level": 1}).status_code == 200
+            assert httpx.get(srv.url + "/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+            asleep = post("/v1/completions", json=body)
+            assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1"
+            assert asleep.json()["error"]["code"] == "engine_asleep"
+            refused = post("/wake_up", params={"tags": "kv_cache"})
+            assert refused.status_code == 409
+            assert "wake the weights first" in refused.json()["error"]["message"]
+            assert post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")]).status_code == 200
+            assert httpx.get(srv.url + "/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+            assert post("/reset_prefix_cache").status_code == 200
+            woken = post("/v1/completions", json=body)
+            assert woken.status_code == 200 and woken.json()["choices"][0]["token_ids"] == want
+    finally:
+        engine.shutdown()
+        llm.close()

@@ -34,7 +34,7 @@ from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from pagedlab.engine.sleep_mode import RankSleep, check_sleep_level, check_wake_up_tags
+from pagedlab.engine.sleep_mode import EngineAsleepError, RankSleep, check_sleep_level, check_wake_up_tags
 from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.weight_update import check_updatable, weight_pairs
@@ -461,10 +461,10 @@ class LLMEngine:
 
     def _check_awake(self) -> None:
         if self.is_sleeping():
-            raise RuntimeError("the engine is asleep (sleep()): call wake_up() before adding requests")
+            raise EngineAsleepError("the engine is asleep (sleep()): call wake_up() before adding requests")
         if self._weights_discarded:
-            raise RuntimeError("the weights were dropped by sleep(level=2): load_weights() before adding "
-                               "requests")
+            raise EngineAsleepError("the weights were dropped by sleep(level=2): load_weights() before "
+                                    "adding requests")
 
     def _on_every_rank(self, command: str, payload, run_here) -> None:
         """``run_here`` on this rank and ``command`` on every other rank's worker."""

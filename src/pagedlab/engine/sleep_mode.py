@@ -18,6 +18,11 @@ SLEEP_LEVELS = (1, 2)
 WAKE_UP_TAGS = ("weights", "kv_cache")
 
 
+class EngineAsleepError(RuntimeError):
+    """A request for an engine that is asleep, or whose weights ``sleep(level=2)`` dropped and no
+    ``load_weights`` has filled yet (the server answers it with a 503)."""
+
+
 def model_storages(model: torch.nn.Module, device: torch.device) -> list[tuple[torch.UntypedStorage, bool]]:
     """Every distinct, non-empty storage on ``device`` behind the model's parameters, buffers and
     tensor attributes (weights prepared at load, such as repacked or folded ones, are attributes),

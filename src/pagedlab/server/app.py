@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedlab import __version__
 from pagedlab.engine.async_engine import AsyncEngine
 from pagedlab.lora.request import LoRARequest
+from pagedlab.server.dev_routes import DEV_MODE_ENV, dev_mode_enabled, dev_router
 from pagedlab.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request
 from pagedlab.server.metrics import ServerMetrics
 from pagedlab.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -63,7 +64,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               metrics: ServerMetrics | None = None, enable_metrics: bool = True,
               shutdown_engine: bool = False, limits: ServerLimits | None = None,
               lora_modules: Sequence[LoRARequest] = (),
-              allow_runtime_lora_updating: bool | None = None, tool_calling: dict | None = None) -> FastAPI:
+              allow_runtime_lora_updating: bool | None = None, tool_calling: dict | None = None,
+              dev_mode: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
     guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
@@ -72,7 +74,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     ``allow_runtime_lora_updating`` adds the routes loading and unloading adapters (default:
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM); ``tool_calling`` holds ``OpenAIServingChat``'s
     tool keywords (``tool_call_parser``, ``enable_auto_tool_choice``,
-    ``exclude_tools_when_tool_choice_none``)."""
+    ``exclude_tools_when_tool_choice_none``); ``dev_mode`` adds vLLM's development routes, sleep
+    mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``, as vLLM)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -111,6 +114,10 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
         logger.warning("LoRA adapters can be loaded and unloaded at runtime (%s): only for local development",
                        RUNTIME_LORA_ENV)
         app.include_router(lora_router)
+    if dev_mode if dev_mode is not None else dev_mode_enabled():
+        logger.warning("development routes on (%s): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache",
+                       DEV_MODE_ENV)
+        app.include_router(dev_router)
     return app
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedlab.engine.sleep_mode import EngineAsleepError
 from pagedlab.inputs import EncodedPrompt, PromptType, encode_prompt, require_tokenizer
 from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.limits import ServerLimits
@@ -242,6 +243,8 @@ class OpenAIServing:
             return outputs
         except EngineDeadError as e:
             raise engine_dead(str(e)) from None
+        except EngineAsleepError as e:  # sleep mode: the client may retry once it is woken
+            raise unavailable(str(e), "engine_asleep") from None
         except ValueError as e:  # bad input the engine thread found
             raise bad_request(str(e), param=param_of(e)) from None
         except (APIError, ClientGone, asyncio.CancelledError):
