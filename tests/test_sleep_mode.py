@@ -105,6 +105,22 @@ def test_bad_levels_tags_and_orders_are_errors_saying_what_is_allowed(tiny_llama
     assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [[5, 6, 7]], outs, MAX_TOKENS)
 
 
+def test_awq_sleeps_at_level_1_and_refuses_level_2_which_it_could_not_refill(tiny_llama):
+    prompts = random_prompts(2, max_len=30, seed=26)
+    with _engine(tiny_llama.path, quantization="awq") as llm:
+        before = _generate(llm, prompts)
+        refusal = r"level=2 is invalid here.*quantization='awq'.*sleep\(level=1\)"
+        with pytest.raises(ValueError, match=refusal):
+            llm.sleep(level=2)
+        assert not llm.llm_engine.is_sleeping()
+        llm.sleep(level=1)
+        assert _parameter_bytes(llm) == 0
+        llm.wake_up()
+        after = _generate(llm, prompts)
+    assert [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in after] == [
+        (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in before]
+
+
 def test_an_unfinished_request_refuses_sleep(tiny_llama):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 12)]
     with _engine(tiny_llama.path) as llm:

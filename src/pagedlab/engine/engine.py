@@ -432,6 +432,12 @@ class LLMEngine:
         (``sleep_mode``): level 1 keeps the weights in host memory, level 2 drops them. Refused
         while requests are unfinished; the prefix cache is reset; a part already asleep stays so."""
         check_sleep_level(level)
+        if level == 2:
+            try:
+                check_updatable(self.model, self.quantization)
+            except ValueError as e:
+                raise ValueError(f"level=2 is invalid here: it drops the weights, and {e}; sleep(level=1) "
+                                 "keeps them") from None
         self._finish_in_flight()
         if self.has_unfinished_requests():
             raise RuntimeError(f"sleep while {self.num_unfinished_requests} requests are unfinished: let "
