@@ -1,5 +1,6 @@
 """The scheduler alone, driven with fake model outputs: token budget, FCFS admission, preemption
-and recompute, prefix hits, max_num_seqs, stop checks and abort in every state."""
+and recompute, prefix hits, max_num_seqs, stop checks and abort in every state; the priority
+policy's admission and preemption."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ EOS = 2
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, max_model_len=256, chunked=True,
-                   prefix_caching=True) -> Scheduler:
+                   prefix_caching=True, policy="fcfs") -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked, policy=policy)
 
 
-def make_request(rid: str, num_prompt: int, first_token: int = 100, **params) -> Request:
+def make_request(rid: str, num_prompt: int, first_token: int = 100, priority: int = 0,
+                 arrival_time: float | None = None, **params) -> Request:
     params = {"max_tokens": 50, "ignore_eos": False, **params}
+    timing = {} if arrival_time is None else {"arrival_time": arrival_time}
     return Request(rid, list(range(first_token, first_token + num_prompt)), SamplingParams(**params),
-                   eos_token_ids=(EOS,), model_eos_token_id=EOS)
+                   eos_token_ids=(EOS,), model_eos_token_id=EOS, priority=priority, **timing)
 
 
 def run(scheduler: Scheduler, token: int = 7, tokens: dict[str, int] | None = None) -> ScheduledBatch:
@@ -110,6 +113,37 @@ def test_preemption_takes_the_latest_arrival_not_the_next_in_line():
     assert s.kv_cache.num_free_blocks == 0
     batch = run(s)
     assert batch.preempted == [c] and scheduled(batch) == {"a": 1, "b": 1}
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = make_scheduler(max_num_seqs=2, budget=200, policy="priority")
+    for t, (rid, priority) in enumerate([("late-3", 3), ("p1", 1), ("p0", 0), ("p1-later", 1)]):
+        s.add_request(make_request(rid, 5, first_token=100 * (t + 1), priority=priority, arrival_time=t))
+    assert set(scheduled(run(s))) == {"p0", "p1"}
+    assert [r.request_id for r in s.waiting] == ["p1-later", "late-3"]
+    s.finish_request(s.running[0], "abort")  # p0
+    assert set(scheduled(run(s))) == {"p1", "p1-later"}
+    fcfs = make_scheduler(max_num_seqs=2, budget=200)
+    for t, (rid, priority) in enumerate([("late-3", 3), ("p1", 1), ("p0", 0)]):
+        fcfs.add_request(make_request(rid, 5, first_token=100 * (t + 1), priority=priority, arrival_time=t))
+    assert set(scheduled(run(fcfs))) == {"late-3", "p1"}  # arrival order: priorities ignored
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_latest_arrival():
+    """As the FCFS case above (a's 5th token needs a block of a full pool), but c arrived last
+    with the highest priority: b, of the lowest, is preempted and goes back by its priority."""
+    s = make_scheduler(num_blocks=3, block_size=4, budget=64, prefix_caching=False, policy="priority")
+    a = make_request("a", 4, priority=1, arrival_time=0)
+    b = make_request("b", 2, 300, priority=2, arrival_time=1)
+    c = make_request("c", 2, 500, priority=0, arrival_time=2)
+    for request in (a, b, c):
+        s.add_request(request)
+    run(s)
+    assert s.kv_cache.num_free_blocks == 0 and [r.request_id for r in s.running] == ["c", "a", "b"]
+    batch = run(s)
+    assert batch.preempted == [b] and scheduled(batch) == {"a": 1, "c": 1}
+    s.add_request(make_request("d", 2, 700, priority=3, arrival_time=3))
+    assert [r.request_id for r in s.waiting] == ["b", "d"]
 
 
 def test_prefix_hit_skips_the_cached_blocks():

@@ -31,10 +31,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "fp8_e4m3" is vLLM's alias of "
 QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each against config.json
 TOKENIZER_MODES = ("auto", "slow")
 EXECUTOR_BACKENDS = ("mp", "ray")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # the settings that name one of a few choices (checked before their type: the list is the better hint)
 _CHOICES = {"tokenizer_mode": TOKENIZER_MODES, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
             "attention_backend": ATTENTION_BACKENDS, "distributed_executor_backend": EXECUTOR_BACKENDS,
-            "quantization": QUANTIZATIONS}
+            "quantization": QUANTIZATIONS, "scheduling_policy": SCHEDULING_POLICIES}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # a step's token budget with chunked prefill, unless set
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -99,6 +100,10 @@ class EngineConfig:
               "without chunked prefill)", plan=True)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of cached prompt prefixes", plan=True)
     enable_chunked_prefill: bool = _setting(True, "split long prompts over several steps", plan=True)
+    scheduling_policy: str = _setting(
+        "fcfs", "which waiting request runs first and which running one is preempted when the KV cache "
+                "runs out: fcfs (arrival order) or priority (a request's priority, lower first, then "
+                "arrival; vLLM's)", plan=True)
     chunked_prefill_size: int | None = _setting(
         None, "SGLang's name: chunked prefill with this token budget per step (sets "
               "max_num_batched_tokens)",

@@ -65,41 +65,48 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Complete each prompt; returns one RequestOutput per prompt, in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
         Without ``sampling_params``: ``get_default_sampling_params()`` (the model's recommendation).
         ``lora_request`` (with ``enable_lora=True``): one LoRA adapter for every prompt, or a list
-        of one per prompt (None: the base model); one batch serves them all.
+        of one per prompt (None: the base model); one batch serves them all. ``priority`` (with
+        ``scheduling_policy="priority"``): one integer per prompt, lower admitted first and
+        preempted last.
         """
-        return self._run(*self._prepare(prompts, sampling_params, lora_request), use_tqdm)
+        return self._run(*self._prepare(prompts, sampling_params, lora_request, priority), use_tqdm)
 
     def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
                               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                               use_tqdm: bool = True,
-                              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                              ) -> Iterator[tuple[int, RequestOutput]]:
+                              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                              priority: Sequence[int] | None = None) -> Iterator[tuple[int, RequestOutput]]:
         """As ``generate`` (one batch, the same outputs), but yields ``(index, output)`` for each
         prompt as soon as it finishes, so a long run can save what is done as it goes; leaving
         the loop early aborts the prompts not finished."""
-        encoded, params, loras = self._prepare(prompts, sampling_params, lora_request)
-        return self._as_completed(encoded, params, loras, use_tqdm)
+        return self._as_completed(*self._prepare(prompts, sampling_params, lora_request, priority), use_tqdm)
 
-    def _prepare(self, prompts, sampling_params, lora_request) -> tuple[list, list, list]:
-        """The encoded prompts, their SamplingParams and LoRA requests, each checked."""
+    def _prepare(self, prompts, sampling_params, lora_request, priority) -> tuple[list, list, list, list]:
+        """The encoded prompts, their SamplingParams, LoRA requests and priorities, each checked."""
         prompt_list = as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params if sampling_params is not None
                                     else self.get_default_sampling_params(), len(prompt_list))
         loras = _loras_per_prompt(lora_request, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts: give one per "
+                             "prompt")
+        for p in priorities:
+            self.llm_engine.validate_priority(p)
         encoded = [self._encode(p) for p in prompt_list]
         engine = self.llm_engine
         for prompt, p in zip(encoded, params):
             engine.validate_prompt(p.truncate_prompt(prompt.token_ids, engine.max_model_len))
         for lora in dict.fromkeys(loras):
             self.llm_engine.validate_lora_request(lora)
-        return encoded, params, loras
+        return encoded, params, loras, priorities
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -154,7 +161,7 @@ class LLM:
             if not flat:
                 break
             beams = [EncodedPrompt(beam.tokens) for _, beam in flat]
-            outputs = self._run(beams, [step_params] * len(flat), [loras[i] for i, _ in flat], use_tqdm)
+            outputs = self._run(beams, [step_params] * len(flat), [loras[i] for i, _ in flat], None, use_tqdm)
             candidates: list[list[BeamSearchSequence]] = [[] for _ in encoded]
             for (i, beam), out in zip(flat, outputs):
                 for token, lp in out.outputs[0].logprobs[0].items():
@@ -182,15 +189,16 @@ class LLM:
         return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model)
 
     def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
-             loras: list[LoRARequest | None] | None, use_tqdm: bool) -> list[RequestOutput]:
+             loras: list[LoRARequest | None] | None, priorities: list[int] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(encoded)
-        with contextlib.closing(self._as_completed(encoded, params, loras, use_tqdm)) as finished:
+        with contextlib.closing(self._as_completed(encoded, params, loras, priorities, use_tqdm)) as finished:
             for i, out in finished:
                 results[i] = out
         return results
 
     def _as_completed(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
-                      loras: list[LoRARequest | None] | None,
+                      loras: list[LoRARequest | None] | None, priorities: list[int] | None,
                       use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         """Add every prompt, step the engine and yield (index, final output) as each finishes."""
         engine = self.llm_engine
@@ -199,10 +207,12 @@ class LLM:
         stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
         progress = _progress(len(ids), use_tqdm)
         try:
-            for rid, prompt, p, lora in zip(ids, encoded, params, loras or [None] * len(ids)):
+            for rid, prompt, p, lora, priority in zip(ids, encoded, params, loras or [None] * len(ids),
+                                                      priorities or [0] * len(ids)):
                 if p.output_kind == RequestOutputKind.DELTA:  # as vLLM: offline returns whole final outputs
                     p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text, lora_request=lora)
+                engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text, lora_request=lora,
+                                   priority=priority)
             while engine.has_unfinished_requests():
                 if stats_log is not None:
                     stats_log.maybe_log()

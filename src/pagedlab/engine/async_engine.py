@@ -234,18 +234,21 @@ class AsyncEngine:
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    stream: bool = True, lora_request: LoRARequest | None = None) -> RequestStream:
+                    stream: bool = True, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> RequestStream:
         """Queue a request and return its stream. Call from a running event loop.
 
         Bad input (prompt too long, out-of-vocab ids, parameters the model cannot serve) raises
         ValueError here, before anything is queued. ``stream=False`` says only the final output is
         wanted: while no request wants more, the engine skips building per-step outputs.
-        ``lora_request`` runs it with that LoRA adapter (a bad adapter fails the stream).
+        ``lora_request`` runs it with that LoRA adapter (a bad adapter fails the stream);
+        ``priority`` places it under ``scheduling_policy="priority"`` (lower first).
         """
         if not self.is_running:
             raise EngineDeadError(self._dead_message())
         params = SamplingParams(**self.default_sampling_args) if params is None else params
         check_sampling_params(params, "params")
+        self.engine.validate_priority(priority)
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
         self.validate_prompt(params.truncate_prompt(encoded.token_ids, self.max_model_len))
         if params.detokenize and self.tokenizer is None and (params.stop or params.wants_logprobs):
@@ -257,7 +260,7 @@ class AsyncEngine:
                           tokens=stream and params.output_kind != RequestOutputKind.FINAL_ONLY,
                           deltas=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(("add", channel, encoded.token_ids, params, encoded.text,
-                            arrival_time or time.time(), lora_request))
+                            arrival_time or time.time(), lora_request, priority))
         return RequestStream(self, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -389,13 +392,13 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _do_add(self, stream: _Stream, token_ids, params, text, arrival_time, lora_request) -> None:
+    def _do_add(self, stream: _Stream, token_ids, params, text, arrival_time, lora_request, priority) -> None:
         if stream.request_id in self._streams:
             stream.put(ValueError(f"request_id {stream.request_id!r} is already in use"))
             return
         try:
             self.engine.add_request(stream.request_id, token_ids, params, prompt=text,
-                                    arrival_time=arrival_time, lora_request=lora_request)
+                                    arrival_time=arrival_time, lora_request=lora_request, priority=priority)
         except Exception as e:  # ValueError for bad input; the engine is unchanged
             stream.put(e)
             return

@@ -191,7 +191,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, cfg.enable_chunked_prefill,
                                    None if switch is None else (switch, model_max_len(self.hf_config)),
-                                   max_loras=cfg.max_loras if cfg.enable_lora else None)
+                                   max_loras=cfg.max_loras if cfg.enable_lora else None,
+                                   policy=cfg.scheduling_policy)
         _freeze_heap()
 
     def reset_stats(self) -> None:
@@ -249,11 +250,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: PromptType, params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """Queue a request (with ``lora_request``: under that LoRA adapter, read now if it is not
-        cached); bad input raises ValueError and leaves the engine unchanged. ``prompt_token_ids``
-        may also be any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
+        cached; ``priority``: its place under ``scheduling_policy="priority"``, lower first); bad
+        input raises ValueError and leaves the engine unchanged. ``prompt_token_ids`` may also be
+        any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
         self._check_awake()
+        self.validate_priority(priority)
         if not isinstance(prompt_token_ids, list):  # text, a prompt dict, a tuple or a 1-D array of ids
             encoded = encode_prompt(prompt_token_ids, self.tokenizer, self.config.model)
             prompt_token_ids, prompt = encoded.token_ids, encoded.text if encoded.text is not None else prompt
@@ -276,7 +279,8 @@ class LLMEngine:
             Request(f"{request_id}#{index}" if params.n > 1 else request_id, list(prompt_token_ids), params,
                     eos_token_ids=self.eos_token_ids, model_eos_token_id=self.model_eos_token_id,
                     index=index, parent_id=request_id,
-                    arrival_time=arrival_time, lora_request=lora_request, bad_words_token_ids=bad_words,
+                    arrival_time=arrival_time, priority=priority, lora_request=lora_request,
+                    bad_words_token_ids=bad_words,
                     grammar=(self.grammar_compiler.matcher(params.structured_outputs, params.stop_token_ids)
                              if params.structured_outputs is not None else None),
                     seed=params.seed + index if params.seed is not None else None)
@@ -314,6 +318,15 @@ class LLMEngine:
         if bad is not None:
             what = "is out of range" if isinstance(bad, int) else "is not an integer"
             raise ValueError(f"prompt token id {bad!r} {what}: ids must be integers in [0, {vocab})")
+
+    def validate_priority(self, priority) -> None:
+        """A ValueError unless ``priority`` is an integer, and 0 unless ``scheduling_policy="priority"``."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} is invalid: a priority is an integer (lower runs first)")
+        policy = self.config.scheduling_policy
+        if priority and policy != "priority":
+            raise ValueError(f"priority={priority} is invalid: priorities other than 0 need "
+                             f"scheduling_policy='priority' (this engine's is {policy!r})")
 
     def validate_lora_request(self, lora_request: LoRARequest | None) -> None:
         """Read (or find cached) the adapter of ``lora_request``; a bad one is a ValueError."""

@@ -45,6 +45,7 @@ class Request:
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     arrival_time: float = field(default_factory=time.time)
+    priority: int = 0  # with scheduling_policy="priority": lower runs first and is preempted last
     seed: int | None = None  # SamplingParams.seed + index: keys its sampling noise (step_inputs.row_seeds)
     lora_request: LoRARequest | None = None  # the adapter it runs with, None for the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized

@@ -12,6 +12,10 @@ sequence slots and blocks last; with chunked prefill a prompt may take several s
 the running requests use at most ``max_loras`` distinct adapters (the GPU slots of one step): a
 waiting request of another adapter waits until one of them is no longer running.
 
+``policy="priority"`` (vLLM's ``scheduling_policy``) orders both queues by (``priority``, arrival
+time) instead: the waiting request of the lowest priority value is admitted first, and the
+running request of the highest is the one preempted.
+
 LongRoPE models (``long_rope``: switch length, position offset) compute a sequence longer than
 the switch with the long factors, at offset positions; a running request that grows past it is
 preempted so that all of its tokens are recomputed in the long regime, as transformers does.
@@ -24,6 +28,7 @@ for them to be read back (as vLLM, which never computes a position past ``max_mo
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,7 +73,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 long_rope: tuple[int, int] | None = None, max_loras: int | None = None):
+                 long_rope: tuple[int, int] | None = None, max_loras: int | None = None,
+                 policy: str = "fcfs"):
         self.kv_cache = kv_cache
         self.long_rope = long_rope
         self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
@@ -76,6 +82,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.by_priority = policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -95,7 +102,16 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         if request.needs_host_tokens:
             self._num_needing_host_tokens += 1
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
+
+    def _enqueue(self, queue: deque[Request] | list[Request], request: Request, front: bool = False) -> None:
+        """At the back (``front``: a preempted request, at the front), or by (priority, arrival)."""
+        if self.by_priority:
+            bisect.insort(queue, request, key=_priority_order)
+        elif front:
+            queue.insert(0, request)
+        else:
+            queue.append(request)
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -158,7 +174,7 @@ class Scheduler:
             request.num_computed_tokens += num_cached
             if not request.num_preemptions:  # a recompute's hit on its own tokens is no prompt cache hit
                 request.num_cached_prompt_tokens = request.metrics.num_cached_prompt_tokens = num_cached
-            self.running.append(request)
+            self._enqueue(self.running, request)
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -175,7 +191,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
         self.stats.num_preemptions += 1
 
     def _record_batch(self, batch: ScheduledBatch) -> None:
@@ -258,3 +274,7 @@ class Scheduler:
         if request.needs_host_tokens:
             self._num_needing_host_tokens -= 1
         self.kv_cache.free(request)
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

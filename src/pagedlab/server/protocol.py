@@ -148,6 +148,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     return_token_ids: bool = False
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
+    priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
 
     @field_validator("stream_options")
     @classmethod

@@ -63,7 +63,8 @@ class OpenAIServingChat(OpenAIServing):
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
                        ToolCalling(request, self.tool_parser))
-        streams = self.add_requests([prompt], params, run.request_id, request.stream, model)
+        streams = self.add_requests([prompt], params, run.request_id, request.stream, model,
+                                    request.priority)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams[0]),
                                           f"streamed chat completion {run.request_id}"))

@@ -45,7 +45,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if p.text is None:
                     p.text = tokenizer.decode(p.token_ids) if tokenizer is not None else ""
         run = _CompletionRun(self, f"cmpl-{uuid.uuid4().hex}", model, prompts, params, request)
-        streams = self.add_requests(prompts, params, run.request_id, request.stream, model)
+        streams = self.add_requests(prompts, params, run.request_id, request.stream, model,
+                                    request.priority)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams),
                                           f"streamed completion {run.request_id}"))

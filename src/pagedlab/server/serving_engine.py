@@ -203,12 +203,12 @@ class OpenAIServing:
 
     # ---- running requests -----------------------------------------------------------------
     def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
-                     stream: bool, model: str | None = None) -> list[RequestStream]:
+                     stream: bool, model: str | None = None, priority: int = 0) -> list[RequestStream]:
         """One engine request per prompt (ids ``request_id-i`` when there are several), under the
         LoRA adapter ``model`` names, if it names one (a 404 if it was unloaded since the request's
-        checks); a 503 when the waiting queue cannot take them. The queue is checked here, with no
-        await before the requests are tracked, so requests that passed their checks together (a
-        grammar compiling) cannot all take its last place."""
+        checks), at ``priority``; a 503 when the waiting queue cannot take them. The queue is
+        checked here, with no await before the requests are tracked, so requests that passed their
+        checks together (a grammar compiling) cannot all take its last place."""
         self.admission.check(len(prompts) * params.n)
         lora_request = self.models.lora_request(model)
         arrival = time.time()
@@ -218,7 +218,8 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
                 streams.append(self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival,
-                                                       stream=stream, lora_request=lora_request))
+                                                       stream=stream, lora_request=lora_request,
+                                                       priority=priority))
         except (ValueError, EngineDeadError) as e:
             for s in streams:
                 s.abort()
