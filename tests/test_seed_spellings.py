@@ -107,7 +107,7 @@ ABLATION_PARAMS = [
     {"enable_prefix_caching": False}, {"enable_chunked_prefill": False}, {"chunked_prefill_size": 32},
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
     {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
-    {"cuda_graph_mixed_steps": False},
+    {"cuda_graph_mixed_steps": False}, {"scheduling_policy": "priority"},
 ]
 
 
@@ -168,6 +168,8 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
             logger.removeHandler(handler)
             logger.setLevel(level)
         assert "KV cache" in records[-1].getMessage()
+    elif field == "scheduling_policy":  # priorities are taken (refused under FCFS)
+        assert llm.generate([[4] * 20, [5] * 20], GREEDY, use_tqdm=False, priority=[1, 0])
     elif field == "enable_prefix_caching":
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)
         llm.generate([[9] * 40], GREEDY, use_tqdm=False)
