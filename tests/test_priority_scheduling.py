@@ -43,6 +43,9 @@ def test_bad_priorities_are_errors_naming_them(tiny_llama):
     with _engine(tiny_llama.path, scheduling_policy="priority") as llm:
         with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
             llm.generate(prompts, GREEDY, use_tqdm=False, priority=[1])
+        for whole in (5, "5"):
+            with pytest.raises(ValueError, match=rf"priority={whole!r} is invalid: give a list of one"):
+                llm.generate(prompts, GREEDY, use_tqdm=False, priority=whole)
         for bad in (1.5, True, "1"):
             with pytest.raises(ValueError, match=rf"priority={bad!r} is invalid: a priority is an integer"):
                 llm.generate(prompts, GREEDY, use_tqdm=False, priority=[0, bad])

@@ -48,7 +48,7 @@ def test_level_1_frees_the_weights_and_kv_cache_and_wakes_to_hf_tokens(tiny_llam
         assert not llm.llm_engine.is_sleeping() and _parameter_bytes(llm) == weights
         assert llm.get_stats().kv_cache_bytes > 0
         outs = _generate(llm, prompts)
-        assert llm.get_stats().prefix_cache_hit_tokens == 0  # sleeping reset the prefix cache
+        assert llm.get_stats().prefix_cache_hit_tokens == 0  # the woken KV cache holds nothing from before
     assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
 
 
@@ -90,6 +90,8 @@ def test_bad_levels_tags_and_orders_are_errors_saying_what_is_allowed(tiny_llama
         no_part = r"'kv' is no part of the engine; tags are \['weights', 'kv_cache'\]"
         with pytest.raises(ValueError, match=no_part):
             llm.wake_up(tags=["kv"])
+        with pytest.raises(ValueError, match=r"tags=\[\] is invalid: it wakes nothing"):
+            llm.wake_up(tags=[])
         llm.sleep()
         llm.sleep(level=2)  # what is asleep stays so: level 1's host copy is kept
         with pytest.raises(RuntimeError, match="wake the weights first"):
@@ -101,6 +103,21 @@ def test_bad_levels_tags_and_orders_are_errors_saying_what_is_allowed(tiny_llama
         llm.wake_up(tags="weights")
         llm.wake_up()
         llm.wake_up()  # nothing asleep: nothing to do
+        outs = _generate(llm, [[5, 6, 7]])
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [[5, 6, 7]], outs, MAX_TOKENS)
+
+
+def test_a_sleep_that_cannot_free_the_weights_changes_nothing_a_wake_cannot_undo(tiny_llama):
+    """A weight whose storage cannot be resized (borrowed from NumPy here) is refused before any
+    weight is copied or freed; the KV cache, freed first, wakes as after any sleep."""
+    with _engine(tiny_llama.path) as llm:
+        weight = llm.llm_engine.model.model.norm.weight
+        weight.data = torch.from_numpy(weight.detach().numpy().copy())
+        with pytest.raises(ValueError, match="cannot be freed in place"):
+            llm.sleep()
+        assert llm.llm_engine.is_sleeping() and llm.get_stats().kv_cache_bytes == 0
+        assert _parameter_bytes(llm) > 0
+        llm.wake_up()
         outs = _generate(llm, [[5, 6, 7]])
     assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [[5, 6, 7]], outs, MAX_TOKENS)
 
@@ -159,6 +176,9 @@ def test_two_tensor_parallel_ranks_sleep_and_wake_together(tmp_path):
     b = build_tiny_model(tmp_path / "b", "llama", seed=2)
     prompts = random_prompts(2, max_len=30, seed=24)
     with _engine(a.path, tensor_parallel_size=2, device="cpu") as llm:
+        llm.sleep(level=1)  # first, with A's weights: a rank that did not wake its part fails here
+        llm.wake_up()
+        woken_a = _generate(llm, prompts)
         llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
         llm.load_weights(b.hf_model.state_dict())  # every rank loads its part into its woken storages
@@ -167,6 +187,7 @@ def test_two_tensor_parallel_ranks_sleep_and_wake_together(tmp_path):
         llm.sleep(level=1)
         llm.wake_up()
         again = _generate(llm, prompts)
+    assert_hf_tokens_and_logprobs(a.hf_model, prompts, woken_a, MAX_TOKENS)
     assert_hf_tokens_and_logprobs(b.hf_model, prompts, outs, MAX_TOKENS)
     assert_hf_tokens_and_logprobs(b.hf_model, prompts, again, MAX_TOKENS)
 
@@ -227,9 +248,11 @@ def test_server_dev_routes_sleep_and_wake_and_refuse_requests_asleep(tiny_llama)
             assert bad.status_code == 400 and "level=3 is invalid" in bad.json()["error"]["message"]
             assert post("/sleep", params={"level": 1}).status_code == 200
             assert httpx.get(srv.url + "/is_sleeping", timeout=60).json() == {"is_sleeping": True}
-            asleep = post("/v1/completions", json=body)
-            assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1"
-            assert asleep.json()["error"]["code"] == "engine_asleep"
+            for streamed in (False, True):
+                asleep = post("/v1/completions", json={**body, "stream": streamed})
+                assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1"
+                assert asleep.json()["error"]["code"] == "engine_asleep"
+            assert post("/sleep", params={"level": "²"}).status_code == 400
             refused = post("/wake_up", params={"tags": "kv_cache"})
             assert refused.status_code == 409
             assert "wake the weights first" in refused.json()["error"]["message"]

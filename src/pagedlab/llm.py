@@ -94,6 +94,8 @@ class LLM:
         params = _params_per_prompt(sampling_params if sampling_params is not None
                                     else self.get_default_sampling_params(), len(prompt_list))
         loras = _loras_per_prompt(lora_request, len(prompt_list))
+        if priority is not None and (isinstance(priority, str) or not isinstance(priority, Sequence)):
+            raise ValueError(f"priority={priority!r} is invalid: give a list of one integer per prompt")
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts: give one per "

@@ -239,8 +239,9 @@ class AsyncEngine:
         """Queue a request and return its stream. Call from a running event loop.
 
         Bad input (prompt too long, out-of-vocab ids, parameters the model cannot serve) raises
-        ValueError here, before anything is queued. ``stream=False`` says only the final output is
-        wanted: while no request wants more, the engine skips building per-step outputs.
+        ValueError here, before anything is queued; an engine asleep, ``EngineAsleepError``.
+        ``stream=False`` says only the final output is wanted: while no request wants more, the
+        engine skips building per-step outputs.
         ``lora_request`` runs it with that LoRA adapter (a bad adapter fails the stream);
         ``priority`` places it under ``scheduling_policy="priority"`` (lower first).
         """
@@ -249,6 +250,7 @@ class AsyncEngine:
         params = SamplingParams(**self.default_sampling_args) if params is None else params
         check_sampling_params(params, "params")
         self.engine.validate_priority(priority)
+        self.engine.check_awake()  # the engine thread checks again: a sleep may come between
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)
         self.validate_prompt(params.truncate_prompt(encoded.token_ids, self.max_model_len))
         if params.detokenize and self.tokenizer is None and (params.stop or params.wants_logprobs):
@@ -264,14 +266,14 @@ class AsyncEngine:
         return RequestStream(self, channel)
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, arrival_time: float | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, arrival_time: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output (cumulative, or as ``params.output_kind`` says) after every
         step that changed it; the last one has ``finished=True``. Closing the generator early
         aborts the request. A structured-output grammar is compiled in a worker thread first."""
         if params is not None and params.structured_outputs is not None:
             await asyncio.to_thread(self.grammar_compiler.compile, params.structured_outputs)
-        stream = self.add_request(prompt, params, request_id, arrival_time)
+        stream = self.add_request(prompt, params, request_id, arrival_time, priority=priority)
         try:
             async for out in stream:
                 yield out
@@ -316,6 +318,7 @@ class AsyncEngine:
         await self.run_in_engine(lambda e: e.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
+        """``LLMEngine.is_sleeping()``, read in the engine thread."""
         return await self.run_in_engine(lambda e: e.is_sleeping())
 
     def add_listener(self, listener: StatsListener) -> None:

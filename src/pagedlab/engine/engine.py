@@ -34,7 +34,8 @@ from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from pagedlab.engine.sleep_mode import EngineAsleepError, RankSleep, check_sleep_level, check_wake_up_tags
+from pagedlab.engine.sleep_mode import (EngineAsleepError, RankSleep, SleepStateError, check_sleep_level,
+                                        check_wake_up_tags)
 from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.weight_update import check_updatable, weight_pairs
@@ -255,7 +256,7 @@ class LLMEngine:
         cached; ``priority``: its place under ``scheduling_policy="priority"``, lower first); bad
         input raises ValueError and leaves the engine unchanged. ``prompt_token_ids`` may also be
         any prompt of vLLM's ``add_request`` (text, ``TextPrompt``, ``TokensPrompt``)."""
-        self._check_awake()
+        self.check_awake()
         self.validate_priority(priority)
         if not isinstance(prompt_token_ids, list):  # text, a prompt dict, a tuple or a 1-D array of ids
             encoded = encode_prompt(prompt_token_ids, self.tokenizer, self.config.model)
@@ -432,8 +433,8 @@ class LLMEngine:
                                "abort them first")
         check_updatable(self.model, self.quantization)
         if self._sleep.weights is not None:
-            raise RuntimeError("load_weights while the weights are asleep (sleep()): "
-                               "wake_up(tags=['weights']) first")
+            raise SleepStateError("load_weights while the weights are asleep (sleep()): "
+                                  "wake_up(tags=['weights']) first")
         self._finish_in_flight()  # a step launched for requests that have finished since
         self.runner.load_weights(pairs)
         self._weights_discarded = False
@@ -443,7 +444,8 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Give back the GPU memory of the KV cache, the CUDA graphs and the weights on every rank
         (``sleep_mode``): level 1 keeps the weights in host memory, level 2 drops them. Refused
-        while requests are unfinished; the prefix cache is reset; a part already asleep stays so."""
+        while requests are unfinished; a part already asleep stays so. Waking plans the KV cache
+        afresh (empty, with the memory free then), so nothing cached before is reused."""
         check_sleep_level(level)
         if level == 2:
             try:
@@ -453,11 +455,10 @@ class LLMEngine:
                                  "keeps them") from None
         self._finish_in_flight()
         if self.has_unfinished_requests():
-            raise RuntimeError(f"sleep while {self.num_unfinished_requests} requests are unfinished: let "
-                               "them finish or abort them first")
-        self.reset_prefix_cache()
+            raise SleepStateError(f"sleep while {self.num_unfinished_requests} requests are unfinished: let "
+                                  "them finish or abort them first")
+        self._kv_cache_asleep = True  # first: freeing the KV cache is the first thing every rank does
         self._on_every_rank("sleep", level, lambda: self._sleep.sleep(self.runner, level))
-        self._kv_cache_asleep = True
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Wake ``tags`` (``"weights"``, ``"kv_cache"``; None: both), the weights first: they come
@@ -469,8 +470,8 @@ class LLMEngine:
             self._on_every_rank("wake_weights", None, self._sleep.wake_weights)
         if "kv_cache" in tags and self._kv_cache_asleep:
             if self._sleep.weights is not None:
-                raise RuntimeError("wake_up(tags=['kv_cache']) while the weights sleep: the KV cache's "
-                                   "memory profile and CUDA graphs run the model; wake the weights first")
+                raise SleepStateError("wake_up(tags=['kv_cache']) while the weights sleep: the KV cache's "
+                                      "memory profile and CUDA graphs run the model; wake the weights first")
             self.build_plan()
             self._kv_cache_asleep = False
 
@@ -478,7 +479,8 @@ class LLMEngine:
         """Whether any part of the engine (weights, KV cache) is asleep."""
         return self._kv_cache_asleep or self._sleep.weights is not None
 
-    def _check_awake(self) -> None:
+    def check_awake(self) -> None:
+        """An ``EngineAsleepError`` while any part sleeps or level-2 weights wait for ``load_weights``."""
         if self.is_sleeping():
             raise EngineAsleepError("the engine is asleep (sleep()): call wake_up() before adding requests")
         if self._weights_discarded:

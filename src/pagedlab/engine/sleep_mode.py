@@ -23,6 +23,11 @@ class EngineAsleepError(RuntimeError):
     ``load_weights`` has filled yet (the server answers it with a 503)."""
 
 
+class SleepStateError(RuntimeError):
+    """A sleep-mode call the engine's state refuses (requests unfinished, the weights asleep): the
+    caller must do something first, which the message names (the server answers it with a 409)."""
+
+
 def model_storages(model: torch.nn.Module, device: torch.device) -> list[tuple[torch.UntypedStorage, bool]]:
     """Every distinct, non-empty storage on ``device`` behind the model's parameters, buffers and
     tensor attributes (weights prepared at load, such as repacked or folded ones, are attributes),
@@ -51,6 +56,10 @@ class SleepingWeights:
         self.device = device
         self.kept = keep_parameters
         found = model_storages(model, device)
+        fixed = next((storage for storage, _ in found if not storage.resizable()), None)
+        if fixed is not None:  # checked before anything is copied or freed, so a refusal changes nothing
+            raise ValueError(f"a weight storage of {fixed.nbytes()} bytes cannot be freed in place (it is "
+                             "not resizable: memory-mapped or borrowed), so this engine cannot sleep")
         self.storages = [(storage, storage.nbytes()) for storage, _ in found]
         # a CPU storage's .cpu() is itself: a CPU engine (the tests) keeps a clone
         self.host = [None if is_parameter and not keep_parameters
@@ -83,11 +92,13 @@ class RankSleep:
         self.weights: SleepingWeights | None = None
 
     def sleep(self, runner, level: int) -> None:
+        """Free ``runner``'s KV cache and graphs, then put its weights to sleep unless they are."""
         runner.free_kv_cache()
         if self.weights is None:
             self.weights = SleepingWeights(runner.model, runner.device, keep_parameters=level == 1)
 
     def wake_weights(self) -> None:
+        """The weights back on the device; an error (out of memory) leaves them asleep, to retry."""
         if self.weights is not None:
             self.weights.wake_up()
             self.weights = None
@@ -101,6 +112,7 @@ def _return_freed_memory(device: torch.device) -> None:
 
 
 def check_sleep_level(level) -> int:
+    """``level`` if it is a sleep level, else a ValueError saying what each level does."""
     if isinstance(level, bool) or level not in SLEEP_LEVELS:
         raise ValueError(f"level={level!r} is invalid: sleep levels are 1 (weights kept in host memory, "
                          "KV cache dropped) and 2 (weights and KV cache dropped; load_weights after waking)")
@@ -113,6 +125,10 @@ def check_wake_up_tags(tags) -> tuple[str, ...]:
         return WAKE_UP_TAGS
     if isinstance(tags, str):
         tags = [tags]
+    tags = list(tags)
+    if not tags:
+        raise ValueError(f"tags=[] is invalid: it wakes nothing; give some of {list(WAKE_UP_TAGS)}, or None "
+                         "for both")
     unknown = [t for t in tags if t not in WAKE_UP_TAGS]
     if unknown:
         raise ValueError(f"tags={list(tags)!r} is invalid: {unknown[0]!r} is no part of the engine; tags are "

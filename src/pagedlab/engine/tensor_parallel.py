@@ -321,6 +321,8 @@ def _serve(worker: TensorParallelWorker, connection: Connection) -> None:
             connection.send(("ok", worker.execute(kind, payload)))
         except ValueError as e:
             connection.send(("error", str(e)))
+        except Exception as e:  # out of memory waking the weights: rank 0 may retry, so this rank lives on
+            connection.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def free_port() -> int:

@@ -220,11 +220,13 @@ class OpenAIServing:
                 streams.append(self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival,
                                                        stream=stream, lora_request=lora_request,
                                                        priority=priority))
-        except (ValueError, EngineDeadError) as e:
+        except (ValueError, EngineDeadError, EngineAsleepError) as e:
             for s in streams:
                 s.abort()
             if isinstance(e, EngineDeadError):
                 raise engine_dead(str(e)) from None
+            if isinstance(e, EngineAsleepError):  # sleep mode: the client may retry once it is woken
+                raise unavailable(str(e), "engine_asleep") from None
             raise bad_request(str(e), param=param_of(e)) from None
         self.admission.track(streams, params.n)
         return streams
