@@ -53,6 +53,24 @@ def test_manifest_fields(model_dir):
     json.dumps(m)  # JSON-able as is
 
 
+def test_logits_processors_are_recorded_by_name(model_dir):
+    """Code is no data: a processor (function or callable object) is recorded by its qualified name."""
+    class Watermark:
+        def __call__(self, output_ids, logits):
+            return logits
+
+    def favour(output_ids, logits):
+        return logits
+
+    params = SamplingParams(logits_processors=[favour, Watermark()])
+    with LLM(str(model_dir), device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20) as llm:
+        m = collect_manifest(llm, sampling_params=[params, SamplingParams()])
+    json.dumps(m)
+    prefix = f"{__name__}.test_logits_processors_are_recorded_by_name.<locals>"
+    assert m["sampling"][0]["logits_processors"] == [f"{prefix}.favour", f"{prefix}.Watermark"]
+    assert m["sampling"][1]["logits_processors"] is None
+
+
 def test_config_hash_ignores_key_order_but_not_values(tmp_path):
     a, b, c = (tmp_path / n for n in "abc")
     for d in (a, b, c):

@@ -7,6 +7,7 @@ import enum
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +146,13 @@ class SamplingParams:
     returned beside the sampled token's in ``CompletionOutput.logprobs``. ``output_kind``: see
     ``RequestOutputKind``. ``structured_outputs`` (or its older name ``guided_decoding``)
     constrains the completion to a grammar: see ``StructuredOutputsParams``; it needs xgrammar.
+
+    ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
+    constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
+    output_token_ids, logits)`` returning the row's logits (a float32 [vocab] tensor on the
+    model's device), applied in order before the other controls at every generated token. A
+    request with them reads its tokens on the host each step, as penalties do (the step loop
+    waits for each step); they cannot cross the server or tensor-parallel processes' pipes.
     """
 
     n: int = 1
@@ -173,6 +181,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     logprob_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    logits_processors: list[Callable] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
@@ -222,6 +231,13 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and value >= -1), name, value,
                    "None, an integer >= 0 or -1 (the whole vocabulary)")
+        if isinstance(self.logits_processors, tuple):
+            self.logits_processors = list(self.logits_processors)
+        _check(self.logits_processors is None or (isinstance(self.logits_processors, list)
+                                                  and all(callable(f) for f in self.logits_processors)),
+               "logits_processors", self.logits_processors,
+               "a list of callables fn(output_token_ids, logits) or "
+               "fn(prompt_token_ids, output_token_ids, logits)")
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                        and (self.truncate_prompt_tokens >= 1
                                                             or self.truncate_prompt_tokens == -1)),

@@ -112,8 +112,10 @@ class Request:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Its sampling reads every earlier token on the host (penalties, multi-token bad words)."""
-        return self.sampling_params.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+        """Its sampling reads every earlier token on the host (penalties, multi-token bad words,
+        logits processors)."""
+        return (self.sampling_params.has_penalties or bool(self.sampling_params.logits_processors)
+                or any(len(w) > 1 for w in self.bad_words_token_ids))
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -206,7 +206,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
                             positions: list[int], step_seed: int) -> SamplingMetadata:
     """The sampler's settings for one row per request (temperature, seeds, top-k/p, min-p,
     penalties with the token history, the ids that ``min_tokens`` and ``bad_words`` ban, the
-    grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``). ``positions``:
+    grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``, the logits
+    processors with each row's token ids). ``positions``:
     how many output tokens each request sampled before this one; ``step_seed``: see ``row_seeds``."""
     params = [r.sampling_params for r in requests]
     meta = SamplingMetadata(
@@ -224,6 +225,9 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
         meta.grammar_bitmask = _grammar_bitmask(requests, to_device)
+    if any(p.logits_processors for p in params):
+        meta.logits_processors = [(i, p.logits_processors, r.prompt_token_ids, r.output_token_ids)
+                                  for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
     if any(p.logprob_token_ids for p in params):

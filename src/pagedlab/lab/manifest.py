@@ -320,9 +320,17 @@ def _params_dict(params):
     if isinstance(params, dict):
         return dict(params)
     if dataclasses.is_dataclass(params):
-        return dataclasses.asdict(params)
+        record = dataclasses.asdict(params)
+        if record.get("logits_processors"):  # code, not data: each recorded by its qualified name
+            record["logits_processors"] = [_qualified_name(fn) for fn in params.logits_processors]
+        return record
     raise TypeError(f"sampling_params must be SamplingParams, BeamSearchParams, a dict or a list of them, "
                     f"not {type(params).__name__}")
+
+
+def _qualified_name(fn) -> str:
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
 
 
 def _sampling_seeds(sampling) -> list:

@@ -20,6 +20,7 @@ uses the same noise whatever shares the batch.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,8 @@ class SamplingMetadata:
     grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
     label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
+    # (row, SamplingParams.logits_processors, prompt ids, output ids so far) of the rows with any
+    logits_processors: list[tuple[int, list, list[int], list[int]]] | None = None
 
 
 @dataclass
@@ -143,6 +146,26 @@ def apply_logits_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch
     return logits
 
 
+def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[int, list, list[int], list[int]]]
+                            ) -> torch.Tensor:
+    """Each row's ``logits_processors`` in order, on its [vocab] logits: ``fn(output_ids, logits)``
+    or, taking three parameters, ``fn(prompt_ids, output_ids, logits)`` (vLLM V0's forms)."""
+    for row, processors, prompt_ids, output_ids in rows:
+        values = logits[row]
+        for fn in processors:
+            values = fn(prompt_ids, output_ids, values) if _takes_prompt(fn) else fn(output_ids, values)
+            if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
+                raise ValueError(f"logits processor {fn!r} returned {type(values).__name__} "
+                                 f"{getattr(values, 'shape', '')}: it must return the row's logits, a tensor "
+                                 f"of shape {tuple(logits[row].shape)}")
+        logits[row] = values
+    return logits
+
+
+def _takes_prompt(fn) -> bool:
+    return len(inspect.signature(fn).parameters) == 3
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = softmax(logits)
     threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
@@ -182,6 +205,8 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _rewrite(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.logits_processors is not None:
+            logits = apply_logits_processors(logits, meta.logits_processors)
         if meta.logit_bias is not None or meta.allowed_token_ids is not None:
             logits = apply_logits_controls(logits, meta)
         if meta.grammar_bitmask is not None:
@@ -197,8 +222,8 @@ class Sampler:
 
 def _rewrites_logits(meta: SamplingMetadata) -> bool:
     return any(x is not None for x in (
-        meta.logit_bias, meta.allowed_token_ids, meta.grammar_bitmask, meta.banned_token_ids,
-        meta.repetition_penalty, meta.filtered_rows))
+        meta.logits_processors, meta.logit_bias, meta.allowed_token_ids, meta.grammar_bitmask,
+        meta.banned_token_ids, meta.repetition_penalty, meta.filtered_rows))
 
 
 def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
