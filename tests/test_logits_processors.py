@@ -73,6 +73,17 @@ def test_processors_give_hf_tokens_under_the_same_processor(tiny_llama, async_sc
     assert len(set(outs[0])) == MAX_TOKENS and len(set(outs[3])) == MAX_TOKENS  # no token repeated
 
 
+def test_a_tensor_parallel_engine_applies_them_on_rank_0(tiny_llama):
+    """A lambda, which no pipe to a worker process could carry: rank 0 alone samples."""
+    prompt = [3, 4, 5, 6, 7]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logits_processors=[lambda output_ids, row: no_repeat_and_sevens(output_ids, row)])
+    with LLM(tiny_llama.path, dtype="float32", kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=2,
+             device="cpu") as llm:
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == _hf_tokens(tiny_llama.hf_model, prompt, with_prompt=False)
+
+
 def test_bad_processors_are_errors_naming_them(tiny_llama):
     with pytest.raises(ValueError, match=r"logits_processors=\[3\] is invalid: .*list of callables"):
         SamplingParams(logits_processors=[3])

@@ -152,7 +152,8 @@ class SamplingParams:
     output_token_ids, logits)`` returning the row's logits (a float32 [vocab] tensor on the
     model's device), applied in order before the other controls at every generated token. A
     request with them reads its tokens on the host each step, as penalties do (the step loop
-    waits for each step); they cannot cross the server or tensor-parallel processes' pipes.
+    waits for each step). They run where rank 0 samples (tensor-parallel workers never see
+    them); the server's JSON cannot carry them.
     """
 
     n: int = 1
