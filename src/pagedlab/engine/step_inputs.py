@@ -226,7 +226,7 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     if any(r.grammar is not None for r in requests):
         meta.grammar_bitmask = _grammar_bitmask(requests, to_device)
     if any(p.logits_processors for p in params):
-        meta.logits_processors = [(i, p.logits_processors, r.prompt_token_ids, r.output_token_ids)
+        meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), r.output_token_ids)
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None

@@ -55,7 +55,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None
     label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
     # (row, SamplingParams.logits_processors, prompt ids, output ids so far) of the rows with any
-    logits_processors: list[tuple[int, list, list[int], list[int]]] | None = None
+    logits_processors: list[tuple[int, list, tuple[int, ...], list[int]]] | None = None
 
 
 @dataclass
@@ -146,7 +146,7 @@ def apply_logits_controls(logits: torch.Tensor, meta: SamplingMetadata) -> torch
     return logits
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[int, list, list[int], list[int]]]
+def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[int, list, tuple[int, ...], list[int]]]
                             ) -> torch.Tensor:
     """Each row's ``logits_processors`` in order, on its [vocab] logits: ``fn(output_ids, logits)``
     or, taking three parameters, ``fn(prompt_ids, output_ids, logits)`` (vLLM V0's forms)."""
