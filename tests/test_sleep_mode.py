@@ -3,8 +3,8 @@ hold no memory and requests are refused; level 1 wakes to HF transformers' float
 logprobs; level 2 drops the weights, keeps the buffers no checkpoint holds (rotary tables), and
 wakes to whatever ``load_weights`` puts in (another model's, checked against that model in HF);
 bad levels, tags and orders are errors saying what is allowed; tensor-parallel ranks sleep and
-wake together; on a GPU the memory goes back to the driver and the re-captured CUDA graphs replay
-the woken weights."""
+wake together; LoRA adapters in their slots survive it; on a GPU the memory goes back to the
+driver and the re-captured CUDA graphs replay the woken weights."""
 
 from __future__ import annotations
 
@@ -136,6 +136,28 @@ def test_awq_sleeps_at_level_1_and_refuses_level_2_which_it_could_not_refill(tin
         after = _generate(llm, prompts)
     assert [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in after] == [
         (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in before]
+
+
+def test_lora_adapters_survive_a_sleep(tmp_path, tiny_llama):
+    """An adapter loaded in a GPU slot before sleeping serves the same tokens after waking, without
+    being read again; the base model's tokens are HF's."""
+    from lora_fixtures import ALL_TARGETS, make_adapter
+    from pagedlab import LoRARequest
+
+    adapter = make_adapter(tiny_llama.hf_model, tmp_path / "adapter", seed=3, rank=4, alpha=8,
+                           targets=ALL_TARGETS)
+    lora = LoRARequest("adapter", 1, adapter.path)
+    prompts = random_prompts(2, max_len=30, seed=27)
+    with _engine(tiny_llama.path, enable_lora=True, max_lora_rank=8) as llm:
+        before = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+        llm.sleep(level=1)
+        llm.wake_up()
+        after = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)
+        base = _generate(llm, prompts)
+        assert llm.llm_engine.runner.lora.num_loads == 1
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in base]
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, base, MAX_TOKENS)
 
 
 def test_an_unfinished_request_refuses_sleep(tiny_llama):
