@@ -69,11 +69,6 @@ class SleepingWeights:
             storage.resize_(0)
         _return_freed_memory(device)
 
-    @property
-    def nbytes(self) -> int:
-        """The device bytes these storages held (and hold again once woken)."""
-        return sum(nbytes for _, nbytes in self.storages)
-
     def wake_up(self) -> None:
         """Every storage back on the device at its size, with its bytes where they were kept."""
         for (storage, nbytes), host in zip(self.storages, self.host, strict=True):

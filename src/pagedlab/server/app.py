@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedlab import __version__
 from pagedlab.engine.async_engine import AsyncEngine
 from pagedlab.lora.request import LoRARequest
-from pagedlab.server.dev_routes import DEV_MODE_ENV, dev_mode_enabled, dev_router
+from pagedlab.server.dev_routes import DEV_MODE_ENV, dev_router
 from pagedlab.server.errors import APIError, ErrorInfo, ErrorResponse, bad_request
 from pagedlab.server.metrics import ServerMetrics
 from pagedlab.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -51,7 +51,7 @@ from pagedlab.server.serving_chat import OpenAIServingChat
 from pagedlab.server.serving_completion import OpenAIServingCompletion
 from pagedlab.server.serving_engine import Admission, ClientGone, EventStream, ServerLimits
 from pagedlab.server.serving_models import (RUNTIME_LORA_ENV, LoadLoRAAdapterRequest, OpenAIServingModels,
-                                            UnloadLoRAAdapterRequest, runtime_lora_updating_allowed)
+                                            UnloadLoRAAdapterRequest, env_flag, runtime_lora_updating_allowed)
 from pagedlab.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
         logger.warning("LoRA adapters can be loaded and unloaded at runtime (%s): only for local development",
                        RUNTIME_LORA_ENV)
         app.include_router(lora_router)
-    if dev_mode if dev_mode is not None else dev_mode_enabled():
+    if dev_mode if dev_mode is not None else env_flag(DEV_MODE_ENV):
         logger.warning("development routes on (%s): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache",
                        DEV_MODE_ENV)
         app.include_router(dev_router)

@@ -5,8 +5,6 @@ They are not guarded beyond the API key: turn them on only where the clients are
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -18,11 +16,6 @@ from pagedlab.server.errors import APIError, bad_request, engine_dead
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 dev_router = APIRouter()
-
-
-def dev_mode_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``VLLM_SERVER_DEV_MODE`` is on (``1`` or ``true``)."""
-    return environ.get(DEV_MODE_ENV, "0").strip().lower() in ("1", "true")
 
 
 async def _in_engine(raw_request: Request, call) -> None:

@@ -28,9 +28,14 @@ logger = logging.getLogger(__name__)
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
+def env_flag(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the switch ``name`` is on, read as vLLM reads its own (``1`` or ``true``)."""
+    return environ.get(name, "0").strip().lower() in ("1", "true")
+
+
 def runtime_lora_updating_allowed(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is on, read as vLLM reads it (``1`` or ``true``)."""
-    return environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    """Whether ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is on."""
+    return env_flag(RUNTIME_LORA_ENV, environ)
 
 
 class LoadLoRAAdapterRequest(OpenAIRequest):
