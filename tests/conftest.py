@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,17 @@ def assert_hf_tokens_and_logprobs(hf_model, prompts: list[list[int]], outs, max_
         for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
             ref = torch.log_softmax(logits[step].float(), -1)
             assert abs(position[token].logprob - ref[token].item()) < atol
+
+
+def run_on_async_engine(llm, scenario, timeout: float = 120.0):
+    """``await scenario(engine)`` on an ``AsyncEngine`` serving ``llm``'s engine core, shut down after."""
+    from pagedlab.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        return asyncio.run(asyncio.wait_for(scenario(engine), timeout))
+    finally:
+        engine.shutdown()
 
 
 def random_prompts(count: int, vocab: int = 1000, min_len: int = 3, max_len: int = 60, seed: int = 0):

@@ -13,7 +13,8 @@ import asyncio
 import pytest
 import torch
 
-from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
+from conftest import (KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts,
+                      run_on_async_engine)
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
 
@@ -185,11 +186,7 @@ def test_async_engine_sleeps_and_wakes_between_steps(tiny_llama):
         return await asyncio.gather(*(engine.add_request(p, greedy).result() for p in prompts))
 
     with _engine(tiny_llama.path, max_model_len=512) as llm:
-        engine = AsyncEngine.from_llm(llm)
-        try:
-            outs = asyncio.run(asyncio.wait_for(scenario(engine), 120))
-        finally:
-            engine.shutdown()
+        outs = run_on_async_engine(llm, scenario)
     assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
 
 

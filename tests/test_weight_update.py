@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from conftest import (KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, random_prompts,
-                      tokens_and_logprobs)
+                      run_on_async_engine, tokens_and_logprobs)
 from pagedlab import LLM, SamplingParams
-from pagedlab.engine.async_engine import AsyncEngine
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
@@ -180,11 +179,7 @@ def test_async_engine_updates_between_steps_and_refuses_while_requests_run(tmp_p
         return await asyncio.gather(*(engine.add_request(p, greedy).result() for p in prompts))
 
     with _engine(a.path, max_model_len=512) as llm:
-        engine = AsyncEngine.from_llm(llm)
-        try:
-            outs = asyncio.run(asyncio.wait_for(scenario(engine), 120))
-        finally:
-            engine.shutdown()
+        outs = run_on_async_engine(llm, scenario)
     assert_hf_tokens_and_logprobs(b.hf_model, prompts, outs, MAX_TOKENS)
 
 
