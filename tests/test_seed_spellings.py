@@ -108,6 +108,8 @@ ABLATION_PARAMS = [
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
     {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
     {"cuda_graph_mixed_steps": False}, {"scheduling_policy": "priority"},
+    {"speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+                            "method": "ngram"}},
 ]
 
 
@@ -168,6 +170,9 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
             logger.removeHandler(handler)
             logger.setLevel(level)
         assert "KV cache" in records[-1].getMessage()
+    elif field == "speculative_config":  # a repeating prompt's continuation is proposed and checked
+        llm.generate([[4, 5, 6, 7] * 8], GREEDY, use_tqdm=False)
+        assert llm.get_stats().spec_decode_num_drafts > 0
     elif field == "scheduling_policy":  # priorities are taken (refused under FCFS)
         assert llm.generate([[4] * 20, [5] * 20], GREEDY, use_tqdm=False, priority=[1, 0])
     elif field == "enable_prefix_caching":

@@ -104,6 +104,11 @@ class EngineConfig:
         "fcfs", "which waiting request runs first and which running one is preempted when the KV cache "
                 "runs out: fcfs (arrival order) or priority (a request's priority, lower first, then "
                 "arrival; vLLM's)", plan=True)
+    speculative_config: dict | None = _setting(
+        None, "speculative decoding, vLLM's dict: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+              "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} proposes up to k tokens that followed the "
+              "longest earlier match (m to n tokens) of the sequence's end, all checked in one step; "
+              "outputs stay those of plain decoding", plan=True)
     chunked_prefill_size: int | None = _setting(
         None, "SGLang's name: chunked prefill with this token budget per step (sets "
               "max_num_batched_tokens)",
@@ -190,6 +195,7 @@ class EngineConfig:
             bad("max_logprobs", "an integer >= 0, -1 (no cap) or None")
         if self.chunked_prefill_size is not None:
             self._check_chunked_prefill_size()
+        resolve_speculative_config(self.speculative_config)
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
         if self.tensor_parallel_size < 1:
@@ -294,7 +300,60 @@ class EngineInfo:
             async_scheduling=self.async_scheduling, attention_backend=self.attention_backend,
             enable_cascade_attention=self.cascade_attention, num_kv_blocks=self.num_kv_blocks,
             quantization=self.quantization, kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
+        speculative = resolve_speculative_config(self.config.speculative_config)
+        settings["speculative_config"] = speculative.to_dict() if speculative is not None else None
         return settings
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (vLLM's ``method="ngram"``): before a decode
+    step, the longest run of ``prompt_lookup_min``..``prompt_lookup_max`` tokens that ends the
+    sequence and occurred earlier in it (prompt or output) proposes the (at most
+    ``num_speculative_tokens``) tokens that followed it there."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
+    """``EngineConfig.speculative_config`` checked, with vLLM's defaults (both lookup bounds 5 when
+    neither is given, else the missing one equal to the other); None where it is None."""
+    if value is None:
+        return None
+
+    def bad(key, allowed):
+        raise ValueError(f"speculative_config[{key!r}]={value.get(key)!r} is invalid: {key} must be "
+                         f"{allowed}")
+
+    unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key {unknown[0]!r}: pagedlab takes "
+                         f"{list(_SPECULATIVE_KEYS)} (method 'ngram'; draft models, EAGLE and MTP are not "
+                         "supported)")
+    if value.get("method", "ngram") not in ("ngram", "[ngram]"):
+        bad("method", "'ngram' (prompt lookup; draft models, EAGLE and MTP are not supported)")
+    k = value.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        bad("num_speculative_tokens", "an integer >= 1 (the most tokens proposed a step)")
+    low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    if low is None and high is None:
+        low = high = 5
+    low, high = (high if low is None else low), (low if high is None else high)
+    for key, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            bad(key, "an integer >= 1")
+    if low > high:
+        bad("prompt_lookup_min", f"<= prompt_lookup_max ({high})")
+    return SpeculativeConfig(k, prompt_lookup_max=high, prompt_lookup_min=low)
 
 
 def resolve_quantization(requested: str | None, hf_config) -> str | None:

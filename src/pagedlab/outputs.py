@@ -121,11 +121,28 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_computed: int  # prompt and recomputed tokens run through the model
     generation_tokens: int
+    # speculative decoding (vLLM's spec_decode counters): proposals verified, their tokens, those accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
         """Share of the KV cache's blocks in use, 0 to 1."""
         return self.kv_blocks_used / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Share of the proposed tokens that were accepted (0 without speculative decoding)."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verified proposal's step gave on average: 1 + its accepted tokens (vLLM's mean
+        acceptance length; 0 without proposals)."""
+        n = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

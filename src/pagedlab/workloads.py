@@ -275,7 +275,10 @@ def run_pagedlab(llm, workload: Workload, label: str, floor: float | None,
                "peak_kv_blocks_used": stats.peak_kv_blocks_used, "num_kv_blocks": stats.num_kv_blocks,
                "kv_cache_gib": stats.kv_cache_bytes / 2**30, "weight_gib": stats.weight_bytes / 2**30,
                "block_size": stats.block_size,
-               "kv_fragmentation_at_peak": stats.fragmentation_at_peak})
+               "kv_fragmentation_at_peak": stats.fragmentation_at_peak,
+               **({"spec_decode_acceptance_rate": stats.spec_decode_acceptance_rate,
+                   "spec_decode_mean_acceptance_length": stats.spec_decode_mean_acceptance_length}
+                  if stats.spec_decode_num_drafts else {})})
 
 
 def run_hf_generate(model, workload: Workload, label: str, floor: float | None) -> WorkloadResult:

@@ -24,7 +24,7 @@ import torch
 from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv_cache_bytes,
                              kv_release_window, model_max_len, resolve_device, resolve_dtype,
                              resolve_kv_cache_dtype, resolve_max_model_len, resolve_max_num_batched_tokens,
-                             resolve_quantization)
+                             resolve_quantization, resolve_speculative_config)
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.layers.rotary import long_rope_switch
@@ -193,7 +193,8 @@ class LLMEngine:
                                    self.max_model_len, cfg.enable_chunked_prefill,
                                    None if switch is None else (switch, model_max_len(self.hf_config)),
                                    max_loras=cfg.max_loras if cfg.enable_lora else None,
-                                   policy=cfg.scheduling_policy)
+                                   policy=cfg.scheduling_policy,
+                                   speculative=resolve_speculative_config(cfg.speculative_config))
         _freeze_heap()
 
     def reset_stats(self) -> None:
@@ -210,7 +211,10 @@ class LLMEngine:
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks, peak_kv_blocks_used=counters.peak_blocks,
             kv_tokens_at_peak=counters.tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens, num_preemptions=counters.num_preemptions,
-            prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens)
+            prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens,
+            spec_decode_num_drafts=counters.num_drafts,
+            spec_decode_num_draft_tokens=counters.num_draft_tokens,
+            spec_decode_num_accepted_tokens=counters.num_accepted_tokens)
 
     @property
     def cascade_attention(self) -> bool:
@@ -409,8 +413,12 @@ class LLMEngine:
         """Wait for a launched step and apply what it sampled; returns the requests it ran."""
         with self.ranges.range("process_output"):
             output = step.result()
-            appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids)
-            for hit in self.output_processor.process(step.batch.requests, output, appended):
+            batch = step.batch
+            drafts = {r: d for r, d in zip(batch.requests, batch.draft_token_ids) if d}
+            appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids,
+                                                         drafts)
+            for hit in self.output_processor.process(batch.requests, output, appended):
+                self.scheduler.drop_last_tokens(hit.request, hit.num_after)
                 self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop)
         return step.batch.requests
 

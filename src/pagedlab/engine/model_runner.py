@@ -31,7 +31,7 @@ from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
 from pagedlab.engine.weight_update import WeightPairs, update_weights
 from pagedlab.engine.step_inputs import (DeviceInputs, HostToDevice, StepInputs, build_sampling_metadata,
-                                         stage_forward_inputs)
+                                         prepare_step_inputs, stage_forward_inputs)
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
 from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
@@ -444,7 +444,8 @@ class ModelRunner:
     def _launch_step(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         with self.ranges.range("prepare"):
             self.to_device.begin_step()
-            inputs = self._prepare_inputs(batch, previous.sample_rows() if previous is not None else {})
+            inputs = prepare_step_inputs(batch, previous.sample_rows() if previous is not None else {},
+                                         self.block_size)
             table = self._build_block_table(batch.requests)
             staged = stage_forward_inputs(inputs, table, self.to_device)
             if self.lora is not None:
@@ -504,37 +505,6 @@ class ModelRunner:
             if self.device.type == "cuda":
                 step.done = torch.cuda.Event()
                 step.done.record()
-
-    def _prepare_inputs(self, batch: ScheduledBatch, previous_rows: dict[Request, int]) -> StepInputs:
-        inputs = StepInputs()
-        bs = self.block_size
-        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = request.num_computed_tokens
-            offset = len(inputs.input_ids)
-            inputs.seq_lens.append(start + n)
-            if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
-                if start < request.num_tokens:
-                    inputs.input_ids.append(request.all_token_ids[start])
-                else:  # sampled by the step still in flight
-                    inputs.pending_rows.append(offset)
-                    inputs.pending_sources.append(previous_rows[request])
-                    inputs.input_ids.append(0)
-                inputs.positions.append(start + request.rope_position_offset)
-                inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
-            else:
-                inputs.input_ids.extend(request.all_token_ids[start:start + n])
-                pos = np.arange(start, start + n)
-                inputs.positions.extend((pos + request.rope_position_offset).tolist())
-                inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
-            if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
-                count = min(start + n, request.num_prompt_tokens - 1) - start
-                inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
-                inputs.prompt_rows.extend(range(offset, offset + count))
-            if batch.samples(i):
-                inputs.sampled.append(request)
-                inputs.sample_rows.append(offset + n - 1)
-                inputs.sample_positions.append(start + n - request.num_prompt_tokens)
-        return inputs
 
     @staticmethod
     def _input_ids(staged: DeviceInputs, previous: LaunchedStep | None) -> torch.Tensor:

@@ -11,6 +11,7 @@ request's grammar by the tokens it keeps, and turns a parent's state into a ``Re
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -65,8 +66,12 @@ class ParentState:
 
 @dataclass
 class StopStringHit:
+    """A stop string the text completed; ``num_after``: the tokens the same step appended after
+    the one that completed it (speculative decoding), which the request must not keep."""
+
     request: Request
     stop: str
+    num_after: int = 0
 
 
 class OutputProcessor:
@@ -111,9 +116,14 @@ class OutputProcessor:
         of ``output`` whose token the scheduler appended, its logprobs and text. Returns the stop
         strings the new text completed; the text is already cut there."""
         self._record_prompt_logprobs(requests, output.prompt_logprobs)
-        hits = []
+        hits: dict[Request, StopStringHit] = {}
+        later = Counter(output.sampled_requests[row] for row in appended_rows)  # each request's rows to come
         for row in appended_rows:
             request, token = output.sampled_requests[row], output.sampled_token_ids[row]
+            later[request] -= 1
+            if request in hits:  # its text already ended in this step
+                hits[request].num_after += 1
+                continue
             state = self._completions[request.request_id]
             if request.grammar is not None and not request.grammar.accept(token):
                 logger.warning("request %s: token %d does not fit its grammar", request.request_id, token)
@@ -124,23 +134,24 @@ class OutputProcessor:
                     params.logprob_token_ids))
                 state.cumulative_logprob += float(output.logprobs.token_logprob[row])
             if state.detokenizer is not None:
-                stop = self._append_text(state, token)
+                stop = self._append_text(state, token, request.num_output_tokens - later[request],
+                                         request.finish_reason == "stop" and not later[request])
                 if stop is not None:
-                    hits.append(StopStringHit(request, stop))
-        return hits
+                    hits[request] = StopStringHit(request, stop)
+        return list(hits.values())
 
-    def _append_text(self, state: CompletionState, token: int) -> str | None:
-        """Detokenize one token; the stop string it completes (cutting the text), if any. EOS and
-        stop token ids, which the scheduler has already acted on, take precedence: as in vLLM, the
-        token that stopped the sequence stays out of the text (it is in ``token_ids``) unless
+    def _append_text(self, state: CompletionState, token: int, num_output: int, stopped: bool) -> str | None:
+        """Detokenize one token, the ``num_output``-th of its request; the stop string it completes
+        (cutting the text), if any. EOS and stop token ids, which the scheduler has already acted
+        on (``stopped``: this token ended the request), take precedence: as in vLLM, the token that
+        stopped the sequence stays out of the text (it is in ``token_ids``) unless
         ``include_stop_str_in_output``."""
-        request, params = state.request, state.request.sampling_params
-        if request.finish_reason == "stop" and not params.include_stop_str_in_output:
+        params = state.request.sampling_params
+        if stopped and not params.include_stop_str_in_output:
             return None
         new_text = state.detokenizer.append(token)
         state.text = state.detokenizer.text
-        if (not params.stop or not new_text or request.num_output_tokens <= params.min_tokens
-                or request.finish_reason == "stop"):
+        if not params.stop or not new_text or num_output <= params.min_tokens or stopped:
             return None
         hit = find_stop_string(state.text, len(new_text), params.stop)
         if hit is None:

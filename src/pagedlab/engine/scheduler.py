@@ -20,6 +20,16 @@ LongRoPE models (``long_rope``: switch length, position offset) compute a sequen
 the switch with the long factors, at offset positions; a running request that grows past it is
 preempted so that all of its tokens are recomputed in the long regime, as transformers does.
 
+With speculative decoding (``speculative``: n-gram prompt lookup), a decode whose sampling reads
+nothing of its history on the host (no penalties, logits processors, multi-token bad words or
+grammar) runs its last token and up to ``num_speculative_tokens`` proposed ones in one step; the
+step samples at each of them, and the sampled tokens are kept up to the first that differs from
+the proposal after it (which is kept too). Each position samples as it would without the
+proposal (its noise keyed by its position), so the outputs are those of plain decoding. The
+keys and values computed for rejected proposals are overwritten later: ``num_computed_tokens``
+steps back over them. Proposals need every token on the host, so the step loop waits for each
+step.
+
 With asynchronous steps, a request whose last token is still pending on the device is
 scheduled like any decode: the model runner takes that input id from the previous step's
 device tensor. A request that has sampled all its ``max_tokens``, or up to ``max_model_len``, waits
@@ -33,30 +43,43 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedlab.config import SpeculativeConfig
 from pagedlab.engine.kv_cache import KVCacheManager
+from pagedlab.engine.ngram_proposer import propose_ngram_drafts
 from pagedlab.engine.request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledBatch:
     """The work of one step: ``num_new_tokens[i]`` tokens of ``requests[i]`` starting at its
-    ``num_computed_tokens``. A request samples when the step reaches its last token (known or
-    still pending on the device)."""
+    ``num_computed_tokens``, the last ``len(draft_token_ids[i])`` of them proposed (speculative
+    decoding). A request samples when the step reaches its last token (known or still pending on
+    the device), and at each proposed token after it."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def add(self, request: Request, num_new_tokens: int, draft_token_ids: list[int] | None = None) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.draft_token_ids.append(draft_token_ids or [])
+
     def is_empty(self) -> bool:
         return not self.requests
 
     def samples(self, i: int) -> bool:
-        request = self.requests[i]
-        return request.num_computed_tokens + self.num_new_tokens[i] == request.num_tokens_with_pending
+        request, known = self.requests[i], self.num_new_tokens[i] - len(self.draft_token_ids[i])
+        return request.num_computed_tokens + known == request.num_tokens_with_pending
+
+    def num_samples(self, i: int) -> int:
+        """How many tokens ``requests[i]`` samples in this step: 0, 1, or 1 + its proposed ones."""
+        return 1 + len(self.draft_token_ids[i]) if self.samples(i) else 0
 
 
 @dataclass
@@ -68,14 +91,18 @@ class SchedulerStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0  # prompt and recomputed tokens run through the model
     generation_tokens: int = 0
+    num_drafts: int = 0  # speculative decoding: proposals verified, their tokens, those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  long_rope: tuple[int, int] | None = None, max_loras: int | None = None,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", speculative: SpeculativeConfig | None = None):
         self.kv_cache = kv_cache
+        self.speculative = speculative
         self.long_rope = long_rope
         self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
         self.max_num_seqs = max_num_seqs
@@ -95,8 +122,9 @@ class Scheduler:
     @property
     def needs_host_tokens(self) -> bool:
         """Some unfinished request samples with penalties or multi-token bad words, which read
-        every earlier token on the host: each step must be read back before the next is scheduled."""
-        return self._num_needing_host_tokens > 0
+        every earlier token on the host, or speculative decoding proposes tokens from them: each
+        step must be read back before the next is scheduled."""
+        return self._num_needing_host_tokens > 0 or self.speculative is not None
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -138,18 +166,36 @@ class Scheduler:
                 batch.preempted.append(request)
                 continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            drafts = self._propose_drafts(request, budget) if num_new == 1 else []
+            while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
+                if drafts:  # no blocks for the proposals: decode plainly rather than preempt
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                batch.requests.append(request)
-                batch.num_new_tokens.append(num_new)
-                budget -= num_new
+                batch.add(request, num_new + len(drafts), drafts)
+                budget -= num_new + len(drafts)
                 i += 1
         return budget
+
+    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
+        """The n-gram proposal for a decode of ``request`` (see the module's docstring), no
+        longer than the step's budget, its ``max_tokens`` and ``max_model_len`` leave room for, nor
+        past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
+        spec = self.speculative
+        if spec is None or request.needs_host_tokens or request.grammar is not None:
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens - 1)
+        if self.long_rope is not None and request.num_tokens <= self.long_rope[0]:
+            room = min(room, self.long_rope[0] - request.num_tokens)  # no row past LongRoPE's switch
+        if request.sampling_params.max_tokens is not None:
+            room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return propose_ngram_drafts(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                    room)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         adapters = {r.lora_int_id for r in self.running if r.lora_int_id}
@@ -175,8 +221,7 @@ class Scheduler:
             if not request.num_preemptions:  # a recompute's hit on its own tokens is no prompt cache hit
                 request.num_cached_prompt_tokens = request.metrics.num_cached_prompt_tokens = num_cached
             self._enqueue(self.running, request)
-            batch.requests.append(request)
-            batch.num_new_tokens.append(num_new)
+            batch.add(request, num_new)
             budget -= num_new
 
     def _rope_position_offset(self, request: Request) -> int:
@@ -205,33 +250,51 @@ class Scheduler:
             held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
             empty = sum(len(r.block_ids) * kv.block_size - tokens for r, tokens in held.items())
             self.stats.tokens_at_peak = used * kv.block_size - empty
-        # A request's one decode token is the last it runs, where that is an output token never run
-        # before: a recompute chunk that stops short of the end has none.
-        decodes = sum(1 for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                      if batch.samples(i) and r.num_computed_tokens + n > r.num_prompt_tokens)
+        # A request's decode tokens are the last it runs (one, and its proposed ones), where that is
+        # an output token never run before: a recompute chunk that stops short of the end has none.
+        runs = enumerate(zip(batch.requests, batch.num_new_tokens))
+        decodes = sum(batch.num_samples(i) for i, (r, n) in runs
+                      if r.num_computed_tokens + n > r.num_prompt_tokens)
         self.stats.prompt_tokens += batch.total_tokens - decodes
+        drafts = [d for d in batch.draft_token_ids if d]
+        self.stats.num_drafts += len(drafts)
+        self.stats.num_draft_tokens += sum(map(len, drafts))
 
     # ---- after a step ---------------------------------------------------------------------
     def update_after_launch(self, batch: ScheduledBatch) -> list[Request]:
-        """The step's tokens are computing: count them, and the sampled token of each request
-        that reaches its end as pending. Returns the requests that sample, in batch order."""
-        sampled = [r for i, r in enumerate(batch.requests) if batch.samples(i)]
-        for request, n in zip(batch.requests, batch.num_new_tokens):
+        """The step's tokens are computing: count them, and the tokens each request samples (at
+        its end, and at each proposed token) as pending. Returns the requests that sample, in
+        batch order, a request once per token it samples."""
+        sampled = []
+        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            sampled += [request] * batch.num_samples(i)
             request.num_computed_tokens += n
         for request in sampled:
             request.num_pending_tokens += 1
         return sampled
 
-    def update_from_output(self, sampled_requests: list[Request], token_ids: list[int]) -> list[int]:
-        """Append the tokens a step sampled (one per request) and finish the requests they stop
-        (EOS, a stop token id, ``max_tokens``, ``max_model_len``). Returns the rows whose token was
+    def update_from_output(self, sampled_requests: list[Request], token_ids: list[int],
+                           draft_token_ids: dict[Request, list[int]] | None = None) -> list[int]:
+        """Append the tokens a step sampled (a row per sampled position, a request's rows in order)
+        and finish the requests they stop (EOS, a stop token id, ``max_tokens``, ``max_model_len``).
+        With ``draft_token_ids`` (each request's proposal), a request's rows are kept up to the first
+        whose token differs from the proposed one after it. Returns the rows whose token was
         appended: a request that finished while the step was in flight gets none."""
         appended = []
         now = time.time()
+        drafts, rejected = draft_token_ids or {}, set()
         for row, (request, token) in enumerate(zip(sampled_requests, token_ids)):
             request.num_pending_tokens -= 1
-            if request.is_finished:
+            if request.is_finished or request in rejected:
                 continue
+            draft = drafts.get(request)
+            if draft:
+                j = request.num_tokens - request.num_computed_tokens + len(draft)  # the request's row j
+                if j < len(draft) and token == draft[j]:
+                    self.stats.num_accepted_tokens += 1
+                elif j < len(draft):  # the rows after this one ran on a token the sequence does not have
+                    request.num_computed_tokens -= len(draft) - j
+                    rejected.add(request)
             request.all_token_ids.append(token)
             self.stats.generation_tokens += 1
             metrics = request.metrics
@@ -256,6 +319,14 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return self.finish_request(request, "length")
         return None
+
+    def drop_last_tokens(self, request: Request, count: int) -> None:
+        """Take back the last ``count`` appended tokens of ``request`` (a step's tokens after the one
+        whose text completed a stop string), before it finishes."""
+        if count:
+            del request.all_token_ids[-count:]
+            self.stats.generation_tokens -= count
+            request.metrics.num_generated_tokens = request.num_output_tokens
 
     def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Finish a request (stopped, at its length limit, or aborted): take it out of the queues

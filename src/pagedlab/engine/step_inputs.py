@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedlab.engine.request import Request
+from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.structured_output import grammar_bitmask
 from pagedlab.layers.sampler import SamplingMetadata
 
@@ -41,6 +42,44 @@ class StepInputs:
     def logit_rows(self) -> list[int]:
         """The token rows the LM head runs on: the sampled rows, then the prompt-logprob rows."""
         return self.sample_rows + self.prompt_rows
+
+
+def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int],
+                        block_size: int) -> StepInputs:
+    """The flat host inputs of ``batch``: ids, positions, KV slots, sequence lengths, the rows the
+    LM head runs on (each sampled position, then the prompt-logprob positions). A request's input
+    id still pending on the device (``previous_rows``: its row in the step before's sampled ids)
+    is marked for the device to fill in; proposed tokens (speculative decoding) follow the last
+    known one, and each of them samples too."""
+    inputs = StepInputs()
+    bs = block_size
+    for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        start, drafts = request.num_computed_tokens, batch.draft_token_ids[i]
+        offset = len(inputs.input_ids)
+        inputs.seq_lens.append(start + n)
+        if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
+            if start < request.num_tokens:
+                inputs.input_ids.append(request.all_token_ids[start])
+            else:  # sampled by the step still in flight
+                inputs.pending_rows.append(offset)
+                inputs.pending_sources.append(previous_rows[request])
+                inputs.input_ids.append(0)
+            inputs.positions.append(start + request.rope_position_offset)
+            inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
+        else:
+            inputs.input_ids.extend(request.all_token_ids[start:start + n - len(drafts)] + drafts)
+            pos = np.arange(start, start + n)
+            inputs.positions.extend((pos + request.rope_position_offset).tolist())
+            inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
+        if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
+            count = min(start + n, request.num_prompt_tokens - 1) - start
+            inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
+            inputs.prompt_rows.extend(range(offset, offset + count))
+        for j in range(n - batch.num_samples(i), n):
+            inputs.sampled.append(request)
+            inputs.sample_rows.append(offset + j)
+            inputs.sample_positions.append(start + j + 1 - request.num_prompt_tokens)
+    return inputs
 
 
 @dataclass

@@ -14,6 +14,8 @@ own token counters after every step; latency histograms are observed when a requ
 | pagedlab:prompt_tokens_total | counter | prompt tokens run through the model (prefill, recompute) |
 | pagedlab:generation_tokens_total | counter | tokens generated |
 | pagedlab:num_preemptions_total | counter | sequences preempted (recomputed later) |
+| pagedlab:spec_decode_num_drafts_total | counter | speculative decoding: proposals verified |
+| pagedlab:spec_decode_num_draft_tokens_total / _accepted_ | counter | tokens proposed / accepted |
 | pagedlab:request_success_total{finished_reason} | counter | requests finished by stop or length |
 | pagedlab:request_aborted_total | counter | requests aborted (client gone, error) |
 | pagedlab:time_to_first_token_seconds | histogram | arrival to first token |
@@ -80,15 +82,22 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative proposals verified.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.")
         self.request_success = counter("request_success", "Requests finished by a stop condition or length.",
                                        ["finished_reason"])
         self.request_aborted = counter("request_aborted", "Requests aborted (client disconnected, error).")
         for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                  self.preemptions, self.request_aborted):
+                  self.preemptions, self.request_aborted, self.spec_drafts, self.spec_draft_tokens,
+                  self.spec_accepted):
             c.labels(**self._labels)
         for reason in ("stop", "length"):
             self.request_success.labels(finished_reason=reason, **self._labels)
 
+        self._add_histograms(Histogram, labels)
+
+    def _add_histograms(self, Histogram, labels: list[str]) -> None:
         def histogram(name, doc, buckets):
             h = Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
             return h.labels(**self._labels)
@@ -110,7 +119,10 @@ class ServerMetrics:
         """(EngineStats field, the counter that follows it)."""
         return (("prompt_tokens_computed", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                 ("prefix_cache_queried_tokens", self.prefix_queries),
-                ("prefix_cache_hit_tokens", self.prefix_hits), ("num_preemptions", self.preemptions))
+                ("prefix_cache_hit_tokens", self.prefix_hits), ("num_preemptions", self.preemptions),
+                ("spec_decode_num_drafts", self.spec_drafts),
+                ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", self.spec_accepted))
 
     def count_from(self, stats: EngineStats | None) -> None:
         """Count from the engine's state now: what it ran before the server (an ``LLM`` that

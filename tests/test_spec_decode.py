@@ -1,0 +1,258 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's ``speculative_config={"method": "ngram"}``):
+greedy tokens and logprobs equal HF transformers' float32 ones; seeded sampling, stops, penalties
+beside proposals, preemption and LongRoPE give plain decoding's tokens; the proposer equals a
+brute-force search."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.config import EngineConfig, resolve_speculative_config
+from pagedlab.engine.ngram_proposer import propose_ngram_drafts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MAX_TOKENS = 40
+
+
+def brute_force_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest n (max_n down to min_n) whose last-n tokens occur earlier, at the earliest
+    occurrence, and the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposal_equals_a_brute_force_search():
+    rng = random.Random(0)
+    found = 0
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        low = rng.randint(1, 4)
+        high, k = rng.randint(low, 7), rng.randint(0, 6)
+        want = brute_force_proposal(tokens, low, high, k)
+        assert propose_ngram_drafts(tokens, low, high, k) == want, (tokens, low, high, k)
+        found += bool(want)
+    assert found > 1000  # most cases propose something
+    assert propose_ngram_drafts([1, 2, 3, 9, 1, 2, 3, 7, 2, 3], 1, 3, 2) == [9, 1]  # "2 3": the earliest
+    assert propose_ngram_drafts([5, 6, 1, 2, 3, 9, 2, 3], 1, 3, 5) == [9, 2, 3]  # fewer where it ends
+
+
+def test_speculative_config_defaults_and_errors():
+    assert resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3}).prompt_lookup_min == 5
+    only_max = resolve_speculative_config({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)  # vLLM's defaults
+    bad = [({"method": "eagle", "num_speculative_tokens": 3}, r"\['method'\]='eagle' is invalid"),
+           ({"method": "ngram"}, r"num_speculative_tokens.*an integer >= 1"),
+           ({"num_speculative_tokens": 0}, r"num_speculative_tokens'\]=0 is invalid"),
+           ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            r"prompt_lookup_min'\]=4 is invalid: prompt_lookup_min must be <= prompt_lookup_max \(2\)"),
+           ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, r"prompt_lookup_min'\]=0 is invalid"),
+           ({"num_speculative_tokens": 2, "model": "draft"}, r"unknown key 'model'.*draft models")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=value).validate()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_window"])
+def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
+    """Prompts of a small vocabulary repeat themselves, so proposals come often; some are accepted
+    and some rejected, and every kept token and logprob is HF's."""
+    model = tiny_models(arch)
+    prompts = random_prompts(8, vocab=40, max_len=40, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(model.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_hf_tokens_and_logprobs(model.hf_model, prompts, outs, MAX_TOKENS)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    drafts = stats.spec_decode_num_drafts
+    assert drafts <= stats.spec_decode_num_draft_tokens <= 4 * drafts
+    assert stats.generation_tokens == 8 * MAX_TOKENS
+    assert 1 < stats.spec_decode_mean_acceptance_length < 5
+
+
+def _both(path, prompts, params, **engine_args):
+    """(plain decoding's outputs, speculative decoding's, its stats) of one model."""
+    args = dict(device="cpu", kv_cache_memory_bytes=KV_BYTES, **engine_args)
+    with LLM(path, **args) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(path, speculative_config=NGRAM, **args) as llm:
+        spec = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    return plain, spec, stats
+
+
+def _completions(outs):
+    return [(c.token_ids, c.finish_reason, c.stop_reason, c.text) for o in outs for c in o.outputs]
+
+
+def test_seeded_sampling_gives_plain_decodings_tokens(tiny_llama):
+    """Each position draws the noise of its own position, proposal or not: seeded sampled tokens
+    (with top-k, top-p, min-p, logit bias, min_tokens and n=2) are plain decoding's, their logprobs too."""
+    prompts = random_prompts(6, vocab=30, max_len=30, seed=7)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=MAX_TOKENS, logprobs=2, **extra)
+              for t, s, extra in [(0.2, 1, {}), (1.0, 2, {"top_k": 5}), (0.3, 3, {"top_p": 0.8}),
+                                  (0.3, 4, {"min_p": 0.1, "n": 2}), (0.2, 5, {"logit_bias": {7: 2.0}}),
+                                  (0.5, 6, {"min_tokens": 30})]]
+    plain, spec, stats = _both(tiny_llama.path, prompts, params)
+    assert _completions(spec) == _completions(plain)
+    for p, s in zip(plain, spec):
+        for cp, cs in zip(p.outputs, s.outputs):
+            for a, b in zip(cp.logprobs, cs.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_stops_inside_a_proposal_end_where_plain_decoding_does(tiny_llama):
+    """A stop token, EOS or max_tokens reached among accepted tokens ends the output there; the
+    tokens sampled after it in the same step are dropped."""
+    prompts = random_prompts(8, vocab=30, max_len=30, seed=11)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    stops = [o.outputs[0].token_ids[len(o.outputs[0].token_ids) // 2] for o in free]
+    params = [SamplingParams(temperature=0, max_tokens=[MAX_TOKENS, 7, 13][i % 3], stop_token_ids=[stop],
+                             ignore_eos=i % 2 == 0) for i, stop in enumerate(stops)]
+    plain, spec, stats = _both(tiny_llama.path, prompts, params)
+    assert _completions(spec) == _completions(plain)
+    assert {c.finish_reason for o in spec for c in o.outputs} == {"stop", "length"}
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_stop_strings_cut_the_text_where_plain_decoding_does(smollm2_dir):
+    """SmolLM2 copies repeated text, so most proposals are accepted: a stop string completed by an
+    accepted token ends the text, and the later tokens of that step are not kept (token ids, text,
+    finish and stop reasons equal plain decoding's)."""
+    prompt = ("Copy this line three times.\nthe cat sat on the mat, the dog sat on the log.\n"
+              "the cat sat on the mat, the dog sat on the log.\n")
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    dog = AutoTokenizer.from_pretrained(smollm2_dir).encode(" dog", add_special_tokens=False)[0]
+    params = [greedy.clone(stop=["dog sat"]),
+              greedy.clone(stop=["log.\nThe"], include_stop_str_in_output=True),
+              greedy.clone(stop=["mat, the"], min_tokens=10), greedy.clone(stop_token_ids=[dog]), greedy]
+    plain, spec, stats = _both(smollm2_dir, [prompt] * 5, params, max_model_len=256)
+    assert _completions(spec) == _completions(plain)
+    assert [c.finish_reason for o in spec for c in o.outputs] == ["stop"] * 4 + ["length"]
+    assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 2
+
+
+def test_penalties_and_logits_processors_decode_plainly_beside_proposals(tiny_llama):
+    """Rows whose sampling reads their history on the host get no proposal; they run in the same
+    steps as rows that do, and every row's tokens are plain decoding's."""
+    prompts = random_prompts(6, vocab=30, max_len=30, seed=13)
+
+    def ban_token_5(output_ids, logits):
+        logits[5] = float("-inf")
+        return logits
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [greedy, greedy.clone(repetition_penalty=1.3), greedy,
+              greedy.clone(logits_processors=[ban_token_5]),
+              greedy.clone(presence_penalty=0.5, frequency_penalty=0.3), greedy]
+    plain, spec, stats = _both(tiny_llama.path, prompts, params)
+    assert _completions(spec) == _completions(plain)
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_preemption_prefix_cache_and_long_rope_keep_hf_tokens(tiny_models):
+    """A KV cache too small for the batch (preemptions, recomputes), prompts sharing cached prefixes,
+    and LongRoPE's switch past 32 tokens (no proposal crosses it): HF's greedy tokens throughout."""
+    llama = tiny_models("llama")
+    shared = random_prompts(1, vocab=30, min_len=32, max_len=32, seed=17)[0]
+    prompts = [shared + p for p in random_prompts(6, vocab=30, max_len=20, seed=19)]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    with LLM(llama.path, device="cpu", kv_cache_memory_bytes=96 << 10, max_model_len=128,
+             speculative_config=NGRAM) as llm:  # 12 blocks: two or three sequences at a time
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_hf_tokens_and_logprobs(llama.hf_model, prompts, outs, MAX_TOKENS)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens > 0
+    longrope = tiny_models("phi3_longrope")
+    prompts = random_prompts(6, vocab=5, min_len=24, max_len=31, seed=3)  # proposed across 32 tokens
+    with LLM(longrope.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_hf_tokens_and_logprobs(longrope.hf_model, prompts, outs, MAX_TOKENS)
+
+
+def test_tensor_parallel_ranks_verify_proposals(tiny_llama):
+    """Under tensor parallelism (gloo, two ranks) every rank runs the verification steps rank 0
+    builds: HF's greedy tokens and logprobs."""
+    prompts = random_prompts(6, vocab=40, max_len=40, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=2,
+             speculative_config=NGRAM) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, 30)
+
+
+def test_server_flag_and_metrics(tiny_llama):
+    """``--speculative-config`` takes vLLM's JSON; a served completion has HF's greedy tokens and the
+    Prometheus spec-decode counters equal the engine's."""
+    import argparse
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from conftest import hf_greedy
+    from pagedlab.cli.engine_args import EngineArgs
+    from pagedlab.engine.async_engine import AsyncEngine
+    from pagedlab.server.app import ServerThread, build_app
+    from pagedlab.server.metrics import parse_metrics
+
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'])
+    assert EngineArgs.from_cli_args(args).speculative_config == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    prompt = [5, 6, 7, 8] * 6
+    want = hf_greedy(tiny_llama.hf_model, prompt, MAX_TOKENS, eos_token_id=None)
+    llm = LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM)
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine)) as srv:
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+            for _ in range(500):  # the finished request's counters come a moment after its response
+                metrics = parse_metrics(httpx.get(srv.url + "/metrics", timeout=60).text)
+                if metrics["pagedlab:generation_tokens_total"] == MAX_TOKENS:
+                    break
+                time.sleep(0.02)
+    finally:
+        engine.shutdown()
+        stats = llm.get_stats()
+        llm.close()
+    assert got["choices"][0]["token_ids"] == want
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert metrics["pagedlab:spec_decode_num_drafts_total"] == stats.spec_decode_num_drafts
+    assert metrics["pagedlab:spec_decode_num_accepted_tokens_total"] == stats.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mixed_graphs", [True, False], ids=["mixed-graphs", "eager-mixed"])
+def test_on_the_gpu_verification_steps_give_hf_tokens(tiny_models, mixed_graphs):
+    """Float32 on the GPU, Triton attention: verification steps replay mixed-step CUDA graphs (or
+    run eagerly) beside plain decodes in decode graphs; tokens and logprobs are HF's."""
+    model = tiny_models("llama")
+    prompts = random_prompts(12, vocab=40, max_len=60, seed=29)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(model.path, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20,
+             cuda_graph_mixed_steps=mixed_graphs, speculative_config=NGRAM) as llm:
+        assert llm.get_engine_info().mixed_cuda_graphs == mixed_graphs
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert_hf_tokens_and_logprobs(model.hf_model, prompts, outs, MAX_TOKENS)
