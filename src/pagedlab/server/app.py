@@ -73,9 +73,9 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     ``limits`` bound requests, the waiting queue and bodies (default ``ServerLimits()``);
     ``allow_runtime_lora_updating`` adds the routes loading and unloading adapters (default:
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM); ``tool_calling`` holds ``OpenAIServingChat``'s
-    tool keywords (``tool_call_parser``, ``enable_auto_tool_choice``,
-    ``exclude_tools_when_tool_choice_none``); ``dev_mode`` adds vLLM's development routes, sleep
-    mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``, as vLLM)."""
+    tool and reasoning keywords (``tool_call_parser``, ``enable_auto_tool_choice``,
+    ``exclude_tools_when_tool_choice_none``, ``reasoning_parser``); ``dev_mode`` adds vLLM's dev
+    routes, sleep mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])

@@ -17,6 +17,7 @@ from pathlib import Path
 from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
 from pagedlab.lora.request import LoRARequest
 from pagedlab.server.limits import ServerLimits
+from pagedlab.server.reasoning_parsers import REASONING_PARSERS
 from pagedlab.server.tool_parsers import TOOL_PARSERS, tool_parser_named
 
 
@@ -36,6 +37,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read out of the model's text: hermes (Hermes 2 Pro, Qwen2.5, "
                         "Qwen3: <tool_call> blocks) or llama3_json (Llama 3.1/3.2: JSON objects)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split chat output into message.reasoning and content at </think>: deepseek_r1 "
+                        "(DeepSeek-R1, QwQ: reasoning until </think>) or qwen3 (reasoning only inside a "
+                        "leading <think> block)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='keep the tools of a tool_choice "none" request out of the chat template '
                         "(default: the template gets them, as vLLM's)")
@@ -164,12 +169,13 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 
 def tool_calling_from_args(args: argparse.Namespace) -> dict:
-    """``OpenAIServingChat``'s tool keywords from the serve flags; a ValueError naming the flag
-    when --enable-auto-tool-choice lacks --tool-call-parser."""
+    """``OpenAIServingChat``'s tool and reasoning keywords from the serve flags; a ValueError naming
+    the flag when --enable-auto-tool-choice lacks --tool-call-parser."""
     tool_parser_named(args.tool_call_parser, args.enable_auto_tool_choice)
     return {"tool_call_parser": args.tool_call_parser,
             "enable_auto_tool_choice": args.enable_auto_tool_choice,
-            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+            "reasoning_parser": args.reasoning_parser}
 
 
 def register(subparsers) -> None:

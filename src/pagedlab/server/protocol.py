@@ -315,6 +315,7 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)
     add_generation_prompt: bool = True
+    include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
 
     @field_validator("top_logprobs")
     @classmethod
@@ -460,13 +461,19 @@ class ChatCompletionLogprobs(BaseModel):
     content: list[ChatCompletionLogprob]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenAIResponse):
     """The assistant's message of a chat choice: its text and tool calls (vLLM's content is ""
-    when a named or "required" tool_choice made the calls, null when "auto" found no text)."""
+    when a named or "required" tool_choice made the calls, null when "auto" found no text), and
+    with ``--reasoning-parser`` its reasoning (left out where there is none)."""
+
+    omitted_when_none = frozenset({"reasoning", "reasoning_content"})
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # --reasoning-parser: the reasoning before the content (vLLM's field, and its older name)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIResponse):
@@ -500,11 +507,13 @@ class ChatCompletionResponse(OpenAIResponse):
 class DeltaMessage(OpenAIResponse):
     """A chat choice's new text or tool-call parts; ``role`` only on its first chunk."""
 
-    omitted_when_none = frozenset({"role", "content", "tool_calls"})
+    omitted_when_none = frozenset({"role", "content", "tool_calls", "reasoning", "reasoning_content"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIResponse):

@@ -19,6 +19,7 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                       ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo)
 from pagedlab.server.protocol_tools import template_messages
+from pagedlab.server.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
                                             usage_info)
@@ -32,13 +33,17 @@ class OpenAIServingChat(OpenAIServing):
     request's own ``chat_template`` wins over both. ``tool_call_parser`` (a ``TOOL_PARSERS`` name)
     reads tool calls out of the text when ``enable_auto_tool_choice`` lets requests use
     tool_choice "auto"; ``exclude_tools_when_tool_choice_none`` keeps the tools of a tool_choice
-    "none" request out of the chat template (vLLM's flags)."""
+    "none" request out of the chat template; ``reasoning_parser`` (a ``REASONING_PARSERS`` name)
+    splits the text into reasoning and content, tool calls being read from the content (vLLM's
+    flags)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
                  chat_template: str | None = None, admission: Admission | None = None,
                  models: OpenAIServingModels | None = None, *, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False):
+                 enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False,
+                 reasoning_parser: str | None = None):
         super().__init__(engine, served_model_names, admission, models)
+        self.reasoning_parser = reasoning_parser_named(reasoning_parser)
         self.chat_template = chat_template
         self.tool_parser = tool_parser_named(tool_call_parser, enable_auto_tool_choice)
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
@@ -62,7 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
-                       ToolCalling(request, self.tool_parser))
+                       ToolCalling(request, self.tool_parser), self.reasoning_parser)
         streams = self.add_requests([prompt], params, run.request_id, request.stream, model,
                                     request.priority)
         if request.stream:
@@ -92,9 +97,11 @@ class _ChatRun:
     """One chat request in flight: what its response or stream chunks are built from."""
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
-                 request: ChatCompletionRequest, admission: Admission, tools: ToolCalling):
+                 request: ChatCompletionRequest, admission: Admission, tools: ToolCalling,
+                 reasoning: ReasoningParser | None):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
-        self.admission, self.tools = admission, tools
+        self.admission, self.tools, self.reasoning = admission, tools, reasoning
+        self.include_reasoning = request.include_reasoning
         self.wants_every_chunk = request.logprobs or request.return_token_ids
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
@@ -119,12 +126,23 @@ class _ChatRun:
                               for lp in ranked]))
         return ChatCompletionLogprobs(content=content)
 
+    def _split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, the rest) of a whole output; the reasoning None where not asked for."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, content = self.reasoning.split(text)
+        return (reasoning if self.include_reasoning else None), content
+
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            content, tool_calls, finish_reason = self.tools.message(c.text, c.finish_reason)
+            reasoning, text = self._split(c.text)
+            content, tool_calls, finish_reason = (self.tools.message(text, c.finish_reason)
+                                                  if text is not None else (None, [], c.finish_reason))
+            message = ChatMessage(content=content, tool_calls=tool_calls, reasoning=reasoning,
+                                  reasoning_content=reasoning)
             choice = ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(content=content, tool_calls=tool_calls),
+                index=c.index, message=message,
                 logprobs=self._logprobs(c.logprobs or [], c.token_ids), finish_reason=finish_reason,
                 stop_reason=c.stop_reason)
             if self.return_token_ids:
@@ -140,16 +158,23 @@ class _ChatRun:
         return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
                                             choices=choices, usage=usage)
 
-    def _delta(self, c, text: str, finish: str | None, tool_stream: ToolStream
-               ) -> tuple[DeltaMessage, str | None]:
-        """A choice's new text as a delta (content, or tool-call parts) and its finish_reason."""
+    def _delta(self, c, text: str, finish: str | None, tool_stream: ToolStream,
+               reasoning_stream: ReasoningStream | None) -> tuple[DeltaMessage, str | None]:
+        """A choice's new text as a delta (reasoning, content, or tool-call parts) and its
+        finish_reason."""
+        reasoning, content_text = None, c.text
+        if reasoning_stream is not None:
+            reasoning, text, content_text = reasoning_stream.step(c.text, finish is not None)
+            reasoning = reasoning if self.include_reasoning else None
         if not self.tools.active:
-            return DeltaMessage(content=text), finish
-        content, tool_calls = tool_stream.step(c.text, finish is not None)
-        return DeltaMessage(content=content, tool_calls=tool_calls), tool_stream.finish_reason(finish)
+            return DeltaMessage(content=text or None, reasoning=reasoning,
+                                reasoning_content=reasoning), finish
+        content, tool_calls = tool_stream.step(content_text, finish is not None)
+        return (DeltaMessage(content=content, tool_calls=tool_calls, reasoning=reasoning,
+                             reasoning_content=reasoning), tool_stream.finish_reason(finish))
 
-    def _chunks(self, out: RequestOutput, states: list[StreamedChoice], tool_streams: list[ToolStream]
-                ) -> list[ChatCompletionStreamResponse]:
+    def _chunks(self, out: RequestOutput, states: list[StreamedChoice], tool_streams: list[ToolStream],
+                reasoning_streams: list[ReasoningStream | None]) -> list[ChatCompletionStreamResponse]:
         """A chunk per choice with something new (text held back for tool calls is nothing new,
         unless logprobs or token ids come with it); a choice's first chunk says the role."""
         chunks = []
@@ -159,8 +184,9 @@ class _ChatRun:
             if taken is None:
                 continue
             text, new_ids, new_lps, finish = taken
-            delta, finish = self._delta(c, text, finish, tool_streams[c.index])
-            nothing_new = delta.content is None and delta.tool_calls is None and not finish
+            delta, finish = self._delta(c, text, finish, tool_streams[c.index], reasoning_streams[c.index])
+            nothing_new = (delta.content is None and delta.tool_calls is None and delta.reasoning is None
+                           and not finish)
             if nothing_new and not self.wants_every_chunk:
                 continue
             delta.role = None if state.started else "assistant"
@@ -179,10 +205,12 @@ class _ChatRun:
         the usage and no choices."""
         states = [StreamedChoice() for _ in range(self.params.n)]
         tool_streams = [ToolStream(self.tools) for _ in range(self.params.n)]
+        reasoning_streams = [ReasoningStream(self.reasoning) if self.reasoning is not None else None
+                             for _ in range(self.params.n)]
         async with contextlib.aclosing(merge_streams([stream])) as merged:
             async for _, out in merged:
                 self.admission.check_not_cut(out)
-                chunks = self._chunks(out, states, tool_streams)
+                chunks = self._chunks(out, states, tool_streams, reasoning_streams)
                 if out.finished and self.include_usage:
                     chunks.append(self._chunk([], usage_info([self.prompt], [out])))
                 yield chunks
