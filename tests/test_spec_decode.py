@@ -5,6 +5,7 @@ brute-force search."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -79,6 +80,21 @@ def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
     assert drafts <= stats.spec_decode_num_draft_tokens <= 4 * drafts
     assert stats.generation_tokens == 8 * MAX_TOKENS
     assert 1 < stats.spec_decode_mean_acceptance_length < 5
+
+
+def test_stats_line_reports_the_acceptance(tiny_llama, caplog):
+    """vLLM's periodic stats line (disable_log_stats=False) carries the acceptance rate and mean
+    acceptance length of get_stats()."""
+    caplog.set_level(logging.INFO, logger="pagedlab.stats")
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM,
+             disable_log_stats=False) as llm:
+        llm.generate(random_prompts(4, vocab=40, max_len=40, seed=3), greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    line = [r.getMessage() for r in caplog.records if r.name == "pagedlab.stats"][-1]
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert (f"speculative acceptance rate {100 * stats.spec_decode_acceptance_rate:.1f}%, mean acceptance "
+            f"length {stats.spec_decode_mean_acceptance_length:.2f}") in line
 
 
 def _both(path, prompts, params, **engine_args):

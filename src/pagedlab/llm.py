@@ -439,8 +439,9 @@ def _progress(total: int, enabled: bool):
 
 class StatsLog:
     """vLLM's periodic stats line (``disable_log_stats=False``): prompt and generation throughput
-    since the last line, running and waiting requests, KV cache usage and prefix-cache hit rate,
-    logged at INFO on ``pagedlab.stats`` (to stderr when logging is not configured)."""
+    since the last line, running and waiting requests, KV cache usage and prefix-cache hit rate (and
+    with speculative decoding its acceptance), logged at INFO on ``pagedlab.stats`` (to stderr when
+    logging is not configured)."""
 
     logger = logging.getLogger("pagedlab.stats")
 
@@ -460,10 +461,14 @@ class StatsLog:
         now, stats = time.perf_counter(), self.get_stats()
         then, prompt_tokens, generated = self._last
         elapsed = max(now - then, 1e-9)
+        speculation = ""
+        if stats.spec_decode_num_drafts:  # vLLM's SpecDecoding line, since the engine's last stats reset
+            speculation = (f", speculative acceptance rate {100 * stats.spec_decode_acceptance_rate:.1f}%, "
+                           f"mean acceptance length {stats.spec_decode_mean_acceptance_length:.2f}")
         self.logger.info(
             "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
-            "KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+            "KV cache usage %.1f%%, prefix cache hit rate %.1f%%%s",
             (stats.prompt_tokens_computed - prompt_tokens) / elapsed,
             (stats.generation_tokens - generated) / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate)
+            100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, speculation)
         self._last = (now, stats.prompt_tokens_computed, stats.generation_tokens)
