@@ -130,8 +130,8 @@ def test_seeded_sampling_gives_plain_decodings_tokens(tiny_llama):
 
 
 def test_stops_inside_a_proposal_end_where_plain_decoding_does(tiny_llama):
-    """A stop token, EOS or max_tokens reached among accepted tokens ends the output there; the
-    tokens sampled after it in the same step are dropped."""
+    """A stop token or EOS among accepted tokens ends the output there (the tokens sampled after it
+    in the same step are dropped); proposals end one short of max_tokens."""
     prompts = random_prompts(8, vocab=30, max_len=30, seed=11)
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
         free = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
@@ -152,13 +152,16 @@ def test_stop_strings_cut_the_text_where_plain_decoding_does(smollm2_dir):
     prompt = ("Copy this line three times.\nthe cat sat on the mat, the dog sat on the log.\n"
               "the cat sat on the mat, the dog sat on the log.\n")
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    dog = AutoTokenizer.from_pretrained(smollm2_dir).encode(" dog", add_special_tokens=False)[0]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    dog, on = (tokenizer.encode(word, add_special_tokens=False)[0] for word in (" dog", " on"))
     params = [greedy.clone(stop=["dog sat"]),
               greedy.clone(stop=["log.\nThe"], include_stop_str_in_output=True),
-              greedy.clone(stop=["mat, the"], min_tokens=10), greedy.clone(stop_token_ids=[dog]), greedy]
-    plain, spec, stats = _both(smollm2_dir, [prompt] * 5, params, max_model_len=256)
+              greedy.clone(stop=["mat, the"], min_tokens=10), greedy.clone(stop_token_ids=[dog]),
+              greedy.clone(stop=["sat"], stop_token_ids=[on]), greedy]  # "sat" ends it, not the " on" after
+    plain, spec, stats = _both(smollm2_dir, [prompt] * 6, params, max_model_len=256)
     assert _completions(spec) == _completions(plain)
-    assert [c.finish_reason for o in spec for c in o.outputs] == ["stop"] * 4 + ["length"]
+    assert [c.finish_reason for o in spec for c in o.outputs] == ["stop"] * 5 + ["length"]
+    assert spec[4].outputs[0].stop_reason == "sat"
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 2
 
 
@@ -272,3 +275,57 @@ def test_on_the_gpu_verification_steps_give_hf_tokens(tiny_models, mixed_graphs)
         stats = llm.get_stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert_hf_tokens_and_logprobs(model.hf_model, prompts, outs, MAX_TOKENS)
+
+
+def test_proposals_take_only_what_plain_decoding_leaves():
+    """Scheduler alone: proposals come after every running decode and admitted prompt, from the
+    budget and blocks left: they never preempt a request, nor keep a prompt waiting."""
+    from pagedlab.config import SpeculativeConfig
+    from pagedlab.engine.kv_cache import KVCacheManager
+    from pagedlab.engine.request import Request
+    from pagedlab.engine.scheduler import Scheduler
+
+    def request(rid, prompt):
+        return Request(rid, prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1)
+
+    def two_decodes(num_blocks: int, budget: int = 32):
+        """a (whose end, "3 1", came before: it proposes [2, 3, 1]) and b, both decoding."""
+        s = Scheduler(KVCacheManager(num_blocks, 4, enable_prefix_caching=False), 8, budget, 256,
+                      speculative=spec)
+        a, b = request("a", [1, 2, 3, 1, 2, 3]), request("b", [9, 8, 7, 6, 5, 4, 3, 2])
+        for r in (a, b):
+            s.add_request(r)
+        s.update_from_output(s.update_after_launch(s.schedule()), [1, 77])  # 2 blocks each
+        return s, a, b
+
+    s, a, b = two_decodes(num_blocks=64, budget=32)
+    batch = s.schedule()
+    assert batch.draft_token_ids == [[2, 3, 1], []] and batch.num_new_tokens == [4, 1]
+    s, a, b = two_decodes(num_blocks=5, budget=32)  # one block free: b's next token needs it
+    batch = s.schedule()
+    assert batch.requests == [a, b] and batch.num_new_tokens == [1, 1] and not batch.preempted
+    assert batch.draft_token_ids == [[], []]  # a's proposal would have taken b's block
+    s, a, b = two_decodes(num_blocks=64, budget=32)
+    s.max_num_batched_tokens = 9
+    c = request("c", [40, 41, 42, 43, 44, 45, 46])
+    s.add_request(c)
+    batch = s.schedule()  # two decodes and c's 7 tokens fill the budget: no proposal
+    assert batch.requests == [a, b, c] and batch.num_new_tokens == [1, 1, 7]
+
+
+def test_counters_count_a_prompts_last_token_as_prompt(tiny_llama):
+    """A chunked prompt whose last chunk is one token, with a proposal after it: the engine's
+    prompt and generation token counters equal plain decoding's."""
+    prompts = [[5, 6, 7, 8] * 4 + [5], [9, 10, 11] * 5 + [9, 10]]  # 17 tokens: chunks of 16 and 1
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    stats = {}
+    for spec in (None, NGRAM):
+        with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16,
+                 enable_prefix_caching=False, speculative_config=spec) as llm:
+            llm.generate(prompts, greedy, use_tqdm=False)
+            stats[spec is None] = llm.get_stats()
+    assert stats[False].spec_decode_num_drafts > 0
+    assert stats[False].prompt_tokens_computed == stats[True].prompt_tokens_computed == 34
+    assert stats[False].generation_tokens == stats[True].generation_tokens == 16

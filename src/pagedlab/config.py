@@ -122,7 +122,8 @@ class EngineConfig:
               "counts too, not only decode steps (off: they run eagerly; enforce_eager turns both off)",
         plan=True)
     async_scheduling: bool | None = _setting(
-        None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU)",
+        None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU; "
+              "always off with speculative_config, whose proposals need each step's tokens)",
         plan=True)
     enable_cascade_attention: bool = _setting(
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)

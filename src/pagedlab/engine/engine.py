@@ -174,7 +174,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
-                                 else cfg.async_scheduling)
+                                 else cfg.async_scheduling) and cfg.speculative_config is None
         num_blocks = self.runner.configure(RunnerPlan(
             block_size=cfg.block_size, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -418,8 +418,10 @@ class LLMEngine:
             appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids,
                                                          drafts)
             for hit in self.output_processor.process(batch.requests, output, appended):
+                # tokens kept after the stop string's in the same step go, and so does a finish they caused
                 self.scheduler.drop_last_tokens(hit.request, hit.num_after)
-                self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop)
+                self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop,
+                                              replace=hit.num_after > 0)
         return step.batch.requests
 
     def _finish_in_flight(self) -> None:

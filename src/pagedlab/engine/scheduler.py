@@ -22,7 +22,8 @@ preempted so that all of its tokens are recomputed in the long regime, as transf
 
 With speculative decoding (``speculative``: n-gram prompt lookup), a decode whose sampling reads
 nothing of its history on the host (no penalties, logits processors, multi-token bad words or
-grammar) runs its last token and up to ``num_speculative_tokens`` proposed ones in one step; the
+grammar) runs its last token and up to ``num_speculative_tokens`` proposed ones in one step, out
+of the budget and blocks left once every running request and admitted prompt has its tokens; the
 step samples at each of them, and the sampled tokens are kept up to the first that differs from
 the proposal after it (which is kept too). Each position samples as it would without the
 proposal (its noise keyed by its position), so the outputs are those of plain decoding. The
@@ -146,7 +147,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+            budget = self._schedule_waiting(batch, budget)
+        if self.speculative is not None:
+            self._add_drafts(batch, budget)
         now = time.time()
         for request in batch.requests:
             if request.metrics.first_scheduled_time is None:
@@ -166,30 +169,41 @@ class Scheduler:
                 batch.preempted.append(request)
                 continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            drafts = self._propose_drafts(request, budget) if num_new == 1 else []
-            while not self.kv_cache.allocate_slots(request, num_new + len(drafts)):
-                if drafts:  # no blocks for the proposals: decode plainly rather than preempt
-                    drafts = []
-                    continue
+            while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                batch.add(request, num_new + len(drafts), drafts)
-                budget -= num_new + len(drafts)
+                batch.add(request, num_new)
+                budget -= num_new
                 i += 1
         return budget
 
-    def _propose_drafts(self, request: Request, budget: int) -> list[int]:
-        """The n-gram proposal for a decode of ``request`` (see the module's docstring), no
-        longer than the step's budget, its ``max_tokens`` and ``max_model_len`` leave room for, nor
-        past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Proposals for the batch's decodes (the last token of a sequence, sampling) out of the
+        budget and free blocks left once every running request and admitted prompt has its
+        tokens: speculation never preempts a request nor keeps a prompt waiting."""
+        for i, request in enumerate(batch.requests):
+            if budget <= 0:
+                break
+            if batch.num_new_tokens[i] != 1 or not batch.samples(i):
+                continue
+            drafts = self._propose_drafts(request, budget)
+            if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
+                batch.num_new_tokens[i] += len(drafts)
+                batch.draft_token_ids[i] = drafts
+                budget -= len(drafts)
+
+    def _propose_drafts(self, request: Request, limit: int) -> list[int]:
+        """The n-gram proposal for a decode of ``request`` (see the module's docstring): at most
+        ``limit`` tokens, and no more than its ``max_tokens`` and ``max_model_len`` leave room for,
+        nor past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
         spec = self.speculative
-        if spec is None or request.needs_host_tokens or request.grammar is not None:
+        if request.needs_host_tokens or request.grammar is not None:
             return []
-        room = min(spec.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens - 1)
+        room = min(spec.num_speculative_tokens, limit, self.max_model_len - request.num_tokens - 1)
         if self.long_rope is not None and request.num_tokens <= self.long_rope[0]:
             room = min(room, self.long_rope[0] - request.num_tokens)  # no row past LongRoPE's switch
         if request.sampling_params.max_tokens is not None:
@@ -197,7 +211,7 @@ class Scheduler:
         return propose_ngram_drafts(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                     room)
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         adapters = {r.lora_int_id for r in self.running if r.lora_int_id}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -223,6 +237,7 @@ class Scheduler:
             self._enqueue(self.running, request)
             batch.add(request, num_new)
             budget -= num_new
+        return budget
 
     def _rope_position_offset(self, request: Request) -> int:
         """The position offset of the regime the request's tokens are computed in now."""
@@ -250,11 +265,12 @@ class Scheduler:
             held.update((r, r.num_computed_tokens + n) for r, n in zip(batch.requests, batch.num_new_tokens))
             empty = sum(len(r.block_ids) * kv.block_size - tokens for r, tokens in held.items())
             self.stats.tokens_at_peak = used * kv.block_size - empty
-        # A request's decode tokens are the last it runs (one, and its proposed ones), where that is
-        # an output token never run before: a recompute chunk that stops short of the end has none.
-        runs = enumerate(zip(batch.requests, batch.num_new_tokens))
-        decodes = sum(batch.num_samples(i) for i, (r, n) in runs
-                      if r.num_computed_tokens + n > r.num_prompt_tokens)
+        # A request's decode tokens are its proposed ones and the last known token it runs, where that
+        # is an output token never run before: a recompute chunk that stops short of the end has none,
+        # and a prompt's last token is a prompt token, proposals after it or not.
+        decodes = sum(len(d) + (batch.samples(i) and r.num_computed_tokens + n - len(d) > r.num_prompt_tokens)
+                      for i, (r, n, d) in enumerate(zip(batch.requests, batch.num_new_tokens,
+                                                        batch.draft_token_ids)))
         self.stats.prompt_tokens += batch.total_tokens - decodes
         drafts = [d for d in batch.draft_token_ids if d]
         self.stats.num_drafts += len(drafts)
@@ -328,11 +344,13 @@ class Scheduler:
             self.stats.generation_tokens -= count
             request.metrics.num_generated_tokens = request.num_output_tokens
 
-    def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None,
+                       replace: bool = False) -> None:
         """Finish a request (stopped, at its length limit, or aborted): take it out of the queues
-        and free its blocks. A stop string found in its text overrides a "length" finish."""
+        and free its blocks. A stop string found in its text overrides a "length" finish, and any
+        finish with ``replace`` (the token that finished it was dropped: ``drop_last_tokens``)."""
         if request.is_finished:
-            if reason == "stop" and request.finish_reason == "length":
+            if reason == "stop" and (request.finish_reason == "length" or replace):
                 request.finish_reason, request.stop_reason = reason, stop_reason
             return
         if request.status == RequestStatus.RUNNING:

@@ -15,7 +15,8 @@ own token counters after every step; latency histograms are observed when a requ
 | pagedlab:generation_tokens_total | counter | tokens generated |
 | pagedlab:num_preemptions_total | counter | sequences preempted (recomputed later) |
 | pagedlab:spec_decode_num_drafts_total | counter | speculative decoding: proposals verified |
-| pagedlab:spec_decode_num_draft_tokens_total / _accepted_ | counter | tokens proposed / accepted |
+| pagedlab:spec_decode_num_draft_tokens_total | counter | speculative decoding: tokens proposed |
+| pagedlab:spec_decode_num_accepted_tokens_total | counter | speculative decoding: tokens accepted |
 | pagedlab:request_success_total{finished_reason} | counter | requests finished by stop or length |
 | pagedlab:request_aborted_total | counter | requests aborted (client gone, error) |
 | pagedlab:time_to_first_token_seconds | histogram | arrival to first token |
