@@ -329,3 +329,28 @@ def test_counters_count_a_prompts_last_token_as_prompt(tiny_llama):
     assert stats[False].spec_decode_num_drafts > 0
     assert stats[False].prompt_tokens_computed == stats[True].prompt_tokens_computed == 34
     assert stats[False].generation_tokens == stats[True].generation_tokens == 16
+
+
+def test_delta_outputs_carry_every_accepted_token(tiny_llama):
+    """RequestOutputKind.DELTA through the step loop: a step that keeps several tokens hands them
+    over in one delta, and the deltas add up to plain decoding's tokens and logprobs."""
+    from pagedlab.sampling_params import RequestOutputKind
+
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
+                            output_kind=RequestOutputKind.DELTA)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        whole = params.clone(output_kind=RequestOutputKind.CUMULATIVE)
+        plain = llm.generate({"prompt_token_ids": prompt}, whole, use_tqdm=False)[0].outputs[0]
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM) as llm:
+        engine = llm.llm_engine
+        engine.add_request("d", prompt, params)
+        deltas = []
+        while engine.has_unfinished_requests():
+            deltas += [o.outputs[0] for o in engine.step() if o.request_id == "d"]
+    assert max(len(d.token_ids) for d in deltas) > 1  # some step kept proposed tokens
+    assert [t for d in deltas for t in d.token_ids] == plain.token_ids
+    got = [p for d in deltas for p in d.logprobs]
+    assert len(got) == len(plain.logprobs)
+    for mine, want in zip(got, plain.logprobs):
+        assert mine.keys() == want.keys() and all(abs(mine[t].logprob - want[t].logprob) < 1e-5 for t in mine)
