@@ -135,13 +135,39 @@ def test_reasoning_and_content_of_a_thinking_model(served):
 
 
 def test_unterminated_thinking_follows_each_parsers_rule(served):
-    """Cut before </think>: deepseek_r1 calls it all reasoning; qwen3 without <think> all content."""
-    text = _chat(served["plain"], guided_regex="[a-z ]{6,12}")["message"]["content"]
-    assert _chat(served["deepseek_r1"], guided_regex="[a-z ]{6,12}")["message"] == {
+    """Free text without tags (a model cut before </think>): deepseek_r1 calls it all reasoning,
+    qwen3 all content; a plain server's stream chunks keep vLLM's "content" key, empty or not."""
+    text = _chat(served["plain"], max_tokens=12)["message"]["content"]
+    assert "think>" not in text
+    assert _chat(served["deepseek_r1"], max_tokens=12)["message"] == {
         "role": "assistant", "content": None, "tool_calls": [], "reasoning": text, "reasoning_content": text}
-    assert _chat(served["qwen3"], guided_regex="[a-z ]{6,12}")["message"] == {
-        "role": "assistant", "content": text, "tool_calls": []}
-    assert _streamed(served["qwen3"], guided_regex="[a-z ]{6,12}") == {"content": text}
+    assert _streamed(served["deepseek_r1"], max_tokens=12) == {"reasoning": text, "reasoning_content": text}
+    assert _chat(served["qwen3"], max_tokens=12)["message"] == {"role": "assistant", "content": text,
+                                                               "tool_calls": []}
+    assert _streamed(served["qwen3"], max_tokens=12) == {"content": text}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12, "stream": True,
+            "logprobs": True}
+    with httpx.stream("POST", served["plain"] + "/v1/chat/completions", json=body, timeout=60) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert deltas and all("content" in d for d in deltas)
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"],
+                         ids=["named", "required"])
+def test_a_grammar_forced_output_is_content_unless_its_tags_say_otherwise(served, tool_choice):
+    """A named or "required" tool_choice's grammar forces the call from the first token: with
+    deepseek_r1 the call stays a call (no </think>, no reasoning), whole and streamed, as on a
+    server without a parser; a grammar that writes the tags still gives reasoning."""
+    want = _chat(served["plain"], tools=TOOLS, tool_choice=tool_choice, max_tokens=200)["message"]
+    got = _chat(served["deepseek_r1"], tools=TOOLS, tool_choice=tool_choice, max_tokens=200)["message"]
+    assert "reasoning" not in got and got["content"] == want["content"]
+    assert [c["function"] for c in got["tool_calls"]] == [c["function"] for c in want["tool_calls"]]
+    assert "reasoning" not in _streamed(served["deepseek_r1"], tools=TOOLS, tool_choice=tool_choice,
+                                        max_tokens=200)
+    assert want["tool_calls"] or tool_choice == "required"  # "required" may run out of tokens: content then
+    forced = _chat(served["deepseek_r1"], guided_regex=THINKING)["message"]
+    assert forced["reasoning"] and forced["content"]
 
 
 def test_tool_calls_are_read_from_the_content_only(served):

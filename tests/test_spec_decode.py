@@ -5,6 +5,7 @@ brute-force search."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -82,9 +83,11 @@ def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
     assert 1 < stats.spec_decode_mean_acceptance_length < 5
 
 
-def test_stats_line_reports_the_acceptance(tiny_llama, caplog):
+def test_stats_line_reports_the_acceptance_since_the_line_before(tiny_llama, caplog):
     """vLLM's periodic stats line (disable_log_stats=False) carries the acceptance rate and mean
-    acceptance length of get_stats()."""
+    acceptance length of the proposals verified since the line before."""
+    from pagedlab.llm import StatsLog
+
     caplog.set_level(logging.INFO, logger="pagedlab.stats")
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM,
@@ -92,9 +95,13 @@ def test_stats_line_reports_the_acceptance(tiny_llama, caplog):
         llm.generate(random_prompts(4, vocab=40, max_len=40, seed=3), greedy, use_tqdm=False)
         stats = llm.get_stats()
     line = [r.getMessage() for r in caplog.records if r.name == "pagedlab.stats"][-1]
-    assert stats.spec_decode_num_accepted_tokens > 0
-    assert (f"speculative acceptance rate {100 * stats.spec_decode_acceptance_rate:.1f}%, mean acceptance "
-            f"length {stats.spec_decode_mean_acceptance_length:.2f}") in line
+    assert stats.spec_decode_num_accepted_tokens > 0 and "speculative acceptance rate" in line
+    more = {"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 10,
+            "spec_decode_num_accepted_tokens": 6}  # since the last line: 60% accepted, 2.5 tokens a step
+    later = dataclasses.replace(stats, **{k: getattr(stats, k) + v for k, v in more.items()})
+    snapshots = iter([stats, later])
+    StatsLog(lambda: next(snapshots)).log()
+    assert "speculative acceptance rate 60.0%, mean acceptance length 2.50" in caplog.records[-1].getMessage()
 
 
 def _both(path, prompts, params, **engine_args):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -440,8 +441,8 @@ def _progress(total: int, enabled: bool):
 class StatsLog:
     """vLLM's periodic stats line (``disable_log_stats=False``): prompt and generation throughput
     since the last line, running and waiting requests, KV cache usage and prefix-cache hit rate (and
-    with speculative decoding its acceptance), logged at INFO on ``pagedlab.stats`` (to stderr when
-    logging is not configured)."""
+    with speculative decoding its acceptance since the last line), logged at INFO on
+    ``pagedlab.stats`` (to stderr when logging is not configured)."""
 
     logger = logging.getLogger("pagedlab.stats")
 
@@ -450,8 +451,7 @@ class StatsLog:
         if not self.logger.hasHandlers():
             self.logger.addHandler(logging.StreamHandler())
             self.logger.setLevel(logging.INFO)
-        stats = get_stats()
-        self._last = (time.perf_counter(), stats.prompt_tokens_computed, stats.generation_tokens)
+        self._last = (time.perf_counter(), get_stats())
 
     def maybe_log(self) -> None:
         if time.perf_counter() - self._last[0] >= self.interval_s:
@@ -459,16 +459,23 @@ class StatsLog:
 
     def log(self) -> None:
         now, stats = time.perf_counter(), self.get_stats()
-        then, prompt_tokens, generated = self._last
+        then, last = self._last
+        if stats.generation_tokens < last.generation_tokens:  # the engine reset its counters
+            last = dataclasses.replace(stats, **{f: 0 for f in _COUNTERS})
         elapsed = max(now - then, 1e-9)
         speculation = ""
-        if stats.spec_decode_num_drafts:  # vLLM's SpecDecoding line, since the engine's last stats reset
-            speculation = (f", speculative acceptance rate {100 * stats.spec_decode_acceptance_rate:.1f}%, "
-                           f"mean acceptance length {stats.spec_decode_mean_acceptance_length:.2f}")
+        drafts, draft_tokens, accepted = (getattr(stats, f) - getattr(last, f) for f in _COUNTERS[2:])
+        if drafts:  # vLLM's SpecDecoding line: since the line before
+            speculation = (f", speculative acceptance rate {100 * accepted / draft_tokens:.1f}%, "
+                           f"mean acceptance length {1 + accepted / drafts:.2f}")
         self.logger.info(
             "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
             "KV cache usage %.1f%%, prefix cache hit rate %.1f%%%s",
-            (stats.prompt_tokens_computed - prompt_tokens) / elapsed,
-            (stats.generation_tokens - generated) / elapsed, stats.num_running, stats.num_waiting,
-            100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, speculation)
-        self._last = (now, stats.prompt_tokens_computed, stats.generation_tokens)
+            (stats.prompt_tokens_computed - last.prompt_tokens_computed) / elapsed,
+            (stats.generation_tokens - last.generation_tokens) / elapsed, stats.num_running,
+            stats.num_waiting, 100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, speculation)
+        self._last = (now, stats)
+
+
+_COUNTERS = ("prompt_tokens_computed", "generation_tokens", "spec_decode_num_drafts",
+             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")

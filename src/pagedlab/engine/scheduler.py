@@ -148,7 +148,7 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if not batch.preempted:
             budget = self._schedule_waiting(batch, budget)
-        if self.speculative is not None:
+        if self.speculative is not None and not batch.preempted:
             self._add_drafts(batch, budget)
         now = time.time()
         for request in batch.requests:
@@ -184,7 +184,8 @@ class Scheduler:
     def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
         """Proposals for the batch's decodes (the last token of a sequence, sampling) out of the
         budget and free blocks left once every running request and admitted prompt has its
-        tokens: speculation never preempts a request nor keeps a prompt waiting."""
+        tokens, in a step that preempted nothing (a victim's blocks go to the waiting queue first):
+        a step's proposals never preempt a request nor keep a prompt waiting."""
         for i, request in enumerate(batch.requests):
             if budget <= 0:
                 break

@@ -19,6 +19,7 @@ content. Only the standard library here: the CLI lists the parsers without the s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -57,6 +58,13 @@ class ReasoningParser:
             if END.startswith(text[-keep:]):
                 return text[:-keep]
         return text
+
+
+    def explicit(self) -> ReasoningParser:
+        """This parser with reasoning only inside a leading ``<think>`` block: for an output a
+        grammar forced (structured outputs, a named or "required" tool_choice), which holds
+        thinking only where the grammar wrote the tags."""
+        return dataclasses.replace(self, implicit_start=False)
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", implicit_start=True),

@@ -100,6 +100,8 @@ class _ChatRun:
                  request: ChatCompletionRequest, admission: Admission, tools: ToolCalling,
                  reasoning: ReasoningParser | None):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
+        if reasoning is not None and params.structured_outputs is not None:
+            reasoning = reasoning.explicit()  # a grammar wrote the text: thinking only in its tags
         self.admission, self.tools, self.reasoning = admission, tools, reasoning
         self.include_reasoning = request.include_reasoning
         self.wants_every_chunk = request.logprobs or request.return_token_ids
@@ -167,8 +169,7 @@ class _ChatRun:
             reasoning, text, content_text = reasoning_stream.step(c.text, finish is not None)
             reasoning = reasoning if self.include_reasoning else None
         if not self.tools.active:
-            return DeltaMessage(content=text or None, reasoning=reasoning,
-                                reasoning_content=reasoning), finish
+            return DeltaMessage(content=text, reasoning=reasoning, reasoning_content=reasoning), finish
         content, tool_calls = tool_stream.step(content_text, finish is not None)
         return (DeltaMessage(content=content, tool_calls=tool_calls, reasoning=reasoning,
                              reasoning_content=reasoning), tool_stream.finish_reason(finish))
