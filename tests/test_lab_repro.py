@@ -474,7 +474,8 @@ def test_cli_default_checks_need_no_extra_arguments():
     from pagedlab.lab.repro_cli import default_checks
 
     assert default_checks(None, None) == ["batch", "seeds", "precision", "padding", "hf"]
-    assert default_checks("tok_b/", "adapter/") == list(repro.ALL_CHECKS)
+    assert default_checks("tok_b/", "adapter/") == [c for c in repro.ALL_CHECKS if c != "spec"]
+    assert default_checks("tok_b/", "adapter/", {"num_speculative_tokens": 2}) == list(repro.ALL_CHECKS)
 
 
 def test_cli_refuses_bad_options_before_loading_a_model(chat_dir, capsys):

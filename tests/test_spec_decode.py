@@ -361,3 +361,33 @@ def test_delta_outputs_carry_every_accepted_token(tiny_llama):
     assert len(got) == len(plain.logprobs)
     for mine, want in zip(got, plain.logprobs):
         assert mine.keys() == want.keys() and all(abs(mine[t].logprob - want[t].logprob) < 1e-5 for t in mine)
+
+
+def test_repro_check_speculation_parity(tiny_llama, tmp_path):
+    """``pagedlab repro check --checks spec``: the same engine with and without speculation gives
+    the same greedy and seeded sampled tokens (float32, CPU), the proposals' acceptance is reported,
+    and the engine's plan comes back; a result compared by hand is "differs"."""
+    from pagedlab.cli.main import main
+    from pagedlab.lab import repro
+    from pagedlab.lab.repro.speculation import _result
+
+    prompts = random_prompts(4, vocab=40, max_len=30, seed=3)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        result = repro.speculation_parity(llm, NGRAM, prompts, max_tokens=24, seeds=(0, 1))
+        assert llm.get_engine_info().config.speculative_config is None
+        stats = llm.get_stats()
+    assert result.same and result.metrics["greedy_match_rate"] == result.metrics["sampled_match_rate"] == 1.0
+    assert 0 < result.metrics["acceptance_rate"] < 1
+    tokens = result.details["tokens"]
+    tokens["speculative"]["seed 1"][2] = tokens["speculative"]["seed 1"][2][:5] + [-1]
+    worse = _result(tokens, stats, NGRAM, 24, 0.8, [0, 1])
+    assert not worse.same and worse.metrics["first_divergence"] == 5
+    assert worse.metrics["sampled_match_rate"] == 0.875  # one of four prompts under one of two seeds
+    out = tmp_path / "report.json"
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("\n".join(f'{{"prompt_token_ids": {p}}}' for p in prompts))
+    spec = '{"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}'
+    assert main(["repro", "check", "--model", tiny_llama.path, "--device", "cpu", "--kv-cache-memory-bytes",
+                 "16MiB", "--prompts", str(prompt_file), "--checks", "spec", "--max-tokens", "8",
+                 "--num-seeds", "2", "--speculative-config", spec, "--out", str(out)]) == 0
+    assert '"verdict": "same"' in out.read_text() and '"num_speculative_tokens": 3' in out.read_text()

@@ -25,9 +25,10 @@ _WHAT = {"batch": "greedy at batch 1 vs one batch, shuffled, prefix caching and 
          "hf": "pagedlab vs HF transformers on the same weights",
          "precision": "the weights in each dtype (one model load per dtype)",
          "padding": "HF transformers: a left-padded batch vs one prompt at a time",
-         "lora": "pagedlab with the --lora adapter vs PEFT in HF transformers (float32, CPU)"}
+         "lora": "pagedlab with the --lora adapter vs PEFT in HF transformers (float32, CPU)",
+         "spec": "the same engine with and without --speculative-config (default: n-gram, 4 tokens)"}
 # The checks that share one loaded model run first, then those that load their own.
-_SHARED_MODEL_CHECKS = ("batch", "seeds", "tokenizer", "hf", "lora")
+_SHARED_MODEL_CHECKS = ("batch", "seeds", "tokenizer", "hf", "lora", "spec")
 _DB_HELP = ("store each check's result with its manifest in this results database "
             "(SQLAlchemy URL or SQLite path)")
 
@@ -43,10 +44,13 @@ def _checks(value: str) -> list[str]:
     return names
 
 
-def default_checks(tokenizer_b: str | None, lora: str | None) -> list[str]:
+def default_checks(tokenizer_b: str | None, lora: str | None,
+                   speculative_config: dict | None = None) -> list[str]:
     """The checks run without ``--checks``: all of them, but tokenizer only with a second tokenizer
-    (``--tokenizer-b``) and lora only with an adapter (``--lora``)."""
-    return [c for c in ALL_CHECKS if (c != "tokenizer" or tokenizer_b) and (c != "lora" or lora)]
+    (``--tokenizer-b``), lora only with an adapter (``--lora``) and spec only with a
+    ``--speculative-config``."""
+    given = {"tokenizer": tokenizer_b, "lora": lora, "spec": speculative_config}
+    return [c for c in ALL_CHECKS if c not in given or given[c]]
 
 
 def register(subparsers) -> None:
@@ -154,7 +158,7 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
     from pagedlab.lab.store import ResultStore
 
     if args.checks is None:
-        checks = default_checks(args.tokenizer_b, args.lora)
+        checks = default_checks(args.tokenizer_b, args.lora, args.speculative_config)
     else:
         checks = args.checks if isinstance(args.checks, list) else _checks(args.checks)
     if args.prompts:
@@ -246,6 +250,7 @@ def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, d
 
     print(f"loading {args.model} for the {', '.join(main_checks)} check(s)", flush=True)
     kwargs = engine_kwargs(args)
+    kwargs.pop("speculative_config", None)  # what the spec check compares: the checks decode plainly
     if "lora" in main_checks:
         rank = max(adapter_rank(args.lora), kwargs.get("max_lora_rank", 1))
         kwargs.update(enable_lora=True, max_lora_rank=rank)
@@ -273,6 +278,9 @@ def _shared_model_check(name: str, llm, args, prompts, references, seed_params, 
                                      max_tokens=args.max_tokens, progress=bar)
     if name == "lora":
         return repro.lora_parity(llm, args.lora, prompts, max_tokens=args.max_tokens, progress=bar)
+    if name == "spec":
+        return repro.speculation_parity(llm, args.speculative_config, prompts, max_tokens=args.max_tokens,
+                                        seeds=range(args.num_seeds), progress=bar)
     return repro.hf_parity(llm, prompts, max_tokens=args.max_tokens, k=args.top_k, hf_dtype=args.hf_dtype,
                            logprob_tolerance=args.logprob_tolerance, progress=bar)
 

@@ -18,6 +18,8 @@ and details (per-variant numbers, examples):
   top-1 agreement, greedy match rate.
 - ``lora_parity``: pagedlab with a LoRA adapter vs PEFT in HF transformers (float32, CPU): greedy
   match rate, first divergence, and how many prompts the adapter changes.
+- ``speculation_parity``: the same engine with and without speculative decoding: greedy and seeded
+  sampled tokens must be equal; the proposals' acceptance.
 
 ``store_result(result, url, llm=...)`` stores a result with the provenance manifest in the lab's
 results database (experiment ``"repro"``). See docs/repro.md. One module per check; this package
@@ -34,11 +36,13 @@ _EXPORTS = {
     "teacher_forced": "compare", "topk_kl": "compare", "hf_parity": "hf", "padding_check": "hf",
     "precision_drift": "precision", "default_metrics": "seeds", "seed_sensitivity": "seeds",
     "summarize": "seeds", "store_result": "storing", "tokenizer_drift": "tokenizer", "lora_parity": "lora",
+    "speculation_parity": "speculation",
 }
 
 __all__ = ["ALL_CHECKS", "DEFAULT_PROMPTS", "CheckResult", "batch_consistency", "default_metrics",
            "first_divergence", "hf_parity", "load_prompts", "lora_parity", "padding_check", "precision_drift",
-           "seed_sensitivity", "store_result", "summarize", "teacher_forced", "tokenizer_drift", "topk_kl"]
+           "seed_sensitivity", "speculation_parity", "store_result", "summarize", "teacher_forced",
+           "tokenizer_drift", "topk_kl"]
 
 
 def __getattr__(name: str):

@@ -22,7 +22,7 @@ DEFAULT_PROMPTS = (
     "Translate to French: good morning, my friend.",
     "def fibonacci(n):",
 )
-ALL_CHECKS = ("batch", "seeds", "precision", "tokenizer", "padding", "hf", "lora")
+ALL_CHECKS = ("batch", "seeds", "precision", "tokenizer", "padding", "hf", "lora", "spec")
 
 
 class NoProgress:
