@@ -247,7 +247,7 @@ def test_server_flag_and_metrics(tiny_llama):
     llm = LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=NGRAM)
     engine = AsyncEngine.from_llm(llm)
     try:
-        with ServerThread(build_app(engine)) as srv:
+        with ServerThread(build_app(engine, served_model_names=["tiny"])) as srv:
             body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}
             got = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
@@ -264,6 +264,12 @@ def test_server_flag_and_metrics(tiny_llama):
     assert stats.spec_decode_num_accepted_tokens > 0
     assert metrics["pagedlab:spec_decode_num_drafts_total"] == stats.spec_decode_num_drafts
     assert metrics["pagedlab:spec_decode_num_accepted_tokens_total"] == stats.spec_decode_num_accepted_tokens
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos  # a proposal's later tokens are kept less often
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert list(per_pos) == sorted(per_pos, reverse=True)
+    name = "pagedlab:spec_decode_num_accepted_tokens_per_pos_total"
+    served = [metrics[f'{name}{{model_name="tiny",position="{j}"}}'] for j in range(len(per_pos))]
+    assert served == list(per_pos)
 
 
 @pytest.mark.gpu

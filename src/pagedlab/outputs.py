@@ -125,6 +125,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [j]: proposals' (j+1)-th tokens kept
 
     @property
     def kv_cache_usage(self) -> float:

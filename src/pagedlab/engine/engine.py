@@ -214,7 +214,8 @@ class LLMEngine:
             prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens,
             spec_decode_num_drafts=counters.num_drafts,
             spec_decode_num_draft_tokens=counters.num_draft_tokens,
-            spec_decode_num_accepted_tokens=counters.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(counters.num_accepted_per_position))
 
     @property
     def cascade_attention(self) -> bool:

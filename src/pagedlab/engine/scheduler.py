@@ -95,6 +95,7 @@ class SchedulerStats:
     num_drafts: int = 0  # speculative decoding: proposals verified, their tokens, those accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_per_position: list[int] = field(default_factory=list)  # [j]: proposals' j-th tokens kept
 
 
 class Scheduler:
@@ -309,6 +310,9 @@ class Scheduler:
                 j = request.num_tokens - request.num_computed_tokens + len(draft)  # the request's row j
                 if j < len(draft) and token == draft[j]:
                     self.stats.num_accepted_tokens += 1
+                    per_position = self.stats.num_accepted_per_position
+                    per_position += [0] * (j + 1 - len(per_position))
+                    per_position[j] += 1
                 elif j < len(draft):  # the rows after this one ran on a token the sequence does not have
                     request.num_computed_tokens -= len(draft) - j
                     rejected.add(request)

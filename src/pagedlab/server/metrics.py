@@ -17,6 +17,7 @@ own token counters after every step; latency histograms are observed when a requ
 | pagedlab:spec_decode_num_drafts_total | counter | speculative decoding: proposals verified |
 | pagedlab:spec_decode_num_draft_tokens_total | counter | speculative decoding: tokens proposed |
 | pagedlab:spec_decode_num_accepted_tokens_total | counter | speculative decoding: tokens accepted |
+| pagedlab:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted at each position |
 | pagedlab:request_success_total{finished_reason} | counter | requests finished by stop or length |
 | pagedlab:request_aborted_total | counter | requests aborted (client gone, error) |
 | pagedlab:time_to_first_token_seconds | histogram | arrival to first token |
@@ -55,7 +56,7 @@ class ServerMetrics:
         disable_created_metrics()  # no *_created series next to every counter (as vLLM)
         self.registry = registry if registry is not None else CollectorRegistry()
         self._stats: EngineStats | None = None
-        self._last: dict[str, int] = {}
+        self._last: dict[str, int | tuple[int, ...]] = {}
         self._lock = threading.Lock()
         labels = ["model_name"]
         self._labels = {"model_name": model_name}
@@ -86,6 +87,9 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative proposals verified.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative tokens accepted at each position of a proposal.",
+                                             ["position"])
         self.request_success = counter("request_success", "Requests finished by a stop condition or length.",
                                        ["finished_reason"])
         self.request_aborted = counter("request_aborted", "Requests aborted (client disconnected, error).")
@@ -131,6 +135,7 @@ class ServerMetrics:
         if stats is not None:
             with self._lock:
                 self._last.update({key: getattr(stats, key) for key, _ in self._counters()})
+                self._last["per_pos"] = stats.spec_decode_num_accepted_tokens_per_pos
 
     # ---- StatsListener (called from the engine thread) ------------------------------------
     def on_stats(self, stats: EngineStats) -> None:
@@ -144,6 +149,17 @@ class ServerMetrics:
                 if value > last:
                     counter.labels(**self._labels).inc(value - last)
                 self._last[key] = value
+            self._count_per_position(stats.spec_decode_num_accepted_tokens_per_pos)
+
+    def _count_per_position(self, counts: tuple[int, ...]) -> None:
+        last = self._last.get("per_pos", ())
+        if sum(counts) < sum(last):  # the engine reset its counters
+            last = ()
+        for position, value in enumerate(counts):
+            done = last[position] if position < len(last) else 0
+            if value > done:
+                self.spec_accepted_per_pos.labels(position=str(position), **self._labels).inc(value - done)
+        self._last["per_pos"] = counts
 
     def on_request_finished(self, output: RequestOutput) -> None:
         reasons = [c.finish_reason for c in output.outputs]
