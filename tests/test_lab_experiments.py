@@ -565,3 +565,25 @@ def test_text_metrics_on_known_outputs():
     assert lengths["finished_by_length"] == 0
     tput = METRICS["throughput"].fn(res)
     assert tput["output_throughput"] == 4.0 and tput["prompt_tokens"] == 8 and tput["requests_per_s"] == 2.0
+
+
+def test_a_grid_over_speculative_config_keeps_the_outputs_and_records_acceptance(workdir):
+    """engine.speculative_config is a plan field: a grid over it re-plans without reloading, the
+    greedy outputs stay those of plain decoding, and the speculation metric records acceptance."""
+    db, key = f"sqlite:///{workdir / 's.db'}", "engine.speculative_config"
+    ngram = "{method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 2, prompt_lookup_min: 1}"
+    spec = load_experiment(write(workdir, BASE.replace("max_tokens: 4, temperature: 0.8", "max_tokens: 24, "
+                                                       "temperature: 0, ignore_eos: true") + f"""
+        grid:
+          engine.speculative_config: [null, {ngram}]
+        metrics: [speculation]
+        """.replace("\n        ", "\n")))
+    factory = CountingFactory()
+    report = run_experiment(spec, db=db, quiet=True, llm_factory=factory)
+    assert report.ok and len(report.finished) == 2 and factory.loads == 1
+    with ResultStore(db) as store:
+        runs = sorted(store.runs(experiment="qa"), key=lambda r: bool(r["params"][key]))
+        outputs = [[o["token_ids"] for o in store.outputs(r["run_id"])] for r in runs]
+    assert outputs[0] == outputs[1] and all(len(ids) == 24 for ids in outputs[0])
+    assert runs[0]["metrics"]["spec_num_drafts"] == 0 and runs[1]["metrics"]["spec_num_drafts"] > 0
+    assert 0 <= runs[1]["metrics"]["spec_acceptance_rate"] <= 1

@@ -199,6 +199,18 @@ def memory(res: RunResult) -> dict:
             "peak_allocated_bytes": res.peak_allocated_bytes}
 
 
+@register_metric("speculation", workloads=("dataset", "benchmark"),
+                 doc="speculative decoding: proposals verified, tokens proposed and accepted, the acceptance "
+                     "rate and mean acceptance length (zeros without speculative_config)")
+def speculation(res: RunResult) -> dict:
+    s = res.stats
+    return {"spec_num_drafts": s.spec_decode_num_drafts,
+            "spec_num_draft_tokens": s.spec_decode_num_draft_tokens,
+            "spec_num_accepted_tokens": s.spec_decode_num_accepted_tokens,
+            "spec_acceptance_rate": s.spec_decode_acceptance_rate,
+            "spec_mean_acceptance_length": s.spec_decode_mean_acceptance_length}
+
+
 def compute_metrics(names: list[str], result: RunResult) -> dict:
     """The figures of every metric in ``names`` (registered names) on ``result``, merged."""
     figures: dict = {}
