@@ -105,11 +105,11 @@ def test_stats_line_reports_the_acceptance_since_the_line_before(tiny_llama, cap
 
 
 def _both(path, prompts, params, **engine_args):
-    """(plain decoding's outputs, speculative decoding's, its stats) of one model."""
-    args = dict(device="cpu", kv_cache_memory_bytes=KV_BYTES, **engine_args)
-    with LLM(path, **args) as llm:
+    """(plain decoding's outputs, speculative decoding's, its stats) of one engine, re-planned
+    between them (``speculative_config`` is a plan field: the weights stay)."""
+    with LLM(path, device="cpu", kv_cache_memory_bytes=KV_BYTES, **engine_args) as llm:
         plain = llm.generate(prompts, params, use_tqdm=False)
-    with LLM(path, speculative_config=NGRAM, **args) as llm:
+        llm.set_model_args(speculative_config=NGRAM)
         spec = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
     return plain, spec, stats
