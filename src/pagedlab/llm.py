@@ -460,19 +460,19 @@ class StatsLog:
     def log(self) -> None:
         now, stats = time.perf_counter(), self.get_stats()
         then, last = self._last
-        if stats.generation_tokens < last.generation_tokens:  # the engine reset its counters
-            last = dataclasses.replace(stats, **{f: 0 for f in _COUNTERS})
+        reset = stats.generation_tokens < last.generation_tokens  # the engine reset its counters
+        # the counters' growth since the last line (all of them after a reset)
+        since = dataclasses.replace(stats, **{f: getattr(stats, f) - (0 if reset else getattr(last, f))
+                                              for f in _COUNTERS})
         elapsed = max(now - then, 1e-9)
         speculation = ""
-        drafts, draft_tokens, accepted = (getattr(stats, f) - getattr(last, f) for f in _COUNTERS[2:])
-        if drafts:  # vLLM's SpecDecoding line: since the line before
-            speculation = (f", speculative acceptance rate {100 * accepted / draft_tokens:.1f}%, "
-                           f"mean acceptance length {1 + accepted / drafts:.2f}")
+        if since.spec_decode_num_drafts:  # vLLM's SpecDecoding line: since the line before
+            speculation = (f", speculative acceptance rate {100 * since.spec_decode_acceptance_rate:.1f}%, "
+                           f"mean acceptance length {since.spec_decode_mean_acceptance_length:.2f}")
         self.logger.info(
             "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
             "KV cache usage %.1f%%, prefix cache hit rate %.1f%%%s",
-            (stats.prompt_tokens_computed - last.prompt_tokens_computed) / elapsed,
-            (stats.generation_tokens - last.generation_tokens) / elapsed, stats.num_running,
+            since.prompt_tokens_computed / elapsed, since.generation_tokens / elapsed, stats.num_running,
             stats.num_waiting, 100 * stats.kv_cache_usage, 100 * stats.prefix_cache_hit_rate, speculation)
         self._last = (now, stats)
 

@@ -415,10 +415,10 @@ class LLMEngine:
         with self.ranges.range("process_output"):
             output = step.result()
             batch = step.batch
-            drafts = {r: d for r, d in zip(batch.requests, batch.draft_token_ids) if d}
+            drafts = batch.drafts_by_request() if self.scheduler.speculative is not None else {}
             appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids,
                                                          drafts)
-            for hit in self.output_processor.process(batch.requests, output, appended):
+            for hit in self.output_processor.process(batch.requests, output, appended, bool(drafts)):
                 # tokens kept after the stop string's in the same step go, and so does a finish they caused
                 self.scheduler.drop_last_tokens(hit.request, hit.num_after)
                 self.scheduler.finish_request(hit.request, "stop", stop_reason=hit.stop,

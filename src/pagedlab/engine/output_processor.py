@@ -110,17 +110,20 @@ class OutputProcessor:
         self._parents[request_id] = parent
 
     # ---- after a step ---------------------------------------------------------------------
-    def process(self, requests: list[Request], output: StepOutput,
-                appended_rows: list[int]) -> list[StopStringHit]:
+    def process(self, requests: list[Request], output: StepOutput, appended_rows: list[int],
+                several_per_request: bool = False) -> list[StopStringHit]:
         """Record a read-back step: prompt logprobs of ``requests``' chunks, and for each row
         of ``output`` whose token the scheduler appended, its logprobs and text. Returns the stop
-        strings the new text completed; the text is already cut there."""
+        strings the new text completed; the text is already cut there. ``several_per_request``: a
+        request may have several rows (speculative decoding's kept proposals), in order."""
         self._record_prompt_logprobs(requests, output.prompt_logprobs)
         hits: dict[Request, StopStringHit] = {}
-        later = Counter(output.sampled_requests[row] for row in appended_rows)  # each request's rows to come
+        # each request's rows still to come (none counted where a request has one row: all zero)
+        later = Counter(output.sampled_requests[row] for row in appended_rows if several_per_request)
         for row in appended_rows:
             request, token = output.sampled_requests[row], output.sampled_token_ids[row]
-            later[request] -= 1
+            if several_per_request:
+                later[request] -= 1
             if request in hits:  # its text already ended in this step
                 hits[request].num_after += 1
                 continue

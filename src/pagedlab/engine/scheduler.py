@@ -74,6 +74,10 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.requests
 
+    def drafts_by_request(self) -> dict[Request, list[int]]:
+        """The proposed tokens of each request that has any."""
+        return {r: d for r, d in zip(self.requests, self.draft_token_ids) if d}
+
     def samples(self, i: int) -> bool:
         request, known = self.requests[i], self.num_new_tokens[i] - len(self.draft_token_ids[i])
         return request.num_computed_tokens + known == request.num_tokens_with_pending
@@ -197,6 +201,8 @@ class Scheduler:
                 batch.num_new_tokens[i] += len(drafts)
                 batch.draft_token_ids[i] = drafts
                 budget -= len(drafts)
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += len(drafts)
 
     def _propose_drafts(self, request: Request, limit: int) -> list[int]:
         """The n-gram proposal for a decode of ``request`` (see the module's docstring): at most
@@ -274,9 +280,6 @@ class Scheduler:
                       for i, (r, n, d) in enumerate(zip(batch.requests, batch.num_new_tokens,
                                                         batch.draft_token_ids)))
         self.stats.prompt_tokens += batch.total_tokens - decodes
-        drafts = [d for d in batch.draft_token_ids if d]
-        self.stats.num_drafts += len(drafts)
-        self.stats.num_draft_tokens += sum(map(len, drafts))
 
     # ---- after a step ---------------------------------------------------------------------
     def update_after_launch(self, batch: ScheduledBatch) -> list[Request]:

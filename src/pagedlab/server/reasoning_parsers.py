@@ -59,7 +59,6 @@ class ReasoningParser:
                 return text[:-keep]
         return text
 
-
     def explicit(self) -> ReasoningParser:
         """This parser with reasoning only inside a leading ``<think>`` block: for an output a
         grammar forced (structured outputs, a named or "required" tool_choice), which holds
