@@ -59,7 +59,7 @@ def test_speculative_config_defaults_and_errors():
            ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             r"prompt_lookup_min'\]=4 is invalid: prompt_lookup_min must be <= prompt_lookup_max \(2\)"),
            ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, r"prompt_lookup_min'\]=0 is invalid"),
-           ({"num_speculative_tokens": 2, "model": "draft"}, r"unknown key 'model'.*draft models")]
+           ({"num_speculative_tokens": 2, "draft_model": "d"}, r"unknown key 'draft_model'.*EAGLE and MTP")]
     for value, message in bad:
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=value).validate()

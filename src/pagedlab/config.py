@@ -107,8 +107,10 @@ class EngineConfig:
     speculative_config: dict | None = _setting(
         None, "speculative decoding, vLLM's dict: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
               "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} proposes up to k tokens that followed the "
-              "longest earlier match (m to n tokens) of the sequence's end, all checked in one step; "
-              "outputs stay those of plain decoding", plan=True)
+              "longest earlier match (m to n tokens) of the sequence's end; {\"method\": \"draft_model\", "
+              "\"model\": path, \"num_speculative_tokens\": k} has a smaller model of the same vocabulary "
+              "propose k tokens greedily; all are checked in one step, and outputs stay those of plain "
+              "decoding", plan=True)
     chunked_prefill_size: int | None = _setting(
         None, "SGLang's name: chunked prefill with this token budget per step (sets "
               "max_num_batched_tokens)",
@@ -196,7 +198,11 @@ class EngineConfig:
             bad("max_logprobs", "an integer >= 0, -1 (no cap) or None")
         if self.chunked_prefill_size is not None:
             self._check_chunked_prefill_size()
-        resolve_speculative_config(self.speculative_config)
+        speculative = resolve_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config={self.speculative_config!r} is invalid with "
+                             f"tensor_parallel_size={self.tensor_parallel_size}: a draft model runs with a "
+                             "target of tensor_parallel_size=1 (n-gram proposals work at any size)")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "an integer >= 2 or None")
         if self.tensor_parallel_size < 1:
@@ -308,26 +314,32 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding by n-gram prompt lookup (vLLM's ``method="ngram"``): before a decode
+    """Speculative decoding's proposer. ``method="ngram"`` (vLLM's prompt lookup): before a decode
     step, the longest run of ``prompt_lookup_min``..``prompt_lookup_max`` tokens that ends the
     sequence and occurred earlier in it (prompt or output) proposes the (at most
-    ``num_speculative_tokens``) tokens that followed it there."""
+    ``num_speculative_tokens``) tokens that followed it there. ``method="draft_model"``: the
+    smaller model at ``model`` (same vocabulary) proposes that many tokens greedily
+    (``engine/draft_model.py``)."""
 
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     method: str = "ngram"
+    model: str | None = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+                     "draft_tensor_parallel_size")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
-    """``EngineConfig.speculative_config`` checked, with vLLM's defaults (both lookup bounds 5 when
-    neither is given, else the missing one equal to the other); None where it is None."""
+    """``EngineConfig.speculative_config`` checked, with vLLM's defaults: the method is
+    "draft_model" where a ``model`` is given, else "ngram", whose lookup bounds are both 5 when
+    neither is given, else the missing one equal to the other; None where it is None."""
     if value is None:
         return None
 
@@ -338,13 +350,18 @@ def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
     unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"speculative_config has unknown key {unknown[0]!r}: pagedlab takes "
-                         f"{list(_SPECULATIVE_KEYS)} (method 'ngram'; draft models, EAGLE and MTP are not "
-                         "supported)")
-    if value.get("method", "ngram") not in ("ngram", "[ngram]"):
-        bad("method", "'ngram' (prompt lookup; draft models, EAGLE and MTP are not supported)")
+                         f"{list(_SPECULATIVE_KEYS)} (EAGLE and MTP are not supported)")
+    method = value.get("method", "draft_model" if value.get("model") is not None else "ngram")
+    method = "ngram" if method == "[ngram]" else method
+    if method not in SPECULATIVE_METHODS:
+        bad("method", f"one of {list(SPECULATIVE_METHODS)} (EAGLE and MTP are not supported)")
     k = value.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         bad("num_speculative_tokens", "an integer >= 1 (the most tokens proposed a step)")
+    if method == "draft_model":
+        return _draft_model_config(value, k, bad)
+    if value.get("model") is not None:
+        bad("model", "None with method 'ngram' (a draft model's path goes with method 'draft_model')")
     low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     if low is None and high is None:
         low = high = 5
@@ -355,6 +372,18 @@ def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
     if low > high:
         bad("prompt_lookup_min", f"<= prompt_lookup_max ({high})")
     return SpeculativeConfig(k, prompt_lookup_max=high, prompt_lookup_min=low)
+
+
+def _draft_model_config(value: dict, k: int, bad) -> SpeculativeConfig:
+    model = value.get("model")
+    if not isinstance(model, (str, Path)) or not str(model):
+        bad("model", "the draft model's path or name (method 'draft_model')")
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        if value.get(key) is not None:
+            bad(key, "None with method 'draft_model' (it belongs to method 'ngram')")
+    if value.get("draft_tensor_parallel_size", 1) != 1:
+        bad("draft_tensor_parallel_size", "1 (the draft model runs unsharded on rank 0's GPU)")
+    return SpeculativeConfig(k, method="draft_model", model=str(model))
 
 
 def resolve_quantization(requested: str | None, hf_config) -> str | None:

@@ -28,6 +28,7 @@ from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.layers.rotary import long_rope_switch
+from pagedlab.engine.draft_model import DraftModel
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.output_processor import OutputProcessor
@@ -125,6 +126,7 @@ class LLMEngine:
         self._weights_discarded = False  # woken from level 2, not yet loaded
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
+        self.draft: DraftModel | None = None  # speculative_config's draft model
         self.build_plan()
 
     def _load_runner(self) -> ModelRunner:
@@ -175,7 +177,9 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
                                  else cfg.async_scheduling) and cfg.speculative_config is None
-        num_blocks = self.runner.configure(RunnerPlan(
+        speculative = resolve_speculative_config(cfg.speculative_config)
+        self._load_draft_model(speculative)
+        plan = RunnerPlan(
             block_size=cfg.block_size, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes or (
@@ -185,17 +189,34 @@ class LLMEngine:
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
             mixed_cuda_graphs=cfg.cuda_graph_mixed_steps,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
-            batch_invariant=cfg.batch_invariant))
-        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                       kv_release_window(self.hf_config))
+            batch_invariant=cfg.batch_invariant,
+            extra_bytes_per_block=self.draft.bytes_per_block(cfg.block_size, cfg.kv_cache_dtype)
+            if self.draft is not None else 0)
+        num_blocks = self.runner.configure(plan)
+        window = kv_release_window(self.hf_config)
+        if self.draft is not None:
+            self.draft.configure(plan, num_blocks, cfg.kv_cache_dtype)
+            window = self.draft.release_window(window)
+        self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, window)
         switch = long_rope_switch(self.hf_config)
         self.scheduler = Scheduler(self.kv_cache, cfg.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, cfg.enable_chunked_prefill,
                                    None if switch is None else (switch, model_max_len(self.hf_config)),
                                    max_loras=cfg.max_loras if cfg.enable_lora else None,
-                                   policy=cfg.scheduling_policy,
-                                   speculative=resolve_speculative_config(cfg.speculative_config))
+                                   policy=cfg.scheduling_policy, speculative=speculative)
         _freeze_heap()
+
+    def _load_draft_model(self, speculative) -> None:
+        """Keep, load or drop the draft model the plan's ``speculative_config`` names; a kept one's
+        KV cache is freed first (the target's memory profile must not count it)."""
+        wanted = speculative.model if speculative is not None else None
+        if self.draft is not None and self.draft.model != wanted:
+            self.draft.close()
+            self.draft = None
+        if self.draft is not None:
+            self.draft.runner.free_kv_cache()
+        elif wanted is not None:
+            self.draft = DraftModel.load(self.config, speculative, self.hf_config, self.device)
 
     def reset_stats(self) -> None:
         """Zero the peak and token counters (the prefix cache keeps its contents)."""
@@ -205,7 +226,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         kv, counters = self.kv_cache, self.scheduler.stats
         return EngineStats(
-            num_kv_blocks=kv.num_blocks, block_size=kv.block_size, kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_kv_blocks=kv.num_blocks, block_size=kv.block_size, kv_cache_bytes=self.kv_cache_bytes,
             weight_bytes=self.runner.weight_bytes,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks, peak_kv_blocks_used=counters.peak_blocks,
@@ -216,6 +237,11 @@ class LLMEngine:
             spec_decode_num_draft_tokens=counters.num_draft_tokens,
             spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(counters.num_accepted_per_position))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache's bytes, a draft model's included (its blocks are the target's)."""
+        return self.runner.kv_cache_bytes + (self.draft.runner.kv_cache_bytes if self.draft else 0)
 
     @property
     def cascade_attention(self) -> bool:
@@ -385,6 +411,9 @@ class LLMEngine:
                 previous = None
             with self.ranges.range("schedule"):
                 batch = self.scheduler.schedule()
+            if self.draft is not None:
+                with self.ranges.range("propose"):
+                    self.draft.propose(batch)  # fills in the scheduler's placeholders
             changed += batch.preempted
             launched = self._launch(batch, previous)
             if previous is not None:
@@ -458,6 +487,9 @@ class LLMEngine:
         while requests are unfinished; a part already asleep stays so. Waking plans the KV cache
         afresh (empty, with the memory free then), so nothing cached before is reused."""
         check_sleep_level(level)
+        if self.draft is not None:
+            raise SleepStateError("sleep() with a draft model (speculative_config's 'model') is unsupported: "
+                                  "re-plan without it first, set_model_args(speculative_config=None)")
         if level == 2:
             try:
                 check_updatable(self.model, self.quantization)
@@ -515,6 +547,8 @@ class LLMEngine:
         self.output_processor.clear()
         self.scheduler = None
         self.kv_cache = None
+        if self.draft is not None:
+            self.draft.close()
         self.runner.close()
         destroy_tensor_parallel()
         gc.unfreeze()  # what this engine held may sit in reference cycles: let the collector see it

@@ -58,6 +58,7 @@ class RunnerPlan:
     kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
     batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
     mixed_cuda_graphs: bool = False  # with cuda_graphs: steps with prefill tokens replay graphs too
+    extra_bytes_per_block: int = 0  # another cache on the same block ids (a draft model's) shares the memory
 
 
 @dataclass
@@ -210,7 +211,7 @@ class ModelRunner:
         """vLLM's check_enough_kv_cache_memory: what one max_model_len sequence needs, what the
         setting that sized the cache gives, and the longest max_model_len that would fit."""
         num_blocks = max(num_blocks, 0)  # a profile can leave less than nothing
-        per_block, tokens = self.bytes_per_block, num_blocks * plan.block_size
+        per_block, tokens = self.bytes_per_block + plan.extra_bytes_per_block, num_blocks * plan.block_size
         setting = ("kv_cache_memory_bytes" if plan.kv_cache_memory_bytes is not None
                    else "gpu_memory_utilization")
         lower = f" or lower max_model_len to at most {tokens}" if tokens else ""
@@ -270,7 +271,7 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size() if self.kv_cache is not None else 0
 
     def _num_kv_blocks(self, plan: RunnerPlan) -> int:
-        per_block = self.bytes_per_block
+        per_block = self.bytes_per_block + plan.extra_bytes_per_block
         # Never more than every sequence slot at full length could use.
         ceiling = plan.max_num_seqs * -(-plan.max_model_len // plan.block_size) + 1
         if plan.kv_cache_memory_bytes is not None:
@@ -323,8 +324,11 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty(0, dtype=self.plan.kv_cache_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_bytes_per_block(self.block_size, self.plan.kv_cache_dtype)
+
+    def kv_bytes_per_block(self, block_size: int, kv_cache_dtype: torch.dtype) -> int:
+        itemsize = torch.empty(0, dtype=kv_cache_dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``; each layer gets views."""
@@ -364,7 +368,7 @@ class ModelRunner:
         logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
                     "mixed-step graph pool %.2f GiB + %.2f GiB outside torch)", available / GIB, peak / GIB,
                     num_tokens, graph_pool / GIB, outside_torch / GIB)
-        return int(available // self.bytes_per_block)
+        return int(available // (self.bytes_per_block + self.plan.extra_bytes_per_block))
 
     def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
         """Bytes a forward over ``num_tokens`` tokens allocates at its peak (its activations), and
@@ -505,6 +509,28 @@ class ModelRunner:
             if self.device.type == "cuda":
                 step.done = torch.cuda.Event()
                 step.done.record()
+
+    @torch.inference_mode()
+    def forward_greedy(self, inputs: StepInputs, requests: list[Request], query_lens: list[int],
+                       input_ids: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor | None:
+        """The argmax token at each of ``inputs.sample_rows`` (None with ``logits=False``: only the
+        KV cache is written) of a forward over ``inputs``; ``input_ids`` (on the device) replace
+        ``inputs.input_ids``. A draft model's pass: no sampler, nothing read back, no wait."""
+        with self.numerics():
+            self.to_device.begin_step()
+            table = self._build_block_table(requests)
+            staged = stage_forward_inputs(inputs, table, self.to_device)
+            hidden = self._run_model(staged.input_ids if input_ids is None else input_ids, staged, inputs,
+                                     table, query_lens)
+            rows = len(inputs.sample_rows)
+            tokens = None
+            if logits and rows:
+                tokens = self.model.compute_logits(self._logit_hidden(hidden, staged, rows)).argmax(-1)
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+                self.to_device.end_step(done)
+            return tokens
 
     @staticmethod
     def _input_ids(staged: DeviceInputs, previous: LaunchedStep | None) -> torch.Tensor:

@@ -20,7 +20,8 @@ LongRoPE models (``long_rope``: switch length, position offset) compute a sequen
 the switch with the long factors, at offset positions; a running request that grows past it is
 preempted so that all of its tokens are recomputed in the long regime, as transformers does.
 
-With speculative decoding (``speculative``: n-gram prompt lookup), a decode whose sampling reads
+With speculative decoding (``speculative``: n-gram prompt lookup, or a draft model, whose proposals
+the engine fills in after scheduling: ``engine/draft_model.py``), a decode whose sampling reads
 nothing of its history on the host (no penalties, logits processors, multi-token bad words or
 grammar) runs its last token and up to ``num_speculative_tokens`` proposed ones in one step, out
 of the budget and blocks left once every running request and admitted prompt has its tokens; the
@@ -205,7 +206,7 @@ class Scheduler:
                 self.stats.num_draft_tokens += len(drafts)
 
     def _propose_drafts(self, request: Request, limit: int) -> list[int]:
-        """The n-gram proposal for a decode of ``request`` (see the module's docstring): at most
+        """The proposal for a decode of ``request`` (see the module's docstring): at most
         ``limit`` tokens, and no more than its ``max_tokens`` and ``max_model_len`` leave room for,
         nor past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
         spec = self.speculative
@@ -216,6 +217,8 @@ class Scheduler:
             room = min(room, self.long_rope[0] - request.num_tokens)  # no row past LongRoPE's switch
         if request.sampling_params.max_tokens is not None:
             room = min(room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if spec.method == "draft_model":
+            return [0] * room  # placeholders: the draft model fills them in before the step runs
         return propose_ngram_drafts(request.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                     room)
 

@@ -1,0 +1,147 @@
+"""Speculative decoding with a draft model (vLLM's ``speculative_config={"method": "draft_model",
+"model": path, "num_speculative_tokens": k}``).
+
+A smaller model of the target's vocabulary proposes each decode's next tokens greedily, and the
+target checks them in one step by the rule n-gram proposals use (``engine/scheduler.py``): its
+sampled tokens are kept up to the first that differs from the proposal. For a greedy (one-hot)
+proposal that rule is exact speculative sampling (a proposed token is kept with the target's
+probability of it, and a rejected position keeps the target's own sample), so outputs are those
+of plain decoding, seeded sampling included.
+
+The draft runs in lockstep with the target. Its own KV cache has as many blocks as the target's,
+addressed by the same block tables, and before each target step it computes the keys and values
+of every token that step runs: pass 0 runs the step's known tokens (prompt chunks included) and
+reads its logits at each proposing decode's last token, for its first proposal; pass j runs one
+token per proposing row, its j-th proposal, for the next one (the last pass for the keys and
+values alone). The draft's cache then holds exactly the positions the target's does: rejected
+proposals are stepped back over with the target's ``num_computed_tokens``, and preemption and
+prefix-cache hits need nothing of their own (a cached block was computed by both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from pagedlab.config import (EngineConfig, SpeculativeConfig, kv_release_window, model_max_len,
+                             resolve_kv_cache_dtype)
+from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
+from pagedlab.engine.request import Request
+from pagedlab.engine.scheduler import ScheduledBatch
+from pagedlab.engine.step_inputs import StepInputs, prepare_step_inputs
+from pagedlab.layers.rotary import long_rope_switch
+from pagedlab.loader import resolve_model_source
+from pagedlab.models.registry import check_config_file
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModel:
+    """The draft model's runner and its proposals (``propose``)."""
+
+    def __init__(self, runner: ModelRunner, model: str, hf_config):
+        self.runner = runner
+        self.model = model  # as given in speculative_config
+        self.hf_config = hf_config
+
+    @classmethod
+    def load(cls, config: EngineConfig, spec: SpeculativeConfig, target_hf_config,
+             device: torch.device) -> DraftModel:
+        """Load ``spec.model`` on ``device`` in the engine's dtype (its own checkpoint's weight
+        format, no LoRA), after checking that it can propose for ``target_hf_config``."""
+        from transformers import AutoConfig
+
+        source = resolve_model_source(spec.model, config.load_format, None, config.download_dir)
+        check_config_file(source.path)
+        hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
+        check_draft_config(spec.model, hf_config, target_hf_config)
+        draft_config = dataclasses.replace(config, model=spec.model, revision=None, quantization=None,
+                                           enable_lora=False, tensor_parallel_size=1, speculative_config=None)
+        logger.info("loading the draft model %s", spec.model)
+        return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, hf_config)
+
+    def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
+        """Bytes of the draft's keys and values in one KV block (``kv_cache_dtype``: the engine's
+        setting, "auto" being the draft's own dtype)."""
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype)
+        return self.runner.kv_bytes_per_block(block_size, dtype)
+
+    def configure(self, target_plan: RunnerPlan, num_blocks: int, kv_cache_dtype: str) -> None:
+        """Allocate the draft's KV cache of ``num_blocks`` blocks (the target's count) and capture
+        its CUDA graphs as the target's plan asks; ``max_model_len`` beyond the draft's positions
+        is a ValueError."""
+        limit = model_max_len(self.hf_config)
+        if target_plan.max_model_len > limit:
+            raise ValueError(f"speculative_config's draft model {self.model!r} supports at most {limit} "
+                             f"positions, fewer than max_model_len={target_plan.max_model_len}: lower "
+                             "max_model_len or give a draft model with a longer context")
+        per_block = self.bytes_per_block(target_plan.block_size, kv_cache_dtype)
+        self.runner.configure(dataclasses.replace(
+            target_plan, kv_cache_memory_bytes=num_blocks * per_block, extra_bytes_per_block=0,
+            kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype)))
+
+    def release_window(self, target_window: int | None) -> int | None:
+        """The window after which both models' keys may be freed (None: keep every key)."""
+        window = kv_release_window(self.hf_config)
+        return None if window is None or target_window is None else max(window, target_window)
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Run the draft over the batch's tokens and fill in its decodes' proposals (the
+        scheduler's placeholders) with the draft's greedy tokens."""
+        if batch.is_empty():
+            return
+        known = [n - len(d) for n, d in zip(batch.num_new_tokens, batch.draft_token_ids)]
+        proposing = [i for i, d in enumerate(batch.draft_token_ids) if d]
+        last_rows = np.cumsum(known) - 1
+        inputs = prepare_step_inputs(ScheduledBatch(batch.requests, known, [[] for _ in known]), {},
+                                     self.runner.block_size)
+        inputs.prompt_rows, inputs.prompt_chunks = [], {}
+        inputs.sample_rows = [int(last_rows[i]) for i in proposing]
+        first = self.runner.forward_greedy(inputs, batch.requests, known)
+        if not proposing:
+            return
+        rooms = [len(batch.draft_token_ids[i]) for i in proposing]
+        drafts = first.new_zeros(len(proposing), max(rooms))
+        drafts[:, 0] = first
+        requests = [batch.requests[i] for i in proposing]
+        last_positions = [r.num_computed_tokens + known[i] - 1 for r, i in zip(requests, proposing)]
+        for j in range(1, max(rooms) + 1):
+            rows = [p for p, room in enumerate(rooms) if room >= j]
+            index = torch.tensor(rows, device=drafts.device) if len(rows) < len(rooms) else slice(None)
+            step_requests = [requests[p] for p in rows]
+            step_inputs = _decode_inputs(step_requests, [last_positions[p] + j for p in rows],
+                                         self.runner.block_size)
+            tokens = self.runner.forward_greedy(step_inputs, step_requests, [1] * len(rows),
+                                                drafts[index, j - 1].contiguous(), logits=j < max(rooms))
+            if tokens is not None:
+                drafts[index, j] = tokens
+        for i, proposal, room in zip(proposing, drafts.tolist(), rooms):
+            batch.draft_token_ids[i] = proposal[:room]
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _decode_inputs(requests: list[Request], positions: list[int], block_size: int) -> StepInputs:
+    """One token per request at ``positions`` (its id given on the device), each sampling."""
+    inputs = StepInputs(input_ids=[0] * len(requests), sample_rows=list(range(len(requests))))
+    for request, pos in zip(requests, positions):
+        inputs.positions.append(pos + request.rope_position_offset)
+        inputs.slots.append(request.block_ids[pos // block_size] * block_size + pos % block_size)
+        inputs.seq_lens.append(pos + 1)
+    return inputs
+
+
+def check_draft_config(model: str, hf_config, target_hf_config) -> None:
+    """A ValueError unless the draft's token ids mean the target's and its positions are plain."""
+    what = f"speculative_config's draft model {model!r}"
+    if hf_config.vocab_size > target_hf_config.vocab_size:
+        raise ValueError(f"{what} has a vocabulary of {hf_config.vocab_size} tokens, more than the target's "
+                         f"{target_hf_config.vocab_size}: a draft model must share the target's tokenizer")
+    for name, config in (("the draft model", hf_config), ("the target model", target_hf_config)):
+        if long_rope_switch(config) is not None:
+            raise ValueError(f"{what}: {name} uses LongRoPE, whose positions change regime with the length; "
+                             "draft-model speculation needs plain positions (n-gram proposals work)")

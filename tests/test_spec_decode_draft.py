@@ -1,0 +1,183 @@
+"""Speculative decoding with a draft model (vLLM's ``speculative_config={"method": "draft_model",
+"model": path}``): the target's greedy tokens and logprobs are HF transformers' float32 ones, and
+every proposal is the draft model's own HF greedy continuation of the sequence it was made for
+(so the draft's KV cache, kept in lockstep with the target's through prompt chunks, rejections,
+preemptions and prefix-cache hits, holds the right keys); seeded sampling gives plain decoding's
+tokens; bad drafts are refused with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
+from pagedlab import LLM, SamplingParams
+from pagedlab.config import EngineConfig, resolve_speculative_config
+from pagedlab.engine.sleep_mode import SleepStateError
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_models, tmp_path_factory):
+    """Draft models for the tiny Llama: itself, its first layer alone (agrees often, not always),
+    and an unrelated Qwen3 (different heads and head_dim; rarely agrees)."""
+    import transformers
+
+    target = tiny_models("llama")
+    config = transformers.LlamaConfig.from_pretrained(target.path)
+    config.num_hidden_layers = 1
+    one_layer = transformers.LlamaForCausalLM(config).float().eval()
+    one_layer.load_state_dict(target.hf_model.state_dict(), strict=False)
+    path = tmp_path_factory.mktemp("llama_1layer")
+    one_layer.save_pretrained(path)
+    return {"self": (target.path, target.hf_model), "one_layer": (str(path), one_layer),
+            "qwen3": (tiny_models("qwen3").path, tiny_models("qwen3").hf_model)}
+
+
+def draft_config(path: str, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(the sequence, the draft's proposal) of every proposal the engine's draft model makes."""
+    draft, seen = llm.llm_engine.draft, []
+    propose = draft.propose
+
+    def recording(batch):
+        propose(batch)
+        seen.extend((list(r.all_token_ids), list(d))
+                    for r, d in zip(batch.requests, batch.draft_token_ids) if d)
+
+    draft.propose = recording
+    return seen
+
+
+def assert_proposals_are_the_drafts_greedy(draft_hf, proposals) -> None:
+    assert proposals
+    for tokens, proposal in proposals:
+        assert proposal == hf_greedy(draft_hf, tokens, len(proposal), eos_token_id=None), tokens
+
+
+def test_config_method_defaults_and_errors():
+    spec = resolve_speculative_config({"model": "some/draft", "num_speculative_tokens": 3})
+    assert (spec.method, spec.model, spec.prompt_lookup_max) == ("draft_model", "some/draft", None)
+    assert spec.to_dict() == {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3}
+    bad = [({"method": "draft_model", "num_speculative_tokens": 3}, r"\['model'\]=None is invalid"),
+           ({"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_max'\]=2 is invalid: .* belongs to method 'ngram'"),
+           ({"method": "ngram", "model": "d", "num_speculative_tokens": 3}, r"\['model'\]='d' is invalid"),
+           ({"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            r"draft_tensor_parallel_size'\]=2 is invalid: .* must be 1"),
+           ({"method": "eagle", "num_speculative_tokens": 3}, r"one of \['ngram', 'draft_model'\]")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=value).validate()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: a draft model runs with a target of"):
+        EngineConfig(speculative_config=draft_config("d"), tensor_parallel_size=2).validate()
+
+
+@pytest.mark.parametrize("name", ["self", "one_layer", "qwen3"])
+def test_greedy_tokens_are_hf_and_proposals_are_the_drafts_own(tiny_llama, drafts, name):
+    path, draft_hf = drafts[name]
+    prompts = random_prompts(6, vocab=40, max_len=40, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES,
+             speculative_config=draft_config(path)) as llm:
+        proposals = record_proposals(llm)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
+    assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+    assert stats.spec_decode_num_draft_tokens == sum(len(p) for _, p in proposals)
+    accepted, proposed = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
+    if name == "self":  # the target proposing for itself is right every time
+        assert accepted == proposed
+    elif name == "one_layer":
+        assert 0 < accepted < proposed
+    assert stats.generation_tokens == 6 * MAX_TOKENS
+
+
+def test_chunked_prompts_preemption_and_prefix_cache_keep_the_draft_in_step(tiny_llama, drafts):
+    """Prompts in 24-token chunks, a KV cache of 12 blocks (preemptions and recomputes), prompts
+    that share a cached 32-token prefix: the draft's proposals stay its own greedy continuations."""
+    path, draft_hf = drafts["one_layer"]
+    shared = random_prompts(1, vocab=30, min_len=32, max_len=32, seed=17)[0]
+    prompts = [shared + p for p in random_prompts(6, vocab=30, max_len=20, seed=19)]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 slots, 2 KV heads, dim 16, float32
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=12 * (block_bytes + block_bytes // 2),
+             max_model_len=128, max_num_batched_tokens=24, speculative_config=draft_config(path)) as llm:
+        assert llm.get_stats().num_kv_blocks == 12  # the draft's one layer shares the budget
+        proposals = record_proposals(llm)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
+    assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_seeded_sampling_gives_plain_decodings_tokens_and_replans_keep_the_target(tiny_llama, drafts):
+    """One engine: plain decoding, then a draft model, then n-gram proposals, then none (plan
+    switches; the target's weights stay): seeded sampled tokens and logprobs equal plain decoding's."""
+    prompts = random_prompts(5, vocab=30, max_len=30, seed=7)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=MAX_TOKENS, logprobs=2, **extra)
+              for t, s, extra in [(0.2, 1, {}), (1.0, 2, {"top_k": 5}), (0.3, 3, {"top_p": 0.8}),
+                                  (0.3, 4, {"min_p": 0.1, "n": 2}), (0.5, 6, {"min_tokens": 20})]]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        target = llm.llm_engine.model
+        runs = {}
+        for name, spec in [("plain", None), ("draft", draft_config(drafts["self"][0], 3)), ("ngram", ngram),
+                           ("none", None)]:
+            llm.set_model_args(speculative_config=spec)
+            llm.reset_stats()
+            runs[name] = llm.generate(prompts, params, use_tqdm=False)
+            if name == "draft":
+                assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+        assert llm.llm_engine.draft is None and llm.llm_engine.model is target
+    def completions(outs):
+        return [(c.token_ids, [sorted(lp.items()) for lp in c.logprobs]) for o in outs for c in o.outputs]
+
+    want = completions(runs["plain"])
+    for name in ("draft", "ngram", "none"):
+        for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(completions(runs[name]), want):
+            assert tokens == plain_tokens, name
+            for a, b in zip(logprobs, plain_logprobs, strict=True):
+                assert [t for t, _ in a] == [t for t, _ in b]
+                assert all(abs(x.logprob - y.logprob) < 1e-4 for (_, x), (_, y) in zip(a, b))
+
+
+def test_drafts_that_cannot_propose_are_refused(tiny_models, tiny_llama, tmp_path):
+    wide = build_tiny_model(tmp_path / "wide", "llama", vocab_size=2000)
+    short = build_tiny_model(tmp_path / "short", "llama", max_position_embeddings=64)
+    cases = [(tiny_llama.path, wide.path, "vocabulary of 2000 tokens, more than the target's 1000"),
+             (tiny_llama.path, short.path, "supports at most 64 positions, fewer than max_model_len=512"),
+             (tiny_models("phi3_longrope").path, tiny_llama.path, "the target model uses LongRoPE")]
+    for target, draft, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(target, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=draft_config(draft))
+    with (LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_model_len=64,
+              speculative_config=draft_config(short.path)) as llm,  # fits the draft: runs
+          pytest.raises(SleepStateError, match="sleep\\(\\) with a draft model")):
+        llm.sleep()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_tokens_are_hf_and_proposals_the_drafts_own(tiny_llama, drafts):
+    """Float32 on the GPU, Triton attention, the draft's passes in its own decode and mixed-step
+    CUDA graphs beside the target's."""
+    path, draft_hf = drafts["one_layer"]
+    prompts = random_prompts(12, vocab=40, max_len=60, seed=29)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    with LLM(tiny_llama.path, device="cuda", dtype="float32", kv_cache_memory_bytes=256 << 20,
+             speculative_config=draft_config(path)) as llm:
+        assert llm.llm_engine.draft.runner.uses_mixed_cuda_graphs
+        proposals = record_proposals(llm)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
+    assert_proposals_are_the_drafts_greedy(draft_hf.cpu(), proposals)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
