@@ -7,6 +7,9 @@ tokens; bad drafts are refused with clear errors."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -63,6 +66,8 @@ def test_config_method_defaults_and_errors():
     spec = resolve_speculative_config({"model": "some/draft", "num_speculative_tokens": 3})
     assert (spec.method, spec.model, spec.prompt_lookup_max) == ("draft_model", "some/draft", None)
     assert spec.to_dict() == {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3}
+    assert resolve_speculative_config({"model": "d", "num_speculative_tokens": 1,
+                                       "draft_tensor_parallel_size": None}).model == "d"  # vLLM's default
     bad = [({"method": "draft_model", "num_speculative_tokens": 3}, r"\['model'\]=None is invalid"),
            ({"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
             r"prompt_lookup_max'\]=2 is invalid: .* belongs to method 'ngram'"),
@@ -181,3 +186,50 @@ def test_on_the_gpu_tokens_are_hf_and_proposals_the_drafts_own(tiny_llama, draft
     assert_hf_tokens_and_logprobs(tiny_llama.hf_model, prompts, outs, MAX_TOKENS)
     assert_proposals_are_the_drafts_greedy(draft_hf.cpu(), proposals)
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_a_smaller_padded_draft_vocabulary(tiny_llama, tmp_path):
+    """A draft of 900 tokens beside the target's 1,000 (a prompt id the draft lacks reaches it as
+    0): plain decoding's tokens."""
+    small = build_tiny_model(tmp_path / "small", "llama", seed=1, vocab_size=900)
+    prompts = random_prompts(3, vocab=40, max_len=20, seed=2) + [[5, 17, 950, 33]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.set_model_args(speculative_config=draft_config(small.path, 2))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+
+
+def test_a_windowed_draft_beside_a_target_attending_its_shared_prefix_as_a_cascade(tiny_llama, tmp_path,
+                                                                                     monkeypatch):
+    """The target's decode batches attend their shared prefix as a cascade; the sliding-window
+    draft's layers cannot, and run without: plain decoding's tokens (Triton under the interpreter)."""
+    import pagedlab.layers.attention.triton_backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "CASCADE_MIN_SEQS", 2)  # GPU-scale thresholds, lowered
+    monkeypatch.setattr(triton_backend, "CASCADE_MIN_SHARED_KEYS", 1)
+    windowed = build_tiny_model(tmp_path / "windowed", "mistral_window", seed=1)
+    shared = random_prompts(1, min_len=64, max_len=64, seed=1)[0]
+    prompts = [shared + p for p in random_prompts(3, max_len=4, seed=2)]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES,
+             attention_backend="triton") as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.set_model_args(speculative_config=draft_config(windowed.path, 1))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == plain
+
+
+def test_dropping_a_draft_frees_it_and_stats_count_its_memory(tiny_llama):
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        plain = llm.get_stats()
+        refs = []
+        for _ in range(2):
+            llm.set_model_args(speculative_config=draft_config(tiny_llama.path))
+            with_draft = llm.get_stats()
+            refs += [weakref.ref(p) for p in llm.llm_engine.draft.runner.model.parameters()]
+            llm.set_model_args(speculative_config=None)
+        gc.collect()
+    assert not [r for r in refs if r() is not None]  # no draft weights outlive its plan
+    assert with_draft.weight_bytes == 2 * plain.weight_bytes  # the target as its own draft
+    assert with_draft.num_kv_blocks * 2 == plain.num_kv_blocks  # the same budget for two caches
+    assert with_draft.kv_cache_bytes == plain.kv_cache_bytes

@@ -381,7 +381,7 @@ def _draft_model_config(value: dict, k: int, bad) -> SpeculativeConfig:
     for key in ("prompt_lookup_min", "prompt_lookup_max"):
         if value.get(key) is not None:
             bad(key, "None with method 'draft_model' (it belongs to method 'ngram')")
-    if value.get("draft_tensor_parallel_size", 1) != 1:
+    if value.get("draft_tensor_parallel_size") not in (None, 1):
         bad("draft_tensor_parallel_size", "1 (the draft model runs unsharded on rank 0's GPU)")
     return SpeculativeConfig(k, method="draft_model", model=str(model))
 

@@ -26,8 +26,8 @@ import logging
 import numpy as np
 import torch
 
-from pagedlab.config import (EngineConfig, SpeculativeConfig, kv_release_window, model_max_len,
-                             resolve_kv_cache_dtype)
+from pagedlab.config import (EngineConfig, SpeculativeConfig, attention_windows, kv_release_window,
+                             model_max_len, resolve_kv_cache_dtype)
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
@@ -42,15 +42,17 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     """The draft model's runner and its proposals (``propose``)."""
 
-    def __init__(self, runner: ModelRunner, model: str, hf_config):
+    def __init__(self, runner: ModelRunner, model: str, hf_config, target_vocab_size: int):
         self.runner = runner
         self.model = model  # as given in speculative_config
         self.hf_config = hf_config
+        # a padded target vocabulary may hold ids the draft lacks (never sampled in practice)
+        self.clamp_ids = hf_config.vocab_size < target_vocab_size
 
     @classmethod
-    def load(cls, config: EngineConfig, spec: SpeculativeConfig, target_hf_config,
-             device: torch.device) -> DraftModel:
-        """Load ``spec.model`` on ``device`` in the engine's dtype (its own checkpoint's weight
+    def load(cls, config: EngineConfig, spec: SpeculativeConfig, target_hf_config, device: torch.device,
+             dtype: torch.dtype) -> DraftModel:
+        """Load ``spec.model`` on ``device`` in ``dtype`` (the target's; its own checkpoint's weight
         format, no LoRA), after checking that it can propose for ``target_hf_config``."""
         from transformers import AutoConfig
 
@@ -59,9 +61,11 @@ class DraftModel:
         hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
         check_draft_config(spec.model, hf_config, target_hf_config)
         draft_config = dataclasses.replace(config, model=spec.model, revision=None, quantization=None,
-                                           enable_lora=False, tensor_parallel_size=1, speculative_config=None)
+                                           dtype=str(dtype).removeprefix("torch."), enable_lora=False,
+                                           tensor_parallel_size=1, speculative_config=None)
         logger.info("loading the draft model %s", spec.model)
-        return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, hf_config)
+        return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, hf_config,
+                   target_hf_config.vocab_size)
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
         """Bytes of the draft's keys and values in one KV block (``kv_cache_dtype``: the engine's
@@ -81,7 +85,8 @@ class DraftModel:
         per_block = self.bytes_per_block(target_plan.block_size, kv_cache_dtype)
         self.runner.configure(dataclasses.replace(
             target_plan, kv_cache_memory_bytes=num_blocks * per_block, extra_bytes_per_block=0,
-            kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype)))
+            kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype),
+            cascade_attention=target_plan.cascade_attention and not any(attention_windows(self.hf_config))))
 
     def release_window(self, target_window: int | None) -> int | None:
         """The window after which both models' keys may be freed (None: keep every key)."""
@@ -99,6 +104,9 @@ class DraftModel:
         inputs = prepare_step_inputs(ScheduledBatch(batch.requests, known, [[] for _ in known]), {},
                                      self.runner.block_size)
         inputs.prompt_rows, inputs.prompt_chunks = [], {}
+        if self.clamp_ids:
+            vocab = self.hf_config.vocab_size
+            inputs.input_ids = [t if t < vocab else 0 for t in inputs.input_ids]
         inputs.sample_rows = [int(last_rows[i]) for i in proposing]
         first = self.runner.forward_greedy(inputs, batch.requests, known)
         if not proposing:
@@ -136,7 +144,9 @@ def _decode_inputs(requests: list[Request], positions: list[int], block_size: in
 
 
 def check_draft_config(model: str, hf_config, target_hf_config) -> None:
-    """A ValueError unless the draft's token ids mean the target's and its positions are plain."""
+    """A ValueError unless the draft's token ids can mean the target's (a vocabulary no larger: a
+    padded one, as Qwen2.5-0.5B's beside Qwen2.5-7B's, may be smaller, and a target id the draft
+    lacks reaches it as id 0) and both models' positions are plain."""
     what = f"speculative_config's draft model {model!r}"
     if hf_config.vocab_size > target_hf_config.vocab_size:
         raise ValueError(f"{what} has a vocabulary of {hf_config.vocab_size} tokens, more than the target's "

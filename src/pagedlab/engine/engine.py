@@ -213,10 +213,12 @@ class LLMEngine:
         if self.draft is not None and self.draft.model != wanted:
             self.draft.close()
             self.draft = None
+            gc.unfreeze()  # the draft sits in the heap _freeze_heap froze: collect its cycles now
+            gc.collect()
         if self.draft is not None:
             self.draft.runner.free_kv_cache()
         elif wanted is not None:
-            self.draft = DraftModel.load(self.config, speculative, self.hf_config, self.device)
+            self.draft = DraftModel.load(self.config, speculative, self.hf_config, self.device, self.dtype)
 
     def reset_stats(self) -> None:
         """Zero the peak and token counters (the prefix cache keeps its contents)."""
@@ -227,7 +229,7 @@ class LLMEngine:
         kv, counters = self.kv_cache, self.scheduler.stats
         return EngineStats(
             num_kv_blocks=kv.num_blocks, block_size=kv.block_size, kv_cache_bytes=self.kv_cache_bytes,
-            weight_bytes=self.runner.weight_bytes,
+            weight_bytes=self.weight_bytes,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks, peak_kv_blocks_used=counters.peak_blocks,
             kv_tokens_at_peak=counters.tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
@@ -237,6 +239,11 @@ class LLMEngine:
             spec_decode_num_draft_tokens=counters.num_draft_tokens,
             spec_decode_num_accepted_tokens=counters.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(counters.num_accepted_per_position))
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' bytes, a draft model's included."""
+        return self.runner.weight_bytes + (self.draft.runner.weight_bytes if self.draft else 0)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -270,7 +277,7 @@ class LLMEngine:
             cascade_attention=self.cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
-            quantization=self.quantization, weight_bytes=self.runner.weight_bytes,
+            quantization=self.quantization, weight_bytes=self.weight_bytes,
             mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs,
             default_sampling_args=self.default_sampling_args)
 

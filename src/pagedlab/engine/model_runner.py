@@ -277,7 +277,7 @@ class ModelRunner:
         if plan.kv_cache_memory_bytes is not None:
             return min(plan.kv_cache_memory_bytes // per_block, ceiling)
         blocks = self.profile_gpu_kv_blocks(plan.max_num_batched_tokens, plan.max_model_len,
-                                            plan.gpu_memory_utilization)
+                                            plan.gpu_memory_utilization, plan.extra_bytes_per_block)
         return min(blocks, ceiling)
 
     def load_weights(self, pairs: WeightPairs) -> None:
@@ -350,13 +350,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int,
-                              gpu_memory_utilization: float) -> int:
+    def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int, gpu_memory_utilization: float,
+                              extra_bytes_per_block: int = 0) -> int:
         """Blocks that fit in ``gpu_memory_utilization`` of the GPU's total (this engine's share, as
         in vLLM: ``gpu_memory``) beside the weights, the activations' peak of the largest step
         (``num_tokens`` tokens), what this process added outside torch since it started and, with
         mixed-step CUDA graphs, their pool: it keeps the largest bucket's forward activations for
-        itself, apart from the memory the eager LM head and sampler allocate."""
+        itself, apart from the memory the eager LM head and sampler allocate. Each block also
+        holds ``extra_bytes_per_block`` of another cache (a draft model's, whose weights count in
+        the peak; its activations and graphs come out of what the share leaves)."""
         requested = requested_memory(self.memory_baseline, gpu_memory_utilization)
         key = (num_tokens, min(num_tokens, max_model_len))
         if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
@@ -368,7 +370,7 @@ class ModelRunner:
         logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
                     "mixed-step graph pool %.2f GiB + %.2f GiB outside torch)", available / GIB, peak / GIB,
                     num_tokens, graph_pool / GIB, outside_torch / GIB)
-        return int(available // (self.bytes_per_block + self.plan.extra_bytes_per_block))
+        return int(available // (self.bytes_per_block + extra_bytes_per_block))
 
     def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
         """Bytes a forward over ``num_tokens`` tokens allocates at its peak (its activations), and

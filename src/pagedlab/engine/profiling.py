@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 STEP_NAME = "pagedlab.step"
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "process_output")
+STEP_PHASES = ("schedule", "propose", "prepare", "forward", "sample", "process_output")
 KIND_PREFIX = "pagedlab.kind:"
 # Kinds of kernels (or, on the CPU, of aten operators) by a fragment of their name, first match wins;
 # the rest (norms, activations, rotary, residual adds) is element-wise.
