@@ -73,10 +73,11 @@ class DraftModel:
         dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype)
         return self.runner.kv_bytes_per_block(block_size, dtype)
 
-    def configure(self, target_plan: RunnerPlan, num_blocks: int, kv_cache_dtype: str) -> None:
-        """Allocate the draft's KV cache of ``num_blocks`` blocks (the target's count) and capture
-        its CUDA graphs as the target's plan asks; ``max_model_len`` beyond the draft's positions
-        is a ValueError."""
+    def configure(self, target_plan: RunnerPlan, num_blocks: int, kv_cache_dtype: str,
+                  storage: torch.Tensor) -> None:
+        """Lay the draft's KV cache of ``num_blocks`` blocks (the target's count) in ``storage`` (the
+        target runner allocated it with its own: ``extra_kv_storage``) and capture its CUDA graphs
+        as the target's plan asks; ``max_model_len`` beyond the draft's positions is a ValueError."""
         limit = model_max_len(self.hf_config)
         if target_plan.max_model_len > limit:
             raise ValueError(f"speculative_config's draft model {self.model!r} supports at most {limit} "
@@ -86,7 +87,8 @@ class DraftModel:
         self.runner.configure(dataclasses.replace(
             target_plan, kv_cache_memory_bytes=num_blocks * per_block, extra_bytes_per_block=0,
             kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype),
-            cascade_attention=target_plan.cascade_attention and not any(attention_windows(self.hf_config))))
+            cascade_attention=target_plan.cascade_attention and not any(attention_windows(self.hf_config))),
+            kv_storage=storage)
 
     def release_window(self, target_window: int | None) -> int | None:
         """The window after which both models' keys may be freed (None: keep every key)."""

@@ -195,7 +195,7 @@ class LLMEngine:
         num_blocks = self.runner.configure(plan)
         window = kv_release_window(self.hf_config)
         if self.draft is not None:
-            self.draft.configure(plan, num_blocks, cfg.kv_cache_dtype)
+            self.draft.configure(plan, num_blocks, cfg.kv_cache_dtype, self.runner.extra_kv_storage)
             window = self.draft.release_window(window)
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, window)
         switch = long_rope_switch(self.hf_config)

@@ -62,3 +62,17 @@ def memory_added_outside_torch(device: torch.device, baseline: MemoryBaseline) -
 
 def _used_outside_torch(device: torch.device, free: int, total: int) -> int:
     return total - free - torch.cuda.memory_reserved(device)
+
+
+def cache_too_small(plan, bytes_per_block: int, num_blocks: int, min_blocks: int) -> str:
+    """vLLM's check_enough_kv_cache_memory, for a ``RunnerPlan`` whose cache got ``num_blocks`` of
+    ``bytes_per_block``: what one max_model_len sequence needs, what the setting that sized the
+    cache gives, and the longest max_model_len that would fit."""
+    num_blocks = max(num_blocks, 0)  # a profile can leave less than nothing
+    tokens = num_blocks * plan.block_size
+    setting = "kv_cache_memory_bytes" if plan.kv_cache_memory_bytes is not None else "gpu_memory_utilization"
+    lower = f" or lower max_model_len to at most {tokens}" if tokens else ""
+    return (f"the KV cache cannot hold one sequence: max_model_len={plan.max_model_len} needs "
+            f"{min_blocks * bytes_per_block} bytes ({min_blocks} blocks of {plan.block_size} tokens), and "
+            f"{setting}={getattr(plan, setting)} leaves {num_blocks * bytes_per_block} bytes ({num_blocks} "
+            f"blocks); raise {setting}{lower}")

@@ -24,8 +24,8 @@ from pagedlab.config import EngineConfig, model_max_len, resolve_dtype
 from pagedlab.distributed.communication import tensor_parallel_broadcast, tensor_parallel_min
 from pagedlab.engine import cuda_graph
 from pagedlab.engine.cuda_graph import CudaGraphRunner, MixedGraphs, capture_all, capture_sizes
-from pagedlab.engine.gpu_memory import (GIB, MemoryBaseline, memory_added_outside_torch, requested_memory,
-                                        take_memory_baseline)
+from pagedlab.engine.gpu_memory import (GIB, MemoryBaseline, cache_too_small, memory_added_outside_torch,
+                                        requested_memory, take_memory_baseline)
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
@@ -156,6 +156,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.plan: RunnerPlan | None = None
         self.kv_cache: torch.Tensor | None = None
+        self.extra_kv_storage: torch.Tensor | None = None  # RunnerPlan.extra_bytes_per_block's bytes
         self.cuda_graphs: CudaGraphRunner | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._profiled_peaks: dict[tuple[int, int], tuple[int, int]] = {}
@@ -171,63 +172,49 @@ class ModelRunner:
         self._block_table = np.zeros((0, 0), dtype=np.int32)
         self._block_table_rows: dict[Request, tuple[int, int, int]] = {}
 
-    def configure(self, plan: RunnerPlan) -> int:
-        """Take a new plan: size and allocate the KV cache, capture the decode graphs. Returns
-        the number of KV blocks; a cache too small for one ``max_model_len`` sequence is a
-        ValueError."""
+    def configure(self, plan: RunnerPlan, kv_storage: torch.Tensor | None = None) -> int:
+        """Take a new plan: size and allocate the KV cache (in ``kv_storage`` where given: bytes
+        another runner allocated), capture the decode graphs. Returns the number of KV blocks; a
+        cache too small for one ``max_model_len`` sequence is a ValueError."""
         if self.workers is not None:
             self.workers.send("configure", plan)
         try:
-            return self._configure(plan)
+            return self._configure(plan, kv_storage)
         finally:
             if self.workers is not None:
                 self.workers.collect()
 
-    def _configure(self, plan: RunnerPlan) -> int:
+    def _configure(self, plan: RunnerPlan, kv_storage: torch.Tensor | None = None) -> int:
         self.free_kv_cache()
         self.plan = plan
         if self.lora is not None:  # before the memory profile, whose forward runs without adapters
             self.lora.allocate_mapping(max(plan.max_num_batched_tokens, capture_sizes(plan.max_num_seqs)[-1]))
         with self.numerics():  # the memory profile and the graphs run what the steps will
-            return self._allocate_and_capture(plan)
+            return self._allocate_and_capture(plan, kv_storage)
 
     def numerics(self):
         """The batch-invariant mode of the plan (``pagedlab.layers.batch_invariant``): the one
         switch, entered around everything the runner runs on the model."""
         return batch_invariant_mode(self.plan is not None and self.plan.batch_invariant)
 
-    def _allocate_and_capture(self, plan: RunnerPlan) -> int:
+    def _allocate_and_capture(self, plan: RunnerPlan, kv_storage: torch.Tensor | None) -> int:
         num_blocks = tensor_parallel_min(self._num_kv_blocks(plan), self.device)  # ranks agree
         min_blocks = -(-plan.max_model_len // plan.block_size)
         if num_blocks < min_blocks:
-            raise ValueError(self._cache_too_small(plan, num_blocks, min_blocks))
-        self.allocate_kv_cache(num_blocks)
+            raise ValueError(cache_too_small(plan, self.bytes_per_block + plan.extra_bytes_per_block,
+                                             num_blocks, min_blocks))
+        self.allocate_kv_cache(num_blocks, plan.extra_bytes_per_block, kv_storage)
         if self.uses_cuda_graphs or cuda_graph.PAD_WITHOUT_CAPTURE:
             self._build_graphs(plan, capture=self.uses_cuda_graphs)
         self._warm_up_lm_head_and_sampler(plan.max_num_seqs)
         return num_blocks
 
-    def _cache_too_small(self, plan: RunnerPlan, num_blocks: int, min_blocks: int) -> str:
-        """vLLM's check_enough_kv_cache_memory: what one max_model_len sequence needs, what the
-        setting that sized the cache gives, and the longest max_model_len that would fit."""
-        num_blocks = max(num_blocks, 0)  # a profile can leave less than nothing
-        per_block, tokens = self.bytes_per_block + plan.extra_bytes_per_block, num_blocks * plan.block_size
-        setting = ("kv_cache_memory_bytes" if plan.kv_cache_memory_bytes is not None
-                   else "gpu_memory_utilization")
-        lower = f" or lower max_model_len to at most {tokens}" if tokens else ""
-        return (f"the KV cache cannot hold one sequence: max_model_len={plan.max_model_len} needs "
-                f"{min_blocks * per_block} bytes ({min_blocks} blocks of {plan.block_size} tokens), and "
-                f"{setting}={getattr(plan, setting)} leaves {num_blocks * per_block} bytes ({num_blocks} "
-                f"blocks); raise {setting}{lower}")
-
     @torch.inference_mode()
     def _warm_up_lm_head_and_sampler(self, max_rows: int) -> None:
-        """The LM head at every row count from 1 to ``max_rows`` and every sampler kernel variant a
-        step can launch (``warm_up_sampling``), on zero hidden states, now rather than in the
-        steps. The LM head runs eagerly, outside the graphs, on the rows that sample: the first
-        use of a row count made the host wait for the device there (cuBLAS choosing and loading
-        that shape's kernel), which on an H200 cost a fresh engine's first W-seed batch of 256
-        0.2 s of TTFT p50 as its decode rows grew."""
+        """The LM head at every row count from 1 to ``max_rows`` and every sampler kernel variant
+        (``warm_up_sampling``), on zero hidden states, now rather than in the steps: the eager LM
+        head's first use of a row count made the host wait for cuBLAS to choose and load that
+        shape's kernel (on an H200, 0.2 s of a fresh engine's W-seed batch 256 TTFT p50)."""
         if self.device.type == "cuda":
             hidden = torch.zeros(max_rows, self.hidden_size, dtype=self.dtype, device=self.device)
             for rows in range(1, max_rows):
@@ -330,11 +317,19 @@ class ModelRunner:
         itemsize = torch.empty(0, dtype=kv_cache_dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]``; each layer gets views."""
+    def allocate_kv_cache(self, num_blocks: int, extra_bytes_per_block: int = 0,
+                          storage: torch.Tensor | None = None) -> None:
+        """One tensor ``[2, layers, blocks, block_size, kv_heads, head_dim]`` (in ``storage``'s bytes
+        where given); each layer gets views. ``extra_kv_storage``: ``extra_bytes_per_block`` more
+        bytes a block, allocated with it, for a draft model's cache (before graphs take memory)."""
         self.free_kv_cache()
-        self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.plan.kv_cache_dtype, device=self.device)
+        own = num_blocks * self.bytes_per_block
+        if storage is None:
+            storage = torch.zeros(own + num_blocks * extra_bytes_per_block, dtype=torch.uint8,
+                                  device=self.device)
+        self.kv_cache = storage[:own].view(self.plan.kv_cache_dtype).view(
+            2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.extra_kv_storage = storage[own:] if extra_bytes_per_block else None
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -346,7 +341,7 @@ class ModelRunner:
         self._block_table_rows.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = torch.empty(0)
-        self.kv_cache = None
+        self.kv_cache = self.extra_kv_storage = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
