@@ -215,10 +215,12 @@ class LLMEngine:
             self.draft = None
             gc.unfreeze()  # the draft sits in the heap _freeze_heap froze: collect its cycles now
             gc.collect()
+            self.runner.reset_memory_profile()  # its weights no longer count
         if self.draft is not None:
             self.draft.runner.free_kv_cache()
         elif wanted is not None:
             self.draft = DraftModel.load(self.config, speculative, self.hf_config, self.device, self.dtype)
+            self.runner.reset_memory_profile()  # its weights count in the profile's peak
 
     def reset_stats(self) -> None:
         """Zero the peak and token counters (the prefix cache keeps its contents)."""

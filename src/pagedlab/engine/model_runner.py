@@ -367,6 +367,10 @@ class ModelRunner:
                     num_tokens, graph_pool / GIB, outside_torch / GIB)
         return int(available // (self.bytes_per_block + extra_bytes_per_block))
 
+    def reset_memory_profile(self) -> None:
+        """Measure again at the next plan (another model's weights came or went since)."""
+        self._profiled_peaks.clear()
+
     def _profile_peak_memory(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
         """Bytes a forward over ``num_tokens`` tokens allocates at its peak (its activations), and
         bytes allocated at the peak of it and its logits (the weights included, the KV cache not)."""
