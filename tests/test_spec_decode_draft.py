@@ -233,3 +233,19 @@ def test_dropping_a_draft_frees_it_and_stats_count_its_memory(tiny_llama):
     assert with_draft.weight_bytes == 2 * plain.weight_bytes  # the target as its own draft
     assert with_draft.num_kv_blocks * 2 == plain.num_kv_blocks  # the same budget for two caches
     assert with_draft.kv_cache_bytes == plain.kv_cache_bytes
+
+
+def test_the_manifest_identifies_the_draft_model(tiny_llama, drafts):
+    """The lab's provenance names the draft as it names the model: path, config hash, weight checksum."""
+    from pagedlab.lab.manifest import collect_manifest, config_hash, files_checksum, weight_files
+
+    path = drafts["one_layer"][0]
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        assert "draft_model" not in collect_manifest(llm)
+        llm.set_model_args(speculative_config=draft_config(path))
+        manifest = collect_manifest(llm)
+    draft = manifest["draft_model"]
+    assert draft["name"] == path and draft["architecture"] == "LlamaForCausalLM"
+    assert draft["config_hash"] == config_hash(path) != manifest["model"]["config_hash"]
+    assert draft["weight_checksum"] == files_checksum(weight_files(path)) is not None
+    assert manifest["engine"]["speculative_config"]["model"] == path

@@ -269,6 +269,19 @@ ENGINE_DEFAULTS: dict = {f.name: f.default for f in dataclasses.fields(EngineCon
 
 
 @dataclass(frozen=True)
+class DraftModelInfo:
+    """A draft model's identity (speculative_config's ``model``), in ``EngineInfo``'s field names."""
+
+    config: EngineConfig  # the engine's
+    model_name: str  # as given in speculative_config
+    model_path: Path
+    original_file: Path | None
+    load_format: str
+    hf_config: Any
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What a loaded engine resolved its settings to: the public view the lab, the server and
     the manifest read (``LLM.get_engine_info()``), instead of the engine's internals."""
@@ -297,6 +310,7 @@ class EngineInfo:
     mixed_cuda_graphs: bool = False  # steps with prefill tokens replay CUDA graphs too
     # SamplingParams fields of a request that sets none (EngineConfig.generation_config)
     default_sampling_args: dict = field(default_factory=dict)
+    draft_model: DraftModelInfo | None = None  # speculative decoding's draft model, where one runs
 
     def resolved_settings(self) -> dict:
         """The engine settings with every "auto"/None replaced by what the engine uses."""

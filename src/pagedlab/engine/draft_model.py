@@ -31,14 +31,14 @@ import logging
 import numpy as np
 import torch
 
-from pagedlab.config import (EngineConfig, SpeculativeConfig, attention_windows, kv_release_window,
-                             model_max_len, resolve_kv_cache_dtype)
+from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, attention_windows,
+                             kv_release_window, model_max_len, resolve_kv_cache_dtype)
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.step_inputs import StepInputs, prepare_step_inputs
 from pagedlab.layers.rotary import long_rope_switch
-from pagedlab.loader import resolve_model_source
+from pagedlab.loader import ModelSource, resolve_model_source
 from pagedlab.models.registry import check_config_file
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,11 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     """The draft model's runner and its proposals (``propose``)."""
 
-    def __init__(self, runner: ModelRunner, model: str, hf_config, target_vocab_size: int):
+    def __init__(self, runner: ModelRunner, model: str, source: ModelSource, hf_config,
+                 target_vocab_size: int):
         self.runner = runner
         self.model = model  # as given in speculative_config
+        self.source = source
         self.hf_config = hf_config
         # a padded target vocabulary may hold ids the draft lacks (never sampled in practice)
         self.clamp_ids = hf_config.vocab_size < target_vocab_size
@@ -69,8 +71,13 @@ class DraftModel:
                                            dtype=str(dtype).removeprefix("torch."), enable_lora=False,
                                            tensor_parallel_size=1, speculative_config=None)
         logger.info("loading the draft model %s", spec.model)
-        return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, hf_config,
+        return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, source, hf_config,
                    target_hf_config.vocab_size)
+
+    def info(self, config: EngineConfig) -> DraftModelInfo:
+        """The draft's identity for ``EngineInfo`` (and the lab's manifest)."""
+        return DraftModelInfo(config, self.model, self.source.path, self.source.original_file,
+                              self.source.load_format, self.hf_config, self.runner.weight_bytes)
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
         """Bytes of the draft's keys and values in one KV block (``kv_cache_dtype``: the engine's

@@ -281,7 +281,8 @@ class LLMEngine:
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
             quantization=self.quantization, weight_bytes=self.weight_bytes,
             mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs,
-            default_sampling_args=self.default_sampling_args)
+            default_sampling_args=self.default_sampling_args,
+            draft_model=self.draft.info(self.config) if self.draft is not None else None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:

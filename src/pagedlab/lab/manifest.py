@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pagedlab
 from pagedlab.cache import cache_root
-from pagedlab.config import EngineInfo
+from pagedlab.config import DraftModelInfo, EngineInfo
 from pagedlab.lab.monitor import open_nvml
 from pagedlab.lab.plan import count_parameters, size_class
 
@@ -74,6 +74,8 @@ def collect_manifest(llm=None, sampling_params=None, seeds: dict | None = None, 
     info = llm.get_engine_info() if llm is not None else None
     if info is not None:
         manifest["model"] = model_info(info, hash_weights=hash_weights)
+        if info.draft_model is not None:
+            manifest["draft_model"] = model_info(info.draft_model, hash_weights=hash_weights)
         manifest["tokenizer"] = tokenizer_info(info)
         manifest["engine"] = engine_info(info)
     if sampling_params is not None:
@@ -187,9 +189,10 @@ def _pagedlab_source_git() -> dict | None:
 
 
 # ---- model, tokenizer, engine ---------------------------------------------------------------------
-def model_info(info: EngineInfo, hash_weights: bool = True) -> dict:
+def model_info(info: EngineInfo | DraftModelInfo, hash_weights: bool = True) -> dict:
     """The model's identity: name, path, GGUF origin, architecture, config hash, weight checksum,
-    and the bytes its weights take as loaded (quantized or not; this rank's under tensor parallelism)."""
+    and the bytes its weights take as loaded (quantized or not; this rank's under tensor parallelism).
+    The same for a speculative draft model (``EngineInfo.draft_model``)."""
     path = Path(info.model_path)
     original = info.original_file
     out = {
