@@ -7,6 +7,7 @@ import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
@@ -47,11 +48,11 @@ def test_reset_prefix_cache_forgets_prefixes(tiny_llama):
 def test_close_releases_weights_and_cache(tiny_llama):
     llm = LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES)
     model_ref = weakref.ref(llm.llm_engine.model)
-    cache_ref = weakref.ref(llm.llm_engine.runner.kv_cache)
+    cache_ref = llm.llm_engine.runner.kv_cache.untyped_storage()._weak_ref()  # the bytes, not a view
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()
     gc.collect()
-    assert model_ref() is None and cache_ref() is None
+    assert model_ref() is None and torch.UntypedStorage._expired(cache_ref)
     with pytest.raises(ValueError, match="this LLM was closed"):
         llm.generate([[1, 2, 3]], use_tqdm=False)
     llm.close()  # closing twice is harmless

@@ -1,7 +1,7 @@
 """Speculative decoding by n-gram prompt lookup (vLLM's ``speculative_config={"method": "ngram"}``):
-greedy tokens and logprobs equal HF transformers' float32 ones; seeded sampling, stops, penalties
-beside proposals, preemption and LongRoPE give plain decoding's tokens; the proposer equals a
-brute-force search."""
+greedy tokens and logprobs equal HF transformers' float32 ones; seeded sampling, stops, penalties,
+bad words and logits processors reading the proposals before each row, preemption and LongRoPE give
+plain decoding's tokens; the proposer equals a brute-force search."""
 
 from __future__ import annotations
 
@@ -164,27 +164,33 @@ def test_stop_strings_cut_the_text_where_plain_decoding_does(smollm2_dir):
     params = [greedy.clone(stop=["dog sat"]),
               greedy.clone(stop=["log.\nThe"], include_stop_str_in_output=True),
               greedy.clone(stop=["mat, the"], min_tokens=10), greedy.clone(stop_token_ids=[dog]),
-              greedy.clone(stop=["sat"], stop_token_ids=[on]), greedy]  # "sat" ends it, not the " on" after
-    plain, spec, stats = _both(smollm2_dir, [prompt] * 6, params, max_model_len=256)
+              greedy.clone(stop=["sat"], stop_token_ids=[on]), greedy,  # "sat" ends it, not the " on" after
+              greedy.clone(bad_words=["sat on the"])]  # " the" banned after " sat on", proposed or not
+    plain, spec, stats = _both(smollm2_dir, [prompt] * 7, params, max_model_len=256)
     assert _completions(spec) == _completions(plain)
-    assert [c.finish_reason for o in spec for c in o.outputs] == ["stop"] * 5 + ["length"]
+    assert [c.finish_reason for o in spec for c in o.outputs] == ["stop"] * 5 + ["length"] * 2
+    assert "sat on the" not in spec[6].outputs[0].text and "sat on" in spec[6].outputs[0].text
     assert spec[4].outputs[0].stop_reason == "sat"
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 2
 
 
-def test_penalties_and_logits_processors_decode_plainly_beside_proposals(tiny_llama):
-    """Rows whose sampling reads their history on the host get no proposal; they run in the same
-    steps as rows that do, and every row's tokens are plain decoding's."""
+def test_penalties_and_logits_processors_see_the_proposals_before_each_row(tiny_llama):
+    """Rows whose sampling reads their history (penalties, a logits processor that bans repeating
+    the last token) get proposals too: each sampled row sees the proposed tokens before it as its
+    history, so greedy and seeded tokens are plain decoding's, and proposals are accepted."""
     prompts = random_prompts(6, vocab=30, max_len=30, seed=13)
 
-    def ban_token_5(output_ids, logits):
-        logits[5] = float("-inf")
+    def no_repeat(output_ids, logits):
+        if output_ids:
+            logits[output_ids[-1]] = float("-inf")
         return logits
 
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [greedy, greedy.clone(repetition_penalty=1.3), greedy,
-              greedy.clone(logits_processors=[ban_token_5]),
-              greedy.clone(presence_penalty=0.5, frequency_penalty=0.3), greedy]
+    params = [greedy.clone(repetition_penalty=1.3), greedy.clone(logits_processors=[no_repeat]),
+              greedy.clone(presence_penalty=0.5, frequency_penalty=0.3),
+              greedy.clone(temperature=0.7, seed=3, repetition_penalty=1.2),
+              greedy.clone(temperature=0.7, seed=4, logits_processors=[no_repeat], top_k=5),
+              greedy.clone(frequency_penalty=-0.5)]  # a negative penalty rewards repeats: long accepted runs
     plain, spec, stats = _both(tiny_llama.path, prompts, params)
     assert _completions(spec) == _completions(plain)
     assert stats.spec_decode_num_accepted_tokens > 0

@@ -220,12 +220,16 @@ def test_a_windowed_draft_beside_a_target_attending_its_shared_prefix_as_a_casca
 
 
 def test_dropping_a_draft_frees_it_and_stats_count_its_memory(tiny_llama):
+    """get_stats() counts both models' memory; the physical floor stays the target's."""
+    from pagedlab.workloads import engine_floor_args
+
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
-        plain = llm.get_stats()
+        plain, plain_floor = llm.get_stats(), engine_floor_args(llm, "W-lat")
         refs = []
         for _ in range(2):
             llm.set_model_args(speculative_config=draft_config(tiny_llama.path))
             with_draft = llm.get_stats()
+            assert engine_floor_args(llm, "W-lat") == plain_floor
             refs += [weakref.ref(p) for p in llm.llm_engine.draft.runner.model.parameters()]
             llm.set_model_args(speculative_config=None)
         gc.collect()
@@ -242,10 +246,12 @@ def test_the_manifest_identifies_the_draft_model(tiny_llama, drafts):
     path = drafts["one_layer"][0]
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
         assert "draft_model" not in collect_manifest(llm)
+        target_bytes = llm.get_engine_info().weight_bytes
         llm.set_model_args(speculative_config=draft_config(path))
         manifest = collect_manifest(llm)
     draft = manifest["draft_model"]
     assert draft["name"] == path and draft["architecture"] == "LlamaForCausalLM"
     assert draft["config_hash"] == config_hash(path) != manifest["model"]["config_hash"]
+    assert manifest["model"]["weight_bytes"] == target_bytes > draft["weight_bytes"]  # each its own
     assert draft["weight_checksum"] == files_checksum(weight_files(path)) is not None
     assert manifest["engine"]["speculative_config"]["model"] == path

@@ -244,7 +244,8 @@ class LLMEngine:
 
     @property
     def weight_bytes(self) -> int:
-        """The weights' bytes, a draft model's included."""
+        """The weights' bytes, a draft model's included (``get_stats()``; ``EngineInfo`` keeps the
+        target's, which the physical floor reads, and ``EngineInfo.draft_model`` the draft's)."""
         return self.runner.weight_bytes + (self.draft.runner.weight_bytes if self.draft else 0)
 
     @property
@@ -279,7 +280,7 @@ class LLMEngine:
             cascade_attention=self.cascade_attention and backend.shares_prefixes,
             cuda_graphs=self.runner.uses_cuda_graphs, num_kv_blocks=self.kv_cache.num_blocks,
             kv_cache_dtype=self.runner.plan.kv_cache_dtype, eos_token_ids=self.eos_token_ids,
-            quantization=self.quantization, weight_bytes=self.weight_bytes,
+            quantization=self.quantization, weight_bytes=self.runner.weight_bytes,
             mixed_cuda_graphs=self.runner.uses_mixed_cuda_graphs,
             default_sampling_args=self.default_sampling_args,
             draft_model=self.draft.info(self.config) if self.draft is not None else None)

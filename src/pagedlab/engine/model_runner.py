@@ -489,7 +489,8 @@ class ModelRunner:
         with self.ranges.range("sample"), self.to_device.deferred():  # the sampler is queued later
             meta = build_sampling_metadata(
                 inputs.sampled, self.to_device, self.vocab_size, inputs.sample_positions,
-                int(self.step_seeds.integers(1 << 64, dtype=np.uint64))) if inputs.sampled else None
+                int(self.step_seeds.integers(1 << 64, dtype=np.uint64)), inputs.sample_proposed
+            ) if inputs.sampled else None
         if self.device.type == "cuda":
             staged = torch.cuda.Event()
             staged.record()

@@ -31,6 +31,7 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)  # token index of each sampling request's last token
     sampled: list[Request] = field(default_factory=list)
     sample_positions: list[int] = field(default_factory=list)  # output tokens before each sampled one
+    sample_proposed: dict[int, list[int]] = field(default_factory=dict)  # sampled row -> proposals before it
     prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
     prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
 
@@ -75,7 +76,10 @@ def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int]
             count = min(start + n, request.num_prompt_tokens - 1) - start
             inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
             inputs.prompt_rows.extend(range(offset, offset + count))
-        for j in range(n - batch.num_samples(i), n):
+        first = n - batch.num_samples(i)
+        for j in range(first, n):
+            if j > first:  # a row after proposed tokens sees them in its history
+                inputs.sample_proposed[len(inputs.sampled)] = drafts[:j - first]
             inputs.sampled.append(request)
             inputs.sample_rows.append(offset + j)
             inputs.sample_positions.append(start + j + 1 - request.num_prompt_tokens)
@@ -242,13 +246,18 @@ class HostToDevice:
 
 
 def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vocab_size: int,
-                            positions: list[int], step_seed: int) -> SamplingMetadata:
+                            positions: list[int], step_seed: int,
+                            proposed: dict[int, list[int]] | None = None) -> SamplingMetadata:
     """The sampler's settings for one row per request (temperature, seeds, top-k/p, min-p,
     penalties with the token history, the ids that ``min_tokens`` and ``bad_words`` ban, the
     grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``, the logits
     processors with each row's token ids). ``positions``:
-    how many output tokens each request sampled before this one; ``step_seed``: see ``row_seeds``."""
+    how many output tokens each request sampled before this one; ``step_seed``: see ``row_seeds``;
+    ``proposed``: a row's proposed tokens before it (speculative decoding), part of its history
+    for penalties, bad words and logits processors."""
     params = [r.sampling_params for r in requests]
+    outputs = [r.output_token_ids + proposed[row] if proposed and row in proposed else r.output_token_ids
+               for row, r in enumerate(requests)] if _reads_history(params) else None
     meta = SamplingMetadata(
         temperature=to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32),
         seeds=to_device(row_seeds([r.seed for r in requests], positions, step_seed), torch.int64))
@@ -257,15 +266,15 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.presence_penalty = to_device([p.presence_penalty for p in params], torch.float32)
         meta.frequency_penalty = to_device([p.frequency_penalty for p in params], torch.float32)
         meta.repetition_penalty = to_device([p.repetition_penalty for p in params], torch.float32)
-        meta.output_token_ids = _padded([r.output_token_ids for r in requests], to_device, vocab_size)
+        meta.output_token_ids = _padded(outputs, to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
-    meta.banned_token_ids = _bans(requests, positions, to_device)
+    meta.banned_token_ids = _bans(requests, positions, outputs, to_device)
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
         meta.grammar_bitmask = _grammar_bitmask(requests, to_device)
     if any(p.logits_processors for p in params):
-        meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), r.output_token_ids)
+        meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), outputs[i])
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
@@ -274,6 +283,11 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.label_token_ids = to_device([_repeat_to(p.logprob_token_ids or [0], width) for p in params],
                                          torch.int64)
     return meta
+
+
+def _reads_history(params: list) -> bool:
+    """Whether some row's sampling reads its output so far (penalties, bad words, logits processors)."""
+    return any(p.has_penalties or p.bad_words or p.logits_processors for p in params)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -339,7 +353,7 @@ def _grammar_bitmask(requests: list[Request],
     return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
 
 
-def _bans(requests: list[Request], positions: list[int],
+def _bans(requests: list[Request], positions: list[int], outputs: list[list[int]] | None,
           to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that rows may not sample: EOS (with ``ignore_eos`` too, as vLLM) and stop
     ids while fewer than ``min_tokens`` output tokens come before the sampled one (its position:
@@ -354,7 +368,7 @@ def _bans(requests: list[Request], positions: list[int],
         if position < p.min_tokens:
             ids = list(p.stop_token_ids) + list(r.eos_token_ids)
         if r.bad_words_token_ids:
-            ids += bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
+            ids += bad_word_bans(r.bad_words_token_ids, outputs[row])
         banned_rows.extend([row] * len(ids))
         banned_ids.extend(ids)
     if not banned_rows:
