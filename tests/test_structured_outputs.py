@@ -252,6 +252,37 @@ def test_outputs_validate_and_sync_equals_async(offline):
             == [o.outputs[0].token_ids for o in offline[True]["outs"]])
 
 
+def test_speculative_decoding_under_grammars_gives_plain_decodings_tokens(tiny_dir, offline):
+    """Proposals (the model as its own draft, and n-gram prompt lookup) for grammar requests: each
+    sampled row's bitmask reads the proposed tokens before it as accepted, so greedy and seeded
+    outputs are plain decoding's, stop ids waiting for the grammar included; some proposals are
+    accepted (the draft proposes unconstrained, so the grammar rejects others)."""
+    import transformers
+
+    digits = transformers.AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids(list("01234"))
+    specs = _specs()
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s) for s in specs]
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=s,
+                             stop_token_ids=digits if s.regex else None) for i, s in enumerate(specs)]
+    prompts = [p for p in PROMPTS for _ in specs]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        plain = llm.generate(prompts, seeded * len(PROMPTS), use_tqdm=False)
+        for config in ({"model": tiny_dir, "num_speculative_tokens": 3}, ngram):
+            llm.set_model_args(speculative_config=config)
+            llm.reset_stats()
+            spec_greedy = llm.generate(prompts + [PROMPTS[0]], greedy * len(PROMPTS)
+                                       + [SamplingParams(temperature=0, max_tokens=12)], use_tqdm=False)
+            spec_seeded = llm.generate(prompts, seeded * len(PROMPTS), use_tqdm=False)
+            assert ([o.outputs[0].token_ids for o in spec_greedy]
+                    == [o.outputs[0].token_ids for o in offline[False]["outs"]]), config
+            assert [o.outputs[0].token_ids for o in spec_seeded] == [o.outputs[0].token_ids for o in plain]
+            for spec, out in zip(specs * len(PROMPTS), spec_seeded):
+                check_output(spec, out.outputs[0].text)
+            if "model" in config:
+                assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+
+
 def test_padded_vocabulary_outside_the_grammar(tiny_dir, tmp_path):
     """A model whose embedding has rows past its tokenizer (as Qwen's 151,936 over 151,665 ids):
     the grammar covers the tokenizer's ids only, and the padded ids are banned under it, however

@@ -21,14 +21,14 @@ the switch with the long factors, at offset positions; a running request that gr
 preempted so that all of its tokens are recomputed in the long regime, as transformers does.
 
 With speculative decoding (``speculative``: n-gram prompt lookup, or a draft model, whose proposals
-the engine fills in after scheduling: ``engine/draft_model.py``), a decode without a grammar runs
-its last token and up to ``num_speculative_tokens`` proposed ones in one step, out of the budget
-and blocks left once every running request and admitted prompt has its tokens; the step samples
-at each of them, and the sampled tokens are kept up to the first that differs from the proposal
-after it (which is kept too). Each position samples as it would without the proposal: its noise
-is keyed by its position, and penalties, bad words and logits processors read the proposed tokens
-before it as its history (``StepInputs.sample_proposed``), so the outputs are those of plain
-decoding. The
+the engine fills in after scheduling: ``engine/draft_model.py``), a decode runs its last token
+and up to ``num_speculative_tokens`` proposed ones in one step, out of the budget and blocks left
+once every running request and admitted prompt has its tokens; the step samples at each of them,
+and the sampled tokens are kept up to the first that differs from the proposal after it (which
+is kept too). Each position samples as it would without the proposal: its noise is keyed by its
+position, and penalties, bad words, logits processors and a grammar's bitmask read the proposed
+tokens before it as its history (``StepInputs.sample_proposed``), so the outputs are those of
+plain decoding. The
 keys and values computed for rejected proposals are overwritten later: ``num_computed_tokens``
 steps back over them. Proposals need every token on the host, so the step loop waits for each
 step.
@@ -211,8 +211,6 @@ class Scheduler:
         ``limit`` tokens, and no more than its ``max_tokens`` and ``max_model_len`` leave room for,
         nor past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
         spec = self.speculative
-        if request.grammar is not None:  # its bitmask at a proposed row would need the matcher moved on
-            return []
         room = min(spec.num_speculative_tokens, limit, self.max_model_len - request.num_tokens - 1)
         if self.long_rope is not None and request.num_tokens <= self.long_rope[0]:
             room = min(room, self.long_rope[0] - request.num_tokens)  # no row past LongRoPE's switch

@@ -272,7 +272,7 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
-        meta.grammar_bitmask = _grammar_bitmask(requests, to_device)
+        meta.grammar_bitmask = _grammar_bitmask(requests, to_device, proposed or {})
     if any(p.logits_processors for p in params):
         meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), outputs[i])
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
@@ -340,16 +340,17 @@ def _repeat_to(ids: list[int], width: int) -> list[int]:
     return (ids * width)[:width]
 
 
-def _grammar_bitmask(requests: list[Request],
-                     to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
+                     proposed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, packed bitmask) of the rows whose grammar still runs, filled from each matcher's
-    state: every token the request kept must have been accepted first. A request that finished
-    while this step was queued samples a token that is dropped, so its row stays unmasked."""
+    state: every token the request kept must have been accepted first, and a row after proposed
+    tokens (``proposed``) reads them as accepted. A request that finished while this step was
+    queued samples a token that is dropped, so its row stays unmasked."""
     rows = [row for row, r in enumerate(requests)
             if r.grammar is not None and not r.is_finished and not r.grammar.is_terminated]
     if not rows:
         return None
-    bitmask = grammar_bitmask([requests[row].grammar for row in rows])
+    bitmask = grammar_bitmask([requests[row].grammar for row in rows], [proposed.get(row) for row in rows])
     return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
 
 

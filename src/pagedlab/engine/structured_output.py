@@ -6,8 +6,10 @@ keeps; before a step samples, each grammar row of the batch fills one row of a p
 (32 token ids per int32 word), which the sampler unpacks on the device and applies to the logits.
 With asynchronous scheduling the runner queues the forward pass first and fills the bitmask while
 the device computes it; the sampler is queued after the host has prepared the next step, so the
-device does not sit idle while it does (see ``ModelRunner.finish_sampling``). Requests without a
-grammar pay nothing.
+device does not sit idle while it does (see ``ModelRunner.finish_sampling``). With speculative
+decoding a request samples several rows a step: each row after proposed tokens gets the bitmask
+of the grammar moved past them (``RequestGrammar.fill_after``). Requests without a grammar pay
+nothing.
 
 xgrammar is imported on the first structured request; without it such a request is a ValueError
 naming the package, and nothing else changes.
@@ -228,6 +230,24 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def fill_after(self, proposed: list[int], bitmask: torch.Tensor, index: int) -> None:
+        """Fill ``bitmask[index]`` for the position after ``proposed`` (speculative decoding's
+        tokens before a sampled row) and leave the matcher where it was. Where the grammar refuses
+        a proposed token, or ends within them, the row allows every token: it is never kept (the
+        masked sample before that token cannot equal it, or the request stops there)."""
+        advanced = 0
+        for token in proposed:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            advanced += 1
+        if advanced == len(proposed) and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, index)
+            if self.stop_token_ids:
+                self.mask_stop_token_ids(bitmask[index])
+        else:
+            bitmask[index].fill_(-1)
+        self.matcher.rollback(advanced)
+
 
 class BitmaskFiller:
     """Fills the bitmask rows of a step's grammars, together on xgrammar's threads, into one host
@@ -240,7 +260,9 @@ class BitmaskFiller:
         self._buffer: torch.Tensor | None = None
         self._batch_matcher = None
 
-    def fill(self, grammars: list[RequestGrammar]) -> torch.Tensor:
+    def fill(self, grammars: list[RequestGrammar], proposed: list[list[int]] | None = None) -> torch.Tensor:
+        """``proposed[i]``: the tokens before row i (speculative decoding), which its grammar reads
+        as accepted (``RequestGrammar.fill_after``)."""
         xgr = import_xgrammar()
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
@@ -248,16 +270,22 @@ class BitmaskFiller:
         if self._buffer is None or self._buffer.shape[0] < rows:
             self._buffer = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
         bitmask = self._buffer[:rows]
-        self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
-        for grammar, row in zip(grammars, bitmask):
-            if grammar.stop_token_ids:
-                grammar.mask_stop_token_ids(row)
+        proposed = proposed or [None] * rows
+        # each matcher once in the threaded fill (a request's later rows share its matcher), the
+        # rows after proposed tokens one by one: the matcher moves past them and back
+        now = [i for i in range(rows) if not proposed[i]]
+        self._batch_matcher.batch_fill_next_token_bitmask([grammars[i].matcher for i in now], bitmask, now)
+        for i in range(rows):
+            if proposed[i]:
+                grammars[i].fill_after(proposed[i], bitmask, i)
+            elif grammars[i].stop_token_ids:
+                grammars[i].mask_stop_token_ids(bitmask[i])
         return bitmask
 
 
-def grammar_bitmask(grammars: list[RequestGrammar]) -> torch.Tensor:
+def grammar_bitmask(grammars: list[RequestGrammar], proposed: list[list[int]] | None = None) -> torch.Tensor:
     """``[len(grammars), ceil(vocab/32)]`` int32 on the host, ``vocab`` the grammars' (the
     tokenizer's): bit ``t % 32`` of word ``t // 32`` of row i says whether token t may come next
     for ``grammars[i]`` (``apply_token_bitmask``, which bans ids past the width). Valid until the
-    next call (see ``BitmaskFiller``)."""
-    return grammars[0].bitmask_filler.fill(grammars)
+    next call (see ``BitmaskFiller``). ``proposed``: see ``BitmaskFiller.fill``."""
+    return grammars[0].bitmask_filler.fill(grammars, proposed)
