@@ -1,7 +1,7 @@
 """Speculative decoding by n-gram prompt lookup (vLLM's ``speculative_config={"method": "ngram"}``):
-greedy tokens and logprobs equal HF transformers' float32 ones; seeded sampling, stops, penalties,
-bad words and logits processors reading the proposals before each row, preemption and LongRoPE give
-plain decoding's tokens; the proposer equals a brute-force search."""
+greedy tokens and logprobs equal HF transformers' float32 ones; seeded sampling, stops, penalties
+and bad words reading the proposals before each row, logits processors beside them, preemption and
+LongRoPE give plain decoding's tokens; the proposer equals a brute-force search."""
 
 from __future__ import annotations
 
@@ -174,24 +174,32 @@ def test_stop_strings_cut_the_text_where_plain_decoding_does(smollm2_dir):
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 2
 
 
-def test_penalties_and_logits_processors_see_the_proposals_before_each_row(tiny_llama):
-    """Rows whose sampling reads their history (penalties, a logits processor that bans repeating
-    the last token) get proposals too: each sampled row sees the proposed tokens before it as its
-    history, so greedy and seeded tokens are plain decoding's, and proposals are accepted."""
-    prompts = random_prompts(6, vocab=30, max_len=30, seed=13)
+def test_penalties_see_the_proposals_before_each_row_and_logits_processors_decode_plainly(tiny_llama):
+    """Rows whose penalties read their history get proposals: each sampled row sees the proposed
+    tokens before it as its history, so greedy and seeded tokens are plain decoding's. Requests
+    with logits processors decode plainly beside them: a processor (here one that allows even
+    tokens only, and one that bans repeating the last token) never sees a history it banned."""
+    prompts = random_prompts(9, vocab=30, max_len=30, seed=13)
 
     def no_repeat(output_ids, logits):
         if output_ids:
             logits[output_ids[-1]] = float("-inf")
         return logits
 
+    def even_only(output_ids, logits):
+        assert all(t % 2 == 0 for t in output_ids), f"history {output_ids} holds a token it banned"
+        logits[1::2] = float("-inf")
+        return logits
+
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    params = [greedy.clone(repetition_penalty=1.3), greedy.clone(logits_processors=[no_repeat]),
-              greedy.clone(presence_penalty=0.5, frequency_penalty=0.3),
-              greedy.clone(temperature=0.7, seed=3, repetition_penalty=1.2),
-              greedy.clone(temperature=0.7, seed=4, logits_processors=[no_repeat], top_k=5),
-              greedy.clone(frequency_penalty=-0.5)]  # a negative penalty rewards repeats: long accepted runs
-    plain, spec, stats = _both(tiny_llama.path, prompts, params)
+    penalties = [greedy.clone(repetition_penalty=1.3),
+                 greedy.clone(presence_penalty=0.5, frequency_penalty=0.3),
+                 greedy.clone(temperature=0.7, seed=3, repetition_penalty=1.2),
+                 greedy.clone(frequency_penalty=-0.5)]  # rewards repeats: long accepted runs
+    processors = [greedy.clone(logits_processors=[no_repeat]),
+                  *[greedy.clone(logits_processors=[even_only])] * 3,
+                  greedy.clone(temperature=0.7, seed=4, logits_processors=[no_repeat], top_k=5)]
+    plain, spec, stats = _both(tiny_llama.path, prompts, penalties + processors)
     assert _completions(spec) == _completions(plain)
     assert stats.spec_decode_num_accepted_tokens > 0
 

@@ -283,6 +283,22 @@ def test_speculative_decoding_under_grammars_gives_plain_decodings_tokens(tiny_d
                 assert llm.get_stats().spec_decode_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 3)], ids=["greedy", "seeded"])
+def test_speculative_rows_after_a_token_the_grammar_refused(tiny_dir, temperature, seed):
+    """min_tokens bans EOS after a complete choice, so every token is banned and the row samples
+    one the grammar refuses (its matcher stays put); n-gram proposals repeat that token: the rows
+    after it get the mask plain decoding gives them, and the output is plain decoding's."""
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=24, min_tokens=5,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES) as llm:
+        plain = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.set_model_args(speculative_config=ngram)
+        spec = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+    assert [(c.token_ids, c.text) for c in spec] == [(c.token_ids, c.text) for c in plain]
+
+
 def test_padded_vocabulary_outside_the_grammar(tiny_dir, tmp_path):
     """A model whose embedding has rows past its tokenizer (as Qwen's 151,936 over 151,665 ids):
     the grammar covers the tokenizer's ids only, and the padded ids are banned under it, however

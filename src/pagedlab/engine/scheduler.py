@@ -26,9 +26,10 @@ and up to ``num_speculative_tokens`` proposed ones in one step, out of the budge
 once every running request and admitted prompt has its tokens; the step samples at each of them,
 and the sampled tokens are kept up to the first that differs from the proposal after it (which
 is kept too). Each position samples as it would without the proposal: its noise is keyed by its
-position, and penalties, bad words, logits processors and a grammar's bitmask read the proposed
-tokens before it as its history (``StepInputs.sample_proposed``), so the outputs are those of
-plain decoding. The
+position, and penalties, bad words and a grammar's bitmask read the proposed tokens before it as
+its history (``StepInputs.sample_proposed``), so the outputs are those of plain decoding.
+Requests with logits processors get no proposals: a row after a proposal runs whatever the row
+before allowed, and a user's processor must not see a history it banned. The
 keys and values computed for rejected proposals are overwritten later: ``num_computed_tokens``
 steps back over them. Proposals need every token on the host, so the step loop waits for each
 step.
@@ -211,6 +212,8 @@ class Scheduler:
         ``limit`` tokens, and no more than its ``max_tokens`` and ``max_model_len`` leave room for,
         nor past LongRoPE's switch (each sampled position must see its own regime, as without it)."""
         spec = self.speculative
+        if request.sampling_params.logits_processors:
+            return []  # a user's processor must not see a history plain decoding never produces
         room = min(spec.num_speculative_tokens, limit, self.max_model_len - request.num_tokens - 1)
         if self.long_rope is not None and request.num_tokens <= self.long_rope[0]:
             room = min(room, self.long_rope[0] - request.num_tokens)  # no row past LongRoPE's switch

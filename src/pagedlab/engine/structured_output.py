@@ -232,20 +232,23 @@ class RequestGrammar:
 
     def fill_after(self, proposed: list[int], bitmask: torch.Tensor, index: int) -> None:
         """Fill ``bitmask[index]`` for the position after ``proposed`` (speculative decoding's
-        tokens before a sampled row) and leave the matcher where it was. Where the grammar refuses
-        a proposed token, or ends within them, the row allows every token: it is never kept (the
-        masked sample before that token cannot equal it, or the request stops there)."""
+        tokens before a sampled row) and leave the matcher where it was. The matcher moves past
+        them as ``accept`` moves it when the output processor keeps them (a refused token, sampled
+        where every token was banned, leaves it in place; a stop id on a complete grammar does
+        too), so the row gets the mask plain decoding would give it; a terminated grammar's rows
+        are unmasked, as ``_grammar_bitmask`` leaves them."""
         advanced = 0
         for token in proposed:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            if self.matcher.is_terminated():
                 break
-            advanced += 1
-        if advanced == len(proposed) and not self.matcher.is_terminated():
+            if not (token in self.stop_token_ids and self.matcher.is_completed()):
+                advanced += self.matcher.accept_token(token)
+        if self.matcher.is_terminated():
+            bitmask[index].fill_(-1)
+        else:
             self.matcher.fill_next_token_bitmask(bitmask, index)
             if self.stop_token_ids:
                 self.mask_stop_token_ids(bitmask[index])
-        else:
-            bitmask[index].fill_(-1)
         self.matcher.rollback(advanced)
 
 
