@@ -4,6 +4,7 @@ from the scheduled requests."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -256,8 +257,11 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     ``proposed``: a row's proposed tokens before it (speculative decoding), part of its history
     for penalties, bad words and logits processors."""
     params = [r.sampling_params for r in requests]
-    outputs = [r.output_token_ids + proposed[row] if proposed and row in proposed else r.output_token_ids
-               for row, r in enumerate(requests)] if _reads_history(params) else None
+
+    def history(row: int) -> list[int]:  # the output tokens sampling at ``row`` reads
+        before = proposed.get(row) if proposed else None
+        return requests[row].output_token_ids + before if before else requests[row].output_token_ids
+
     meta = SamplingMetadata(
         temperature=to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32),
         seeds=to_device(row_seeds([r.seed for r in requests], positions, step_seed), torch.int64))
@@ -266,15 +270,15 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.presence_penalty = to_device([p.presence_penalty for p in params], torch.float32)
         meta.frequency_penalty = to_device([p.frequency_penalty for p in params], torch.float32)
         meta.repetition_penalty = to_device([p.repetition_penalty for p in params], torch.float32)
-        meta.output_token_ids = _padded(outputs, to_device, vocab_size)
+        meta.output_token_ids = _padded([history(row) for row in range(len(requests))], to_device, vocab_size)
         meta.prompt_token_ids = _padded([r.prompt_token_ids for r in requests], to_device, vocab_size)
-    meta.banned_token_ids = _bans(requests, positions, outputs, to_device)
+    meta.banned_token_ids = _bans(requests, positions, history, to_device)
     if any(p.has_logits_controls for p in params):
         meta.logit_bias, meta.allowed_token_ids = _logits_controls(params, to_device)
     if any(r.grammar is not None for r in requests):
         meta.grammar_bitmask = _grammar_bitmask(requests, to_device, proposed or {})
     if any(p.logits_processors for p in params):
-        meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), outputs[i])
+        meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), history(i))
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
@@ -283,11 +287,6 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.label_token_ids = to_device([_repeat_to(p.logprob_token_ids or [0], width) for p in params],
                                          torch.int64)
     return meta
-
-
-def _reads_history(params: list) -> bool:
-    """Whether some row's sampling reads its output so far (penalties, bad words, logits processors)."""
-    return any(p.has_penalties or p.bad_words or p.logits_processors for p in params)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -354,7 +353,7 @@ def _grammar_bitmask(requests: list[Request], to_device: HostToDevice,
     return to_device(rows, torch.int64), to_device(bitmask.numpy(), torch.int32)
 
 
-def _bans(requests: list[Request], positions: list[int], outputs: list[list[int]] | None,
+def _bans(requests: list[Request], positions: list[int], history: Callable[[int], list[int]],
           to_device: HostToDevice) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that rows may not sample: EOS (with ``ignore_eos`` too, as vLLM) and stop
     ids while fewer than ``min_tokens`` output tokens come before the sampled one (its position:
@@ -369,7 +368,7 @@ def _bans(requests: list[Request], positions: list[int], outputs: list[list[int]
         if position < p.min_tokens:
             ids = list(p.stop_token_ids) + list(r.eos_token_ids)
         if r.bad_words_token_ids:
-            ids += bad_word_bans(r.bad_words_token_ids, outputs[row])
+            ids += bad_word_bans(r.bad_words_token_ids, history(row))
         banned_rows.extend([row] * len(ids))
         banned_ids.extend(ids)
     if not banned_rows:
