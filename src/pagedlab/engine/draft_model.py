@@ -113,7 +113,9 @@ class DraftModel:
         if batch.is_empty():
             return
         known = [n - len(d) for n, d in zip(batch.num_new_tokens, batch.draft_token_ids)]
-        proposing = [i for i, d in enumerate(batch.draft_token_ids) if d]
+        # longest proposals first, so the rows still proposing at pass j are the first ones
+        proposing = sorted((i for i, d in enumerate(batch.draft_token_ids) if d),
+                           key=lambda i: -len(batch.draft_token_ids[i]))
         last_rows = np.cumsum(known) - 1
         inputs = prepare_step_inputs(ScheduledBatch(batch.requests, known, [[] for _ in known]), {},
                                      self.runner.block_size)
@@ -126,20 +128,18 @@ class DraftModel:
         if not proposing:
             return
         rooms = [len(batch.draft_token_ids[i]) for i in proposing]
-        drafts = first.new_zeros(len(proposing), max(rooms))
+        drafts = first.new_zeros(len(proposing), rooms[0])
         drafts[:, 0] = first
         requests = [batch.requests[i] for i in proposing]
         last_positions = [r.num_computed_tokens + known[i] - 1 for r, i in zip(requests, proposing)]
-        for j in range(1, max(rooms) + 1):
-            rows = [p for p, room in enumerate(rooms) if room >= j]
-            index = torch.tensor(rows, device=drafts.device) if len(rows) < len(rooms) else slice(None)
-            step_requests = [requests[p] for p in rows]
-            step_inputs = _decode_inputs(step_requests, [last_positions[p] + j for p in rows],
+        for j in range(1, rooms[0] + 1):
+            rows = sum(room >= j for room in rooms)
+            step_inputs = _decode_inputs(requests[:rows], [pos + j for pos in last_positions[:rows]],
                                          self.runner.block_size)
-            tokens = self.runner.forward_greedy(step_inputs, step_requests, [1] * len(rows),
-                                                drafts[index, j - 1].contiguous(), logits=j < max(rooms))
+            tokens = self.runner.forward_greedy(step_inputs, requests[:rows], [1] * rows,
+                                                drafts[:rows, j - 1].contiguous(), logits=j < rooms[0])
             if tokens is not None:
-                drafts[index, j] = tokens
+                drafts[:rows, j] = tokens
         for i, proposal, room in zip(proposing, drafts.tolist(), rooms):
             batch.draft_token_ids[i] = proposal[:room]
 

@@ -184,7 +184,7 @@ class ModelRunner:
             if self.workers is not None:
                 self.workers.collect()
 
-    def _configure(self, plan: RunnerPlan, kv_storage: torch.Tensor | None = None) -> int:
+    def _configure(self, plan: RunnerPlan, kv_storage: torch.Tensor | None) -> int:
         self.free_kv_cache()
         self.plan = plan
         if self.lora is not None:  # before the memory profile, whose forward runs without adapters

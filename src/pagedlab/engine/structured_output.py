@@ -239,10 +239,8 @@ class RequestGrammar:
         are unmasked, as ``_grammar_bitmask`` leaves them."""
         advanced = 0
         for token in proposed:
-            if self.matcher.is_terminated():
-                break
-            if not (token in self.stop_token_ids and self.matcher.is_completed()):
-                advanced += self.matcher.accept_token(token)
+            stays = token in self.stop_token_ids and self.matcher.is_completed()
+            advanced += self.accept(token) and not stays
         if self.matcher.is_terminated():
             bitmask[index].fill_(-1)
         else:
