@@ -239,6 +239,61 @@ def test_dropping_a_draft_frees_it_and_stats_count_its_memory(tiny_llama):
     assert with_draft.kv_cache_bytes == plain.kv_cache_bytes
 
 
+def test_the_target_cache_is_freed_before_a_draft_comes_or_goes(tiny_llama, monkeypatch):
+    """A draft loads, and a dropped one closes, after the target's KV cache is freed: on a GPU a
+    cache freed after a draft loaded stayed reserved by torch's allocator, so the larger cache of
+    both models ran out of memory beside it (the GPU test below)."""
+    from pagedlab.engine.draft_model import DraftModel
+
+    seen = []
+    load, close = DraftModel.load.__func__, DraftModel.close
+
+    def loading(cls, *args, **kwargs):
+        seen.append(("load", llm.llm_engine.runner.kv_cache))
+        return load(cls, *args, **kwargs)
+
+    def closing(self):
+        seen.append(("close", llm.llm_engine.runner.kv_cache))
+        close(self)
+
+    monkeypatch.setattr(DraftModel, "load", classmethod(loading))
+    monkeypatch.setattr(DraftModel, "close", closing)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        llm.set_model_args(speculative_config=draft_config(tiny_llama.path))
+        llm.set_model_args(speculative_config=None)
+    assert seen == [("load", None), ("close", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_draft_whose_caches_outgrow_the_old_one_fits(tmp_path):
+    """SmolLM2-135M's shape with random weights, its plain cache held at the ceiling of every
+    sequence at full length (about half of the 0.9 share), then itself as draft: both caches take
+    the whole share, which fits only if the plain cache's memory went back to the GPU (it ran out
+    of memory before the target's cache was freed ahead of the draft's load); and back."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                      max_position_embeddings=8192, tie_word_embeddings=True,
+                                      architectures=["LlamaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    token_bytes = 2 * 30 * 3 * 64 * 2
+    max_num_seqs = int(0.45 * torch.cuda.mem_get_info()[1] / (8192 * token_bytes))
+    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 49000 for j in range(30)]} for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", max_num_seqs=max_num_seqs) as llm:
+        plain = llm.get_stats()
+        assert plain.num_kv_blocks == max_num_seqs * 512 + 1  # the ceiling, not the share
+        for spec in (draft_config(str(tmp_path)), None):
+            llm.set_model_args(speculative_config=spec)
+            assert len(llm.generate(prompts, greedy, use_tqdm=False)) == 4
+            stats = llm.get_stats()
+            if spec is not None:
+                assert stats.kv_cache_bytes > 1.5 * plain.kv_cache_bytes
+    assert stats.kv_cache_bytes == plain.kv_cache_bytes
+
+
 def test_the_manifest_identifies_the_draft_model(tiny_llama, drafts):
     """The lab's provenance names the draft as it names the model: path, config hash, weight checksum."""
     from pagedlab.lab.manifest import collect_manifest, config_hash, files_checksum, weight_files

@@ -17,10 +17,11 @@ values alone). The draft's cache then holds exactly the positions the target's d
 proposals are stepped back over with the target's ``num_computed_tokens``, and preemption and
 prefix-cache hits need nothing of their own (a cached block was computed by both).
 
-Memory: the target's memory profile counts the draft's weights and divides the KV budget by both
-caches' bytes per block, and the target allocates both caches as one tensor right after it; the
-draft's activations and CUDA graphs come out of what ``gpu_memory_utilization`` leaves (on an H100,
-about 1.4 GiB over the share for a Qwen3-0.6B-shaped target proposing for itself).
+Memory: the target's cache is freed before a draft loads or closes (``LLMEngine._load_draft_model``),
+its memory profile counts the draft's weights and divides the KV budget by both caches' bytes per
+block, and the target allocates both caches as one tensor right after it; the draft's activations
+and CUDA graphs come out of what ``gpu_memory_utilization`` leaves (on an H100, torch reserved 71.5
+GiB against the 71.3 GiB 0.9 share for a Qwen3-0.6B-shaped target proposing for itself).
 """
 
 from __future__ import annotations

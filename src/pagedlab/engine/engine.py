@@ -208,8 +208,13 @@ class LLMEngine:
 
     def _load_draft_model(self, speculative) -> None:
         """Keep, load or drop the draft model the plan's ``speculative_config`` names; a kept one's
-        KV cache is freed first (the target's memory profile must not count it)."""
+        KV cache is freed first (the target's memory profile must not count it). The target's cache
+        is freed before a draft loads or closes: on a GPU, one freed after a draft had loaded stayed
+        reserved by torch's allocator (empty_cache did not return it), so the larger cache of both
+        models ran out of memory beside it."""
         wanted = speculative.model if speculative is not None else None
+        if (self.draft.model if self.draft is not None else None) != wanted:
+            self.runner.free_kv_cache()
         if self.draft is not None and self.draft.model != wanted:
             self.draft.close()
             self.draft = None
