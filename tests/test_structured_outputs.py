@@ -21,11 +21,6 @@ from pagedlab.layers.sampler import apply_token_bitmask
 from pagedlab.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
-from pagedlab.server.app import ServerThread, build_app  # noqa: E402
 
 # Finite languages, so even a random model ends each output within max_tokens.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "count", "ok"],
@@ -378,6 +373,12 @@ def _bodies() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
+    """The tiny model behind the OpenAI server (the server's extra dependencies, or a skip: the
+    offline and GPU tests above need none of them)."""
+    for name in ("httpx", "fastapi", "uvicorn"):
+        pytest.importorskip(name)
+    from pagedlab.server.app import ServerThread, build_app
+
     llm = LLM(tiny_dir, kv_cache_memory_bytes=TINY_KV_BYTES, async_scheduling=True)
     engine = AsyncEngine.from_llm(llm)
     with ServerThread(build_app(engine, served_model_names=["tiny"])) as srv:
@@ -386,7 +387,9 @@ def served(tiny_dir):
     llm.close()
 
 
-def _post(url: str, path: str, body: dict) -> httpx.Response:
+def _post(url: str, path: str, body: dict):
+    import httpx
+
     return httpx.post(url + path, json=body, timeout=60)
 
 
@@ -400,7 +403,7 @@ def test_online_equals_offline(served, offline):
             assert r.status_code == 200, r.text
             choice = r.json()["choices"][0]
             assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
-    events = httpx.post(served + "/v1/completions", timeout=60, json={
+    events = _post(served, "/v1/completions", {
         "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **_bodies()[1]})
     chunks = [json.loads(line[6:]) for line in events.text.splitlines()
               if line.startswith("data: {")]
@@ -461,6 +464,34 @@ def test_structured_outputs_on_gpu(tiny_dir):
             check_output(spec, out.outputs[0].text)
         tokens[async_scheduling] = [o.outputs[0].token_ids for o in outs]
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_speculative_grammars_on_gpu(tiny_dir):
+    """Float32 on the GPU with asynchronous steps: proposals (the model as its own draft, whose
+    passes replay its graphs, and n-gram lookup) verified in mixed-step graphs under the grammars'
+    bitmasks give plain decoding's greedy and seeded tokens."""
+    specs = _specs()
+    params = ([SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s) for s in specs]
+              + [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=s)
+                 for i, s in enumerate(specs)])
+    # the draft proposes unconstrained, so the grammars may refuse all its tokens: one request without
+    # a grammar shows the proposals being accepted
+    prompts = [p for p in PROMPTS for _ in params] + [PROMPTS[0]]
+    params = params * len(PROMPTS) + [SamplingParams(temperature=0, max_tokens=12)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with LLM(tiny_dir, dtype="float32", device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES,
+             async_scheduling=True) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        for config in ({"model": tiny_dir, "num_speculative_tokens": 3}, ngram):
+            llm.set_model_args(speculative_config=config)
+            llm.reset_stats()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == plain, config
+            assert llm.get_stats().spec_decode_num_accepted_tokens > 0, config
+    for spec, out in zip(specs * 2 * len(PROMPTS), outs):
+        check_output(spec, out.outputs[0].text)
 
 
 def test_async_engine_streams_structured_deltas(tiny_dir, offline):
