@@ -423,7 +423,7 @@ def test_a_step_that_failed_to_launch_leaves_no_prefix_to_find(tiny_llama):
 GIB = 1 << 30
 
 
-def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GIB // 2):
+def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GIB // 2, draft_pool=0):
     """``profile_gpu_kv_blocks`` on an 80 GiB GPU where other processes hold ``others`` and this
     process's CUDA context ``context`` when the engine starts; by the profile this process has
     reserved 12 GiB through torch (peak allocated 10 GiB) and 0.25 GiB outside it."""
@@ -441,8 +441,8 @@ def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GI
     state.update(reserved=12 * GIB, own_non_torch=GIB // 4)
     runner = types.SimpleNamespace(device=device, memory_baseline=baseline, uses_mixed_cuda_graphs=False,
                                    bytes_per_block=1 << 20,
-                                   _profiled_peaks={(8192, 4096): (2 * GIB, 10 * GIB)})
-    return ModelRunner.profile_gpu_kv_blocks(runner, 8192, 4096, utilization)
+                                   _profiled_peak=lambda num_tokens, max_model_len: (2 * GIB, 10 * GIB))
+    return ModelRunner.profile_gpu_kv_blocks(runner, 8192, 4096, utilization, 0, draft_pool)
 
 
 def test_gpu_memory_utilization_is_this_instances_share_of_the_total(monkeypatch):
@@ -453,6 +453,9 @@ def test_gpu_memory_utilization_is_this_instances_share_of_the_total(monkeypatch
     memory utilization to 0.5 for each instance"."""
     blocks = _profile_on_a_fake_gpu(monkeypatch, 0.45)
     assert blocks == int(80 * GIB * 0.45 - 10 * GIB - GIB // 4) // (1 << 20)
+    # a draft model's graph pool (RunnerPlan.extra_memory_bytes) comes out of the same share
+    blocks = _profile_on_a_fake_gpu(monkeypatch, 0.45, draft_pool=3 * GIB)
+    assert blocks == int(80 * GIB * 0.45 - 10 * GIB - GIB // 4 - 3 * GIB) // (1 << 20)
 
 
 def test_more_than_the_free_memory_at_start_is_refused(monkeypatch):

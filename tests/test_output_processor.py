@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pagedlab import SamplingParams
 from pagedlab.engine.kv_cache import KVCacheManager
-from pagedlab.engine.model_runner import PromptLogprobsChunk, StepOutput
+from pagedlab.engine.step_outputs import PromptLogprobsChunk, StepOutput
 from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import Scheduler

@@ -270,7 +270,8 @@ def test_on_the_gpu_a_draft_whose_caches_outgrow_the_old_one_fits(tmp_path):
     """SmolLM2-135M's shape with random weights, its plain cache held at the ceiling of every
     sequence at full length (about half of the 0.9 share), then itself as draft: both caches take
     the whole share, which fits only if the plain cache's memory went back to the GPU (it ran out
-    of memory before the target's cache was freed ahead of the draft's load); and back."""
+    of memory before the target's cache was freed ahead of the draft's load), the draft's
+    mixed-step graph pool counted in the share; and back."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -291,6 +292,7 @@ def test_on_the_gpu_a_draft_whose_caches_outgrow_the_old_one_fits(tmp_path):
             stats = llm.get_stats()
             if spec is not None:
                 assert stats.kv_cache_bytes > 1.5 * plain.kv_cache_bytes
+                assert llm.llm_engine.runner.plan.extra_memory_bytes > 0  # the draft's graph pool
     assert stats.kv_cache_bytes == plain.kv_cache_bytes
 
 

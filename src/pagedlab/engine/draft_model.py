@@ -17,11 +17,12 @@ values alone). The draft's cache then holds exactly the positions the target's d
 proposals are stepped back over with the target's ``num_computed_tokens``, and preemption and
 prefix-cache hits need nothing of their own (a cached block was computed by both).
 
-Memory: the target's cache is freed before a draft loads or closes (``LLMEngine._load_draft_model``),
-its memory profile counts the draft's weights and divides the KV budget by both caches' bytes per
-block, and the target allocates both caches as one tensor right after it; the draft's activations
-and CUDA graphs come out of what ``gpu_memory_utilization`` leaves (on an H100, torch reserved 71.5
-GiB against the 71.3 GiB 0.9 share for a Qwen3-0.6B-shaped target proposing for itself).
+Memory: the target's cache is freed before a draft loads or closes (``LLMEngine._load_draft_model``);
+its memory profile counts the draft's weights and its mixed-step graph pool (the draft's forward
+activations at the largest step, ``share_of_target_plan``) and divides the KV budget by both
+caches' bytes per block; the target allocates both caches as one tensor right after it (on an
+H100, torch reserved 71.30 GiB against the 71.26 GiB 0.9 share for a Qwen3-0.6B-shaped target
+proposing for itself, 71.53 GiB before the pool counted).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, attention_windows,
-                             kv_release_window, model_max_len, resolve_kv_cache_dtype)
+                             kv_release_window, model_max_len)
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
@@ -80,28 +81,34 @@ class DraftModel:
         return DraftModelInfo(config, self.model, self.source.path, self.source.original_file,
                               self.source.load_format, self.hf_config, self.runner.weight_bytes)
 
-    def bytes_per_block(self, block_size: int, kv_cache_dtype: str) -> int:
-        """Bytes of the draft's keys and values in one KV block (``kv_cache_dtype``: the engine's
-        setting, "auto" being the draft's own dtype)."""
-        dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype)
-        return self.runner.kv_bytes_per_block(block_size, dtype)
-
-    def configure(self, target_plan: RunnerPlan, num_blocks: int, kv_cache_dtype: str,
-                  storage: torch.Tensor) -> None:
-        """Lay the draft's KV cache of ``num_blocks`` blocks (the target's count) in ``storage`` (the
-        target runner allocated it with its own: ``extra_kv_storage``) and capture its CUDA graphs
-        as the target's plan asks; ``max_model_len`` beyond the draft's positions is a ValueError."""
+    def share_of_target_plan(self, target_plan: RunnerPlan) -> RunnerPlan:
+        """``target_plan`` with the draft's share of the memory: its cache's bytes on every block
+        (in the target's cache dtype, the draft having the target's dtype) and, where the target
+        profiles the GPU, its mixed-step graph pool (profiled now); ``max_model_len`` beyond the
+        draft's positions is a ValueError."""
         limit = model_max_len(self.hf_config)
         if target_plan.max_model_len > limit:
             raise ValueError(f"speculative_config's draft model {self.model!r} supports at most {limit} "
                              f"positions, fewer than max_model_len={target_plan.max_model_len}: lower "
                              "max_model_len or give a draft model with a longer context")
-        per_block = self.bytes_per_block(target_plan.block_size, kv_cache_dtype)
-        self.runner.configure(dataclasses.replace(
-            target_plan, kv_cache_memory_bytes=num_blocks * per_block, extra_bytes_per_block=0,
-            kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype, self.runner.dtype),
-            cascade_attention=target_plan.cascade_attention and not any(attention_windows(self.hf_config))),
-            kv_storage=storage)
+        per_block = self.runner.kv_bytes_per_block(target_plan.block_size, target_plan.kv_cache_dtype)
+        pool = (0 if target_plan.kv_cache_memory_bytes is not None
+                else self.runner.graph_pool_bytes(self._plan(target_plan, 0)))
+        return dataclasses.replace(target_plan, extra_bytes_per_block=per_block, extra_memory_bytes=pool)
+
+    def configure(self, target_plan: RunnerPlan, num_blocks: int, storage: torch.Tensor) -> None:
+        """Lay the draft's KV cache of ``num_blocks`` blocks (the target's count) in ``storage`` (the
+        target runner allocated it with its own: ``extra_kv_storage``) and capture its CUDA graphs
+        as the target's plan (``share_of_target_plan``'s) asks."""
+        self.runner.configure(self._plan(target_plan, num_blocks * target_plan.extra_bytes_per_block),
+                              kv_storage=storage)
+
+    def _plan(self, target_plan: RunnerPlan, kv_bytes: int) -> RunnerPlan:
+        """The draft runner's plan beside ``target_plan``: a cache of ``kv_bytes``, no cascades for
+        a windowed draft."""
+        return dataclasses.replace(
+            target_plan, kv_cache_memory_bytes=kv_bytes, extra_bytes_per_block=0, extra_memory_bytes=0,
+            cascade_attention=target_plan.cascade_attention and not any(attention_windows(self.hf_config)))
 
     def release_window(self, target_window: int | None) -> int | None:
         """The window after which both models' keys may be freed (None: keep every key)."""

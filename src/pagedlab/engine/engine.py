@@ -30,7 +30,8 @@ from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.engine.draft_model import DraftModel
 from pagedlab.engine.kv_cache import KVCacheManager
-from pagedlab.engine.model_runner import LaunchedStep, ModelRunner, RunnerPlan, load_model_runner
+from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
+from pagedlab.engine.step_outputs import LaunchedStep
 from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
@@ -189,13 +190,13 @@ class LLMEngine:
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
             mixed_cuda_graphs=cfg.cuda_graph_mixed_steps,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
-            batch_invariant=cfg.batch_invariant,
-            extra_bytes_per_block=self.draft.bytes_per_block(cfg.block_size, cfg.kv_cache_dtype)
-            if self.draft is not None else 0)
+            batch_invariant=cfg.batch_invariant)
+        if self.draft is not None:
+            plan = self.draft.share_of_target_plan(plan)
         num_blocks = self.runner.configure(plan)
         window = kv_release_window(self.hf_config)
         if self.draft is not None:
-            self.draft.configure(plan, num_blocks, cfg.kv_cache_dtype, self.runner.extra_kv_storage)
+            self.draft.configure(plan, num_blocks, self.runner.extra_kv_storage)
             window = self.draft.release_window(window)
         self.kv_cache = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, window)
         switch = long_rope_switch(self.hf_config)
@@ -209,12 +210,11 @@ class LLMEngine:
     def _load_draft_model(self, speculative) -> None:
         """Keep, load or drop the draft model the plan's ``speculative_config`` names; a kept one's
         KV cache is freed first (the target's memory profile must not count it). The target's cache
-        is freed before a draft loads or closes: on a GPU, one freed after a draft had loaded stayed
-        reserved by torch's allocator (empty_cache did not return it), so the larger cache of both
-        models ran out of memory beside it."""
+        is freed before anything else: on a GPU, one freed after a draft had loaded stayed reserved
+        by torch's allocator (empty_cache did not return it), so the larger cache of both models ran
+        out of memory beside it; and a kept draft's profile runs next."""
+        self.runner.free_kv_cache()
         wanted = speculative.model if speculative is not None else None
-        if (self.draft.model if self.draft is not None else None) != wanted:
-            self.runner.free_kv_cache()
         if self.draft is not None and self.draft.model != wanted:
             self.draft.close()
             self.draft = None

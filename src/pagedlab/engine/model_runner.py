@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
 from pagedlab.engine.weight_update import WeightPairs, update_weights
+from pagedlab.engine.step_outputs import LaunchedStep, PromptLogprobsChunk
 from pagedlab.engine.step_inputs import (DeviceInputs, HostToDevice, StepInputs, build_sampling_metadata,
                                          prepare_step_inputs, stage_forward_inputs)
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
@@ -59,56 +59,8 @@ class RunnerPlan:
     batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
     mixed_cuda_graphs: bool = False  # with cuda_graphs: steps with prefill tokens replay graphs too
     extra_bytes_per_block: int = 0  # another cache on the same block ids (a draft model's) shares the memory
+    extra_memory_bytes: int = 0  # what another model keeps beside both caches (a draft's graph pool)
 
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt logprobs for positions ``start..start+len`` of one request (of the token at each)."""
-
-    start: int
-    token_ids: list[int]
-    logprobs: TopLogprobs  # CPU tensors
-
-
-@dataclass
-class StepOutput:
-    """What one forward pass produced, on the host: one sampled token per sampling request."""
-
-    sampled_requests: list[Request]
-    sampled_token_ids: list[int]
-    logprobs: TopLogprobs | None  # rows follow sampled_requests; CPU tensors
-    prompt_logprobs: dict[str, PromptLogprobsChunk]
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose work is queued on the device; ``result()`` waits for it and reads it back."""
-
-    batch: ScheduledBatch
-    sampled_requests: list[Request]
-    sampled_token_ids: torch.Tensor | None = None  # on the device, for the next step's pending inputs
-    host_token_ids: torch.Tensor | None = None  # filled by an asynchronous copy on CUDA
-    logprobs: TopLogprobs | None = None  # host tensors, likewise
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
-    done: torch.cuda.Event | None = None  # recorded after the copies; None where work is synchronous
-    unsampled: tuple | None = None  # (inputs, logits) until ModelRunner.finish_sampling
-    pending_sampler: Callable[[], None] | None = None  # queues the sampler (see finish_sampling)
-
-    def sample_rows(self) -> dict[Request, int]:
-        return {request: row for row, request in enumerate(self.sampled_requests)}
-
-    def queue_sampler(self) -> None:
-        """Queue the sampler if ``finish_sampling`` left it pending; a no-op otherwise."""
-        if self.pending_sampler is not None:
-            queue, self.pending_sampler = self.pending_sampler, None
-            queue()
-
-    def result(self) -> StepOutput:
-        self.queue_sampler()
-        if self.done is not None:
-            self.done.synchronize()
-        token_ids = self.host_token_ids.tolist() if self.host_token_ids is not None else []
-        return StepOutput(self.sampled_requests, token_ids, self.logprobs, self.prompt_logprobs)
 
 
 def load_model_runner(config: EngineConfig, source: ModelSource, hf_config, device: torch.device,
@@ -264,7 +216,8 @@ class ModelRunner:
         if plan.kv_cache_memory_bytes is not None:
             return min(plan.kv_cache_memory_bytes // per_block, ceiling)
         blocks = self.profile_gpu_kv_blocks(plan.max_num_batched_tokens, plan.max_model_len,
-                                            plan.gpu_memory_utilization, plan.extra_bytes_per_block)
+                                            plan.gpu_memory_utilization, plan.extra_bytes_per_block,
+                                            plan.extra_memory_bytes)
         return min(blocks, ceiling)
 
     def load_weights(self, pairs: WeightPairs) -> None:
@@ -346,26 +299,41 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def profile_gpu_kv_blocks(self, num_tokens: int, max_model_len: int, gpu_memory_utilization: float,
-                              extra_bytes_per_block: int = 0) -> int:
+                              extra_bytes_per_block: int = 0, extra_memory_bytes: int = 0) -> int:
         """Blocks that fit in ``gpu_memory_utilization`` of the GPU's total (this engine's share, as
         in vLLM: ``gpu_memory``) beside the weights, the activations' peak of the largest step
         (``num_tokens`` tokens), what this process added outside torch since it started and, with
         mixed-step CUDA graphs, their pool: it keeps the largest bucket's forward activations for
         itself, apart from the memory the eager LM head and sampler allocate. Each block also
         holds ``extra_bytes_per_block`` of another cache (a draft model's, whose weights count in
-        the peak; its activations and graphs come out of what the share leaves)."""
+        the peak), and ``extra_memory_bytes`` stay free for that model (its graph pool)."""
         requested = requested_memory(self.memory_baseline, gpu_memory_utilization)
+        forward_activations, peak = self._profiled_peak(num_tokens, max_model_len)
+        graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
+        outside_torch = memory_added_outside_torch(self.device, self.memory_baseline)
+        available = requested - outside_torch - peak - graph_pool - extra_memory_bytes
+        logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
+                    "mixed-step graph pool %.2f GiB + %.2f GiB outside torch + %.2f GiB for a draft's "
+                    "graphs)", available / GIB, peak / GIB, num_tokens, graph_pool / GIB, outside_torch / GIB,
+                    extra_memory_bytes / GIB)
+        return int(available // (self.bytes_per_block + extra_bytes_per_block))
+
+    def graph_pool_bytes(self, plan: RunnerPlan) -> int:
+        """What this runner's mixed-step graphs would keep for themselves under ``plan`` (its
+        forward's activations at the largest step, profiled; 0 without those graphs): a draft
+        model's share of its target's memory profile. Call with the KV cache freed."""
+        self.plan = plan
+        if not self.uses_mixed_cuda_graphs:
+            return 0
+        with self.numerics():
+            return self._profiled_peak(plan.max_num_batched_tokens, plan.max_model_len)[0]
+
+    def _profiled_peak(self, num_tokens: int, max_model_len: int) -> tuple[int, int]:
+        """``_profile_peak_memory`` of the largest step, measured once per step size."""
         key = (num_tokens, min(num_tokens, max_model_len))
         if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
             self._profiled_peaks[key] = self._profile_peak_memory(*key)
-        forward_activations, peak = self._profiled_peaks[key]
-        graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
-        outside_torch = memory_added_outside_torch(self.device, self.memory_baseline)
-        available = requested - outside_torch - peak - graph_pool
-        logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
-                    "mixed-step graph pool %.2f GiB + %.2f GiB outside torch)", available / GIB, peak / GIB,
-                    num_tokens, graph_pool / GIB, outside_torch / GIB)
-        return int(available // (self.bytes_per_block + extra_bytes_per_block))
+        return self._profiled_peaks[key]
 
     def reset_memory_profile(self) -> None:
         """Measure again at the next plan (another model's weights came or went since)."""

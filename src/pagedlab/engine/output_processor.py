@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagedlab.engine.model_runner import PromptLogprobsChunk, StepOutput
+from pagedlab.engine.step_outputs import PromptLogprobsChunk, StepOutput
 from pagedlab.engine.request import Request
 from pagedlab.layers.sampler import TopLogprobs
 from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
