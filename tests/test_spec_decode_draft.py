@@ -7,6 +7,7 @@ tokens; bad drafts are refused with clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -262,6 +263,35 @@ def test_the_target_cache_is_freed_before_a_draft_comes_or_goes(tiny_llama, monk
         llm.set_model_args(speculative_config=draft_config(tiny_llama.path))
         llm.set_model_args(speculative_config=None)
     assert seen == [("load", None), ("close", None)]
+
+
+def test_the_draft_graph_pool_reaches_the_target_profile(tiny_llama, monkeypatch):
+    """Where the target profiles the GPU (no kv_cache_memory_bytes) and the draft's steps replay
+    mixed-step graphs, the draft's forward activations at the largest step (its graph pool,
+    profiled on the draft's runner) are kept free in the target's profile. Both profiles are
+    stubbed, so this runs on the CPU; the GPU test below runs them."""
+    from pagedlab.engine.model_runner import ModelRunner
+
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES,
+             speculative_config=draft_config(tiny_llama.path)) as llm:
+        engine = llm.llm_engine
+        plan = dataclasses.replace(engine.runner.plan, kv_cache_memory_bytes=None, extra_bytes_per_block=0,
+                                   cuda_graphs=True, mixed_cuda_graphs=True, max_num_batched_tokens=512)
+        assert engine.draft.share_of_target_plan(plan).extra_memory_bytes == 0  # no graphs on this backend
+        monkeypatch.setattr(ModelRunner, "uses_mixed_cuda_graphs",
+                            property(lambda self: self.plan.mixed_cuda_graphs))
+        profiled = []
+        monkeypatch.setattr(engine.draft.runner, "_profile_peak_memory",
+                            lambda tokens, seq_len: profiled.append((tokens, seq_len)) or (7 << 20, 9 << 20))
+        shared = engine.draft.share_of_target_plan(plan)
+        assert profiled == [(512, min(512, plan.max_model_len))]
+        assert shared.extra_bytes_per_block == engine.runner.bytes_per_block  # the target as its own draft
+        assert shared.extra_memory_bytes == 7 << 20
+        asked = []
+        monkeypatch.setattr(engine.runner, "profile_gpu_kv_blocks", lambda *args: asked.append(args) or 100)
+        assert ModelRunner._num_kv_blocks(engine.runner, shared) == 100
+    assert asked == [(512, plan.max_model_len, plan.gpu_memory_utilization, shared.extra_bytes_per_block,
+                      7 << 20)]
 
 
 @pytest.mark.gpu

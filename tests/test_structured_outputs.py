@@ -469,9 +469,9 @@ def test_structured_outputs_on_gpu(tiny_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_speculative_grammars_on_gpu(tiny_dir):
-    """Float32 on the GPU with asynchronous steps: proposals (the model as its own draft, whose
-    passes replay its graphs, and n-gram lookup) verified in mixed-step graphs under the grammars'
-    bitmasks give plain decoding's greedy and seeded tokens."""
+    """Float32 on the GPU: proposals (the model as its own draft, whose passes replay its graphs,
+    and n-gram lookup; speculation runs synchronous steps) verified in mixed-step graphs under the
+    grammars' bitmasks give the greedy and seeded tokens of plain decoding's asynchronous steps."""
     specs = _specs()
     params = ([SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=s) for s in specs]
               + [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, structured_outputs=s)

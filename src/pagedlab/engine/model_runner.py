@@ -62,7 +62,6 @@ class RunnerPlan:
     extra_memory_bytes: int = 0  # what another model keeps beside both caches (a draft's graph pool)
 
 
-
 def load_model_runner(config: EngineConfig, source: ModelSource, hf_config, device: torch.device,
                       memory_baseline: MemoryBaseline | None = None) -> ModelRunner:
     """This rank's shard of the model, loaded on ``device``, in a runner; ``memory_baseline`` is
