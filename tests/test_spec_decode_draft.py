@@ -287,6 +287,9 @@ def test_the_draft_graph_pool_reaches_the_target_profile(tiny_llama, monkeypatch
         assert profiled == [(512, min(512, plan.max_model_len))]
         assert shared.extra_bytes_per_block == engine.runner.bytes_per_block  # the target as its own draft
         assert shared.extra_memory_bytes == 7 << 20
+        engine.draft.share_of_target_plan(plan)  # the same step and numerics: measured once
+        engine.draft.share_of_target_plan(dataclasses.replace(plan, batch_invariant=True))
+        assert len(profiled) == 2
         asked = []
         monkeypatch.setattr(engine.runner, "profile_gpu_kv_blocks", lambda *args: asked.append(args) or 100)
         assert ModelRunner._num_kv_blocks(engine.runner, shared) == 100

@@ -110,7 +110,7 @@ class ModelRunner:
         self.extra_kv_storage: torch.Tensor | None = None  # RunnerPlan.extra_bytes_per_block's bytes
         self.cuda_graphs: CudaGraphRunner | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._profiled_peaks: dict[tuple[int, int], tuple[int, int]] = {}
+        self._profiled_peaks: dict[tuple, tuple[int, int]] = {}
         self.sampler = Sampler()
         # one seed per sampling step for the rows of requests without their own (step_inputs.row_seeds)
         self.step_seeds = np.random.Generator(np.random.PCG64(seed % (1 << 64)))
@@ -328,10 +328,12 @@ class ModelRunner:
             return self._profiled_peak(plan.max_num_batched_tokens, plan.max_model_len)[0]
 
     def _profiled_peak(self, num_tokens: int, max_model_len: int) -> tuple[int, int]:
-        """``_profile_peak_memory`` of the largest step, measured once per step size."""
-        key = (num_tokens, min(num_tokens, max_model_len))
-        if key not in self._profiled_peaks:  # re-planning with the same step size reuses it
-            self._profiled_peaks[key] = self._profile_peak_memory(*key)
+        """``_profile_peak_memory`` of the largest step, measured once per step size and numerics
+        (re-planning with the same ones reuses it)."""
+        step = (num_tokens, min(num_tokens, max_model_len))
+        key = (*step, self.plan.batch_invariant, self.plan.kv_cache_dtype)
+        if key not in self._profiled_peaks:
+            self._profiled_peaks[key] = self._profile_peak_memory(*step)
         return self._profiled_peaks[key]
 
     def reset_memory_profile(self) -> None:
