@@ -65,6 +65,55 @@ def test_speculative_config_defaults_and_errors():
             EngineConfig(speculative_config=value).validate()
 
 
+def test_batch_size_schedule_is_vllms():
+    """vLLM's num_speculative_tokens_per_batch_size (its dynamic speculative decoding test's
+    table): a batch size in a gap or past the last range takes the K of the range before it, and
+    no K exceeds num_speculative_tokens; malformed tables are errors naming the value."""
+    key, table = "num_speculative_tokens_per_batch_size", [[32, 128, 2], [1, 16, 3], [256, 2048, 0]]
+    config = resolve_speculative_config({"num_speculative_tokens": 3, key: table})
+    assert config.num_speculative_tokens_per_batch_size == ((1, 16, 3), (32, 128, 2), (256, 2048, 0))
+    sizes = [1, 16, 17, 31, 32, 128, 129, 255, 256, 5000]
+    assert [config.tokens_for_batch(n) for n in sizes] == [3, 3, 3, 3, 2, 2, 2, 2, 0, 0]
+    assert resolve_speculative_config(config.to_dict()) == config
+    capped = {"model": "d", "num_speculative_tokens": 2, key: [[1, 9, 5]]}
+    assert resolve_speculative_config(capped).tokens_for_batch(4) == 2
+    assert resolve_speculative_config(NGRAM).tokens_for_batch(10 ** 6) == 4  # no table: always k
+    for table, why in [([], "non-empty list"), ([[1, 2]], "non-empty list"), ([[1, 5, 1, 10, 2]], "5-item"),
+                       ([[1, 2, True]], "non-empty list"), ([[0, 2, 1]], "1 <= first <= last"),
+                       ([[1, 2, -1]], r"K >= 0 \(got \[1, 2, -1\]\)"), ([[2, 3, 1]], "starting at 1"),
+                       ([[1, 2, 1], [2, 5, 0]], "2 falls in a range ending at 2")]:
+        with pytest.raises(ValueError, match=rf"{key}'\]=.* is invalid.*{why}"):
+            EngineConfig(speculative_config={**NGRAM, key: table}).validate()
+
+
+def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama):
+    """Steps of 1-2 requests propose up to 3 tokens a request, of 3-4 one, of 5 or more none, as
+    six requests of different lengths finish; the tokens stay plain decoding's."""
+    config = {**NGRAM, "num_speculative_tokens": 3,
+              "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1], [5, 64, 0]]}
+    prompts = random_prompts(6, vocab=12, max_len=30, seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True) for i in range(6)]
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+        llm.set_model_args(speculative_config=config)
+        scheduler, steps = llm.llm_engine.scheduler, []
+        schedule = scheduler.schedule
+
+        def recording():
+            batch = schedule()
+            steps.append((len(batch.requests), max(map(len, batch.draft_token_ids), default=0)))
+            return batch
+
+        scheduler.schedule = recording
+        spec = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert _completions(spec) == _completions(plain)
+    limit = {1: 3, 2: 3, 3: 1, 4: 1, 5: 0, 6: 0}
+    assert all(longest <= limit[n] for n, longest in steps), steps
+    assert {n for n, longest in steps if longest} == {1, 2, 3, 4}  # each range proposed, the last none
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_window"])
 def test_greedy_tokens_and_logprobs_equal_hf(tiny_models, arch):
     """Prompts of a small vocabulary repeat themselves, so proposals come often; some are accepted

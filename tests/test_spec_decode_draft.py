@@ -104,6 +104,32 @@ def test_greedy_tokens_are_hf_and_proposals_are_the_drafts_own(tiny_llama, draft
     assert stats.generation_tokens == 6 * MAX_TOKENS
 
 
+def test_a_batch_size_schedule_keeps_the_draft_in_step_through_steps_without_proposals(tiny_llama, drafts):
+    """num_speculative_tokens_per_batch_size: steps of 4 or more requests propose nothing, yet the
+    draft runs over their tokens, so once the batch shrinks its proposals are still its own greedy
+    continuations; the tokens are HF's."""
+    path, draft_hf = drafts["one_layer"]
+    prompts = random_prompts(6, vocab=40, max_len=40, seed=5)
+    lengths = [6, 9, 12, 24, 30, 36]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
+    config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 64, 0]]}
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=config) as llm:
+        proposals, draft, sizes = record_proposals(llm), llm.llm_engine.draft, []
+        propose = draft.propose
+
+        def sizing(batch):
+            propose(batch)
+            sizes.append((len(batch.requests), any(batch.draft_token_ids)))
+
+        draft.propose = sizing
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [prompt], [out], n)
+    assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+    assert {n for n, proposed in sizes if proposed} == {1, 2, 3}
+    assert any(n >= 4 for n, _ in sizes)  # the draft ran those steps too, proposing nothing
+
+
 def test_chunked_prompts_preemption_and_prefix_cache_keep_the_draft_in_step(tiny_llama, drafts):
     """Prompts in 24-token chunks, a KV cache of 12 blocks (preemptions and recomputes), prompts
     that share a cached 32-token prefix: the draft's proposals stay its own greedy continuations."""

@@ -9,6 +9,7 @@ change it without reloading weights) and gives its help text.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,20 +334,35 @@ class SpeculativeConfig:
     sequence and occurred earlier in it (prompt or output) proposes the (at most
     ``num_speculative_tokens``) tokens that followed it there. ``method="draft_model"``: the
     smaller model at ``model`` (same vocabulary) proposes that many tokens greedily
-    (``engine/draft_model.py``)."""
+    (``engine/draft_model.py``). ``num_speculative_tokens_per_batch_size`` (either method; vLLM's
+    dynamic speculative decoding) lowers that bound by the step's number of requests
+    (``tokens_for_batch``), to none where verifying proposals costs more than it saves."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     method: str = "ngram"
     model: str | None = None
+    # vLLM's dynamic speculative decoding: (first, last, K) batch-size ranges, sorted, from 1
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    def tokens_for_batch(self, batch_size: int) -> int:
+        """The most tokens proposed per request in a step of ``batch_size`` requests: the K of the
+        range holding it, of the range before it where it falls in a gap or past the last (as
+        vLLM), at most ``num_speculative_tokens``; that everywhere without a schedule."""
+        k = self.num_speculative_tokens
+        for first, _, range_k in self.num_speculative_tokens_per_batch_size or ():
+            if first > batch_size:
+                break
+            k = min(range_k, self.num_speculative_tokens)
+        return k
+
 
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-                     "draft_tensor_parallel_size")
+                     "draft_tensor_parallel_size", "num_speculative_tokens_per_batch_size")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -372,8 +388,10 @@ def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
     k = value.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         bad("num_speculative_tokens", "an integer >= 1 (the most tokens proposed a step)")
+    schedule = _batch_size_schedule(value.get("num_speculative_tokens_per_batch_size"), bad)
     if method == "draft_model":
-        return _draft_model_config(value, k, bad)
+        return dataclasses.replace(_draft_model_config(value, k, bad),
+                                   num_speculative_tokens_per_batch_size=schedule)
     if value.get("model") is not None:
         bad("model", "None with method 'ngram' (a draft model's path goes with method 'draft_model')")
     low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -385,7 +403,37 @@ def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
             bad(key, "an integer >= 1")
     if low > high:
         bad("prompt_lookup_min", f"<= prompt_lookup_max ({high})")
-    return SpeculativeConfig(k, prompt_lookup_max=high, prompt_lookup_min=low)
+    return SpeculativeConfig(k, prompt_lookup_max=high, prompt_lookup_min=low,
+                             num_speculative_tokens_per_batch_size=schedule)
+
+
+def _batch_size_schedule(value, bad) -> tuple[tuple[int, int, int], ...] | None:
+    """``num_speculative_tokens_per_batch_size`` checked as vLLM checks it: [first, last, K]
+    batch-size ranges that do not overlap, the first from 1, K >= 0; sorted by range."""
+    if value is None:
+        return None
+    key = "num_speculative_tokens_per_batch_size"
+    shape = ("a non-empty list of [first, last, K] entries: a step of first..last requests proposes at "
+             "most K tokens per request (batch-size ranges only; vLLM's 5-item entries with context "
+             "ranges are not supported)")
+    if not isinstance(value, (list, tuple)) or not value:
+        bad(key, shape)
+    entries = []
+    for entry in value:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or any(isinstance(n, bool) or not isinstance(n, int) for n in entry)):
+            bad(key, shape)
+        first, last, k = entry
+        if first < 1 or last < first or k < 0:
+            bad(key, f"{shape}, with 1 <= first <= last and K >= 0 (got {list(entry)})")
+        entries.append((first, last, k))
+    entries.sort()
+    if entries[0][0] != 1:
+        bad(key, f"{shape}, the first range starting at 1 (so every batch size has a K)")
+    for (_, last, _), (first, _, _) in itertools.pairwise(entries):
+        if first <= last:
+            bad(key, f"{shape}, the ranges not overlapping ({first} falls in a range ending at {last})")
+    return tuple(entries)
 
 
 def _draft_model_config(value: dict, k: int, bad) -> SpeculativeConfig:

@@ -22,7 +22,8 @@ preempted so that all of its tokens are recomputed in the long regime, as transf
 
 With speculative decoding (``speculative``: n-gram prompt lookup, or a draft model, whose proposals
 the engine fills in after scheduling: ``engine/draft_model.py``), a decode runs its last token
-and up to ``num_speculative_tokens`` proposed ones in one step, out of the budget and blocks left
+and up to ``num_speculative_tokens`` proposed ones (fewer in a large batch, with a batch-size
+schedule: ``SpeculativeConfig.tokens_for_batch``) in one step, out of the budget and blocks left
 once every running request and admitted prompt has its tokens; the step samples at each of them,
 and the sampled tokens are kept up to the first that differs from the proposal after it (which
 is kept too). Each position samples as it would without the proposal: its noise is keyed by its
@@ -193,13 +194,15 @@ class Scheduler:
         """Proposals for the batch's decodes (the last token of a sequence, sampling) out of the
         budget and free blocks left once every running request and admitted prompt has its
         tokens, in a step that preempted nothing (a victim's blocks go to the waiting queue first):
-        a step's proposals never preempt a request nor keep a prompt waiting."""
+        a step's proposals never preempt a request nor keep a prompt waiting. Each proposes at most
+        the K the step's number of requests gets (``SpeculativeConfig.tokens_for_batch``)."""
+        most = self.speculative.tokens_for_batch(len(batch.requests))
         for i, request in enumerate(batch.requests):
-            if budget <= 0:
+            if min(budget, most) <= 0:
                 break
             if batch.num_new_tokens[i] != 1 or not batch.samples(i):
                 continue
-            drafts = self._propose_drafts(request, budget)
+            drafts = self._propose_drafts(request, min(budget, most))
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 batch.num_new_tokens[i] += len(drafts)
                 batch.draft_token_ids[i] = drafts
