@@ -81,7 +81,9 @@ def test_batch_size_schedule_is_vllms():
     for table, why in [([], "non-empty list"), ([[1, 2]], "non-empty list"), ([[1, 5, 1, 10, 2]], "5-item"),
                        ([[1, 2, True]], "non-empty list"), ([[0, 2, 1]], "1 <= first <= last"),
                        ([[1, 2, -1]], r"K >= 0 \(got \[1, 2, -1\]\)"), ([[2, 3, 1]], "starting at 1"),
-                       ([[1, 2, 1], [2, 5, 0]], "2 falls in a range ending at 2")]:
+                       ([[1, 2, 1], [2, 5, 0]], "2 falls in a range ending at 2"),
+                       ([[1, 5, 1], [6, 5, 1]], r"got \[6, 5, 1\]"),
+                       ([[1, 8, 4.0]], r"three integers each.*\(got \[1, 8, 4.0\]\)")]:
         with pytest.raises(ValueError, match=rf"{key}'\]=.* is invalid.*{why}"):
             EngineConfig(speculative_config={**NGRAM, key: table}).validate()
 
@@ -389,6 +391,15 @@ def test_proposals_take_only_what_plain_decoding_leaves():
     s.add_request(c)
     batch = s.schedule()  # two decodes and c's 7 tokens fill the budget: no proposal
     assert batch.requests == [a, b, c] and batch.num_new_tokens == [1, 1, 7]
+    # a batch-size schedule counts every request of the step, an admitted prompt's chunk too
+    s, a, b = two_decodes(num_blocks=64, budget=32)
+    s.speculative = dataclasses.replace(spec, num_speculative_tokens_per_batch_size=((1, 2, 2), (3, 64, 0)))
+    assert s.schedule().draft_token_ids == [[2, 3], []]  # two requests: at most 2 tokens each
+    s, a, b = two_decodes(num_blocks=64, budget=32)
+    s.speculative = dataclasses.replace(spec, num_speculative_tokens_per_batch_size=((1, 2, 2), (3, 64, 0)))
+    s.add_request(request("c", [40, 41, 42]))
+    batch = s.schedule()
+    assert len(batch.requests) == 3 and batch.draft_token_ids == [[], [], []]
 
 
 def test_counters_count_a_prompts_last_token_as_prompt(tiny_llama):

@@ -110,8 +110,10 @@ class EngineConfig:
               "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} proposes up to k tokens that followed the "
               "longest earlier match (m to n tokens) of the sequence's end; {\"method\": \"draft_model\", "
               "\"model\": path, \"num_speculative_tokens\": k} has a smaller model of the same vocabulary "
-              "propose k tokens greedily; all are checked in one step, and outputs stay those of plain "
-              "decoding", plan=True)
+              "propose k tokens greedily; either may add \"num_speculative_tokens_per_batch_size\": "
+              "[[first, last, K], ...] (vLLM's dynamic speculative decoding: at most K tokens a request "
+              "in a step of first..last requests); all are checked in one step, and outputs stay those "
+              "of plain decoding", plan=True)
     chunked_prefill_size: int | None = _setting(
         None, "SGLang's name: chunked prefill with this token budget per step (sets "
               "max_num_batched_tokens)",
@@ -350,9 +352,11 @@ class SpeculativeConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def tokens_for_batch(self, batch_size: int) -> int:
-        """The most tokens proposed per request in a step of ``batch_size`` requests: the K of the
-        range holding it, of the range before it where it falls in a gap or past the last (as
-        vLLM), at most ``num_speculative_tokens``; that everywhere without a schedule."""
+        """The most tokens proposed per request in a step of ``batch_size`` requests (all the step
+        schedules, prompt chunks included): the K of the range holding it, of the range before it
+        where it falls in a gap or past the last, at most ``num_speculative_tokens`` (vLLM's lookup;
+        vLLM reads it for the step that drafts, a step before the one that verifies, pagedlab for
+        the step that verifies, where both happen); that everywhere without a schedule."""
         k = self.num_speculative_tokens
         for first, _, range_k in self.num_speculative_tokens_per_batch_size or ():
             if first > batch_size:
@@ -413,16 +417,16 @@ def _batch_size_schedule(value, bad) -> tuple[tuple[int, int, int], ...] | None:
     if value is None:
         return None
     key = "num_speculative_tokens_per_batch_size"
-    shape = ("a non-empty list of [first, last, K] entries: a step of first..last requests proposes at "
-             "most K tokens per request (batch-size ranges only; vLLM's 5-item entries with context "
-             "ranges are not supported)")
+    shape = ("a non-empty list of [first, last, K] entries, three integers each: a step of first..last "
+             "requests proposes at most K tokens per request")
     if not isinstance(value, (list, tuple)) or not value:
         bad(key, shape)
     entries = []
     for entry in value:
-        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
-                or any(isinstance(n, bool) or not isinstance(n, int) for n in entry)):
-            bad(key, shape)
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            bad(key, f"{shape} (got {entry!r}; vLLM's 5-item entries with context ranges are not supported)")
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in entry):
+            bad(key, f"{shape} (got {list(entry)})")
         first, last, k = entry
         if first < 1 or last < first or k < 0:
             bad(key, f"{shape}, with 1 <= first <= last and K >= 0 (got {list(entry)})")
