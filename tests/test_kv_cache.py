@@ -445,17 +445,20 @@ def _profile_on_a_fake_gpu(monkeypatch, utilization, others=40 * GIB, context=GI
     return ModelRunner.profile_gpu_kv_blocks(runner, 8192, 4096, utilization, 0, draft_pool)
 
 
-def test_gpu_memory_utilization_is_this_instances_share_of_the_total(monkeypatch):
+def test_gpu_memory_utilization_is_this_instances_share_of_the_total(monkeypatch, caplog):
     """vLLM (gpu_worker.determine_available_memory, CacheConfig.gpu_memory_utilization): the KV
     cache gets ``total x utilization`` less this instance's non-KV memory (its torch peak and the
     non-torch memory it added since it started); memory other processes held at the start is not
     this instance's: "if you have two vLLM instances running on the same GPU, you can set the GPU
     memory utilization to 0.5 for each instance"."""
+    caplog.set_level("INFO", logger="pagedlab.engine.model_runner")
     blocks = _profile_on_a_fake_gpu(monkeypatch, 0.45)
     assert blocks == int(80 * GIB * 0.45 - 10 * GIB - GIB // 4) // (1 << 20)
+    assert "draft" not in caplog.text
     # a draft model's graph pool (RunnerPlan.extra_memory_bytes) comes out of the same share
     blocks = _profile_on_a_fake_gpu(monkeypatch, 0.45, draft_pool=3 * GIB)
     assert blocks == int(80 * GIB * 0.45 - 10 * GIB - GIB // 4 - 3 * GIB) // (1 << 20)
+    assert "outside torch + 3.00 GiB for a draft's graphs)" in caplog.text
 
 
 def test_more_than_the_free_memory_at_start_is_refused(monkeypatch):

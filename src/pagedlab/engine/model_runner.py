@@ -311,10 +311,10 @@ class ModelRunner:
         graph_pool = forward_activations if self.uses_mixed_cuda_graphs else 0
         outside_torch = memory_added_outside_torch(self.device, self.memory_baseline)
         available = requested - outside_torch - peak - graph_pool - extra_memory_bytes
+        draft = f" + {extra_memory_bytes / GIB:.2f} GiB for a draft's graphs" if extra_memory_bytes else ""
         logger.info("KV cache: %.2f GiB available (weights + activation peak %.2f GiB for %d tokens + "
-                    "mixed-step graph pool %.2f GiB + %.2f GiB outside torch + %.2f GiB for a draft's "
-                    "graphs)", available / GIB, peak / GIB, num_tokens, graph_pool / GIB, outside_torch / GIB,
-                    extra_memory_bytes / GIB)
+                    "mixed-step graph pool %.2f GiB + %.2f GiB outside torch%s)", available / GIB, peak / GIB,
+                    num_tokens, graph_pool / GIB, outside_torch / GIB, draft)
         return int(available // (self.bytes_per_block + extra_bytes_per_block))
 
     def graph_pool_bytes(self, plan: RunnerPlan) -> int:
