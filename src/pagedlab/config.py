@@ -394,8 +394,7 @@ def resolve_speculative_config(value: dict | None) -> SpeculativeConfig | None:
         bad("num_speculative_tokens", "an integer >= 1 (the most tokens proposed a step)")
     schedule = _batch_size_schedule(value.get("num_speculative_tokens_per_batch_size"), bad)
     if method == "draft_model":
-        return dataclasses.replace(_draft_model_config(value, k, bad),
-                                   num_speculative_tokens_per_batch_size=schedule)
+        return _draft_model_config(value, k, schedule, bad)
     if value.get("model") is not None:
         bad("model", "None with method 'ngram' (a draft model's path goes with method 'draft_model')")
     low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
@@ -440,7 +439,7 @@ def _batch_size_schedule(value, bad) -> tuple[tuple[int, int, int], ...] | None:
     return tuple(entries)
 
 
-def _draft_model_config(value: dict, k: int, bad) -> SpeculativeConfig:
+def _draft_model_config(value: dict, k: int, schedule, bad) -> SpeculativeConfig:
     model = value.get("model")
     if not isinstance(model, (str, Path)) or not str(model):
         bad("model", "the draft model's path or name (method 'draft_model')")
@@ -449,7 +448,8 @@ def _draft_model_config(value: dict, k: int, bad) -> SpeculativeConfig:
             bad(key, "None with method 'draft_model' (it belongs to method 'ngram')")
     if value.get("draft_tensor_parallel_size") not in (None, 1):
         bad("draft_tensor_parallel_size", "1 (the draft model runs unsharded on rank 0's GPU)")
-    return SpeculativeConfig(k, method="draft_model", model=str(model))
+    return SpeculativeConfig(k, method="draft_model", model=str(model),
+                             num_speculative_tokens_per_batch_size=schedule)
 
 
 def resolve_quantization(requested: str | None, hf_config) -> str | None:

@@ -208,12 +208,13 @@ class LLMEngine:
         _freeze_heap()
 
     def _load_draft_model(self, speculative) -> None:
-        """Keep, load or drop the draft model the plan's ``speculative_config`` names; a kept one's
-        KV cache is freed first (the target's memory profile must not count it). The target's cache
-        is freed before anything else: on a GPU, one freed after a draft had loaded stayed reserved
-        by torch's allocator (empty_cache did not return it), so the larger cache of both models ran
-        out of memory beside it; and a kept draft's profile runs next."""
+        """Keep, load or drop the draft model the plan's ``speculative_config`` names, both KV caches
+        freed first: the memory profiles must not count them, and on a GPU a target cache freed
+        after a draft had loaded stayed reserved by torch's allocator (empty_cache did not return
+        it), so the larger cache of both models ran out of memory beside it."""
         self.runner.free_kv_cache()
+        if self.draft is not None:
+            self.draft.runner.free_kv_cache()
         wanted = speculative.model if speculative is not None else None
         if self.draft is not None and self.draft.model != wanted:
             self.draft.close()
@@ -221,9 +222,7 @@ class LLMEngine:
             gc.unfreeze()  # the draft sits in the heap _freeze_heap froze: collect its cycles now
             gc.collect()
             self.runner.reset_memory_profile()  # its weights no longer count
-        if self.draft is not None:
-            self.draft.runner.free_kv_cache()
-        elif wanted is not None:
+        if self.draft is None and wanted is not None:
             self.draft = DraftModel.load(self.config, speculative, self.hf_config, self.device, self.dtype)
             self.runner.reset_memory_profile()  # its weights count in the profile's peak
 

@@ -198,11 +198,12 @@ class Scheduler:
         the K the step's number of requests gets (``SpeculativeConfig.tokens_for_batch``)."""
         most = self.speculative.tokens_for_batch(len(batch.requests))
         for i, request in enumerate(batch.requests):
-            if min(budget, most) <= 0:
+            limit = min(budget, most)
+            if limit <= 0:
                 break
             if batch.num_new_tokens[i] != 1 or not batch.samples(i):
                 continue
-            drafts = self._propose_drafts(request, min(budget, most))
+            drafts = self._propose_drafts(request, limit)
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 batch.num_new_tokens[i] += len(drafts)
                 batch.draft_token_ids[i] = drafts
