@@ -49,9 +49,10 @@ def record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     propose = draft.propose
 
     def recording(batch):
-        propose(batch)
+        progress = propose(batch)
         seen.extend((list(r.all_token_ids), list(d))
                     for r, d in zip(batch.requests, batch.draft_token_ids) if d)
+        return progress
 
     draft.propose = recording
     return seen
@@ -104,30 +105,86 @@ def test_greedy_tokens_are_hf_and_proposals_are_the_drafts_own(tiny_llama, draft
     assert stats.generation_tokens == 6 * MAX_TOKENS
 
 
-def test_a_batch_size_schedule_keeps_the_draft_in_step_through_steps_without_proposals(tiny_llama, drafts):
-    """num_speculative_tokens_per_batch_size: steps of 4 or more requests propose nothing, yet the
-    draft runs over their tokens, so once the batch shrinks its proposals are still its own greedy
-    continuations; the tokens are HF's."""
+def count_draft_passes(llm: LLM) -> list[tuple[int, bool, int]]:
+    """(the batch's requests, whether it proposed, the draft's forward passes) of every step."""
+    draft, steps, passes = llm.llm_engine.draft, [], []
+    propose, forward = draft.propose, draft.runner.forward_greedy
+
+    def counting_propose(batch):
+        passes.clear()
+        progress = propose(batch)
+        steps.append((len(batch.requests), any(batch.draft_token_ids), len(passes)))
+        return progress
+
+    def counting_forward(*args, **kwargs):
+        passes.append(1)
+        return forward(*args, **kwargs)
+
+    draft.propose, draft.runner.forward_greedy = counting_propose, counting_forward
+    return steps
+
+
+def test_a_batch_size_schedule_runs_no_draft_without_proposals_and_the_draft_catches_up(tiny_llama, drafts):
+    """num_speculative_tokens_per_batch_size: steps of 4 or more requests propose nothing and run
+    no draft pass; once the batch shrinks the draft catches up on the tokens it missed, so its
+    proposals are its own greedy continuations (passes of at most the 16-token budget where the
+    gap is longer), and the tokens are HF's."""
     path, draft_hf = drafts["one_layer"]
     prompts = random_prompts(6, vocab=40, max_len=40, seed=5)
     lengths = [6, 9, 12, 24, 30, 36]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
     config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 64, 0]]}
-    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, speculative_config=config) as llm:
-        proposals, draft, sizes = record_proposals(llm), llm.llm_engine.draft, []
-        propose = draft.propose
-
-        def sizing(batch):
-            propose(batch)
-            sizes.append((len(batch.requests), any(batch.draft_token_ids)))
-
-        draft.propose = sizing
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16,
+             max_model_len=128, speculative_config=config) as llm:
+        proposals, steps = record_proposals(llm), count_draft_passes(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out, n in zip(prompts, outs, lengths):
         assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [prompt], [out], n)
     assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
-    assert {n for n, proposed in sizes if proposed} == {1, 2, 3}
-    assert any(n >= 4 for n, _ in sizes)  # the draft ran those steps too, proposing nothing
+    assert {n for n, proposed, _ in steps if proposed} == {1, 2, 3}
+    assert all(passes == 0 for n, proposed, passes in steps if not proposed)
+    assert any(n >= 4 for n, _, _ in steps)
+    # the first step proposing again catches up over its requests' whole sequences, in several passes
+    first = next(i for i, (_, proposed, _) in enumerate(steps) if proposed)
+    assert steps[first][2] > 1 + 3 + 1
+
+
+def test_a_prefix_hit_takes_the_drafts_keys_only_from_blocks_the_draft_computed(tiny_llama, drafts):
+    """A schedule that proposes for a request alone: two requests on a shared 32-token prefix run
+    together, with no draft pass, so the next request on that prefix finds its blocks cached
+    without the draft's keys and runs the draft over the whole sequence; the one after it finds
+    the draft's keys too and runs the draft over its own tokens only. Every proposal is the draft's
+    own greedy continuation, and the keys of accepted proposals are not computed again."""
+    path, draft_hf = drafts["one_layer"]
+    shared = random_prompts(1, vocab=30, min_len=32, max_len=32, seed=23)[0]
+    tails = random_prompts(4, vocab=30, min_len=5, max_len=9, seed=29)
+    config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_model_len=64,
+             speculative_config=config) as llm:
+        proposals, draft, passes = record_proposals(llm), llm.llm_engine.draft, []
+        forward = draft.runner.forward_greedy
+
+        def counting(inputs, *args, **kwargs):
+            passes.append(len(inputs.input_ids))
+            return forward(inputs, *args, **kwargs)
+
+        draft.runner.forward_greedy = counting
+        llm.generate([shared + tails[0], shared + tails[1]], greedy, use_tqdm=False)
+        assert not passes and not proposals
+        first_pass, later_passes = [], []
+        for tail in tails[2:]:
+            passes.clear()
+            llm.generate([shared + tail], greedy, use_tqdm=False)
+            first_pass.append(passes[0])
+            later_passes += passes[1:]
+        stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 32
+    # the prompt and its first sampled token; then the draft's keys of the shared blocks are in place
+    assert first_pass == [32 + len(tails[2]) + 1, len(tails[3]) + 1]
+    # later pass 0s run the new token alone: the draft keeps the keys of the proposals the target accepted
+    assert stats.spec_decode_num_accepted_tokens > 0 and set(later_passes) == {1}
+    assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
 
 
 def test_chunked_prompts_preemption_and_prefix_cache_keep_the_draft_in_step(tiny_llama, drafts):

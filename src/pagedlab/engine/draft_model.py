@@ -8,14 +8,20 @@ proposal that rule is exact speculative sampling (a proposed token is kept with 
 probability of it, and a rejected position keeps the target's own sample), so outputs are those
 of plain decoding, seeded sampling included.
 
-The draft runs in lockstep with the target. Its own KV cache has as many blocks as the target's,
-addressed by the same block tables, and before each target step it computes the keys and values
-of every token that step runs: pass 0 runs the step's known tokens (prompt chunks included) and
-reads its logits at each proposing decode's last token, for its first proposal; pass j runs one
-token per proposing row, its j-th proposal, for the next one (the last pass for the keys and
-values alone). The draft's cache then holds exactly the positions the target's does: rejected
-proposals are stepped back over with the target's ``num_computed_tokens``, and preemption and
-prefix-cache hits need nothing of their own (a cached block was computed by both).
+The draft runs only where it proposes. Its own KV cache has as many blocks as the target's,
+addressed by the same block tables, and ``Request.num_draft_computed_tokens`` counts the positions
+whose keys and values it holds. Before a step in which a request proposes, pass 0 runs the draft
+over that request's tokens from there to its last known one (in passes of at most the step's
+token budget where the draft has fallen far behind) and reads its logits at that last token, for
+the first proposal; pass j runs one token per proposing row, its j-th proposal, for the next one
+(the last pass for the keys and values alone). A step that proposes nothing (a batch-size
+schedule's K of 0) runs no draft at all, and a request the step does not propose for (a prompt
+chunk) waits: the draft catches up when it next proposes. The scheduler keeps the count right:
+rejected proposals are stepped back over with the target's ``num_computed_tokens``, a preempted
+request starts again from 0, and a prefix-cache hit counts only the blocks whose draft keys are
+in place too (``KVBlock.draft_ready``). Where both models free keys outside a sliding window
+(``kv_release_window``), the draft runs over every request of every step instead (``lockstep``),
+so that it never needs a key the target has let go.
 
 Memory: the target's cache is freed before a draft loads or closes (``LLMEngine._load_draft_model``);
 its memory profile counts the draft's weights and its mixed-step graph pool (the draft's forward
@@ -37,8 +43,8 @@ from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, at
                              kv_release_window, model_max_len)
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
-from pagedlab.engine.scheduler import ScheduledBatch
-from pagedlab.engine.step_inputs import StepInputs, prepare_step_inputs
+from pagedlab.engine.scheduler import DraftProgress, ScheduledBatch
+from pagedlab.engine.step_inputs import StepInputs
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.loader import ModelSource, resolve_model_source
 from pagedlab.models.registry import check_config_file
@@ -49,14 +55,15 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     """The draft model's runner and its proposals (``propose``)."""
 
-    def __init__(self, runner: ModelRunner, model: str, source: ModelSource, hf_config,
-                 target_vocab_size: int):
+    def __init__(self, runner: ModelRunner, model: str, source: ModelSource, hf_config, target_hf_config):
         self.runner = runner
         self.model = model  # as given in speculative_config
         self.source = source
         self.hf_config = hf_config
         # a padded target vocabulary may hold ids the draft lacks (never sampled in practice)
-        self.clamp_ids = hf_config.vocab_size < target_vocab_size
+        self.clamp_ids = hf_config.vocab_size < target_hf_config.vocab_size
+        # both models windowed: the KV manager frees old blocks as the target goes (release_window)
+        self.lockstep = None not in (kv_release_window(hf_config), kv_release_window(target_hf_config))
 
     @classmethod
     def load(cls, config: EngineConfig, spec: SpeculativeConfig, target_hf_config, device: torch.device,
@@ -74,7 +81,7 @@ class DraftModel:
                                            tensor_parallel_size=1, speculative_config=None)
         logger.info("loading the draft model %s", spec.model)
         return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, source, hf_config,
-                   target_hf_config.vocab_size)
+                   target_hf_config)
 
     def info(self, config: EngineConfig) -> DraftModelInfo:
         """The draft's identity for ``EngineInfo`` (and the lab's manifest)."""
@@ -115,54 +122,108 @@ class DraftModel:
         window = kv_release_window(self.hf_config)
         return None if window is None or target_window is None else max(window, target_window)
 
-    def propose(self, batch: ScheduledBatch) -> None:
-        """Run the draft over the batch's tokens and fill in its decodes' proposals (the
-        scheduler's placeholders) with the draft's greedy tokens."""
-        if batch.is_empty():
-            return
-        known = [n - len(d) for n, d in zip(batch.num_new_tokens, batch.draft_token_ids)]
+    def propose(self, batch: ScheduledBatch) -> dict[Request, DraftProgress]:
+        """Fill in the batch's proposals (the scheduler's placeholders) with the draft's greedy
+        tokens, running it first over each proposing request's tokens it has not seen (every
+        request's, in lockstep); returns what it computed of each request it ran, for
+        ``Scheduler.record_draft_pass`` once the step is launched."""
+        rows = [i for i, d in enumerate(batch.draft_token_ids) if d or self.lockstep]
+        if not rows:
+            return {}
         # longest proposals first, so the rows still proposing at pass j are the first ones
-        proposing = sorted((i for i, d in enumerate(batch.draft_token_ids) if d),
-                           key=lambda i: -len(batch.draft_token_ids[i]))
-        last_rows = np.cumsum(known) - 1
-        inputs = prepare_step_inputs(ScheduledBatch(batch.requests, known, [[] for _ in known]), {},
-                                     self.runner.block_size)
-        inputs.prompt_rows, inputs.prompt_chunks = [], {}
-        if self.clamp_ids:
-            vocab = self.hf_config.vocab_size
-            inputs.input_ids = [t if t < vocab else 0 for t in inputs.input_ids]
-        inputs.sample_rows = [int(last_rows[i]) for i in proposing]
-        first = self.runner.forward_greedy(inputs, batch.requests, known)
-        if not proposing:
-            return
-        rooms = [len(batch.draft_token_ids[i]) for i in proposing]
-        drafts = first.new_zeros(len(proposing), rooms[0])
+        rows.sort(key=lambda i: -len(batch.draft_token_ids[i]))
+        requests = [batch.requests[i] for i in rows]
+        rooms = [len(batch.draft_token_ids[i]) for i in rows]
+        ends = [r.num_computed_tokens + batch.num_new_tokens[i] - room
+                for r, i, room in zip(requests, rows, rooms)]
+        starts = [r.num_draft_computed_tokens for r in requests]
+        proposing = sum(room > 0 for room in rooms)
+        first = self._catch_up(requests, starts, ends, proposing)
+        if proposing:
+            drafts = self._draft_passes(requests[:proposing], ends, rooms[:proposing], first)
+            for i, proposal, room in zip(rows, drafts.tolist(), rooms):
+                batch.draft_token_ids[i] = proposal[:room]
+        return {r: DraftProgress(start, end, end + room)
+                for r, start, end, room in zip(requests, starts, ends, rooms)}
+
+    def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int],
+                  proposing: int) -> torch.Tensor | None:
+        """Pass 0: the draft over tokens [starts[i], ends[i]) of each request; the greedy token after
+        the last of each of the first ``proposing`` requests. Beyond the step's token budget, all
+        but each request's last token go first, in passes of the budget's size."""
+        budget = self.runner.plan.max_num_batched_tokens
+        if sum(ends) - sum(starts) > budget:
+            for chunk in _pack_ranges(requests, starts, [end - 1 for end in ends], budget):
+                pieces, chunk_starts, counts = zip(*chunk)
+                self.runner.forward_greedy(self._inputs(pieces, chunk_starts, counts, 0), list(pieces),
+                                           list(counts), logits=False)
+            starts = [end - 1 for end in ends]
+        counts = [end - start for start, end in zip(starts, ends)]
+        return self.runner.forward_greedy(self._inputs(requests, starts, counts, proposing), requests, counts,
+                                          logits=proposing > 0)
+
+    def _draft_passes(self, requests: list[Request], ends: list[int], rooms: list[int],
+                      first: torch.Tensor) -> torch.Tensor:
+        """Passes 1..K: each proposing row's j-th proposal at position ``ends[i] + j - 1`` gives the
+        next (the last pass writes keys and values only); rows by decreasing room."""
+        drafts = first.new_zeros(len(requests), rooms[0])
         drafts[:, 0] = first
-        requests = [batch.requests[i] for i in proposing]
-        last_positions = [r.num_computed_tokens + known[i] - 1 for r, i in zip(requests, proposing)]
         for j in range(1, rooms[0] + 1):
             rows = sum(room >= j for room in rooms)
-            step_inputs = _decode_inputs(requests[:rows], [pos + j for pos in last_positions[:rows]],
-                                         self.runner.block_size)
-            tokens = self.runner.forward_greedy(step_inputs, requests[:rows], [1] * rows,
+            inputs = _range_inputs(requests[:rows], [end + j - 1 for end in ends[:rows]], [1] * rows,
+                                   self.runner.block_size, rows)
+            tokens = self.runner.forward_greedy(inputs, requests[:rows], [1] * rows,
                                                 drafts[:rows, j - 1].contiguous(), logits=j < rooms[0])
             if tokens is not None:
                 drafts[:rows, j] = tokens
-        for i, proposal, room in zip(proposing, drafts.tolist(), rooms):
-            batch.draft_token_ids[i] = proposal[:room]
+        return drafts
+
+    def _inputs(self, requests, starts, counts, num_sampling: int) -> StepInputs:
+        inputs = _range_inputs(requests, starts, counts, self.runner.block_size, num_sampling)
+        if self.clamp_ids:
+            vocab = self.hf_config.vocab_size
+            inputs.input_ids = [t if t < vocab else 0 for t in inputs.input_ids]
+        return inputs
 
     def close(self) -> None:
         self.runner.close()
 
 
-def _decode_inputs(requests: list[Request], positions: list[int], block_size: int) -> StepInputs:
-    """One token per request at ``positions`` (its id given on the device), each sampling."""
-    inputs = StepInputs(input_ids=[0] * len(requests), sample_rows=list(range(len(requests))))
-    for request, pos in zip(requests, positions):
-        inputs.positions.append(pos + request.rope_position_offset)
-        inputs.slots.append(request.block_ids[pos // block_size] * block_size + pos % block_size)
-        inputs.seq_lens.append(pos + 1)
+def _range_inputs(requests, starts, counts, block_size: int, num_sampling: int) -> StepInputs:
+    """Tokens [starts[i], starts[i] + counts[i]) of each request (ids past its known ones are 0:
+    a draft pass gives its proposals on the device), sampling at the last token of each of the
+    first ``num_sampling`` requests."""
+    inputs = StepInputs()
+    bs = block_size
+    for i, (request, start, n) in enumerate(zip(requests, starts, counts)):
+        ids = request.all_token_ids[start:start + n]
+        inputs.input_ids.extend(ids + [0] * (n - len(ids)))
+        if n == 1:  # scalar arithmetic beats numpy's per-call cost
+            inputs.positions.append(start + request.rope_position_offset)
+            inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
+        else:
+            pos = np.arange(start, start + n)
+            inputs.positions.extend((pos + request.rope_position_offset).tolist())
+            inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
+        inputs.seq_lens.append(start + n)
+        if i < num_sampling:
+            inputs.sample_rows.append(len(inputs.input_ids) - 1)
     return inputs
+
+
+def _pack_ranges(requests, starts, ends, budget: int) -> list[list[tuple[Request, int, int]]]:
+    """Tokens [starts[i], ends[i]) of each request as passes of at most ``budget`` tokens, each a
+    list of (request, first token, count); a request's pieces come in order."""
+    passes, current, room = [], [], budget
+    for request, start, end in zip(requests, starts, ends):
+        while start < end:
+            n = min(end - start, room)
+            current.append((request, start, n))
+            start, room = start + n, room - n
+            if room == 0:
+                passes.append(current)
+                current, room = [], budget
+    return passes + [current] if current else passes
 
 
 def check_draft_config(model: str, hf_config, target_hf_config) -> None:

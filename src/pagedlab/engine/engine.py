@@ -426,11 +426,13 @@ class LLMEngine:
                 previous = None
             with self.ranges.range("schedule"):
                 batch = self.scheduler.schedule()
+            progress = {}
             if self.draft is not None:
                 with self.ranges.range("propose"):
-                    self.draft.propose(batch)  # fills in the scheduler's placeholders
+                    progress = self.draft.propose(batch)  # fills in the scheduler's placeholders
             changed += batch.preempted
             launched = self._launch(batch, previous)
+            self.scheduler.record_draft_pass(progress)
             if previous is not None:
                 changed += self._process_output(previous)
             if launched is not None:

@@ -37,6 +37,7 @@ class KVBlock:
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    draft_ready: bool = False  # a draft model's keys and values of its tokens are in it too
 
 
 @dataclass
@@ -124,6 +125,19 @@ class KVCacheManager:
             hit.block_ids.append(block_id)
             hit.block_hashes.append(block_hash)
         return hit
+
+    def draft_ready_tokens(self, hit: PrefixHit) -> int:
+        """The tokens of ``hit``'s leading blocks that hold a draft model's keys and values too."""
+        ready = 0
+        while ready < len(hit.block_ids) and self.blocks[hit.block_ids[ready]].draft_ready:
+            ready += 1
+        return ready * self.block_size
+
+    def mark_draft_ready(self, request: Request, start: int, end: int) -> None:
+        """A draft model computed ``request``'s tokens [``start``, ``end``), every one before them
+        earlier: the blocks they complete hold its keys and values."""
+        for i in range(max(start // self.block_size, request.num_released_blocks), end // self.block_size):
+            self.blocks[request.block_ids[i]].draft_ready = True
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool:
@@ -215,6 +229,7 @@ class KVCacheManager:
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
+        block.draft_ready = False
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]

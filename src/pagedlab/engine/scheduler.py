@@ -55,6 +55,17 @@ from pagedlab.engine.request import Request, RequestStatus
 
 
 @dataclass
+class DraftProgress:
+    """What a draft model's passes computed of one request (``DraftModel.propose``): the keys and
+    values of its tokens from ``start`` to ``known_end`` (its last known one), then on to ``end``
+    (its proposals')."""
+
+    start: int
+    known_end: int
+    end: int
+
+
+@dataclass
 class ScheduledBatch:
     """The work of one step: ``num_new_tokens[i]`` tokens of ``requests[i]`` starting at its
     ``num_computed_tokens``, the last ``len(draft_token_ids[i])`` of them proposed (speculative
@@ -249,6 +260,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += num_cached
+            request.num_draft_computed_tokens = self.kv_cache.draft_ready_tokens(hit)
             if not request.num_preemptions:  # a recompute's hit on its own tokens is no prompt cache hit
                 request.num_cached_prompt_tokens = request.metrics.num_cached_prompt_tokens = num_cached
             self._enqueue(self.running, request)
@@ -303,6 +315,14 @@ class Scheduler:
             request.num_pending_tokens += 1
         return sampled
 
+    def record_draft_pass(self, progress: dict[Request, DraftProgress]) -> None:
+        """A launched step's draft-model passes (``DraftModel.propose``): the draft now holds each
+        request's keys and values up to its proposals' end (stepped back with rejections), and
+        the blocks its known tokens fill hold them for a prefix-cache hit."""
+        for request, done in progress.items():
+            request.num_draft_computed_tokens = done.end
+            self.kv_cache.mark_draft_ready(request, done.start, done.known_end)
+
     def update_from_output(self, sampled_requests: list[Request], token_ids: list[int],
                            draft_token_ids: dict[Request, list[int]] | None = None) -> list[int]:
         """Append the tokens a step sampled (a row per sampled position, a request's rows in order)
@@ -327,6 +347,8 @@ class Scheduler:
                     per_position[j] += 1
                 elif j < len(draft):  # the rows after this one ran on a token the sequence does not have
                     request.num_computed_tokens -= len(draft) - j
+                    request.num_draft_computed_tokens = min(request.num_draft_computed_tokens,
+                                                            request.num_computed_tokens)
                     rejected.add(request)
             request.all_token_ids.append(token)
             self.stats.generation_tokens += 1
