@@ -44,19 +44,19 @@ def check_invariants(kv: KVCacheManager, live: list[Request]) -> None:
 
 def test_a_hit_counts_the_draft_keys_of_its_leading_marked_blocks_and_a_reused_block_loses_them():
     """``draft_ready_tokens``: a prefix hit's leading blocks a draft model computed (marked by
-    ``mark_draft_ready`` from the block holding its first token to the last block its known tokens
-    fill); a block the pool hands out for other tokens holds no draft keys, even under the same
-    name later."""
+    ``mark_draft_ready`` up to the last block its tokens fill, those before it too); a block the
+    pool hands out for other tokens holds no draft keys, even under the same name later."""
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = make_request(range(14), "a")
     admit(kv, a)
-    kv.mark_draft_ready(a, 0, 5)  # tokens 0-4: block 0 full, block 1 not
-    kv.mark_draft_ready(a, 5, 10)  # tokens 5-9 complete block 1, block 2 not
+    kv.mark_draft_ready(a, 3)  # no block full yet
+    assert not any(kv.blocks[b].draft_ready for b in a.block_ids)
+    kv.mark_draft_ready(a, 10)  # blocks 0 and 1 full, block 2 not
     assert [kv.blocks[b].draft_ready for b in a.block_ids] == [True, True, False, False]
     b = make_request(range(13), "b")
     hit = kv.find_cached_prefix(b)
     assert hit.num_tokens(4) == 12 and kv.draft_ready_tokens(hit) == 8
-    kv.mark_draft_ready(a, 10, 14)
+    kv.mark_draft_ready(a, 14)
     assert kv.draft_ready_tokens(kv.find_cached_prefix(b)) == 12
     kv.free(a)
     c = make_request([50 + t for t in range(16)], "c")  # takes every block over

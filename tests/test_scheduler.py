@@ -303,19 +303,19 @@ def test_a_step_that_preempts_admits_nothing():
     assert scheduled(run(s)) == {"a": 1, "b": 4}  # admitted again, recomputing from its start
 
 
-def test_needs_host_tokens_lasts_while_a_penalized_request_is_unfinished():
+def test_a_step_must_be_read_back_while_a_penalized_request_is_unfinished():
     s = make_scheduler(budget=64)
     plain = make_request("plain", 5)
     penalized = make_request("pen", 5, first_token=300, repetition_penalty=1.2)
     s.add_request(plain)
-    assert not s.needs_host_tokens
+    assert not s.must_read_back(ScheduledBatch())
     s.add_request(penalized)
-    run(s)
-    assert s.needs_host_tokens
+    batch = run(s)
+    assert s.must_read_back(batch)
     s.finish_request(penalized, "abort")
-    assert not s.needs_host_tokens
+    assert not s.must_read_back(batch)
     s.finish_request(plain, "abort")
-    assert s.num_unfinished == 0 and not s.needs_host_tokens
+    assert s.num_unfinished == 0 and not s.must_read_back(batch)
 
 
 def test_stats_count_prompt_and_generated_tokens_once():

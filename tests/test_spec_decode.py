@@ -88,17 +88,36 @@ def test_batch_size_schedule_is_vllms():
             EngineConfig(speculative_config={**NGRAM, key: table}).validate()
 
 
-def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama):
+def record_launches(llm: LLM) -> list[tuple[bool, bool]]:
+    """(whether the step proposes, whether it was launched while a step that proposed was in
+    flight) of every step the engine launches ahead of reading the one before back."""
+    engine, ahead = llm.llm_engine, []
+    launch = engine._launch
+
+    def recording(batch, previous):
+        if previous is not None:
+            ahead.append((any(batch.draft_token_ids), any(previous.batch.draft_token_ids)))
+        return launch(batch, previous)
+
+    engine._launch = recording
+    return ahead
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama, async_scheduling):
     """Steps of 1-2 requests propose up to 3 tokens a request, of 3-4 one, of 5 or more none, as
-    six requests of different lengths finish; the tokens stay plain decoding's."""
+    six requests of different lengths finish; the tokens stay plain decoding's. With asynchronous
+    scheduling the steps of 5 or more requests run ahead of the one before, and no step runs ahead
+    of one that proposed."""
     config = {**NGRAM, "num_speculative_tokens": 3,
               "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1], [5, 64, 0]]}
     prompts = random_prompts(6, vocab=12, max_len=30, seed=11)
     params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True) for i in range(6)]
-    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES) as llm:
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES,
+             async_scheduling=async_scheduling) as llm:
         plain = llm.generate(prompts, params, use_tqdm=False)
         llm.set_model_args(speculative_config=config)
-        scheduler, steps = llm.llm_engine.scheduler, []
+        scheduler, steps, ahead = llm.llm_engine.scheduler, [], record_launches(llm)
         schedule = scheduler.schedule
 
         def recording():
@@ -110,10 +129,12 @@ def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama):
         spec = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
     assert _completions(spec) == _completions(plain)
-    limit = {1: 3, 2: 3, 3: 1, 4: 1, 5: 0, 6: 0}
+    limit = {0: 0, 1: 3, 2: 3, 3: 1, 4: 1, 5: 0, 6: 0}  # (0: an asynchronous step waiting on the one before)
     assert all(longest <= limit[n] for n, longest in steps), steps
     assert {n for n, longest in steps if longest} == {1, 2, 3, 4}  # each range proposed, the last none
     assert stats.spec_decode_num_accepted_tokens > 0
+    assert not any(after_proposals for _, after_proposals in ahead)
+    assert len(ahead) >= (10 if async_scheduling else 0) and (async_scheduling or not ahead)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_window"])
@@ -400,6 +421,33 @@ def test_proposals_take_only_what_plain_decoding_leaves():
     s.add_request(request("c", [40, 41, 42]))
     batch = s.schedule()
     assert len(batch.requests) == 3 and batch.draft_token_ids == [[], [], []]
+
+
+def test_a_step_runs_ahead_only_between_steps_that_propose_nothing():
+    """``must_read_back`` with speculation: a step in flight that verifies proposals, or a next step
+    that may propose (K above 0 for the running requests), is read back first; otherwise the next
+    step runs ahead, and a request whose last token is still on the device gets no proposal even
+    where the batch it lands in allows one."""
+    from pagedlab.config import SpeculativeConfig
+    from pagedlab.engine.kv_cache import KVCacheManager
+    from pagedlab.engine.request import Request
+    from pagedlab.engine.scheduler import ScheduledBatch, Scheduler
+
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1,
+                             num_speculative_tokens_per_batch_size=((1, 1, 0), (2, 64, 2)))
+    s = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=False), 8, 32, 256, speculative=spec)
+    a = Request("a", [1, 2, 3, 1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    s.add_request(a)
+    in_flight = s.schedule()
+    s.update_after_launch(in_flight)  # a's first token is pending
+    assert not s.must_read_back(in_flight)  # one request: K=0
+    s.add_request(Request("b", [4, 5, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50, ignore_eos=True)))
+    batch = s.schedule()  # two requests, K=2, but a's last token is on the device
+    assert batch.requests[0] is a and batch.draft_token_ids == [[], []]
+    assert s.must_read_back(batch)  # two running: the next step may propose
+    proposing = ScheduledBatch([a], [3], [[2, 3]])
+    s.speculative = dataclasses.replace(spec, num_speculative_tokens_per_batch_size=((1, 64, 0),))
+    assert s.must_read_back(proposing) and not s.must_read_back(batch)
 
 
 def test_counters_count_a_prompts_last_token_as_prompt(tiny_llama):

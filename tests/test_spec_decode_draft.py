@@ -1,9 +1,9 @@
 """Speculative decoding with a draft model (vLLM's ``speculative_config={"method": "draft_model",
 "model": path}``): the target's greedy tokens and logprobs are HF transformers' float32 ones, and
 every proposal is the draft model's own HF greedy continuation of the sequence it was made for
-(so the draft's KV cache, kept in lockstep with the target's through prompt chunks, rejections,
-preemptions and prefix-cache hits, holds the right keys); seeded sampling gives plain decoding's
-tokens; bad drafts are refused with clear errors."""
+(so the draft's KV cache, caught up where a request proposes through prompt chunks, steps without
+proposals, rejections, preemptions and prefix-cache hits, holds the right keys); seeded sampling
+gives plain decoding's tokens; bad drafts are refused with clear errors."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
+from test_spec_decode import record_launches
 from pagedlab import LLM, SamplingParams
 from pagedlab.config import EngineConfig, resolve_speculative_config
 from pagedlab.engine.sleep_mode import SleepStateError
@@ -124,19 +125,22 @@ def count_draft_passes(llm: LLM) -> list[tuple[int, bool, int]]:
     return steps
 
 
-def test_a_batch_size_schedule_runs_no_draft_without_proposals_and_the_draft_catches_up(tiny_llama, drafts):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_batch_size_schedule_runs_no_draft_without_proposals_and_the_draft_catches_up(tiny_llama, drafts,
+                                                                                        async_scheduling):
     """num_speculative_tokens_per_batch_size: steps of 4 or more requests propose nothing and run
-    no draft pass; once the batch shrinks the draft catches up on the tokens it missed, so its
-    proposals are its own greedy continuations (passes of at most the 16-token budget where the
-    gap is longer), and the tokens are HF's."""
+    no draft pass (with asynchronous scheduling they run ahead of the step before); once the batch
+    shrinks the draft catches up on the tokens it missed, so its proposals are its own greedy
+    continuations (passes of at most the 16-token budget where the gap is longer), and the tokens
+    are HF's."""
     path, draft_hf = drafts["one_layer"]
     prompts = random_prompts(6, vocab=40, max_len=40, seed=5)
     lengths = [6, 9, 12, 24, 30, 36]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
     config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 3, 3], [4, 64, 0]]}
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=16,
-             max_model_len=128, speculative_config=config) as llm:
-        proposals, steps = record_proposals(llm), count_draft_passes(llm)
+             max_model_len=128, speculative_config=config, async_scheduling=async_scheduling) as llm:
+        proposals, steps, ahead = record_proposals(llm), count_draft_passes(llm), record_launches(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out, n in zip(prompts, outs, lengths):
         assert_hf_tokens_and_logprobs(tiny_llama.hf_model, [prompt], [out], n)
@@ -147,6 +151,8 @@ def test_a_batch_size_schedule_runs_no_draft_without_proposals_and_the_draft_cat
     # the first step proposing again catches up over its requests' whole sequences, in several passes
     first = next(i for i, (_, proposed, _) in enumerate(steps) if proposed)
     assert steps[first][2] > 1 + 3 + 1
+    assert not any(after_proposals for _, after_proposals in ahead)
+    assert len(ahead) >= (10 if async_scheduling else 0) and (async_scheduling or not ahead)
 
 
 def test_a_prefix_hit_takes_the_drafts_keys_only_from_blocks_the_draft_computed(tiny_llama, drafts):
@@ -185,6 +191,81 @@ def test_a_prefix_hit_takes_the_drafts_keys_only_from_blocks_the_draft_computed(
     # later pass 0s run the new token alone: the draft keeps the keys of the proposals the target accepted
     assert stats.spec_decode_num_accepted_tokens > 0 and set(later_passes) == {1}
     assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+
+
+def test_a_follow_up_on_a_finished_sequence_finds_the_drafts_keys_of_its_accepted_proposals(tiny_llama):
+    """The target as its own draft (every proposal accepted): a follow-up prompt extending a finished
+    sequence hits its cached blocks, those filled by accepted proposals included, with the draft's
+    keys in place, so the draft runs over the new tokens only."""
+    prompt = random_prompts(1, vocab=40, min_len=20, max_len=20, seed=3)[0]
+    with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_model_len=256,
+             speculative_config=draft_config(tiny_llama.path, 4)) as llm:
+        (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                              use_tqdm=False)
+        follow_up = prompt + list(out.outputs[0].token_ids) + [5, 6, 7]
+        draft, passes = llm.llm_engine.draft, []
+        forward = draft.runner.forward_greedy
+
+        def counting(inputs, *args, **kwargs):
+            passes.append(len(inputs.input_ids))
+            return forward(inputs, *args, **kwargs)
+
+        draft.runner.forward_greedy = counting
+        llm.reset_stats()
+        llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        hit = llm.get_stats().prefix_cache_hit_tokens
+    assert hit == 64  # the finished sequence's full computed blocks (its last token was never run)
+    assert passes[0] == len(follow_up) + 1 - hit
+
+
+@pytest.fixture(scope="module")
+def windowed_draft(tmp_path_factory):
+    """A tiny Mistral whose every layer attends within a window (the KV manager frees blocks behind
+    it) and its first layer alone as a draft."""
+    import transformers
+
+    target = build_tiny_model(tmp_path_factory.mktemp("windowed"), "mistral_window")
+    config = transformers.MistralConfig.from_pretrained(target.path)
+    config.num_hidden_layers = 1
+    one_layer = transformers.MistralForCausalLM(config).float().eval()
+    one_layer.load_state_dict(target.hf_model.state_dict(), strict=False)
+    path = tmp_path_factory.mktemp("windowed_1layer")
+    one_layer.save_pretrained(path)
+    return target, str(path), one_layer
+
+
+@pytest.mark.parametrize("num_blocks", [10, 40])
+def test_both_models_windowed_run_the_draft_in_lockstep(windowed_draft, num_blocks):
+    """Blocks behind the window go back to the pool as the target goes, so the draft runs over every
+    request of every step, synchronously, and never reads or writes a block given back; a K=0
+    schedule for big batches and a small pool (blocks handed out again) change nothing: the tokens
+    are HF's and the proposals the draft's own greedy continuations."""
+    target, path, draft_hf = windowed_draft
+    prompts = random_prompts(5, vocab=30, min_len=20, max_len=50, seed=5)
+    lengths = [8, 16, 30, 60, 80]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]]}
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 slots, 2 KV heads, dim 16, float32
+    with LLM(target.path, device="cpu", kv_cache_memory_bytes=num_blocks * (block_bytes + block_bytes // 2),
+             max_model_len=128, max_num_batched_tokens=24, speculative_config=config,
+             async_scheduling=True) as llm:
+        draft, released = llm.llm_engine.draft, []
+        assert draft.lockstep and not llm.llm_engine.async_scheduling
+        proposals, steps, catch_up = record_proposals(llm), count_draft_passes(llm), draft._catch_up
+
+        def checking(requests, starts, ends, proposing):
+            released.extend(r.request_id for r, start in zip(requests, starts)
+                            if start // 16 < r.num_released_blocks)
+            return catch_up(requests, starts, ends, proposing)
+
+        draft._catch_up = checking
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert out.outputs[0].token_ids == hf_greedy(target.hf_model, prompt, n, eos_token_id=None)
+    assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+    assert not released
+    assert all(passes > 0 for _, _, passes in steps)
 
 
 def test_chunked_prompts_preemption_and_prefix_cache_keep_the_draft_in_step(tiny_llama, drafts):

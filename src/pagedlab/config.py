@@ -128,7 +128,8 @@ class EngineConfig:
         plan=True)
     async_scheduling: bool | None = _setting(
         None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU; "
-              "always off with speculative_config, whose proposals need each step's tokens)",
+              "with speculative_config only between steps that propose nothing, since proposals need "
+              "each step's tokens)",
         plan=True)
     enable_cascade_attention: bool = _setting(
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)

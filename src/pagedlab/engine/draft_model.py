@@ -17,11 +17,11 @@ the first proposal; pass j runs one token per proposing row, its j-th proposal, 
 (the last pass for the keys and values alone). A step that proposes nothing (a batch-size
 schedule's K of 0) runs no draft at all, and a request the step does not propose for (a prompt
 chunk) waits: the draft catches up when it next proposes. The scheduler keeps the count right:
-rejected proposals are stepped back over with the target's ``num_computed_tokens``, a preempted
-request starts again from 0, and a prefix-cache hit counts only the blocks whose draft keys are
-in place too (``KVBlock.draft_ready``). Where both models free keys outside a sliding window
-(``kv_release_window``), the draft runs over every request of every step instead (``lockstep``),
-so that it never needs a key the target has let go.
+rejected proposals are stepped back over with the target's ``num_computed_tokens``, and a request
+admitted (or admitted again after a preemption) starts from its prefix-cache hit's leading blocks
+whose draft keys are in place too (``KVBlock.draft_ready``). Where both models free keys outside a
+sliding window (``kv_release_window``), the draft runs over every request of every step instead
+(``lockstep``, and the steps do not run ahead), so that it never needs a key the target has let go.
 
 Memory: the target's cache is freed before a draft loads or closes (``LLMEngine._load_draft_model``);
 its memory profile counts the draft's weights and its mixed-step graph pool (the draft's forward
@@ -143,8 +143,7 @@ class DraftModel:
             drafts = self._draft_passes(requests[:proposing], ends, rooms[:proposing], first)
             for i, proposal, room in zip(rows, drafts.tolist(), rooms):
                 batch.draft_token_ids[i] = proposal[:room]
-        return {r: DraftProgress(start, end, end + room)
-                for r, start, end, room in zip(requests, starts, ends, rooms)}
+        return {r: DraftProgress(end, end + room) for r, end, room in zip(requests, ends, rooms)}
 
     def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int],
                   proposing: int) -> torch.Tensor | None:

@@ -7,7 +7,8 @@ With ``async_scheduling`` (the default on CUDA) a step is launched before the pr
 read back: the host schedules and prepares step N+1 while the GPU runs step N, and the ids
 sampled in step N reach step N+1 on the device. A request that stops in step N has computed one
 token in step N+1 for nothing; requests with penalties, which read every earlier token on the
-host, make the loop wait for each step instead.
+host, and speculative decoding, whose proposals do, make the loop wait for each step instead
+(speculation only around steps that propose: ``Scheduler.must_read_back``).
 """
 
 from __future__ import annotations
@@ -176,10 +177,12 @@ class LLMEngine:
                              "mode runs dense weights only (its fixed-order matmul has no quantized form)")
         self.max_model_len = resolve_max_model_len(cfg.max_model_len, self.hf_config)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
-        self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
-                                 else cfg.async_scheduling) and cfg.speculative_config is None
         speculative = resolve_speculative_config(cfg.speculative_config)
         self._load_draft_model(speculative)
+        # a lockstep draft runs over every token of every step, all of them needed on the host
+        lockstep = self.draft is not None and self.draft.lockstep
+        self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
+                                 else cfg.async_scheduling) and not lockstep
         plan = RunnerPlan(
             block_size=cfg.block_size, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -421,8 +424,8 @@ class LLMEngine:
         with self.ranges.range(STEP_NAME):
             changed: list[Request] = []
             previous, self._in_flight = self._in_flight, None
-            if previous is not None and self.scheduler.needs_host_tokens:
-                changed += self._process_output(previous)  # penalties read every earlier token on the host
+            if previous is not None and self.scheduler.must_read_back(previous.batch):
+                changed += self._process_output(previous)  # penalties and proposals read host tokens
                 previous = None
             with self.ranges.range("schedule"):
                 batch = self.scheduler.schedule()

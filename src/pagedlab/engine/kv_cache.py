@@ -133,11 +133,14 @@ class KVCacheManager:
             ready += 1
         return ready * self.block_size
 
-    def mark_draft_ready(self, request: Request, start: int, end: int) -> None:
-        """A draft model computed ``request``'s tokens [``start``, ``end``), every one before them
-        earlier: the blocks they complete hold its keys and values."""
-        for i in range(max(start // self.block_size, request.num_released_blocks), end // self.block_size):
-            self.blocks[request.block_ids[i]].draft_ready = True
+    def mark_draft_ready(self, request: Request, num_tokens: int) -> None:
+        """A draft model holds ``request``'s keys and values for its first ``num_tokens`` tokens:
+        the blocks they fill hold them too (marked from the last back to one marked already)."""
+        for i in range(num_tokens // self.block_size - 1, request.num_released_blocks - 1, -1):
+            block = self.blocks[request.block_ids[i]]
+            if block.draft_ready:
+                break
+            block.draft_ready = True
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> bool:

@@ -54,7 +54,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
-    num_draft_computed_tokens: int = 0  # of them, those a draft model's cache holds too (draft_model.py)
+    num_draft_computed_tokens: int = 0  # while it runs: of them, those a draft model's cache holds too
     num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -32,8 +32,8 @@ its history (``StepInputs.sample_proposed``), so the outputs are those of plain 
 Requests with logits processors get no proposals: a row after a proposal runs whatever the row
 before allowed, and a user's processor must not see a history it banned. The
 keys and values computed for rejected proposals are overwritten later: ``num_computed_tokens``
-steps back over them. Proposals need every token on the host, so the step loop waits for each
-step.
+steps back over them. Proposals need every token on the host, so the step loop reads each step
+back before scheduling the next, except where the next may not propose (``must_read_back``).
 
 With asynchronous steps, a request whose last token is still pending on the device is
 scheduled like any decode: the model runner takes that input id from the previous step's
@@ -56,11 +56,10 @@ from pagedlab.engine.request import Request, RequestStatus
 
 @dataclass
 class DraftProgress:
-    """What a draft model's passes computed of one request (``DraftModel.propose``): the keys and
-    values of its tokens from ``start`` to ``known_end`` (its last known one), then on to ``end``
-    (its proposals')."""
+    """What a draft model holds of one request after its passes (``DraftModel.propose``): the keys
+    and values of its first ``known_end`` tokens (to its last known one), then on to ``end`` (its
+    proposals')."""
 
-    start: int
     known_end: int
     end: int
 
@@ -140,12 +139,18 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Some unfinished request samples with penalties or multi-token bad words, which read
-        every earlier token on the host, or speculative decoding proposes tokens from them: each
-        step must be read back before the next is scheduled."""
-        return self._num_needing_host_tokens > 0 or self.speculative is not None
+    def must_read_back(self, in_flight: ScheduledBatch) -> bool:
+        """Whether the step in flight (``in_flight``) must be read back before the next is scheduled:
+        some unfinished request samples with penalties or multi-token bad words (they read every
+        earlier token on the host), or, with speculative decoding, the step verifies proposals (what
+        it keeps moves ``num_computed_tokens``) or the next one may propose (proposals are made from
+        host tokens: K is above 0 for as many requests as run now). Steps a batch-size schedule
+        caps at K=0 run ahead as plain decoding's do."""
+        if self._num_needing_host_tokens > 0:
+            return True
+        spec = self.speculative
+        return spec is not None and (any(in_flight.draft_token_ids)
+                                     or spec.tokens_for_batch(max(len(self.running), 1)) > 0)
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -212,8 +217,8 @@ class Scheduler:
             limit = min(budget, most)
             if limit <= 0:
                 break
-            if batch.num_new_tokens[i] != 1 or not batch.samples(i):
-                continue
+            if batch.num_new_tokens[i] != 1 or not batch.samples(i) or request.num_pending_tokens:
+                continue  # not a decode, or its last token is still on the device
             drafts = self._propose_drafts(request, limit)
             if drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts)):
                 batch.num_new_tokens[i] += len(drafts)
@@ -321,7 +326,7 @@ class Scheduler:
         the blocks its known tokens fill hold them for a prefix-cache hit."""
         for request, done in progress.items():
             request.num_draft_computed_tokens = done.end
-            self.kv_cache.mark_draft_ready(request, done.start, done.known_end)
+            self.kv_cache.mark_draft_ready(request, done.known_end)
 
     def update_from_output(self, sampled_requests: list[Request], token_ids: list[int],
                            draft_token_ids: dict[Request, list[int]] | None = None) -> list[int]:
