@@ -108,7 +108,7 @@ def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama, async_sch
     """Steps of 1-2 requests propose up to 3 tokens a request, of 3-4 one, of 5 or more none, as
     six requests of different lengths finish; the tokens stay plain decoding's. With asynchronous
     scheduling the steps of 5 or more requests run ahead of the one before, and no step runs ahead
-    of one that proposed."""
+    of one that proposed; without a K=0 range the engine never runs ahead."""
     config = {**NGRAM, "num_speculative_tokens": 3,
               "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 4, 1], [5, 64, 0]]}
     prompts = random_prompts(6, vocab=12, max_len=30, seed=11)
@@ -128,6 +128,9 @@ def test_a_batch_size_schedule_bounds_each_steps_proposals(tiny_llama, async_sch
         scheduler.schedule = recording
         spec = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
+        assert llm.llm_engine.async_scheduling is async_scheduling
+        llm.set_model_args(speculative_config=NGRAM)  # proposes at every batch size: never runs ahead
+        assert llm.llm_engine.async_scheduling is False
     assert _completions(spec) == _completions(plain)
     limit = {0: 0, 1: 3, 2: 3, 3: 1, 4: 1, 5: 0, 6: 0}  # (0: an asynchronous step waiting on the one before)
     assert all(longest <= limit[n] for n, longest in steps), steps

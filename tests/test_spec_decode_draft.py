@@ -219,6 +219,37 @@ def test_a_follow_up_on_a_finished_sequence_finds_the_drafts_keys_of_its_accepte
     assert passes[0] == len(follow_up) + 1 - hit
 
 
+def test_blocks_of_rejected_proposals_never_count_as_the_drafts(tiny_llama, drafts):
+    """A request proposes alone (rejections among its proposals), then two more arrive and every step
+    is capped at K=0, so the target fills the blocks that held rejected proposals without the draft;
+    a follow-up prompt on the finished sequence, proposing alone, must not take the draft's keys of
+    those blocks from the prefix cache: its proposals are the draft's own greedy continuations."""
+    path, draft_hf = drafts["one_layer"]
+    prompts = random_prompts(4, vocab=40, min_len=20, max_len=30, seed=21)
+    config = {**draft_config(path, 3), "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for arrival in (3, 16, 17):
+        with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_model_len=256,
+                 speculative_config=config, async_scheduling=True) as llm:
+            engine, finished = llm.llm_engine, {}
+            engine.add_request("a", prompts[0], greedy)
+            for step in range(10_000):
+                if not engine.has_unfinished_requests():
+                    break
+                if step == arrival:
+                    for rid, prompt in (("b", prompts[1]), ("c", prompts[2])):
+                        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=80,
+                                                                       ignore_eos=True))
+                finished.update((o.request_id, o) for o in engine.step() if o.finished)
+            stats = llm.get_stats()
+            assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+            follow_up = prompts[0] + list(finished["a"].outputs[0].token_ids) + [3, 4]
+            proposals = record_proposals(llm)
+            llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)
+        assert_proposals_are_the_drafts_greedy(draft_hf, proposals)
+
+
 @pytest.fixture(scope="module")
 def windowed_draft(tmp_path_factory):
     """A tiny Mistral whose every layer attends within a window (the KV manager frees blocks behind

@@ -128,8 +128,8 @@ class EngineConfig:
         plan=True)
     async_scheduling: bool | None = _setting(
         None, "prepare each step while the GPU runs the one before (default: on CUDA, off on the CPU; "
-              "with speculative_config only between steps that propose nothing, since proposals need "
-              "each step's tokens)",
+              "with speculative_config only between steps a batch-size schedule caps at K=0, since "
+              "proposals need each step's tokens, and never beside a draft where both models are windowed)",
         plan=True)
     enable_cascade_attention: bool = _setting(
         True, "a decode batch attends its shared cached prefix once (Triton backend)", plan=True)
@@ -364,6 +364,12 @@ class SpeculativeConfig:
                 break
             k = min(range_k, self.num_speculative_tokens)
         return k
+
+    @property
+    def has_steps_without_proposals(self) -> bool:
+        """A batch-size schedule caps some batch sizes at K=0 (only those steps can run ahead of
+        the one before: ``Scheduler.must_read_back``)."""
+        return any(k == 0 for _, _, k in self.num_speculative_tokens_per_batch_size or ())
 
 
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",

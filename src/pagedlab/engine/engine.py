@@ -179,10 +179,12 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg, self.max_model_len)
         speculative = resolve_speculative_config(cfg.speculative_config)
         self._load_draft_model(speculative)
-        # a lockstep draft runs over every token of every step, all of them needed on the host
-        lockstep = self.draft is not None and self.draft.lockstep
+        # speculation reads each step back but where a schedule proposes nothing (K=0), and a
+        # lockstep draft runs over every token of every step, all of them needed on the host
+        sync = speculative is not None and (not speculative.has_steps_without_proposals
+                                            or (self.draft is not None and self.draft.lockstep))
         self.async_scheduling = (self.device.type == "cuda" if cfg.async_scheduling is None
-                                 else cfg.async_scheduling) and not lockstep
+                                 else cfg.async_scheduling) and not sync
         plan = RunnerPlan(
             block_size=cfg.block_size, max_model_len=self.max_model_len, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
