@@ -7,6 +7,7 @@ gives plain decoding's tokens; bad drafts are refused with clear errors."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import weakref
@@ -27,17 +28,20 @@ MAX_TOKENS = 32
 def drafts(tiny_models, tmp_path_factory):
     """Draft models for the tiny Llama: itself, its first layer alone (agrees often, not always),
     and an unrelated Qwen3 (different heads and head_dim; rarely agrees)."""
-    import transformers
-
     target = tiny_models("llama")
-    config = transformers.LlamaConfig.from_pretrained(target.path)
-    config.num_hidden_layers = 1
-    one_layer = transformers.LlamaForCausalLM(config).float().eval()
-    one_layer.load_state_dict(target.hf_model.state_dict(), strict=False)
-    path = tmp_path_factory.mktemp("llama_1layer")
-    one_layer.save_pretrained(path)
-    return {"self": (target.path, target.hf_model), "one_layer": (str(path), one_layer),
+    return {"self": (target.path, target.hf_model),
+            "one_layer": first_layer_draft(target, tmp_path_factory.mktemp("llama_1layer")),
             "qwen3": (tiny_models("qwen3").path, tiny_models("qwen3").hf_model)}
+
+
+def first_layer_draft(target, directory) -> tuple[str, torch.nn.Module]:
+    """``target``'s first layer alone (with its embeddings, final norm and head), saved in ``directory``."""
+    config = copy.deepcopy(target.hf_model.config)
+    config.num_hidden_layers = 1
+    one_layer = type(target.hf_model)(config).float().eval()
+    one_layer.load_state_dict(target.hf_model.state_dict(), strict=False)
+    one_layer.save_pretrained(directory)
+    return str(directory), one_layer
 
 
 def draft_config(path: str, k: int = 4) -> dict:
@@ -254,16 +258,8 @@ def test_blocks_of_rejected_proposals_never_count_as_the_drafts(tiny_llama, draf
 def windowed_draft(tmp_path_factory):
     """A tiny Mistral whose every layer attends within a window (the KV manager frees blocks behind
     it) and its first layer alone as a draft."""
-    import transformers
-
     target = build_tiny_model(tmp_path_factory.mktemp("windowed"), "mistral_window")
-    config = transformers.MistralConfig.from_pretrained(target.path)
-    config.num_hidden_layers = 1
-    one_layer = transformers.MistralForCausalLM(config).float().eval()
-    one_layer.load_state_dict(target.hf_model.state_dict(), strict=False)
-    path = tmp_path_factory.mktemp("windowed_1layer")
-    one_layer.save_pretrained(path)
-    return target, str(path), one_layer
+    return (target, *first_layer_draft(target, tmp_path_factory.mktemp("windowed_1layer")))
 
 
 @pytest.mark.parametrize("num_blocks", [10, 40])
