@@ -110,22 +110,31 @@ def test_greedy_tokens_are_hf_and_proposals_are_the_drafts_own(tiny_llama, draft
     assert stats.generation_tokens == 6 * MAX_TOKENS
 
 
+def record_draft_pass_tokens(llm: LLM) -> list[int]:
+    """The tokens of every forward pass the engine's draft model runs, in order."""
+    runner, tokens = llm.llm_engine.draft.runner, []
+    forward = runner.forward_greedy
+
+    def recording(inputs, *args, **kwargs):
+        tokens.append(len(inputs.input_ids))
+        return forward(inputs, *args, **kwargs)
+
+    runner.forward_greedy = recording
+    return tokens
+
+
 def count_draft_passes(llm: LLM) -> list[tuple[int, bool, int]]:
     """(the batch's requests, whether it proposed, the draft's forward passes) of every step."""
-    draft, steps, passes = llm.llm_engine.draft, [], []
-    propose, forward = draft.propose, draft.runner.forward_greedy
+    draft, steps, passes = llm.llm_engine.draft, [], record_draft_pass_tokens(llm)
+    propose = draft.propose
 
     def counting_propose(batch):
-        passes.clear()
+        before = len(passes)
         progress = propose(batch)
-        steps.append((len(batch.requests), any(batch.draft_token_ids), len(passes)))
+        steps.append((len(batch.requests), any(batch.draft_token_ids), len(passes) - before))
         return progress
 
-    def counting_forward(*args, **kwargs):
-        passes.append(1)
-        return forward(*args, **kwargs)
-
-    draft.propose, draft.runner.forward_greedy = counting_propose, counting_forward
+    draft.propose = counting_propose
     return steps
 
 
@@ -172,14 +181,7 @@ def test_a_prefix_hit_takes_the_drafts_keys_only_from_blocks_the_draft_computed(
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(tiny_llama.path, device="cpu", kv_cache_memory_bytes=KV_BYTES, max_model_len=64,
              speculative_config=config) as llm:
-        proposals, draft, passes = record_proposals(llm), llm.llm_engine.draft, []
-        forward = draft.runner.forward_greedy
-
-        def counting(inputs, *args, **kwargs):
-            passes.append(len(inputs.input_ids))
-            return forward(inputs, *args, **kwargs)
-
-        draft.runner.forward_greedy = counting
+        proposals, passes = record_proposals(llm), record_draft_pass_tokens(llm)
         llm.generate([shared + tails[0], shared + tails[1]], greedy, use_tqdm=False)
         assert not passes and not proposals
         first_pass, later_passes = [], []
@@ -207,14 +209,7 @@ def test_a_follow_up_on_a_finished_sequence_finds_the_drafts_keys_of_its_accepte
         (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                               use_tqdm=False)
         follow_up = prompt + list(out.outputs[0].token_ids) + [5, 6, 7]
-        draft, passes = llm.llm_engine.draft, []
-        forward = draft.runner.forward_greedy
-
-        def counting(inputs, *args, **kwargs):
-            passes.append(len(inputs.input_ids))
-            return forward(inputs, *args, **kwargs)
-
-        draft.runner.forward_greedy = counting
+        passes = record_draft_pass_tokens(llm)
         llm.reset_stats()
         llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                      use_tqdm=False)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import torch
 
 from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, attention_windows,
@@ -44,7 +43,7 @@ from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, at
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import DraftProgress, ScheduledBatch
-from pagedlab.engine.step_inputs import StepInputs
+from pagedlab.engine.step_inputs import StepInputs, add_positions
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.loader import ModelSource, resolve_model_source
 from pagedlab.models.registry import check_config_file
@@ -193,18 +192,10 @@ def _range_inputs(requests, starts, counts, block_size: int, num_sampling: int) 
     a draft pass gives its proposals on the device), sampling at the last token of each of the
     first ``num_sampling`` requests."""
     inputs = StepInputs()
-    bs = block_size
     for i, (request, start, n) in enumerate(zip(requests, starts, counts)):
         ids = request.all_token_ids[start:start + n]
         inputs.input_ids.extend(ids + [0] * (n - len(ids)))
-        if n == 1:  # scalar arithmetic beats numpy's per-call cost
-            inputs.positions.append(start + request.rope_position_offset)
-            inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
-        else:
-            pos = np.arange(start, start + n)
-            inputs.positions.extend((pos + request.rope_position_offset).tolist())
-            inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
-        inputs.seq_lens.append(start + n)
+        add_positions(inputs, request, start, n, block_size)
         if i < num_sampling:
             inputs.sample_rows.append(len(inputs.input_ids) - 1)
     return inputs

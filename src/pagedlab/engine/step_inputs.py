@@ -46,6 +46,20 @@ class StepInputs:
         return self.sample_rows + self.prompt_rows
 
 
+def add_positions(inputs: StepInputs, request: Request, start: int, count: int, block_size: int) -> None:
+    """Append the positions, KV slots and sequence length of ``request``'s tokens [``start``,
+    ``start + count``) to ``inputs``."""
+    bs = block_size
+    inputs.seq_lens.append(start + count)
+    if count == 1:  # a decode: scalar arithmetic beats numpy's per-call cost
+        inputs.positions.append(start + request.rope_position_offset)
+        inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
+    else:
+        pos = np.arange(start, start + count)
+        inputs.positions.extend((pos + request.rope_position_offset).tolist())
+        inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
+
+
 def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int],
                         block_size: int) -> StepInputs:
     """The flat host inputs of ``batch``: ids, positions, KV slots, sequence lengths, the rows the
@@ -54,25 +68,18 @@ def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int]
     is marked for the device to fill in; proposed tokens (speculative decoding) follow the last
     known one, and each of them samples too."""
     inputs = StepInputs()
-    bs = block_size
     for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start, drafts = request.num_computed_tokens, batch.draft_token_ids[i]
         offset = len(inputs.input_ids)
-        inputs.seq_lens.append(start + n)
-        if n == 1:  # decode: scalar arithmetic beats numpy's per-call cost
-            if start < request.num_tokens:
-                inputs.input_ids.append(request.all_token_ids[start])
-            else:  # sampled by the step still in flight
-                inputs.pending_rows.append(offset)
-                inputs.pending_sources.append(previous_rows[request])
-                inputs.input_ids.append(0)
-            inputs.positions.append(start + request.rope_position_offset)
-            inputs.slots.append(request.block_ids[start // bs] * bs + start % bs)
+        if n == 1 and start >= request.num_tokens:  # sampled by the step still in flight
+            inputs.pending_rows.append(offset)
+            inputs.pending_sources.append(previous_rows[request])
+            inputs.input_ids.append(0)
+        elif n == 1:
+            inputs.input_ids.append(request.all_token_ids[start])
         else:
             inputs.input_ids.extend(request.all_token_ids[start:start + n - len(drafts)] + drafts)
-            pos = np.arange(start, start + n)
-            inputs.positions.extend((pos + request.rope_position_offset).tolist())
-            inputs.slots.extend((np.asarray(request.block_ids)[pos // bs] * bs + pos % bs).tolist())
+        add_positions(inputs, request, start, n, block_size)
         if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
             count = min(start + n, request.num_prompt_tokens - 1) - start
             inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
