@@ -27,6 +27,17 @@ def test_floor_matches_design_figures():
     assert rate == pytest.approx(37000, rel=0.01)  # docs/benchmarks.md; DESIGN.md §4 still says 35,000
 
 
+def test_floor_pins_the_figures_issue_21s_targets_are_read_against():
+    """BENCHMARKS.md's floors since session 43 (an independent recount agreed to machine precision):
+    W-seed batch 256 3.310 s (7,900 tok/s is 84% of it), batch 64 1.164 s, W-nano 3.822 s."""
+    llama = workloads.model_shape("llama3-8b")
+    assert physical_floor(llama, [512] * 256, [128] * 256) == pytest.approx(3.3097, rel=1e-3)
+    assert physical_floor(llama, [512] * 64, [128] * 64) == pytest.approx(1.1638, rel=1e-3)
+    nano = workloads.make_workload("W-nano", 151936)
+    assert physical_floor(workloads.model_shape("qwen3-0.6b"), list(map(len, nano.prompts)),
+                          nano.output_lens) == pytest.approx(3.8220, rel=1e-3)
+
+
 def test_floor_of_prefill_runs_the_lm_head_on_each_prompts_last_token_only():
     """A one-layer dense shape by hand (hidden 8, q 8, kv 4, MLP 16, vocab 100): attention 192
     and MLP 384 parameters per token, LM head 800 once per prompt (the engine computes logits for
@@ -93,6 +104,14 @@ def test_floor_of_sliding_window_layers_counts_only_the_keys_in_their_window():
     mistral = SimpleNamespace(**{**vars(shape), "layer_types": None})  # every layer windowed
     assert physical_floor(mistral, [5, 2], [4, 2], flops=float("inf"), bandwidth=1.0) == \
         pytest.approx(3 * 3904 + 16 * ((3 + 3) * 2 + 3 * 2 + 3 * 2))
+    # transformers' own Gemma2Config: its 21 local layers read 4,096 keys however long the context,
+    # so 1,000 more keys cost only its 21 global layers' K and V
+    gemma = workloads.model_shape("gemma2-9b")
+
+    def step(context):
+        return physical_floor(gemma, [context], [2], flops=float("inf")) - physical_floor(
+            gemma, [context], [1], flops=float("inf"))
+    assert step(8000) - step(7000) == pytest.approx(21 * 1000 * 2 * 8 * 256 * 2 / H200_BANDWIDTH, rel=1e-6)
 
 
 def test_tpot_floor_is_a_decode_steps_reads_on_average():
@@ -126,6 +145,15 @@ def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():
     step_256 = physical_floor(qwen, [512] * 256, [2] * 256) - physical_floor(
         qwen, [512] * 256, [1] * 256)
     assert step_256 > 30.5e9 * 2 / H200_BANDWIDTH
+    # batch 4 by hand: 128 x (1 - (1 - 8/128)^4) = 29.4 experts hit a layer (routing uniform, top-8
+    # without replacement), beside attention, routers and LM head; K and V of 2 keys a sequence
+    step_4 = physical_floor(qwen, [1] * 4, [2] * 4, flops=float("inf")) - physical_floor(
+        qwen, [1] * 4, [1] * 4, flops=float("inf"))
+    shared = 48 * (2048 * (4096 + 1024) + 4096 * 2048 + 128 * 2048) + 151936 * 2048
+    experts_hit = 128 * (1 - (1 - 8 / 128) ** 4)
+    kv = 4 * 2 * 48 * 2 * 512 * 2
+    assert step_4 == pytest.approx((2 * (shared + 48 * experts_hit * 3 * 2048 * 768) + kv) / H200_BANDWIDTH,
+                                   rel=1e-9)
 
 
 def test_hf_static_batch_reports_tpot_percentiles_over_requests_and_itl_apart(monkeypatch):
