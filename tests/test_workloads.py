@@ -202,6 +202,13 @@ def test_floor_with_tensor_parallelism_splits_reads_and_adds_the_all_reduces():
     free_links = AllReduceCost(latency_s=0.0, bus_bandwidth=float("inf"))
     assert physical_floor(llama8, [512] * 64, [128] * 64, tensor_parallel_size=2,
                                     all_reduce=free_links) == pytest.approx(one_gpu / 2)
+    # all-reduces alone (reads and FLOPs free): 2 x 32 a token, one prompt token and one decode step,
+    # each of a 4,096-wide bf16 hidden state over a 1 GB/s bus; a ring moves 2(n - 1)/n of it a link
+    links = AllReduceCost(latency_s=0.0, bus_bandwidth=1e9)
+    for tp, ring in ((2, 1.0), (4, 1.5), (8, 1.75)):
+        alone = physical_floor(llama8, [1], [2], tensor_parallel_size=tp, all_reduce=links,
+                               bandwidth=float("inf"), flops=float("inf"))
+        assert alone == pytest.approx(2 * 64 * ring * 8192 / 1e9)
 
 
 def test_floor_counts_a_cached_prefix_once():

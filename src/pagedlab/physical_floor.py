@@ -16,15 +16,18 @@ H200_BF16_FLOPS = 809e12
 
 @dataclass(frozen=True)
 class AllReduceCost:
-    """One all-reduce's time as a latency plus bytes over the bus bandwidth. The defaults are two
-    H200s over NVLink, NCCL 2.28 (measured 2026-11-30): 19.8 us for one token's
-    hidden state inside a CUDA graph, 272 GB/s bus bandwidth at 64 MB."""
+    """One all-reduce's time as a latency plus bytes over the bus bandwidth, which NCCL defines as
+    the algorithm bandwidth times 2(n - 1) / n on n GPUs (what each link carries in a ring), so
+    ``nbytes`` take ``2(n - 1) / n * nbytes / bus_bandwidth``: 1x at two GPUs, 1.5x at four. The
+    defaults are two H200s over NVLink, NCCL 2.28 (measured 2026-11-30): 19.8 us for one token's
+    hidden state inside a CUDA graph, 272 GB/s bus bandwidth at 64 MB; past two GPUs they are
+    that pair's figures."""
 
     latency_s: float = 19.8e-6
     bus_bandwidth: float = 272e9
 
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bus_bandwidth
+    def seconds(self, nbytes: float, world_size: int = 2) -> float:
+        return self.latency_s + 2 * (world_size - 1) / world_size * nbytes / self.bus_bandwidth
 
 
 def decode_weight_bytes(info) -> float:
@@ -131,7 +134,7 @@ def physical_floor(hf_config, prompt_lens: list[int], output_lens: list[int], dt
     num_all_reduces = 2 * c.num_hidden_layers if tp > 1 else 0
 
     def all_reduces(num_tokens: int) -> float:
-        return num_all_reduces * all_reduce.seconds(num_tokens * c.hidden_size * dtype_bytes)
+        return num_all_reduces * all_reduce.seconds(num_tokens * c.hidden_size * dtype_bytes, tp)
 
     cached = [cached_prefix if i else 0 for i in range(len(prompt_lens))]
     lm_head = weights.lm_head_params
