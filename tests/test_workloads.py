@@ -108,9 +108,8 @@ def test_floor_of_sliding_window_layers_counts_only_the_keys_in_their_window():
     # so 1,000 more keys cost only its 21 global layers' K and V
     gemma = workloads.model_shape("gemma2-9b")
 
-    def step(context):
-        return physical_floor(gemma, [context], [2], flops=float("inf")) - physical_floor(
-            gemma, [context], [1], flops=float("inf"))
+    def step(context):  # the one decode step's floor
+        return tpot_floor(gemma, [context], [2], flops=float("inf"))
     assert step(8000) - step(7000) == pytest.approx(21 * 1000 * 2 * 8 * 256 * 2 / H200_BANDWIDTH, rel=1e-6)
 
 
@@ -142,13 +141,11 @@ def test_floor_of_a_mixture_of_experts_reads_the_routed_experts():
     assert physical_floor(qwen, [512], [129]) / 128 == pytest.approx(1.46e-3, rel=0.02)
     mixtral = workloads.model_shape("mixtral-8x7b")
     assert physical_floor(mixtral, [512], [129]) / 128 == pytest.approx(6.13e-3, rel=0.02)
-    step_256 = physical_floor(qwen, [512] * 256, [2] * 256) - physical_floor(
-        qwen, [512] * 256, [1] * 256)
+    step_256 = tpot_floor(qwen, [512] * 256, [2] * 256)
     assert step_256 > 30.5e9 * 2 / H200_BANDWIDTH
     # batch 4 by hand: 128 x (1 - (1 - 8/128)^4) = 29.4 experts hit a layer (routing uniform, top-8
     # without replacement), beside attention, routers and LM head; K and V of 2 keys a sequence
-    step_4 = physical_floor(qwen, [1] * 4, [2] * 4, flops=float("inf")) - physical_floor(
-        qwen, [1] * 4, [1] * 4, flops=float("inf"))
+    step_4 = tpot_floor(qwen, [1] * 4, [2] * 4, flops=float("inf"))
     shared = 48 * (2048 * (4096 + 1024) + 4096 * 2048 + 128 * 2048) + 151936 * 2048
     experts_hit = 128 * (1 - (1 - 8 / 128) ** 4)
     kv = 4 * 2 * 48 * 2 * 512 * 2

@@ -26,7 +26,7 @@ class AllReduceCost:
     latency_s: float = 19.8e-6
     bus_bandwidth: float = 272e9
 
-    def seconds(self, nbytes: float, world_size: int = 2) -> float:
+    def seconds(self, nbytes: float, world_size: int) -> float:
         return self.latency_s + 2 * (world_size - 1) / world_size * nbytes / self.bus_bandwidth
 
 
