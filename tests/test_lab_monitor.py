@@ -121,6 +121,8 @@ def test_nvml_sampler_with_fake_driver(monkeypatch):
     assert s["mean_sm_clock_mhz"] == 1980 and 300 <= s["mean_power_w"] <= 350 and s["max_power_w"] <= 350
     assert s["max_gpu_memory_used_bytes"] == 2 << 30 and s["gpu_memory_total_bytes"] == 80 << 30
     assert s["throttled"] is True and "sw_power_cap" in s["throttle_reasons"]
+    capped = sum("sw_power_cap" in g["throttle"] for g in gpu)
+    assert 0 < capped < len(gpu) and s["throttled_share"] == capped / len(gpu)
     assert s["gpus"][1]["mean_util_gpu"] == 91
 
 
@@ -138,6 +140,7 @@ def test_idle_is_not_throttling():
                 "temperature_c": 30, "sm_clock_mhz": 300, "power_w": 60.0}]
     s = summarize(samples, "nvml")
     assert s["throttled"] is False and s["throttle_reasons"] == ["gpu_idle"] and s["max_temperature_c"] == 30
+    assert s["throttled_share"] == 0.0
 
 
 def test_monitor_lines_and_log(monkeypatch, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -337,3 +339,49 @@ def test_rows_measured_before_a_failure_stay_in_the_callers_list(tiny_llama, mon
                             engine_args=dict(kv_cache_memory_bytes=KV_BYTES, dtype="float32"),
                             progress=lambda line: None, results=results)
     assert [(r.label, r.num_requests, r.output_tokens) for r in results] == [("bs=2", 2, 4), ("bs=3", 3, 6)]
+
+
+def test_each_row_records_the_gpu_telemetry_of_its_timed_run_only(tiny_llama, monkeypatch, tmp_path, capsys):
+    """A fake NVML reads 650 W and a power cap while a row is timed, 999 W while it warms up and
+    100 W idle: every row (pagedlab and HF) records 650 W as its highest power, throttling for
+    part of its samples, and the host's memory; the printed line gives the clock, power and why."""
+    from test_lab_monitor import _fake_pynvml
+
+    phase = {"now": "idle"}
+    nv = _fake_pynvml()
+    nv.nvmlDeviceGetPowerUsage = lambda h: {"idle": 100_000, "warm": 999_000, "timed": 650_000}[phase["now"]]
+    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0x4 if phase["now"] == "timed" else 0x1
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr(workloads, "TELEMETRY_INTERVAL_S", 0.005)
+
+    def in_phase(name, fn):
+        def run(*args, **kwargs):
+            phase["now"] = name
+            try:
+                out = fn(*args, **kwargs)
+                time.sleep(0.05)  # several samples, however fast the tiny model runs
+                return out
+            finally:
+                phase["now"] = "idle"
+        return run
+
+    monkeypatch.setattr(LLM, "generate", in_phase("warm", LLM.generate))
+    for name in ("run_pagedlab", "run_hf_generate"):
+        monkeypatch.setattr(workloads, name, in_phase("timed", getattr(workloads, name)))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom",
+                 "--batch-size", "2", "--input-len", "8", "--output-len", "3", "--backend", "pagedlab", "hf",
+                 "--json", str(out), "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", "float32"]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["backend"] for r in rows] == ["pagedlab", "hf"]
+    for r in rows:
+        extra = r["extra"]
+        assert extra["gpu_max_power_w"] == 650.0 and 100.0 < extra["gpu_mean_power_w"] < 650.0
+        assert extra["gpu_mean_sm_clock_mhz"] == 1980.0
+        assert 0.0 < extra["gpu_throttled_share"] < 1.0
+        assert extra["gpu_throttle_reasons"] == "gpu_idle,sw_power_cap"
+        assert extra["host_max_rss_bytes"] > 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("custom")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "  GPU 1,980 MHz" in line and "% (sw_power_cap)" in line

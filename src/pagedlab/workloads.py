@@ -8,6 +8,7 @@ copy bandwidth, prefill FLOPs at the matmul peak).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -24,6 +25,7 @@ import torch
 
 import pagedlab
 from pagedlab import hf_peer
+from pagedlab.lab.monitor import THROTTLING_REASONS, GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
@@ -218,6 +220,22 @@ class WorkloadResult:
         return d
 
 
+# GPU telemetry sampling period over each row (``LLM.benchmark``'s default too); NVML's calls
+# release the GIL, so the sampler takes no time from the engine's host loop.
+TELEMETRY_INTERVAL_S = 0.2
+
+
+@contextlib.contextmanager
+def gpu_telemetry():
+    """A dict that, once the block ends, holds what ``GPUMonitor`` saw during it
+    (``telemetry_metrics``: the GPU's mean SM clock and power, the share of samples it throttled
+    and why, and the host's CPU and memory; the host's only where NVML sees no GPU)."""
+    metrics: dict = {}
+    with GPUMonitor(interval=TELEMETRY_INTERVAL_S) as monitor:
+        yield metrics
+    metrics.update(telemetry_metrics(monitor.summary()))
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -379,7 +397,22 @@ def format_row(r: WorkloadResult) -> str:
             f"{f(r.tpot_p99_ms, '.2f')} ms"
             + (f" (p50 {r.tpot_over_floor:.2f}x a step's floor)" if r.tpot_over_floor is not None else "")
             + f"  peak {f(r.peak_memory_gib)} GiB  {r.elapsed_s:.2f} s"
-            + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else ""))
+            + (f" = {r.over_floor:.2f}x floor" if r.over_floor is not None else "")
+            + format_telemetry(r.extra))
+
+
+def format_telemetry(extra: dict) -> str:
+    """"  GPU <mean SM clock> MHz <mean power> W[, throttled <share> (<reasons>)]" from a row's
+    ``extra`` (``gpu_telemetry``); "" where no GPU was watched."""
+    clock, power = extra.get("gpu_mean_sm_clock_mhz"), extra.get("gpu_mean_power_w")
+    if clock is None:
+        return ""
+    text = f"  GPU {clock:,.0f} MHz" + (f" {power:.0f} W" if power is not None else "")
+    share = extra.get("gpu_throttled_share")
+    if share:
+        seen = (extra.get("gpu_throttle_reasons") or "").split(",")
+        text += f", throttled {share:.0%} ({','.join(r for r in seen if r in THROTTLING_REASONS)})"
+    return text
 
 
 def write_json(path: str, results: list[WorkloadResult], command: str, error: str | None = None) -> None:
@@ -462,11 +495,12 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             for r in range(repeats):
                 label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
                          + (f" #{r + 1}" if repeats > 1 else ""))
-                if profile_dir is None:
+                profiling = contextlib.nullcontext() if profile_dir is None else \
+                    profiled(llm, profile_subdir(profile_dir, label))
+                with gpu_telemetry() as telemetry, profiling as record:
                     results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
-                else:
-                    with profiled(llm, profile_subdir(profile_dir, label)) as record:
-                        results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
+                results[-1].extra.update(telemetry)
+                if record is not None:
                     results[-1].extra["profile"] = record
                 results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
                 progress(format_row(results[-1]))
@@ -503,13 +537,15 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
         for r in range(repeats):
             label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}"
                      + (f" #{r + 1}" if repeats > 1 else ""))
-            if workload_name == "W-nano":
-                results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
-            elif workload_name == "W-prefix":
+            if workload_name == "W-prefix":
                 break  # the peer of W-prefix is pagedlab with prefix caching off
-            else:
-                results.append(run_hf_generate(peer, w, label, floor))
-                results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
+            with gpu_telemetry() as telemetry:
+                if workload_name == "W-nano":
+                    results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
+                else:
+                    results.append(run_hf_generate(peer, w, label, floor))
+            results[-1].extra.update(telemetry)
+            results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
             results[-1].extra.update(hf_peer.row_record(peer, quantization))
             progress(format_row(results[-1]))
     del peer

@@ -28,7 +28,7 @@ from pathlib import Path
 from pagedlab.lab.lora import adapter_manifest
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import memory_efficiency
-from pagedlab.lab.monitor import GPUMonitor
+from pagedlab.lab.monitor import GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.lora.bench import as_list, round_robin
@@ -73,22 +73,6 @@ class BenchmarkRun:
         d.update(self.memory)
         d.update(telemetry_metrics(self.telemetry))
         return d
-
-
-def telemetry_metrics(summary: dict) -> dict:
-    """The scalar figures of a ``GPUMonitor.summary()``, prefixed ``gpu_`` / ``host_``."""
-    if not summary:
-        return {}
-    out = {}
-    for key in ("max_temperature_c", "mean_sm_clock_mhz", "mean_power_w", "max_power_w", "mean_util_gpu",
-                "max_gpu_memory_used_bytes", "gpu_memory_total_bytes", "throttled"):
-        if key in summary:
-            out[f"gpu_{key.removeprefix('gpu_')}"] = summary[key]
-    if "throttle_reasons" in summary:
-        out["gpu_throttle_reasons"] = ",".join(summary["throttle_reasons"]) or None
-    for key, value in (summary.get("cpu") or {}).items():
-        out[f"host_{key}"] = value
-    return out
 
 
 @dataclass

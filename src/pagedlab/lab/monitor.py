@@ -370,6 +370,7 @@ def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = Non
             "throttle_reasons": sorted({r for g in per_gpu for r in g["throttle_reasons"]}),
         })
         summary["throttled"] = any(g["throttled_samples"] for g in per_gpu)
+        summary["throttled_share"] = sum(g["throttled_samples"] for g in per_gpu) / len(gpu)
     host = [s for s in samples if s["kind"] == "cpu"]
     summary["cpu"] = {
         "mean_cpu_percent": _interval_mean(host, "cpu_percent"),
@@ -379,6 +380,22 @@ def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = Non
         "max_rss_bytes": max(_values(host, "rss"), default=None),
     }
     return summary
+
+
+def telemetry_metrics(summary: dict) -> dict:
+    """The scalar figures of a ``GPUMonitor.summary()``, prefixed ``gpu_`` / ``host_``."""
+    if not summary:
+        return {}
+    out = {}
+    for key in ("max_temperature_c", "mean_sm_clock_mhz", "mean_power_w", "max_power_w", "mean_util_gpu",
+                "max_gpu_memory_used_bytes", "gpu_memory_total_bytes", "throttled", "throttled_share"):
+        if key in summary:
+            out[f"gpu_{key.removeprefix('gpu_')}"] = summary[key]
+    if "throttle_reasons" in summary:
+        out["gpu_throttle_reasons"] = ",".join(summary["throttle_reasons"]) or None
+    for key, value in (summary.get("cpu") or {}).items():
+        out[f"host_{key}"] = value
+    return out
 
 
 # ---- gpustat-like lines (``pagedlab monitor``) --------------------------------------------------

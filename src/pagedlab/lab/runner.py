@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedlab.config import ENGINE_DEFAULTS, PLAN_FIELDS, WEIGHT_FIELDS
-from pagedlab.lab.bench import run_benchmark, telemetry_metrics
+from pagedlab.lab.bench import run_benchmark
 from pagedlab.lab.lora import adapter_manifest, lora_engine_args, lora_request
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import RunResult, compute_metrics
-from pagedlab.lab.monitor import GPUMonitor
+from pagedlab.lab.monitor import GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profiled
 from pagedlab.lab.runs import ResolvedRun, expand_runs, format_plan
 from pagedlab.lab.schema import ExperimentSpec
