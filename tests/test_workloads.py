@@ -342,16 +342,20 @@ def test_rows_measured_before_a_failure_stay_in_the_callers_list(tiny_llama, mon
 
 
 def test_each_row_records_the_gpu_telemetry_of_its_timed_run_only(tiny_llama, monkeypatch, tmp_path, capsys):
-    """A fake NVML reads 650 W and a power cap while a row is timed, 999 W while it warms up and
-    100 W idle: every row (pagedlab and HF) records 650 W as its highest power, throttling for
-    part of its samples, and the host's memory; the printed line gives the clock, power and why."""
+    """A fake NVML reads 650 W and a power cap while a row is timed, 999 W while it warms up or
+    its profile is written, 100 W idle: every row (pagedlab, profiled, and HF) records 650 W as
+    its highest power, throttling for part of its samples, and the host's memory; the printed
+    line gives the clock, power and limit, and why it throttled."""
+    from pagedlab.lab import profile
     from test_lab_monitor import _fake_pynvml
 
     phase = {"now": "idle"}
     nv = _fake_pynvml()
-    nv.nvmlDeviceGetPowerUsage = lambda h: {"idle": 100_000, "warm": 999_000, "timed": 650_000}[phase["now"]]
+    watts = {"idle": 100_000, "warm": 999_000, "profile": 999_000, "timed": 650_000}
+    nv.nvmlDeviceGetPowerUsage = lambda h: watts[phase["now"]]
     nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0x4 if phase["now"] == "timed" else 0x1
     monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(workloads, "TELEMETRY_INTERVAL_S", 0.005)
 
     def in_phase(name, fn):
@@ -366,22 +370,24 @@ def test_each_row_records_the_gpu_telemetry_of_its_timed_run_only(tiny_llama, mo
         return run
 
     monkeypatch.setattr(LLM, "generate", in_phase("warm", LLM.generate))
+    monkeypatch.setattr(profile, "save_profile", in_phase("profile", profile.save_profile))
     for name in ("run_pagedlab", "run_hf_generate"):
         monkeypatch.setattr(workloads, name, in_phase("timed", getattr(workloads, name)))
     out = tmp_path / "bench.json"
     assert main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom",
                  "--batch-size", "2", "--input-len", "8", "--output-len", "3", "--backend", "pagedlab", "hf",
-                 "--json", str(out), "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", "float32"]) == 0
+                 "--profile", str(tmp_path / "profiles"), "--json", str(out),
+                 "--kv-cache-memory-bytes", str(KV_BYTES), "--dtype", "float32"]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["backend"] for r in rows] == ["pagedlab", "hf"]
+    assert [r["backend"] for r in rows] == ["pagedlab", "hf"] and "profile" in rows[0]["extra"]
     for r in rows:
         extra = r["extra"]
         assert extra["gpu_max_power_w"] == 650.0 and 100.0 < extra["gpu_mean_power_w"] < 650.0
-        assert extra["gpu_mean_sm_clock_mhz"] == 1980.0
+        assert extra["gpu_mean_sm_clock_mhz"] == 1980.0 and extra["gpu_power_limit_w"] == 700.0
         assert 0.0 < extra["gpu_throttled_share"] < 1.0
         assert extra["gpu_throttle_reasons"] == "gpu_idle,sw_power_cap"
         assert extra["host_max_rss_bytes"] > 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("custom")]
     assert len(lines) == 2
     for line in lines:
-        assert "  GPU 1,980 MHz" in line and "% (sw_power_cap)" in line
+        assert "  GPU 1,980 MHz " in line and "/700 W, throttled " in line and "% (sw_power_cap)" in line

@@ -221,7 +221,8 @@ class WorkloadResult:
 
 
 # GPU telemetry sampling period over each row (``LLM.benchmark``'s default too); NVML's calls
-# release the GIL, so the sampler takes no time from the engine's host loop.
+# release the GIL and the host's figures take microseconds, so the engine's host loop hardly
+# notices the sampler (W-seed batch 1 and 64 unchanged on an H100, BENCHMARKS.md).
 TELEMETRY_INTERVAL_S = 0.2
 
 
@@ -402,16 +403,21 @@ def format_row(r: WorkloadResult) -> str:
 
 
 def format_telemetry(extra: dict) -> str:
-    """"  GPU <mean SM clock> MHz <mean power> W[, throttled <share> (<reasons>)]" from a row's
-    ``extra`` (``gpu_telemetry``); "" where no GPU was watched."""
+    """The end of a row's line from its ``extra`` (``gpu_telemetry``): "  GPU <mean SM clock> MHz
+    <mean power>/<power limit> W", then ", throttled <share> (<reasons>)" where the GPU ran slower
+    than it could; "" where no GPU was watched."""
     clock, power = extra.get("gpu_mean_sm_clock_mhz"), extra.get("gpu_mean_power_w")
     if clock is None:
         return ""
-    text = f"  GPU {clock:,.0f} MHz" + (f" {power:.0f} W" if power is not None else "")
+    text = f"  GPU {clock:,.0f} MHz"
+    if power is not None:
+        limit = extra.get("gpu_power_limit_w")
+        text += f" {power:.0f}" + (f"/{limit:.0f}" if limit is not None else "") + " W"
     share = extra.get("gpu_throttled_share")
     if share:
         seen = (extra.get("gpu_throttle_reasons") or "").split(",")
-        text += f", throttled {share:.0%} ({','.join(r for r in seen if r in THROTTLING_REASONS)})"
+        text += f", throttled {f'{share:.0%}' if share >= 0.005 else '<1%'} " \
+            f"({','.join(r for r in seen if r in THROTTLING_REASONS)})"
     return text
 
 
@@ -497,7 +503,7 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                          + (f" #{r + 1}" if repeats > 1 else ""))
                 profiling = contextlib.nullcontext() if profile_dir is None else \
                     profiled(llm, profile_subdir(profile_dir, label))
-                with gpu_telemetry() as telemetry, profiling as record:
+                with profiling as record, gpu_telemetry() as telemetry:  # not the profiler's own work
                     results.append(run_pagedlab(llm, w, label, floor, per_token_times=latency))
                 results[-1].extra.update(telemetry)
                 if record is not None:

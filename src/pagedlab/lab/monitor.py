@@ -364,6 +364,7 @@ def summarize(samples: list[dict], backend: str, no_gpu_reason: str | None = Non
             "mean_sm_clock_mhz": over("mean_sm_clock_mhz", statistics.fmean),
             "mean_power_w": over("mean_power_w", statistics.fmean),
             "max_power_w": over("max_power_w", max),
+            "power_limit_w": over("power_limit_w", max),
             "mean_util_gpu": over("mean_util_gpu", statistics.fmean),
             "max_gpu_memory_used_bytes": over("max_mem_used_bytes", max),
             "gpu_memory_total_bytes": over("mem_total_bytes", max),
@@ -387,8 +388,9 @@ def telemetry_metrics(summary: dict) -> dict:
     if not summary:
         return {}
     out = {}
-    for key in ("max_temperature_c", "mean_sm_clock_mhz", "mean_power_w", "max_power_w", "mean_util_gpu",
-                "max_gpu_memory_used_bytes", "gpu_memory_total_bytes", "throttled", "throttled_share"):
+    for key in ("max_temperature_c", "mean_sm_clock_mhz", "mean_power_w", "max_power_w", "power_limit_w",
+                "mean_util_gpu", "max_gpu_memory_used_bytes", "gpu_memory_total_bytes", "throttled",
+                "throttled_share"):
         if key in summary:
             out[f"gpu_{key.removeprefix('gpu_')}"] = summary[key]
     if "throttle_reasons" in summary:
