@@ -370,6 +370,7 @@ def test_each_row_records_the_gpu_telemetry_of_its_timed_run_only(tiny_llama, mo
         return run
 
     monkeypatch.setattr(LLM, "generate", in_phase("warm", LLM.generate))
+    monkeypatch.setattr(LLM, "stop_profile", in_phase("profile", LLM.stop_profile))
     monkeypatch.setattr(profile, "save_profile", in_phase("profile", profile.save_profile))
     for name in ("run_pagedlab", "run_hf_generate"):
         monkeypatch.setattr(workloads, name, in_phase("timed", getattr(workloads, name)))
@@ -391,3 +392,21 @@ def test_each_row_records_the_gpu_telemetry_of_its_timed_run_only(tiny_llama, mo
     assert len(lines) == 2
     for line in lines:
         assert "  GPU 1,980 MHz " in line and "/700 W, throttled " in line and "% (sw_power_cap)" in line
+
+
+@pytest.mark.parametrize("extra, line", [
+    ({}, ""),
+    ({"gpu_mean_sm_clock_mhz": 1539.4}, "  GPU 1,539 MHz"),
+    ({"gpu_mean_sm_clock_mhz": 1980.0, "gpu_mean_power_w": 650.4}, "  GPU 1,980 MHz 650 W"),
+    ({"gpu_mean_sm_clock_mhz": 1980.0, "gpu_mean_power_w": 692.2, "gpu_power_limit_w": 700.0,
+      "gpu_throttled_share": 0.0, "gpu_throttle_reasons": "gpu_idle"}, "  GPU 1,980 MHz 692/700 W"),
+    ({"gpu_mean_sm_clock_mhz": 1539.0, "gpu_mean_power_w": 692.2, "gpu_power_limit_w": 700.0,
+      "gpu_throttled_share": 0.6, "gpu_throttle_reasons": "gpu_idle,sw_power_cap,sw_thermal"},
+     "  GPU 1,539 MHz 692/700 W, throttled 60% (sw_power_cap,sw_thermal)"),
+    ({"gpu_mean_sm_clock_mhz": 1900.0, "gpu_mean_power_w": 500.0, "gpu_throttled_share": 0.005,
+      "gpu_throttle_reasons": "hw_slowdown"}, "  GPU 1,900 MHz 500 W, throttled <1% (hw_slowdown)"),
+])
+def test_a_rows_telemetry_ends_its_line(extra, line):
+    """Clock, power against its limit where known, and the throttled share with only the reasons
+    that slow the GPU (idle is not one); a share under 1% is not rounded to 0%."""
+    assert workloads.format_telemetry(extra) == line

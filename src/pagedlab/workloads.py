@@ -416,7 +416,7 @@ def format_telemetry(extra: dict) -> str:
     share = extra.get("gpu_throttled_share")
     if share:
         seen = (extra.get("gpu_throttle_reasons") or "").split(",")
-        text += f", throttled {f'{share:.0%}' if share >= 0.005 else '<1%'} " \
+        text += f", throttled {f'{share:.0%}' if share >= 0.01 else '<1%'} " \
             f"({','.join(r for r in seen if r in THROTTLING_REASONS)})"
     return text
 
