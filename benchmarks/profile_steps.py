@@ -20,7 +20,8 @@ prompt tokens only, as ``pagedlab.engine.profiling.step_kind`` labels them):
   matmul peak (issue 21's "prefill at 70% of 809 TFLOP/s").
 
 The workload runs three times: once to warm up (kernels compile for new shapes), once timed
-(``run_s``, output tok/s and the physical floor's share of the time), once under the profiler.
+(``run_s``, output tok/s, the physical floor's share of the time, and ``telemetry``: the GPU's
+mean SM clock and power and how much of the run it was throttled), once under the profiler.
 ``--mixed-graphs both`` (the default) repeats all of it with ``cuda_graph_mixed_steps`` off and
 on in the same process (the weights stay loaded), so the two columns compare like for like.
 
@@ -40,7 +41,8 @@ from pagedlab import LLM
 from pagedlab.engine.profiling import (STEP_NAME, busy_intervals, busy_within, forward_spans, gpu_split,
                                        kernel_events, kernel_table, step_label)
 from pagedlab.physical_floor import H200_BF16_FLOPS
-from pagedlab.workloads import DEFAULT_SHAPES, engine_floor, make_workload, shape_dir
+from pagedlab.workloads import (DEFAULT_SHAPES, engine_floor, format_telemetry, gpu_telemetry, make_workload,
+                                shape_dir)
 
 STEP_KINDS = ("decode", "mixed", "prefill")
 
@@ -141,11 +143,13 @@ def prefill_phase(kinds: dict[str, dict], prefill_floor_s: float) -> dict:
 
 
 def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> dict:
-    """Warm-up run, timed run and profiled run of the workload under the engine's current plan."""
+    """Warm-up run, timed run (with the GPU's telemetry over it: ``workloads.gpu_telemetry``) and
+    profiled run of the workload under the engine's current plan."""
     engine = llm.llm_engine
     run_workload(engine, workload, "warm")
     llm.reset_prefix_cache()
-    seconds = run_workload(engine, workload, "timed")
+    with gpu_telemetry() as telemetry:
+        seconds = run_workload(engine, workload, "timed")
     llm.reset_prefix_cache()
     events = profile_workload(llm, workload, "profiled")
     records, kernels = step_records(events), kernel_events(events)
@@ -154,7 +158,7 @@ def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> 
     kernels_ms = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3
     output_tokens = sum(workload.output_lens)
     return {"run_s": seconds, "output_tok_s": output_tokens / seconds, "floor_s": floor_s,
-            "floor_share": floor_s / seconds,
+            "floor_share": floor_s / seconds, "telemetry": telemetry,
             "mixed_cuda_graphs": llm.get_engine_info().mixed_cuda_graphs,
             # sampling, copies to the host, warm-up fills: the kernels of no forward pass
             "outside_forward_ms": kernels_ms - sum(g["kernel_ms"] for g in gpu.values()),
@@ -165,7 +169,8 @@ def measure(llm, workload, floor_s: float, prefill_floor_s: float, top: int) -> 
 def print_setting(label: str, result: dict) -> None:
     print(f"\n== {label}: {result['run_s']:.3f} s, {result['output_tok_s']:,.0f} output tok/s, "
           f"floor {result['floor_s']:.3f} s ({result['floor_share']:.0%} of the time); "
-          f"{result['outside_forward_ms']:.1f} ms of kernels outside the forward passes (sampling, copies)")
+          f"{result['outside_forward_ms']:.1f} ms of kernels outside the forward passes (sampling, copies)"
+          f"{format_telemetry(result['telemetry'])}")
     print(f"{'kind':<8} {'steps':>6} {'wall ms':>10} {'busy ms':>10} {'host gap':>13} {'fwd ms':>10} "
           f"{'idle in':>8} {'before':>8}  forward kernels by kind (ms)")
     for kind, s in result["step_kinds"].items():

@@ -52,6 +52,7 @@ def test_every_profiled_engine_step_is_found_with_its_kind(tiny_llama):
                for s in kinds.values())
     assert result["outside_forward_ms"] == 0 and result["output_tok_s"] == 19 / result["run_s"]
     assert not result["mixed_cuda_graphs"]  # the CPU runs eagerly
+    assert result["telemetry"]["host_max_rss_bytes"] > 0  # the timed run's; the GPU's too on a GPU
     phase = result["prefill_phase"]  # the steps with prompt tokens, against 0.2 s at the peak
     assert phase["wall_ms"] == kinds["prefill"]["wall_ms"] + kinds["mixed"]["wall_ms"]
     assert phase["peak_share"] == 200 / phase["wall_ms"]
