@@ -390,6 +390,22 @@ def test_chat_template_kwargs_win_over_the_template_arguments(served):
     assert rendered != tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
 
 
+def test_continue_final_message_leaves_the_last_message_open(served):
+    """vLLM's continue_final_message (a prefill): the conversation renders without the end of its
+    last (assistant) message, in /tokenize and in the prompt a chat completion runs; with
+    add_generation_prompt left true it is a 400."""
+    tokenizer = served["tokenizer"]
+    prefill = [*CHAT, {"role": "assistant", "content": "The sky"}]
+    rendered = tokenizer.apply_chat_template(prefill, add_generation_prompt=False,
+                                             continue_final_message=True, tokenize=False)
+    want = tokenizer(rendered, add_special_tokens=False).input_ids
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    assert rendered.endswith("The sky") and _post(served, "/tokenize", body).json()["tokens"] == want
+    r = _post(served, "/v1/chat/completions", {**body, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+    err = _error(_post(served, "/v1/chat/completions", {**body, "add_generation_prompt": True}), 400)
+    assert "continue_final_message" in err["message"]
+
 def test_tokenize_messages_validates_return_token_strs(served):
     """/tokenize with messages takes return_token_strs as a strict boolean, as with a prompt: the
     token strings come back for true, and "false" (a string) is a 400 naming the field."""

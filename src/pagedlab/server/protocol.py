@@ -315,6 +315,7 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict = Field(default_factory=dict)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open: a prefill
     include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
 
     @field_validator("top_logprobs")

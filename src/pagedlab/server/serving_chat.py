@@ -86,6 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             prompt = chat_prompt(tokenizer, template_messages(request.conversation()), template,
                                  request.add_generation_prompt, self.served_model_names[0],
+                                 continue_final_message=request.continue_final_message,
                                  chat_template_kwargs=request.chat_template_kwargs,
                                  tools=request.tool_dicts(self.exclude_tools_when_tool_choice_none))
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
