@@ -406,6 +406,21 @@ def test_continue_final_message_leaves_the_last_message_open(served):
     err = _error(_post(served, "/v1/chat/completions", {**body, "add_generation_prompt": True}), 400)
     assert "continue_final_message" in err["message"]
 
+def test_add_special_tokens_as_vllm(served):
+    """vLLM's add_special_tokens: a completion's text prompt already holding its BOS is tokenized
+    without another with false (default true); a chat prompt gets one on top of the template's
+    with true (default false)."""
+    tokenizer = served["tokenizer"]
+    ids = tokenizer(PROMPT).input_ids
+    body = {"model": MODEL, "prompt": tokenizer.bos_token + PROMPT, "max_tokens": 1, "return_token_ids": True}
+    bare = _post(served, "/v1/completions", {**body, "add_special_tokens": False}).json()["choices"][0]
+    assert bare["prompt_token_ids"] == ids
+    assert _post(served, "/v1/completions", body).json()["choices"][0]["prompt_token_ids"] == ids[:1] + ids
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    plain = _post(served, "/v1/chat/completions", chat).json()["usage"]["prompt_tokens"]
+    special = _post(served, "/v1/chat/completions", {**chat, "add_special_tokens": True}).json()["usage"]
+    assert special["prompt_tokens"] == plain + 1
+
 def test_tokenize_messages_validates_return_token_strs(served):
     """/tokenize with messages takes return_token_strs as a strict boolean, as with a prompt: the
     token strings come back for true, and "false" (a string) is a 400 naming the field."""

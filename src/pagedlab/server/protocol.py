@@ -225,6 +225,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Annotated[str | list[int] | list[str | list[int]], expecting(PROMPT_FORMS)]
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: False tokenizes text prompts without BOS and the like
     max_tokens: Integer = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: LogprobCount | None = None
     prompt_logprobs: LogprobCount | None = None
@@ -316,6 +317,7 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     chat_template_kwargs: dict = Field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # leave the last (assistant) message open: a prefill
+    add_special_tokens: bool = False  # vLLM's: True adds BOS and the like on top of the template's
     include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
 
     @field_validator("top_logprobs")

@@ -91,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
                                  tools=request.tool_dicts(self.exclude_tools_when_tool_choice_none))
         except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
-        return self.encode(prompt, "messages")
+        return self.encode({**prompt, "add_special_tokens": request.add_special_tokens}, "messages")
 
 
 class _ChatRun:

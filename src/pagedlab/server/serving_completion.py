@@ -34,7 +34,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.with_model_defaults(request, request.to_sampling_params())
         if params.logprobs is not None or params.stop or params.bad_words:
             self.require_tokenizer("logprobs, stop strings and bad_words")
-        prompts = [self.encode(p, "prompt") for p in request.prompt_list()]
+        special = {"add_special_tokens": request.add_special_tokens}
+        prompts = [self.encode({"prompt": p, **special} if isinstance(p, str) else p, "prompt")
+                   for p in request.prompt_list()]
         for p in prompts:
             self.validate_prompt(p, params, "prompt")
         self.check_request(prompts, params)
