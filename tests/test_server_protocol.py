@@ -50,6 +50,7 @@ def _error(request_type, body: dict) -> APIError:
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
     ({"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids", "expected an array of token ids"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
     ({"prompt": "hi", "guided_json": 5}, "guided_json", "expected a JSON schema (an object or a string)"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
      "only be set when stream is true"),
@@ -93,6 +94,7 @@ def test_bad_completion_bodies(body, param, says):
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
+    ({"messages": CHAT, "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
 ])
 def test_bad_chat_bodies(body, param, says):
     error = _error(ChatCompletionRequest, body)

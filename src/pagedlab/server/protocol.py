@@ -149,6 +149,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
+    use_beam_search: bool = False  # refused when true: this engine samples, it has no beam search
 
     @field_validator("stream_options")
     @classmethod
@@ -163,6 +164,14 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
         n = info.data.get("n", 1)
         if value != n:
             raise ValueError(f"best_of={value} is not supported: leave it out or set it equal to n ({n})")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("use_beam_search is not supported by this server: leave it out or set it "
+                             "to false (sampled or greedy decoding)")
         return value
 
     @field_validator("logit_bias")
