@@ -225,3 +225,19 @@ def test_throughput_plot_has_one_series_per_configuration(monkeypatch):
     for input_len in (8, 512):
         (name,) = [n for n in series if f"input_len={input_len}]" in n]
         assert series[name] == pytest.approx({b: expected[(input_len, b)] for b in (1, 4)})
+
+
+def test_a_configuration_without_a_finite_throughput_gets_no_bar(monkeypatch):
+    """Without a batch-size sweep each configuration is a bar; one whose every repeat's throughput
+    was not finite (stored as None) is left out instead of failing the whole report, and the
+    other bars keep their means."""
+    from pagedlab.lab import report
+
+    runs = [_sweep_run("m", 0.5, s, 10.0 + 2 * s) for s in (0, 1)] + [_sweep_run("m", 0.9, 0, None)]
+    figures = []
+    monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+    report._label_runs(runs)
+    assert report._plot_throughput(runs) is not None
+    bars = figures[0].axes[0].patches
+    assert [bar.get_width() for bar in bars] == [pytest.approx(11.0)]
+    assert report._plot_throughput(runs[2:]) is None  # nothing finite: no plot at all

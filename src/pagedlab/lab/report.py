@@ -236,7 +236,10 @@ def _plot_throughput(runs) -> Plot | None:
         caption = ("Output tokens per second against batch size, one line per model; bars show the spread "
                    "over repeats.")
     else:
-        groups = _groups(have)
+        # a configuration whose throughput was never finite (stored as None) has no bar
+        groups = {g: members for g, members in _groups(have).items() if _vals(members, "output_throughput")}
+        if not groups:
+            return None
         fig, axes = _figure(height=max(3.0, 0.45 * len(groups) + 1.5))
         ax = axes[0, 0]
         names = list(groups)
