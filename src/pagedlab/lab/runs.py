@@ -189,7 +189,11 @@ def _check_benchmark(spec: ExperimentSpec, config: dict, where: Locator) -> None
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ExperimentError(f"{where('benchmark', name)}: {name}={v!r} is invalid: give an integer >= "
                                   "1")
-    if not isinstance(b.get("warmup"), int) or b["warmup"] < 0:
+    for name in ("use_beam_search", "detokenize"):  # a string such as "no" would count as true
+        if not isinstance(b.get(name), bool):
+            raise ExperimentError(f"{where('benchmark', name)}: {name}={b.get(name)!r} is invalid: give true "
+                                  "or false")
+    if not isinstance(b.get("warmup"), int) or isinstance(b["warmup"], bool) or b["warmup"] < 0:
         raise ExperimentError(f"{where('benchmark', 'warmup')}: warmup={b.get('warmup')!r} is invalid: give "
                               "an "
                               "integer >= 0")
