@@ -179,3 +179,30 @@ def test_benchmark_to_store(llm, tmp_path):
     assert run["params"]["varied"] == ["benchmark.batch_size"]
     assert run["manifest"]["model"]["weight_checksum"] == result.manifest["model"]["weight_checksum"]
     assert run["telemetry"]["num_samples"] >= 2
+
+
+def test_benchmarks_filed_apart_keep_what_set_them_apart(llm, tmp_path):
+    """An ablation filed by one to_store per setting (block size 16 then 32, temperature 0 then 1)
+    into one experiment: load_results has the setting as a column and the report keeps one
+    configuration per setting instead of averaging them together."""
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab import load_results
+    from pagedlab.lab.report import _groups, _label_runs
+    from pagedlab.lab.store import ResultStore
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    original = llm.get_engine_info().config.block_size
+    try:
+        for block_size, temperature in ((16, 0.0), (32, 0.0), (32, 1.0)):
+            llm.set_model_args(block_size=block_size)
+            llm.benchmark(batch_size=[2], input_len=4, output_len=2, warmup=0, monitor=False,
+                          temperature=temperature).to_store(url, experiment="ablation")
+    finally:
+        llm.set_model_args(block_size=original)
+    df = load_results(url, experiment="ablation")
+    settings = list(zip(df["engine.block_size"], df["benchmark.temperature"]))
+    assert settings == [(16, 0.0), (32, 0.0), (32, 1.0)]
+    with ResultStore(url) as store:
+        runs = store.runs(experiment="ablation")
+    _label_runs(runs)
+    assert sorted(len(members) for members in _groups(runs).values()) == [1, 1, 1]

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedlab.config import PLAN_FIELDS
 from pagedlab.lab.lora import adapter_manifest
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import memory_efficiency
@@ -147,12 +148,7 @@ class BenchmarkResult:
             store.ensure_experiment(experiment, {"benchmark": self.settings})
             model = self.manifest.get("model", {})
             for run in self.runs:
-                params = {"model": model.get("name"),
-                          "engine.dtype": self.manifest.get("engine", {}).get("dtype"),
-                          "benchmark.batch_size": run.batch_size, "benchmark.input_len": run.input_len,
-                          "benchmark.output_len": run.output_len, "benchmark.num_prompts": run.num_prompts,
-                          "benchmark.use_beam_search": run.use_beam_search,
-                          "varied": ["benchmark.batch_size"] if len(self.settings["batch_size"]) > 1 else []}
+                params = self._stored_params(run)
                 key = f"{experiment}:{uuid.uuid4().hex}"
                 rid = store.record_run(RunRecord(
                     experiment=experiment, run_key=key, params=params, metrics=run.metrics(),
@@ -162,6 +158,30 @@ class BenchmarkResult:
         finally:
             store.close()
         return ids
+
+
+    def _stored_params(self, run: BenchmarkRun) -> dict:
+        """The params ``to_store`` files ``run`` under: what set it up, so that benchmarks filed by
+        separate calls into one experiment (an ablation over block_size, two temperatures) stay apart
+        in ``load_results`` and the report. The engine's settings are those it ran with (the
+        manifest's); max_num_seqs is left out, the benchmark sets it per batch size."""
+        engine = self.manifest.get("engine", {})
+        params = {"model": self.manifest.get("model", {}).get("name"), "engine.dtype": engine.get("dtype")}
+        params.update({f"engine.{k}": engine[k] for k in _STORED_ENGINE_FIELDS if k in engine})
+        params.update({"benchmark.batch_size": run.batch_size, "benchmark.input_len": run.input_len,
+                       "benchmark.output_len": run.output_len, "benchmark.num_prompts": run.num_prompts,
+                       "benchmark.use_beam_search": run.use_beam_search})
+        params.update({f"benchmark.{k}": self.settings[k] for k in _STORED_SETTINGS if k in self.settings})
+        if not run.use_beam_search:
+            params.pop("benchmark.beam_width", None)
+        params["varied"] = ["benchmark.batch_size"] if len(self.settings["batch_size"]) > 1 else []
+        return params
+
+
+# What ``to_store`` records of the engine and of the benchmark's settings besides the batch shape.
+_STORED_ENGINE_FIELDS = tuple(k for k in PLAN_FIELDS if k != "max_num_seqs") + (
+    "quantization", "tensor_parallel_size")
+_STORED_SETTINGS = ("warmup", "temperature", "beam_width", "detokenize")
 
 
 def _mean(values):
