@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("yaml")
 
-from pagedlab.lab.experiments import ExperimentError, expand_runs, experiment_from_dict
+from pagedlab.lab.experiments import ExperimentError, expand_runs, experiment_from_dict, load_experiment
 
 MODEL = "example-org/tiny-llama"  # a hub id: expansion never loads it
 
@@ -30,3 +30,32 @@ def test_benchmark_switches_and_counts_keep_their_types():
     assert settings["use_beam_search"] is True and settings["detokenize"] is False
     with pytest.raises(ExperimentError, match=r"benchmark.warmup: warmup=True is invalid"):
         experiment_from_dict(bench_spec(warmup=True))
+
+
+EXPERIMENT = """
+name: s
+model: example-org/tiny-llama
+engine: {device: cpu, block_size: 16}
+sampling: {max_tokens: 2}
+dataset: {prompts: [a b c]}
+grid: {sampling.temperature: [0.3, 0.7]}
+runs:
+  - {engine: {max_num_seqs: 2}}
+  - {sampling.top_k: 5}
+"""
+
+
+def test_a_set_that_the_grid_or_a_run_would_replace_is_refused(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT)
+    # applied, the grid's 0.3 and 0.7 replaced the 0.5 in every run: a sweep at the wrong values
+    with pytest.raises(ExperimentError, match=r"--set 'sampling.temperature=0.5': the grid sweeps "
+                                              r"sampling.temperature.*--set grid.sampling.temperature="):
+        load_experiment(path, ["sampling.temperature=0.5"])
+    for item in ("engine.max_num_seqs=8", "sampling.top_k=1"):  # nested and dotted in runs
+        with pytest.raises(ExperimentError, match=rf"--set '{item}': a run of runs: sets"):
+            load_experiment(path, [item])
+    spec = load_experiment(path, ["engine.block_size=32", "grid.sampling.temperature=[0.5]"])
+    settings = {(r.config["engine"]["block_size"], r.config["sampling"]["temperature"])
+                for r in expand_runs(spec)}
+    assert settings == {(32, 0.5)}

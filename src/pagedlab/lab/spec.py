@@ -45,6 +45,7 @@ def apply_set_overrides(data, overrides: list[str], filename: str):
     yaml = schema.load_yaml_module()
     if not isinstance(data, dict):
         return data
+    set_keys = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -73,7 +74,26 @@ def apply_set_overrides(data, overrides: list[str], filename: str):
             if not isinstance(target, dict):
                 raise ExperimentError(f"--set {item!r}: {p} is not a mapping in {filename}")
         target[parts[-1]] = value
+        set_keys[key] = item
+    _check_set_keys_apply(data, set_keys)
     return data
+
+
+def _check_set_keys_apply(data: dict, set_keys: dict[str, str]) -> None:
+    """Refuse a ``--set section.field=VALUE`` (or ``model=``) that the grid or a run sets again:
+    their values would replace it in every run it reaches, silently."""
+    grid = data.get("grid") if isinstance(data.get("grid"), dict) else {}
+    runs = data.get("runs") if isinstance(data.get("runs"), list) else []
+    for key, item in set_keys.items():
+        section, _, name = key.partition(".")
+        in_runs = any(isinstance(run, dict) and (key in run or (
+            name and isinstance(run.get(section), dict) and name in run[section])) for run in runs)
+        if key in grid:
+            raise ExperimentError(f"--set {item!r}: the grid sweeps {key}, whose values would replace this "
+                                  f"one in every run; give the values to run with --set grid.{key}=[...]")
+        if in_runs:
+            raise ExperimentError(f"--set {item!r}: a run of runs: sets {key} itself, which would replace "
+                                  "this value there; change it in the file's runs")
 
 
 def validate_experiment(data, lines: dict, path: Path) -> ExperimentSpec:
