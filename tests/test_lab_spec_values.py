@@ -1,6 +1,8 @@
 """Experiment validation of values that would otherwise change a sweep silently: a benchmark
 switch given as a string, and a --set that the grid or a run would override."""
 
+import re
+
 import pytest
 
 pytest.importorskip("yaml")
@@ -59,3 +61,18 @@ def test_a_set_that_the_grid_or_a_run_would_replace_is_refused(tmp_path):
     settings = {(r.config["engine"]["block_size"], r.config["sampling"]["temperature"])
                 for r in expand_runs(spec)}
     assert settings == {(32, 0.5)}
+
+
+@pytest.mark.parametrize("where", ["grid", "runs[1]"])
+def test_seeds_beside_a_swept_sampling_seed_is_refused_by_name(where):
+    # seeds[r] replaced the grid's (or the run's) sampling.seed: the runs then came out "identical"
+    # under labels that differ only in the unused seed, an error that named the wrong cause
+    spec = {"name": "s", "model": MODEL, "engine": {"device": "cpu"}, "sampling": {"max_tokens": 2},
+            "dataset": {"prompts": ["a b c"]}, "seeds": [1, 2]}
+    if where == "grid":
+        spec["grid"] = {"sampling.seed": [5, 6]}
+    else:
+        spec["runs"] = [{"sampling.top_k": 5}, {"sampling.seed": 5}]
+    message = f"sampling.seed that {re.escape(where)} sets would never be used"
+    with pytest.raises(ExperimentError, match=rf"seeds: seeds: gives every run its seeds, so the {message}"):
+        experiment_from_dict(spec)

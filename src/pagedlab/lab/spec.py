@@ -264,6 +264,11 @@ def _read_repeats(spec: ExperimentSpec, data: dict) -> None:
         if repeated is not None:
             raise ExperimentError(f"{spec.where('seeds')}: seed {repeated} is given twice: each repeat "
                                   "needs a seed of its own (a seed run again repeats the same samples)")
+        swept = "grid" if "sampling.seed" in spec.grid else next(
+            (f"runs[{j}]" for j, run in enumerate(spec.runs) if "sampling.seed" in run), None)
+        if swept is not None:  # seeds[r] would replace its values, leaving runs that differ in nothing
+            raise ExperimentError(f"{spec.where('seeds')}: seeds: gives every run its seeds, so the "
+                                  f"sampling.seed that {swept} sets would never be used: keep one of them")
         if repeats is not None and repeats != len(seeds):
             raise ExperimentError(f"{spec.where('seeds')}: {len(seeds)} seeds for repeats={repeats}: give "
                                   "one "
