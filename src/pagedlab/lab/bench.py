@@ -159,7 +159,6 @@ class BenchmarkResult:
             store.close()
         return ids
 
-
     def _stored_params(self, run: BenchmarkRun) -> dict:
         """The params ``to_store`` files ``run`` under: what set it up, so that benchmarks filed by
         separate calls into one experiment (an ablation over block_size, two temperatures) stay apart
