@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 
@@ -107,6 +108,16 @@ def fraction(value: str) -> float:
     if not 0 < number <= 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number in (0, 1]")
     return number
+
+
+def check_writable(path: str, flag: str) -> None:
+    """A ValueError, before any work, where the results could not be written to ``path`` (the value
+    of ``flag``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory: give a file name")
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise ValueError(f"{flag} {path}: {folder} is not a writable directory")
 
 
 def json_object(value: str) -> dict:

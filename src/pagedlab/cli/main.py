@@ -13,8 +13,8 @@ import shlex
 import sys
 
 from pagedlab import __version__
-from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args, engine_kwargs,
-                                      given_engine_kwargs, positive_int)
+from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampling_args, check_writable,
+                                      engine_kwargs, given_engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
 
@@ -165,16 +165,7 @@ def check_bench_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--shape {args.shape} and --model {args.model} both name the model: give one "
                          "(--shape builds dummy weights of a benchmark shape)")
     if args.json is not None:
-        check_writable(args.json)
-
-
-def check_writable(path: str) -> None:
-    """A ValueError, before any work, where the results could not be written to ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ValueError(f"--json {path} is a directory: give a file name")
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-        raise ValueError(f"--json {path}: {folder} is not a writable directory")
+        check_writable(args.json, "--json")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

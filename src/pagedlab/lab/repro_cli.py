@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedlab.cli.engine_args import CommandParser, add_engine_args, engine_kwargs
+from pagedlab.cli.engine_args import CommandParser, add_engine_args, check_writable, engine_kwargs
 from pagedlab.lab import repro
 from pagedlab.lab.lora import adapter_rank
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
@@ -213,12 +213,17 @@ def _report(args, results: list, error: str | None) -> None:
         report = {"model": args.model, "checks": [jsonable(r.to_dict()) for r in results]}
         if error is not None:
             report["error"] = error
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        try:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: {e}; the verdicts above are all the results") from None
         print(f"wrote {args.out}" + (" (the checks finished before the error)" if error else ""))
 
 
 def _check_inputs(args, checks: list[str]) -> None:
     """Refuse bad values of the checks' own options before any model loads (ValueError)."""
+    if args.out:  # found at the end, after every check ran, it would lose them all
+        check_writable(args.out, "--out")
     if "precision" in checks:
         _precision_variants(args.dtypes)
     if "precision" in checks or "hf" in checks:
