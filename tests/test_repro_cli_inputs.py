@@ -28,3 +28,22 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_any_check(where, m
     err = capsys.readouterr().err
     assert f"--out {path}" in err and message in err and "Traceback" not in err
     assert runs == []
+
+
+@pytest.mark.parametrize("flag", ["--logprob-tolerance", "--kl-threshold", "--seed-threshold"])
+@pytest.mark.parametrize("value", ["nan", "-1", "lots"])
+def test_a_tolerance_that_no_difference_could_pass_or_fail_is_refused(flag, value, runs, capsys):
+    """Every `difference > tolerance` is false for a NaN tolerance (a check that cannot fail: the
+    batch check said SAME for a |Δ logprob| of 0.79 with "<= nan") and true at 0 for a negative one
+    (bitwise-equal runs DIFFER)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*BASE, "--checks", "batch", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {value!r} is not a number >= 0" in capsys.readouterr().err
+    assert runs == []
+
+
+@pytest.mark.parametrize("value, parsed", [("0", 0.0), ("1e-5", 1e-5), ("inf", float("inf"))])
+def test_a_tolerance_of_zero_or_more_is_taken(value, parsed, runs):
+    assert main([*BASE, "--checks", "batch", "--logprob-tolerance", value]) == 0
+    assert runs == [["batch"]]

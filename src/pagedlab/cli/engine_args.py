@@ -110,6 +110,18 @@ def fraction(value: str) -> float:
     return number
 
 
+def non_negative(value: str) -> float:
+    """A tolerance or a threshold: a number >= 0 (inf: no limit). NaN is refused: every comparison
+    with it is false, so a check compared against it could never fail."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number >= 0")
+    return number
+
+
 def check_writable(path: str, flag: str) -> None:
     """A ValueError, before any work, where the results could not be written to ``path`` (the value
     of ``flag``)."""

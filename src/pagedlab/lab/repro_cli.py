@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from pagedlab.cli.engine_args import CommandParser, add_engine_args, check_writable, engine_kwargs
+from pagedlab.cli.engine_args import (CommandParser, add_engine_args, check_writable, engine_kwargs,
+                                      non_negative)
 from pagedlab.lab import repro
 from pagedlab.lab.lora import adapter_rank
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
@@ -84,14 +85,15 @@ def register(subparsers) -> None:
                         "--sampling overrides single fields)")
     c.add_argument("--seed-max-tokens", type=int, default=32,
                    help="seeds check tokens per prompt (default: 32)")
-    c.add_argument("--seed-threshold", type=float, default=0.05,
+    c.add_argument("--seed-threshold", type=non_negative, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
     c.add_argument("--dtypes", default="float32,bfloat16,float16",
                    help="precision check variants, the first is the reference: dtypes, fp8 (FP8 weights "
                         "and activations), awq (4-bit weights), kv-fp8 (FP8 KV cache), or joined by + "
                         "(bfloat16+fp8) (default: "
                         "float32,bfloat16,float16)")
-    c.add_argument("--kl-threshold", type=float, default=1e-3, help="precision: mean KL above this differs")
+    c.add_argument("--kl-threshold", type=non_negative, default=1e-3,
+                   help="precision: mean KL above this differs")
     c.add_argument("--top-k", type=int, default=20,
                    help="logprobs per position for KL / parity (default: 20)")
     c.add_argument("--tokenizer-b", default=None,
@@ -100,7 +102,7 @@ def register(subparsers) -> None:
     c.add_argument("--hf-dtype", default="float32", help="hf check: HF transformers dtype (default: float32)")
     c.add_argument("--padding-mask", choices=("correct", "ones"), default="correct",
                    help="padding check: the attention mask given to HF ('ones' reproduces the common bug)")
-    c.add_argument("--logprob-tolerance", type=float, default=1e-3,
+    c.add_argument("--logprob-tolerance", type=non_negative, default=1e-3,
                    help="batch/padding/hf: a |Δ logprob| above this differs (default: 1e-3)")
     c.add_argument("--lora", default=None, metavar="DIR",
                    help="lora check: the PEFT adapter directory to compare (loads the model with LoRA on)")
