@@ -47,3 +47,23 @@ def test_a_tolerance_that_no_difference_could_pass_or_fail_is_refused(flag, valu
 def test_a_tolerance_of_zero_or_more_is_taken(value, parsed, runs):
     assert main([*BASE, "--checks", "batch", "--logprob-tolerance", value]) == 0
     assert runs == [["batch"]]
+
+
+@pytest.mark.parametrize("flag", ["--max-tokens", "--seed-max-tokens", "--num-seeds"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_count_below_one_is_refused_by_its_flag(flag, value, runs, capsys):
+    """Taken as any int, these failed only once the model was loaded and the checks before ran,
+    as `max_tokens=0 is invalid` or `seeds=[] is too few`, naming no flag."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*BASE, "--checks", "batch,seeds", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {value!r} is not a whole number >= 1" in capsys.readouterr().err
+    assert runs == []
+
+
+def test_one_seed_is_refused_before_any_check_runs_when_the_seeds_check_runs(runs, capsys):
+    assert main([*BASE, "--checks", "batch,seeds", "--num-seeds", "1"]) == 2
+    assert "--num-seeds 1: the seeds check needs at least 2 seeds" in capsys.readouterr().err
+    assert runs == []
+    assert main([*BASE, "--checks", "batch,spec", "--num-seeds", "1"]) == 0  # spec: one seed is a test
+    assert runs == [["batch", "spec"]]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from pagedlab.cli.engine_args import (CommandParser, add_engine_args, check_writable, engine_kwargs,
-                                      non_negative)
+                                      non_negative, positive_int)
 from pagedlab.lab import repro
 from pagedlab.lab.lora import adapter_rank
 from pagedlab.lab.repro import ALL_CHECKS, DEFAULT_PROMPTS
@@ -71,8 +71,10 @@ def register(subparsers) -> None:
                         "tokenizer and lora, each added when --tokenizer-b or --lora is given)")
     c.add_argument("--db", default=None, help=_DB_HELP)
     c.add_argument("--out", default=None, help="write every result (numbers and details) to this JSON file")
-    c.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
-    c.add_argument("--num-seeds", type=int, default=5, help="seeds for the seeds check (default: 5)")
+    c.add_argument("--max-tokens", type=positive_int, default=16,
+                   help="greedy tokens per prompt (default: 16)")
+    c.add_argument("--num-seeds", type=positive_int, default=5,
+                   help="seeds for the seeds check, at least 2, and the spec check (default: 5)")
     c.add_argument("--temperature", type=float, default=0.8, help="seeds check temperature (default: 0.8)")
     c.add_argument("--top-p", type=float, default=0.95, help="seeds check top_p (default: 0.95)")
     c.add_argument("--sampling", default=None, metavar="JSON",
@@ -83,7 +85,7 @@ def register(subparsers) -> None:
                    help="seeds check: take the sampling params of this experiment file (its sampling: "
                         "section as its runs sample, SamplingParams' defaults for the fields it leaves out; "
                         "--sampling overrides single fields)")
-    c.add_argument("--seed-max-tokens", type=int, default=32,
+    c.add_argument("--seed-max-tokens", type=positive_int, default=32,
                    help="seeds check tokens per prompt (default: 32)")
     c.add_argument("--seed-threshold", type=non_negative, default=0.05,
                    help="flag a metric whose std/|mean| over seeds exceeds this (default: 0.05)")
@@ -224,6 +226,9 @@ def _report(args, results: list, error: str | None) -> None:
 
 def _check_inputs(args, checks: list[str]) -> None:
     """Refuse bad values of the checks' own options before any model loads (ValueError)."""
+    if "seeds" in checks and args.num_seeds < 2:
+        raise ValueError(f"--num-seeds {args.num_seeds}: the seeds check needs at least 2 seeds (a spread "
+                         "over one seed says nothing)")
     if args.out:  # found at the end, after every check ran, it would lose them all
         check_writable(args.out, "--out")
     if "precision" in checks:
