@@ -67,3 +67,15 @@ def test_one_seed_is_refused_before_any_check_runs_when_the_seeds_check_runs(run
     assert runs == []
     assert main([*BASE, "--checks", "batch,spec", "--num-seeds", "1"]) == 0  # spec: one seed is a test
     assert runs == [["batch", "spec"]]
+
+
+def test_checks_help_names_every_check_the_default_leaves_out(capsys):
+    with pytest.raises(SystemExit):
+        main(["repro", "check", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    default = help_text[help_text.index("(default: all but"):]
+    default = default[:default.index(")")]
+    left_out = [c for c in repro_cli.ALL_CHECKS if c not in repro_cli.default_checks(None, None, None)]
+    assert left_out == ["tokenizer", "lora", "spec"]
+    for check, flag in zip(left_out, ["--tokenizer-b", "--lora", "--speculative-config"]):
+        assert check in default and flag in default, default

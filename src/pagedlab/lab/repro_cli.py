@@ -68,7 +68,8 @@ def register(subparsers) -> None:
                         "'prompt_token_ids') and optional 'reference' (default: 8 built-in prompts)")
     c.add_argument("--checks", type=_checks, default=None,
                    help=f"comma-separated subset of {','.join(ALL_CHECKS)}, or all (default: all but "
-                        "tokenizer and lora, each added when --tokenizer-b or --lora is given)")
+                        "tokenizer, lora and spec, each added when --tokenizer-b, --lora or "
+                        "--speculative-config is given)")
     c.add_argument("--db", default=None, help=_DB_HELP)
     c.add_argument("--out", default=None, help="write every result (numbers and details) to this JSON file")
     c.add_argument("--max-tokens", type=positive_int, default=16,
