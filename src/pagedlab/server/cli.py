@@ -108,9 +108,6 @@ def serve_command(args: argparse.Namespace) -> int:
     from pagedlab.engine.async_engine import AsyncEngine
     from pagedlab.server.app import run_server
 
-    chat_template = args.chat_template
-    if chat_template is not None and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -119,6 +116,7 @@ def serve_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
+        chat_template = chat_template_from_arg(args.chat_template)
         limits = limits_from_args(args)
         tool_calling = tool_calling_from_args(args)
         lora_modules = lora_modules_from_args(args)
@@ -151,6 +149,21 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def chat_template_from_arg(value: str | None) -> str | None:
+    """``--chat-template``: the text of the file it names, else the value itself as an inline
+    Jinja template. A value that opens no file and has no Jinja in it ({, } or a line break) is a
+    ValueError: a mistyped path would otherwise be the template, every chat prompt its text."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except OSError as e:  # no such file, or a template too long to be a file name
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"--chat-template {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
+                         "template: give a template file or the template's text") from None
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
