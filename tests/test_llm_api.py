@@ -134,3 +134,19 @@ def test_llm_engine_loop_of_vllm_scripts(chat_dir, chat_llm):
         assert (got.prompt, got.prompt_token_ids) == (want.prompt, want.prompt_token_ids)
         assert (got.outputs[0].token_ids, got.outputs[0].text) == (want.outputs[0].token_ids,
                                                                    want.outputs[0].text)
+
+
+def test_chat_joins_openai_content_parts_as_vllm(chat_llm):
+    """OpenAI-style messages (content as a list of text parts) render as their text joined by
+    newlines, as vLLM's LLM.chat gives them to a string-content template: never the list's repr."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text_parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    parts = [{"role": "user", "content": text_parts}]
+    plain = [{"role": "user", "content": "hello\nworld"}]
+    got, want = chat_llm.chat([parts, plain], greedy, use_tqdm=False)
+    assert got.prompt == want.prompt == "<|user|>\nhello\nworld</s>\n<|assistant|>\n"
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    with pytest.raises(ValueError, match=r"content part .* is not supported: pagedlab serves text-only"):
+        chat_llm.chat(image, greedy, use_tqdm=False)

@@ -135,5 +135,25 @@ def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None =
     if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message=True needs a conversation whose last message is the "
                          "assistant's (the text to continue)")
+    conversation = [_with_text_content(m) for m in conversation]
     text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_args)
     return {"prompt": text, "add_special_tokens": False}
+
+
+def _with_text_content(message: dict) -> dict:
+    """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}, ...]``, or
+    bare strings) joined into one string by newlines, as vLLM gives them to a template that takes
+    string content (and as the server does): rendered as they are, a template would print the
+    list's Python repr into the prompt."""
+    content = message.get("content")
+    if not isinstance(content, (list, tuple)):
+        return message
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            part = part["text"]
+        if not isinstance(part, str):
+            raise ValueError(f"message content part {part!r:.200} is not supported: pagedlab serves "
+                             "text-only models; a part is a string or {'type': 'text', 'text': ...}")
+        texts.append(part)
+    return {**message, "content": "\n".join(texts)}
