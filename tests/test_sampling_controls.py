@@ -149,6 +149,14 @@ def test_bad_logits_controls(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_boolean_logprobs_are_refused_naming_the_field(field):
+    """OpenAI's chat ``logprobs=True`` is no count: refused here, not a TypeError from torch's topk
+    in the engine step, which failed every request of the batch."""
+    with pytest.raises(ValueError, match=rf"^{field}=True is invalid: {field} must be None, an integer"):
+        SamplingParams(**{field: True})
+
+
 def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):
     vocab = tiny_llama.hf_model.config.vocab_size
     with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:

@@ -230,8 +230,9 @@ class SamplingParams:
                    f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= -1), name, value,
-                   "None, an integer >= 0 or -1 (the whole vocabulary)")
+            # a bool (OpenAI's chat ``logprobs=True``) is an int to Python but no count to torch's topk
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= -1),
+                   name, value, "None, an integer >= 0 or -1 (the whole vocabulary)")
         if isinstance(self.logits_processors, tuple):
             self.logits_processors = list(self.logits_processors)
         _check(self.logits_processors is None or (isinstance(self.logits_processors, list)
