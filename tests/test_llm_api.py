@@ -87,6 +87,24 @@ def test_generate_as_completed_yields_each_prompt_as_it_finishes(tiny_llama):
             llm.generate_as_completed(prompts, [params[0]] * 3)
 
 
+def test_generate_inside_a_generate_as_completed_loop_loses_no_output(tiny_llama):
+    """A loop over generate_as_completed that calls generate on each output (a judge, a check)
+    gets every prompt's output: the inner call's steps finish the outer prompts too, which wait
+    for the outer loop instead of being dropped."""
+    prompts = random_prompts(4, max_len=30, seed=73)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 12, 6, 20)]
+    judge = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        whole = llm.generate(prompts, params, use_tqdm=False)
+        finished, judged = {}, []
+        for i, out in llm.generate_as_completed(prompts, params, use_tqdm=False):
+            finished[i] = out.outputs[0].token_ids
+            judged.append(llm.generate([out.outputs[0].token_ids], judge, use_tqdm=False)[0])
+        assert not llm.llm_engine.has_unfinished_requests()
+    assert finished == {i: o.outputs[0].token_ids for i, o in enumerate(whole)}
+    assert [len(o.outputs[0].token_ids) for o in judged] == [3] * 4
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny_llama):
     prompt = random_prompts(1, min_len=90, max_len=90, seed=73)[0]
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

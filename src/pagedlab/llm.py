@@ -54,6 +54,10 @@ class LLM:
         self._engine: LLMEngine | None = LLMEngine(config)
         self._profiler: EngineProfiler | None = None
         self._request_counter = itertools.count()
+        # final outputs of unfinished generate calls, by request id, that another call's loop
+        # stepped to completion (a generate inside a generate_as_completed loop)
+        self._open_ids: set[str] = set()
+        self._finished: dict[str, RequestOutput] = {}
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -203,12 +207,15 @@ class LLM:
     def _as_completed(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
                       loras: list[LoRARequest | None] | None, priorities: list[int] | None,
                       use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
-        """Add every prompt, step the engine and yield (index, final output) as each finishes."""
+        """Add every prompt, step the engine and yield (index, final output) as each finishes. Another
+        call may step the engine while this one waits (a generate inside a generate_as_completed
+        loop): the outputs it finishes for this call wait in ``_finished`` until this call takes them."""
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in encoded]
         order = {rid: i for i, rid in enumerate(ids)}
         stats_log = None if engine.config.disable_log_stats else StatsLog(self.get_stats)
         progress = _progress(len(ids), use_tqdm)
+        self._open_ids.update(ids)
         try:
             for rid, prompt, p, lora, priority in zip(ids, encoded, params, loras or [None] * len(ids),
                                                       priorities or [0] * len(ids)):
@@ -216,21 +223,35 @@ class LLM:
                     p = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, prompt.token_ids, p, prompt=prompt.text, lora_request=lora,
                                    priority=priority)
-            while engine.has_unfinished_requests():
+            pending = set(ids)
+            while pending:
+                ready = [rid for rid in self._finished if rid in pending]
+                if not ready and not engine.has_unfinished_requests():
+                    break  # aborted through llm_engine: nothing more comes
                 if stats_log is not None:
                     stats_log.maybe_log()
-                for out in engine.step(stream=False):
-                    if out.finished and out.request_id in order:
-                        if progress is not None:
-                            progress.update(1)
-                        yield order[out.request_id], out
+                if not ready:
+                    self._step_open_calls()
+                for rid in ready:
+                    pending.discard(rid)
+                    if progress is not None:
+                        progress.update(1)
+                    yield order[rid], self._finished.pop(rid)
         finally:
             if progress is not None:
                 progress.close()
             if stats_log is not None:
                 stats_log.log()
             for rid in ids:  # an interrupted run leaves nothing behind in the engine
+                self._open_ids.discard(rid)
+                self._finished.pop(rid, None)
                 engine.abort_request(rid)
+
+    def _step_open_calls(self) -> None:
+        """One engine step; the final outputs of the open generate calls' requests go to ``_finished``."""
+        for out in self.llm_engine.step(stream=False):
+            if out.finished and out.request_id in self._open_ids:
+                self._finished[out.request_id] = out
 
     def benchmark(self, batch_size: int | Sequence[int] = (4, 8, 16), input_len: int = 512,
                   output_len: int = 128, num_prompts: int | None = None, use_beam_search: bool = False,
