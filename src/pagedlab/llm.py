@@ -90,7 +90,8 @@ class LLM:
                               priority: Sequence[int] | None = None) -> Iterator[tuple[int, RequestOutput]]:
         """As ``generate`` (one batch, the same outputs), but yields ``(index, output)`` for each
         prompt as soon as it finishes, so a long run can save what is done as it goes; leaving
-        the loop early aborts the prompts not finished."""
+        the loop early aborts the prompts not finished. The loop's body may call ``generate`` or
+        ``chat`` itself (a judge on each output): the outer prompts it finishes wait for this loop."""
         return self._as_completed(*self._prepare(prompts, sampling_params, lora_request, priority), use_tqdm)
 
     def _prepare(self, prompts, sampling_params, lora_request, priority) -> tuple[list, list, list, list]:
@@ -128,7 +129,8 @@ class LLM:
         variables (e.g. ``{"enable_thinking": False}``), which win over the arguments of the same
         name, as in vLLM; ``lora_request`` as in ``generate``; ``tools`` (OpenAI tool objects) go
         to the template's ``tools``, as vLLM's ``LLM.chat`` passes them (the reply is text: parse
-        any tool calls in it yourself, or use the server's tool calling)."""
+        any tool calls in it yourself, or use the server's tool calling). A message's ``content`` is
+        a string or OpenAI's list of text parts, joined by newlines as vLLM joins them."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
