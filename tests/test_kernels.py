@@ -17,15 +17,16 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagedlab.kernels import paged_attention
 from pagedlab.kernels.kv_write import write_kv_torch, write_kv_triton
 from pagedlab.kernels.paged_attention import (SPLIT_KV_MAX_SEGMENTS, SPLIT_KV_MIN_PROGRAMS,
                                               SPLIT_KV_SHORT_SEQ, SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES, TILE_N,
                                               CascadeBuffers, _AttentionKernels, allocate_split_kv_scratch,
-                                              cascade_attention_triton, choose_split_kv_size,
+                                              cascade_attention_triton, choose_split_kv_size, decode_order,
                                               paged_attention_torch, paged_attention_triton)
 from pagedlab.layers.attention import AttentionMetadata, get_attention_backend
 from pagedlab.layers.attention.triton_backend import (CASCADE_MIN_SEQS, CASCADE_MIN_SHARED_KEYS,
-                                                      cascade_prefix_len)
+                                                      TritonAttentionBackend, cascade_prefix_len)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -198,6 +199,67 @@ def test_capped_split_segments_grow_with_the_sequence():
         check_attention(batch, max_query_len=1, split_kv_size=64, max_kv_segments=0)
 
 
+def test_decode_order_is_longest_first_with_ties_in_batch_order():
+    assert decode_order([5, 9, 5, 12, 1]).tolist() == [3, 1, 0, 2, 4]
+    assert decode_order([7]).dtype == np.int32
+
+
+@pytest.mark.parametrize("split_kv_size", [None, 64])
+def test_decode_launch_takes_its_sequences_in_the_given_order(split_kv_size):
+    """Any order of the sequences gives the batch-order launch's output bitwise (each program's
+    work is its own), longest first or shuffled, split or not."""
+    seqs = [(15, 1), (200, 1), (64, 1), (127, 1), (0, 1), (130, 1)]
+    batch = make_batch(seqs, 2, 4, 64, 16, torch.float32, _generator("order", split_kv_size))
+    plain = check_attention(batch, 1, max_seq_len=201, split_kv_size=split_kv_size)
+    longest_first = torch.from_numpy(decode_order(batch["seq_lens"].tolist())).to(DEVICE)
+    assert longest_first.tolist() == [1, 5, 3, 2, 0, 4]
+    shuffled = torch.randperm(6, generator=_generator("shuffle")).to(torch.int32).to(DEVICE)
+    for order in (longest_first, shuffled):
+        got = check_attention(batch, 1, max_seq_len=201, split_kv_size=split_kv_size, seq_order=order)
+        assert torch.equal(got, plain)
+
+
+def test_decode_programs_attend_the_sequences_the_order_names():
+    """Program i attends sequence ``seq_order[i]``: an order naming sequences 3 and 1 (each
+    several times) writes their rows, the reference's, and leaves the others untouched."""
+    batch = make_batch([(40, 1), (200, 1), (2, 1), (90, 1)], 2, 2, 64, 16, torch.float32, _generator("named"))
+    scale = 64 ** -0.5
+    expected = paged_attention_torch(**batch, scale=scale)
+    out = torch.full_like(batch["q"], float("nan"))
+    order = torch.tensor([3, 1, 3, 1], dtype=torch.int32, device=DEVICE)
+    paged_attention_triton(**batch, scale=scale, max_query_len=1, out=out, seq_order=order)
+    torch.testing.assert_close(out[[1, 3]], expected[[1, 3]], atol=1e-4, rtol=1e-4)
+    assert out[[0, 2]].isnan().all()
+
+
+def test_the_triton_backend_hands_the_decode_launch_its_order(monkeypatch):
+    batch = make_batch([(40, 1), (200, 1), (2, 1), (90, 1)], 2, 2, 64, 16, torch.float32,
+                       _generator("backend"))
+    order = torch.tensor([1, 3, 0, 2], dtype=torch.int32, device=DEVICE)
+    metadata = AttentionMetadata(slot_mapping=torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                                 query_start_loc=batch["query_start_loc"], seq_lens=batch["seq_lens"],
+                                 block_tables=batch["block_tables"], max_query_len=1, max_seq_len=240,
+                                 seq_order=order)
+    orders = []
+
+    def launch(*args, _launch=paged_attention.paged_attention_triton, **kwargs):
+        orders.append(kwargs["seq_order"])
+        return _launch(*args, **kwargs)
+    monkeypatch.setattr(paged_attention, "paged_attention_triton", launch)
+    out = TritonAttentionBackend().attend(batch["q"], batch["k_cache"], batch["v_cache"], metadata, 0.125)
+    assert len(orders) == 1 and orders[0] is order
+    torch.testing.assert_close(out, paged_attention_torch(**batch, scale=0.125), atol=1e-4, rtol=1e-4)
+
+
+def test_seq_order_must_be_an_int32_decode_order():
+    batch = make_batch([(40, 1), (2, 1)], 2, 2, 64, 16, torch.float32, _generator("bad order"))
+    good = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    elsewhere = good.to("meta")
+    for order, max_query_len in ((good.long(), 1), (good[:1], 1), (good, 2), (elsewhere, 1)):
+        with pytest.raises(ValueError, match=r"seq_order \(shape .*\) must be int32 of shape \(2,\) on "):
+            paged_attention_triton(**batch, scale=1.0, max_query_len=max_query_len, seq_order=order)
+
+
 def test_decode_reduce_folds_only_the_segments_a_sequence_fills():
     # Poison the partials past each sequence's last segment: the decode reduce must not read them.
     batch = make_batch([(40, 1), (200, 1), (2, 1)], 2, 2, 64, 16, torch.float32, _generator("folds"))
@@ -359,7 +421,6 @@ def test_cascade_end_to_end_gives_hf_tokens(tiny_llama, monkeypatch):
     cascade attention off they never do and still give HF's tokens."""
     from conftest import hf_greedy, random_prompts
     from pagedlab import LLM, SamplingParams
-    from pagedlab.kernels import paged_attention
     from pagedlab.layers.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "CASCADE_MIN_SHARED_KEYS", 0)

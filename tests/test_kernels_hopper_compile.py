@@ -66,8 +66,9 @@ _GEMV_POINTERS = dict(partial_ptr=_F, counter_ptr=_I, row_scale_ptr=_F, col_scal
 _ATTENTION = dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, GROUP=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, BLOCK_SIZE=16,
                   USE_SPLIT=True, SEQ_CHUNK=256, UPCAST=False, PREFIX_ONLY=False, KEY_OFFSET=False,
                   SLIDING=False, SOFTCAP=False, BROADCAST_DOT=False, SEGMENTED=False, TILE_SEGMENTS=False,
-                  DECODE=True, **_TF32)
-_ATTENTION_POINTERS = dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I)
+                  DECODE=True, ORDERED=True, **_TF32)  # a decode launch takes the step's sequence order
+_ATTENTION_POINTERS = dict(_PARTIALS, seq_lens_ptr=_I, block_tables_ptr=_I, key_offset_ptr=_I,
+                           seq_order_ptr=_I)
 _ATTENTION_FLOATS = ("qk_scale", "v_scale", "softcap_scale", "softcap")
 KERNELS = {
     "dense_gemv": Spec("gemv", "_dense_gemv_kernel", dict(_GEMV, LORA=False, LORA_BLOCK_S=1, LORA_BLOCK_R=1),
@@ -140,9 +141,13 @@ KERNELS = {
                           _AWQ_GEMM_DESCRIPTORS),
     "awq_dequantize": Spec("w4a16", "_awq_dequantize_kernel", dict(GROUP_SIZE=128, BLOCK_N=32, BLOCK_K=128),
                            dict(qweight_ptr=_I, qzeros_ptr=_I), reads_before_wait=True),
-    # decode: its sequence's query start and length before the wait
+    # decode: its sequence's place in the order, query start and length before the wait
     "paged_attention": Spec("triton_kernels", "paged_attention_kernel", _ATTENTION, _ATTENTION_POINTERS,
                             _ATTENTION_FLOATS, reads_before_wait=True),
+    # a decode launch in batch order (cascade attention's launch over each sequence's own keys)
+    "paged_attention_batch_order": Spec("triton_kernels", "paged_attention_kernel",
+                                        dict(_ATTENTION, ORDERED=False), _ATTENTION_POINTERS,
+                                        _ATTENTION_FLOATS, reads_before_wait=True),
     # a large decode batch's launch: one program a sequence and KV head, no split
     "paged_attention_unsplit": Spec("triton_kernels", "paged_attention_kernel",
                                     dict(_ATTENTION, USE_SPLIT=False), _ATTENTION_POINTERS,
@@ -151,14 +156,14 @@ KERNELS = {
     "paged_attention_tile_segments": Spec(
         "triton_kernels", "paged_attention_kernel",
         dict(_ATTENTION, BLOCK_Q=16, BLOCK_M=64, USE_SPLIT=False, SEGMENTED=True, TILE_SEGMENTS=True,
-             DECODE=False),
+             DECODE=False, ORDERED=False),
         _ATTENTION_POINTERS, _ATTENTION_FLOATS),
     # a prefill launch the tuner picks (kernels/attention_tuning.py): Gemma-2's soft-capped local
     # layers, head_dim 256, 128 query rows on 8 warps
     "paged_attention_prefill_gemma": Spec(
         "triton_kernels", "paged_attention_kernel",
         dict(_ATTENTION, HEAD_DIM=256, HEAD_DIM_PADDED=256, GROUP=2, BLOCK_Q=64, BLOCK_M=128, USE_SPLIT=False,
-             SLIDING=True, SOFTCAP=True, DECODE=False),
+             SLIDING=True, SOFTCAP=True, DECODE=False, ORDERED=False),
         _ATTENTION_POINTERS, _ATTENTION_FLOATS, num_warps=8),
     "split_kv_reduce": Spec("triton_kernels", "split_kv_reduce_kernel",
                             dict(HEAD_DIM=128, HEAD_DIM_PADDED=128, DECODE=True, SEGMENT_CHUNK=16),

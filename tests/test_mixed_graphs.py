@@ -18,7 +18,8 @@ from pagedlab import LLM, LoRARequest, SamplingParams
 from pagedlab.engine import cuda_graph
 from pagedlab.engine.cuda_graph import MAX_MIXED_GRAPH_TOKENS, mixed_capture_sizes, padded_sequences
 from pagedlab.engine.model_runner import ModelRunner
-from pagedlab.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from pagedlab.kernels.paged_attention import decode_order, paged_attention_torch, paged_attention_triton
+from pagedlab.layers.attention.torch_backend import TorchAttentionBackend
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -173,6 +174,32 @@ def test_mixed_steps_off_leaves_them_eager(tiny_llama, padded_runs):
              cuda_graph_mixed_steps=False) as llm:
         llm.generate(prompts, GREEDY, use_tqdm=False)
     assert padded_runs["mixed"] == 0 and padded_runs["decode"] > 0
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+def test_decode_steps_give_attention_their_sequences_longest_first(tiny_llama, monkeypatch, padded):
+    """Each decode step's attention metadata carries its sequences longest first (``decode_order``),
+    and a padded graph step's padding rows after them in their own order: what the Triton decode
+    launch takes its sequences in."""
+    monkeypatch.setattr(cuda_graph, "PAD_WITHOUT_CAPTURE", padded)
+    seen = []
+
+    def spy(self, q, k_cache, v_cache, metadata, *args, _attend=TorchAttentionBackend.attend, **kwargs):
+        if metadata.max_query_len == 1:
+            seen.append((metadata.seq_lens.tolist(), metadata.seq_order.tolist()))
+        return _attend(self, q, k_cache, v_cache, metadata, *args, **kwargs)
+    monkeypatch.setattr(TorchAttentionBackend, "attend", spy)
+    prompts = random_prompts(7, min_len=3, max_len=40, seed=21)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (12, 12, 12, 12, 12, 6, 3)]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, attention_backend="torch") as llm:
+        llm.generate(prompts, params, use_tqdm=False)  # 7 sequences, then 6 and 5 in the graph of 8
+    assert {sum(n > 1 for n in lens) for lens, _ in seen} >= {5, 6, 7}
+    for lens, order in seen:
+        real = sum(n > 1 for n in lens)  # padding sequences hold one key, real ones at least two
+        assert lens[real:] == [1] * (len(lens) - real) and (padded or real == len(lens))
+        assert order == decode_order(lens[:real]).tolist() + list(range(real, len(lens)))
+        assert sorted(order) == list(range(len(lens)))
 
 
 def test_padded_mixed_steps_with_lora_give_peft_tokens(tiny_llama, padded_runs, tmp_path):

@@ -114,6 +114,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.seq_order = torch.arange(top, dtype=torch.int32, device=device)
+        self.identity_order = self.seq_order.clone()  # what padding rows take
         # size -> form -> the backend's persistent plan; (size, form) -> graph and its output
         self.plans = {size: {form: backend.graph_plan(form, size, device)
                              for form in backend.graph_forms(size, allow_cascade)} for size in self.sizes}
@@ -124,7 +126,8 @@ class CudaGraphRunner:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=self.max_model_len, plan=self.plans[size][form])
+            max_query_len=1, max_seq_len=self.max_model_len, plan=self.plans[size][form],
+            seq_order=self.seq_order[:size])
 
     def _forward(self, size: int, form: str) -> torch.Tensor:
         with forward_context(self._metadata(size, form), self.backend):
@@ -143,9 +146,11 @@ class CudaGraphRunner:
         return num_seqs <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+            seq_lens: torch.Tensor, block_tables: torch.Tensor, layout: BatchLayout,
+            seq_order: torch.Tensor) -> torch.Tensor:
         """Replay the graph for this decode batch (``layout`` is its host description, from which
-        the backend picks the form); returns hidden states ``[num_seqs, hidden]``."""
+        the backend picks the form; ``seq_order`` its sequences longest first, the padding rows
+        after them); returns hidden states ``[num_seqs, hidden]``."""
         n = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -156,6 +161,8 @@ class CudaGraphRunner:
         self.seq_lens[n:size].fill_(1)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self.block_tables[n:size].zero_()
+        self.seq_order[:n].copy_(seq_order, non_blocking=True)
+        self.seq_order[n:size].copy_(self.identity_order[n:size])
         form = self.backend.select_graph_form(layout, self.plans[size])
         if not self.graphs:  # PAD_WITHOUT_CAPTURE
             return self._forward(size, form)[:n]

@@ -372,8 +372,8 @@ class ModelRunner:
         return forward_activations, peak
 
     # ---- one step -------------------------------------------------------------------------
-    def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout,
-                  block_tables: torch.Tensor) -> AttentionMetadata:
+    def _metadata(self, slot_mapping: torch.Tensor, layout: BatchLayout, block_tables: torch.Tensor,
+                  seq_order: torch.Tensor | None = None) -> AttentionMetadata:
         """The step's device-side description, planned by the backend."""
         starts = [0]
         for n in layout.query_lens:
@@ -381,7 +381,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=self.to_device(starts, torch.int32),
             seq_lens=self.to_device(layout.seq_lens, torch.int32), block_tables=block_tables,
-            max_query_len=max(layout.query_lens), max_seq_len=layout.max_seq_len)
+            max_query_len=max(layout.query_lens), max_seq_len=layout.max_seq_len, seq_order=seq_order)
         self.backend.plan(metadata, layout)
         return metadata
 
@@ -528,11 +528,13 @@ class ModelRunner:
                              self.plan.max_model_len, self.plan.cascade_attention)
         graphs, mixed = self.cuda_graphs, self.mixed_graphs
         if inputs.decode_only and graphs is not None and graphs.can_run(len(inputs.input_ids)):
-            return graphs.run(ids, positions, slot_mapping, staged.seq_lens, block_tables, layout)
+            return graphs.run(ids, positions, slot_mapping, staged.seq_lens, block_tables, layout,
+                              staged.seq_order)
         if mixed is not None and mixed.can_run(len(inputs.input_ids), len(query_lens)):
             return mixed.run(ids, positions, slot_mapping, block_tables, query_lens, inputs.seq_lens,
                              self.to_device)
-        with forward_context(self._metadata(slot_mapping, layout, block_tables), self.backend):
+        metadata = self._metadata(slot_mapping, layout, block_tables, staged.seq_order)
+        with forward_context(metadata, self.backend):
             return self.model(ids, positions)
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ import torch
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.structured_output import grammar_bitmask
+from pagedlab.kernels.paged_attention import decode_order
 from pagedlab.layers.sampler import SamplingMetadata
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
@@ -111,6 +112,7 @@ class DeviceInputs:
     pending_rows: torch.Tensor | None
     pending_sources: torch.Tensor | None
     logit_rows: torch.Tensor | None
+    seq_order: torch.Tensor | None = None  # a decode batch's sequences longest first (attention's order)
 
 
 def stage_forward_inputs(inputs: StepInputs, table: np.ndarray, to_device: HostToDevice) -> DeviceInputs:
@@ -119,16 +121,18 @@ def stage_forward_inputs(inputs: StepInputs, table: np.ndarray, to_device: HostT
     rows, n = inputs.logit_rows, len(inputs.input_ids)
     follows = bool(inputs.pending_rows) and inputs.pending_rows == list(range(n)) == inputs.pending_sources
     scatter = bool(inputs.pending_rows) and not follows  # some ids from the previous step, elsewhere
+    seq_lens = np.asarray(inputs.seq_lens, dtype=np.int32)
     with to_device.deferred():
         return DeviceInputs(
             num_tokens=n, input_ids=None if follows else to_device(inputs.input_ids, torch.int64),
             positions=to_device(inputs.positions, torch.int64),
             slot_mapping=to_device(inputs.slots, torch.int64),
-            seq_lens=to_device(inputs.seq_lens, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
             block_tables=to_device(table, torch.int32),
             pending_rows=to_device(inputs.pending_rows, torch.int64) if scatter else None,
             pending_sources=to_device(inputs.pending_sources, torch.int64) if scatter else None,
-            logit_rows=None if rows == list(range(len(rows))) else to_device(rows, torch.int64))
+            logit_rows=None if rows == list(range(len(rows))) else to_device(rows, torch.int64),
+            seq_order=to_device(decode_order(seq_lens), torch.int32) if inputs.decode_only else None)
 
 
 class PinnedStaging:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -178,6 +179,8 @@ SPLIT_KV_SHORT_SEQ = 1024
 SPLIT_KV_MAX_SEGMENTS = 32
 # Split only below this many (sequence, KV head) programs: about one wave of resident programs.
 SPLIT_KV_MIN_PROGRAMS = 256
+# A decode launch's sequences lie on grid axis 1, whose size CUDA caps at 65,535.
+MAX_DECODE_SEQS = 65535
 # Query-start entries each program scans per step when it looks up its sequence.
 SEQUENCE_SEARCH_CHUNK = 256
 # Rows of every query tile in batch-invariant mode (prefill's tile; decode pads up to it).
@@ -250,7 +253,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
                            softcap: float | None = None, batch_invariant: bool = False,
-                           prefill_tuner: PrefillTileTuner | None = None) -> torch.Tensor:
+                           prefill_tuner: PrefillTileTuner | None = None, seq_order=None) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
@@ -260,10 +263,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reduce launch; see ``choose_split_kv_size``. ``max_kv_segments`` caps the segments a
     sequence is cut into (``SPLIT_KV_MAX_SEGMENTS`` in the engine; None: ``max_seq_len`` over the
     size): a longer sequence's segments grow to a multiple of the size, and a decode launch's
-    reduce folds only the segments each sequence fills. Decode (``max_query_len == 1``) takes its key tile,
-    warps and stages from ``DECODE_ATTENTION_CONFIGS`` (attention_configs.py) where it lists the
-    shape. ``out``, ``scratch`` (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA
-    graphs. Output rows past ``query_start_loc[-1]`` (padding) stay untouched. FP8 caches are read at
+    reduce folds only the segments each sequence fills. Decode (``max_query_len == 1``) takes its
+    key tile, warps and stages from ``DECODE_ATTENTION_CONFIGS`` (attention_configs.py) where it
+    lists the shape, and its sequences in the order ``seq_order`` gives (int32, a permutation;
+    longest first, ``decode_order``, no long sequence starts last; results never change). ``out``,
+    ``scratch`` (``allocate_split_kv_scratch``) may be preallocated, e.g. for CUDA graphs. Output
+    rows past ``query_start_loc[-1]`` (padding) stay untouched. FP8 caches are read at
     ``k_scale``/``v_scale``; ``sliding_window``/``softcap`` as in ``paged_attention_torch``.
     ``batch_invariant``: one query tile size for every batch and, without a window, keys in
     segments of ``BATCH_INVARIANT_SPLIT_KV_SIZE`` folded in one order whether split across
@@ -273,7 +278,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     segment_size = _batch_invariant_segment_size(split_kv_size, sliding_window) if batch_invariant else 0
     kernels = _AttentionKernels(q, k_cache, v_cache, scale, k_scale, v_scale, sliding_window, softcap,
-                                batch_invariant)
+                                batch_invariant, _checked_order(seq_order, seq_lens, max_query_len))
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -286,11 +291,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        tuner=prefill_tuner)
         return out
 
-    if split_kv_size <= 0 or split_kv_size % TILE_N:
-        raise ValueError(f"split_kv_size={split_kv_size} must be a positive multiple of {TILE_N}")
-    if max_kv_segments is not None and (max_kv_segments < 1 or batch_invariant):
-        raise ValueError(f"max_kv_segments={max_kv_segments} must be a positive count, and None in "
-                         "batch_invariant mode (its segments never grow)")
+    _check_split(split_kv_size, max_kv_segments, batch_invariant)
     num_segments = split_kv_num_segments(max_seq_len, split_kv_size, max_kv_segments)
     if scratch is None:
         scratch = allocate_split_kv_scratch(num_tokens, q.shape[1], q.shape[2], max_seq_len, split_kv_size,
@@ -301,6 +302,33 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernels.reduce(out, scratch, query_start_loc, seq_lens, num_segments, split_kv_size,
                    decode=max_query_len == 1)
     return out
+
+
+def decode_order(seq_lens) -> np.ndarray:
+    """A decode batch's sequences longest first (int32; ties in batch order): the ``seq_order``
+    that keeps a launch's tail short."""
+    return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
+
+
+def _check_split(split_kv_size: int, max_kv_segments: int | None, batch_invariant: bool) -> None:
+    if split_kv_size <= 0 or split_kv_size % TILE_N:
+        raise ValueError(f"split_kv_size={split_kv_size} must be a positive multiple of {TILE_N}")
+    if max_kv_segments is not None and (max_kv_segments < 1 or batch_invariant):
+        raise ValueError(f"max_kv_segments={max_kv_segments} must be a positive count, and None in "
+                         "batch_invariant mode (its segments never grow)")
+
+
+def _checked_order(seq_order: torch.Tensor | None, seq_lens: torch.Tensor,
+                   max_query_len: int | None) -> torch.Tensor | None:
+    if seq_order is None:
+        return None
+    num_seqs = seq_lens.shape[0]
+    if (max_query_len != 1 or seq_order.shape != (num_seqs,) or seq_order.dtype != torch.int32
+            or seq_order.device != seq_lens.device):
+        raise ValueError(f"seq_order (shape {tuple(seq_order.shape)}, {seq_order.dtype}, {seq_order.device}) "
+                         f"must be int32 of shape ({num_seqs},) on {seq_lens.device}, for a decode launch "
+                         f"(max_query_len=1, got {max_query_len})")
+    return seq_order
 
 
 def _batch_invariant_segment_size(split_kv_size: int | None, sliding_window: int | None) -> int:
@@ -335,7 +363,8 @@ class _AttentionKernels:
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                  k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
-                 softcap: float | None = None, batch_invariant: bool = False):
+                 softcap: float | None = None, batch_invariant: bool = False,
+                 seq_order: torch.Tensor | None = None):
         from pagedlab.kernels import triton_kernels
 
         self.triton_kernels = triton_kernels
@@ -381,6 +410,7 @@ class _AttentionKernels:
         self.qk_scale = 1.4426950408889634 * (1.0 if softcap else score_scale)
         self.window_args = (sliding_window or 0, score_scale / softcap if softcap else 1.0, softcap or 1.0)
         self.v_scale = v_scale if fp8 else 1.0
+        self.seq_order = seq_order  # a decode launch's sequence order (see the kernel)
         self.cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
 
@@ -416,8 +446,12 @@ class _AttentionKernels:
         """One attention launch of shape ``launch``; ``decode``: no sequence has more than one query
         token (one program per sequence); the other arguments as ``attend``'s."""
         q, num_seqs = self.q, seq_lens.shape[0]
-        grid = ((num_seqs if decode else q.shape[0] // launch.block_q + num_seqs, self.num_kv_heads)
-                + ((num_segments,) if split_kv_size else ()))
+        if decode and num_seqs > MAX_DECODE_SEQS:
+            raise ValueError(f"a decode launch of {num_seqs} sequences: its grid holds {MAX_DECODE_SEQS}")
+        grid = ((self.num_kv_heads, num_seqs) if decode else (q.shape[0] // launch.block_q + num_seqs,
+                                                              self.num_kv_heads))
+        grid += (num_segments,) if split_kv_size else ()
+        ordered = decode and self.seq_order is not None
         if split_kv_size:
             partial_acc, partial_max, partial_sum = target
             out = q  # unused by the split variant
@@ -429,12 +463,13 @@ class _AttentionKernels:
         self.triton_kernels.paged_attention_kernel[grid](
             q, self.k_cache, self.v_cache, out, partial_acc, partial_max, partial_sum,
             query_start_loc, seq_lens, block_tables, seq_lens if key_offset is None else key_offset,
-            num_seqs, self.qk_scale, self.v_scale, split_kv_size or segment_size, segment_offset,
+            self.seq_order if ordered else seq_lens, num_seqs, self.qk_scale, self.v_scale,
+            split_kv_size or segment_size, segment_offset,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             block_tables.stride(0), *partial_strides, *self.window_args, USE_SPLIT=bool(split_kv_size),
             PREFIX_ONLY=prefix_only, KEY_OFFSET=key_offset is not None, BLOCK_Q=launch.block_q,
             BLOCK_M=launch.block_m, TILE_N=launch.tile_n, SEGMENTED=segment_size > 0,
-            TILE_SEGMENTS=segment_size == launch.tile_n, DECODE=decode,
+            TILE_SEGMENTS=segment_size == launch.tile_n, DECODE=decode, ORDERED=ordered,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **self.common, **self.pdl)
 
     def _tuning_run(self, bucket: int):

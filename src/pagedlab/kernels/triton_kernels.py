@@ -254,7 +254,7 @@ def _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx):
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_offset_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, key_offset_ptr, seq_order_ptr,
         num_seqs, qk_scale, v_scale, split_kv_size, partial_segment_offset,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head,
         stride_k_block, stride_k_token, stride_k_head,
@@ -269,7 +269,8 @@ def paged_attention_kernel(
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         PREFIX_ONLY: tl.constexpr, KEY_OFFSET: tl.constexpr,
         SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, BROADCAST_DOT: tl.constexpr, PDL: tl.constexpr,
-        SEGMENTED: tl.constexpr = False, TILE_SEGMENTS: tl.constexpr = False, DECODE: tl.constexpr = False):
+        SEGMENTED: tl.constexpr = False, TILE_SEGMENTS: tl.constexpr = False, DECODE: tl.constexpr = False,
+        ORDERED: tl.constexpr = False):
     """Program (q_block, kv_head[, segment]): BLOCK_Q query tokens x the GROUP query heads of one
     KV head, as BLOCK_M = BLOCK_Q * GROUP (padded) rows; row m is token m // GROUP, head m % GROUP.
 
@@ -300,20 +301,27 @@ def paged_attention_kernel(
     ``invariant_split_kv_reduce_kernel`` folds a split launch's partials: a token's output is
     then bitwise the same whichever launch computed it. TILE_SEGMENTS: segments of one key tile.
 
-    DECODE (no sequence has more than one query token): program i is sequence i, found without
-    the search, and the grid has one program per sequence.
+    DECODE (no sequence has more than one query token): the grid is (kv_head, sequence[,
+    segment]), one program per sequence and KV head, found without the search: program (h, i)
+    takes sequence i, or with ORDERED sequence ``seq_order[i]``. The GPU starts programs in grid
+    order in practice, KV heads fastest, so a batch ordered longest first starts its longest
+    sequences first and ends on short ones, where batch order can leave a long one running alone
+    at the end.
 
-    PDL (``kernels/pdl.py``): a decode program reads its sequence's query start and length
-    (step inputs, written before the step) before the wait, and a split one its first key tile's
-    block ids, asking L2 for that tile's K and V (``_prefetch_first_tile``); everything else it
-    loads is the step's data, after the wait.
+    PDL (``kernels/pdl.py``): a decode program reads its sequence's place in the order, query
+    start and length (step inputs, written before the step) before the wait, and a split one
+    its first key tile's block ids, asking L2 for that tile's K and V (``_prefetch_first_tile``);
+    everything else it loads is the step's data, after the wait.
     """
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
     if DECODE:
-        seq_idx = q_block_global
+        kv_head = tl.program_id(0)
+        seq_idx = tl.program_id(1)
+        if ORDERED:
+            seq_idx = tl.load(seq_order_ptr + seq_idx)
         q_start, query_len, seq_len = _sequence_bounds(query_start_loc_ptr, seq_lens_ptr, seq_idx)
         if PDL and USE_SPLIT and not (PREFIX_ONLY or KEY_OFFSET or SLIDING):
             first_key = segment * _segment_keys(seq_len, split_kv_size, tl.num_programs(2))

@@ -51,6 +51,8 @@ class AttentionMetadata:
     offsets of each sequence's tokens; ``seq_lens``: tokens each sequence has after the step;
     ``block_tables``: ``[num_seqs, max_blocks]`` physical block ids. ``plan`` holds what the
     backend decided for the step (its ``plan`` or ``graph_plan``), shared by all layers.
+    ``seq_order`` (a decode step's, or None): int32, the sequences longest first
+    (``kernels.paged_attention.decode_order``), the order a backend's decode launch may take them in.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +62,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: object | None = None
+    seq_order: torch.Tensor | None = None
 
 
 class AttentionBackend:

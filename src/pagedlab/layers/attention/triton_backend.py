@@ -122,4 +122,5 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
             split_kv_size=split_kv_size, max_kv_segments=max_kv_segments, k_scale=k_scale, v_scale=v_scale,
             sliding_window=sliding_window, softcap=softcap, batch_invariant=invariant,
-            prefill_tuner=self.prefill_tuner if q.is_cuda else None)
+            prefill_tuner=self.prefill_tuner if q.is_cuda else None,
+            seq_order=metadata.seq_order)
