@@ -38,7 +38,7 @@ from gpu_timing import PEAK_BYTES_PER_S, graph_seconds, precompile
 from pagedlab.kernels.attention_configs import (DECODE_ATTENTION_CONFIGS, DecodeConfig, attention_launch,
                                                 check_decode_config)
 from pagedlab.kernels.paged_attention import (SPLIT_KV_MAX_SEGMENTS, SPLIT_KV_SIZE, SPLIT_KV_SMALL_SIZES,
-                                              allocate_split_kv_scratch, choose_split_kv_size,
+                                              allocate_split_kv_scratch, choose_split_kv_size, decode_order,
                                               paged_attention_torch, paged_attention_triton)
 
 # (query heads, KV heads, head_dim)
@@ -102,8 +102,10 @@ def listed(key: tuple[int, int, int], config: DecodeConfig):
 
 def decode_call(batch: dict, max_seq_len: int, split: int | None):
     """A no-argument decode attention call on preallocated output (and split-KV scratch), its
-    segments capped as the engine caps them (``SPLIT_KV_MAX_SEGMENTS``)."""
+    segments capped and its sequences ordered as the engine's are (``SPLIT_KV_MAX_SEGMENTS``,
+    ``decode_order``)."""
     q = batch["q"]
+    seq_order = torch.from_numpy(decode_order(batch["seq_lens"].tolist())).to(q.device)
     out = torch.empty_like(q)
     segments = SPLIT_KV_MAX_SEGMENTS if split else None
     scratch = (allocate_split_kv_scratch(q.shape[0], q.shape[1], q.shape[2], max_seq_len, split, q.device,
@@ -111,7 +113,7 @@ def decode_call(batch: dict, max_seq_len: int, split: int | None):
     scale = q.shape[-1] ** -0.5
     return lambda: paged_attention_triton(**batch, scale=scale, max_query_len=1, max_seq_len=max_seq_len,
                                           split_kv_size=split, max_kv_segments=segments, out=out,
-                                          scratch=scratch)
+                                          scratch=scratch, seq_order=seq_order)
 
 
 def measure(call, reference: torch.Tensor, kv_bytes: int) -> dict:

@@ -2,12 +2,12 @@
 
 On attention_bench's decode batches it times (``gpu_timing.graph_seconds``: CUDA-graph replays,
 L2 flushed) the attention launch as the engine runs it (split-KV where the policy splits), a
-kernel that only streams the same K and V tiles by the same paged addresses with the same grid,
-key tile, warps and stages (it sums them, so no load is dropped), the same kernel reading each
-sequence's blocks as one consecutive slab (no block-table gather), and torch summing the whole
-cache. It prints microseconds, KV bytes over the time and the fraction of 4.8 TB/s. Stream near
-attention: the access pattern and the program shape are the limit; stream well above it: the
-kernel's own compute and pipelining.
+kernel that only streams the same K and V tiles by the same paged addresses with the same grid
+and sequence order, key tile, warps and stages (it sums them, so no load is dropped), the same
+kernel reading each sequence's blocks as one consecutive slab (no block-table gather), and torch
+summing the whole cache. It prints microseconds, KV bytes over the time and the fraction of
+4.8 TB/s. Stream near attention: the access pattern and the program shape are the limit; stream
+well above it: the kernel's own compute and pipelining.
 
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_stream_bench.py
     PYTHONPATH=src:benchmarks python3 benchmarks/attention_stream_bench.py --batches "128x[100,2048]"
@@ -23,6 +23,7 @@ import triton.language as tl
 
 import attention_bench as ab
 from gpu_timing import PEAK_BYTES_PER_S, graph_seconds
+from pagedlab.kernels.paged_attention import decode_order
 
 DEFAULT_ROWS = (("qwen3-0.6b", "256x[100,2048]"), ("qwen3-0.6b", "128x[100,2048]"),
                 ("qwen3-0.6b", "64x[100,2048]"), ("qwen3-0.6b", "32x[100,2048]"),
@@ -32,13 +33,14 @@ STREAM_LAUNCHES = ((64, 4, 3), (128, 4, 2), (64, 8, 2), (32, 4, 3))
 
 
 @triton.jit
-def stream_kv_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, stride_block, stride_token,
-                     stride_head, stride_table, GATHER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def stream_kv_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, seq_order_ptr, out_ptr, stride_block,
+                     stride_token, stride_head, stride_table, GATHER: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Program (sequence, KV head): the sum of its keys and values, read TILE_N tokens at a time
-    through the block table (GATHER) or from the sequence's first block on, consecutively."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+    """Program (KV head, i), as the decode launch's grid: the sum of sequence ``seq_order[i]``'s
+    keys and values in that head, read TILE_N tokens at a time through the block table (GATHER)
+    or from the sequence's first block on, consecutively."""
+    head = tl.program_id(0)
+    seq = tl.load(seq_order_ptr + tl.program_id(1))
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([TILE_N, HEAD_DIM], dtype=tl.float32)
@@ -55,7 +57,7 @@ def stream_kv_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, stri
         k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
         acc += k.to(tl.float32) + v.to(tl.float32)
-    tl.store(out_ptr + seq * tl.num_programs(1) + head, tl.sum(tl.sum(acc, 1), 0))
+    tl.store(out_ptr + seq * tl.num_programs(0) + head, tl.sum(tl.sum(acc, 1), 0))
 
 
 def slab_tables(batch: dict) -> torch.Tensor:
@@ -74,11 +76,12 @@ def stream_kv_triton(batch: dict, gather: bool, tile_n: int, num_warps: int, num
     k, v, lens = batch["k_cache"], batch["v_cache"], batch["seq_lens"]
     tables = batch["block_tables"] if gather else slab_tables(batch)
     out = torch.empty(lens.shape[0], k.shape[2], dtype=torch.float32, device=k.device)
+    order = torch.from_numpy(decode_order(lens.tolist())).to(k.device)
 
     def call() -> torch.Tensor:
-        stream_kv_kernel[(lens.shape[0], k.shape[2])](
-            k, v, tables, lens, out, k.stride(0), k.stride(1), k.stride(2), tables.stride(0), GATHER=gather,
-            BLOCK_SIZE=k.shape[1], TILE_N=tile_n, HEAD_DIM=k.shape[3], num_warps=num_warps,
+        stream_kv_kernel[(k.shape[2], lens.shape[0])](
+            k, v, tables, lens, order, out, k.stride(0), k.stride(1), k.stride(2), tables.stride(0),
+            GATHER=gather, BLOCK_SIZE=k.shape[1], TILE_N=tile_n, HEAD_DIM=k.shape[3], num_warps=num_warps,
             num_stages=num_stages)
         return out
     return call
