@@ -12,7 +12,7 @@ import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels loa
 
 from pagedlab.kernels import attention_configs
 from pagedlab.kernels.attention_configs import DecodeConfig
-from pagedlab.kernels.paged_attention import SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SIZE
+from pagedlab.kernels.paged_attention import SPLIT_KV_MIN_PROGRAMS, SPLIT_KV_SIZE, decode_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 attention_bench = pytest.importorskip("attention_bench")
@@ -89,3 +89,18 @@ def test_bench_batch_runs_and_checks_every_candidate_on_the_cpu(monkeypatch, cap
     assert "current  64-key 4w 3s split 64" in printed
     assert all(f"  split {split}: best" in printed for split in (256, 128, 64, None))
     assert record["key"] == [64, 2, 16]
+
+
+def test_the_decode_call_launches_as_the_engine_does_longest_first(monkeypatch):
+    """``decode_call`` passes ``decode_order`` of the batch's lengths, the order the engine's
+    decode steps stage."""
+    monkeypatch.setattr(attention_bench, "DEVICE", "cpu")
+    batch = attention_bench.make_batch(5, 17, 70, 4, 2, 16)
+    orders = []
+
+    def launch(*args, **kwargs):
+        orders.append(kwargs["seq_order"].tolist())
+    monkeypatch.setattr(attention_bench, "paged_attention_triton", launch)
+    attention_bench.decode_call(batch, 70, None)()
+    assert orders == [decode_order(batch["seq_lens"].tolist()).tolist()]
+    assert orders[0] != sorted(orders[0])  # the fixed seed's lengths are not already in order

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_kernels  # noqa: F401  (sets TRITON_INTERPRET before the kernels load)
 import torch
@@ -64,3 +65,17 @@ def test_a_row_times_every_launch_and_reports_its_bytes(monkeypatch):
     launches = {(engine.tile_n, engine.num_warps, engine.num_stages), *attention_stream_bench.STREAM_LAUNCHES}
     assert len(times) == len(calls) == 1 + len(launches) + 2
     assert next(iter(times)) == "attention (engine's launch)" and "stream slab 128/4w/2s" in times
+
+
+def test_stream_programs_take_the_sequences_the_order_names(batch, monkeypatch):
+    """Program (head, i) streams sequence ``decode_order(...)[i]``: an order naming only
+    sequences 3 and 1 writes exactly their rows."""
+    named = np.array([3, 1, 3, 1, 3], dtype=np.int32)
+    monkeypatch.setattr(attention_stream_bench, "decode_order", lambda lens: named)
+    call = attention_stream_bench.stream_kv_triton(batch, True, 16, 4, 2)
+    out = call()
+    out.fill_(float("nan"))
+    got = call()
+    expected = attention_stream_bench.stream_kv_torch(batch, True)
+    torch.testing.assert_close(got[[1, 3]], expected[[1, 3]], rtol=1e-5, atol=1e-4)
+    assert got[[0, 2, 4]].isnan().all()
