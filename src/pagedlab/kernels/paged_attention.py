@@ -253,7 +253,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, sliding_window: int | None = None,
                            softcap: float | None = None, batch_invariant: bool = False,
-                           prefill_tuner: PrefillTileTuner | None = None, seq_order=None) -> torch.Tensor:
+                           prefill_tuner: PrefillTileTuner | None = None,
+                           seq_order: torch.Tensor | None = None) -> torch.Tensor:
     """Triton varlen paged attention; same arguments and result as ``paged_attention_torch``.
 
     One launch covers prefill, chunked prefill, prefix hits, decode and mixes of them. No host
