@@ -79,3 +79,8 @@ def test_checks_help_names_every_check_the_default_leaves_out(capsys):
     assert left_out == ["tokenizer", "lora", "spec"]
     for check, flag in zip(left_out, ["--tokenizer-b", "--lora", "--speculative-config"]):
         assert check in default and flag in default, default
+
+
+def test_a_check_named_twice_runs_once(runs):
+    assert main([*BASE, "--checks", "batch,seeds,batch"]) == 0
+    assert runs == [["batch", "seeds"]]

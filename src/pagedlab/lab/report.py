@@ -37,7 +37,7 @@ from pagedlab.lab.plan import size_class
 from pagedlab.lab.store import ResultStore
 
 # Manifest fields that differ for every run by nature; not shown as differences.
-_UNINTERESTING = ("created_at", "experiment.run_key", "host.hostname_pid")
+_UNINTERESTING = ("created_at", "experiment.run_key")
 _QUALITY = ("exact_match", "bleu", "chrf")
 _SPEED = ("output_throughput", "ttft_p50_ms", "tpot_p50_ms", "e2e_p50_ms")
 _SUMMARY_METRICS = ("exact_match", "bleu", "chrf", "mean_output_tokens", "output_throughput",
@@ -493,7 +493,7 @@ def _runs_table(runs) -> str:
 
 def _manifest_tables(runs) -> tuple[str, int]:
     manifests = [r.get("manifest") or {} for r in runs]
-    ignore = ("created_at", "experiment.run_key")
+    ignore = _UNINTERESTING
     differ = diff_manifests(manifests, ignore=ignore)
     flat = [flatten(m) for m in manifests]
     if differ:

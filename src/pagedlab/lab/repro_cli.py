@@ -35,7 +35,7 @@ _DB_HELP = ("store each check's result with its manifest in this results databas
 
 
 def _checks(value: str) -> list[str]:
-    names = [c.strip() for c in value.split(",") if c.strip()]
+    names = list(dict.fromkeys(c.strip() for c in value.split(",") if c.strip()))  # each check runs once
     if names == ["all"]:
         return list(ALL_CHECKS)
     bad = [c for c in names if c not in ALL_CHECKS]
