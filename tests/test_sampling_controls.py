@@ -14,6 +14,7 @@ from pagedlab.engine.step_inputs import HostToDevice, build_sampling_metadata
 from pagedlab.kernels.sampling import sample_tokens_torch
 from pagedlab.layers import sampler as sampler_module
 from pagedlab.layers.sampler import Sampler
+from pagedlab.sampling_params import StructuredOutputsParams
 from pagedlab.sampling_params import UnknownArgumentError
 
 VOCAB = 300
@@ -197,3 +198,15 @@ def test_stop_ids_beyond_the_vocabulary_are_accepted_and_never_stop(tiny_llama):
                                            for extra in ({}, {"min_tokens": 3})], use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == want and out.outputs[0].finish_reason == "length"
+
+
+def test_clone_changes_structured_outputs_under_either_name():
+    old, new = StructuredOutputsParams(regex="a+"), StructuredOutputsParams(choice=["x", "y"])
+    params = SamplingParams(guided_decoding=old)
+    assert params.structured_outputs is old
+    assert params.clone(guided_decoding=None).structured_outputs is None
+    assert params.clone(structured_outputs=new).structured_outputs is new
+    assert params.clone(guided_decoding=new).structured_outputs is new
+    assert params.clone(temperature=0.5).structured_outputs is old
+    with pytest.raises(ValueError, match="guided_decoding"):
+        params.clone(structured_outputs=new, guided_decoding=old)

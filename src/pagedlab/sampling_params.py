@@ -344,7 +344,11 @@ class SamplingParams:
             else prompt_token_ids
 
     def clone(self, **changes) -> SamplingParams:
-        """A copy with ``changes`` applied (validated as the constructor validates)."""
+        """A copy with ``changes`` applied (validated as the constructor validates). ``guided_decoding``
+        and ``structured_outputs`` name one field: a change to either is a change to both."""
+        named = [n for n in ("structured_outputs", "guided_decoding") if n in changes]
+        if len(named) == 1:
+            changes = {**changes, "structured_outputs": changes[named[0]], "guided_decoding": None}
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
