@@ -50,10 +50,10 @@ def _complete(served, body: dict) -> dict:
     return r.json()
 
 
-def _stream(served, body: dict) -> list[dict]:
-    """The chunks of a streamed completion."""
+def _stream(served, body: dict, path: str = "/v1/completions") -> list[dict]:
+    """The chunks of a streamed completion (or chat completion)."""
     chunks = []
-    with httpx.stream("POST", served["url"] + "/v1/completions",
+    with httpx.stream("POST", served["url"] + path,
                       json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -195,3 +195,66 @@ def test_max_logprobs_is_the_servers_cap(served):
         r = httpx.post(served["url"] + path, json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert f"in [0, {MAX_LOGPROBS}]" in r.json()["error"]["message"]
+
+
+def _as_ids(token_ids: list[int]) -> list[str]:
+    return [f"token_id:{t}" for t in token_ids]
+
+
+def _completion_parts(served, body: dict, stream: bool) -> tuple[str, list[int], dict]:
+    """(text, prompt and generated token ids, logprobs) of one completion, streamed or not."""
+    if not stream:
+        c = _complete(served, body)["choices"][0]
+        return c["text"], c["prompt_token_ids"] + c["token_ids"], c["logprobs"]
+    text, ids, logprobs = "", [], {"tokens": [], "top_logprobs": []}
+    for chunk in _stream(served, body):
+        c = chunk["choices"][0]
+        text += c["text"]
+        ids += c.get("prompt_token_ids", []) + c["token_ids"]
+        for key in logprobs:
+            logprobs[key] += c["logprobs"][key]
+    return text, ids, logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_completion_tokens_as_token_ids(served, stream):
+    """vLLM's return_tokens_as_token_ids: every logprobs token (echoed prompt's included, and the
+    top_logprobs keys) is "token_id:{id}" of the response's own token ids; the text is unchanged."""
+    tokenizer = served["tokenizer"]
+    body = {**SPLIT_CHARACTER, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True,
+            "return_token_ids": True}
+    text, ids, logprobs = _completion_parts(served, {**body, "return_tokens_as_token_ids": True}, stream)
+    plain_text, plain_ids, plain = _completion_parts(served, {**body, "return_tokens_as_token_ids": False},
+                                                     stream)
+    assert (text, ids) == (plain_text, plain_ids)
+    assert logprobs["tokens"] == _as_ids(ids)
+    assert plain["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs["top_logprobs"][0] is None
+    for top, token in zip(logprobs["top_logprobs"][1:], _as_ids(ids)[1:]):
+        assert token in top and len(top) >= 2 and all(k.startswith("token_id:") for k in top)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "streamed"])
+def test_chat_tokens_as_token_ids(served, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+
+    def parts(as_ids: bool) -> tuple[str, list[int], list[dict]]:
+        asked = {**body, "return_tokens_as_token_ids": as_ids}
+        if not stream:
+            r = httpx.post(served["url"] + "/v1/chat/completions", json=asked, timeout=60)
+            c = r.json()["choices"][0]
+            return c["message"]["content"], c["token_ids"], c["logprobs"]["content"]
+        choices = [chunk["choices"][0] for chunk in _stream(served, asked, "/v1/chat/completions")]
+        return ("".join(c["delta"].get("content") or "" for c in choices),
+                [t for c in choices for t in c["token_ids"]],
+                [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]])
+
+    (text, ids, content), (plain_text, plain_ids, plain) = parts(True), parts(False)
+    assert (text, ids) == (plain_text, plain_ids) and ids
+    assert [e["token"] for e in content] == _as_ids(ids)
+    assert [e["bytes"] for e in content] == [list(t.encode()) for t in _as_ids(ids)]
+    assert all(len(e["top_logprobs"]) == 2 and t["token"].startswith("token_id:")
+               for e in content for t in e["top_logprobs"])
+    assert [e["top_logprobs"][0]["token"] for e in content] == _as_ids(ids)  # greedy: the chosen is the best
+    assert [e["token"] for e in plain] == [served["tokenizer"].decode([t]) for t in ids]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from pagedlab import RequestOutput, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine, RequestStream
 from pagedlab.inputs import EncodedPrompt, chat_prompt
-from pagedlab.outputs import PositionLogprobs
+from pagedlab.outputs import Logprob, PositionLogprobs
 from pagedlab.server.errors import bad_request
 from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogprobs, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -22,7 +22,7 @@ from pagedlab.server.protocol_tools import template_messages
 from pagedlab.server.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
-                                            usage_info)
+                                            token_string, usage_info)
 from pagedlab.server.serving_models import OpenAIServingModels
 from pagedlab.server.serving_tools import ToolCalling, ToolStream
 from pagedlab.server.tool_parsers import tool_parser_named
@@ -109,7 +109,7 @@ class _ChatRun:
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
         self.top_logprobs = None if request.logprob_token_ids else request.top_logprobs or 0
-        self.return_token_ids = request.return_token_ids
+        self.return_token_ids, self.as_ids = request.return_token_ids, request.return_tokens_as_token_ids
         self.prompt_logprobs = request.prompt_logprobs is not None
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
 
@@ -119,15 +119,16 @@ class _ChatRun:
             return None
         content = []
         for token, pos in zip(token_ids, positions):
-            chosen = pos[token]
-            ranked = sorted(pos.values(), key=lambda lp: lp.rank)[:self.top_logprobs]
-            content.append(ChatCompletionLogprob(
-                token=chosen.decoded_token or "", logprob=chosen.logprob,
-                bytes=list((chosen.decoded_token or "").encode("utf-8")),
-                top_logprobs=[ChatCompletionTopLogprob(token=lp.decoded_token or "", logprob=lp.logprob,
-                                                       bytes=list((lp.decoded_token or "").encode("utf-8")))
-                              for lp in ranked]))
+            ranked = sorted(pos.items(), key=lambda kv: kv[1].rank)[:self.top_logprobs]
+            chosen = self._entry(token, pos[token])
+            content.append(ChatCompletionLogprob(**chosen.model_dump(),
+                                                 top_logprobs=[self._entry(tid, lp) for tid, lp in ranked]))
         return ChatCompletionLogprobs(content=content)
+
+    def _entry(self, token_id: int, lp: Logprob) -> ChatCompletionTopLogprob:
+        """A token's logprob entry: its text (or ``token_id:{id}``) and that text's UTF-8 bytes."""
+        token = token_string(token_id, lp.decoded_token, self.as_ids)
+        return ChatCompletionTopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
 
     def _split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, the rest) of a whole output; the reasoning None where not asked for."""

@@ -18,7 +18,7 @@ from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, Com
                                       UsageInfo)
 from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, choice_usage,
                                             merge_streams, prompt_logprobs_body, sse_events,
-                                            usage_info)
+                                            token_string, usage_info)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -62,24 +62,26 @@ def _cut(pos: PositionLogprobs, token: int, num: int) -> PositionLogprobs:
 
 
 def _add_positions(logprobs: CompletionLogprobs, positions: Sequence[PositionLogprobs | None],
-                   token_ids: Sequence[int], first_token_text: str = "", num: int | None = None) -> None:
-    """Appends each token's text, logprob and top alternatives (at most ``num`` and the chosen
-    token when ``num`` is given) to ``logprobs``; ``text_offset`` is left to the caller."""
+                   token_ids: Sequence[int], as_ids: bool, first_token_text: str = "",
+                   num: int | None = None) -> None:
+    """Appends each token's text (``token_id:{id}`` when ``as_ids``), logprob and top alternatives
+    (at most ``num`` and the chosen token when ``num`` is given) to ``logprobs``; ``text_offset`` is
+    left to the caller."""
     for token, pos in zip(token_ids, positions):
         if pos is None:  # the first prompt token has no logprob
-            text = first_token_text
+            text = token_string(token, first_token_text, as_ids)
             logprobs.token_logprobs.append(None)
             logprobs.top_logprobs.append(None)
         else:
             chosen = pos[token]
-            text = chosen.decoded_token or ""
+            text = token_string(token, chosen.decoded_token, as_ids)
             logprobs.token_logprobs.append(chosen.logprob)
             entries: dict[str, float] = {}
             if num is not None:
                 pos = _cut(pos, token, num)
-            for _, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
-                # tokens that decode alike share an entry: the best one's
-                entries.setdefault(lp.decoded_token or "", lp.logprob)
+            for tid, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
+                # tokens that decode alike share an entry (the best one's) unless as_ids
+                entries.setdefault(token_string(tid, lp.decoded_token, as_ids), lp.logprob)
             logprobs.top_logprobs.append(entries)
         logprobs.tokens.append(text)
 
@@ -103,6 +105,7 @@ class _CompletionRun:
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
+        self.as_ids = request.return_tokens_as_token_ids
         self.prompt_only = request.scores_prompt_only
         self.prompt_logprobs = request.prompt_logprobs
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
@@ -117,8 +120,8 @@ class _CompletionRun:
             prompt_ids = out.prompt_token_ids
             first = self.tokenizer.decode([prompt_ids[0]]) if self.tokenizer is not None else ""
             prompt_positions = out.prompt_logprobs or [None] * len(prompt_ids)
-            _add_positions(logprobs, prompt_positions, prompt_ids, first, self.params.logprobs)
-        _add_positions(logprobs, positions, token_ids)
+            _add_positions(logprobs, prompt_positions, prompt_ids, self.as_ids, first, self.params.logprobs)
+        _add_positions(logprobs, positions, token_ids, self.as_ids)
         lengths = [len(token) for token in logprobs.tokens]
         logprobs.text_offset = list(itertools.accumulate(lengths, initial=start))[:-1]
         return logprobs

@@ -263,6 +263,12 @@ class OpenAIServing:
                 s.abort()
 
 
+def token_string(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """A logprobs entry's token: its text, or with vLLM's ``return_tokens_as_token_ids``
+    ``token_id:{id}`` (so tokens that decode alike, or to no whole character, stay apart)."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
+
+
 def prompt_logprobs_body(positions: Sequence[PositionLogprobs | None] | None) -> PromptLogprobs | None:
     """An engine output's prompt logprobs as vLLM returns them (minus infinity as -9999.0)."""
     if positions is None:
