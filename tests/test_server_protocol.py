@@ -95,6 +95,9 @@ def test_bad_completion_bodies(body, param, says):
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
     ({"messages": CHAT, "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
+    ({"messages": CHAT, "echo": True}, "echo", "echo is not supported"),
+    ({"messages": CHAT, "documents": [{"title": "t", "text": "x"}]}, "documents",
+     "documents is not supported"),
 ])
 def test_bad_chat_bodies(body, param, says):
     error = _error(ChatCompletionRequest, body)
@@ -145,6 +148,7 @@ def test_lenient_where_openai_is():
     assert isinstance(request.n, int)
     assert request.to_sampling_params() == SamplingParams(n=2, max_tokens=8)
     assert parse_request(CompletionRequest, {"prompt": "hi", "temperature": 0}).temperature == 0.0
+    assert not parse_request(ChatCompletionRequest, {"messages": CHAT, "echo": False, "documents": None}).echo
 
 
 def test_completion_to_sampling_params_maps_every_field():

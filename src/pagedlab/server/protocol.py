@@ -329,6 +329,21 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     continue_final_message: bool = False  # leave the last (assistant) message open: a prefill
     add_special_tokens: bool = False  # vLLM's: True adds BOS and the like on top of the template's
     include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
+    echo: bool = False  # refused when true, as documents: vLLM has them, this server does not
+    documents: list | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported on chat completions by this server: leave it out or set "
+                             "it to false")
+        return value
+
+    @field_validator("documents")
+    @classmethod
+    def _no_documents(cls, value: list) -> list:
+        raise ValueError("documents is not supported by this server: give the documents in the messages")
 
     @field_validator("top_logprobs")
     @classmethod
