@@ -19,7 +19,7 @@ from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
 from pagedlab.server.errors import bad_request, param_of
 from pagedlab.server.protocol_tools import DeltaToolCall, ToolCall, ToolFields
-from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting
+from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting, refused
 
 MAX_LOGPROBS = 20  # logprobs / top_logprobs a request may ask for without --max-logprobs (OpenAI's, vLLM's)
 MAX_N = 128  # OpenAI's limit for n (and best_of)
@@ -150,7 +150,8 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
-    use_beam_search: bool = False  # refused when true: this engine samples, it has no beam search
+    use_beam_search: Annotated[bool, refused("use_beam_search is not supported by this server: leave it out "
+                                             "or set it to false (sampled or greedy decoding)")] = False
 
     @field_validator("stream_options")
     @classmethod
@@ -165,14 +166,6 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
         n = info.data.get("n", 1)
         if value != n:
             raise ValueError(f"best_of={value} is not supported: leave it out or set it equal to n ({n})")
-        return value
-
-    @field_validator("use_beam_search")
-    @classmethod
-    def _no_beam_search(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("use_beam_search is not supported by this server: leave it out or set it "
-                             "to false (sampled or greedy decoding)")
         return value
 
     @field_validator("logit_bias")
@@ -239,7 +232,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Integer = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: LogprobCount | None = None
     prompt_logprobs: LogprobCount | None = None
-    suffix: str | None = None
+    suffix: Annotated[str | None, refused("suffix is not supported by this server")] = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -260,11 +253,6 @@ class CompletionRequest(SamplingRequest):
         if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
             raise ValueError(f"'prompt' must be {PROMPT_FORMS}")
         return prompt
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str) -> str:
-        raise ValueError("suffix is not supported by this server")
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts, one per text or token-id list (a flat list of ids is one prompt)."""
@@ -329,21 +317,10 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
     continue_final_message: bool = False  # leave the last (assistant) message open: a prefill
     add_special_tokens: bool = False  # vLLM's: True adds BOS and the like on top of the template's
     include_reasoning: bool = True  # with --reasoning-parser: False leaves the reasoning out
-    echo: bool = False  # refused when true, as documents: vLLM has them, this server does not
-    documents: list | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported on chat completions by this server: leave it out or set "
-                             "it to false")
-        return value
-
-    @field_validator("documents")
-    @classmethod
-    def _no_documents(cls, value: list) -> list:
-        raise ValueError("documents is not supported by this server: give the documents in the messages")
+    echo: Annotated[bool, refused("echo is not supported on chat completions by this server: leave it out "
+                                  "or set it to false")] = False
+    documents: Annotated[list | None, refused("documents is not supported by this server: give the "
+                                              "documents in the messages")] = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedlab.sampling_params import StructuredOutputsParams
-from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting
+from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting, refused
 
 _NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
@@ -59,7 +59,9 @@ class ToolFields(VLLMOutputFields):
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Annotated[str | dict, expecting("a string or an object")] | None = None
     parallel_tool_calls: bool = True
-    functions: list | None = None
+    functions: Annotated[list | None, refused("functions (OpenAI's deprecated form of tools) are not "
+                                              'supported: give tools, each {"type": "function", '
+                                              '"function": {...}}')] = None
 
     @field_validator("tools")
     @classmethod
@@ -68,12 +70,6 @@ class ToolFields(VLLMOutputFields):
             raise ValueError("`tools` must not be an empty array. Either provide at least one tool or omit "
                              "the field entirely.")
         return tools
-
-    @field_validator("functions")
-    @classmethod
-    def _no_functions(cls, value: list) -> list:
-        raise ValueError("functions (OpenAI's deprecated form of tools) are not supported: give tools, each "
-                         '{"type": "function", "function": {...}}')
 
     @field_validator("tool_choice")
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from pagedlab.sampling_params import StructuredOutputsParams
@@ -31,6 +31,17 @@ def expecting(what: str) -> WrapValidator:
             raise PydanticCustomError("invalid_type", "expected {what}", {"what": what}) from None
 
     return WrapValidator(validate)
+
+
+def refused(message: str) -> AfterValidator:
+    """A field this server does not support: any value a request sets (other than null, false or
+    empty) is an error saying ``message``, where silently dropping it would change the request."""
+    def check(value: Any) -> Any:
+        if value:
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
 
 
 class VLLMOutputFields(BaseModel):
