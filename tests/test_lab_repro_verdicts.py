@@ -174,3 +174,20 @@ def test_seeds_check_with_threshold_0_passes_a_metric_equal_on_every_seed(chat_l
                                seeds=range(3), metrics_fn=lambda outputs, references: {"score": 0.1},
                                threshold=0.0)
     assert r.verdict == "same" and r.details["flagged"] == [], r.format()
+
+
+@pytest.mark.parametrize("limit", [math.nan, -0.5, "0.1", True])
+def test_checks_refuse_a_limit_that_is_no_number_ge_0_before_any_work(limit):
+    """Every comparison with NaN is false, so a check against a NaN tolerance could never fail, and
+    a negative one fails identical runs: each check refuses them, naming the argument, before it
+    touches its engine or model (None and a missing path here)."""
+    calls = [(repro.batch_consistency, (None,), "logprob_tolerance"),
+             (repro.hf_parity, (None,), "logprob_tolerance"),
+             (repro.padding_check, ("no/such/model",), "logprob_tolerance"),
+             (repro.precision_drift, ("no/such/model",), "kl_threshold"),
+             (repro.seed_sensitivity, (None,), "threshold")]
+    for check, args, name in calls:
+        with pytest.raises(ValueError, match=f"{name}={limit!r} is invalid: give a number >= 0"):
+            check(*args, **{name: limit})
+    with pytest.raises(ValueError, match=r"threshold\['bleu'\]=.* is invalid"):
+        repro.seed_sensitivity(None, threshold={"chrf": 0.1, "bleu": limit})

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
-from pagedlab.lab.repro.compare import chosen_logprobs, compare_outputs
+from pagedlab.lab.repro.compare import check_limit, chosen_logprobs, compare_outputs
 
 
 def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16, seed: int = 0,
@@ -20,6 +20,7 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     batch-invariant mode (``batch_invariant=True``), which promises bitwise-equal logprobs, by any
     amount at all. The engine's plan is restored afterwards. ``progress`` (see ``NoProgress``)
     counts the batch-1 prompts and variants."""
+    check_limit("logprob_tolerance", logprob_tolerance)
     ids = encode_all(llm, prompts)
     params = greedy_params(max_tokens)
     info = llm.get_engine_info()

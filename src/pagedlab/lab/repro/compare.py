@@ -71,6 +71,13 @@ def check_top_k(k: int) -> int:
     return k
 
 
+def check_limit(name: str, value) -> None:
+    """A tolerance or threshold, refused (ValueError) unless a number >= 0: every comparison with
+    NaN is false, so a check against it could never fail, and a negative one fails identical runs."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name}={value!r} is invalid: give a number >= 0 (inf: no limit)")
+
+
 def top1(d: dict[int, float]) -> int:
     """The most likely token of a {token id: logprob} dict, a tie going to the lowest id as greedy
     argmax does (not to the dict's first key, which in ``prompt_logprobs`` is the actual token)."""

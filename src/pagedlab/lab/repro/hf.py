@@ -10,8 +10,8 @@ from pathlib import Path
 from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
-from pagedlab.lab.repro.compare import (check_top_k, compare_outputs, first_divergence, logprob_diff,
-                                        teacher_forced, top1)
+from pagedlab.lab.repro.compare import (check_limit, check_top_k, compare_outputs, first_divergence,
+                                        logprob_diff, teacher_forced, top1)
 from pagedlab.loader import resolve_model_source
 
 
@@ -145,6 +145,7 @@ def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 
     batch."""
     if attention_mask not in ("correct", "ones"):
         raise ValueError(f"attention_mask={attention_mask!r} is invalid: 'correct' or 'ones'")
+    check_limit("logprob_tolerance", logprob_tolerance)
     hf = load_hf_model(model, dtype)
     ids = hf_token_ids(hf, prompts)
     if pad_token_id is None:
@@ -235,6 +236,7 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     each position's actual next token and pagedlab's top-``k``, and top-1 agreement. ``progress``
     (see ``NoProgress``) counts HF's prompts, pagedlab's run and the teacher-forced comparison."""
     check_top_k(k)
+    check_limit("logprob_tolerance", logprob_tolerance)
     info = llm.get_engine_info()
     hf = load_hf_model(hf_model if hf_model is not None else info.model_path, hf_dtype, device=info.device)
     ids = encode_all(llm, prompts)

@@ -9,7 +9,8 @@ from pagedlab.config import DTYPE_NAMES
 from pagedlab.lab.manifest import engine_info
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all, greedy_params,
                                        verdict)
-from pagedlab.lab.repro.compare import check_top_k, first_divergence, teacher_forced, top1, topk_kl
+from pagedlab.lab.repro.compare import (check_limit, check_top_k, first_divergence, teacher_forced, top1,
+                                        topk_kl)
 from pagedlab.llm import LLM
 
 # Variants besides the dtypes: name -> the engine arguments that make it. Quantized weights keep
@@ -61,6 +62,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
     variants, each one model load and run."""
     variants = {name: variant_engine_args(name) for name in dtypes}  # bad names fail before loading
     check_top_k(k)
+    check_limit("kl_threshold", kl_threshold)
     engine_args = {k_: v for k_, v in (engine_args or {}).items()
                    if k_ not in ("model", *_DESCRIPTIONS)}
     engine_args.setdefault("kv_cache_memory_bytes", 64 << 20)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress, encode_all,
                                        reference_scores, verdict)
+from pagedlab.lab.repro.compare import check_limit
 from pagedlab.sampling_params import SamplingParams
 
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
@@ -70,6 +71,8 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
     (see ``NoProgress``) counts the seeds."""
     if params is None:
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, logprobs=0)
+    for name, limit in (threshold.items() if isinstance(threshold, dict) else [("threshold", threshold)]):
+        check_limit(name if name == "threshold" else f"threshold[{name!r}]", limit)
     seeds = list(seeds)
     if len(seeds) < 2:
         raise ValueError(f"seeds={seeds} is too few: give at least 2 seeds")
