@@ -6,6 +6,7 @@ The engine's ``max_logprobs`` (``--max-logprobs``) is 30 here, the server's cap 
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 
@@ -21,6 +22,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from pagedlab.server.app import ServerThread, build_app  # noqa: E402
+from pagedlab.server.cli import add_serve_args  # noqa: E402
 
 MODEL = "tiny"
 MAX_LOGPROBS = 30  # the engine's cap, above the server's default 20
@@ -39,7 +41,8 @@ def served(tmp_path_factory):
                        SamplingParams(temperature=0.0, max_tokens=3, logprobs=MAX_LOGPROBS), use_tqdm=False)
     engine = AsyncEngine.from_llm(llm)
     with ServerThread(build_app(engine, served_model_names=[MODEL])) as srv:
-        yield {"url": srv.url, "tokenizer": llm.get_tokenizer(), "offline_chat": offline[0].outputs[0]}
+        yield {"url": srv.url, "tokenizer": llm.get_tokenizer(), "offline_chat": offline[0].outputs[0],
+               "engine": engine}
     engine.shutdown()
     llm.close()
 
@@ -258,3 +261,32 @@ def test_chat_tokens_as_token_ids(served, stream):
                for e in content for t in e["top_logprobs"])
     assert [e["top_logprobs"][0]["token"] for e in content] == _as_ids(ids)  # greedy: the chosen is the best
     assert [e["token"] for e in plain] == [served["tokenizer"].decode([t]) for t in ids]
+
+
+def test_server_flag_sets_tokens_as_token_ids_default(served):
+    """vLLM's --return-tokens-as-token-ids: a request that leaves return_tokens_as_token_ids out
+    gets "token_id:{id}" tokens on completions and chat; one that sets it, either way, wins."""
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert not parser.parse_args(["--model", "m"]).return_tokens_as_token_ids
+    flags = parser.parse_args(["--model", "m", "--return-tokens-as-token-ids"])
+    app = build_app(served["engine"], served_model_names=[MODEL], enable_metrics=False,
+                    return_tokens_as_token_ids=flags.return_tokens_as_token_ids)
+    decode = served["tokenizer"].decode
+    text = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+            "temperature": 0, "logprobs": True, "return_token_ids": True}
+    with ServerThread(app) as srv:
+        for asked, as_ids in [({}, True), ({"return_tokens_as_token_ids": False}, False),
+                              ({"return_tokens_as_token_ids": True}, True)]:
+            r = httpx.post(srv.url + "/v1/completions", json={**text, **asked}, timeout=60)
+            c = r.json()["choices"][0]
+            want = _as_ids(c["token_ids"]) if as_ids else [decode([t]) for t in c["token_ids"]]
+            assert c["logprobs"]["tokens"] == want, asked
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, **asked}, timeout=60)
+            c = r.json()["choices"][0]
+            want = _as_ids(c["token_ids"]) if as_ids else [decode([t]) for t in c["token_ids"]]
+            assert [e["token"] for e in c["logprobs"]["content"]] == want, asked
+    plain = _complete(served, {k: v for k, v in text.items() if k != "model"})["choices"][0]
+    assert plain["logprobs"]["tokens"] == [decode([t]) for t in plain["token_ids"]]

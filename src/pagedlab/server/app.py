@@ -65,7 +65,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               shutdown_engine: bool = False, limits: ServerLimits | None = None,
               lora_modules: Sequence[LoRARequest] = (),
               allow_runtime_lora_updating: bool | None = None, tool_calling: dict | None = None,
-              dev_mode: bool | None = None) -> FastAPI:
+              dev_mode: bool | None = None, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
     guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
@@ -75,7 +75,9 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM); ``tool_calling`` holds ``OpenAIServingChat``'s
     tool and reasoning keywords (``tool_call_parser``, ``enable_auto_tool_choice``,
     ``exclude_tools_when_tool_choice_none``, ``reasoning_parser``); ``dev_mode`` adds vLLM's dev
-    routes, sleep mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``)."""
+    routes, sleep mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``);
+    ``return_tokens_as_token_ids`` names logprobs tokens "token_id:{id}" for every request that
+    leaves the field of that name unset (vLLM's ``--return-tokens-as-token-ids``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -97,9 +99,11 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     max_logprobs = engine.info.config.max_logprobs  # the engine's cap; vLLM's default where none is set
     app.state.request_context = {"max_logprobs": MAX_LOGPROBS if max_logprobs is None else max_logprobs}
     app.state.admission = admission = Admission(engine, limits or ServerLimits())
-    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models)
+    as_ids = return_tokens_as_token_ids
+    app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models,
+                                                           return_tokens_as_token_ids=as_ids)
     app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models,
-                                               **(tool_calling or {}))
+                                               return_tokens_as_token_ids=as_ids, **(tool_calling or {}))
     app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission,
                                                                models)
     app.add_middleware(CatchAllMiddleware)
@@ -108,6 +112,14 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
+    _include_optional_routes(app, allow_runtime_lora_updating, dev_mode)
+    return app
+
+
+def _include_optional_routes(app: FastAPI, allow_runtime_lora_updating: bool | None,
+                             dev_mode: bool | None) -> None:
+    """The adapter-loading routes and vLLM's dev routes, each when asked for (``None``: as its
+    environment variable says)."""
     if allow_runtime_lora_updating is None:
         allow_runtime_lora_updating = runtime_lora_updating_allowed()
     if allow_runtime_lora_updating:
@@ -118,7 +130,6 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
         logger.warning("development routes on (%s): /sleep, /wake_up, /is_sleeping, /reset_prefix_cache",
                        DEV_MODE_ENV)
         app.include_router(dev_router)
-    return app
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -491,9 +502,10 @@ def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *
                chat_template: str | None = None, log_level: str = "info",
                enable_metrics: bool = True, limits: ServerLimits | None = None,
                shutdown_timeout_s: float = 30.0, lora_modules: Sequence[LoRARequest] = (),
-               tool_calling: dict | None = None) -> None:
+               tool_calling: dict | None = None, return_tokens_as_token_ids: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
-                    shutdown_engine=True, limits=limits, lora_modules=lora_modules, tool_calling=tool_calling)
+                    shutdown_engine=True, limits=limits, lora_modules=lora_modules, tool_calling=tool_calling,
+                    return_tokens_as_token_ids=return_tokens_as_token_ids)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     GracefulServer(config, shutdown_timeout_s).run()

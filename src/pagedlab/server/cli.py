@@ -44,6 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='keep the tools of a tool_choice "none" request out of the chat template '
                         "(default: the template gets them, as vLLM's)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name each token "token_id:{id}" in place of its text, for every request '
+                        "that does not set return_tokens_as_token_ids itself")
     limits = ServerLimits()
     g.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
                    help="sequences waiting to run beyond which requests get 503 with Retry-After "
@@ -145,7 +148,7 @@ def serve_command(args: argparse.Namespace) -> int:
                    chat_template=chat_template, log_level=args.log_level,
                    enable_metrics=not args.disable_metrics, limits=limits,
                    shutdown_timeout_s=args.shutdown_timeout, lora_modules=lora_modules,
-                   tool_calling=tool_calling)
+                   tool_calling=tool_calling, return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     finally:
         engine.shutdown()
     return 0

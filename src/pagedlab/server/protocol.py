@@ -146,7 +146,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False  # logprobs tokens as "token_id:{id}"
+    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:{id}"; None: the server's
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first

@@ -41,8 +41,9 @@ class OpenAIServingChat(OpenAIServing):
                  chat_template: str | None = None, admission: Admission | None = None,
                  models: OpenAIServingModels | None = None, *, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False,
-                 reasoning_parser: str | None = None):
-        super().__init__(engine, served_model_names, admission, models)
+                 reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False):
+        super().__init__(engine, served_model_names, admission, models,
+                         return_tokens_as_token_ids=return_tokens_as_token_ids)
         self.reasoning_parser = reasoning_parser_named(reasoning_parser)
         self.chat_template = chat_template
         self.tool_parser = tool_parser_named(tool_call_parser, enable_auto_tool_choice)
@@ -67,7 +68,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
-                       ToolCalling(request, self.tool_parser), self.reasoning_parser)
+                       ToolCalling(request, self.tool_parser), self.reasoning_parser,
+                       self.tokens_as_ids(request))
         streams = self.add_requests([prompt], params, run.request_id, request.stream, model,
                                     request.priority)
         if request.stream:
@@ -99,7 +101,7 @@ class _ChatRun:
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
                  request: ChatCompletionRequest, admission: Admission, tools: ToolCalling,
-                 reasoning: ReasoningParser | None):
+                 reasoning: ReasoningParser | None, as_ids: bool):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         if reasoning is not None and params.structured_outputs is not None:
             reasoning = reasoning.explicit()  # a grammar wrote the text: thinking only in its tags
@@ -109,7 +111,7 @@ class _ChatRun:
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
         self.top_logprobs = None if request.logprob_token_ids else request.top_logprobs or 0
-        self.return_token_ids, self.as_ids = request.return_token_ids, request.return_tokens_as_token_ids
+        self.return_token_ids, self.as_ids = request.return_token_ids, as_ids
         self.prompt_logprobs = request.prompt_logprobs is not None
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage
 

@@ -105,7 +105,7 @@ class _CompletionRun:
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         self.prompts, self.params = prompts, params
         self.echo, self.return_token_ids = request.echo, request.return_token_ids
-        self.as_ids = request.return_tokens_as_token_ids
+        self.as_ids = serving.tokens_as_ids(request)
         self.prompt_only = request.scores_prompt_only
         self.prompt_logprobs = request.prompt_logprobs
         self.include_usage, self.continuous_usage = request.include_usage, request.continuous_usage

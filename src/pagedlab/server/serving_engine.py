@@ -94,14 +94,24 @@ class Admission:
 class OpenAIServing:
     """The base of the endpoint handlers: one engine, served under ``served_model_names`` (and the
     LoRA adapters of ``models`` under theirs: shared by all endpoints, as the limits of
-    ``admission`` are; defaults: no adapters, ``ServerLimits()``)."""
+    ``admission`` are; defaults: no adapters, ``ServerLimits()``). ``return_tokens_as_token_ids``
+    is the server's default for the request field of that name (vLLM's
+    ``--return-tokens-as-token-ids``)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
-                 admission: Admission | None = None, models: OpenAIServingModels | None = None):
+                 admission: Admission | None = None, models: OpenAIServingModels | None = None, *,
+                 return_tokens_as_token_ids: bool = False):
         self.engine = engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.served_model_names = list(served_model_names)
         self.models = models if models is not None else OpenAIServingModels(engine, served_model_names)
         self.admission = admission if admission is not None else Admission(engine, ServerLimits())
+
+    def tokens_as_ids(self, request) -> bool:
+        """Whether ``request``'s logprobs name tokens as "token_id:{id}": its own
+        ``return_tokens_as_token_ids`` when it sets one, else the server's."""
+        asked = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     # ---- checks ---------------------------------------------------------------------------
     def check_engine(self) -> None:
