@@ -15,6 +15,10 @@ from pagedlab.lab.schema import ExperimentError
 
 FORMATS = {"jsonl": "jsonl", "ndjson": "jsonl", "csv": "csv", "tsv": "tsv", "json": "json"}
 
+# A CSV/TSV quoting error, with the rule of Excel, pandas and the csv module.
+QUOTING = ("a quoted field is not closed, or text follows its closing quote mark: a field that starts with a "
+           "quote mark is quoted, ends at the next lone quote mark and holds a quote mark doubled (write "
+           '"""To be"" or not" for the text "To be" or not)')
 # ``where(key)`` gives ``file:line: dataset.key`` for an error about a dataset setting.
 Where = Callable[[str], str]
 
@@ -185,9 +189,9 @@ def _read_jsonl(p: Path, fmt: str) -> list[tuple[str, dict]]:
 
 def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
     with open(p, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t")
+        reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t", strict=True)
         records = []
-        for row in reader:
+        for row in _quoted_rows(reader, p.name):
             rowno = reader.line_num  # the row's last line: blank lines and quoted line breaks count
             if None in row:  # DictReader's key for the cells past the header's
                 width = len(reader.fieldnames)
@@ -196,6 +200,19 @@ def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
                                       f"{'comma' if fmt == 'csv' else 'tab'})")
             records.append((f"line {rowno}", row))
         return records
+
+
+def _quoted_rows(reader: csv.DictReader, name: str):
+    """The rows of a strict ``reader``, quoted as Excel, pandas and the csv module write them. A
+    quoted field left open or followed by text is an error naming its lines, where a lenient reader
+    read the rest of the file into one prompt or dropped the quote marks from the text."""
+    try:
+        yield from reader
+    except csv.Error as e:  # the bad row starts past the last row read and ends where the parser stopped
+        first, last = reader.line_num + 1, reader.reader.line_num
+        lines = f"line {first}" if last <= first else f"lines {first}-{last}"
+        quoting = '"' in str(e) or "end of data" in str(e)  # not, say, a field over csv's size limit
+        raise ExperimentError(f"dataset {name} {lines}: {QUOTING if quoting else e}") from None
 
 
 def _read_json(p: Path, fmt: str) -> list[tuple[str, dict]]:

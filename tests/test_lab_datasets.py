@@ -1,0 +1,50 @@
+"""Dataset files read as their authors wrote them: CSV/TSV quoting as Excel, pandas and the csv
+module write it, a malformed quote an error naming its lines rather than a prompt that differs
+from the file's text."""
+
+import csv
+
+import pytest
+
+from pagedlab.lab.datasets import load_dataset
+from pagedlab.lab.schema import ExperimentError
+
+
+def records(path, **conf):
+    items = load_dataset({"path": str(path), "prompt_field": "q", "reference_field": "a", **conf}, None,
+                         lambda key: f"dataset.{key}").items
+    return [(it.prompt, it.reference) for it in items]
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "csv"])
+def test_quoted_fields_read_as_the_csv_module_writes_them(tmp_path, fmt):
+    """Prompts with quote marks anywhere, tabs, commas and line breaks, written by csv.writer (as
+    pandas' to_csv and Excel write them), read back to the same text; a quote mark inside an
+    unquoted field is text."""
+    prompts = ['"To be" or not', 'say "hi" now', '"quoted whole"', 'a\ttab, a comma', 'two\nlines', '"']
+    path = tmp_path / f"q.{fmt}"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, delimiter="\t" if fmt == "tsv" else ",")
+        writer.writerows([["q", "a"], *[[p, f"ref {i}"] for i, p in enumerate(prompts)]])
+    assert records(path) == [(p, [f"ref {i}"]) for i, p in enumerate(prompts)]
+    path.write_text('q\ta\nsay "hi" now\tit is 5" long\n' if fmt == "tsv" else 'q,a\nsay "hi" now,5" long\n')
+    assert records(path)[0][0] == 'say "hi" now'
+
+
+def test_a_malformed_quote_is_an_error_naming_its_lines(tmp_path):
+    """A field that opens a quote and does not close it would take in the rows after it (three
+    records read as one prompt, tabs, line breaks and all, without a reference), and text after
+    a closing quote mark would lose the quote marks ('"To be" or not' read as 'To be or not'):
+    both are errors naming the file, the lines and the quoting rule."""
+    path = tmp_path / "q.tsv"
+    path.write_text('q\ta\nfine\t1\n"He said, hi\tx\nsecond\ty\nthird\tz\n')
+    with pytest.raises(ExperimentError, match=r'^dataset q.tsv lines 3-5: a quoted field is not closed.*'
+                                              r'write """To be"" or not"'):
+        records(path)
+    path.write_text('q\ta\nfine\t1\n\n"To be" or not\tHamlet\n')
+    with pytest.raises(ExperimentError, match=r"^dataset q.tsv line 4: a quoted field is not closed, or "
+                                              r"text follows its closing quote mark"):
+        records(path)
+    path.write_text('q,a\n"To be" or not,Hamlet\n')
+    with pytest.raises(ExperimentError, match=r"^dataset q.tsv line 2: a quoted field"):
+        records(path, format="csv")
