@@ -48,3 +48,36 @@ def test_a_malformed_quote_is_an_error_naming_its_lines(tmp_path):
     path.write_text('q,a\n"To be" or not,Hamlet\n')
     with pytest.raises(ExperimentError, match=r"^dataset q.tsv line 2: a quoted field"):
         records(path, format="csv")
+
+
+def test_a_blank_entry_in_a_list_of_references_is_no_reference(tmp_path):
+    """A blank string is no reference in a list either, as alone (docs/lab.md): kept, it counted an
+    empty output as an exact match and a contained answer, and sacrebleu (which drops None, not "")
+    took its length 0 as the closest reference length, so a short output escaped the brevity
+    penalty (BLEU 100 for 8 of 17 words). A list of blanks gives no reference."""
+    import json
+    from types import SimpleNamespace
+
+    from pagedlab.lab.metrics import METRICS, RunResult
+
+    sacrebleu = pytest.importorskip("sacrebleu")
+    long_ref = "the quick brown fox jumps over the lazy dog and then runs far away into the woods"
+    rows = [{"q": "capital", "a": ["", "Paris"]}, {"q": "blank", "a": ["  ", ""]},
+            {"q": "fox", "a": ["", long_ref]}]
+    path = tmp_path / "refs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_dataset({"path": str(path), "prompt_field": "q", "reference_field": "a"}, None,
+                         lambda key: f"dataset.{key}").items
+    assert [it.reference for it in items] == [["Paris"], None, [long_ref]]
+
+    def result(texts, chosen):
+        outputs = [SimpleNamespace(outputs=[SimpleNamespace(text=t)]) for t in texts]
+        return RunResult(outputs, chosen, 1.0, None)
+
+    silent = result(["", ""], items[:2])
+    assert METRICS["exact_match"].fn(silent) == {"exact_match": 0.0}
+    assert METRICS["contains_answer"].fn(silent) == {"contains_answer": 0.0}
+    short = "the quick brown fox jumps over the lazy"
+    bleu = METRICS["bleu"].fn(result([short], items[2:]))["bleu"]
+    assert bleu == pytest.approx(sacrebleu.corpus_bleu([short], [[long_ref]]).score)
+    assert bleu < 50  # the brevity penalty: 8 words against 17

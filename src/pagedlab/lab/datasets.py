@@ -148,7 +148,10 @@ def _references(rec: dict, loc: str, conf: dict, where: Where) -> list[str] | No
     if bad:
         raise ExperimentError(f"{loc}: reference field {key!r} must be a string, a number or a list of them; "
                               f"{bad[0]!r} in {raw!r} is not")
-    return [str(v) for v in values]
+    # a blank entry of a list is no reference either (all blank: none): scored as one, it matched an
+    # empty output in exact_match and gave BLEU a reference of length 0, so no brevity penalty
+    refs = [str(v) for v in values if not (isinstance(v, str) and not v.strip())]
+    return refs if refs or not values else None
 
 
 def _read_records(conf: dict, base_dir: Path | None, where: Where) -> tuple[list[tuple[str, dict]], str]:
