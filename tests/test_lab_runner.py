@@ -201,3 +201,24 @@ def test_output_record_keeps_timings_and_further_completions():
     assert record["prompt_tokens"] == 3 and record["text"] == "a" and record["token_ids"] == [1]
     assert record["ttft_ms"] == pytest.approx(250.0) and record["e2e_ms"] == pytest.approx(1000.0)
     assert record["completions"] == [{"text": "b", "token_ids": [2, 3], "finish_reason": "length"}]
+
+
+def test_a_failed_replan_stores_no_other_plan_as_its_own_and_loses_nothing(tmp_path, model_dir):
+    """A run whose re-plan fails (its KV cache cannot hold one sequence) is stored failed with a
+    manifest that holds no engine, as a failed load's: the engine went back to the previous run's
+    plan, which the manifest recorded as this run's. The run before it stays finished, and a rerun
+    keeps it and retries the failed one only."""
+    spec = spec_of(str(model_dir), grid={"engine.kv_cache_memory_bytes": [4 << 20, 5000]})
+    db = str(tmp_path / "f.db")
+    report = run_experiment(spec, db=db, quiet=True)
+    rows = {r["params"]["engine.kv_cache_memory_bytes"]: r for r in stored_runs(tmp_path / "f.db")}
+    assert rows[4 << 20]["status"] == "finished"
+    assert rows[4 << 20]["manifest"]["engine"]["kv_cache_memory_bytes"] == 4 << 20
+    assert rows[5000]["status"] == "failed" and "engine" not in rows[5000]["manifest"]
+    (label, error), = report.failed
+    assert "kv_cache_memory_bytes=5000" in label and error.startswith("re-planning failed: ValueError")
+    assert rows[5000]["error"].startswith(error)
+    again = run_experiment(spec, db=db, quiet=True)
+    assert again.skipped == 1 and len(again.failed) == 1
+    after = {r["params"]["engine.kv_cache_memory_bytes"]: r for r in stored_runs(tmp_path / "f.db")}
+    assert after[4 << 20] == rows[4 << 20] and after[5000]["status"] == "failed"

@@ -227,16 +227,20 @@ def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
     """Execute one run and store it (finished, or failed with its traceback)."""
     spec = session.spec
     started = datetime.now(timezone.utc)
+    planned = None  # llm once it holds this run's plan (a failed re-plan restores the previous run's)
     try:
         replan_s = _replan(session, run, llm)
+        planned = llm
         metrics, outputs, telemetry, samples, manifest = _execute(spec, run, llm, session.profile_dir_of(run))
         metrics["replan_s"] = replan_s
         metrics["model_parameters"] = (manifest.get("model") or {}).get("parameters")
     except KeyboardInterrupt:
         raise
     except Exception as e:
-        store_failure(session, run, f"{type(e).__name__}: {e}", llm, started, traceback.format_exc())
-        session.log(f"run {run.index} ({run.label()}, repeat {run.repeat}) failed: {type(e).__name__}: {e}")
+        # a failed re-plan's manifest has no engine, as a failed load's, not the previous run's plan
+        msg = f"{'' if planned is not None else 're-planning failed: '}{type(e).__name__}: {e}"
+        store_failure(session, run, msg, planned, started, traceback.format_exc())
+        session.log(f"run {run.index} ({run.label()}, repeat {run.repeat}) failed: {msg}")
         return
     run_id = session.store.record_run(RunRecord(
         experiment=spec.name, run_key=run.run_key, params=run.params(), metrics=metrics, manifest=manifest,
