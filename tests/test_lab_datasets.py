@@ -3,10 +3,13 @@ module write it, a malformed quote an error naming its lines rather than a promp
 from the file's text."""
 
 import csv
+import json
+from types import SimpleNamespace
 
 import pytest
 
 from pagedlab.lab.datasets import load_dataset
+from pagedlab.lab.metrics import METRICS, RunResult
 from pagedlab.lab.schema import ExperimentError
 
 
@@ -55,11 +58,6 @@ def test_a_blank_entry_in_a_list_of_references_is_no_reference(tmp_path):
     empty output as an exact match and a contained answer, and sacrebleu (which drops None, not "")
     took its length 0 as the closest reference length, so a short output escaped the brevity
     penalty (BLEU 100 for 8 of 17 words). A list of blanks gives no reference."""
-    import json
-    from types import SimpleNamespace
-
-    from pagedlab.lab.metrics import METRICS, RunResult
-
     sacrebleu = pytest.importorskip("sacrebleu")
     long_ref = "the quick brown fox jumps over the lazy dog and then runs far away into the woods"
     rows = [{"q": "capital", "a": ["", "Paris"]}, {"q": "blank", "a": ["  ", ""]},
