@@ -375,3 +375,22 @@ def test_a_write_holds_the_write_lock_from_its_begin(tmp_path):
         store.record_run(RunRecord("exp", "k", {}, {}, {}))
     assert outcomes == ["database is locked"]
     assert _sqlite(db, "SELECT run_key, status FROM runs") == [("k", "finished")]
+
+
+def test_a_nul_character_is_stored_as_a_replacement_character(url):
+    """PostgreSQL's text and jsonb cannot hold NUL (a byte-level BPE model can sample the token of
+    byte 0, a scraped dataset can hold one): the run is stored on every database, with U+FFFD in
+    its place, and the token ids exact, instead of an error that stopped the sweep at that run."""
+    nul = {"prompt": "two plus\x00 two", "text": "four\x00", "token_ids": [0, 7], "reference": ["4\x00"]}
+    with ResultStore(url) as store:
+        store.ensure_experiment("exp", {"dataset": {"prompts": ["a\x00b"]}})
+        rid = store.record_run(RunRecord("exp", "k", {"dataset.template": "Q:\x00{q}"}, {"m\x00": 1.0}, {},
+                                         outputs=[nul], model="/models/tiny"))
+        failed = store.record_run(RunRecord("exp", "f", {}, {}, {}, status="failed",
+                                            error="ValueError: bad prompt 'a\x00b'"))
+        run, out = store.get_run(rid), store.outputs(rid)[0]
+        assert store.get_run(failed)["error"] == "ValueError: bad prompt 'a\ufffdb'"
+        assert store.experiments()[0]["spec"] == {"dataset": {"prompts": ["a\ufffdb"]}}
+    assert run["params"] == {"dataset.template": "Q:\ufffd{q}"} and run["metrics"] == {"m\ufffd": 1.0}
+    assert (out["prompt"], out["text"], out["reference"]) == ("two plus\ufffd two", "four\ufffd", ["4\ufffd"])
+    assert out["token_ids"] == [0, 7]

@@ -92,15 +92,25 @@ class RunRecord:
     finished_at: datetime | None = None
 
 
+def _storable_text(value: str | None) -> str | None:
+    """``value`` with each NUL character replaced by U+FFFD: PostgreSQL's text and jsonb reject NUL
+    (a byte-level BPE model can sample the token of byte 0; a scraped dataset can hold one), so it
+    is replaced on every database alike; the token ids keep the exact output."""
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+
+
 def jsonable(obj: Any) -> Any:
-    """JSON-safe copy: NaN/inf become None (PostgreSQL's json rejects them), tuples become lists,
-    numpy scalars become Python numbers, other objects their str()."""
-    if obj is None or isinstance(obj, (bool, int, str)):
+    """JSON-safe copy: NaN/inf become None (PostgreSQL's json rejects them), NUL characters U+FFFD
+    (``_storable_text``), tuples become lists, numpy scalars become Python numbers, other objects
+    their str()."""
+    if isinstance(obj, str):
+        return _storable_text(obj)
+    if obj is None or isinstance(obj, (bool, int)):
         return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
+        return {_storable_text(str(k)): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
         return [jsonable(v) for v in obj]
     if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
@@ -110,7 +120,7 @@ def jsonable(obj: Any) -> Any:
             pass
     if isinstance(obj, datetime):
         return obj.isoformat()
-    return str(obj)
+    return _storable_text(str(obj))
 
 
 _fault_counts: dict[str, int] = {}
@@ -365,10 +375,11 @@ class ResultStore:
         started_at = rec.started_at or finished_at
         host = (rec.manifest.get("host") or {}).get("hostname") if isinstance(rec.manifest, dict) else None
         values = dict(
-            run_key=rec.run_key, status=rec.status, model=rec.model, repeat=rec.repeat, seed=rec.seed,
+            run_key=rec.run_key, status=rec.status, model=_storable_text(rec.model), repeat=rec.repeat,
+            seed=rec.seed,
             params=jsonable(rec.params), metrics=jsonable(rec.metrics), manifest=jsonable(rec.manifest),
             telemetry=jsonable(rec.telemetry), telemetry_samples=jsonable(rec.telemetry_samples),
-            error=rec.error, host=host, started_at=started_at, finished_at=finished_at,
+            error=_storable_text(rec.error), host=host, started_at=started_at, finished_at=finished_at,
             duration_s=(finished_at - started_at).total_seconds())
         outputs = [self._output_row(i, o) for i, o in enumerate(rec.outputs)]
         try:
@@ -398,8 +409,9 @@ class ResultStore:
     def _output_row(i: int, o: dict) -> dict:
         known = {"prompt", "prompt_tokens", "reference", "text", "token_ids", "finish_reason"}
         token_ids = o.get("token_ids")
-        return {"idx": o.get("idx", i), "prompt": o.get("prompt"), "prompt_tokens": o.get("prompt_tokens"),
-                "reference": jsonable(o.get("reference")), "text": o.get("text"),
+        return {"idx": o.get("idx", i), "prompt": _storable_text(o.get("prompt")),
+                "prompt_tokens": o.get("prompt_tokens"), "reference": jsonable(o.get("reference")),
+                "text": _storable_text(o.get("text")),
                 "token_ids": jsonable(token_ids),
                 "num_tokens": len(token_ids) if token_ids is not None else None,
                 "finish_reason": o.get("finish_reason"),
