@@ -181,6 +181,37 @@ def test_benchmark_to_store(llm, tmp_path):
     assert run["telemetry"]["num_samples"] >= 2
 
 
+def test_storing_a_benchmark_again_stores_only_its_runs_not_stored_yet(llm, tmp_path, monkeypatch):
+    """to_store files one run per transaction: a process killed after the first leaves it alone in
+    the store. Storing the same result again (from the object, or from its saved file) completes it
+    instead of filing the first run a second time, which the report would count as a repeat."""
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab import load_results
+    from pagedlab.lab.bench import BenchmarkResult
+    from pagedlab.lab.store import ResultStore
+
+    result = llm.benchmark(batch_size=[1, 2, 4], input_len=4, output_len=2, warmup=0, monitor=False)
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    stored = ResultStore.record_run
+
+    def killed_after_the_first(store, rec):
+        if store.runs(manifest=False):
+            raise KeyboardInterrupt
+        return stored(store, rec)
+
+    monkeypatch.setattr(ResultStore, "record_run", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        result.to_store(url, experiment="seed-table")
+    monkeypatch.setattr(ResultStore, "record_run", stored)
+    assert list(load_results(url)["benchmark.batch_size"]) == [1]
+    ids = result.to_store(url, experiment="seed-table")
+    saved = BenchmarkResult.load(result.save(tmp_path / "b.json"))
+    assert saved.to_store(url, experiment="seed-table") == ids
+    df = load_results(url)
+    assert list(df["run_id"]) == ids and list(df["benchmark.batch_size"]) == [1, 2, 4]
+    assert list(df["output_throughput"]) == [r.output_throughput for r in result.runs]
+
+
 def test_benchmarks_filed_apart_keep_what_set_them_apart(llm, tmp_path):
     """An ablation filed by one to_store per setting (block size 16 then 32, temperature 0 then 1)
     into one experiment: load_results has the setting as a column and the report keeps one

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -31,7 +32,7 @@ from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import memory_efficiency
 from pagedlab.lab.monitor import GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profile_subdir, profiled
-from pagedlab.lab.store import ResultStore, RunRecord
+from pagedlab.lab.store import ResultStore, RunRecord, jsonable
 from pagedlab.lora.bench import as_list, round_robin
 from pagedlab.lora.request import LoRARequest
 from pagedlab.sampling_params import BeamSearchParams, SamplingParams
@@ -141,7 +142,9 @@ class BenchmarkResult:
         return cls([BenchmarkRun(**r) for r in data["runs"]], data["settings"], data["manifest"])
 
     def to_store(self, url: str | None = None, experiment: str = "benchmark") -> list[int]:
-        """File every run in the results database (see ``pagedlab.lab.store``); returns the run ids."""
+        """File every run in the results database (see ``pagedlab.lab.store``); returns the run ids.
+        Each run's key is a digest of the run, the settings and the manifest, so storing the same
+        result again (after a crash part-way, or from its saved file) stores only the runs missing."""
         store = ResultStore(url)
         ids = []
         try:
@@ -149,7 +152,9 @@ class BenchmarkResult:
             model = self.manifest.get("model", {})
             for run in self.runs:
                 params = self._stored_params(run)
-                key = f"{experiment}:{uuid.uuid4().hex}"
+                ident = json.dumps(jsonable({"run": dataclasses.asdict(run), "settings": self.settings,
+                                             "manifest": self.manifest}), sort_keys=True)
+                key = f"{experiment}:{hashlib.sha256(ident.encode()).hexdigest()[:32]}"
                 rid = store.record_run(RunRecord(
                     experiment=experiment, run_key=key, params=params, metrics=run.metrics(),
                     manifest=self.manifest, telemetry=run.telemetry, repeat=run.repeat,
