@@ -121,6 +121,32 @@ def test_export_formats(url, tmp_path):
     assert len(parquet) == 2 and parquet["manifest.versions.torch"].tolist() == ["2.11", "2.11"]
 
 
+def test_an_export_that_stops_part_way_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    """An export interrupted part-way (Ctrl-C, a lost database connection) keeps the previous
+    export whole and writes no partial file: a JSON lines file cut after its first run reads back
+    as a complete export of one run."""
+    out, fresh = tmp_path / "r.jsonl", tmp_path / "new.jsonl"
+    with ResultStore(tmp_path / "e.db") as store:
+        for i in range(3):
+            store.record_run(_record(f"k{i}"))
+        assert store.export(out, outputs=True) == 3
+        before = out.read_bytes()
+        store.record_run(_record("k3"))
+        outputs = store.outputs
+
+        def interrupted(run_id):
+            if run_id > 1:
+                raise KeyboardInterrupt
+            return outputs(run_id)
+
+        monkeypatch.setattr(store, "outputs", interrupted)
+        for path in (out, fresh):
+            with pytest.raises(KeyboardInterrupt):
+                store.export(path, outputs=True)
+    assert out.read_bytes() == before and not fresh.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.db", "r.jsonl"]
+
+
 _WRITER = textwrap.dedent("""
     import sys
     from pagedlab.lab.store import ResultStore, RunRecord

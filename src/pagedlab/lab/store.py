@@ -497,12 +497,27 @@ class ResultStore:
         """Write the runs as csv, jsonl or parquet (from the suffix unless ``fmt``); returns the count.
 
         csv/parquet: the ``dataframe()`` table; jsonl: one nested object per run (params, metrics,
-        manifest, telemetry, and the outputs with ``outputs=True``)."""
+        manifest, telemetry, and the outputs with ``outputs=True``). The file is written beside
+        ``path`` and renamed onto it when complete, so an export that stops part-way leaves no
+        partial file and an earlier export at ``path`` whole (a link such as /dev/stdout, or a pipe,
+        is written as it goes)."""
         path = Path(path)
         fmt = (fmt or path.suffix.lstrip(".")).lower()
         if fmt not in ("csv", "jsonl", "parquet"):
             raise ValueError(f"export format {fmt!r} is invalid: choose csv, jsonl or parquet")
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            return self._write_export(path, fmt, experiment, status, outputs, manifest)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            count = self._write_export(tmp, fmt, experiment, status, outputs, manifest)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return count
+
+    def _write_export(self, path: Path, fmt: str, experiment: str | None, status: str | None, outputs: bool,
+                      manifest: bool) -> int:
         if fmt == "jsonl":
             runs = self.runs(experiment=experiment, status=status, manifest=True)
             with open(path, "w", encoding="utf-8") as f:
