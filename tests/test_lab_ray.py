@@ -1,8 +1,9 @@
 """``pagedlab run --ray`` on a local Ray cluster of two nodes (a head and a second raylet, one CPU
 each, temp dirs under the test's path): the same stored runs and seeded outputs as the local
-runner; a worker killed mid-sweep still leaves every run stored exactly once; a killed driver
-resumes without repeating finished runs. The store is SQLite (every node is on this host), and
-PostgreSQL too when PAGEDLAB_TEST_POSTGRES_URL is set (CI)."""
+runner; a worker killed mid-sweep still leaves every run stored exactly once, a run it stored
+failed with its own traceback; a killed driver resumes without repeating finished runs. The store
+is SQLite (every node is on this host), and PostgreSQL too when PAGEDLAB_TEST_POSTGRES_URL is set
+(CI)."""
 
 from __future__ import annotations
 
@@ -219,3 +220,26 @@ def test_a_group_no_node_can_hold_is_stored_failed_not_left_pending(tmp_path, mo
     stored = _stored(url, spec.name)
     assert sorted(stored) == sorted(r.run_key for r in runs)
     assert {status for status, _, _ in stored.values()} == {"failed"}
+
+
+def test_a_dead_worker_leaves_the_real_errors_of_its_failed_runs(cluster, tmp_path, model_dir):
+    # max_model_len 4 cannot hold the prompts: a real error, stored with its traceback. Each worker
+    # SIGKILLs itself while committing its second run. Attempt 1: (16, 4) fails, (16, 64) dies;
+    # attempt 2: (16, 64) finishes, (32, 4) dies; attempt 3: (32, 4) fails, (32, 64) dies.
+    spec = load_experiment(_experiment(tmp_path, model_dir, seeds=(0,),
+                                       extra_grid=", engine.max_model_len: [4, 64]"))
+    url = f"sqlite:///{tmp_path / 'ray.db'}"
+    report = run_experiment_on_ray(spec, db=url, quiet=True, runtime_env={"env_vars": {
+        "PYTHONPATH": SRC, "PAGEDLAB_FAULT": "store.mid_write:2"}})
+    with ResultStore(url) as store:
+        rows = {(r["params"]["engine.block_size"], r["params"]["engine.max_model_len"]): r
+                for r in store.runs(experiment=spec.name, status=None)}
+    assert rows[16, 64]["status"] == "finished" and report.finished == [rows[16, 64]["run_id"]]
+    for key in ((16, 4), (32, 4)):
+        message, _, trace = rows[key]["error"].partition("\n\n")
+        assert rows[key]["status"] == "failed" and "max_model_len is 4" in message
+        assert trace.startswith("Traceback (most recent call last):")
+    assert rows[32, 64]["error"] == "the group's worker died 3 time(s) (WorkerCrashedError)"
+    errors = sorted(error for _, error in report.failed)
+    assert len(errors) == 3 and errors[2] == rows[32, 64]["error"]
+    assert all("max_model_len is 4" in error for error in errors[:2])

@@ -7,15 +7,16 @@ many CPUs when the group runs on the CPU or the cluster has no GPU), so groups r
 every free GPU of every node. A task loads the group's model once and stores each run itself, in
 one transaction, in the same results store (a database every node reaches: PostgreSQL across
 hosts; a SQLite file only when every node is on this host). A task whose worker or node dies is
-submitted again (up to ``max_group_retries`` times); its runs stored already are skipped, so no
-run is stored twice. The driver shows one progress bar over the stored runs and each group's
-state. Ray is imported only here.
+submitted again (up to ``max_group_retries`` times); its runs stored already, finished or failed,
+are skipped, so no run is stored twice and a failed one keeps its own error (its traceback). The
+driver shows one progress bar over the stored runs and each group's state. Ray is imported only
+here.
 """
 
 from __future__ import annotations
 
 from pagedlab.lab.runner import (ExperimentReport, RunSession, run_experiment, run_group,
-                                 store_failure)
+                                 run_label, store_failure)
 from pagedlab.lab.runs import ResolvedRun
 from pagedlab.lab.schema import ExperimentSpec
 from pagedlab.lab.store import ResultStore, resolve_url
@@ -103,6 +104,9 @@ class RayGroups:
         resources = [group_resources(group[0], has_gpus) for group in groups]  # bad settings fail first
         pending: dict = {}  # task ref -> (group index, attempt)
         state = ["submitted"] * len(groups)
+        # the failed rows stored before the sweep: a row not among them was stored by a group's task
+        failed_before = {r["run_key"]: r["run_id"] for r in session.store.runs(
+            experiment=session.spec.name, status="failed", manifest=False)}
 
         def submit(index: int, attempt: int) -> None:
             options = dict(resources[index], max_retries=0)
@@ -124,7 +128,7 @@ class RayGroups:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=PROGRESS_POLL_S)
             for ref in ready:
                 index, attempt = pending.pop(ref)
-                state[index] = self._finish(session, ray, ref, groups, index, attempt)
+                state[index] = self._finish(session, ray, ref, groups, index, attempt, failed_before)
                 if state[index] == "retry":
                     submit(index, attempt + 1)
                     state[index] = f"retry {attempt + 1}"
@@ -132,9 +136,10 @@ class RayGroups:
         progress.update(state)
 
     def _finish(self, session: RunSession, ray, ref, groups: list[list[ResolvedRun]], index: int,
-                attempt: int) -> str:
+                attempt: int, failed_before: dict[str, int]) -> str:
         """Merge a finished task's report; "retry" when its worker died and retries are left (the
-        group then keeps only its runs not stored yet)."""
+        group then keeps only its runs not stored yet). A run the task stored failed keeps its own
+        error (a bad prompt's traceback), neither overwritten by the worker's death nor retried."""
         try:
             _merge(session.report, ray.get(ref))
             return "done"
@@ -142,9 +147,15 @@ class RayGroups:
             reason = f"the group's task failed: {e.cause!r}"
         except ray.exceptions.RayError as e:  # the worker process or its node died
             reason = f"the group's worker died {attempt + 1} time(s) ({type(e).__name__})"
-        stored = {r["run_key"]: r["run_id"] for r in session.store.runs(
-            experiment=session.spec.name, status="finished", manifest=False)}
-        session.report.finished += [stored[r.run_key] for r in groups[index] if r.run_key in stored]
+        rows = {r["run_key"]: r for r in session.store.runs(experiment=session.spec.name, manifest=False)}
+        stored = {key for key, r in rows.items() if r["status"] == "finished"
+                  or r["run_id"] != failed_before.get(key)}  # finished, or failed in this task
+        for run in [r for r in groups[index] if r.run_key in stored]:
+            row = rows[run.run_key]
+            if row["status"] == "finished":
+                session.report.finished.append(row["run_id"])
+            else:
+                session.report.failed.append((run_label(run), (row["error"] or "").partition("\n\n")[0]))
         groups[index] = [r for r in groups[index] if r.run_key not in stored]
         if not groups[index]:
             return "done"

@@ -240,7 +240,7 @@ def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
         # a failed re-plan's manifest has no engine, as a failed load's, not the previous run's plan
         msg = f"{'' if planned is not None else 're-planning failed: '}{type(e).__name__}: {e}"
         store_failure(session, run, msg, planned, started, traceback.format_exc())
-        session.log(f"run {run.index} ({run.label()}, repeat {run.repeat}) failed: {msg}")
+        session.log(f"{run_label(run)} failed: {msg}")
         return
     run_id = session.store.record_run(RunRecord(
         experiment=spec.name, run_key=run.run_key, params=run.params(), metrics=metrics, manifest=manifest,
@@ -262,8 +262,13 @@ def _headline(metrics: dict) -> str:
     return ", ".join(parts)
 
 
+def run_label(run: ResolvedRun) -> str:
+    """How the report names ``run``: its index, its swept settings and its repeat."""
+    return f"run {run.index} ({run.label()}, repeat {run.repeat})"
+
+
 def store_failure(session: RunSession, run: ResolvedRun, msg: str, llm, started=None, tb=None) -> None:
-    session.report.failed.append((f"run {run.index} ({run.label()}, repeat {run.repeat})", msg))
+    session.report.failed.append((run_label(run), msg))
     try:
         manifest = collect_manifest(llm, sampling_params=run.sampling_params or None, hash_weights=False)
     except Exception:
