@@ -13,11 +13,15 @@ import pytest
 pytest.importorskip("yaml")
 pytest.importorskip("sqlalchemy")
 
+import sqlalchemy as sa
+import yaml
+
 from pagedlab import LLM
 from pagedlab.config import ENGINE_DEFAULTS
+from pagedlab.lab import cli as lab_cli
 from pagedlab.lab import runner
-from pagedlab.lab.experiments import experiment_from_dict, run_experiment
-from pagedlab.lab.store import RunRecord
+from pagedlab.lab.experiments import experiment_from_dict, load_experiment, run_experiment
+from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.lab.testing import make_tiny_model
 
 
@@ -26,13 +30,16 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("runner") / "tiny")
 
 
-def spec_of(model, **extra):
-    data = {"name": "r", "model": model,
+def spec_data(model, **extra) -> dict:
+    return {"name": "r", "model": model,
             "engine": {"device": "cpu", "dtype": "float32", "kv_cache_memory_bytes": 4 << 20},
             "sampling": {"max_tokens": 2, "temperature": 0.8},
             "dataset": {"prompts": ["the quick brown", "two plus two is"]},
             "metrics": ["output_length"], "monitor": False, **extra}
-    return experiment_from_dict(data)
+
+
+def spec_of(model, **extra):
+    return experiment_from_dict(spec_data(model, **extra))
 
 
 def stored_runs(db) -> list[dict]:
@@ -222,3 +229,31 @@ def test_a_failed_replan_stores_no_other_plan_as_its_own_and_loses_nothing(tmp_p
     assert again.skipped == 1 and len(again.failed) == 1
     after = {r["params"]["engine.kv_cache_memory_bytes"]: r for r in stored_runs(tmp_path / "f.db")}
     assert after[4 << 20] == rows[4 << 20] and after[5000]["status"] == "failed"
+
+
+def test_a_run_the_store_cannot_take_is_saved_to_a_file_and_stops_the_sweep(tmp_path, model_dir, monkeypatch,
+                                                                             capsys):
+    """A full disk (or a lost connection) while storing: the computed run is saved beside the
+    database and named in the error; the sweep stops (exit code 2); `results import` stores it."""
+    path, db = tmp_path / "exp.yaml", tmp_path / "full.db"
+    path.write_text(yaml.safe_dump(spec_data(str(model_dir), grid={"engine.block_size": [16, 32]})))
+    record_run = ResultStore.record_run
+
+    def disk_full(store, rec):
+        raise sa.exc.OperationalError("INSERT", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(ResultStore, "record_run", disk_full)
+    assert lab_cli.main(["run", str(path), "--db", str(db), "-q"]) == 2
+    saved, = tmp_path.glob("unstored-run-*.json")  # the first run; the second never ran
+    err = capsys.readouterr().err
+    assert "failed (OperationalError: database or disk is full); the run is saved in " + str(saved) in err
+    monkeypatch.setattr(ResultStore, "record_run", record_run)  # the disk has room again
+    assert lab_cli.main(["results", "import", str(saved), "--db", str(db)]) == 0
+    row, = stored_runs(db)
+    assert row["status"] == "finished" and row["manifest"]["experiment"]["run_key"] == row["run_key"]
+    assert row["started_at"] < row["finished_at"]
+    with ResultStore(db) as store:
+        outputs = store.outputs(row["id"])
+    assert len(outputs) == 2 and row["metrics"]["output_tokens"] == sum(o["num_tokens"] for o in outputs) > 0
+    report = run_experiment(load_experiment(path), db=str(db), quiet=True)
+    assert report.skipped == 1 and len(report.finished) == 1

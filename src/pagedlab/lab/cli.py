@@ -1,8 +1,9 @@
-"""The lab's subcommands: ``run``, ``results list|show|export``, ``monitor``, ``report``.
+"""The lab's subcommands: ``run``, ``results list|show|export|import``, ``monitor``, ``report``.
 
 ``register(subparsers)`` adds them to the ``pagedlab`` command line; ``python -m pagedlab.lab.cli``
 runs them on their own. Each handler returns the process exit code: 0 success, 1 some runs
-failed, 2 bad input (malformed experiment, unknown run, bad database URL).
+failed, 2 bad input (malformed experiment, unknown run, bad database URL) or a results database
+that failed to store a run.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _register_run(subparsers) -> None:
 
 def _register_results(subparsers) -> None:
     p = subparsers.add_parser("results", help="list, show or export stored runs")
-    sub = p.add_subparsers(dest="results_command", metavar="{list,show,export}")
+    sub = p.add_subparsers(dest="results_command", metavar="{list,show,export,import}")
     sub.required = True
     q = sub.add_parser("list", help="one line per stored run")
     q.add_argument("--db", default=None, help=_DB_HELP)
@@ -73,6 +74,10 @@ def _register_results(subparsers) -> None:
     q.add_argument("--outputs", action="store_true", help="jsonl: include every run's outputs")
     q.add_argument("--manifest", action="store_true", help="csv/parquet: add the manifest.* columns")
     q.set_defaults(func=cmd_results_export)
+    q = sub.add_parser("import", help="store runs saved to files when the database failed to store them")
+    q.add_argument("files", nargs="+", metavar="FILE", help="a run file named by `pagedlab run`'s error")
+    q.add_argument("--db", default=None, help=_DB_HELP)
+    q.set_defaults(func=cmd_results_import)
 
 
 def _register_monitor(subparsers) -> None:
@@ -104,8 +109,9 @@ def _register_report(subparsers) -> None:
 
 def _errors():
     from pagedlab.lab.schema import ExperimentError
+    from pagedlab.lab.unstored import UnstoredRunError
 
-    return (ExperimentError, ValueError, ImportError, KeyError, FileNotFoundError)
+    return (ExperimentError, ValueError, ImportError, KeyError, FileNotFoundError, UnstoredRunError)
 
 
 def _fail(e: BaseException) -> int:
@@ -272,6 +278,20 @@ def cmd_results_export(args) -> int:
     except _errors() as e:
         return _fail(e)
     print(f"wrote {n} run(s) to {out}")
+    return 0
+
+
+def cmd_results_import(args) -> int:
+    from pagedlab.lab.store import ResultStore
+    from pagedlab.lab.unstored import load_record
+
+    try:
+        records = [load_record(path) for path in args.files]
+        with ResultStore(args.db) as store:
+            for path, rec in zip(args.files, records):
+                print(f"{path}: run id {store.record_run(rec)} ({rec.status})")
+    except (*_errors(), OSError) as e:
+        return _fail(e)
     return 0
 
 

@@ -31,6 +31,7 @@ from pagedlab.lab.profile import profiled
 from pagedlab.lab.runs import ResolvedRun, expand_runs, format_plan
 from pagedlab.lab.schema import ExperimentSpec
 from pagedlab.lab.store import ResultStore, RunRecord
+from pagedlab.lab.unstored import record_or_save
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 
@@ -224,7 +225,8 @@ def _replan(session: RunSession, run: ResolvedRun, llm) -> float:
 
 
 def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
-    """Execute one run and store it (finished, or failed with its traceback)."""
+    """Execute one run and store it (finished, or failed with its traceback). A run the store
+    cannot take is saved to a file and stops the sweep (``pagedlab.lab.unstored``)."""
     spec = session.spec
     started = datetime.now(timezone.utc)
     planned = None  # llm once it holds this run's plan (a failed re-plan restores the previous run's)
@@ -242,11 +244,11 @@ def _run_one(session: RunSession, run: ResolvedRun, llm) -> None:
         store_failure(session, run, msg, planned, started, traceback.format_exc())
         session.log(f"{run_label(run)} failed: {msg}")
         return
-    run_id = session.store.record_run(RunRecord(
+    run_id = record_or_save(session.store, RunRecord(
         experiment=spec.name, run_key=run.run_key, params=run.params(), metrics=metrics, manifest=manifest,
         telemetry=telemetry, telemetry_samples=samples, outputs=outputs if spec.store_outputs else [],
         repeat=run.repeat, seed=run.seed, model=run.config["model"], status="finished",
-        started_at=started, finished_at=datetime.now(timezone.utc)))
+        started_at=started, finished_at=datetime.now(timezone.utc)), run_label(run))
     session.report.finished.append(run_id)
     session.log(f"run {run.index} ({run.label()}, repeat {run.repeat}, seed {run.seed}): "
                 f"{_headline(metrics)} -> run id {run_id}")
@@ -268,15 +270,16 @@ def run_label(run: ResolvedRun) -> str:
 
 
 def store_failure(session: RunSession, run: ResolvedRun, msg: str, llm, started=None, tb=None) -> None:
+    """Store ``run`` as failed with ``msg`` (and the traceback ``tb``), and report it."""
     session.report.failed.append((run_label(run), msg))
     try:
         manifest = collect_manifest(llm, sampling_params=run.sampling_params or None, hash_weights=False)
     except Exception:
         manifest = {}
-    session.store.record_run(RunRecord(
+    record_or_save(session.store, RunRecord(
         experiment=session.spec.name, run_key=run.run_key, params=run.params(), metrics={}, manifest=manifest,
         repeat=run.repeat, seed=run.seed, model=run.config["model"], status="failed",
-        error=msg + ("\n\n" + tb if tb else ""), started_at=started))
+        error=msg + ("\n\n" + tb if tb else ""), started_at=started), run_label(run))
 
 
 def _execute(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir: Path | None = None):
