@@ -269,3 +269,14 @@ def test_engine_seed_reproduces_unseeded_sampling(tiny_llama):
         runs.append([tuple(o.outputs[0].token_ids) for o in outs])
     assert runs[0] == runs[1] != runs[2]
     assert len(set(runs[0])) == 4
+
+
+def test_seed_minus_one_is_no_seed(tiny_llama):
+    """vLLM's rule (OpenAI's "random"): seed=-1 is no seed, so two such requests in one batch draw
+    different noise, as unseeded ones do, where a seed of -1 would give both the same tokens."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    prompt = random_prompts(1, max_len=20, seed=80)[0]
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=10, ignore_eos=True)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids

@@ -128,7 +128,8 @@ class SamplingParams:
 
     ``temperature=0`` means greedy. ``seed`` gives the request its own sampling noise (completion
     ``i`` of ``n`` seeded by ``seed + i``, its k-th token by that and k), so the same seed gives the
-    same tokens whether the request runs alone or among others, on any engine.
+    same tokens whether the request runs alone or among others, on any engine; -1 (OpenAI's and
+    vLLM's "random") is no seed, as None.
     ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
     generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first;
     -1 (vLLM's) returns the whole vocabulary's.
@@ -203,6 +204,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1 and isinstance(self.seed, int):  # vLLM's (and OpenAI's) spelling of "no seed"
+            self.seed = None
         self._validate()
 
     def _validate(self) -> None:
