@@ -93,8 +93,10 @@ def test_engine_output_keeps_the_leading_space(sp_tokenizer, tmp_path):
 
 
 def test_stop_string_completed_by_the_new_text():
-    """vLLM's check: a stop string counts when the new characters complete it, wherever it starts
-    (earlier text included); the earliest one wins; one wholly in the earlier text is not found."""
+    """A stop string counts when the new characters complete it, wherever it starts (earlier text
+    included), as in vLLM; one wholly in the earlier text is not found. Where new characters
+    complete two, the one that starts first wins, so no stop string stays in the text (vLLM takes
+    the first in the list: ["rld", "wor"] would cut at "rld" and keep "wor")."""
     text = "hello world"  # "rld" is new
     assert find_stop_string(text, 3, ["o wor"]) == ("o wor", 4)
     assert find_stop_string(text, 3, ["rld", "wor"]) == ("wor", 6)

@@ -48,7 +48,9 @@ def _decode_stream(skip_special_tokens: bool):
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
-    """The first stop string that the last ``new_len`` characters completed, and where it starts."""
+    """The stop string that the last ``new_len`` characters completed, and where it starts: of
+    two, the one that starts first (the list's order among equal starts), so the text cut before
+    it holds no stop string. vLLM takes the first in the list instead, which can leave one."""
     best = None
     for stop in stops:
         start = max(0, len(text) - new_len - len(stop) + 1)
