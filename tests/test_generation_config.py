@@ -202,3 +202,32 @@ def test_the_generation_configs_other_eos_ids_stop_with_their_id(model_dir, tmp_
     assert ran_on.token_ids == greedy
     assert (own_eos.token_ids, own_eos.finish_reason, own_eos.stop_reason) == (
         [tokenizer.eos_token_id], "stop", None)
+
+
+def test_chat_without_a_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
+    """vLLM's get_max_tokens: a chat without max_tokens runs to the model's max_new_tokens or to
+    max_model_len, whichever comes first; it is no 400 when prompt + max_new_tokens is too long. A
+    limit the request sets is still checked against max_model_len."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
+              override_generation_config={"max_new_tokens": 60})
+    engine = AsyncEngine.from_llm(llm)
+    messages = [{"role": "user", "content": "hi"}]
+    room = 64 - len(llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
+    assert room < 60
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            body = {"model": "m", "messages": messages, "ignore_eos": True}
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == room
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    finally:
+        engine.shutdown()
+        llm.close()

@@ -59,12 +59,13 @@ class OpenAIServingChat(OpenAIServing):
         if request.tool_choice == "auto" and self.tool_parser is None:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                               "to be set", param="tool_choice")
-        params = self.with_model_defaults(request, request.to_sampling_params())
+        params = request.to_sampling_params()
         keeps_markers = getattr(self.tool_parser, "keeps_special_tokens", False)
         if request.tools and request.tool_choice != "none" and keeps_markers:
             params = params.clone(skip_special_tokens=False)  # the call markers may be special tokens
         prompt = self.render(request)
-        self.validate_prompt(prompt, params, "messages")
+        self.validate_prompt(prompt, params, "messages")  # before the model's max_new_tokens, which fits
+        params = self.with_model_defaults(request, params, self.engine.max_model_len - len(prompt.token_ids))
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
