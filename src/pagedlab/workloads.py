@@ -30,6 +30,7 @@ from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
 from pagedlab.lora.request import LoRARequest
+from pagedlab.family_shapes import FAMILY_SHAPES
 from pagedlab.physical_floor import decode_weight_bytes, physical_floor, tpot_floor
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
@@ -64,47 +65,12 @@ def model_shape(name: str):
             rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             architectures=["Qwen3ForCausalLM"])
-    if name in _FAMILY_SHAPES:
-        return _FAMILY_SHAPES[name]()
+    if name in FAMILY_SHAPES:
+        return FAMILY_SHAPES[name]()
     raise ValueError(f"shape {name!r} is unknown; known shapes: {', '.join(SHAPES)}")
 
 
-def _qwen3_30b_a3b():
-    import transformers
-
-    return transformers.Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151645, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
-
-
-def _mixtral_8x7b():
-    import transformers
-
-    return transformers.MixtralConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, dtype="bfloat16", architectures=["MixtralForCausalLM"])
-
-
-def _gemma2_9b():
-    import transformers
-
-    return transformers.Gemma2Config(
-        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-        max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, dtype="bfloat16",
-        architectures=["Gemma2ForCausalLM"])
-
-
-_FAMILY_SHAPES = {"qwen3-30b-a3b": _qwen3_30b_a3b, "mixtral-8x7b": _mixtral_8x7b, "gemma2-9b": _gemma2_9b}
-SHAPES = ("llama3-8b", "llama3-70b", "qwen3-0.6b", *_FAMILY_SHAPES)
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-0.6b", *FAMILY_SHAPES)
 
 
 def shape_dir(name: str) -> str:
