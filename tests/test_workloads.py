@@ -322,6 +322,40 @@ def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache
         [(2, 12, 0.0), (3, 18, 0.0)]
 
 
+def test_more_prompts_than_the_batch_size_run_at_most_the_batch_size_at_once(tiny_llama, monkeypatch):
+    """--batch-size 1 3 --num-prompts 4: each row times 4 requests with max_num_seqs its batch
+    size (rows of 1 and 3 at once, not two runs of 4 at once) and says so in its label; the
+    engine's own max_num_seqs comes back for a row that needs no cap."""
+    seen, timed = [], workloads.run_pagedlab
+
+    def run(llm, workload, *args, **kwargs):
+        seen.append(llm.get_engine_info().config.max_num_seqs)
+        return timed(llm, workload, *args, **kwargs)
+
+    monkeypatch.setattr(workloads, "run_pagedlab", run)
+    rows = workloads.run_bench("custom", [1, 3, 8], 8, 3, 4, ["pagedlab"], model=tiny_llama.path,
+                               engine_args=dict(kv_cache_memory_bytes=KV_BYTES, dtype="float32"),
+                               progress=lambda line: None)
+    assert seen == [1, 3, 256]
+    assert [(r.label, r.num_requests, r.output_tokens) for r in rows] == \
+        [("bs=1 prompts=4", 4, 12), ("bs=3 prompts=4", 4, 12), ("bs=4", 4, 12)]
+
+
+def test_floor_of_more_prompts_than_the_batch_size_is_its_batches_in_turn():
+    llama = workloads.model_shape("llama3-8b")
+    four = workloads.make_workload("custom", 128256, 2, 512, 128, num_prompts=4)
+    floor, step = workloads._floors(llama, four, {})
+    assert floor == pytest.approx(2 * physical_floor(llama, [512] * 2, [128] * 2))
+    assert step == pytest.approx(tpot_floor(llama, [512] * 2, [128] * 2))
+
+
+def test_hf_peer_refuses_more_prompts_than_a_batch_size_before_loading(tiny_llama, capsys):
+    assert main(["bench", "throughput", "--model", tiny_llama.path, "--workload", "custom", "--batch-size",
+                 "4", "2", "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--backend",
+                 "pagedlab", "hf"]) == 2
+    assert "--num-prompts 3 is above --batch-size 2" in capsys.readouterr().err
+
+
 def test_rows_measured_before_a_failure_stay_in_the_callers_list(tiny_llama, monkeypatch):
     """Batch sizes 2, 3 and 4, the third failing (out of memory, say): the caller's ``results``
     holds the two rows measured before it, in order, when the error reaches it."""

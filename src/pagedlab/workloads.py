@@ -91,6 +91,7 @@ class Workload:
     temperature: float = 0.0
     engine_args: dict = field(default_factory=dict)
     loras: list[LoRARequest] | None = None  # the LoRA adapter of each request (pagedlab.lora.bench)
+    batch_size: int | None = None  # the most requests run at once (max_num_seqs); None: all of them
 
     def sampling_params(self) -> list[SamplingParams]:
         """Each request's parameters. No per-request seed: like vLLM's benchmarks, sampled rows
@@ -122,7 +123,8 @@ def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 5
         for what, value in lengths:
             if not isinstance(value, numbers.Integral) or value < 1:  # numpy ints from a sweep too
                 raise ValueError(f"{name} needs {what} as a whole number >= 1, not {value!r}")
-        return Workload(name, random_prompts(n, [input_len] * n, vocab), [output_len] * n)
+        return Workload(name, random_prompts(n, [input_len] * n, vocab), [output_len] * n,
+                        batch_size=batch_size)
     if name == "W-nano":
         g = torch.Generator().manual_seed(0)
         n = num_prompts or 256
@@ -423,11 +425,16 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
         hf_peer.check_hf_quantization(quantization, with_lora=lora is not None)
     if lora is not None and "hf" in backends:
         lora_bench.check_hf_peer(workload_name)
+    sizes = batch_sizes if workload_name in ("W-seed", "W-lat", "custom") else [None]
+    over = [b for b in sizes if b is not None and num_prompts is not None and num_prompts > b]
+    if "hf" in backends and over:
+        raise ValueError(f"--num-prompts {num_prompts} is above --batch-size {over[0]}: the HF peer runs a "
+                         "row's prompts in one static batch; give --num-prompts at most the smallest batch "
+                         "size, or --backend pagedlab alone")
     if model is None:
         model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
         engine_args = {"load_format": "dummy", **(engine_args or {})}
     hf_config = AutoConfig.from_pretrained(model)
-    sizes = batch_sizes if workload_name in ("W-seed", "W-lat", "custom") else [None]
     workloads = [make_workload(workload_name, hf_config.vocab_size, bs or 1, input_len, output_len,
                                num_prompts)
                  for bs in sizes]
@@ -452,20 +459,24 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
 
 def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
                     latency: bool, results: list[WorkloadResult], progress, profile_dir: str | None) -> None:
-    """Every workload under every plan variant of ``workload_name``, each warmed up first."""
+    """Every workload under every plan variant of ``workload_name``, each warmed up first; a
+    workload of more requests than its batch size runs at most that many at once (max_num_seqs)."""
+    max_seqs = llm.get_engine_info().config.max_num_seqs
     for w in workloads:
+        capped = w.batch_size is not None and len(w.prompts) > w.batch_size
+        seqs = min(max_seqs, w.batch_size) if capped else max_seqs
+        if llm.get_engine_info().config.max_num_seqs != seqs:
+            llm.set_model_args(max_num_seqs=seqs)
         for variant, changes in _variants(workload_name):
             if changes:
                 llm.set_model_args(**changes)
             _warm_up(llm, w)
             # the floor is the H200's: a ratio to it means nothing on a CPU
             on_gpu = llm.get_engine_info().device.type == "cuda"
-            args = engine_floor_args(llm, workload_name)
-            lens = list(map(len, w.prompts))
-            floor = physical_floor(hf_config, lens, w.output_lens, **args) if on_gpu else None
-            step_floor = tpot_floor(hf_config, lens, w.output_lens, floor, **args) if on_gpu else None
+            floor, step_floor = _floors(hf_config, w, engine_floor_args(llm, workload_name)) if on_gpu \
+                else (None, None)
             for r in range(repeats):
-                label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)} {variant}".strip()
+                label = (f"{_size_label(w)}{lora_bench.label(w.loras)} {variant}".strip()
                          + (f" #{r + 1}" if repeats > 1 else ""))
                 profiling = contextlib.nullcontext() if profile_dir is None else \
                     profiled(llm, profile_subdir(profile_dir, label))
@@ -476,6 +487,21 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     results[-1].extra["profile"] = record
                 results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
                 progress(format_row(results[-1]))
+
+
+def _size_label(w: Workload) -> str:
+    """"bs=N" for N requests at once; "bs=B prompts=N" for N requests at most B at once."""
+    n = len(w.prompts)
+    return f"bs={n}" if w.batch_size is None or w.batch_size >= n else f"bs={w.batch_size} prompts={n}"
+
+
+def _floors(hf_config, w: Workload, args: dict) -> tuple[float, float | None]:
+    """The run's floor and a decode step's: with at most ``w.batch_size`` requests at once, its
+    batches one after the other (``physical_floor``'s ``args``)."""
+    lens, b = list(map(len, w.prompts)), w.batch_size or len(w.prompts)
+    batches = [(lens[i:i + b], w.output_lens[i:i + b]) for i in range(0, len(lens), b)]
+    floors = [physical_floor(hf_config, p, o, **args) for p, o in batches]
+    return sum(floors), tpot_floor(hf_config, *batches[0], floors[0], **args)
 
 
 def _warm_up(llm, workload: Workload) -> None:

@@ -269,8 +269,8 @@ def _add_bench_commands(sub) -> None:
             p.add_argument("--" + flag.replace("_", "-"), type=positive_int, default=None,
                            help=f"W-seed/W-lat/custom: {what} (default: {BENCH_SIZE_DEFAULTS[flag]})")
         p.add_argument("--num-prompts", type=positive_int, default=None,
-                       help="prompts per run (default: the batch size; 256 for W-nano/W-prefix, 4 for "
-                            "W-long)")
+                       help="prompts per run, at most --batch-size of them at once (default: the batch "
+                            "size; 256 for W-nano/W-prefix, 4 for W-long)")
         p.add_argument("--repeats", type=positive_int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
