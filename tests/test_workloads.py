@@ -356,6 +356,24 @@ def test_hf_peer_refuses_more_prompts_than_a_batch_size_before_loading(tiny_llam
     assert "--num-prompts 3 is above --batch-size 2" in capsys.readouterr().err
 
 
+def test_the_hf_peer_is_warmed_up_untimed_before_its_rows(tiny_llama, monkeypatch):
+    """As pagedlab's rows, the HF peer's run each batch once untimed before its repeats: its first
+    timed row no longer pays CUDA, cuBLAS and allocator start-up (BENCHMARKS.md: HF's first W-lat
+    repeat 76.9 ms TPOT, the next two 22.7 and 22.3)."""
+    calls, timed = [], workloads.run_hf_generate
+
+    def run(model, workload, label, floor):
+        calls.append((label, len(workload.prompts)))
+        return timed(model, workload, label, floor)
+
+    monkeypatch.setattr(workloads, "run_hf_generate", run)
+    rows = workloads.run_bench("custom", [2, 3], 8, 2, None, ["hf"], model=tiny_llama.path, repeats=2,
+                               progress=lambda line: None)
+    assert calls == [("warm-up", 2), ("bs=2 #1", 2), ("bs=2 #2", 2), ("warm-up", 3), ("bs=3 #1", 3),
+                     ("bs=3 #2", 3)]
+    assert [r.label for r in rows] == ["bs=2 #1", "bs=2 #2", "bs=3 #1", "bs=3 #2"]
+
+
 def test_rows_measured_before_a_failure_stay_in_the_callers_list(tiny_llama, monkeypatch):
     """Batch sizes 2, 3 and 4, the third failing (out of memory, say): the caller's ``results``
     holds the two rows measured before it, in order, when the error reaches it."""

@@ -516,7 +516,8 @@ def _warm_up(llm, workload: Workload) -> None:
 def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats: int,
               results: list[WorkloadResult], progress, quantization: str | None = None) -> None:
     """Every workload on the HF transformers peer (static batches; generate_batch for W-nano),
-    ``quantization`` "fp8" through transformers' FineGrainedFP8Config (``pagedlab.hf_peer``)."""
+    ``quantization`` "fp8" through transformers' FineGrainedFP8Config (``pagedlab.hf_peer``); each
+    workload runs once untimed first, as pagedlab's do (``_warm_up``)."""
     peer = hf_peer.load_hf_peer(hf_config, quantization=quantization)
     weights, tag = (hf_peer.decode_weight_bytes(peer), f" {quantization}") if quantization else (None, "")
     loras = lora_bench.distinct(w.loras for w in workloads)
@@ -532,16 +533,14 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
             if on_gpu else None
         step_floor = tpot_floor(hf_config, lens, w.output_lens, floor, decode_weight_bytes=weights) \
             if on_gpu and fixed is w else None
+        if workload_name == "W-prefix":
+            break  # the peer of W-prefix is pagedlab with prefix caching off
+        _hf_row(peer, fixed, "warm-up", floor)  # untimed: CUDA, cuBLAS and allocator start-up
         for r in range(repeats):
             label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}"
                      + (f" #{r + 1}" if repeats > 1 else ""))
-            if workload_name == "W-prefix":
-                break  # the peer of W-prefix is pagedlab with prefix caching off
             with gpu_telemetry() as telemetry:
-                if workload_name == "W-nano":
-                    results.append(run_hf_generate_batch(peer, fixed, label + " out=256", 256, floor))
-                else:
-                    results.append(run_hf_generate(peer, w, label, floor))
+                results.append(_hf_row(peer, fixed, label, floor))
             results[-1].extra.update(telemetry)
             results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
             results[-1].extra.update(hf_peer.row_record(peer, quantization))
@@ -549,6 +548,13 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
     del peer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _hf_row(peer, workload: Workload, label: str, floor: float | None) -> WorkloadResult:
+    """One HF row: W-nano on ``generate_batch`` (256 tokens a request), the others on ``generate``."""
+    if workload.name == "W-nano":
+        return run_hf_generate_batch(peer, workload, label + " out=256", 256, floor)
+    return run_hf_generate(peer, workload, label, floor)
 
 
 def engine_floor_args(llm, workload_name: str) -> dict:
