@@ -477,6 +477,31 @@ def test_bench_serve_reports_unreachable_server(capsys):
     assert "could not reach" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, error", [
+    (["--output-len", "0"], "--output-len 0 is invalid: it must be at least 1"),
+    (["--input-len", "-2"], "--input-len -2 is invalid: it must be at least 1"),
+    (["--max-concurrency", "-1"], "--max-concurrency -1 is invalid: it must be at least 0"),
+    (["--json", "."], "--json . is a directory: give a file name"),
+])
+def test_bench_serve_refuses_a_bad_flag_before_any_request(flags, error, capsys):
+    """Before this, --output-len 0 silently became 128 and an unwritable --json failed with a
+    traceback only after the whole run, losing its per-request results."""
+    from pagedlab.server.bench_serve import main
+
+    assert main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm", *flags]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_bench_serve_max_concurrency_0_caps_nothing_as_in_vllm(served):
+    """--max-concurrency 0 made httpx's pool hold no connection, and the run waited forever."""
+    from pagedlab.server.bench_serve import random_requests, run_benchmark
+
+    specs = random_requests(3, 4, 2, 100)
+    results, _ = asyncio.run(asyncio.wait_for(run_benchmark(
+        served["url"], specs, model=MODEL, max_concurrency=0, disable_tqdm=True), 60))
+    assert all(r.success for r in results)
+
+
 # ---- the command line ------------------------------------------------------------------------------
 def test_serve_command_end_to_end(served, tmp_path):
     """`python -m pagedlab.server.openai_api` (= `pagedlab serve`): engine args, API key, a chat

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from pagedlab.cli.engine_args import check_writable
 from pagedlab.stats import describe, percentile_label
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -259,6 +260,10 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     chat = endpoint.rstrip("/").endswith("chat/completions")
     headers = _auth_headers(api_key)
     bodies = [_payload(s, model, chat, sampling) for s in specs]
+    if max_concurrency is not None and max_concurrency < 0:
+        raise ValueError(f"--max-concurrency={max_concurrency} is invalid: it must be >= 0 (0 or None: no "
+                         "cap)")
+    max_concurrency = max_concurrency or None  # 0 caps nothing, as in vLLM (a pool of 0 connections hung)
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
         for i in range(num_warmups):
@@ -399,7 +404,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival intervals: 1 = Poisson, < 1 burstier, > 1 steadier")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default, or 0: no cap, as vLLM's)")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="output tokens per request, over the dataset's (default: its output_len, else 128)")
@@ -454,20 +460,34 @@ def _server_token_counter(base_url: str, model: str, api_key: str | None):
         yield count_tokens
 
 
+def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
+    """The percentiles and metrics to report; a ValueError naming a bad flag before any request
+    (a --json path that cannot be written too: its folder is made, the file written after the run)."""
+    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in selected if m not in METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from {list(METRICS)}")
+    if any(not 0 < p < 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must lie in (0, 100)")
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
+                               ("--output-len", args.output_len, 1), ("--num-warmups", args.num_warmups, 0),
+                               ("--max-concurrency", args.max_concurrency, 0),
+                               ("--random-prefix-len", args.random_prefix_len, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} {value} is invalid: it must be at least {least}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        check_writable(args.json, "--json")
+    return percentiles, selected
+
+
 def bench_serve_command(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
         base_url = base_url[:-3]
     try:
-        percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-        selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
-        unknown = [m for m in selected if m not in METRICS]
-        if unknown:
-            raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from {list(METRICS)}")
-        if any(not 0 < p < 100 for p in percentiles):
-            raise ValueError("--metric-percentiles must lie in (0, 100)")
-        if args.num_prompts < 1:
-            raise ValueError("--num-prompts must be >= 1")
+        percentiles, selected = _checked_flags(args)
         try:
             model_id, card = _server_model(base_url, args.api_key)
         except Exception as e:
@@ -482,7 +502,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             if not vocab:
                 raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
                                  "not give 'vocab_size': use --dataset")
-            specs = random_requests(args.num_prompts, args.input_len, args.output_len or 128, int(vocab),
+            specs = random_requests(args.num_prompts, args.input_len,
+                                    128 if args.output_len is None else args.output_len, int(vocab),
                                     args.random_range_ratio, args.random_prefix_len, args.seed)
         print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
               f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
@@ -506,7 +527,6 @@ def bench_serve_command(args: argparse.Namespace) -> int:
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                   "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
                   "output_len": args.output_len, **metrics}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2))
         print(f"results written to {args.json}", file=sys.stderr)
     return 0 if metrics["completed"] else 1
