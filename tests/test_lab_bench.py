@@ -96,6 +96,30 @@ def test_benchmark_num_prompts_caps_concurrency_and_restores_plan(llm):
     assert llm.llm_engine.config.max_num_seqs == before
 
 
+def test_a_benchmark_stopped_part_way_raises_with_the_runs_it_finished(llm, monkeypatch, tmp_path):
+    """Batch sizes 1, 2 and 3, the third's timed run failing (out of memory, say): the error
+    carries the two finished runs as a BenchmarkResult that prints, saves and loads, and the
+    engine's plan is restored."""
+    from pagedlab.lab import bench
+
+    before, timed = llm.llm_engine.config.max_num_seqs, bench._timed_run
+
+    def run(llm, prompts, *args):
+        if len(prompts) == 3:
+            raise RuntimeError("CUDA out of memory")
+        return timed(llm, prompts, *args)
+
+    monkeypatch.setattr(bench, "_timed_run", run)
+    with pytest.raises(RuntimeError, match="out of memory") as failed:
+        llm.benchmark(batch_size=[1, 2, 3], input_len=6, output_len=3, warmup=0)
+    partial = failed.value.partial_result
+    assert [(r.batch_size, r.output_tokens) for r in partial.runs] == [(1, 3), (2, 6)]
+    assert partial.settings["batch_size"] == [1, 2, 3] and partial.manifest["model"]
+    assert "2 run(s) finished" in failed.value.__notes__[0] and "batch 2:" in str(partial)
+    assert len(BenchmarkResult.load(partial.save(tmp_path / "partial.json")).runs) == 2
+    assert llm.llm_engine.config.max_num_seqs == before
+
+
 def test_benchmark_beam_search(llm):
     result = llm.benchmark(batch_size=2, input_len=6, output_len=3, use_beam_search=True, beam_width=2,
                            warmup=0)

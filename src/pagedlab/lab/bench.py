@@ -356,14 +356,14 @@ def run_benchmark(llm, batch_size: int | Sequence[int] = (4, 8, 16), input_len: 
                     runs.append(_make_run(llm, timed, b, phase - warmup, n, input_len, output_len,
                                           use_beam_search))
                     runs[-1].profile, runs[-1].lora_adapters = record, min(n, len(adapters))
-                if progress_bar is not None:
-                    progress_bar.update(1)
+                progress_bar.update(1)
         # While the last batch size's plan is still active, so one batch size is recorded exactly.
-        manifest = collect_manifest(llm, sampling_params=sampling, seeds={"benchmark_prompts": seed})
-        manifest.update({"lora": [adapter_manifest(llm, a) for a in adapters]} if adapters else {})
+        manifest = _manifest(llm, sampling, seed, adapters)
+    except BaseException as e:
+        _keep_finished(e, runs, settings, lambda: _manifest(llm, sampling, seed, adapters))
+        raise
     finally:
-        if progress_bar is not None:
-            progress_bar.close()
+        progress_bar.close()
         if llm.get_engine_info().config.max_num_seqs != original_max_seqs:
             llm.set_model_args(max_num_seqs=original_max_seqs)
     return BenchmarkResult(runs, settings, manifest)
@@ -388,11 +388,30 @@ def _read_adapters(llm, lora_requests) -> list[LoRARequest]:
 
 
 def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="Benchmark", unit="run", dynamic_ncols=True)
+    return tqdm(total=total, desc="Benchmark", unit="run", dynamic_ncols=True, disable=not enabled)
+
+
+def _manifest(llm, sampling, seed, adapters: list[LoRARequest]) -> dict:
+    manifest = collect_manifest(llm, sampling_params=sampling, seeds={"benchmark_prompts": seed})
+    manifest.update({"lora": [adapter_manifest(llm, a) for a in adapters]} if adapters else {})
+    return manifest
+
+
+def _keep_finished(error: BaseException, runs: list[BenchmarkRun], settings: dict, manifest) -> None:
+    """Nothing finished is lost: a benchmark stopped part-way (out of memory at its largest batch
+    size, Ctrl-C) raises with the runs it had finished as ``error.partial_result``, a
+    ``BenchmarkResult`` (its manifest from ``manifest()``, {} where even that fails)."""
+    if not runs:
+        return
+    try:
+        collected = manifest()
+    except Exception:  # the engine may be what failed
+        collected = {}
+    error.partial_result = BenchmarkResult(list(runs), settings, collected)
+    error.add_note(f"LLM.benchmark: the {len(runs)} run(s) finished before this error are in its "
+                   "partial_result, a BenchmarkResult (print, save(path), to_store(url))")
 
 
 @dataclass
