@@ -482,10 +482,14 @@ def test_bench_serve_reports_unreachable_server(capsys):
     (["--input-len", "-2"], "--input-len -2 is invalid: it must be at least 1"),
     (["--max-concurrency", "-1"], "--max-concurrency -1 is invalid: it must be at least 0"),
     (["--json", "."], "--json . is a directory: give a file name"),
+    (["--request-rate", "0"], "--request-rate=0.0 is invalid: it must be > 0 (or inf)"),
+    (["--burstiness", "0"], "--burstiness=0.0 is invalid: it must be > 0"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio=1.5 is invalid: it must be in [0, 1)"),
 ])
 def test_bench_serve_refuses_a_bad_flag_before_any_request(flags, error, capsys):
-    """Before this, --output-len 0 silently became 128 and an unwritable --json failed with a
-    traceback only after the whole run, losing its per-request results."""
+    """Before this, --output-len 0 silently became 128, an unwritable --json failed with a traceback
+    only after the whole run, losing its per-request results, and against a server that is down a bad
+    --request-rate, --burstiness or --random-range-ratio was reported as "could not reach" it."""
     from pagedlab.server.bench_serve import main
 
     assert main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm", *flags]) == 2

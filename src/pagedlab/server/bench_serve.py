@@ -62,12 +62,16 @@ class RequestResult:
 
 
 # ---- prompts ------------------------------------------------------------------------------
+def _check_range_ratio(range_ratio: float) -> None:
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio={range_ratio} is invalid: it must be in [0, 1)")
+
+
 def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int,
                     range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> list[RequestSpec]:
     """Random token-id prompts; lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's random
     dataset), each after a shared random prefix of ``prefix_len`` tokens."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio={range_ratio} is invalid: it must be in [0, 1)")
+    _check_range_ratio(range_ratio)
     if input_len < 1 or output_len < 1:
         raise ValueError("--input-len and --output-len must be >= 1")
     rng = random.Random(seed)
@@ -242,6 +246,13 @@ async def _arrivals(count: int, rate: float, burstiness: float, rng: random.Rand
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
+def _check_arrivals(request_rate: float, burstiness: float) -> None:
+    if not burstiness > 0:  # NaN too
+        raise ValueError(f"--burstiness={burstiness} is invalid: it must be > 0")
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate={request_rate} is invalid: it must be > 0 (or inf)")
+
+
 async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
                         endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
@@ -251,10 +262,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     """Send every request; returns the results (in spec order) and the benchmark duration (s)."""
     import httpx
 
-    if burstiness <= 0:
-        raise ValueError(f"--burstiness={burstiness} is invalid: it must be > 0")
-    if request_rate <= 0:
-        raise ValueError(f"--request-rate={request_rate} is invalid: it must be > 0 (or inf)")
+    _check_arrivals(request_rate, burstiness)
     sampling = sampling or argparse.Namespace(ignore_eos=False)
     url = base_url.rstrip("/") + endpoint
     chat = endpoint.rstrip("/").endswith("chat/completions")
@@ -476,6 +484,8 @@ def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
                                ("--random-prefix-len", args.random_prefix_len, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value} is invalid: it must be at least {least}")
+    _check_arrivals(args.request_rate, args.burstiness)
+    _check_range_ratio(args.random_range_ratio)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         check_writable(args.json, "--json")
