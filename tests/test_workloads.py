@@ -356,6 +356,21 @@ def test_hf_peer_refuses_more_prompts_than_a_batch_size_before_loading(tiny_llam
     assert "--num-prompts 3 is above --batch-size 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, error", [
+    (["--workload", "custom", "--batch-size", "2", "--input-len", "10", "--output-len", "12",
+      "--max-model-len", "16"], "--input-len 10 + --output-len 12 = 22 tokens is over --max-model-len 16: "),
+    (["--workload", "W-prefix", "--max-model-len", "256"],
+     "W-prefix's longest request = 2176 tokens is over --max-model-len 256: "),
+])
+def test_requests_longer_than_max_model_len_are_refused_before_loading(tiny_llama, monkeypatch, capsys,
+                                                                       flags, error):
+    """The engine cut each request at --max-model-len: a row of 12 output tokens in all was
+    reported for a workload of 2 requests x 12."""
+    monkeypatch.setattr(workloads, "LLM", None)  # building an engine fails the test
+    assert main(["bench", "throughput", "--model", tiny_llama.path, *flags]) == 2
+    assert error in capsys.readouterr().err
+
+
 def test_the_hf_peer_is_warmed_up_untimed_before_its_rows(tiny_llama, monkeypatch):
     """As pagedlab's rows, the HF peer's run each batch once untimed before its repeats: its first
     timed row no longer pays CUDA, cuBLAS and allocator start-up (BENCHMARKS.md: HF's first W-lat

@@ -111,13 +111,14 @@ def random_prompts(count: int, lengths: list[int], vocab: int, seed: int = 0) ->
 
 
 W_PREFIX_SHARED = 2048  # the prompt tokens W-prefix's requests share
+SIZED = ("W-seed", "W-lat", "custom")  # the workloads of --batch-size, --input-len and --output-len
 
 
 def make_workload(name: str, vocab: int, batch_size: int = 1, input_len: int = 512, output_len: int = 128,
                   num_prompts: int | None = None) -> Workload:
     """W-seed / W-lat (random ids, fixed lengths), W-nano (uniform [100, 1024], seed 0), W-prefix
     (a shared 2,048-token prefix + 64 unique tokens), W-long (4 x 32,768), or "custom"."""
-    if name in ("W-seed", "W-lat", "custom"):
+    if name in SIZED:
         n = num_prompts or batch_size
         lengths = (("batch_size or num_prompts", n), ("input_len", input_len), ("output_len", output_len))
         for what, value in lengths:
@@ -425,7 +426,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
         hf_peer.check_hf_quantization(quantization, with_lora=lora is not None)
     if lora is not None and "hf" in backends:
         lora_bench.check_hf_peer(workload_name)
-    sizes = batch_sizes if workload_name in ("W-seed", "W-lat", "custom") else [None]
+    sizes = batch_sizes if workload_name in SIZED else [None]
     over = [b for b in sizes if b is not None and num_prompts is not None and num_prompts > b]
     if "hf" in backends and over:
         raise ValueError(f"--num-prompts {num_prompts} is above --batch-size {over[0]}: the HF peer runs a "
@@ -438,8 +439,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     workloads = [make_workload(workload_name, hf_config.vocab_size, bs or 1, input_len, output_len,
                                num_prompts)
                  for bs in sizes]
-    longest = max(len(p) + o for w in workloads for p, o in zip(w.prompts, w.output_lens))
-    args = {"dtype": "bfloat16", "max_model_len": -(-longest // 64) * 64,
+    args = {"dtype": "bfloat16", "max_model_len": _max_model_len(workloads, engine_args),
             "max_num_seqs": max(256, max(len(w.prompts) for w in workloads))}
     args.update(workloads[0].engine_args)
     args.update(lora.engine_args() if lora is not None else {})
@@ -455,6 +455,17 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
         if "hf" in backends:
             _bench_hf(workload_name, workloads, hf_config, repeats, results, progress, quantization)
     return results
+
+
+def _max_model_len(workloads: list[Workload], engine_args: dict | None) -> int:
+    """--max-model-len, else the longest request rounded up to 64 tokens; a ValueError if one does not fit."""
+    given, name = (engine_args or {}).get("max_model_len"), workloads[0].name
+    prompt, out = max(((len(p), o) for w in workloads for p, o in zip(w.prompts, w.output_lens)), key=sum)
+    if given and prompt + out > given:
+        sizes = f"--input-len {prompt} + --output-len {out}" if name in SIZED else f"{name}'s longest request"
+        raise ValueError(f"{sizes} = {prompt + out} tokens is over --max-model-len {given}: the engine would "
+                         "cut such requests short, and the rows would not measure this workload")
+    return given or -(-(prompt + out) // 64) * 64
 
 
 def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
