@@ -361,14 +361,33 @@ def test_hf_peer_refuses_more_prompts_than_a_batch_size_before_loading(tiny_llam
       "--max-model-len", "16"], "--input-len 10 + --output-len 12 = 22 tokens is over --max-model-len 16: "),
     (["--workload", "W-prefix", "--max-model-len", "256"],
      "W-prefix's longest request = 2176 tokens is over --max-model-len 256: "),
+    (["--workload", "custom", "--input-len", "600"],
+     "--input-len 600 + --output-len 128 = 728 tokens is over the 512 positions the model supports: "),
+    (["--workload", "W-prefix"], "W-prefix's longest request = 2176 tokens is over the 512 positions "),
 ])
 def test_requests_longer_than_max_model_len_are_refused_before_loading(tiny_llama, monkeypatch, capsys,
                                                                        flags, error):
     """The engine cut each request at --max-model-len: a row of 12 output tokens in all was
-    reported for a workload of 2 requests x 12."""
+    reported for a workload of 2 requests x 12. Past the model's 512 positions the error named
+    max_model_len=768, a value derived from the sizes rather than a flag the user gave."""
     monkeypatch.setattr(workloads, "LLM", None)  # building an engine fails the test
     assert main(["bench", "throughput", "--model", tiny_llama.path, *flags]) == 2
     assert error in capsys.readouterr().err
+
+
+def test_max_model_len_rounds_up_to_64_tokens_within_the_models_positions(tmp_path, monkeypatch):
+    """A 490-token request on a model of 500 positions asked the engine for 512 and was refused."""
+    class Built(Exception):
+        pass
+
+    def build(model, **args):
+        raise Built(args["max_model_len"])
+
+    model = make_tiny_model(tmp_path / "tiny", tokenizer=False, max_position_embeddings=500)
+    monkeypatch.setattr(workloads, "LLM", build)
+    with pytest.raises(Built) as built:
+        workloads.run_bench("custom", [1], 480, 10, None, ["pagedlab"], model=str(model))
+    assert built.value.args == (500,)
 
 
 def test_the_hf_peer_is_warmed_up_untimed_before_its_rows(tiny_llama, monkeypatch):

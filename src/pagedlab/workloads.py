@@ -30,6 +30,7 @@ from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
 from pagedlab.lora.request import LoRARequest
+from pagedlab.config import model_max_len
 from pagedlab.family_shapes import FAMILY_SHAPES
 from pagedlab.physical_floor import decode_weight_bytes, physical_floor, tpot_floor
 from pagedlab.sampling_params import SamplingParams
@@ -439,7 +440,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     workloads = [make_workload(workload_name, hf_config.vocab_size, bs or 1, input_len, output_len,
                                num_prompts)
                  for bs in sizes]
-    args = {"dtype": "bfloat16", "max_model_len": _max_model_len(workloads, engine_args),
+    args = {"dtype": "bfloat16", "max_model_len": _max_model_len(workloads, engine_args, hf_config),
             "max_num_seqs": max(256, max(len(w.prompts) for w in workloads))}
     args.update(workloads[0].engine_args)
     args.update(lora.engine_args() if lora is not None else {})
@@ -457,15 +458,17 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     return results
 
 
-def _max_model_len(workloads: list[Workload], engine_args: dict | None) -> int:
-    """--max-model-len, else the longest request rounded up to 64 tokens; a ValueError if one does not fit."""
+def _max_model_len(workloads: list[Workload], engine_args: dict | None, hf_config) -> int:
+    """--max-model-len, else the longest request rounded up to 64 tokens within the model's positions;
+    a ValueError naming the sizes when a request does not fit."""
     given, name = (engine_args or {}).get("max_model_len"), workloads[0].name
+    room = given or model_max_len(hf_config)
     prompt, out = max(((len(p), o) for w in workloads for p, o in zip(w.prompts, w.output_lens)), key=sum)
-    if given and prompt + out > given:
+    if prompt + out > room:
         sizes = f"--input-len {prompt} + --output-len {out}" if name in SIZED else f"{name}'s longest request"
-        raise ValueError(f"{sizes} = {prompt + out} tokens is over --max-model-len {given}: the engine would "
-                         "cut such requests short, and the rows would not measure this workload")
-    return given or -(-(prompt + out) // 64) * 64
+        where = f"--max-model-len {given}" if given else f"the {room} positions the model supports"
+        raise ValueError(f"{sizes} = {prompt + out} tokens is over {where}: such requests cannot run whole")
+    return given or min(-(-(prompt + out) // 64) * 64, room)
 
 
 def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_config, repeats: int,
