@@ -25,13 +25,13 @@ import torch
 
 import pagedlab
 from pagedlab import hf_peer
+from pagedlab.config import model_max_len
+from pagedlab.family_shapes import FAMILY_SHAPES
 from pagedlab.lab.monitor import THROTTLING_REASONS, GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profile_subdir, profiled
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
 from pagedlab.lora.request import LoRARequest
-from pagedlab.config import model_max_len
-from pagedlab.family_shapes import FAMILY_SHAPES
 from pagedlab.physical_floor import decode_weight_bytes, physical_floor, tpot_floor
 from pagedlab.sampling_params import SamplingParams
 from pagedlab.stats import percentile_ms
