@@ -204,10 +204,11 @@ def test_the_generation_configs_other_eos_ids_stop_with_their_id(model_dir, tmp_
         [tokenizer.eos_token_id], "stop", None)
 
 
-def test_chat_without_a_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
-    """vLLM's get_max_tokens: a chat without max_tokens runs to the model's max_new_tokens or to
-    max_model_len, whichever comes first; it is no 400 when prompt + max_new_tokens is too long. A
-    limit the request sets is still checked against max_model_len."""
+def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
+    """vLLM's get_max_tokens: a chat without max_tokens, or a completion whose max_tokens is null
+    (vLLM's Optional[int] = 16: null is None there, not 16), runs to the model's max_new_tokens or
+    to max_model_len, whichever comes first; it is no 400 when prompt + max_new_tokens is too long.
+    A limit the request sets is still checked against max_model_len."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -228,6 +229,10 @@ def test_chat_without_a_limit_fits_the_models_max_new_tokens_to_the_prompt(model
             assert r.json()["choices"][0]["finish_reason"] == "length"
             r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            body = {"model": "m", "prompt": [5] * 10, "max_tokens": None, "ignore_eos": True}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 64 - 10
     finally:
         engine.shutdown()
         llm.close()

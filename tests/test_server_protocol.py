@@ -140,7 +140,8 @@ def test_tool_choice_none_needs_no_tools():
 
 
 def test_lenient_where_openai_is():
-    """Integral floats are integers, null is the default, unknown fields are ignored."""
+    """Integral floats are integers, null is the default (save a completion's max_tokens), unknown
+    fields are ignored."""
     body = {"prompt": "hi", "n": 2.0, "max_tokens": 8.0, "temperature": None, "user": "someone",
             "no_such_field": [1, 2]}
     request = parse_request(CompletionRequest, body)
@@ -149,6 +150,10 @@ def test_lenient_where_openai_is():
     assert request.to_sampling_params() == SamplingParams(n=2, max_tokens=8)
     assert parse_request(CompletionRequest, {"prompt": "hi", "temperature": 0}).temperature == 0.0
     assert not parse_request(ChatCompletionRequest, {"messages": CHAT, "echo": False, "documents": None}).echo
+    # but a completion's max_tokens: vLLM's Optional[int] = 16, where null is no limit
+    unlimited = parse_request(CompletionRequest, {"prompt": "hi", "max_tokens": None})
+    assert unlimited.max_tokens is None and unlimited.to_sampling_params().max_tokens is None
+    assert parse_request(CompletionRequest, {"prompt": "hi"}).max_tokens == 16
 
 
 def test_completion_to_sampling_params_maps_every_field():

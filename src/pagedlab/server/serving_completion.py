@@ -31,14 +31,16 @@ class OpenAIServingCompletion(OpenAIServing):
         when the client goes away (then the requests are aborted)."""
         self.check_engine()
         model = self.check_model(request.model)
-        params = self.with_model_defaults(request, request.to_sampling_params())
+        params = request.to_sampling_params()
         if params.logprobs is not None or params.stop or params.bad_words:
             self.require_tokenizer("logprobs, stop strings and bad_words")
         special = {"add_special_tokens": request.add_special_tokens}
         prompts = [self.encode({"prompt": p, **special} if isinstance(p, str) else p, "prompt")
                    for p in request.prompt_list()]
         for p in prompts:
-            self.validate_prompt(p, params, "prompt")
+            self.validate_prompt(p, params, "prompt")  # before the model's max_new_tokens, which fits
+        room = self.engine.max_model_len - max(len(p.token_ids) for p in prompts)
+        params = self.with_model_defaults(request, params, room)
         self.check_request(prompts, params)
         await self.compile_grammar(params)
         if request.echo:

@@ -143,10 +143,11 @@ class OpenAIServing:
     def with_model_defaults(self, request, params: SamplingParams, room: int | None = None) -> SamplingParams:
         """``params`` with the fields the request left unset taken from the model's generation
         config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), and
-        its max_new_tokens where the request has no token limit (a chat request without one; a
-        completion's default is 16), as vLLM's server does. ``room`` (the tokens the prompt leaves
-        under max_model_len) caps that max_new_tokens, as vLLM's ``get_max_tokens``: a limit the
-        model recommends never makes a request too long, only one the request sets does."""
+        its max_new_tokens where the request has no token limit (a chat request without one, a
+        completion whose max_tokens is null; left out, a completion's is 16), as vLLM's server
+        does. ``room`` (the tokens the prompt leaves under max_model_len; of several prompts, the
+        longest's) caps that max_new_tokens, as vLLM's ``get_max_tokens``: a limit the model
+        recommends never makes a request too long, only one the request sets does."""
         given = request.model_fields_set
         defaults = dict(self.engine.default_sampling_args)
         model_limit = defaults.pop("max_tokens", None)  # max_new_tokens: only where the request has none
