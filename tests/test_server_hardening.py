@@ -406,6 +406,17 @@ def test_continue_final_message_leaves_the_last_message_open(served):
     err = _error(_post(served, "/v1/chat/completions", {**body, "add_generation_prompt": True}), 400)
     assert "continue_final_message" in err["message"]
 
+
+def test_reply_without_generation_prompt_has_the_last_messages_role(served):
+    """vLLM's get_chat_request_role: with add_generation_prompt false the reply continues the last
+    message, and its message (or its stream's first delta) carries that message's role."""
+    body = {"messages": CHAT, "add_generation_prompt": False, "max_tokens": 2}
+    assert _post(served, "/v1/chat/completions", body).json()["choices"][0]["message"]["role"] == "user"
+    with httpx.stream("POST", served["url"] + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+    assert json.loads(first[len("data: "):])["choices"][0]["delta"]["role"] == "user"
+
 def test_add_special_tokens_as_vllm(served):
     """vLLM's add_special_tokens: a completion's text prompt already holding its BOS is tokenized
     without another with false (default true); a chat prompt gets one on top of the template's

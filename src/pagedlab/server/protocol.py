@@ -339,6 +339,12 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
         return value
 
     @property
+    def response_role(self) -> str:
+        """The role of the reply (vLLM's ``get_chat_request_role``): the assistant's, or without
+        ``add_generation_prompt`` the last message's, which the reply continues."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
     def completion_limit(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens``, else None (up to max_model_len)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -476,13 +482,13 @@ class ChatCompletionLogprobs(BaseModel):
 
 
 class ChatMessage(OpenAIResponse):
-    """The assistant's message of a chat choice: its text and tool calls (vLLM's content is ""
-    when a named or "required" tool_choice made the calls, null when "auto" found no text), and
-    with ``--reasoning-parser`` its reasoning (left out where there is none)."""
+    """The reply of a chat choice, in the request's ``response_role``: its text and tool calls
+    (vLLM's content is "" when a named or "required" tool_choice made the calls, null when "auto"
+    found no text), and with ``--reasoning-parser`` its reasoning (left out where there is none)."""
 
     omitted_when_none = frozenset({"reasoning", "reasoning_content"})
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)
     # --reasoning-parser: the reasoning before the content (vLLM's field, and its older name)
@@ -523,7 +529,7 @@ class DeltaMessage(OpenAIResponse):
 
     omitted_when_none = frozenset({"role", "content", "tool_calls", "reasoning", "reasoning_content"})
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     reasoning: str | None = None

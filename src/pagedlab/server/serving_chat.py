@@ -107,7 +107,7 @@ class _ChatRun:
         if reasoning is not None and params.structured_outputs is not None:
             reasoning = reasoning.explicit()  # a grammar wrote the text: thinking only in its tags
         self.admission, self.tools, self.reasoning = admission, tools, reasoning
-        self.include_reasoning = request.include_reasoning
+        self.include_reasoning, self.role = request.include_reasoning, request.response_role
         self.wants_every_chunk = request.logprobs or request.return_token_ids
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
@@ -146,7 +146,7 @@ class _ChatRun:
             reasoning, text = self._split(c.text)
             content, tool_calls, finish_reason = (self.tools.message(text, c.finish_reason)
                                                   if text is not None else (None, [], c.finish_reason))
-            message = ChatMessage(content=content, tool_calls=tool_calls, reasoning=reasoning,
+            message = ChatMessage(role=self.role, content=content, tool_calls=tool_calls, reasoning=reasoning,
                                   reasoning_content=reasoning)
             choice = ChatCompletionResponseChoice(
                 index=c.index, message=message,
@@ -195,7 +195,7 @@ class _ChatRun:
                            and not finish)
             if nothing_new and not self.wants_every_chunk:
                 continue
-            delta.role = None if state.started else "assistant"
+            delta.role = None if state.started else self.role
             state.started = True
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index, delta=delta, logprobs=self._logprobs(new_lps or [], new_ids),
