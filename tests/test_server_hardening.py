@@ -111,6 +111,36 @@ def test_full_waiting_queue_answers_503_with_retry_after(served):
     _healthy(served)
 
 
+def test_a_slow_stream_finished_by_the_engine_is_not_waiting(served):
+    """A client that stops reading its stream leaves the final output unread after the engine has
+    finished the request: that request no longer waits, so a queue of one takes the next (a 503)."""
+    app = build_app(served["engine"], [MODEL], enable_metrics=False,
+                    limits=ServerLimits(max_waiting_requests=1))
+    with ServerThread(app) as srv, socket.socket() as client:
+        srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the server's writes block soon
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((srv.host, srv.port))
+        body = json.dumps({"prompt": list(range(3, 403)), "echo": True, "logprobs": 20, "max_tokens": 20,
+                           "ignore_eos": True, "stream": True}).encode()  # echo: a first chunk of ~200 kB
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        client.settimeout(30)
+        received = client.recv(4096)
+        while b"data: " not in received:  # prefilled; then the client reads no more for a while
+            received += client.recv(4096)
+        deadline = time.monotonic() + 15
+        while served["engine"].get_stats().kv_blocks_used:  # until the engine has finished it
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert app.state.admission.num_live_sequences() == 1  # its end is not read yet
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200, r.text
+        while b"data: [DONE]" not in received[-100:]:  # the slow stream is served in full
+            more = client.recv(1 << 16)
+            assert more
+            received += more
+
+
 def test_waiting_queue_limit_holds_while_grammars_compile(served, monkeypatch):
     """Five requests whose grammars compile at the same time, against a queue of four: each is
     admitted only once its grammar is ready, so one of them gets the 503 (counted before the

@@ -58,7 +58,7 @@ class StatsListener(Protocol):
 class _Stream:
     """The per-request channel from the engine thread to the asyncio task consuming it."""
 
-    __slots__ = ("deltas", "loop", "queue", "request_id", "tokens")
+    __slots__ = ("deltas", "ended", "loop", "queue", "request_id", "tokens")
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, tokens: bool = True,
                  deltas: bool = False):
@@ -67,6 +67,7 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tokens = tokens  # wants every step's output, not just the final one
         self.deltas = deltas  # outputs are RequestOutputKind.DELTA: merged by appending
+        self.ended = False  # the engine thread is done with it (its last output may still be unread)
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Thread-safe; False when the consumer's event loop is gone."""
@@ -100,6 +101,12 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return self._done
+
+    @property
+    def engine_finished(self) -> bool:
+        """The engine has finished (or aborted) the request, though its consumer may not yet have
+        read the final output: a slow streaming client may hold it for long."""
+        return self._stream.ended
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -412,6 +419,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._num_token_streams -= stream.tokens
+            stream.ended = True
         return stream
 
     def _do_abort(self, request_id: str, owner: _Stream | None = None) -> None:
@@ -446,14 +454,16 @@ class AsyncEngine:
                 stream.put(error)
             return
         self._num_steps += 1
+        streams = [self._streams.get(out.request_id) for out in outputs]
         if any(out.finished for out in outputs):
+            for out in outputs:  # ended before the stats stop counting them as running
+                if out.finished:
+                    self._remove(out.request_id)
             self._publish_stats()  # so a caller who sees its request finish also sees its blocks freed
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for out, stream in zip(outputs, streams):
             if stream is None:  # a request someone else added to the shared engine
                 continue
             if out.finished:
-                self._remove(out.request_id)
                 self._notify_finished(out)
             if not stream.put(out) and not out.finished:  # its event loop is gone
                 self._do_abort(out.request_id)

@@ -68,11 +68,21 @@ class Admission:
         if self.cut_by_shutdown and out.finished and any(c.finish_reason == "abort" for c in out.outputs):
             raise unavailable("The server shut down before this request finished; retry it.", "shutting_down")
 
-    def num_live_sequences(self) -> int:
-        """Sequences of requests not yet finished (finished ones are forgotten here)."""
+    def _unfinished(self) -> dict[RequestStream, int]:
+        """``live``, less the requests whose consumers saw them finish (forgotten here)."""
         for stream in [s for s in self.live if s.finished]:
             del self.live[stream]
-        return sum(self.live.values())
+        return self.live
+
+    def num_live_sequences(self) -> int:
+        """Sequences of requests whose consumers have not yet seen them finish."""
+        return sum(self._unfinished().values())
+
+    def num_waiting_sequences(self) -> int:
+        """Sequences the engine has but does not run: a request counts while it is in the engine,
+        not once the engine finished it, though a slow client may not yet have read its end."""
+        in_engine = sum(n for s, n in self._unfinished().items() if not s.engine_finished)
+        return max(0, in_engine - self.engine.get_stats().num_running)
 
     def check(self, num_sequences: int) -> None:
         """A 503 while shutting down, or when ``num_sequences`` more would overfill the waiting queue."""
@@ -81,7 +91,7 @@ class Admission:
         limit = self.limits.max_waiting_requests
         if limit is None:
             return
-        waiting = max(0, self.num_live_sequences() - self.engine.get_stats().num_running)
+        waiting = self.num_waiting_sequences()
         if waiting + num_sequences > limit:
             raise unavailable(f"The server is busy: {waiting} sequences are waiting (at most {limit}). "
                               "Retry later.", "server_busy")
