@@ -157,7 +157,7 @@ def test_request_limits_against_the_model_cap():
     from pagedlab.server.serving_engine import OpenAIServing
 
     def limit(cap, request):
-        engine = SimpleNamespace(default_sampling_args={"max_tokens": cap, "top_k": 20})
+        engine = SimpleNamespace(default_sampling_args={"max_tokens": cap, "top_k": 20}, max_model_len=4096)
         params = OpenAIServing(engine, ["m"], admission=object()).with_model_defaults(
             request, request.to_sampling_params())
         assert params.top_k == 20

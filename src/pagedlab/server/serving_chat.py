@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
             params = params.clone(skip_special_tokens=False)  # the call markers may be special tokens
         prompt = self.render(request)
         self.validate_prompt(prompt, params, "messages")  # before the model's max_new_tokens, which fits
-        params = self.with_model_defaults(request, params, self.engine.max_model_len - len(prompt.token_ids))
+        params = self.with_model_defaults(request, params, [prompt])
         self.check_request([prompt], params)
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,

@@ -39,8 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
                    for p in request.prompt_list()]
         for p in prompts:
             self.validate_prompt(p, params, "prompt")  # before the model's max_new_tokens, which fits
-        room = self.engine.max_model_len - max(len(p.token_ids) for p in prompts)
-        params = self.with_model_defaults(request, params, room)
+        params = self.with_model_defaults(request, params, prompts)
         self.check_request(prompts, params)
         await self.compile_grammar(params)
         if request.echo:

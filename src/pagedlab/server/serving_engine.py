@@ -150,20 +150,22 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
-    def with_model_defaults(self, request, params: SamplingParams, room: int | None = None) -> SamplingParams:
+    def with_model_defaults(self, request, params: SamplingParams,
+                            prompts: Sequence[EncodedPrompt] = ()) -> SamplingParams:
         """``params`` with the fields the request left unset taken from the model's generation
         config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), and
         its max_new_tokens where the request has no token limit (a chat request without one, a
         completion whose max_tokens is null; left out, a completion's is 16), as vLLM's server
-        does. ``room`` (the tokens the prompt leaves under max_model_len; of several prompts, the
-        longest's) caps that max_new_tokens, as vLLM's ``get_max_tokens``: a limit the model
-        recommends never makes a request too long, only one the request sets does."""
+        does. The room the longest of ``prompts`` leaves under max_model_len caps that max_new_tokens,
+        as vLLM's ``get_max_tokens``: a limit the model recommends never makes a request too long,
+        only one the request sets does."""
         given = request.model_fields_set
         defaults = dict(self.engine.default_sampling_args)
         model_limit = defaults.pop("max_tokens", None)  # max_new_tokens: only where the request has none
         unset = {k: v for k, v in defaults.items() if k not in given}
         if model_limit is not None and params.max_tokens is None:
-            unset["max_tokens"] = model_limit if room is None else min(model_limit, room)
+            room = self.engine.max_model_len - max((len(p.token_ids) for p in prompts), default=0)
+            unset["max_tokens"] = min(model_limit, room)
         try:
             return params.clone(**unset) if unset else params
         except ValueError as e:
