@@ -153,13 +153,14 @@ def test_request_limits_against_the_model_cap():
     """vLLM's get_max_tokens: max_new_tokens where the request has no limit (chat without one);
     a completion's default of 16 and any limit the request sets, under either chat name, stay."""
     pytest.importorskip("pydantic")
+    from pagedlab.inputs import EncodedPrompt
     from pagedlab.server.protocol import ChatCompletionRequest, CompletionRequest
     from pagedlab.server.serving_engine import OpenAIServing
 
     def limit(cap, request):
         engine = SimpleNamespace(default_sampling_args={"max_tokens": cap, "top_k": 20}, max_model_len=4096)
         params = OpenAIServing(engine, ["m"], admission=object()).with_model_defaults(
-            request, request.to_sampling_params())
+            request, request.to_sampling_params(), EncodedPrompt([5, 6]))
         assert params.top_k == 20
         return params.max_tokens
 
@@ -208,7 +209,8 @@ def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
     """vLLM's get_max_tokens: a chat without max_tokens, or a completion whose max_tokens is null
     (vLLM's Optional[int] = 16: null is None there, not 16), runs to the model's max_new_tokens or
     to max_model_len, whichever comes first; it is no 400 when prompt + max_new_tokens is too long.
-    A limit the request sets is still checked against max_model_len."""
+    Each prompt of a completion runs to its own room, not to the longest prompt's. A limit the
+    request sets is still checked against max_model_len."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -233,6 +235,10 @@ def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 64 - 10
+            body = {**body, "prompt": [[5] * 10, [5] * 40], "return_token_ids": True}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert [len(c["token_ids"]) for c in r.json()["choices"]] == [64 - 10, 64 - 40]
     finally:
         engine.shutdown()
         llm.close()

@@ -65,13 +65,13 @@ class OpenAIServingChat(OpenAIServing):
             params = params.clone(skip_special_tokens=False)  # the call markers may be special tokens
         prompt = self.render(request)
         self.validate_prompt(prompt, params, "messages")  # before the model's max_new_tokens, which fits
-        params = self.with_model_defaults(request, params, [prompt])
-        self.check_request([prompt], params)
+        params = self.with_model_defaults(request, params, prompt)
+        self.check_request([prompt], [params])
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
                        ToolCalling(request, self.tool_parser), self.reasoning_parser,
                        self.tokens_as_ids(request))
-        streams = self.add_requests([prompt], params, run.request_id, request.stream, model,
+        streams = self.add_requests([prompt], [params], run.request_id, request.stream, model,
                                     request.priority)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams[0]),

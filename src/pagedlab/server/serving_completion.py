@@ -39,8 +39,8 @@ class OpenAIServingCompletion(OpenAIServing):
                    for p in request.prompt_list()]
         for p in prompts:
             self.validate_prompt(p, params, "prompt")  # before the model's max_new_tokens, which fits
-        params = self.with_model_defaults(request, params, prompts)
-        self.check_request(prompts, params)
+        prompt_params = [self.with_model_defaults(request, params, p) for p in prompts]
+        self.check_request(prompts, prompt_params)
         await self.compile_grammar(params)
         if request.echo:
             tokenizer = self.engine.tokenizer
@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if p.text is None:
                     p.text = tokenizer.decode(p.token_ids) if tokenizer is not None else ""
         run = _CompletionRun(self, f"cmpl-{uuid.uuid4().hex}", model, prompts, params, request)
-        streams = self.add_requests(prompts, params, run.request_id, request.stream, model,
+        streams = self.add_requests(prompts, prompt_params, run.request_id, request.stream, model,
                                     request.priority)
         if request.stream:
             return EventStream(sse_events(run.stream_chunks(streams),

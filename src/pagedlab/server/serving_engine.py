@@ -129,43 +129,43 @@ class OpenAIServing:
         if not self.engine.is_running:
             raise engine_dead("the engine is not running")
 
-    def check_request(self, prompts: Sequence[EncodedPrompt], params: SamplingParams) -> None:
+    def check_request(self, prompts: Sequence[EncodedPrompt], params: Sequence[SamplingParams]) -> None:
         """A 400 for a request asking for more sequences or tokens than one request may, or naming
-        token ids out of vocabulary (the waiting queue is checked by ``add_requests``)."""
-        limits, n = self.admission.limits, params.n
+        token ids out of vocabulary (the waiting queue is checked by ``add_requests``). ``params``
+        holds each prompt's (``with_model_defaults``): they differ only in max_tokens."""
+        limits, n = self.admission.limits, params[0].n
         sequences = len(prompts) * n
         if sequences > limits.max_sequences_per_request:
             raise bad_request(f"This request asks for {sequences} sequences ({len(prompts)} prompts x "
                               f"n={n}), more than the {limits.max_sequences_per_request} one request may.",
                               param="n")
         limit = self.engine.max_model_len
-        tokens = n * sum(len(p.token_ids) + (params.max_tokens or limit - len(p.token_ids)) for p in prompts)
+        tokens = n * sum(len(p.token_ids) + (sp.max_tokens or limit - len(p.token_ids))
+                         for p, sp in zip(prompts, params))
         if tokens > limits.max_tokens_per_request:
             raise bad_request(f"This request may occupy {tokens} tokens (prompts and max_tokens over all "
                               f"{sequences} sequences), more than the {limits.max_tokens_per_request} one "
                               "request may. Lower n, max_tokens or the number of prompts.",
                               param="max_tokens")
         try:
-            params.verify_vocabulary(self.engine.info.hf_config.vocab_size)
+            params[0].verify_vocabulary(self.engine.info.hf_config.vocab_size)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
-    def with_model_defaults(self, request, params: SamplingParams,
-                            prompts: Sequence[EncodedPrompt] = ()) -> SamplingParams:
-        """``params`` with the fields the request left unset taken from the model's generation
-        config (``EngineConfig.generation_config``: its recommended temperature, top_p, ...), and
-        its max_new_tokens where the request has no token limit (a chat request without one, a
-        completion whose max_tokens is null; left out, a completion's is 16), as vLLM's server
-        does. The room the longest of ``prompts`` leaves under max_model_len caps that max_new_tokens,
-        as vLLM's ``get_max_tokens``: a limit the model recommends never makes a request too long,
-        only one the request sets does."""
+    def with_model_defaults(self, request, params: SamplingParams, prompt: EncodedPrompt) -> SamplingParams:
+        """``params`` for ``prompt``: the fields the request left unset taken from the model's
+        generation config (``EngineConfig.generation_config``: its recommended temperature, top_p,
+        ...), and its max_new_tokens where the request has no token limit (a chat request without
+        one, a completion whose max_tokens is null; left out, a completion's is 16), as vLLM's server
+        does. The room ``prompt`` leaves under max_model_len caps that max_new_tokens, as vLLM's
+        ``get_max_tokens``: a limit the model recommends never makes a request too long, only one
+        the request sets does. Each prompt of a request gets its own room."""
         given = request.model_fields_set
         defaults = dict(self.engine.default_sampling_args)
         model_limit = defaults.pop("max_tokens", None)  # max_new_tokens: only where the request has none
         unset = {k: v for k, v in defaults.items() if k not in given}
         if model_limit is not None and params.max_tokens is None:
-            room = self.engine.max_model_len - max((len(p.token_ids) for p in prompts), default=0)
-            unset["max_tokens"] = min(model_limit, room)
+            unset["max_tokens"] = min(model_limit, self.engine.max_model_len - len(prompt.token_ids))
         try:
             return params.clone(**unset) if unset else params
         except ValueError as e:
@@ -227,22 +227,25 @@ class OpenAIServing:
                 "Please reduce the prompt or max_tokens.", param=param, code="context_length_exceeded")
 
     # ---- running requests -----------------------------------------------------------------
-    def add_requests(self, prompts: Sequence[EncodedPrompt], params: SamplingParams, request_id: str,
-                     stream: bool, model: str | None = None, priority: int = 0) -> list[RequestStream]:
-        """One engine request per prompt (ids ``request_id-i`` when there are several), under the
-        LoRA adapter ``model`` names, if it names one (a 404 if it was unloaded since the request's
-        checks), at ``priority``; a 503 when the waiting queue cannot take them. The queue is
-        checked here, with no await before the requests are tracked, so requests that passed their
-        checks together (a grammar compiling) cannot all take its last place."""
-        self.admission.check(len(prompts) * params.n)
+    def add_requests(self, prompts: Sequence[EncodedPrompt], params: Sequence[SamplingParams],
+                     request_id: str, stream: bool, model: str | None = None,
+                     priority: int = 0) -> list[RequestStream]:
+        """One engine request per prompt, with that prompt's ``params`` (ids ``request_id-i`` when
+        there are several), under the LoRA adapter ``model`` names, if it names one (a 404 if it was
+        unloaded since the request's checks), at ``priority``; a 503 when the waiting queue cannot
+        take them. The queue is checked here, with no await before the requests are tracked, so
+        requests that passed their checks together (a grammar compiling) cannot all take its last
+        place."""
+        n = params[0].n  # the prompts' params differ only in max_tokens
+        self.admission.check(len(prompts) * n)
         lora_request = self.models.lora_request(model)
         arrival = time.time()
         streams: list[RequestStream] = []
         try:
-            for i, p in enumerate(prompts):
+            for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 prompt = {"prompt_token_ids": p.token_ids, "prompt": p.text}
-                streams.append(self.engine.add_request(prompt, params, request_id=rid, arrival_time=arrival,
+                streams.append(self.engine.add_request(prompt, sp, request_id=rid, arrival_time=arrival,
                                                        stream=stream, lora_request=lora_request,
                                                        priority=priority))
         except (ValueError, EngineDeadError, EngineAsleepError) as e:
@@ -253,7 +256,7 @@ class OpenAIServing:
             if isinstance(e, EngineAsleepError):  # sleep mode: the client may retry once it is woken
                 raise unavailable(str(e), "engine_asleep") from None
             raise bad_request(str(e), param=param_of(e)) from None
-        self.admission.track(streams, params.n)
+        self.admission.track(streams, n)
         return streams
 
     async def collect(self, streams: list[RequestStream], disconnected: asyncio.Future | None
