@@ -16,7 +16,7 @@ import pytest
 from conftest import hf_greedy
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
-from pagedlab.sampling_params import generation_config_defaults
+from pagedlab.sampling_params import generation_config_cap, generation_config_defaults
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 PROMPT = "The quick brown fox"
@@ -110,6 +110,11 @@ def test_other_directory_and_bad_files_fail_at_load(model_dir, tmp_path):
     (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2, "temperature": 0}))
     with LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, generation_config=str(other)) as llm:
         assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=2)
+        engine = AsyncEngine.from_llm(llm)
+        try:
+            assert engine.max_tokens_cap == 2  # a directory's max_new_tokens caps every server request
+        finally:
+            engine.shutdown()
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     (broken / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
@@ -149,28 +154,52 @@ def test_every_recommended_key_is_read(tmp_path, model_dir):
         "max_tokens": 7}
 
 
-def test_request_limits_against_the_model_cap():
+def test_which_max_new_tokens_caps_every_request():
+    """vLLM's override_max_tokens: with generation_config a directory, its max_new_tokens (or the
+    override's over it); with auto or vllm, override_generation_config's alone."""
+    assert generation_config_cap("auto", {"max_tokens": 3}) is None
+    assert generation_config_cap("vllm", {}) is None
+    assert generation_config_cap("auto", {"max_tokens": 9}, {"max_new_tokens": 9, "top_k": 5}) == 9
+    assert generation_config_cap("vllm", {"max_tokens": 9}, {"max_new_tokens": 9}) == 9
+    assert generation_config_cap("auto", {"max_tokens": 3, "top_k": 5}, {"top_k": 5}) is None
+    assert generation_config_cap("/a/dir", {"max_tokens": 2}) == 2
+    assert generation_config_cap("/a/dir", {"max_tokens": 7}, {"max_new_tokens": 7}) == 7
+    assert generation_config_cap("/a/dir", {"temperature": 0.5}) is None
+
+
+def test_request_limits_against_the_model_limit_and_the_cap():
     """vLLM's get_max_tokens: max_new_tokens where the request has no limit (chat without one);
-    a completion's default of 16 and any limit the request sets, under either chat name, stay."""
+    a completion's default of 16 and any limit the request sets, under either chat name, stay,
+    unless the engine's max_tokens_cap is lower. A limit the request lacks fits the prompt's room."""
     pytest.importorskip("pydantic")
     from pagedlab.inputs import EncodedPrompt
     from pagedlab.server.protocol import ChatCompletionRequest, CompletionRequest
     from pagedlab.server.serving_engine import OpenAIServing
 
-    def limit(cap, request):
-        engine = SimpleNamespace(default_sampling_args={"max_tokens": cap, "top_k": 20}, max_model_len=4096)
+    def limit(model_limit, request, cap=None, prompt_len=2):
+        engine = SimpleNamespace(default_sampling_args={"max_tokens": model_limit, "top_k": 20},
+                                 max_model_len=4096, max_tokens_cap=cap)
         params = OpenAIServing(engine, ["m"], admission=object()).with_model_defaults(
-            request, request.to_sampling_params(), EncodedPrompt([5, 6]))
+            request, request.to_sampling_params(), EncodedPrompt([5] * prompt_len))
         assert params.top_k == 20
         return params.max_tokens
 
     messages = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest(model="m", messages=messages)
     assert limit(20, CompletionRequest(model="m", prompt="hi")) == 16
     assert limit(3, CompletionRequest(model="m", prompt="hi")) == 16
     assert limit(3, CompletionRequest(model="m", prompt="hi", max_tokens=5)) == 5
-    assert limit(20, ChatCompletionRequest(model="m", messages=messages)) == 20
+    assert limit(20, chat) == 20
+    assert limit(20, chat, prompt_len=4090) == 6
     assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_completion_tokens=5)) == 5
     assert limit(3, ChatCompletionRequest(model="m", messages=messages, max_tokens=5)) == 5
+    assert limit(None, chat) is None  # no limit at all: the engine runs to max_model_len
+    assert limit(3, CompletionRequest(model="m", prompt="hi"), cap=3) == 3
+    assert limit(3, CompletionRequest(model="m", prompt="hi", max_tokens=5), cap=3) == 3
+    assert limit(3, CompletionRequest(model="m", prompt="hi", max_tokens=2), cap=3) == 2
+    assert limit(None, ChatCompletionRequest(model="m", messages=messages, max_tokens=5), cap=3) == 3
+    assert limit(20, chat, cap=8) == 8
+    assert limit(20, chat, cap=8, prompt_len=4090) == 6
 
 
 def test_the_generation_configs_other_eos_ids_stop_with_their_id(model_dir, tmp_path):
@@ -239,6 +268,37 @@ def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
             r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert [len(c["token_ids"]) for c in r.json()["choices"]] == [64 - 10, 64 - 40]
+    finally:
+        engine.shutdown()
+        llm.close()
+
+
+def test_override_max_new_tokens_caps_what_requests_ask_for(model_dir):
+    """vLLM's override_max_tokens: override_generation_config's max_new_tokens caps a limit a
+    request sets (either chat name, a completion's default of 16) as well as one it leaves out;
+    a lower limit of the request's own stays."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES,
+              override_generation_config={"max_new_tokens": 4})
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            def completion_tokens(path, **body):
+                r = httpx.post(srv.url + path, json={"model": "m", "ignore_eos": True, **body}, timeout=60)
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["completion_tokens"]
+
+            messages = [{"role": "user", "content": "hi"}]
+            assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=10) == 4
+            assert completion_tokens("/v1/completions", prompt=PROMPT) == 4
+            assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=2) == 2
+            assert completion_tokens("/v1/chat/completions", messages=messages, max_completion_tokens=10) == 4
+            assert completion_tokens("/v1/chat/completions", messages=messages, max_tokens=10) == 4
+            assert completion_tokens("/v1/chat/completions", messages=messages) == 4
     finally:
         engine.shutdown()
         llm.close()

@@ -381,6 +381,16 @@ def generation_config_defaults(setting: str, model_path, override: dict | None =
     return args
 
 
+def generation_config_cap(setting: str, defaults: dict, override: dict | None = None) -> int | None:
+    """The output-token limit over every server request, its own max_tokens included, or None (vLLM's
+    ``override_max_tokens``). With ``setting`` a directory, the max_tokens of ``defaults`` (what
+    ``generation_config_defaults`` gave: that directory's max_new_tokens, or ``override``'s); with
+    "auto" or "vllm", ``override``'s max_new_tokens alone: the model's own file only recommends."""
+    if setting in ("auto", "vllm"):
+        return (override or {}).get("max_new_tokens")
+    return defaults.get("max_tokens")
+
+
 def _read_generation_config(folder: Path, setting: str) -> dict:
     path = folder / "generation_config.json"
     if not path.is_file():

@@ -33,7 +33,8 @@ from pagedlab.engine.engine import LLMEngine
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import EngineStats, RequestOutput
-from pagedlab.sampling_params import RequestOutputKind, SamplingParams, check_sampling_params
+from pagedlab.sampling_params import (RequestOutputKind, SamplingParams, check_sampling_params,
+                                      generation_config_cap)
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,15 @@ class AsyncEngine:
     def default_sampling_args(self) -> dict:
         """The SamplingParams fields of a request that sets none (``EngineConfig.generation_config``)."""
         return self.engine.default_sampling_args
+
+    @property
+    def max_tokens_cap(self) -> int | None:
+        """The output-token limit over every server request, its own max_tokens included: a
+        generation_config directory's max_new_tokens, or override_generation_config's; None where
+        max_new_tokens only stands in for a limit the request leaves out (``generation_config_cap``)."""
+        config = self.engine.config
+        return generation_config_cap(config.generation_config, self.default_sampling_args,
+                                     config.override_generation_config)
 
     @property
     def model_name(self) -> str:

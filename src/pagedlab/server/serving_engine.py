@@ -153,21 +153,25 @@ class OpenAIServing:
             raise bad_request(str(e), param=param_of(e)) from None
 
     def with_model_defaults(self, request, params: SamplingParams, prompt: EncodedPrompt) -> SamplingParams:
-        """``params`` for ``prompt``: the fields the request left unset taken from the model's
-        generation config (``EngineConfig.generation_config``: its recommended temperature, top_p,
-        ...), and its max_new_tokens where the request has no token limit (a chat request without
-        one, a completion whose max_tokens is null; left out, a completion's is 16), as vLLM's server
-        does. The room ``prompt`` leaves under max_model_len caps that max_new_tokens, as vLLM's
-        ``get_max_tokens``: a limit the model recommends never makes a request too long, only one
-        the request sets does. Each prompt of a request gets its own room."""
+        """``params`` for ``prompt``, as vLLM's server builds them: the fields the request left unset
+        taken from the model's generation config (``EngineConfig.generation_config``: its
+        recommended temperature, top_p, ...), and the token limit of vLLM's ``get_max_tokens``: the
+        request's own (a completion's is 16 when left out), or where it has none (a chat request
+        without one, a completion whose max_tokens is null) the model's max_new_tokens, capped by
+        the room ``prompt`` leaves under max_model_len (each prompt of a request its own) and by the
+        engine's ``max_tokens_cap``, which caps a limit the request sets as well. So a limit the
+        model recommends never makes a request too long; only one the request sets can (a 400 from
+        ``validate_prompt``)."""
         given = request.model_fields_set
         defaults = dict(self.engine.default_sampling_args)
-        model_limit = defaults.pop("max_tokens", None)  # max_new_tokens: only where the request has none
-        unset = {k: v for k, v in defaults.items() if k not in given}
-        if model_limit is not None and params.max_tokens is None:
-            unset["max_tokens"] = min(model_limit, self.engine.max_model_len - len(prompt.token_ids))
+        model_limit = defaults.pop("max_tokens", None)
+        changes = {k: v for k, v in defaults.items() if k not in given}
+        fallback = params.max_tokens if params.max_tokens is not None else model_limit
+        limits = [v for v in (fallback, self.engine.max_tokens_cap) if v is not None]
+        if limits:
+            changes["max_tokens"] = min(self.engine.max_model_len - len(prompt.token_ids), *limits)
         try:
-            return params.clone(**unset) if unset else params
+            return params.clone(**changes) if changes else params
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
