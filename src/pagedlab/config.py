@@ -82,7 +82,7 @@ class EngineConfig:
     override_generation_config: dict | None = _setting(
         None, "values over (or, with generation_config=vllm, instead of) the generation config's, "
               "e.g. {\"temperature\": 0.5}: temperature, top_p, top_k, min_p, repetition_penalty, "
-              "max_new_tokens")
+              "max_new_tokens (which, set here, caps every server request, as vLLM's)")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
     seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "
