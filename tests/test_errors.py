@@ -66,6 +66,23 @@ def test_the_ends_of_each_range_are_valid(kwargs):
     assert {name: getattr(params, name) for name in kwargs} == kwargs
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 9.99e-6, 1e-3, 0.0099])
+def test_a_tiny_temperature_is_raised_to_vllms_floor(temperature, caplog):
+    """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 with a warning: the request
+    samples at 0.01 (1e-6 was greedy here, under the 1e-5 greedy threshold)."""
+    with caplog.at_level("WARNING", logger="pagedlab.sampling_params"):
+        params = SamplingParams(temperature=temperature)
+    assert params.temperature == 0.01 and not params.greedy
+    assert [r.getMessage() for r in caplog.records] == [
+        f"temperature={temperature!r} is below 0.01, which risks inf and NaN in logits / temperature: "
+        "sampling at 0.01 instead (as vLLM; 0 is greedy)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedlab.sampling_params"):
+        assert params.clone(max_tokens=3).temperature == 0.01
+        assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+    assert caplog.records == []
+
+
 def test_spellings_vllm_takes():
     """top_k -1 or None means every token (stored as 0); one stop string is a list of one."""
     assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=None).top_k == 0

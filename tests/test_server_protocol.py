@@ -149,6 +149,8 @@ def test_lenient_where_openai_is():
     assert isinstance(request.n, int)
     assert request.to_sampling_params() == SamplingParams(n=2, max_tokens=8)
     assert parse_request(CompletionRequest, {"prompt": "hi", "temperature": 0}).temperature == 0.0
+    tiny = parse_request(ChatCompletionRequest, {"messages": CHAT, "temperature": 0.001})
+    assert tiny.to_sampling_params().temperature == 0.01  # vLLM's floor for a sampled temperature
     assert not parse_request(ChatCompletionRequest, {"messages": CHAT, "echo": False, "documents": None}).echo
     # but a completion's max_tokens: vLLM's Optional[int] = 16, where null is no limit
     unlimited = parse_request(CompletionRequest, {"prompt": "hi", "max_tokens": None})

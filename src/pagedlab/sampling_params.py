@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import functools
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,10 @@ from pathlib import Path
 from pagedlab.names import did_you_mean
 from pagedlab.scalars import is_value_list, python_numbers, python_scalar
 
+logger = logging.getLogger(__name__)
+
 _GREEDY_EPS = 1e-5
+_MIN_TEMPERATURE = 0.01  # vLLM's floor for a sampled temperature
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer (the noise's Philox key)
 
 
@@ -126,10 +130,12 @@ GuidedDecodingParams = StructuredOutputsParams
 class SamplingParams:
     """How to sample one request's completion(s).
 
-    ``temperature=0`` means greedy. ``seed`` gives the request its own sampling noise (completion
-    ``i`` of ``n`` seeded by ``seed + i``, its k-th token by that and k), so the same seed gives the
-    same tokens whether the request runs alone or among others, on any engine; -1 (OpenAI's and
-    vLLM's "random") is no seed, as None.
+    ``temperature=0`` means greedy; one in (0, 0.01) is raised to 0.01 with a warning, as vLLM
+    raises it (below it, logits / temperature risk inf and NaN), so it samples.
+    ``seed`` gives the request its own sampling noise (completion ``i`` of ``n`` seeded by
+    ``seed + i``, its k-th token by that and k), so the same seed gives the same tokens whether the
+    request runs alone or among others, on any engine; -1 (OpenAI's and vLLM's "random") is no
+    seed, as None.
     ``logprobs=N`` returns the top-N log-probabilities (plus the sampled token's) for each
     generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first;
     -1 (vLLM's) returns the whole vocabulary's.
@@ -207,6 +213,11 @@ class SamplingParams:
         if self.seed == -1 and isinstance(self.seed, int):  # vLLM's (and OpenAI's) spelling of "no seed"
             self.seed = None
         self._validate()
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature=%r is below %r, which risks inf and NaN in logits / temperature: "
+                           "sampling at %r instead (as vLLM; 0 is greedy)", self.temperature,
+                           _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
 
     def _validate(self) -> None:
         for name in _FLOAT_FIELDS:
