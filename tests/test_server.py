@@ -276,7 +276,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ({"prompt": "hi", "stop": 3}, "stop"),
+    ({"prompt": "hi", "stop": 3}, "stop"), ({"prompt": "hi", "stop": ["a", ""], "stream": True}, "stop"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),

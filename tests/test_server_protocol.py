@@ -43,6 +43,9 @@ def _error(request_type, body: dict) -> APIError:
     ({"prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     ({"prompt": "hi", "echo": 1}, "echo", "valid boolean"),
     ({"prompt": "hi", "stop": 3}, "stop", "expected a string or an array of strings"),
+    # vLLM's SamplingParams: "stop cannot contain an empty string", a 400
+    ({"prompt": "hi", "stop": ""}, "stop", "stop must be a non-empty string or a list of non-empty strings"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop", "stop=['a', ''] is invalid"),
     ({"prompt": "hi", "stop_token_ids": [1, "2"]}, "stop_token_ids", "expected an array of token ids"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "set it equal to n (1)"),
     ({"prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias", "keys must be token ids"),
@@ -93,6 +96,7 @@ def test_bad_completion_bodies(body, param, says):
      "`tools` must be set"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty", "in [-2, 2]"),
+    ({"messages": CHAT, "stop": [""]}, "stop", "stop=[''] is invalid"),
     ({"messages": CHAT, "chat_template_kwargs": []}, "chat_template_kwargs", "valid dictionary"),
     ({"messages": CHAT, "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
     ({"messages": CHAT, "echo": True}, "echo", "echo is not supported"),
@@ -161,7 +165,7 @@ def test_lenient_where_openai_is():
 def test_completion_to_sampling_params_maps_every_field():
     body = {"prompt": "hi", "n": 2, "best_of": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1,
             "presence_penalty": 0.3, "frequency_penalty": -0.4, "repetition_penalty": 1.2, "seed": 11,
-            "stop": ["a", "", "bc"], "stop_token_ids": [3, 4], "ignore_eos": True, "max_tokens": 40,
+            "stop": ["a", "bc"], "stop_token_ids": [3, 4], "ignore_eos": True, "max_tokens": 40,
             "min_tokens": 5, "logprobs": 3, "prompt_logprobs": 2, "include_stop_str_in_output": True,
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
             "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
@@ -186,7 +190,6 @@ def test_completion_to_sampling_params_maps_every_field():
     echoed = parse_request(CompletionRequest, {**body, "echo": True, "prompt_logprobs": None})
     assert echoed.to_sampling_params() == dataclasses.replace(want, prompt_logprobs=3)
     assert parse_request(CompletionRequest, {"prompt": "hi", "stop": "x"}).to_sampling_params().stop == ["x"]
-    assert parse_request(CompletionRequest, {"prompt": "hi", "stop": ""}).to_sampling_params().stop == []
     assert parse_request(CompletionRequest, {"prompt": "hi", "top_k": -1}).to_sampling_params().top_k == 0
 
 

@@ -202,14 +202,13 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.logprob_token_ids and logprobs is None:
             logprobs = 0  # the label ids' logprobs come back where the top logprobs do
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, seed=self.seed, stop=[s for s in stop if s],
+                repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
