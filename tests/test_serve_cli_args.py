@@ -1,5 +1,5 @@
-"""`pagedlab serve --chat-template`: a template file, or a template given inline; anything else is
-refused before the engine loads."""
+"""`pagedlab serve` flags checked before the engine loads: `--chat-template` (a template file, or a
+template given inline; anything else is refused) and `--response-role` (handed to the server)."""
 
 from __future__ import annotations
 
@@ -52,3 +52,29 @@ def test_a_long_inline_chat_template_reaches_the_engine_without_a_traceback(engi
     assert main(["serve", "--model", "m", "--chat-template", INLINE]) == 2
     assert "error: no engine in this test" in capsys.readouterr().err
     assert len(engines) == 1
+
+
+@pytest.mark.parametrize("flags, role", [([], "assistant"), (["--response-role", "narrator"], "narrator")])
+def test_response_role_reaches_the_server(monkeypatch, flags, role):
+    """vLLM's --response-role (default assistant) is handed to the server that answers chats."""
+    from types import SimpleNamespace
+
+    from pagedlab.engine.async_engine import AsyncEngine
+    from pagedlab.server import app
+
+    engine = SimpleNamespace(max_model_len=64, get_stats=lambda: SimpleNamespace(num_kv_blocks=4),
+                             default_sampling_args={}, shutdown=lambda: None)
+    monkeypatch.setattr(AsyncEngine, "from_engine_config", lambda config: engine)
+    served: list[dict] = []
+    monkeypatch.setattr(app, "run_server", lambda *args, **kwargs: served.append(kwargs))
+    assert main(["serve", "--model", "m", *flags]) == 0
+    assert [kwargs["response_role"] for kwargs in served] == [role]
+
+
+@pytest.mark.parametrize("role", ["", "  "])
+def test_a_blank_response_role_is_refused(role, engines, capsys):
+    """A blank role would be every reply's role: refused before the engine loads."""
+    assert main(["serve", "--model", "m", "--response-role", role]) == 2
+    assert f"error: --response-role {role!r} is invalid: give a role name such as assistant" in \
+        capsys.readouterr().err
+    assert engines == []

@@ -65,7 +65,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
               shutdown_engine: bool = False, limits: ServerLimits | None = None,
               lora_modules: Sequence[LoRARequest] = (),
               allow_runtime_lora_updating: bool | None = None, tool_calling: dict | None = None,
-              dev_mode: bool | None = None, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              dev_mode: bool | None = None, return_tokens_as_token_ids: bool = False,
+              response_role: str = "assistant") -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (default: the model as it
     was asked for), and each LoRA adapter of ``lora_modules`` under its own name. ``api_key``
     guards ``/v1``; ``metrics`` is a ``ServerMetrics`` (made here when ``enable_metrics``);
@@ -77,7 +78,9 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     ``exclude_tools_when_tool_choice_none``, ``reasoning_parser``); ``dev_mode`` adds vLLM's dev
     routes, sleep mode and ``/reset_prefix_cache`` (default: ``VLLM_SERVER_DEV_MODE``);
     ``return_tokens_as_token_ids`` names logprobs tokens "token_id:{id}" for every request that
-    leaves the field of that name unset (vLLM's ``--return-tokens-as-token-ids``)."""
+    leaves the field of that name unset (vLLM's ``--return-tokens-as-token-ids``);
+    ``response_role`` is the role of a chat reply to a request with ``add_generation_prompt``
+    (vLLM's ``--response-role``)."""
     names = list(served_model_names or [engine.model_name])
     if metrics is None and enable_metrics:
         metrics = ServerMetrics(model_name=names[0])
@@ -103,7 +106,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str] | None = No
     app.state.serving_completion = OpenAIServingCompletion(engine, names, admission, models,
                                                            return_tokens_as_token_ids=as_ids)
     app.state.serving_chat = OpenAIServingChat(engine, names, chat_template, admission, models,
-                                               return_tokens_as_token_ids=as_ids, **(tool_calling or {}))
+                                               return_tokens_as_token_ids=as_ids, response_role=response_role,
+                                               **(tool_calling or {}))
     app.state.serving_tokenization = OpenAIServingTokenization(engine, names, chat_template, admission,
                                                                models)
     app.add_middleware(CatchAllMiddleware)
@@ -502,10 +506,11 @@ def run_server(engine: AsyncEngine, host: str = "127.0.0.1", port: int = 8000, *
                chat_template: str | None = None, log_level: str = "info",
                enable_metrics: bool = True, limits: ServerLimits | None = None,
                shutdown_timeout_s: float = 30.0, lora_modules: Sequence[LoRARequest] = (),
-               tool_calling: dict | None = None, return_tokens_as_token_ids: bool = False) -> None:
+               tool_calling: dict | None = None, return_tokens_as_token_ids: bool = False,
+               response_role: str = "assistant") -> None:
     """Serve until SIGTERM or Ctrl-C (``GracefulServer``); the engine thread stops with the server."""
     app = build_app(engine, served_model_names, api_key, chat_template, enable_metrics=enable_metrics,
                     shutdown_engine=True, limits=limits, lora_modules=lora_modules, tool_calling=tool_calling,
-                    return_tokens_as_token_ids=return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=return_tokens_as_token_ids, response_role=response_role)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     GracefulServer(config, shutdown_timeout_s).run()

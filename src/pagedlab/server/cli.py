@@ -47,6 +47,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name each token "token_id:{id}" in place of its text, for every request '
                         "that does not set return_tokens_as_token_ids itself")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of a chat reply when the request's add_generation_prompt is true "
+                        "(default: assistant); with it false the reply takes the last message's role")
     limits = ServerLimits()
     g.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
                    help="sequences waiting to run beyond which requests get 503 with Retry-After "
@@ -120,6 +123,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     try:
         chat_template = chat_template_from_arg(args.chat_template)
+        check_response_role(args.response_role)
         limits = limits_from_args(args)
         tool_calling = tool_calling_from_args(args)
         lora_modules = lora_modules_from_args(args)
@@ -148,7 +152,8 @@ def serve_command(args: argparse.Namespace) -> int:
                    chat_template=chat_template, log_level=args.log_level,
                    enable_metrics=not args.disable_metrics, limits=limits,
                    shutdown_timeout_s=args.shutdown_timeout, lora_modules=lora_modules,
-                   tool_calling=tool_calling, return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                   tool_calling=tool_calling, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                   response_role=args.response_role)
     finally:
         engine.shutdown()
     return 0
@@ -167,6 +172,12 @@ def chat_template_from_arg(value: str | None) -> str | None:
             return value
         raise ValueError(f"--chat-template {value!r} is neither a readable file ({e.strerror}) nor a Jinja "
                          "template: give a template file or the template's text") from None
+
+
+def check_response_role(role: str) -> None:
+    """ValueError unless ``--response-role`` names a role: a blank one would be every reply's."""
+    if not role.strip():
+        raise ValueError(f"--response-role {role!r} is invalid: give a role name such as assistant")
 
 
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:

@@ -337,11 +337,11 @@ class ChatCompletionRequest(ToolFields, SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return value
 
-    @property
-    def response_role(self) -> str:
-        """The role of the reply (vLLM's ``get_chat_request_role``): the assistant's, or without
-        ``add_generation_prompt`` the last message's, which the reply continues."""
-        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+    def reply_role(self, response_role: str) -> str:
+        """The role of the reply (vLLM's ``get_chat_request_role``): the server's
+        ``response_role`` (``--response-role``), or without ``add_generation_prompt`` the last
+        message's, which the reply continues."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
 
     @property
     def completion_limit(self) -> int | None:
@@ -481,7 +481,7 @@ class ChatCompletionLogprobs(BaseModel):
 
 
 class ChatMessage(OpenAIResponse):
-    """The reply of a chat choice, in the request's ``response_role``: its text and tool calls
+    """The reply of a chat choice, in the request's ``reply_role``: its text and tool calls
     (vLLM's content is "" when a named or "required" tool_choice made the calls, null when "auto"
     found no text), and with ``--reasoning-parser`` its reasoning (left out where there is none)."""
 

@@ -34,20 +34,23 @@ class OpenAIServingChat(OpenAIServing):
     reads tool calls out of the text when ``enable_auto_tool_choice`` lets requests use
     tool_choice "auto"; ``exclude_tools_when_tool_choice_none`` keeps the tools of a tool_choice
     "none" request out of the chat template; ``reasoning_parser`` (a ``REASONING_PARSERS`` name)
-    splits the text into reasoning and content, tool calls being read from the content (vLLM's
+    splits the text into reasoning and content, tool calls being read from the content;
+    ``response_role`` is the reply's role when the request has ``add_generation_prompt`` (vLLM's
     flags)."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str],
                  chat_template: str | None = None, admission: Admission | None = None,
                  models: OpenAIServingModels | None = None, *, tool_call_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, exclude_tools_when_tool_choice_none: bool = False,
-                 reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False):
+                 reasoning_parser: str | None = None, return_tokens_as_token_ids: bool = False,
+                 response_role: str = "assistant"):
         super().__init__(engine, served_model_names, admission, models,
                          return_tokens_as_token_ids=return_tokens_as_token_ids)
         self.reasoning_parser = reasoning_parser_named(reasoning_parser)
         self.chat_template = chat_template
         self.tool_parser = tool_parser_named(tool_call_parser, enable_auto_tool_choice)
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.response_role = response_role
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      disconnected: asyncio.Future | None = None
@@ -70,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         await self.compile_grammar(params)
         run = _ChatRun(f"chatcmpl-{uuid.uuid4().hex}", model, prompt, params, request, self.admission,
                        ToolCalling(request, self.tool_parser), self.reasoning_parser,
-                       self.tokens_as_ids(request))
+                       self.tokens_as_ids(request), request.reply_role(self.response_role))
         streams = self.add_requests([prompt], [params], run.request_id, request.stream, model,
                                     request.priority)
         if request.stream:
@@ -102,12 +105,12 @@ class _ChatRun:
 
     def __init__(self, request_id: str, model: str, prompt: EncodedPrompt, params: SamplingParams,
                  request: ChatCompletionRequest, admission: Admission, tools: ToolCalling,
-                 reasoning: ReasoningParser | None, as_ids: bool):
+                 reasoning: ReasoningParser | None, as_ids: bool, role: str):
         self.request_id, self.created, self.model = request_id, int(time.time()), model
         if reasoning is not None and params.structured_outputs is not None:
             reasoning = reasoning.explicit()  # a grammar wrote the text: thinking only in its tags
         self.admission, self.tools, self.reasoning = admission, tools, reasoning
-        self.include_reasoning, self.role = request.include_reasoning, request.response_role
+        self.include_reasoning, self.role = request.include_reasoning, role
         self.wants_every_chunk = request.logprobs or request.return_token_ids
         self.prompt, self.params = prompt, params
         # with logprob_token_ids, the alternatives listed are the label ids (as vLLM)
