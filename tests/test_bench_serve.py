@@ -1,11 +1,18 @@
-"""``pagedlab bench serve``'s prompts and figures, without a server: hand-computed references."""
+"""``pagedlab bench serve``'s prompts and figures, without a server: hand-computed references;
+and a run stopped part-way, against a stand-in server, keeps the requests that finished."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from pagedlab.server import bench_serve
 from pagedlab.server.bench_serve import RequestResult, compute_metrics, load_dataset
 
 
@@ -66,3 +73,132 @@ def test_sharegpt_records_are_sampled_as_vllm_samples_them(tmp_path):
     assert len(counted) == 2  # the first record qualified: no other was tokenized
     with pytest.raises(ValueError, match="ShareGPT conversation: sizing it needs count_tokens"):
         load_dataset(str(data), 1, None)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """A stand-in for an OpenAI-compatible server: ``/v1/models`` names "fake"; its first
+    ``answered`` completions stream 2 tokens at once; the next one, when ``interrupt`` is set,
+    sends this process SIGINT (Ctrl-C); later ones are held open until the server stops."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._send(200, "application/json", json.dumps({"data": [{"id": "fake", "vocab_size": 50}]}).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        server = self.server
+        with server.lock:
+            n, server.count = server.count, server.count + 1
+        self._send(200, "text/event-stream", b"")
+        if n >= server.answered:
+            if n == server.answered and server.interrupt:
+                os.kill(os.getpid(), signal.SIGINT)
+            server.released.wait(30)
+            return
+        for chunk in ({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}):
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _send(self, status: int, kind: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        if body:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(answered: int, interrupt: bool = True) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        server.daemon_threads = True
+        server.count, server.answered, server.interrupt = 0, answered, interrupt
+        server.lock, server.released = threading.Lock(), threading.Event()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.released.set()
+        server.shutdown()
+        server.server_close()
+
+
+def _bench(url: str, out) -> int:
+    """Six requests one at a time (so each finishes before the next is sent), after one warm-up."""
+    try:
+        return bench_serve.main(["--base-url", url, "--num-prompts", "6", "--input-len", "4", "--output-len",
+                                 "2", "--max-concurrency", "1", "--disable-tqdm", "--json", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped bench serve, and with it the requests that had finished")
+
+
+def test_ctrl_c_mid_run_reports_and_saves_the_requests_that_finished(fake_server, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert _bench(fake_server(answered=1 + 3), out) == 130  # the warm-up and 3 timed requests finish
+    record = json.loads(out.read_text())
+    assert record["partial"] is True and record["interrupted"] == "Ctrl-C"
+    assert (record["completed"], record["failed"], record["finished_requests"]) == (3, 0, 3)
+    assert record["num_prompts"] == 6 and record["output_lens"] == [2, 2, 2]
+    assert record["total_output_tokens"] == 6 and record["duration"] > 0
+    report = capsys.readouterr().out
+    assert "stopped (Ctrl-C): the figures below cover the 3 of 6 requests that finished" in report
+    assert "Successful requests:                     3" in report
+
+
+def test_ctrl_c_before_any_request_finished_leaves_an_earlier_file(fake_server, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    out.write_text("earlier")
+    assert _bench(fake_server(answered=1), out) == 130
+    assert out.read_text() == "earlier"
+    assert "interrupted before any request finished" in capsys.readouterr().err
+
+
+def _break_the_fourth_timed_request(monkeypatch) -> None:
+    sent = []
+    real = bench_serve.send_request
+
+    async def breaks_at_the_fourth(*args, **kwargs):
+        sent.append(1)
+        if len(sent) == 1 + 4:  # after the warm-up
+            raise RuntimeError("client broke")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_serve, "send_request", breaks_at_the_fourth)
+
+
+def test_an_error_mid_run_keeps_the_requests_that_finished(fake_server, tmp_path, monkeypatch, capsys):
+    """An error escaping a request (here the fourth timed one) stops the run; the three that
+    finished are reported and saved, and the requests left are cancelled, not counted as failed."""
+    _break_the_fourth_timed_request(monkeypatch)
+    out = tmp_path / "run.json"
+    assert _bench(fake_server(answered=99, interrupt=False), out) == 1
+    record = json.loads(out.read_text())
+    assert record["partial"] is True and record["interrupted"] == "RuntimeError: client broke"
+    assert (record["completed"], record["failed"], record["finished_requests"]) == (3, 0, 3)
+    assert "RuntimeError: client broke" in capsys.readouterr().err
+
+
+def test_a_run_that_raises_leaves_no_request_running_and_its_state_holds_the_finished(fake_server,
+                                                                                      monkeypatch):
+    _break_the_fourth_timed_request(monkeypatch)
+    specs = bench_serve.random_requests(6, 4, 2, 50)
+
+    async def run() -> bench_serve.BenchmarkState:
+        state = bench_serve.BenchmarkState()
+        with pytest.raises(RuntimeError, match="client broke"):
+            await bench_serve.run_benchmark(fake_server(answered=99, interrupt=False), specs, model="fake",
+                                            max_concurrency=1, disable_tqdm=True, state=state)
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # the requests after it were cancelled
+        return state
+
+    state = asyncio.run(run())
+    assert [r is not None and r.success for r in state.results] == [True] * 3 + [False] * 3
+    assert state.end > state.start

@@ -16,6 +16,9 @@ token ids) or ``prompt_token_ids``, optional ``output_len``/``max_tokens``; Shar
 (``conversations``) are sampled as vLLM's ShareGPT dataset (``sharegpt_spec``), their turns
 tokenized by the server's ``/tokenize`` (``pagedlab.server.bench_prompts``). Input and output
 token counts are the server's ``usage``.
+
+A run stopped part-way (Ctrl-C, an error) still reports the requests that finished, and writes
+them to ``--json`` marked ``"partial": true``, with the reason in ``"interrupted"``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -53,6 +57,21 @@ class RequestResult:
     start_time: float = 0.0
     generated_text: str = ""
     error: str = ""
+
+
+@dataclass
+class BenchmarkState:
+    """A run's results as its requests finish (``run_benchmark(state=...)``), so a run stopped
+    part-way (Ctrl-C, an error) still has those that finished: ``results`` in spec order (None
+    for a request not finished), ``start`` and ``end`` the perf_counter times of the timed part."""
+
+    results: list[RequestResult | None] = field(default_factory=list)
+    start: float | None = None
+    end: float | None = None
+
+    def finished(self) -> list[RequestResult]:
+        """The finished requests' results (successes and failures), in spec order."""
+        return [r for r in self.results if r is not None]
 
 
 def _auth_headers(api_key: str | None) -> dict:
@@ -156,12 +175,15 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
                         endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
                         max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 1,
-                        seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None
-                        ) -> tuple[list[RequestResult], float]:
-    """Send every request; returns the results (in spec order) and the benchmark duration (s)."""
+                        seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None,
+                        state: BenchmarkState | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request; returns the results (in spec order) and the benchmark duration (s).
+    ``state`` (a ``BenchmarkState``) receives each result as its request finishes: what a caller
+    has of a run that raised or was cancelled part-way (the requests in flight then are cancelled)."""
     import httpx
 
     _check_arrivals(request_rate, burstiness)
+    state = state if state is not None else BenchmarkState()
     sampling = sampling or argparse.Namespace(ignore_eos=False)
     url = base_url.rstrip("/") + endpoint
     chat = endpoint.rstrip("/").endswith("chat/completions")
@@ -183,28 +205,31 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
 
             progress = tqdm(total=len(specs), desc="bench serve", unit="req", dynamic_ncols=True)
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        results: list[RequestResult | None] = [None] * len(specs)
+        state.results = [None] * len(specs)
 
         async def one(i: int) -> None:
-            if semaphore is None:
-                results[i] = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
-            else:
-                async with semaphore:
-                    results[i] = await send_request(client, url, headers, bodies[i], chat,
-                                                    specs[i].prompt_len)
+            async with semaphore or contextlib.nullcontext():
+                state.results[i] = await send_request(client, url, headers, bodies[i], chat,
+                                                      specs[i].prompt_len)
             if progress is not None:
                 progress.update(1)
 
-        rng = random.Random(seed)
-        start = time.perf_counter()
+        state.start = time.perf_counter()
         tasks = []
-        async for i in _arrivals(len(specs), request_rate, burstiness, rng):
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if progress is not None:
-            progress.close()
-    return results, duration
+        try:
+            async for i in _arrivals(len(specs), request_rate, burstiness, random.Random(seed)):
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+        except BaseException:  # Ctrl-C cancels this task; an error would leave the others running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            state.end = time.perf_counter()
+            if progress is not None:
+                progress.close()
+    return state.results, state.end - state.start
 
 
 def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
@@ -391,54 +416,93 @@ def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
     return percentiles, selected
 
 
+def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, list[RequestSpec]]:
+    """The model to name and the requests to send; a ValueError says why there are none."""
+    try:
+        model_id, card = _server_model(base_url, args.api_key)
+    except Exception as e:
+        raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
+    model = args.model or model_id
+    if args.dataset:
+        with _server_token_counter(base_url, model, args.api_key) as count_tokens:
+            return model, load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
+                                       count_tokens=count_tokens)
+    vocab = card.get("vocab_size")
+    if not vocab:
+        raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
+                         "not give 'vocab_size': use --dataset")
+    return model, random_requests(args.num_prompts, args.input_len,
+                                  128 if args.output_len is None else args.output_len, int(vocab),
+                                  args.random_range_ratio, args.random_prefix_len, args.seed)
+
+
 def bench_serve_command(args: argparse.Namespace) -> int:
+    """Run, report and save (``--json``) a serving benchmark. A run stopped part-way (Ctrl-C, an
+    error) reports and saves the requests that finished, marked partial. Exit code: 0, 1 when no
+    request succeeded or an error stopped the run, 2 for bad input or an unreachable server, 130
+    when interrupted."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
         base_url = base_url[:-3]
+    state = BenchmarkState()
+    stopped = None
     try:
         percentiles, selected = _checked_flags(args)
-        try:
-            model_id, card = _server_model(base_url, args.api_key)
-        except Exception as e:
-            raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
-        model = args.model or model_id
-        if args.dataset:
-            with _server_token_counter(base_url, model, args.api_key) as count_tokens:
-                specs = load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
-                                     count_tokens=count_tokens)
-        else:
-            vocab = card.get("vocab_size")
-            if not vocab:
-                raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
-                                 "not give 'vocab_size': use --dataset")
-            specs = random_requests(args.num_prompts, args.input_len,
-                                    128 if args.output_len is None else args.output_len, int(vocab),
-                                    args.random_range_ratio, args.random_prefix_len, args.seed)
+        model, specs = _requests(args, base_url)
         print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
               f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
-        results, duration = asyncio.run(run_benchmark(
+        asyncio.run(run_benchmark(
             base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
             burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
             num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
-            disable_tqdm=args.disable_tqdm, sampling=args))
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    metrics = compute_metrics(results, duration, percentiles, selected)
+            disable_tqdm=args.disable_tqdm, sampling=args, state=state))
+    except (Exception, KeyboardInterrupt) as e:
+        if state.finished():
+            stopped = e
+        elif isinstance(e, KeyboardInterrupt):
+            print("bench serve: interrupted before any request finished: nothing to report", file=sys.stderr)
+            return 130
+        elif isinstance(e, (ValueError, RuntimeError, OSError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        else:
+            raise
+    metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected)
+    if stopped is not None:
+        if not isinstance(stopped, KeyboardInterrupt):
+            traceback.print_exception(stopped, file=sys.stderr)
+        print(f"bench serve stopped ({_stop_reason(stopped)}): the figures below cover the "
+              f"{len(state.finished())} of {len(specs)} requests that finished", flush=True)
     print(format_report(metrics, percentiles, selected, args.max_concurrency, args.request_rate))
     failures = [e for e in metrics["errors"] if e]
     if failures:
         print(f"{len(failures)} requests failed; first error: {failures[0]}", file=sys.stderr)
     if args.json:
-        record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
-                  "endpoint": args.endpoint, "model_id": model, "num_prompts": args.num_prompts,
-                  "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                  "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
-                  "output_len": args.output_len, **metrics}
-        Path(args.json).write_text(json.dumps(record, indent=2))
-        print(f"results written to {args.json}", file=sys.stderr)
+        _save(args, base_url, model, metrics, stopped)
+    if stopped is not None:
+        return 130 if isinstance(stopped, KeyboardInterrupt) else 1
     return 0 if metrics["completed"] else 1
+
+
+def _stop_reason(error: BaseException) -> str:
+    return "Ctrl-C" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
+
+
+def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, stopped: BaseException | None
+          ) -> None:
+    """Write the ``--json`` record: the run's settings and figures (vLLM's keys); for a run stopped
+    part-way, ``"partial": true`` and why it stopped (``"interrupted"``)."""
+    record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
+              "endpoint": args.endpoint, "model_id": model, "num_prompts": args.num_prompts,
+              "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+              "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
+              "output_len": args.output_len, **metrics}
+    if stopped is not None:
+        record.update(partial=True, interrupted=_stop_reason(stopped),
+                      finished_requests=metrics["completed"] + metrics["failed"])
+    Path(args.json).write_text(json.dumps(record, indent=2))
+    print(f"{'partial ' if stopped is not None else ''}results written to {args.json}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,5 +517,5 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["RequestResult", "RequestSpec", "add_bench_serve_args", "bench_serve_command", "compute_metrics",
-           "format_report", "load_dataset", "random_requests", "run_benchmark"]
+__all__ = ["BenchmarkState", "RequestResult", "RequestSpec", "add_bench_serve_args", "bench_serve_command",
+           "compute_metrics", "format_report", "load_dataset", "random_requests", "run_benchmark"]
