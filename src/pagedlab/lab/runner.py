@@ -32,6 +32,7 @@ from pagedlab.lab.runs import ResolvedRun, expand_runs, format_plan
 from pagedlab.lab.schema import ExperimentSpec
 from pagedlab.lab.store import ResultStore, RunRecord
 from pagedlab.lab.unstored import record_or_save
+from pagedlab.lab.weights import legacy_renames
 from pagedlab.llm import LLM
 from pagedlab.sampling_params import SamplingParams
 
@@ -110,7 +111,7 @@ def run_experiment(spec: ExperimentSpec, db: str | None = None, dry_run: bool = 
         return _dry_run(spec, runs, db, report, quiet)
     with ResultStore(db) as store:
         store.ensure_experiment(spec.name, spec.to_dict())
-        store.rekey_runs({old: r.run_key for r in runs for old in r.legacy_keys if old != r.run_key})
+        store.rekey_runs(legacy_renames(store, spec.name, runs))
         done = store.finished_keys(spec.name)
         pending = [r for r in runs if r.run_key not in done]
         report.skipped = len(runs) - len(pending)
@@ -153,7 +154,8 @@ def _dry_run(spec: ExperimentSpec, runs: list[ResolvedRun], db: str | None, repo
     try:
         with ResultStore(db, create=False) as store:
             done = store.finished_keys(spec.name)
-        done |= {r.run_key for r in runs if done.intersection(r.legacy_keys)}  # rekeyed when they execute
+            renames = legacy_renames(store, spec.name, runs)
+        done |= {renames[k] for k in done if k in renames}  # rekeyed when they execute
     except FileNotFoundError:
         pass  # no database yet: every run is pending
     except Exception as e:  # a dry run still shows the plan without a database
@@ -294,7 +296,7 @@ def _execute(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir: Path | No
     metrics.update(telemetry_metrics(telemetry))
     outputs = [_output_record(it, o) for it, o in zip(run.dataset.items, result.outputs)]
     experiment = {"name": spec.name, "file": str(spec.path) if spec.path else None, "run_key": run.run_key,
-                  "dataset_sha256": run.dataset.sha256}
+                  "weights": run.weights, "dataset_sha256": run.dataset.sha256}
     extra = {"experiment": experiment, **({"profile": profile} if profile else {})}
     adapter = lora_request(run.config.get("lora"))
     if adapter is not None:
@@ -368,7 +370,7 @@ def _execute_benchmark(spec: ExperimentSpec, run: ResolvedRun, llm, profile_dir:
     metrics = bench_run.metrics()
     manifest = dict(result.manifest)
     manifest["experiment"] = {"name": spec.name, "file": str(spec.path) if spec.path else None,
-                              "run_key": run.run_key}
+                              "run_key": run.run_key, "weights": run.weights}
     if bench_run.profile:
         manifest["profile"] = bench_run.profile
     return metrics, [], bench_run.telemetry, [], manifest

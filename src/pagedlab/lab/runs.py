@@ -1,5 +1,6 @@
 """An experiment's runs: (explicit runs x grid points) x repeats, each resolved to a full config
-with its seed, its dataset and a run key that identifies it in the results database."""
+with its seed, its dataset and a run key that identifies it in the results database (with the
+stamp of the local weights it reads: ``pagedlab.lab.weights``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
 from pagedlab.lab.datasets import Dataset, load_dataset
 from pagedlab.lab.metrics import METRICS
 from pagedlab.lab.schema import SECTIONS, BenchmarkSettings, DatasetSettings, ExperimentError, ExperimentSpec
+from pagedlab.lab.weights import weights_stamp
 from pagedlab.sampling_params import SamplingParams
 
 # ``where(section, key)`` gives ``file:line: key.path`` of the line that set a resolved setting
@@ -35,8 +37,10 @@ class ResolvedRun:
     run_key: str = ""
     dataset: Dataset | None = None
     # the keys earlier recipes gave the run: its config as written (pagedlab <= 0.1), then with
-    # its dataset settings (before the dataset counted by its content alone)
+    # its dataset settings (before the dataset counted by its content alone), then without the
+    # stamp of its weights
     legacy_keys: tuple[str, ...] = ()
+    weights: dict | None = None  # its local weight files' stamp (``weights_stamp``), in its key
 
     @property
     def group_key(self) -> str:
@@ -221,11 +225,15 @@ def _assign_run_keys(spec: ExperimentSpec, resolved: list[ResolvedRun]) -> None:
         ident = {"repeat": run.repeat, "seed": run.seed,
                  "dataset_sha256": run.dataset.sha256 if run.dataset else None}
         canonical = key_config(run.config)
-        run.run_key = f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}"
+        run.weights = weights_stamp(run.config)
+        unstamped = f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}"
+        # without local weights the key stays as it was before weights were stamped
+        run.run_key = unstamped if run.weights is None else \
+            f"{spec.name}:{_digest({'config': canonical, **ident, 'weights': run.weights, 'key': 2})}"
         if run.config.get("dataset") is not None:
             canonical = {**canonical, "dataset": _key_section("dataset", run.config["dataset"])}
         run.legacy_keys = (f"{spec.name}:{_digest({'config': run.config, **ident})}",
-                           f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}")
+                           f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}", unstamped)
     keys = [r.run_key for r in resolved]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)
