@@ -7,7 +7,7 @@
 - ``versions``: Python, pagedlab, torch, triton, transformers, tokenizers, safetensors, numpy;
 - ``model``: name and path, GGUF file if converted, architecture, load format, hashes of
   config.json and generation_config.json, and weight checksum (SHA-256 of the weight files;
-  cached by path, size and mtime);
+  each file's digest cached by path, size, mtime and ctime: ``file_digest``);
 - ``tokenizer``: class, path, checksum of its files, chat template hash;
 - ``engine``: the fully resolved engine config (dtype, device, max_model_len, token budget, KV
   blocks), the ids that end a sequence and the generation config's sampling defaults;
@@ -272,13 +272,13 @@ def _sha256(data: bytes) -> str:
 
 
 def files_checksum(paths: list[Path]) -> str | None:
-    """SHA-256 over the names and contents of ``paths`` (each file's digest is cached by path,
-    size and mtime, so a 16 GB checkpoint is read once)."""
+    """SHA-256 over the names and contents of ``paths`` (each file's digest is cached:
+    ``file_digest``, so a 16 GB checkpoint is read once)."""
     if not paths:
         return None
     outer = hashlib.sha256()
     for p in paths:
-        outer.update(p.name.encode() + b"\0" + _file_digest(Path(p)).encode() + b"\0")
+        outer.update(p.name.encode() + b"\0" + file_digest(Path(p)).encode() + b"\0")
     return "sha256:" + outer.hexdigest()
 
 
@@ -286,21 +286,35 @@ def _digest_cache_path() -> Path:
     return cache_root() / "lab" / "file-digests.json"
 
 
-def _file_digest(path: Path) -> str:
+# this process's digests, by the key of the cache file: a plan's run keys and every run's
+# manifest ask for the same files, and the cache file need not be parsed again for each
+_DIGESTS: dict[str, str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 (hex) of the file at ``path``, cached (in ``$PAGEDLAB_CACHE_DIR/lab/file-digests.json``
+    and in this process) by its resolved path, size, mtime and ctime: a file unchanged since it
+    was hashed costs a ``stat``. The ctime counts because every write sets it and, unlike the
+    mtime, no call can set it back: bytes rewritten at the same size with the mtime restored
+    (``os.utime``) are hashed again, and a ``touch`` or a copy of the same bytes over the file
+    only costs hashing it once more."""
     st = path.stat()
-    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    if key in _DIGESTS:
+        return _DIGESTS[key]
     cache_file = _digest_cache_path()
     try:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
     if key in cache:
+        _DIGESTS[key] = cache[key]
         return cache[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
-    digest = h.hexdigest()
+    digest = _DIGESTS[key] = h.hexdigest()
     try:  # re-read, merge and replace atomically: several processes may hash at once
         try:
             cache = json.loads(cache_file.read_text())

@@ -1,6 +1,6 @@
 """An experiment's runs: (explicit runs x grid points) x repeats, each resolved to a full config
 with its seed, its dataset and a run key that identifies it in the results database (with the
-stamp of the local weights it reads: ``pagedlab.lab.weights``)."""
+checksums of the local weights it reads: ``pagedlab.lab.weights``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig
 from pagedlab.lab.datasets import Dataset, load_dataset
 from pagedlab.lab.metrics import METRICS
 from pagedlab.lab.schema import SECTIONS, BenchmarkSettings, DatasetSettings, ExperimentError, ExperimentSpec
-from pagedlab.lab.weights import weights_stamp
+from pagedlab.lab.weights import weights_checksums
 from pagedlab.sampling_params import SamplingParams
 
 # ``where(section, key)`` gives ``file:line: key.path`` of the line that set a resolved setting
@@ -38,9 +38,9 @@ class ResolvedRun:
     dataset: Dataset | None = None
     # the keys earlier recipes gave the run: its config as written (pagedlab <= 0.1), then with
     # its dataset settings (before the dataset counted by its content alone), then without the
-    # stamp of its weights
+    # checksums of its weights
     legacy_keys: tuple[str, ...] = ()
-    weights: dict | None = None  # its local weight files' stamp (``weights_stamp``), in its key
+    weights: dict | None = None  # its local weights' checksums (``weights_checksums``), in its key
 
     @property
     def group_key(self) -> str:
@@ -89,9 +89,11 @@ def _short(v) -> str:
     return str(v)
 
 
-def expand_runs(spec: ExperimentSpec) -> list[ResolvedRun]:
+def expand_runs(spec: ExperimentSpec, weights: bool = True) -> list[ResolvedRun]:
     """Every run of ``spec`` in order: (runs x grid points) x repeats; validates each resolved
-    engine and sampling config and loads (and checks) the datasets."""
+    engine and sampling config and loads (and checks) the datasets. ``weights=False`` reads no
+    weight file and leaves the weights' checksums out of the run keys (for validation alone: runs
+    are duplicates with the checksums or without, which follow from their configs)."""
     grid_points = [dict(zip(spec.grid, combo)) for combo in itertools.product(*spec.grid.values())] \
         if spec.grid else [{}]
     datasets: dict[str, Dataset] = {}
@@ -106,7 +108,7 @@ def expand_runs(spec: ExperimentSpec) -> list[ResolvedRun]:
             for r in range(spec.repeats):
                 resolved.append(ResolvedRun(len(resolved), config, overrides, r, _seed(spec, config, r),
                                             dataset=dataset))
-    _assign_run_keys(spec, resolved)
+    _assign_run_keys(spec, resolved, weights)
     return resolved
 
 
@@ -220,20 +222,21 @@ def _seed(spec: ExperimentSpec, config: dict, repeat: int) -> int:
     return (section.get("seed") or 0) + repeat
 
 
-def _assign_run_keys(spec: ExperimentSpec, resolved: list[ResolvedRun]) -> None:
-    for run in resolved:
+def _assign_run_keys(spec: ExperimentSpec, resolved: list[ResolvedRun], weights: bool) -> None:
+    checksums = weights_checksums([r.config for r in resolved]) if weights else [None] * len(resolved)
+    for run, run_weights in zip(resolved, checksums):
         ident = {"repeat": run.repeat, "seed": run.seed,
                  "dataset_sha256": run.dataset.sha256 if run.dataset else None}
         canonical = key_config(run.config)
-        run.weights = weights_stamp(run.config)
-        unstamped = f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}"
-        # without local weights the key stays as it was before weights were stamped
-        run.run_key = unstamped if run.weights is None else \
+        run.weights = run_weights
+        path_only = f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}"
+        # without local weights the key stays as it was before it held their checksums
+        run.run_key = path_only if run.weights is None else \
             f"{spec.name}:{_digest({'config': canonical, **ident, 'weights': run.weights, 'key': 2})}"
         if run.config.get("dataset") is not None:
             canonical = {**canonical, "dataset": _key_section("dataset", run.config["dataset"])}
         run.legacy_keys = (f"{spec.name}:{_digest({'config': run.config, **ident})}",
-                           f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}", unstamped)
+                           f"{spec.name}:{_digest({'config': canonical, **ident, 'key': 2})}", path_only)
     keys = [r.run_key for r in resolved]
     if len(set(keys)) != len(keys):
         dup = next(k for k in keys if keys.count(k) > 1)

@@ -114,7 +114,8 @@ def validate_experiment(data, lines: dict, path: Path) -> ExperimentSpec:
     _read_repeats(spec, data)
     _read_metrics(spec, data)
     _read_options(spec, data)
-    expand_runs(spec)  # validates every resolved run's engine and sampling settings and the datasets
+    # validates every resolved run's engine and sampling settings and the datasets
+    expand_runs(spec, weights=False)
     return spec
 
 

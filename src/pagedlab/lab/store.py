@@ -4,8 +4,8 @@ and telemetry, in any SQLAlchemy database (a SQLite file by default; PostgreSQL 
 Tables (created on first use):
 
 - ``experiments``: ``name`` (unique), the experiment's resolved spec, created/updated times;
-- ``runs``: ``run_key`` (unique: experiment + resolved params + repeat + seed + the stamp of the
-  local weights, so a rerun skips it), ``status`` ("finished" or "failed"), ``model``, ``repeat``,
+- ``runs``: ``run_key`` (unique: experiment + resolved params + repeat + seed + the checksums of
+  the local weights, so a rerun skips it), ``status`` ("finished" or "failed"), ``model``, ``repeat``,
   ``seed``, and JSON columns ``params`` (dotted keys such as ``engine.block_size``), ``metrics``
   (flat scalars), ``manifest``, ``telemetry`` (summary) and ``telemetry_samples``; ``error`` for a
   failed run;

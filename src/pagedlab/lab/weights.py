@@ -1,61 +1,92 @@
-"""What a run's key knows of the weights the run reads.
+"""What a run's key knows of the weights the run reads: their content.
 
 A run names its model (and LoRA adapter, and draft model) by path, and the files at a path can be
 rewritten: a fine-tune saved over its directory, an adapter trained again. A resumed sweep must
-then run again rather than keep the results of the old weights, so the key holds each file's name,
-size and modification time (``weights_stamp``): a rewrite changes them, and taking them costs one
-``stat`` a file where hashing a checkpoint would read gigabytes on every resume. The manifest
-keeps the stamp (``experiment.weights``) beside the weights' full SHA-256 (``model.weight_checksum``).
+then run again rather than keep the results of the old weights, so the key holds the checksums
+that the run's manifest records of them (``weights_checksums``): the model's ``config_hash`` and
+``weight_checksum`` (config.json alone under ``load_format: dummy``, which reads no weights), the
+adapter's ``config`` and ``weights_sha256``, the draft model's as the model's. The key follows the
+bytes, not the files' dates: identical weights at one path on two machines that share one results
+database give one key, a copy of the same bytes over the files or a ``touch`` runs nothing again,
+and new bytes (even of the same size under the old mtime) run again. Each file is hashed once and then
+costs a ``stat`` while it is unchanged (``pagedlab.lab.manifest.file_digest``), and a run's
+manifest takes the digests its key took. A hub model id or an embedded model keeps its key.
 
-A run stored under a key from before the stamp (which knew the path alone) still counts as done
-when the checksums its manifest recorded are those of the files there now (``legacy_renames``).
+The manifest records the checksums in the key as ``experiment.weights`` too. A run stored under
+a key from before the checksums (which knew the path alone) still counts as done when the
+checksums its manifest recorded are those in its key now (``legacy_renames``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
-from pagedlab.lab.manifest import config_hash, files_checksum, weight_files
+from pagedlab.lab.manifest import config_hash, file_digest, files_checksum, weight_files
 from pagedlab.loader.gguf import EMBEDDED_MODELS
-from pagedlab.lora.adapter import BIN_WEIGHTS_FILE, CONFIG_FILE, WEIGHTS_FILE
+from pagedlab.lora.adapter import adapter_weights_file, read_adapter_config
 
 
-def weights_stamp(config: dict) -> dict | None:
-    """``{"model": [[name, size, mtime_ns], ...], "lora": ..., "draft_model": ...}``: the local
-    files the run of ``config`` reads its weights (and the model's config.json) from; None when
-    it reads none (a hub model id or an embedded model, without a local adapter or draft)."""
-    engine = config.get("engine") or {}
-    stamp = {}
-    model = _local_model(config["model"])
-    if model is not None:
-        stamp["model"] = _stat(_model_files(model, dummy=engine.get("load_format") == "dummy"))
-    if config.get("lora") is not None:
-        adapter = Path(config["lora"])
-        stamp["lora"] = _stat([adapter / CONFIG_FILE, *weight_files(adapter)])
-    draft = _local_model(_draft_model(engine))
-    if draft is not None:
-        stamp["draft_model"] = _stat(_model_files(draft, dummy=False))
-    return stamp or None
+def weights_checksums(configs: list[dict]) -> list[dict | None]:
+    """For each run config, the checksums of the local weights the run reads, named as in its
+    manifest: ``{"model": {"config_hash": ..., "weight_checksum": ...}, "lora": {"config": ...,
+    "weights_sha256": ...}, "draft_model": {...}}`` (a GGUF file has its ``weight_checksum``
+    alone); None for a run that reads none (a hub model id or an embedded model, without a local
+    adapter or draft). Each model and adapter is checksummed once however many configs name it."""
+    model = functools.cache(_model_checksums)
+    adapter = functools.cache(_adapter_checksums)
+    return [_checksums(config, model, adapter) for config in configs]
 
 
 def legacy_renames(store, experiment: str, runs: list) -> dict[str, str]:
     """``{old key: run key}`` for the stored runs of ``experiment`` to rekey (``ResultStore.rekey_runs``):
-    every earlier key of ``runs``, except a finished run's whose run reads local weights that are
-    no longer those its manifest recorded (that run is to run again). Reads the store only."""
+    every earlier key of ``runs``, except a finished run's whose manifest recorded checksums of its
+    weights other than those in its key now (that run is to run again). Reads the store only."""
     renames = {old: r.run_key for r in runs for old in r.legacy_keys if old != r.run_key}
-    stamped = {old: r for r in runs if r.weights for old in r.legacy_keys if old != r.run_key}
-    finished = store.finished_keys(experiment) & stamped.keys()
+    checked = {old: r for r in runs if r.weights for old in r.legacy_keys if old != r.run_key}
+    finished = store.finished_keys(experiment) & checked.keys()
     if not finished:
         return renames
     stored = store.runs(experiment=experiment, status="finished")
-    manifests = {row["run_key"]: row["manifest"] for row in stored if row["run_key"] in finished}
-    checksum = functools.cache(_current_checksum)
+    manifests = {row["run_key"]: row["manifest"] or {} for row in stored if row["run_key"] in finished}
     for old in finished:
-        if not _same_weights(stamped[old].config, manifests.get(old) or {}, checksum):
+        if _recorded(manifests.get(old, {}), checked[old].weights) != checked[old].weights:
             del renames[old]
     return renames
+
+
+def _checksums(config: dict, model_checksums, adapter_checksums) -> dict | None:
+    engine = config.get("engine") or {}
+    dummy = engine.get("load_format") == "dummy"  # the draft model's weights are random then too
+    checksums = {}
+    model = _local_model(config["model"])
+    if model is not None:
+        checksums["model"] = model_checksums(model, dummy)
+    if config.get("lora") is not None:
+        checksums["lora"] = adapter_checksums(config["lora"])
+    draft = _local_model(_draft_model(engine))
+    if draft is not None:
+        checksums["draft_model"] = model_checksums(draft, dummy)
+    return checksums or None
+
+
+def _model_checksums(path: Path, dummy: bool) -> dict:
+    if path.is_file():  # a GGUF file: config and weights in one, so it counts under dummy too
+        return {"weight_checksum": files_checksum(weight_files(path, path))}
+    if dummy:
+        return {"config_hash": config_hash(path)}
+    return {"config_hash": config_hash(path), "weight_checksum": files_checksum(weight_files(path))}
+
+
+def _adapter_checksums(path: str) -> dict:
+    weights = adapter_weights_file(path)
+    return {"config": read_adapter_config(path), "weights_sha256": file_digest(weights) if weights else None}
+
+
+def _recorded(manifest: dict, weights: dict) -> dict:
+    """The checksums ``manifest`` recorded, under the names ``weights`` has."""
+    return {section: {name: (manifest.get(section) or {}).get(name) for name in checksums}
+            for section, checksums in weights.items()}
 
 
 def _local_model(model: str | None) -> Path | None:
@@ -68,51 +99,3 @@ def _local_model(model: str | None) -> Path | None:
 def _draft_model(engine: dict) -> str | None:
     speculative = engine.get("speculative_config")
     return speculative.get("model") if isinstance(speculative, dict) else None
-
-
-def _model_files(path: Path, dummy: bool) -> list[Path]:
-    if path.is_file():  # a GGUF file: weights and config in one
-        return [path]
-    return [path / "config.json", *([] if dummy else weight_files(path))]
-
-
-def _stat(paths: list[Path]) -> list[list]:
-    out = []
-    for p in paths:
-        if p.is_file():
-            st = p.stat()
-            out.append([p.name, st.st_size, st.st_mtime_ns])
-    return out
-
-
-def _same_weights(config: dict, manifest: dict, checksum) -> bool:
-    """Whether the local weights ``config`` names are those of the run whose manifest is given."""
-    model = _local_model(config["model"])
-    if model is not None:
-        recorded = manifest.get("model") or {}
-        dummy = (config.get("engine") or {}).get("load_format") == "dummy"
-        if model.is_dir() and recorded.get("config_hash") != config_hash(model):
-            return False
-        if not dummy and (recorded.get("weight_checksum") is None
-                          or recorded["weight_checksum"] != checksum("model", str(model))):
-            return False
-    draft = _local_model(_draft_model(config.get("engine") or {}))
-    if draft is not None:
-        recorded = (manifest.get("draft_model") or {}).get("weight_checksum")
-        if recorded is None or recorded != checksum("model", str(draft)):
-            return False
-    if config.get("lora") is not None:
-        recorded = (manifest.get("lora") or {}).get("weights_sha256")
-        if recorded is None or recorded != checksum("lora", config["lora"]):
-            return False
-    return True
-
-
-def _current_checksum(kind: str, path: str) -> str | None:
-    """The checksum the manifest records of the weights at ``path`` now: ``model.weight_checksum``
-    (its per-file digests cached by path, size and mtime) or an adapter's ``weights_sha256``."""
-    p = Path(path)
-    if kind == "model":
-        return files_checksum(weight_files(p, p if p.is_file() else None))
-    weights = next((p / name for name in (WEIGHTS_FILE, BIN_WEIGHTS_FILE) if (p / name).is_file()), None)
-    return hashlib.sha256(weights.read_bytes()).hexdigest() if weights is not None else None

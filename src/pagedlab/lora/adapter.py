@@ -133,6 +133,13 @@ def load_adapter(request: LoRARequest, max_rank: int, dtype: torch.dtype) -> LoR
     return LoRAAdapter(request, config, modules, sha256)
 
 
+def adapter_weights_file(directory: str | Path) -> Path | None:
+    """The file an adapter's weights are read from: ``WEIGHTS_FILE``, else ``BIN_WEIGHTS_FILE``;
+    None when the directory holds neither."""
+    candidates = (Path(directory) / WEIGHTS_FILE, Path(directory) / BIN_WEIGHTS_FILE)
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
+
+
 def _read_weights(request: LoRARequest) -> tuple[dict[str, torch.Tensor], str]:
     """The adapter's tensors by name and the sha256 of their file: ``adapter_model.safetensors``,
     else ``adapter_model.bin`` loaded with ``weights_only=True`` (tensors only, no code runs)."""
@@ -140,8 +147,7 @@ def _read_weights(request: LoRARequest) -> tuple[dict[str, torch.Tensor], str]:
     from safetensors.torch import load
 
     directory = Path(request.lora_path).expanduser()
-    candidates = (directory / WEIGHTS_FILE, directory / BIN_WEIGHTS_FILE)
-    path = next((candidate for candidate in candidates if candidate.is_file()), None)
+    path = adapter_weights_file(directory)
     if path is None:
         raise ValueError(f"LoRA adapter {request.lora_name!r}: {str(directory)!r} has neither {WEIGHTS_FILE} "
                          f"nor {BIN_WEIGHTS_FILE} (PEFT's save_pretrained writes one of them)")
