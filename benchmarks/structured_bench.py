@@ -23,7 +23,8 @@ from pathlib import Path
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.sampling_params import StructuredOutputsParams
-from pagedlab.workloads import DEFAULT_SHAPES, environment, make_workload, shape_dir
+from pagedlab.bench_json import environment
+from pagedlab.workloads import DEFAULT_SHAPES, make_workload, shape_dir
 
 DEFAULT_SCHEMA = {
     "type": "object",

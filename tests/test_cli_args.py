@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedlab import workloads
+from pagedlab import bench_json, workloads
 from pagedlab.cli.main import main
 
 
@@ -85,7 +85,7 @@ def test_bench_json_write_failure_is_an_error_not_a_traceback(tmp_path, bench_ca
     def fail(path, results, command, error=None):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(workloads, "write_json", fail)
+    monkeypatch.setattr(bench_json, "write_json", fail)
     path = str(tmp_path / "out.json")
     assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", path]) == 2
     assert f"--json {path}: [Errno 28] No space left on device" in capsys.readouterr().err

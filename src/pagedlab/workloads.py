@@ -14,7 +14,6 @@ import hashlib
 import itertools
 import json
 import numbers
-import platform
 import statistics
 import tempfile
 import time
@@ -23,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-import pagedlab
 from pagedlab import hf_peer
 from pagedlab.config import model_max_len
 from pagedlab.family_shapes import FAMILY_SHAPES
@@ -340,24 +338,6 @@ def run_hf_generate_batch(model, workload: Workload, label: str, output_len: int
                           _peak_gib(), floor)
 
 
-def environment() -> dict:
-    import transformers
-
-    info = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__, "gpu": None, "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    info["pagedlab"] = pagedlab.__version__
-    return info
-
-
 def format_row(r: WorkloadResult) -> str:
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
@@ -389,15 +369,6 @@ def format_telemetry(extra: dict) -> str:
         text += f", throttled {f'{share:.0%}' if share >= 0.01 else '<1%'} " \
             f"({','.join(r for r in seen if r in THROTTLING_REASONS)})"
     return text
-
-
-def write_json(path: str, results: list[WorkloadResult], command: str, error: str | None = None) -> None:
-    """Every row with the environment and the command; ``error``: why the run stopped before its
-    last row (the rows are those that finished)."""
-    body = {"environment": environment(), "command": command, "results": [r.to_dict() for r in results]}
-    if error is not None:
-        body["error"] = error
-    Path(path).write_text(json.dumps(body, indent=2))
 
 
 DEFAULT_SHAPES = {"W-seed": "llama3-8b", "W-lat": "llama3-8b", "W-long": "llama3-8b", "W-nano": "qwen3-0.6b",

@@ -201,10 +201,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def write_bench_json(args: argparse.Namespace, results: list, error: str | None = None) -> None:
     """``--json``: the rows, the command as typed and, for a run that stopped early, why."""
-    from pagedlab import workloads
+    from pagedlab import bench_json
 
     try:
-        workloads.write_json(args.json, results, shlex.join(["pagedlab", *args.argv]), error)
+        bench_json.write_json(args.json, results, shlex.join(["pagedlab", *args.argv]), error)
     except OSError as e:
         raise ValueError(f"--json {args.json}: {e}; the rows above are all the results") from None
     if error is not None:
