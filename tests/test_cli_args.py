@@ -81,6 +81,21 @@ def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, mess
     assert bench_calls == []
 
 
+@pytest.mark.parametrize("command", ["throughput", "latency"])
+def test_bench_takes_vllms_output_json_for_json(command, monkeypatch, tmp_path):
+    """`vllm bench throughput|latency --output-json PATH` works here as it is typed there."""
+    def one_row(*args, results, **kwargs):
+        results.append(workloads.WorkloadResult("W-seed", "pagedlab", "bs=1", 1, 8, 4, 0.5,
+                                                None, None, None, None, None, None))
+        return results
+
+    monkeypatch.setattr(workloads, "run_bench", one_row)
+    out = tmp_path / "vllm-style.json"
+    argv = ["bench", command, "--shape", "qwen3-0.6b", "--device", "cpu", "--output-json", str(out)]
+    assert main(argv) == 0
+    assert [r["label"] for r in json.loads(out.read_text())["results"]] == ["bs=1"]
+
+
 def test_bench_json_write_failure_is_an_error_not_a_traceback(tmp_path, bench_calls, monkeypatch, capsys):
     def fail(path, results, command, error=None):
         raise OSError(28, "No space left on device")

@@ -273,7 +273,8 @@ def _add_bench_commands(sub) -> None:
                             "size; 256 for W-nano/W-prefix, 4 for W-long)")
         p.add_argument("--repeats", type=positive_int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
-        p.add_argument("--json", default=None, help="write every row, versions and GPU name here")
+        p.add_argument("--json", "--output-json", dest="json", default=None, metavar="PATH",
+                       help="write every row, versions and GPU name here (--output-json: vLLM's spelling)")
         p.add_argument("--num-loras", type=int, default=None, metavar="N",
                        help="LoRA: write N random PEFT adapters for the model's shape and spread them "
                             "round-robin over each batch's requests (pagedlab: enable_lora, max_loras N, "
