@@ -292,6 +292,9 @@ def test_bench_cli_runs_both_backends_and_counts_tokens(tiny_llama, tmp_path, ca
         # the physical floor is an H200's: its ratio is printed on a GPU only
         assert (r["over_floor"] > 1) if torch.cuda.is_available() else (r["over_floor"] is None)
         assert r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0
+        # vLLM's keys: tokens_per_second is its prompt + output tokens/s; one repeat, one latency
+        assert r["tokens_per_second"] == pytest.approx(r["total_tok_s"])
+        assert r["latencies"] == [r["elapsed_s"]]
 
 
 def test_each_batch_is_warmed_on_its_own_requests_then_timed_without_their_cache(tiny_llama, monkeypatch):

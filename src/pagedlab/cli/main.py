@@ -274,7 +274,8 @@ def _add_bench_commands(sub) -> None:
         p.add_argument("--repeats", type=positive_int, default=1 if name == "throughput" else 3)
         p.add_argument("--backend", nargs="+", default=["pagedlab"], help="pagedlab and/or hf")
         p.add_argument("--json", "--output-json", dest="json", default=None, metavar="PATH",
-                       help="write every row, versions and GPU name here (--output-json: vLLM's spelling)")
+                       help="write every row, versions and GPU name here, each row with the keys of "
+                            f"vLLM's bench throughput and latency --output-json too ({BENCH_DOCS})")
         p.add_argument("--num-loras", type=int, default=None, metavar="N",
                        help="LoRA: write N random PEFT adapters for the model's shape and spread them "
                             "round-robin over each batch's requests (pagedlab: enable_lora, max_loras N, "
