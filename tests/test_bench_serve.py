@@ -1,5 +1,6 @@
 """``pagedlab bench serve``'s prompts and figures, without a server: hand-computed references;
-and a run stopped part-way, against a stand-in server, keeps the requests that finished."""
+and a run stopped part-way (Ctrl-C, SIGTERM, an error), against a stand-in server, keeps the
+requests that finished."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -77,8 +81,8 @@ def test_sharegpt_records_are_sampled_as_vllm_samples_them(tmp_path):
 
 class _Handler(BaseHTTPRequestHandler):
     """A stand-in for an OpenAI-compatible server: ``/v1/models`` names "fake"; its first
-    ``answered`` completions stream 2 tokens at once; the next one, when ``interrupt`` is set,
-    sends this process SIGINT (Ctrl-C); later ones are held open until the server stops."""
+    ``answered`` completions stream 2 tokens at once; the next one sends this process the signal
+    ``interrupt`` (SIGINT: Ctrl-C; None: none); later ones are held open until the server stops."""
 
     def log_message(self, *args):
         pass
@@ -93,8 +97,8 @@ class _Handler(BaseHTTPRequestHandler):
             n, server.count = server.count, server.count + 1
         self._send(200, "text/event-stream", b"")
         if n >= server.answered:
-            if n == server.answered and server.interrupt:
-                os.kill(os.getpid(), signal.SIGINT)
+            if n == server.answered and server.interrupt is not None:
+                os.kill(os.getpid(), server.interrupt)
             server.released.wait(30)
             return
         for chunk in ({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
@@ -115,7 +119,7 @@ class _Handler(BaseHTTPRequestHandler):
 def fake_server():
     servers = []
 
-    def start(answered: int, interrupt: bool = True) -> str:
+    def start(answered: int, interrupt: signal.Signals | None = signal.SIGINT) -> str:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.count, server.answered, server.interrupt = 0, answered, interrupt
@@ -124,6 +128,7 @@ def fake_server():
         servers.append(server)
         return f"http://127.0.0.1:{server.server_port}"
 
+    start.servers = servers
     yield start
     for server in servers:
         server.released.set()
@@ -131,34 +136,78 @@ def fake_server():
         server.server_close()
 
 
+BENCH_ARGS = ["--num-prompts", "6", "--input-len", "4", "--output-len", "2", "--max-concurrency", "1",
+              "--disable-tqdm"]
+
+
 def _bench(url: str, out) -> int:
     """Six requests one at a time (so each finishes before the next is sent), after one warm-up."""
     try:
-        return bench_serve.main(["--base-url", url, "--num-prompts", "6", "--input-len", "4", "--output-len",
-                                 "2", "--max-concurrency", "1", "--disable-tqdm", "--json", str(out)])
+        return bench_serve.main(["--base-url", url, *BENCH_ARGS, "--json", str(out)])
     except KeyboardInterrupt:
-        pytest.fail("Ctrl-C escaped bench serve, and with it the requests that had finished")
+        pytest.fail("Ctrl-C or SIGTERM escaped bench serve, and with it the requests that had finished")
 
 
-def test_ctrl_c_mid_run_reports_and_saves_the_requests_that_finished(fake_server, tmp_path, capsys):
+@pytest.fixture
+def sigterm_unhandled():
+    """A SIGTERM that bench serve leaves to the handler it found fails the test (an error the run
+    keeps as any other) rather than ending pytest; that handler is this one."""
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the handler from before bench serve")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    yield unhandled
+    signal.signal(signal.SIGTERM, before)
+
+
+STOPS = [pytest.param(signal.SIGINT, 130, "Ctrl-C", id="ctrl-c"),
+         pytest.param(signal.SIGTERM, 143, "SIGTERM", id="sigterm")]
+
+
+@pytest.mark.parametrize("sent, code, reason", STOPS)
+def test_a_stop_mid_run_reports_and_saves_the_requests_that_finished(sent, code, reason, fake_server,
+                                                                     sigterm_unhandled, tmp_path, capsys):
+    """Ctrl-C, and SIGTERM as Ctrl-C (a scheduler's time limit): the exit code says which."""
     out = tmp_path / "run.json"
-    assert _bench(fake_server(answered=1 + 3), out) == 130  # the warm-up and 3 timed requests finish
+    assert _bench(fake_server(answered=1 + 3, interrupt=sent), out) == code  # the warm-up and 3 finish
     record = json.loads(out.read_text())
-    assert record["partial"] is True and record["interrupted"] == "Ctrl-C"
+    assert record["partial"] is True and record["interrupted"] == reason
     assert (record["completed"], record["failed"], record["finished_requests"]) == (3, 0, 3)
     assert record["num_prompts"] == 6 and record["output_lens"] == [2, 2, 2]
     assert record["total_output_tokens"] == 6 and record["duration"] > 0
     report = capsys.readouterr().out
-    assert "stopped (Ctrl-C): the figures below cover the 3 of 6 requests that finished" in report
+    assert f"stopped ({reason}): the figures below cover the 3 of 6 requests that finished" in report
     assert "Successful requests:                     3" in report
+    assert signal.getsignal(signal.SIGTERM) is sigterm_unhandled
 
 
-def test_ctrl_c_before_any_request_finished_leaves_an_earlier_file(fake_server, tmp_path, capsys):
+@pytest.mark.parametrize("sent, code, reason", STOPS)
+def test_a_stop_before_any_request_finished_leaves_an_earlier_file(sent, code, reason, fake_server,
+                                                                   sigterm_unhandled, tmp_path, capsys):
     out = tmp_path / "run.json"
     out.write_text("earlier")
-    assert _bench(fake_server(answered=1), out) == 130
+    assert _bench(fake_server(answered=1, interrupt=sent), out) == code
     assert out.read_text() == "earlier"
-    assert "interrupted before any request finished" in capsys.readouterr().err
+    assert f"interrupted before any request finished ({reason})" in capsys.readouterr().err
+
+
+def test_a_sigterm_from_outside_saves_the_finished_requests_and_exits_143(fake_server, tmp_path):
+    """`timeout` or a job scheduler ending the command: its process gets SIGTERM mid-run, writes
+    the three requests that finished and exits 143 (128 + SIGTERM)."""
+    url, out = fake_server(answered=1 + 3, interrupt=None), tmp_path / "run.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, "-m", "pagedlab.server.bench_serve", "--base-url", url,
+                                *BENCH_ARGS, "--json", str(out)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    server, deadline = fake_server.servers[-1], time.monotonic() + 60
+    while server.count < 1 + 4 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the fourth timed request is held open
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    record = json.loads(out.read_text())
+    assert record["partial"] is True and record["interrupted"] == "SIGTERM"
+    assert record["completed"] == 3 and "stopped (SIGTERM)" in stdout
 
 
 def _break_the_fourth_timed_request(monkeypatch) -> None:
@@ -179,7 +228,7 @@ def test_an_error_mid_run_keeps_the_requests_that_finished(fake_server, tmp_path
     finished are reported and saved, and the requests left are cancelled, not counted as failed."""
     _break_the_fourth_timed_request(monkeypatch)
     out = tmp_path / "run.json"
-    assert _bench(fake_server(answered=99, interrupt=False), out) == 1
+    assert _bench(fake_server(answered=99, interrupt=None), out) == 1
     record = json.loads(out.read_text())
     assert record["partial"] is True and record["interrupted"] == "RuntimeError: client broke"
     assert (record["completed"], record["failed"], record["finished_requests"]) == (3, 0, 3)
@@ -194,7 +243,7 @@ def test_a_run_that_raises_leaves_no_request_running_and_its_state_holds_the_fin
     async def run() -> bench_serve.BenchmarkState:
         state = bench_serve.BenchmarkState()
         with pytest.raises(RuntimeError, match="client broke"):
-            await bench_serve.run_benchmark(fake_server(answered=99, interrupt=False), specs, model="fake",
+            await bench_serve.run_benchmark(fake_server(answered=99, interrupt=None), specs, model="fake",
                                             max_concurrency=1, disable_tqdm=True, state=state)
         assert asyncio.all_tasks() == {asyncio.current_task()}  # the requests after it were cancelled
         return state

@@ -17,8 +17,8 @@ token ids) or ``prompt_token_ids``, optional ``output_len``/``max_tokens``; Shar
 tokenized by the server's ``/tokenize`` (``pagedlab.server.bench_prompts``). Input and output
 token counts are the server's ``usage``.
 
-A run stopped part-way (Ctrl-C, an error) still reports the requests that finished, and writes
-them to ``--json`` marked ``"partial": true``, with the reason in ``"interrupted"``.
+A run stopped part-way (Ctrl-C, SIGTERM, an error) still reports the requests that finished,
+and writes them to ``--json`` marked ``"partial": true``, with the reason in ``"interrupted"``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pagedlab.cli.engine_args import check_writable
+from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
 from pagedlab.stats import describe, percentile_label
 
@@ -437,31 +438,33 @@ def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, list[Reques
 
 
 def bench_serve_command(args: argparse.Namespace) -> int:
-    """Run, report and save (``--json``) a serving benchmark. A run stopped part-way (Ctrl-C, an
-    error) reports and saves the requests that finished, marked partial. Exit code: 0, 1 when no
-    request succeeded or an error stopped the run, 2 for bad input or an unreachable server, 130
-    when interrupted."""
+    """Run, report and save (``--json``) a serving benchmark. A run stopped part-way (Ctrl-C,
+    SIGTERM, an error) reports and saves the requests that finished, marked partial. Exit code: 0,
+    1 when no request succeeded or an error stopped the run, 2 for bad input or an unreachable
+    server, 130 on Ctrl-C, 143 on SIGTERM."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
         base_url = base_url[:-3]
     state = BenchmarkState()
     stopped = None
     try:
-        percentiles, selected = _checked_flags(args)
-        model, specs = _requests(args, base_url)
-        print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
-              f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
-        asyncio.run(run_benchmark(
-            base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
-            burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
-            num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
-            disable_tqdm=args.disable_tqdm, sampling=args, state=state))
+        with sigterm_as_interrupt():
+            percentiles, selected = _checked_flags(args)
+            model, specs = _requests(args, base_url)
+            print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
+                  f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
+            asyncio.run(run_benchmark(
+                base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
+                burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
+                num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
+                disable_tqdm=args.disable_tqdm, sampling=args, state=state))
     except (Exception, KeyboardInterrupt) as e:
         if state.finished():
             stopped = e
         elif isinstance(e, KeyboardInterrupt):
-            print("bench serve: interrupted before any request finished: nothing to report", file=sys.stderr)
-            return 130
+            print(f"bench serve: interrupted before any request finished ({stop_reason(e)}): nothing to "
+                  "report", file=sys.stderr)
+            return interrupted_exit(e)
         elif isinstance(e, (ValueError, RuntimeError, OSError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -471,7 +474,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if stopped is not None:
         if not isinstance(stopped, KeyboardInterrupt):
             traceback.print_exception(stopped, file=sys.stderr)
-        print(f"bench serve stopped ({_stop_reason(stopped)}): the figures below cover the "
+        print(f"bench serve stopped ({stop_reason(stopped)}): the figures below cover the "
               f"{len(state.finished())} of {len(specs)} requests that finished", flush=True)
     print(format_report(metrics, percentiles, selected, args.max_concurrency, args.request_rate))
     failures = [e for e in metrics["errors"] if e]
@@ -480,12 +483,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if args.json:
         _save(args, base_url, model, metrics, stopped)
     if stopped is not None:
-        return 130 if isinstance(stopped, KeyboardInterrupt) else 1
+        return interrupted_exit(stopped) if isinstance(stopped, KeyboardInterrupt) else 1
     return 0 if metrics["completed"] else 1
-
-
-def _stop_reason(error: BaseException) -> str:
-    return "Ctrl-C" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
 
 
 def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, stopped: BaseException | None
@@ -499,7 +498,7 @@ def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, st
               "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
               "output_len": args.output_len, **metrics}
     if stopped is not None:
-        record.update(partial=True, interrupted=_stop_reason(stopped),
+        record.update(partial=True, interrupted=stop_reason(stopped),
                       finished_requests=metrics["completed"] + metrics["failed"])
     Path(args.json).write_text(json.dumps(record, indent=2))
     print(f"{'partial ' if stopped is not None else ''}results written to {args.json}", file=sys.stderr)

@@ -1,0 +1,53 @@
+"""A command stopped part-way: SIGTERM (a job scheduler's time limit, ``timeout``, ``kill``)
+stopping it as Ctrl-C does, and the names and exit codes of such stops."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+CTRL_C_EXIT = 128 + signal.SIGINT  # 130: the shell's status for a command a signal ended
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (``sigterm_as_interrupt``). It is a
+    KeyboardInterrupt so that asyncio and every ``except KeyboardInterrupt`` stop on it as on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block the first SIGTERM raises ``Terminated`` in the main thread; the handler
+    from before the block takes any later one, and is back once the block ends. Outside the main
+    thread (no handler can be set there), or where SIGTERM is ignored, nothing changes."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        yield
+        return
+    previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python
+
+    def terminated(signum, frame):
+        signal.signal(signal.SIGTERM, previous)
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_reason(error: BaseException) -> str:
+    """Why a run stopped, as a partial ``--json``'s ``"interrupted"`` says it: "SIGTERM", "Ctrl-C",
+    or the error's type and message."""
+    if isinstance(error, Terminated):
+        return "SIGTERM"
+    if isinstance(error, KeyboardInterrupt):
+        return "Ctrl-C"
+    return f"{type(error).__name__}: {error}"
+
+
+def interrupted_exit(error: KeyboardInterrupt) -> int:
+    """The exit status of a command ``error`` stopped: 143 for SIGTERM, 130 for Ctrl-C."""
+    return SIGTERM_EXIT if isinstance(error, Terminated) else CTRL_C_EXIT
