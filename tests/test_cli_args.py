@@ -93,11 +93,12 @@ def test_bench_takes_vllms_output_json_for_json(command, monkeypatch, tmp_path):
     out = tmp_path / "vllm-style.json"
     argv = ["bench", command, "--shape", "qwen3-0.6b", "--device", "cpu", "--output-json", str(out)]
     assert main(argv) == 0
-    assert [r["label"] for r in json.loads(out.read_text())["results"]] == ["bs=1"]
+    written = json.loads(out.read_text())
+    assert [r["label"] for r in written["results"]] == ["bs=1"] and "partial" not in written
 
 
 def test_bench_json_write_failure_is_an_error_not_a_traceback(tmp_path, bench_calls, monkeypatch, capsys):
-    def fail(path, results, command, error=None):
+    def fail(path, results, command, stopped=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(bench_json, "write_json", fail)
@@ -279,8 +280,8 @@ def test_a_bad_lora_flag_is_refused_before_the_cpu_warning(bench_calls, capsys):
 
 
 def test_bench_json_keeps_the_rows_finished_before_a_crash(monkeypatch, tmp_path, capsys):
-    """Out of memory at the last batch size: the rows measured before it reach --json, with why
-    the run stopped and the command as typed."""
+    """Out of memory at the last batch size: the rows measured before it reach --json, marked
+    partial as bench serve marks its file, with why the run stopped and the command as typed."""
     def two_rows_then_oom(*args, results, **kwargs):
         for bs in (1, 16):
             results.append(workloads.WorkloadResult("W-seed", "pagedlab", f"bs={bs}", bs, 8 * bs, 4 * bs, 0.5,
@@ -296,6 +297,7 @@ def test_bench_json_keeps_the_rows_finished_before_a_crash(monkeypatch, tmp_path
     written = json.loads(out.read_text())
     assert [r["label"] for r in written["results"]] == ["bs=1", "bs=16"]
     assert written["error"] == "RuntimeError: CUDA out of memory"
+    assert written["partial"] is True and written["interrupted"] == "RuntimeError: CUDA out of memory"
     assert shlex.split(written["command"]) == ["pagedlab", *argv]
     assert "wrote the 2 finished row(s)" in capsys.readouterr().err
 
@@ -398,7 +400,8 @@ def test_fitted_chat_prompt_drops_whole_turns_after_the_system_message(tiny_dir)
 
 
 def test_bench_json_keeps_the_rows_finished_before_ctrl_c(monkeypatch, tmp_path, capsys):
-    """Ctrl-C during the second batch size: the first row reaches --json and the exit code is 130."""
+    """Ctrl-C during the second batch size: the first row reaches --json, marked partial as bench
+    serve marks its file, and the exit code is 130."""
     def one_row_then_ctrl_c(*args, results, **kwargs):
         results.append(workloads.WorkloadResult("W-seed", "pagedlab", "bs=1", 1, 8, 4, 0.5,
                                                 None, None, None, None, None, None))
@@ -412,3 +415,4 @@ def test_bench_json_keeps_the_rows_finished_before_ctrl_c(monkeypatch, tmp_path,
     written = json.loads(out.read_text())
     assert [r["label"] for r in written["results"]] == ["bs=1"]
     assert written["error"].startswith("KeyboardInterrupt")
+    assert written["partial"] is True and written["interrupted"] == "Ctrl-C"

@@ -98,8 +98,8 @@ def test_benchmark_num_prompts_caps_concurrency_and_restores_plan(llm):
 
 def test_a_benchmark_stopped_part_way_raises_with_the_runs_it_finished(llm, monkeypatch, tmp_path):
     """Batch sizes 1, 2 and 3, the third's timed run failing (out of memory, say): the error
-    carries the two finished runs as a BenchmarkResult that prints, saves and loads, and the
-    engine's plan is restored."""
+    carries the two finished runs as a BenchmarkResult that prints, saves (marked partial, as
+    bench serve and bench --json mark theirs) and loads, and the engine's plan is restored."""
     from pagedlab.lab import bench
 
     before, timed = llm.llm_engine.config.max_num_seqs, bench._timed_run
@@ -116,7 +116,12 @@ def test_a_benchmark_stopped_part_way_raises_with_the_runs_it_finished(llm, monk
     assert [(r.batch_size, r.output_tokens) for r in partial.runs] == [(1, 3), (2, 6)]
     assert partial.settings["batch_size"] == [1, 2, 3] and partial.manifest["model"]
     assert "2 run(s) finished" in failed.value.__notes__[0] and "batch 2:" in str(partial)
-    assert len(BenchmarkResult.load(partial.save(tmp_path / "partial.json")).runs) == 2
+    saved = partial.save(tmp_path / "partial.json")
+    record = json.loads(saved.read_text())
+    assert record["partial"] is True and record["interrupted"] == "RuntimeError: CUDA out of memory"
+    loaded = BenchmarkResult.load(saved)
+    assert len(loaded.runs) == 2 and loaded.interrupted == "RuntimeError: CUDA out of memory"
+    assert "partial" not in BenchmarkResult(partial.runs, partial.settings, partial.manifest).to_dict()
     assert llm.llm_engine.config.max_num_seqs == before
 
 

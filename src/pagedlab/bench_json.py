@@ -5,6 +5,9 @@ Each row also carries the keys ``vllm bench throughput --output-json`` and ``vll
 --output-json`` write, with vLLM's meaning and units (seconds), so a script reading vLLM's files
 reads a row the same way: ``vllm_throughput_keys`` of the row's one run, ``vllm_latency_keys``
 over every timed run of the row's configuration (its repeats, as vLLM's iterations).
+
+A run stopped part-way writes the rows that finished, marked as ``pagedlab bench serve`` marks
+its partial file: ``"partial": true`` and ``"interrupted"`` ("Ctrl-C", "SIGTERM" or the error).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 import pagedlab
+from pagedlab.interrupt import stop_reason
 from pagedlab.stats import describe
 from pagedlab.workloads import WorkloadResult
 
@@ -44,12 +48,15 @@ def environment() -> dict:
     return info
 
 
-def write_json(path: str, results: list[WorkloadResult], command: str, error: str | None = None) -> None:
-    """Every row with the environment and the command; ``error``: why the run stopped before its
-    last row (the rows are those that finished)."""
+def write_json(path: str, results: list[WorkloadResult], command: str,
+               stopped: BaseException | None = None) -> None:
+    """Every row with the environment and the command; ``stopped``: what stopped the run before
+    its last row (the rows are those that finished), written as ``"partial": true``,
+    ``"interrupted"`` (``stop_reason``, bench serve's) and ``"error"`` (its type and message)."""
     body = {"environment": environment(), "command": command, "results": rows_with_vllm_keys(results)}
-    if error is not None:
-        body["error"] = error
+    if stopped is not None:
+        body.update(partial=True, interrupted=stop_reason(stopped),
+                    error=f"{type(stopped).__name__}: {stopped}")
     Path(path).write_text(json.dumps(body, indent=2))
 
 

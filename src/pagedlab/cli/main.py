@@ -17,6 +17,7 @@ from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampli
                                       engine_kwargs, given_engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
+from pagedlab.interrupt import stop_reason
 
 BENCH_DOCS = "docs/benchmarks.md"
 WORKLOADS = ("W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom")
@@ -188,7 +189,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora, results=results)
     except BaseException as e:  # out of memory at the last batch size: keep the rows measured before it
         if args.json and results:
-            write_bench_json(args, results, f"{type(e).__name__}: {e}")
+            write_bench_json(args, results, e)
         raise
     for row in results:
         if "profile" in row.extra:
@@ -199,16 +200,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_bench_json(args: argparse.Namespace, results: list, error: str | None = None) -> None:
-    """``--json``: the rows, the command as typed and, for a run that stopped early, why."""
+def write_bench_json(args: argparse.Namespace, results: list, stopped: BaseException | None = None) -> None:
+    """``--json``: the rows, the command as typed and, for a run that ``stopped`` early, why."""
     from pagedlab import bench_json
 
     try:
-        bench_json.write_json(args.json, results, shlex.join(["pagedlab", *args.argv]), error)
+        bench_json.write_json(args.json, results, shlex.join(["pagedlab", *args.argv]), stopped)
     except OSError as e:
         raise ValueError(f"--json {args.json}: {e}; the rows above are all the results") from None
-    if error is not None:
-        print(f"wrote the {len(results)} finished row(s) to {args.json} ({error})", file=sys.stderr)
+    if stopped is not None:
+        print(f"wrote the {len(results)} finished row(s) to {args.json}, marked partial "
+              f"({stop_reason(stopped)})", file=sys.stderr)
 
 
 def bench_lora(args: argparse.Namespace):

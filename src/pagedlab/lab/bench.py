@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedlab.config import PLAN_FIELDS
+from pagedlab.interrupt import stop_reason
 from pagedlab.lab.lora import adapter_manifest
 from pagedlab.lab.manifest import collect_manifest
 from pagedlab.lab.metrics import memory_efficiency
@@ -79,11 +80,14 @@ class BenchmarkRun:
 
 @dataclass
 class BenchmarkResult:
-    """The runs of one ``LLM.benchmark`` call, its settings and the provenance manifest."""
+    """The runs of one ``LLM.benchmark`` call, its settings and the provenance manifest;
+    ``interrupted``: why a call stopped before its last run (``error.partial_result``), None for
+    a whole one."""
 
     runs: list[BenchmarkRun]
     settings: dict
     manifest: dict
+    interrupted: str | None = None
 
     # ---- views ----------------------------------------------------------------------------
     def to_dataframe(self):
@@ -123,9 +127,13 @@ class BenchmarkResult:
 
     # ---- persistence ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings,
-                "manifest": self.manifest,
-                "runs": [dataclasses.asdict(r) for r in self.runs], "summary": self.summary()}
+        """The saved form; a partial result's is marked as ``pagedlab bench`` marks a partial
+        ``--json``: ``"partial": true`` and ``"interrupted"``."""
+        d = {"kind": "pagedlab.benchmark", "version": 1, "settings": self.settings, "manifest": self.manifest,
+             "runs": [dataclasses.asdict(r) for r in self.runs], "summary": self.summary()}
+        if self.interrupted is not None:
+            d.update(partial=True, interrupted=self.interrupted)
+        return d
 
     def save(self, path: str | Path) -> Path:
         """Write the result, its summary and its manifest as JSON."""
@@ -139,7 +147,8 @@ class BenchmarkResult:
         data = json.loads(Path(path).read_text())
         if data.get("kind") != "pagedlab.benchmark":
             raise ValueError(f"{path} is not a pagedlab benchmark result (no kind: pagedlab.benchmark)")
-        return cls([BenchmarkRun(**r) for r in data["runs"]], data["settings"], data["manifest"])
+        return cls([BenchmarkRun(**r) for r in data["runs"]], data["settings"], data["manifest"],
+                   data.get("interrupted"))
 
     def to_store(self, url: str | None = None, experiment: str = "benchmark") -> list[int]:
         """File every run in the results database (see ``pagedlab.lab.store``); returns the run ids.
@@ -409,7 +418,7 @@ def _keep_finished(error: BaseException, runs: list[BenchmarkRun], settings: dic
         collected = manifest()
     except Exception:  # the engine may be what failed
         collected = {}
-    error.partial_result = BenchmarkResult(list(runs), settings, collected)
+    error.partial_result = BenchmarkResult(list(runs), settings, collected, stop_reason(error))
     error.add_note(f"LLM.benchmark: the {len(runs)} run(s) finished before this error are in its "
                    "partial_result, a BenchmarkResult (print, save(path), to_store(url))")
 
