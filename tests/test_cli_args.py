@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -416,3 +417,31 @@ def test_bench_json_keeps_the_rows_finished_before_ctrl_c(monkeypatch, tmp_path,
     assert [r["label"] for r in written["results"]] == ["bs=1"]
     assert written["error"].startswith("KeyboardInterrupt")
     assert written["partial"] is True and written["interrupted"] == "Ctrl-C"
+
+
+def test_bench_json_keeps_the_rows_finished_before_a_sigterm(monkeypatch, tmp_path, capsys):
+    """A scheduler's time limit (SIGTERM) during the second batch size stops the run as Ctrl-C
+    does: the first row reaches --json, marked partial, and the exit code is 143 (128 + SIGTERM).
+    Had bench left SIGTERM to the handler it found, that handler would fail the test."""
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the handler from before the bench")
+
+    def one_row_then_sigterm(*args, results, **kwargs):
+        results.append(workloads.WorkloadResult("W-seed", "pagedlab", "bs=1", 1, 8, 4, 0.5,
+                                                None, None, None, None, None, None))
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(workloads, "run_bench", one_row_then_sigterm)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        out = tmp_path / "rows.json"
+        argv = ["bench", "throughput", "--shape", "qwen3-0.6b", "--batch-size", "1", "16", "--json", str(out),
+                "--device", "cpu"]
+        assert main(argv) == 143
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    written = json.loads(out.read_text())
+    assert [r["label"] for r in written["results"]] == ["bs=1"]
+    assert written["partial"] is True and written["interrupted"] == "SIGTERM"
+    assert "marked partial (SIGTERM)" in capsys.readouterr().err

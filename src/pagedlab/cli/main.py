@@ -17,7 +17,7 @@ from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampli
                                       engine_kwargs, given_engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
-from pagedlab.interrupt import stop_reason
+from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
 
 BENCH_DOCS = "docs/benchmarks.md"
 WORKLOADS = ("W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom")
@@ -181,12 +181,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warn_cpu_shape(shape, args.device)
     results: list = []
     try:
-        workloads.run_bench(  # the size flags are None or >= 1 (positive_int)
-            args.workload, args.batch_size or default_sizes,
-            args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
-            args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
-            model=args.model, shape=shape, repeats=args.repeats, engine_args=given,
-            latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora, results=results)
+        with sigterm_as_interrupt():  # a scheduler's time limit keeps the finished rows too
+            workloads.run_bench(  # the size flags are None or >= 1 (positive_int)
+                args.workload, args.batch_size or default_sizes,
+                args.input_len or BENCH_SIZE_DEFAULTS["input_len"],
+                args.output_len or BENCH_SIZE_DEFAULTS["output_len"], args.num_prompts, args.backend,
+                model=args.model, shape=shape, repeats=args.repeats, engine_args=given,
+                latency=args.bench_command == "latency", profile_dir=args.profile, lora=lora, results=results)
     except BaseException as e:  # out of memory at the last batch size: keep the rows measured before it
         if args.json and results:
             write_bench_json(args, results, e)
@@ -349,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: say what and why, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command stops on it as on Ctrl-C
+        return interrupted_exit(e)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
