@@ -156,8 +156,12 @@ def sigterm_unhandled():
         raise AssertionError("SIGTERM reached the handler from before bench serve")
 
     before = signal.signal(signal.SIGTERM, unhandled)
+    # a pytest-xdist worker ignores SIGINT (its controller handles Ctrl-C): give this test the
+    # handler an interactive process has, which raises KeyboardInterrupt
+    before_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield unhandled
     signal.signal(signal.SIGTERM, before)
+    signal.signal(signal.SIGINT, before_int)
 
 
 STOPS = [pytest.param(signal.SIGINT, 130, "Ctrl-C", id="ctrl-c"),
