@@ -1,6 +1,6 @@
 """The fixed benchmark workloads of docs/benchmarks.md, pagedlab and its HF transformers peer in one run.
 
-``pagedlab bench throughput|latency`` and ``benchmarks/`` call ``run_workload``. Every row carries
+``pagedlab bench throughput|latency`` and ``benchmarks/`` call ``run_bench``. Every row carries
 output and total tok/s, TTFT and TPOT P50/P99, peak GPU memory, and the measured time over the
 physical floor (``pagedlab.physical_floor``: weights and live KV read once per decode step at the
 copy bandwidth, prefill FLOPs at the matmul peak).
