@@ -78,7 +78,7 @@ def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, mess
                                                                      capsys):
     path = str(tmp_path / where)
     assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", path]) == 2
-    assert f"--json {path}" in (err := capsys.readouterr().err) and message in err
+    assert f"--json/--output-json {path}" in (err := capsys.readouterr().err) and message in err
     assert bench_calls == []
 
 

@@ -166,7 +166,7 @@ def check_bench_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--shape {args.shape} and --model {args.model} both name the model: give one "
                          "(--shape builds dummy weights of a benchmark shape)")
     if args.json is not None:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json/--output-json")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
