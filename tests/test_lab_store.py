@@ -431,3 +431,22 @@ def test_a_nul_character_is_stored_as_a_replacement_character(url):
     assert run["params"] == {"dataset.template": "Q:\ufffd{q}"} and run["metrics"] == {"m\ufffd": 1.0}
     assert (out["prompt"], out["text"], out["reference"]) == ("two plus\ufffd two", "four\ufffd", ["4\ufffd"])
     assert out["token_ids"] == [0, 7]
+
+
+def test_parquet_keeps_a_flag_some_runs_lack_a_boolean(tmp_path):
+    """A param or metric that some runs lack is null in Parquet, and the others keep their type:
+    a flag stays a boolean (not the text "True" beside the text "nan"), numbers mixing ints and
+    floats stay numbers; a column mixing really different types is text, with nulls kept."""
+    pytest.importorskip("pyarrow")
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with ResultStore(url) as store:
+        store.record_run(RunRecord("e", "k1", {"engine.enable_prefix_caching": True, "mixed": 1},
+                                   {"throttled": False, "n": 1}, {}))
+        store.record_run(RunRecord("e", "k2", {"mixed": "auto"}, {"n": 2.5}, {}))
+        store.record_run(RunRecord("e", "k3", {}, {}, {}))
+        store.export(tmp_path / "r.parquet")
+    rows = pd.read_parquet(tmp_path / "r.parquet").to_dict("records")
+    assert [r["engine.enable_prefix_caching"] for r in rows] == [True, None, None]
+    assert [r["throttled"] for r in rows] == [False, None, None]
+    assert rows[0]["n"] == 1.0 and rows[1]["n"] == 2.5 and pd.isna(rows[2]["n"])
+    assert [r["mixed"] for r in rows[:2]] == ["1", "auto"] and pd.isna(rows[2]["mixed"])

@@ -542,10 +542,19 @@ class ResultStore:
             except ImportError:
                 raise ImportError("parquet export needs pyarrow: pip install pyarrow") from None
             for col in df.columns:  # parquet wants one type per column
-                if df[col].dtype == object and df[col].map(type).nunique() > 1:
-                    df[col] = df[col].map(lambda v: None if v is None else str(v))
+                if df[col].dtype == object:
+                    df[col] = _parquet_column(df[col].tolist())
             df.to_parquet(path, index=False)
         return len(df)
+
+
+def _parquet_column(values: list) -> list:
+    """A column's values for parquet: missing ones (None, or NaN where a run lacks the key) null,
+    the others as they are if they share a type (numbers count as one), else as text: a flag
+    missing from some runs stays a boolean, not the text "True" beside "nan"."""
+    values = [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
+    kinds = {float if type(v) is int else type(v) for v in values if v is not None}
+    return values if len(kinds) <= 1 else [None if v is None else str(v) for v in values]
 
 
 def _iso(value) -> str | None:
