@@ -4,6 +4,7 @@
 import argparse
 import base64
 import copy
+import math
 import os
 import re
 import shutil
@@ -241,3 +242,34 @@ def test_a_configuration_without_a_finite_throughput_gets_no_bar(monkeypatch):
     bars = figures[0].axes[0].patches
     assert [bar.get_width() for bar in bars] == [pytest.approx(11.0)]
     assert report._plot_throughput(runs[2:]) is None  # nothing finite: no plot at all
+
+
+def test_a_configuration_without_a_metric_gets_no_bar_rather_than_a_zero(monkeypatch):
+    """A report of a QA experiment beside a benchmark: the benchmark has no BLEU and the QA runs no
+    inter-token latency or memory figures; their bars are absent (NaN), not a measured 0, while the
+    others keep their means over repeats; the figures still render."""
+    from pagedlab.lab import report
+
+    def run(experiment: str, seed: int, metrics: dict) -> dict:
+        params = {"model": "m", "x": experiment, "varied": ["x"], "sampling.seed": seed, "repeat": seed}
+        return {"experiment": experiment, "model": "m", "params": params, "manifest": {}, "metrics": metrics}
+
+    latency = {f"ttft_p{p}_ms": 1.0 for p in (50, 90, 99)}
+    runs = [run("qa", s, {"bleu": 10.0 + s, **latency}) for s in (0, 1)]
+    runs.append(run("bench", 0, {**latency, **{f"itl_p{p}_ms": p / 10 for p in (50, 90, 99)},
+                                 "weight_bytes": 2048}))
+    figures = []
+    monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+    report._label_runs(runs)
+    quality, latency_plot, memory = (report._plot_quality(runs), report._plot_latency(runs),
+                                     report._plot_memory(runs))
+    assert quality and latency_plot and memory
+    bleu = [bar.get_width() for bar in figures[0].axes[0].patches]
+    assert bleu[0] == pytest.approx(10.5) and math.isnan(bleu[1])  # qa first, then bench
+    itl = next(ax for ax in figures[1].axes if ax.get_title() == "inter-token latency")
+    widths = [bar.get_width() for bar in itl.patches]  # P50, P90, P99 of qa then bench each
+    assert [math.isnan(w) for w in widths] == [True, False] * 3 and widths[1::2] == pytest.approx([5, 9, 9.9])
+    weights = [bar.get_width() for bar in figures[2].axes[0].patches[:2]]
+    assert math.isnan(weights[0]) and weights[1] == pytest.approx(2.0)  # KiB
+    monkeypatch.undo()
+    assert all(report._png(fig).startswith(PNG_MAGIC) for fig in figures)

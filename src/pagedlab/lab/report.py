@@ -170,6 +170,13 @@ def _mean_std(values):
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _bar_mean_std(values) -> tuple[float, float]:
+    """A bar's length and spread: NaN (no bar) where a configuration has no value, which a bar of
+    0 would show as a measured zero (a benchmark's BLEU, a dataset run's ITL)."""
+    mean, std = _mean_std(values)
+    return (math.nan, math.nan) if mean is None else (mean, std)
+
+
 # ---- plots ----------------------------------------------------------------------------------------
 def _figure(width=8.0, height=4.5, ncols=1, nrows=1):
     try:
@@ -301,8 +308,8 @@ def _plot_latency(runs) -> Plot | None:
     for ax, (kind, title) in zip(axes.flat, kinds):
         height = 0.8 / 3
         for j, p in enumerate((50, 90, 99)):
-            means = [_mean_std(_vals(groups[g], f"{kind}_p{p}_ms"))[0] for g in names]
-            ax.barh([i + (j - 1) * height for i in range(len(names))], [m or 0 for m in means], height=height,
+            means = [_bar_mean_std(_vals(groups[g], f"{kind}_p{p}_ms"))[0] for g in names]
+            ax.barh([i + (j - 1) * height for i in range(len(names))], means, height=height,
                     color=colors[p], label=f"P{p}")
         ax.set_yticks(range(len(names)), [_wrap(n) for n in names], fontsize=7)
         ax.invert_yaxis()
@@ -325,7 +332,7 @@ def _plot_memory(runs) -> Plot | None:
     height = 0.8 / len(keys)
     scale, unit = _bytes_unit(max(max(_vals(runs, k), default=0) for k, _, _ in keys))
     for j, (key, label, color) in enumerate(keys):
-        vals = [max(_vals(groups[g], key), default=0) / scale for g in names]
+        vals = [max(_vals(groups[g], key), default=math.nan) / scale for g in names]
         ax.barh([i + (j - 1) * height for i in range(len(names))], vals, height=height, label=label,
                 color=color)
     for i, g in enumerate(names):
@@ -387,8 +394,8 @@ def _plot_quality(runs) -> Plot | None:
     fig, axes = _figure(width=4.0 * len(metrics), height=max(3.0, 0.45 * len(names) + 1.5),
                         ncols=len(metrics))
     for ax, metric in zip(axes.flat, metrics):
-        stats = [_mean_std(_vals(groups[g], metric)) for g in names]
-        ax.barh(range(len(names)), [m or 0 for m, _ in stats], xerr=[s or 0 for _, s in stats], capsize=3,
+        stats = [_bar_mean_std(_vals(groups[g], metric)) for g in names]
+        ax.barh(range(len(names)), [m for m, _ in stats], xerr=[s for _, s in stats], capsize=3,
                 color="#55A868")
         ax.set_yticks(range(len(names)),
                       [_wrap(n) for n in names] if ax is axes.flat[0] else [""] * len(names), fontsize=7)
