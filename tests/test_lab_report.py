@@ -273,3 +273,31 @@ def test_a_configuration_without_a_metric_gets_no_bar_rather_than_a_zero(monkeyp
     assert math.isnan(weights[0]) and weights[1] == pytest.approx(2.0)  # KiB
     monkeypatch.undo()
     assert all(report._png(fig).startswith(PNG_MAGIC) for fig in figures)
+
+
+def _bench_run(batch: int, num_prompts: int, seed: int, throughput: float) -> dict:
+    params = {"model": "m", "benchmark.batch_size": batch, "benchmark.num_prompts": num_prompts,
+              "varied": ["benchmark.batch_size"], "benchmark.seed": seed, "repeat": seed}
+    return {"experiment": "e", "model": "m", "params": params, "manifest": {},
+            "metrics": {"output_throughput": throughput}}
+
+
+def test_num_prompts_that_follow_the_batch_size_make_one_line(monkeypatch):
+    """LLM.benchmark(batch_size=[1, 4]).to_store files num_prompts = the batch size: that is no
+    configuration of its own, so the plot has one line through both batch sizes (not one line of
+    one point per batch size); num_prompts swept across the batch sizes still makes a line each."""
+    from pagedlab.lab import report
+
+    def series(runs):
+        figures = []
+        monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+        report._label_runs(runs)
+        report._plot_throughput(runs)
+        return {c.get_label(): dict(zip(c.lines[0].get_xdata(), c.lines[0].get_ydata()))
+                for c in figures[0].axes[0].containers}
+
+    filed = [_bench_run(b, b, s, 10.0 * b + s) for b in (1, 4) for s in (0, 1)]
+    assert series(filed) == {"m": pytest.approx({1: 10.5, 4: 40.5})}
+    crossed = [_bench_run(b, n, 0, 10.0 * b + n) for b in (4, 8) for n in (4, 8)]
+    assert series(crossed) == {"m [num_prompts=4]": pytest.approx({4: 44.0, 8: 84.0}),
+                               "m [num_prompts=8]": pytest.approx({4: 48.0, 8: 88.0})}

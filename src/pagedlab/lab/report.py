@@ -219,14 +219,7 @@ def _plot_throughput(runs) -> Plot | None:
     if with_batch:
         fig, axes = _figure()
         ax = axes[0, 0]
-        lines: dict[str, dict] = defaultdict(lambda: defaultdict(list))
-        multi_exp = len({r["experiment"] for r in with_batch}) > 1
-        for r in with_batch:  # one line per configuration but its batch size
-            extra = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in r["labels"].items()
-                              if k not in ("benchmark.batch_size", "engine.max_num_seqs", "model"))
-            name = (r["model_label"] + (f" [{extra}]" if extra else "")
-                    + (f" ({r['experiment']})" if multi_exp else ""))
-            lines[name][r["batch"]].append(r)
+        lines = _throughput_lines(with_batch)
         for name, points in lines.items():
             xs = sorted(x for x in points if _vals(points[x], "output_throughput"))
             stats = [_mean_std(_vals(points[x], "output_throughput")) for x in xs]
@@ -260,6 +253,27 @@ def _plot_throughput(runs) -> Plot | None:
         caption = ("Output tokens per second per configuration (no batch-size sweep); bars show the spread "
                    "over repeats.")
     return Plot("throughput_vs_batch.png", "Throughput", caption, _png(fig))
+
+
+def _throughput_lines(runs) -> dict[str, dict]:
+    """The runs of the throughput plot, by line name and batch size: one line per configuration but
+    its batch size. A param that equals the batch size in every run of its experiment is the batch
+    size by another name (``to_store`` files ``num_prompts``, which defaults to it): it names no line."""
+    multi_exp = len({r["experiment"] for r in runs}) > 1
+    by_experiment: dict[str, list[dict]] = defaultdict(list)
+    for r in runs:
+        by_experiment[r["experiment"]].append(r)
+    aliases = {(exp, k) for exp, members in by_experiment.items() for k in members[0]["labels"]
+               if all(r["params"].get(k) == r["batch"] for r in members)}
+    lines: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        extra = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in r["labels"].items()
+                          if k not in ("benchmark.batch_size", "engine.max_num_seqs", "model")
+                          and (r["experiment"], k) not in aliases)
+        name = (r["model_label"] + (f" [{extra}]" if extra else "")
+                + (f" ({r['experiment']})" if multi_exp else ""))
+        lines[name][r["batch"]].append(r)
+    return lines
 
 
 def _plot_model_scaling(runs) -> Plot | None:
