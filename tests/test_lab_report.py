@@ -301,3 +301,32 @@ def test_num_prompts_that_follow_the_batch_size_make_one_line(monkeypatch):
     crossed = [_bench_run(b, n, 0, 10.0 * b + n) for b in (4, 8) for n in (4, 8)]
     assert series(crossed) == {"m [num_prompts=4]": pytest.approx({4: 44.0, 8: 84.0}),
                                "m [num_prompts=8]": pytest.approx({4: 48.0, 8: 88.0})}
+
+
+def test_model_scaling_keeps_other_configurations_of_a_size_apart(monkeypatch):
+    """A study of two model sizes that also sweeps block_size: each (size, block size) is a line of
+    its own whose points are the means over repeats (as pandas computes them), not one line per
+    size averaging the two block sizes under a confidence band."""
+    import pandas as pd
+
+    pytest.importorskip("seaborn")
+    from pagedlab.lab import report
+
+    def run(model: str, parameters: float, block: int, batch: int, seed: int) -> dict:
+        params = {"model": model, "engine.block_size": block, "benchmark.batch_size": batch, "repeat": seed,
+                  "varied": ["model", "engine.block_size", "benchmark.batch_size"], "benchmark.seed": seed}
+        return {"experiment": "e", "model": model, "params": params,
+                "manifest": {"model": {"parameters": parameters}},
+                "metrics": {"output_throughput": parameters / 1e6 + 10 * block + batch + seed}}
+
+    runs = [run(m, n, block, b, s) for m, n in (("a", 135e6), ("b", 8e9)) for block in (16, 32)
+            for b in (1, 4) for s in (0, 1)]
+    figures = []
+    monkeypatch.setattr(report, "_png", lambda fig: figures.append(fig) or b"")
+    report._label_runs(runs)
+    assert report._plot_model_scaling(runs) is not None
+    drawn = sorted(tuple(line.get_ydata()) for line in figures[0].axes[0].lines if len(line.get_xdata()))
+    df = pd.DataFrame([{**r["params"], "throughput": r["metrics"]["output_throughput"]} for r in runs])
+    means = df.groupby(["model", "engine.block_size", "benchmark.batch_size"])["throughput"].mean()
+    expected = sorted(tuple(means[(m, block)].loc[[1, 4]]) for m in ("a", "b") for block in (16, 32))
+    assert drawn == [pytest.approx(points) for points in expected]

@@ -8,7 +8,7 @@ Plots (each written as a PNG file and embedded in the page as a data URI):
 - ``latency.png``: TTFT, TPOT, ITL and end-to-end latency at P50/P90/P99 per configuration;
 - ``model_scaling.png`` (a study of several model sizes): the seed's
   ``sns.lineplot(x="batch_size", y="throughput", hue="model_size")`` beside output tokens/s per
-  GPU, mean over repeats with a confidence band;
+  GPU, mean over repeats with a confidence band (a line per configuration within a size class);
 - ``memory.png``: weights, KV cache allocated and KV cache used at peak per configuration;
 - ``seed_spread.png``: every repeat's value of the quality and speed metrics per configuration;
 - ``quality.png``: exact match, BLEU and chrF per configuration (mean and spread).
@@ -285,16 +285,22 @@ def _plot_model_scaling(runs) -> Plot | None:
     import pandas as pd
     import seaborn as sns
 
+    line_of = {id(r): name for name, points in _throughput_lines(have).items() for rs in points.values()
+               for r in rs}
     rows = [{"batch_size": r["batch"], "model_size": r["model_size"], "parameters": r["model_parameters"],
-             "throughput": r["metrics"]["output_throughput"],
+             "configuration": line_of[id(r)], "throughput": r["metrics"]["output_throughput"],
              "throughput_per_gpu": r["metrics"].get("output_throughput_per_gpu",
                                                     r["metrics"]["output_throughput"])} for r in have]
     df = pd.DataFrame(rows)
     order = list(df.sort_values("parameters")["model_size"].drop_duplicates())
+    # configurations of one size class (another swept setting, two models of one size) are lines of
+    # their own, not one mean with a band over them
+    lines = ({"style": "configuration", "markers": True} if df["configuration"].nunique() > len(order)
+             else {"marker": "o"})
     fig, axes = _figure(width=11.0, ncols=2)
     for ax, column, label in ((axes[0, 0], "throughput", "output tokens/s"),
                               (axes[0, 1], "throughput_per_gpu", "output tokens/s per GPU")):
-        sns.lineplot(data=df, x="batch_size", y=column, hue="model_size", hue_order=order, marker="o", ax=ax)
+        sns.lineplot(data=df, x="batch_size", y=column, hue="model_size", hue_order=order, ax=ax, **lines)
         ax.set_xscale("log", base=2)
         xs = sorted(df["batch_size"].unique())
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -304,7 +310,8 @@ def _plot_model_scaling(runs) -> Plot | None:
         ax.set_title(f"{label[0].upper()}{label[1:]} by model size", fontsize=10)
     return Plot("model_scaling.png", "Throughput by model size",
                 "Output tokens per second (left) and per GPU (right) against batch size, one line per model "
-                "size class; the band is the confidence interval over repeats.", _png(fig))
+                "size class (and per other configuration); the band is the confidence interval over repeats.",
+                _png(fig))
 
 
 def _plot_latency(runs) -> Plot | None:
