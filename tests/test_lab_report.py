@@ -330,3 +330,22 @@ def test_model_scaling_keeps_other_configurations_of_a_size_apart(monkeypatch):
     means = df.groupby(["model", "engine.block_size", "benchmark.batch_size"])["throughput"].mean()
     expected = sorted(tuple(means[(m, block)].loc[[1, 4]]) for m in ("a", "b") for block in (16, 32))
     assert drawn == [pytest.approx(points) for points in expected]
+
+
+def test_the_runs_table_names_each_runs_configuration():
+    """Two block sizes filed apart by to_store into one experiment declare nothing varied: the
+    runs table still tells their rows apart by the configuration the summary averages them under."""
+    from pagedlab.lab.report import _label_runs, _runs_table
+
+    def run(run_id: int, block: int, seed: int) -> dict:
+        params = {"model": "m", "engine.block_size": block, "varied": [], "benchmark.seed": seed}
+        return {"run_id": run_id, "experiment": "e", "model": "m", "params": params, "manifest": {},
+                "metrics": {"output_throughput": 1.0}, "repeat": 0, "seed": seed, "finished_at": None}
+
+    runs = [run(1, 16, 0), run(2, 32, 0), run(3, 16, 1)]
+    _label_runs(runs)
+    table = _runs_table(runs)
+    header = re.findall(r"<th>(.*?)</th>", table)
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    column = header.index("configuration")
+    assert [row[column] for row in rows] == ["block_size=16", "block_size=32", "block_size=16"]

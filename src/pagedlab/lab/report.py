@@ -507,16 +507,18 @@ def _summary_table(runs) -> str:
 
 
 def _runs_table(runs) -> str:
+    """One row per run; its configuration as the summary names it, since runs filed apart (separate
+    ``to_store`` calls) declare nothing varied and differ in params no other column shows."""
     varied = list(dict.fromkeys(k for r in runs for k in r["params"].get("varied", [])))
     metrics = list(dict.fromkeys(k for r in runs for k in r["metrics"]
                                  if k in _SUMMARY_METRICS or k in _QUALITY))
     rows = []
     for r in runs:
-        rows.append([r["run_id"], r["experiment"], r["model_label"], r["repeat"], r["seed"]]
+        rows.append([r["run_id"], r["experiment"], r["model_label"], r["config"], r["repeat"], r["seed"]]
                     + [r["params"].get(k) for k in varied] + [r["metrics"].get(k) for k in metrics]
                     + [(r["finished_at"] or "")[:19]])
-    return _table(["id", "experiment", "model", "repeat", "seed"] + varied + metrics + ["finished"], rows,
-                  "runs-table")
+    return _table(["id", "experiment", "model", "configuration", "repeat", "seed"] + varied + metrics
+                  + ["finished"], rows, "runs-table")
 
 
 def _manifest_tables(runs) -> tuple[str, int]:
