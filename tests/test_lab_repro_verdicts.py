@@ -191,3 +191,13 @@ def test_checks_refuse_a_limit_that_is_no_number_ge_0_before_any_work(limit):
             check(*args, **{name: limit})
     with pytest.raises(ValueError, match=r"threshold\['bleu'\]=.* is invalid"):
         repro.seed_sensitivity(None, threshold={"chrf": 0.1, "bleu": limit})
+
+
+# ---- inputs that leave nothing to compare ----------------------------------------------------------
+def test_precision_drift_refuses_a_single_variant(chat_dir):
+    """One variant is compared with nothing: the check loaded it and said SAME ("match float32")
+    whatever the other precisions would do. The command line refused it; the function must too."""
+    with pytest.raises(ValueError, match="give at least two precision variants"):
+        repro.precision_drift(chat_dir, PROMPTS[:1], dtypes=("float32",), max_tokens=1,
+                              engine_args={"kv_cache_memory_bytes": KV_BYTES, "device": "cpu"})
+

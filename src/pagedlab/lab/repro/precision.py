@@ -58,8 +58,13 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
     sequences, and mean KL(reference || variant) per position (``topk_kl`` over the reference's
     top-``k``; ``k`` >= the vocabulary gives the exact KL); each variant's weight bytes, resolved
     quantization and KV cache dtype are recorded. A variant differs when any greedy output differs
-    or its mean KL exceeds ``kl_threshold``. ``progress`` (see ``NoProgress``) counts the
-    variants, each one model load and run."""
+    or its mean KL exceeds ``kl_threshold``; fewer than two variants is a ValueError (one has
+    nothing to be compared with). ``progress`` (see ``NoProgress``) counts the variants, each one
+    model load and run."""
+    dtypes = list(dtypes)
+    if len(dtypes) < 2:
+        raise ValueError(f"dtypes={dtypes!r}: give at least two precision variants (the first is the "
+                         "reference)")
     variants = {name: variant_engine_args(name) for name in dtypes}  # bad names fail before loading
     check_top_k(k)
     check_limit("kl_threshold", kl_threshold)
@@ -83,7 +88,7 @@ def precision_drift(model: str, prompts: Sequence = DEFAULT_PROMPTS,
             engines.append(_engine_settings(llm))
         runs.append((tokens, tf))
         progress.update()
-    return _result(list(dtypes), runs, engines, max_tokens, k, kl_threshold)
+    return _result(dtypes, runs, engines, max_tokens, k, kl_threshold)
 
 
 def _result(dtypes: list[str], runs: list, engines: list[dict], max_tokens: int, k: int,
