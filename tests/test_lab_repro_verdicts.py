@@ -201,3 +201,12 @@ def test_precision_drift_refuses_a_single_variant(chat_dir):
         repro.precision_drift(chat_dir, PROMPTS[:1], dtypes=("float32",), max_tokens=1,
                               engine_args={"kv_cache_memory_bytes": KV_BYTES, "device": "cpu"})
 
+
+def test_seed_sensitivity_refuses_a_repeated_seed(chat_llm):
+    """Seeds [7, 7] rerun one run, so every metric had std 0 and hot sampling (temperature 1.5,
+    flagged over distinct seeds) was SAME; a repeat shrinks the spread of any seed list."""
+    hot = SamplingParams(temperature=1.5, max_tokens=6, logprobs=0)
+    assert not repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=[7, 8], threshold=0.0).same
+    for seeds in ([7, 7], [7, 8, 7]):
+        with pytest.raises(ValueError, match=r"repeats a seed: give each seed once"):
+            repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=seeds, threshold=0.0)

@@ -67,8 +67,9 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
     each metric over seeds. ``metrics_fn(outputs, references) -> {name: value}`` (default
     ``default_metrics``). A metric is flagged when its relative spread std/|mean| (absolute std when
     the mean is 0) exceeds ``threshold`` (a number, or a dict metric -> threshold), or is NaN
-    (the metric was NaN or infinite on some seed). ``progress``
-    (see ``NoProgress``) counts the seeds."""
+    (the metric was NaN or infinite on some seed). ``seeds``: at least two, each once (a repeated
+    seed reruns the same run, which would understate the spread). ``progress`` (see
+    ``NoProgress``) counts the seeds."""
     if params is None:
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, logprobs=0)
     for name, limit in (threshold.items() if isinstance(threshold, dict) else [("threshold", threshold)]):
@@ -76,6 +77,8 @@ def seed_sensitivity(llm, prompts: Sequence = DEFAULT_PROMPTS, params=None, seed
     seeds = list(seeds)
     if len(seeds) < 2:
         raise ValueError(f"seeds={seeds} is too few: give at least 2 seeds")
+    if len(set(seeds)) < len(seeds):  # a repeated seed reruns a run: the spread would shrink
+        raise ValueError(f"seeds={seeds} repeats a seed: give each seed once")
     fn = metrics_fn or default_metrics
     ids = encode_all(llm, prompts)
     per_seed: list[dict] = []
