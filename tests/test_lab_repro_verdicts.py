@@ -210,3 +210,24 @@ def test_seed_sensitivity_refuses_a_repeated_seed(chat_llm):
     for seeds in ([7, 7], [7, 8, 7]):
         with pytest.raises(ValueError, match=r"repeats a seed: give each seed once"):
             repro.seed_sensitivity(chat_llm, PROMPTS, hot, seeds=seeds, threshold=0.0)
+
+
+# ---- the command line's report ----------------------------------------------------------------------
+def test_cli_report_keeps_a_check_whose_storing_failed(chat_dir, tmp_path, monkeypatch):
+    """A check's result was kept for --out only after the database stored it: a storing error lost
+    the finished check from the report (which then listed no check at all)."""
+    pytest.importorskip("sqlalchemy")
+    from pagedlab.lab.repro_cli import main
+
+    def store_fails(*args, **kwargs):
+        raise RuntimeError("database gone")
+
+    monkeypatch.setattr(repro, "store_result", store_fails)
+    out = tmp_path / "report.json"
+    with pytest.raises(RuntimeError, match="database gone"):
+        main(["repro", "check", "--model", chat_dir, "--device", "cpu", "--kv-cache-memory-bytes", "16MiB",
+              "--checks", "batch", "--max-tokens", "2", "--no-progress", "--db", str(tmp_path / "r.db"),
+              "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert [c["check"] for c in report["checks"]] == ["batch"]
+    assert report["checks"][0]["verdict"] == "same" and "database gone" in report["error"]

@@ -185,10 +185,10 @@ def cmd_repro_check(args: argparse.Namespace) -> int:
 
     def done(result, llm=None):
         print(result.format(), flush=True)
+        results.append(result)  # before storing: a database error must not lose it from --out
         if store is not None:
             run_id = repro.store_result(result, None, llm=llm, model=args.model, store=store)
             print(f"    stored as run {run_id} in {store.url}", flush=True)
-        results.append(result)
 
     error = None
     try:
