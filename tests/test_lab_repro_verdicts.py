@@ -231,3 +231,20 @@ def test_cli_report_keeps_a_check_whose_storing_failed(chat_dir, tmp_path, monke
     report = json.loads(out.read_text())
     assert [c["check"] for c in report["checks"]] == ["batch"]
     assert report["checks"][0]["verdict"] == "same" and "database gone" in report["error"]
+
+
+def test_cli_precision_check_decodes_without_the_speculative_config(tmp_path, monkeypatch):
+    """--speculative-config is what the spec check compares; the other checks decode plainly (the
+    shared model is loaded without it), but the precision check's engines were loaded with it."""
+    from pagedlab.lab.repro_cli import main
+
+    seen = {}
+
+    def precision(model, prompts, **kwargs):
+        seen.update(kwargs["engine_args"])
+        return repro.CheckResult("precision", "same", "recorded")
+
+    monkeypatch.setattr(repro, "precision_drift", precision)
+    assert main(["repro", "check", "--model", "some/model", "--device", "cpu", "--no-progress", "--checks",
+                 "precision", "--speculative-config", '{"num_speculative_tokens": 2}']) == 0
+    assert seen["device"] == "cpu" and seen.get("speculative_config") is None

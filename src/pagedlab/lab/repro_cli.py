@@ -315,10 +315,13 @@ def _precision_variants(value: str) -> list[str]:
 
 
 def _precision_check(args, prompts, bar) -> repro.CheckResult:
+    """The precision check's variants loaded as the other checks' model is: without the
+    --speculative-config, which only the spec check compares."""
     dtypes = _precision_variants(args.dtypes)
+    engine_args = engine_kwargs(args)
+    engine_args.pop("speculative_config", None)
     return repro.precision_drift(args.model, prompts, dtypes=dtypes, max_tokens=args.max_tokens, k=args.top_k,
-                                 kl_threshold=args.kl_threshold, engine_args=engine_kwargs(args),
-                                 progress=bar)
+                                 kl_threshold=args.kl_threshold, engine_args=engine_args, progress=bar)
 
 
 def _padding_check(args, prompts, bar) -> repro.CheckResult:
