@@ -248,3 +248,18 @@ def test_cli_precision_check_decodes_without_the_speculative_config(tmp_path, mo
     assert main(["repro", "check", "--model", "some/model", "--device", "cpu", "--no-progress", "--checks",
                  "precision", "--speculative-config", '{"num_speculative_tokens": 2}']) == 0
     assert seen["device"] == "cpu" and seen.get("speculative_config") is None
+
+
+@pytest.mark.parametrize("reference", [5, [], ["ok", 7], {"text": "x"}])
+def test_load_prompts_refuses_a_reference_that_is_no_text(reference, tmp_path, chat_llm):
+    """A reference that is no text was taken, and the seeds check's exact match / BLEU failed on it
+    (``list(5)``: TypeError) only after the model loaded and the checks before it ran."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hello", "reference": reference}) + "\n")
+    with pytest.raises(ValueError, match=r"item 0: 'reference' is .*, not text or a non-empty list of texts"):
+        repro.load_prompts(f)
+    f.write_text(json.dumps({"prompt": "hello", "reference": ["hi", "hey"]}) + "\n")
+    prompts, refs = repro.load_prompts(f)
+    r = repro.seed_sensitivity(chat_llm, prompts, SamplingParams(temperature=0.0, max_tokens=2),
+                               seeds=range(2), references=refs)
+    assert r.metrics["exact_match.mean"] == 0.0 and r.same, r.format()

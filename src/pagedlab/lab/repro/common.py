@@ -102,20 +102,25 @@ def load_prompts(path: str | Path) -> tuple[list, list | None]:
 
 
 def _prompt_item(item, i: int, path: Path) -> tuple:
-    """One (prompt, reference) of a JSON prompt file: text, or a list of token ids."""
+    """One (prompt, reference) of a JSON prompt file: text, or a list of token ids; the reference
+    text, or a non-empty list of texts (any of which counts as a match)."""
     where = f"--prompts {str(path)!r} item {i}"
     if isinstance(item, str):
         return item, None
     if not isinstance(item, dict) or not ("prompt" in item or "prompt_token_ids" in item):
         raise ValueError(f"{where} has no 'prompt' or 'prompt_token_ids'")
+    ref = item.get("reference")
+    if ref is not None and not (isinstance(ref, str) or (isinstance(ref, list) and ref
+                                                         and all(isinstance(r, str) for r in ref))):
+        raise ValueError(f"{where}: 'reference' is {ref!r:.80}, not text or a non-empty list of texts")
     if "prompt" in item:
         if not isinstance(item["prompt"], str):
             raise ValueError(f"{where}: 'prompt' is {item['prompt']!r:.80}, not text")
-        return item["prompt"], item.get("reference")
+        return item["prompt"], ref
     ids = item["prompt_token_ids"]
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
         raise ValueError(f"{where}: 'prompt_token_ids' is {ids!r:.80}, not a non-empty list of token ids")
-    return list(ids), item.get("reference")
+    return list(ids), ref
 
 
 def encode_all(llm, prompts: Sequence) -> list[list[int]]:
