@@ -263,3 +263,14 @@ def test_load_prompts_refuses_a_reference_that_is_no_text(reference, tmp_path, c
     r = repro.seed_sensitivity(chat_llm, prompts, SamplingParams(temperature=0.0, max_tokens=2),
                                seeds=range(2), references=refs)
     assert r.metrics["exact_match.mean"] == 0.0 and r.same, r.format()
+
+
+# ---- spec --------------------------------------------------------------------------------------------
+def test_spec_check_says_when_nothing_was_proposed(chat_llm):
+    """One token per prompt leaves no decode step to speculate on: no proposal was verified, yet the
+    check read SAME with "0% of proposed tokens accepted" as if speculation had been tested."""
+    idle = repro.speculation_parity(chat_llm, prompts=[[9, 10, 11]], max_tokens=1, seeds=(0,))
+    assert idle.metrics["num_drafts"] == 0 and "speculation was not tested" in idle.summary, idle.format()
+    busy = repro.speculation_parity(chat_llm, prompts=PROMPTS[:1], max_tokens=20, seeds=(0,))
+    assert busy.metrics["num_drafts"] > 0 and "not tested" not in busy.summary, busy.format()
+    assert busy.same and chat_llm.get_engine_info().config.speculative_config is None

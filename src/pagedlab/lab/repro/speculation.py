@@ -20,7 +20,9 @@ def speculation_parity(llm, speculative_config: dict | None = None, prompts: Seq
     at ``temperature`` under each of ``seeds``, must be equal (pagedlab samples each position with
     noise keyed by its seed and position, so speculation changes no token in exact arithmetic; in
     bf16 on a GPU a verification step's kernels round differently from a decode step's, which can
-    flip a near-tie). Also the acceptance of the proposals. The engine's plan is restored."""
+    flip a near-tie). Also the proposals verified and their acceptance; where none was made (too few
+    tokens, nothing for the proposer to match) the summary says nothing was tested. The engine's
+    plan is restored."""
     config = speculative_config or DEFAULT_SPECULATIVE_CONFIG
     ids = [{"prompt_token_ids": p} for p in encode_all(llm, prompts)]
     runs = {"greedy": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)}
@@ -54,11 +56,15 @@ def _result(tokens: dict, stats, config: dict, max_tokens: int, temperature: flo
     metrics = {"num_prompts": len(firsts["greedy"]), "greedy_match_rate": rates["greedy"],
                "sampled_match_rate": sum(sampled) / len(sampled) if sampled else 1.0,
                "first_divergence": min(diverged, default=None),
+               "num_drafts": stats.spec_decode_num_drafts,
                "acceptance_rate": stats.spec_decode_acceptance_rate,
                "mean_acceptance_length": stats.spec_decode_mean_acceptance_length}
     summary = (f"speculative tokens equal plain decoding's for {rates['greedy']:.0%} of greedy and "
                f"{metrics['sampled_match_rate']:.0%} of seeded sampled outputs; "
                f"{stats.spec_decode_acceptance_rate:.0%} of proposed tokens accepted")
+    if not stats.spec_decode_num_drafts:
+        summary += (" (nothing was proposed, so no step was verified and speculation was not tested: give "
+                    "more tokens or prompts whose text repeats)")
     params = {"speculative_config": config, "max_tokens": max_tokens, "temperature": temperature,
               "seeds": seeds}
     details = {"tokens": tokens, "match_rates": rates}
