@@ -274,3 +274,10 @@ def test_spec_check_says_when_nothing_was_proposed(chat_llm):
     busy = repro.speculation_parity(chat_llm, prompts=PROMPTS[:1], max_tokens=20, seeds=(0,))
     assert busy.metrics["num_drafts"] > 0 and "not tested" not in busy.summary, busy.format()
     assert busy.same and chat_llm.get_engine_info().config.speculative_config is None
+
+
+def test_batch_check_refuses_an_empty_variant_list(chat_llm):
+    """No variant compares nothing: the batch-1 reference ran and the result failed on ``max()`` of
+    no variant."""
+    with pytest.raises(ValueError, match=r"batch variant\(s\) none given; choose from \['full_batch'"):
+        repro.batch_consistency(chat_llm, PROMPTS[:1], max_tokens=1, variants=[])

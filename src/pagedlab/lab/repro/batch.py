@@ -33,8 +33,9 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     all_variants = _variant_plans(original, chunk_tokens, max(longest, info.max_num_batched_tokens))
     names = list(variants) if variants is not None else list(all_variants)
     unknown = [n for n in names if n not in all_variants]
-    if unknown:
-        raise ValueError(f"unknown batch variant(s) {unknown}; choose from {list(all_variants)}")
+    if unknown or not names:
+        raise ValueError(f"unknown batch variant(s) {unknown or 'none given'}; choose from "
+                         f"{list(all_variants)}")
     details: dict = {}
     progress = progress if progress is not None else NoProgress()
     progress.reset(total=len(ids) + len(names))
