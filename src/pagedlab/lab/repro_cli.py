@@ -255,7 +255,8 @@ def _check_inputs(args, checks: list[str]) -> None:
 
 
 def _run_llm_checks(args, checks: list[str], prompts, references, seed_params, done, announce) -> None:
-    """The checks that share one loaded model (batch, seeds, tokenizer, hf), each passed to ``done``."""
+    """The checks that share one loaded model (batch, seeds, tokenizer, hf, lora, spec), each passed
+    to ``done``."""
     main_checks = [c for c in checks if c in _SHARED_MODEL_CHECKS]
     if not main_checks:
         return
