@@ -450,3 +450,24 @@ def test_parquet_keeps_a_flag_some_runs_lack_a_boolean(tmp_path):
     assert [r["throttled"] for r in rows] == [False, None, None]
     assert rows[0]["n"] == 1.0 and rows[1]["n"] == 2.5 and pd.isna(rows[2]["n"])
     assert [r["mixed"] for r in rows[:2]] == ["1", "auto"] and pd.isna(rows[2]["mixed"])
+
+
+def test_a_param_a_run_left_at_its_default_reads_the_value_it_ran_with(url):
+    """``runs: [{sampling.top_k: 5}, {engine.block_size: 32}]``: each run stores only what its YAML
+    sets, so ``engine.block_size`` was NaN for the first and ``groupby`` dropped it; it now reads
+    the value the run's manifest recorded (old rows too), in every experiment on its own."""
+    resolved = {"engine": {"block_size": 16}, "sampling": {"top_k": -1, "temperature": 1.0}}
+    with ResultStore(url) as store:
+        store.record_run(RunRecord("e", "k1", {"sampling.top_k": 5, "varied": ["sampling.top_k"]},
+                                   {"bleu": 1.0}, {**resolved, "sampling": {"top_k": 5}}))
+        store.record_run(RunRecord("e", "k2", {"engine.block_size": 32, "varied": ["engine.block_size"]},
+                                   {"bleu": 2.0}, {**resolved, "engine": {"block_size": 32}}))
+        store.record_run(RunRecord("e", "k3", {"engine.block_size": 32}, {"bleu": 3.0}, {}))
+        store.record_run(RunRecord("f", "k4", {}, {"bleu": 4.0}, resolved))
+    for manifest in (False, True):
+        df = load_results(url, experiment="e", manifest=manifest)
+        assert df["engine.block_size"].tolist() == [16, 32, 32]
+        assert df["sampling.top_k"].tolist()[:2] == [5, -1] and pd.isna(df["sampling.top_k"][2])
+        assert df.groupby("engine.block_size")["bleu"].sum().to_dict() == {16: 1.0, 32: 5.0}
+    assert "engine.block_size" not in load_results(url, experiment="f").columns
+    assert "sampling.temperature" not in load_results(url).columns

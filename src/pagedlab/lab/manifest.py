@@ -381,3 +381,31 @@ def diff_manifests(manifests: list[dict], ignore: tuple[str, ...] = VOLATILE_FIE
         if len(set(values)) > 1:
             differ.append(key)
     return differ
+
+
+# ---- params a run left at their defaults ----------------------------------------------------------
+_RESOLVED_SECTIONS = ("engine", "sampling")  # the manifest sections that hold every resolved setting
+
+
+def unset_params(runs: list[dict]) -> dict[int, list[str]]:
+    """Per run id, the ``engine.*`` and ``sampling.*`` params that other runs of its experiment
+    store and it does not (it left them at their defaults: a run stores only what its YAML sets)."""
+    keys: dict[str, dict] = {}
+    for run in runs:
+        keys.setdefault(run["experiment"], {}).update(
+            dict.fromkeys(k for k in run["params"] if k.split(".", 1)[0] in _RESOLVED_SECTIONS))
+    unset = {run["run_id"]: [k for k in keys[run["experiment"]] if k not in run["params"]] for run in runs}
+    return {run_id: missing for run_id, missing in unset.items() if missing}
+
+
+def fill_unset_params(runs: list[dict], unset: dict[int, list[str]], manifests: dict[int, dict]) -> None:
+    """Set each run's ``unset`` params (``unset_params``) to the values it ran with: those its
+    manifest (``manifests`` by run id) recorded in its resolved ``engine`` and ``sampling``
+    sections; a param the manifest lacks stays unset."""
+    for run in runs:
+        manifest = manifests.get(run["run_id"]) or {}
+        for key in unset.get(run["run_id"], ()):
+            section, _, name = key.partition(".")
+            resolved = manifest.get(section)
+            if isinstance(resolved, dict) and name in resolved:
+                run["params"][key] = resolved[name]

@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pagedlab.lab.manifest import flatten
+from pagedlab.lab.manifest import fill_unset_params, flatten, unset_params
 
 DEFAULT_URL = "sqlite:///results.db"
 SCHEMA_VERSION = 1
@@ -423,7 +423,9 @@ class ResultStore:
 
     def runs(self, experiment: str | None = None, status: str | None = None, run_ids=None,
              manifest: bool = True) -> list[dict]:
-        """Stored runs (without outputs and telemetry samples), oldest first."""
+        """Stored runs (without outputs and telemetry samples), oldest first. A param that other
+        runs of its experiment store and a run left at its default reads the value the run used
+        (``fill_unset_params``), so every run of an experiment has every varied key."""
         sa, r, e = self.sa, self.t_runs, self.t_exp
         cols = [r.c.id, e.c.name.label("experiment"), r.c.run_key, r.c.status, r.c.model, r.c.repeat,
                 r.c.seed,
@@ -439,8 +441,14 @@ class ResultStore:
         if run_ids is not None:
             q = q.where(r.c.id.in_(list(run_ids)))
         with self.engine.connect() as conn:
-            rows = conn.execute(q).mappings().all()
-        return [_run_dict(row) for row in rows]
+            runs = [_run_dict(row) for row in conn.execute(q).mappings().all()]
+            unset = unset_params(runs)
+            if unset and manifest:
+                fill_unset_params(runs, unset, {run["run_id"]: run["manifest"] for run in runs})
+            elif unset:
+                fill_unset_params(runs, unset, dict(conn.execute(sa.select(r.c.id, r.c.manifest).where(
+                    r.c.id.in_(list(unset)))).all()))
+        return runs
 
     def get_run(self, run_id: int, outputs: bool = True, samples: bool = False) -> dict:
         found = self.runs(run_ids=[run_id])
