@@ -79,3 +79,25 @@ def test_a_blank_entry_in_a_list_of_references_is_no_reference(tmp_path):
     bleu = METRICS["bleu"].fn(result([short], items[2:]))["bleu"]
     assert bleu == pytest.approx(sacrebleu.corpus_bleu([short], [[long_ref]]).score)
     assert bleu < 50  # the brevity penalty: 8 words against 17
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_a_row_with_fewer_fields_than_the_header_is_an_error(tmp_path, fmt):
+    """A short row was read with its missing reference as "no reference" (as csv.DictReader and
+    pandas fill it), so it silently left exact match and BLEU; it is an error naming the file,
+    the line and the fields expected and found, as a long row is. An empty last field written
+    with its delimiter (``empty,``) is present and empty: no reference, and no error."""
+    sep = "," if fmt == "csv" else "\t"
+    path = tmp_path / f"s.{fmt}"
+    path.write_text(f"q{sep}a{sep}n\nhello{sep}world{sep}1\n\nshort{sep}x\n")
+    with pytest.raises(ExperimentError, match=rf"^dataset s.{fmt} line 4: 2 fields where the header has 3 "
+                                              rf"\(q, a, n\)"):
+        records(path)
+    path.write_text(f"q{sep}a\nhello{sep}world\nshort\n")
+    with pytest.raises(ExperimentError, match=rf"^dataset s.{fmt} line 3: 1 field where the header has 2"):
+        records(path)
+    path.write_text(f"q{sep}a\nhello{sep}world\nempty{sep}\n")
+    assert records(path) == [("hello", ["world"]), ("empty", None)]
+    path.write_text(f"q{sep}a\nhello{sep}world{sep}x\n")
+    with pytest.raises(ExperimentError, match=rf"^dataset s.{fmt} line 2: 3 fields where the header has 2"):
+        records(path)

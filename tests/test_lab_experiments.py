@@ -190,7 +190,7 @@ def test_csv_errors_name_the_line_past_blank_lines_and_quoted_line_breaks(workdi
     table = workdir / "data" / "qa.csv"
     table.write_text('answer,question\n\nx,"two\nlines"\nno question\n')
     conf = {"path": str(table), "prompt_field": "question", "reference_field": "answer"}
-    with pytest.raises(ExperimentError, match=r"^dataset qa.csv line 5: field 'question' must be a string"):
+    with pytest.raises(ExperimentError, match=r"^dataset qa.csv line 5: 1 field where the header has 2"):
         load_dataset(conf, None, lambda key: f"dataset.{key}")
 
 

@@ -19,6 +19,8 @@ FORMATS = {"jsonl": "jsonl", "ndjson": "jsonl", "csv": "csv", "tsv": "tsv", "jso
 QUOTING = ("a quoted field is not closed, or text follows its closing quote mark: a field that starts with a "
            "quote mark is quoted, ends at the next lone quote mark and holds a quote mark doubled (write "
            '"""To be"" or not" for the text "To be" or not)')
+# DictReader's value for the cells a row lacks (a row's own cells are strings, never this)
+_MISSING = object()
 # ``where(key)`` gives ``file:line: dataset.key`` for an error about a dataset setting.
 Where = Callable[[str], str]
 
@@ -192,17 +194,29 @@ def _read_jsonl(p: Path, fmt: str) -> list[tuple[str, dict]]:
 
 def _read_delimited(p: Path, fmt: str) -> list[tuple[str, dict]]:
     with open(p, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t", strict=True)
+        reader = csv.DictReader(f, delimiter="," if fmt == "csv" else "\t", strict=True, restval=_MISSING)
         records = []
         for row in _quoted_rows(reader, p.name):
             rowno = reader.line_num  # the row's last line: blank lines and quoted line breaks count
-            if None in row:  # DictReader's key for the cells past the header's
-                width = len(reader.fieldnames)
-                raise ExperimentError(f"dataset {p.name} line {rowno}: {width + len(row[None])} fields where "
-                                      f"the header has {width} (quote a field that holds a "
-                                      f"{'comma' if fmt == 'csv' else 'tab'})")
+            _check_width(row, len(reader.fieldnames), f"dataset {p.name} line {rowno}", fmt)
             records.append((f"line {rowno}", row))
         return records
+
+
+def _check_width(row: dict, width: int, loc: str, fmt: str) -> None:
+    """A row must have as many fields as the header. One with more (an unquoted delimiter) and one
+    with fewer are errors: ``csv.DictReader`` (as pandas) fills the cells a short row lacks (here
+    with ``_MISSING``), which read as "no reference" and left the row out of the scores. An empty
+    last field written ``a,b,`` is there, and empty."""
+    delimiter = "comma" if fmt == "csv" else "tab"
+    if None in row:  # DictReader's key for the cells past the header's
+        raise ExperimentError(f"{loc}: {width + len(row[None])} fields where the header has {width} "
+                              f"(quote a field that holds a {delimiter})")
+    missing = sum(value is _MISSING for value in row.values())
+    if missing:
+        found = width - missing
+        raise ExperimentError(f"{loc}: {found} field{'s' if found != 1 else ''} where the header has {width} "
+                              f"({', '.join(row)}): write an empty last field as a trailing {delimiter}")
 
 
 def _quoted_rows(reader: csv.DictReader, name: str):
