@@ -142,3 +142,26 @@ def test_bleu_and_chrf_are_sacrebleu_corpus_scores_over_the_referenced_rows():
     sentence_mean = sum(sacrebleu.sentence_bleu(h, [r for r in rs if r]).score
                         for h, rs in zip(hyps, zip(*streams))) / 2
     assert bleu != pytest.approx(sentence_mean)
+
+
+def test_references_that_normalize_to_nothing_are_scored_as_squad_v2_scores_them():
+    """SQuAD v2's official evaluation drops gold answers that normalize to nothing and, with none
+    left, scores the question as unanswerable (gold ""). An empty output then matches ["the"] and
+    ["."] (so does SQuAD v1.1, "" == ""), and a real answer does not; but ["the", "Paris"] is
+    ["Paris"]: an empty output matched its "the" and counted as a correct answer."""
+    from types import SimpleNamespace
+
+    from pagedlab.lab.datasets import DatasetItem
+    from pagedlab.lab.metrics import RunResult
+
+    def scores(text, refs):
+        result = RunResult([SimpleNamespace(outputs=[SimpleNamespace(text=text)])],
+                           [DatasetItem("q", None, refs)], 1.0, None)
+        return METRICS["exact_match"].fn(result)["exact_match"], \
+            METRICS["contains_answer"].fn(result)["contains_answer"]
+
+    assert scores("", ["the"]) == scores("The.", ["."]) == (1.0, 1.0)
+    assert scores("Paris", ["the"]) == (0.0, 0.0)
+    assert scores("", ["the", "Paris"]) == (0.0, 0.0)
+    assert scores("It is Paris.", ["the", "Paris"]) == (0.0, 1.0)
+    assert scores("the Paris", ["the", "Paris"]) == (1.0, 1.0)

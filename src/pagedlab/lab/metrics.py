@@ -99,10 +99,19 @@ def _references(res: RunResult) -> tuple[list[str], list[list[str | None]]]:
     return hyps, streams
 
 
+def _squad_golds(references: list[str]) -> list[str]:
+    """The normalized references an output is scored against, as SQuAD v2's official evaluation
+    takes its gold answers: those that normalize to nothing ("the", ".") are left out, and if
+    none is left the one gold is "" (SQuAD's unanswerable question), which only an output that
+    normalizes to nothing matches. A list such as ``["the", "Paris"]`` is thus ``["paris"]``: an
+    empty output does not match it."""
+    return [n for n in map(normalize_answer, references) if n] or [""]
+
+
 @register_metric("exact_match", needs_references=True,
                  doc="share of outputs equal to a reference after SQuAD normalization")
 def exact_match(res: RunResult) -> dict:
-    scored = [normalize_answer(h) in {normalize_answer(r) for r in it.reference}
+    scored = [normalize_answer(h) in _squad_golds(it.reference)
               for h, it in zip(res.texts, res.items) if it.reference]
     return {"exact_match": sum(scored) / len(scored) if scored else None}
 
@@ -112,7 +121,7 @@ def exact_match(res: RunResult) -> dict:
 def contains_answer(res: RunResult) -> dict:
     """Answer accuracy for a model that answers in sentences ("The capital of France is Paris.")
     where exact match scores 0: a reference's normalized words appear, whole, in the output's."""
-    scored = [any(f" {normalize_answer(r)} " in f" {normalize_answer(h)} " for r in it.reference)
+    scored = [any(f" {gold} " in f" {normalize_answer(h)} " for gold in _squad_golds(it.reference))
               for h, it in zip(res.texts, res.items) if it.reference]
     return {"contains_answer": sum(scored) / len(scored) if scored else None}
 
