@@ -12,7 +12,7 @@ import transformers
 from pagedlab.cli.main import main
 from pagedlab.lab import env as env_module
 from pagedlab.lab.env import compare_environment, env_report
-from pagedlab.lab.plan import GIB, gpu_memory_bytes, plan_memory, suggestions
+from pagedlab.lab.plan import GIB, gpu_memory_bytes, plan_memory, size_class, suggestions
 from pagedlab.workloads import model_shape
 
 H200 = 143771 << 20
@@ -216,3 +216,17 @@ def test_env_compare_names_a_changed_version(tmp_path, capsys):
     assert "versions.torch: '2.0.0' then" in capsys.readouterr().out
     (tmp_path / "empty.json").write_text("{}")
     assert main(["env", "--compare", str(tmp_path / "empty.json")]) == 2
+
+
+def test_a_size_class_rounds_up_into_the_next_unit_without_e_notation():
+    """Formatting with "g" wrote a count that rounds up to 1000 of its unit in e-notation (999,600
+    parameters "1e+03K", 999.6e9 "1e+03B") and a count of 100 billion or more to two digits
+    (175e9 "1.8e+02B"); the size class now moves up a unit where the rounded number reaches it
+    and writes whole billions in full. Counts near a published size keep its name."""
+    assert size_class(999_600) == "1M" and size_class(999_999) == "1M"
+    assert size_class(999_600_000_000) == "1000B"
+    assert size_class(175_000_000_000) == "175B" and size_class(150_000_000_000) == "150B"
+    assert size_class(99_940_000) == "99.9M" and size_class(1_234_567) == "1.23M"
+    assert size_class(140_000) == "140K" and size_class(999) == "999"
+    assert size_class(999_600_000) == "1B" and size_class(6_740_000_000) == "7B"
+    assert all("e" not in size_class(n) for n in range(995_000, 1_000_000_000, 999_983))

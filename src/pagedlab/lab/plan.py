@@ -218,16 +218,27 @@ def count_parameters(hf_config) -> int | None:
 def size_class(parameters: int | None) -> str | None:
     """The size a model is known by: the nearest of the sizes models are published at
     (``NOMINAL_SIZES``: Llama-2-7B's 6.74e9 parameters are "7B", Llama-3-8B's 8.03e9 "8B") when
-    within 10% of it, else two significant digits in billions or three in millions or thousands."""
+    within 10% of it, else two significant digits in billions or three in millions or thousands
+    (every digit of a whole number of billions: "175B"), in the largest unit the rounded number
+    is at least 1 of: 999,600 parameters are "1M", not "1e+03K"."""
     if parameters is None:
         return None
     nearest = min(NOMINAL_SIZES, key=lambda name: abs(math.log(parameters / _nominal_count(name))))
     if abs(parameters / _nominal_count(nearest) - 1) <= 0.1:
         return nearest
     for scale, suffix, digits in ((1e9, "B", 2), (1e6, "M", 3), (1e3, "K", 3)):
-        if parameters >= scale:
-            return f"{parameters / scale:.{digits}g}{suffix}"
+        text = _significant(parameters / scale, digits)
+        if float(text) >= 1:
+            return text + suffix
     return str(parameters)
+
+
+def _significant(value: float, digits: int) -> str:
+    """``value`` to ``digits`` significant digits, or to a whole number where its whole part has
+    more; never in e-notation (``format``'s "g" writes 999.6 to 3 digits as "1e+03")."""
+    if len(str(int(value))) >= digits:
+        return str(round(value))
+    return f"{value:.{digits}g}"
 
 
 def _nominal_count(name: str) -> float:
