@@ -101,3 +101,21 @@ def test_a_row_with_fewer_fields_than_the_header_is_an_error(tmp_path, fmt):
     path.write_text(f"q{sep}a\nhello{sep}world{sep}x\n")
     with pytest.raises(ExperimentError, match=rf"^dataset s.{fmt} line 2: 3 fields where the header has 2"):
         records(path)
+
+
+def test_a_number_reference_is_the_text_of_its_value(tmp_path):
+    """A JSON number reference 1.0 was the text "1.0" (Python's str), which SQuAD's normalization
+    turns into "10", so the output "1" missed it; a number is its value's text, a whole one
+    without a fraction (JSON's 1.0 and 1e3 are 1 and 1000), others as Python writes them; a
+    string is kept as written, and a CSV cell is text."""
+    path = tmp_path / "n.jsonl"
+    rows = ['{"q": "one", "a": 1.0}', '{"q": "two", "a": 2}', '{"q": "more", "a": [0.5, 2.50, 1e3, "1.0"]}']
+    path.write_text("\n".join(rows) + "\n")
+    assert records(path) == [("one", ["1"]), ("two", ["2"]), ("more", ["0.5", "2.5", "1000", "1.0"])]
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(text=t)]) for t in ("1", "2")]
+    items = load_dataset({"path": str(path), "prompt_field": "q", "reference_field": "a", "limit": 2}, None,
+                         lambda key: f"dataset.{key}").items
+    assert METRICS["exact_match"].fn(RunResult(outputs, items, 1.0, None)) == {"exact_match": 1.0}
+    table = tmp_path / "n.csv"
+    table.write_text("q,a\none,1.0\n")
+    assert records(table) == [("one", ["1.0"])]

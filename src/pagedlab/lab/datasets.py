@@ -152,8 +152,18 @@ def _references(rec: dict, loc: str, conf: dict, where: Where) -> list[str] | No
                               f"{bad[0]!r} in {raw!r} is not")
     # a blank entry of a list is no reference either (all blank: none): scored as one, it matched an
     # empty output in exact_match and gave BLEU a reference of length 0, so no brevity penalty
-    refs = [str(v) for v in values if not (isinstance(v, str) and not v.strip())]
+    refs = [_reference_text(v) for v in values if not (isinstance(v, str) and not v.strip())]
     return refs if refs or not values else None
+
+
+def _reference_text(value: str | int | float) -> str:
+    """A reference as text: a number as its value is written, an integral one without a fraction.
+    JSON and YAML numbers have no type beyond their value (``1.0`` is ``1``), and a model answers
+    "1": as Python's ``str`` the reference was "1.0", which SQuAD's normalization turns into "10"
+    (the point is punctuation), so exact match missed it. Write a string to keep other text."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def _read_records(conf: dict, base_dir: Path | None, where: Where) -> tuple[list[tuple[str, dict]], str]:
