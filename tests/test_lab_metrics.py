@@ -165,3 +165,14 @@ def test_references_that_normalize_to_nothing_are_scored_as_squad_v2_scores_them
     assert scores("", ["the", "Paris"]) == (0.0, 0.0)
     assert scores("It is Paris.", ["the", "Paris"]) == (0.0, 1.0)
     assert scores("the Paris", ["the", "Paris"]) == (1.0, 1.0)
+
+
+def test_normalize_answer_is_squads_step_for_step():
+    """SQuAD's script removes an article wherever word boundaries enclose it after removing ASCII
+    punctuation: "The—end" is "—end" there (the dash is not ASCII punctuation); removing only
+    whole whitespace-separated words kept "the—end", so the output "—end" missed it."""
+    from pagedlab.lab.metrics import normalize_answer
+
+    assert normalize_answer("The—end") == "—end" and normalize_answer("the\u2019s cat") == "\u2019s cat"
+    assert normalize_answer("  A  cat,\tthe DOG. ") == "cat dog" and normalize_answer("Theory") == "theory"
+    assert normalize_answer("the") == normalize_answer(".") == ""

@@ -15,6 +15,7 @@ measure throughput, latency and memory themselves (``pagedlab.lab.bench``).
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,10 +85,16 @@ def unregister_metric(name: str) -> None:
     METRICS.pop(name, None)
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
 def normalize_answer(text: str) -> str:
-    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+    """SQuAD's answer normalization, step by step as its official evaluation script: lower case,
+    ASCII punctuation removed, then articles between word boundaries ("the" of "the—end", whose
+    dash is not ASCII punctuation, too), then whitespace collapsed to single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def _references(res: RunResult) -> tuple[list[str], list[list[str | None]]]:
