@@ -115,11 +115,16 @@ def test_chat_help_names_the_exit_commands(capsys):
     assert "/exit" in out and "/quit" in out
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly():
+@pytest.mark.parametrize("command", [
+    ["pagedlab.cli", "plan", "--model", "llama3-8b", "--gpu", "H200"],
+    ["pagedlab.cli", "monitor", "--interval", "0.1", "--count", "50", "--gpu-only"],
+    # docs/lab.md: `python -m pagedlab.lab.cli` runs the lab's commands as `pagedlab` does
+    ["pagedlab.lab.cli", "monitor", "--interval", "0.1", "--count", "50", "--gpu-only"],
+])
+def test_a_reader_that_goes_away_ends_the_command_quietly(command):
     """`pagedlab plan ... | head -0`: output to a pipe whose reader has closed ends with exit 1
     and no BrokenPipeError traceback (nor a second one as the interpreter flushes at exit)."""
-    command = [sys.executable, "-m", "pagedlab.cli", "plan", "--model", "llama3-8b", "--gpu", "H200"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1

@@ -1,10 +1,13 @@
 """A command stopped part-way: SIGTERM (a job scheduler's time limit, ``timeout``, ``kill``)
-stopping it as Ctrl-C does, and the names and exit codes of such stops."""
+stopping it as Ctrl-C does, a reader of its output that went away (``| head``), and the names and
+exit codes of such stops."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 
 CTRL_C_EXIT = 128 + signal.SIGINT  # 130: the shell's status for a command a signal ended
@@ -51,3 +54,11 @@ def stop_reason(error: BaseException) -> str:
 def interrupted_exit(error: KeyboardInterrupt) -> int:
     """The exit status of a command ``error`` stopped: 143 for SIGTERM, 130 for Ctrl-C."""
     return SIGTERM_EXIT if isinstance(error, Terminated) else CTRL_C_EXIT
+
+
+def reader_gone_exit() -> int:
+    """The exit status of a command whose output pipe's reader went away (``| head``): 1, quietly,
+    as Unix tools stop. Standard output then points at the null device, so the interpreter's flush
+    at exit raises no second BrokenPipeError."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 
@@ -17,7 +16,7 @@ from pagedlab.cli.engine_args import (CommandParser, add_engine_args, add_sampli
                                       engine_kwargs, given_engine_kwargs, positive_int)
 from pagedlab.cli.env_plan import register as register_env_plan
 from pagedlab.inputs import chat_prompt, encode_prompt
-from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
+from pagedlab.interrupt import interrupted_exit, reader_gone_exit, sigterm_as_interrupt, stop_reason
 
 BENCH_DOCS = "docs/benchmarks.md"
 WORKLOADS = ("W-seed", "W-nano", "W-lat", "W-prefix", "W-long", "custom")
@@ -353,6 +352,5 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where a command stops on it as on Ctrl-C
         return interrupted_exit(e)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
+        return reader_gone_exit()
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pagedlab.cli.engine_args import CommandParser
+from pagedlab.interrupt import reader_gone_exit
 
 _DB_HELP = ("results database: a SQLAlchemy URL or a SQLite file path "
             "(default: $PAGEDLAB_DB or sqlite:///results.db)")
@@ -301,6 +302,8 @@ def cmd_monitor(args) -> int:
     try:
         run_monitor(interval=args.interval, log=args.log, count=args.count,
                     stream=None if args.quiet else sys.stdout, gpu_only=args.gpu_only)
+    except BrokenPipeError:  # the reader went away (`| head`): the command's main stops quietly
+        raise
     except (ValueError, OSError) as e:
         return _fail(e)
     return 0
@@ -323,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     subparsers.required = True
     register(subparsers)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `pagedlab` does
+        return reader_gone_exit()
 
 
 if __name__ == "__main__":
