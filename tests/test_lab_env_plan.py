@@ -230,3 +230,23 @@ def test_a_size_class_rounds_up_into_the_next_unit_without_e_notation():
     assert size_class(140_000) == "140K" and size_class(999) == "999"
     assert size_class(999_600_000) == "1B" and size_class(6_740_000_000) == "7B"
     assert all("e" not in size_class(n) for n in range(995_000, 1_000_000_000, 999_983))
+
+
+def test_env_compare_reads_a_pagedlab_bench_json_file(tmp_path, capsys):
+    """docs/lab.md: --compare takes a benchmark file, and `pagedlab bench --json` writes its
+    environment (versions, CUDA, the GPU's name) without a manifest: those fields are compared."""
+    report = env_report(_fake_nvml(ecc=0))
+    gpu = report.gpus[0]["name"]
+    environment = {"date": "2026-12-01", "python": report.versions["python"], "torch": "2.0.0",
+                   "transformers": report.versions["transformers"], "gpu": gpu,
+                   "cuda": report.hardware.get("cuda"), "triton": report.versions["triton"],
+                   "pagedlab": report.versions["pagedlab"]}
+    stored = {"environment": environment, "command": "pagedlab bench throughput", "results": []}
+    now = report.versions["torch"]
+    assert compare_environment(report, stored) == [f"versions.torch: '2.0.0' then, {now!r} now"]
+    moved = {**stored, "environment": {**environment, "torch": now, "gpu": "NVIDIA A100"}}
+    assert compare_environment(report, moved) == [f"hardware.gpu: 'NVIDIA A100' then, {gpu!r} now"]
+    path = tmp_path / "w_seed.json"
+    path.write_text(json.dumps(stored))
+    assert main(["env", "--compare", str(path)]) == 0
+    assert "versions.torch: '2.0.0' then" in capsys.readouterr().out

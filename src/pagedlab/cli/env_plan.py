@@ -16,8 +16,8 @@ def register(subparsers) -> None:
                                             "can skew a benchmark, with fixes", allow_abbrev=False)
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.add_argument("--compare", metavar="RESULTS",
-                     help="a stored result's JSON (manifest, exported run or benchmark file): name every "
-                          "difference from the environment it recorded")
+                     help="a stored result's JSON (manifest, exported run, LLM.benchmark or pagedlab bench "
+                          "--json file): name every difference from the environment it recorded")
     env.set_defaults(func=cmd_env)
     plan = subparsers.add_parser("plan", help="will a model fit a GPU? weights, activations and KV cache per "
                                               "GPU from config.json, with TP/quantization advice",

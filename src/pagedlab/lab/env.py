@@ -185,16 +185,37 @@ def _peer_to_peer(nv, handles) -> list[dict]:
 
 def compare_environment(report: EnvironmentReport, stored: dict) -> list[str]:
     """What differs between this machine and the ``versions``/``hardware`` of a stored manifest
-    (found anywhere inside ``stored``: a manifest, a stored run, a benchmark JSON)."""
+    (found anywhere inside ``stored``: a manifest, a stored run, ``LLM.benchmark``'s saved file), or
+    the ``environment`` of a ``pagedlab bench --json`` file (versions, CUDA and the GPU's name: only
+    those are compared)."""
+    now_gpus = _gpu_names(report)
+    now = flatten({"versions": report.versions, "hardware": {**report.hardware, "gpus": now_gpus}})
     manifest = find_manifest(stored)
-    if manifest is None:
-        raise ValueError("no manifest (a dict with 'versions' and 'hardware') found in the given results")
-    now = flatten({"versions": report.versions, "hardware": {**report.hardware, "gpus": _gpu_names(report)}})
-    then = flatten({"versions": manifest.get("versions", {}),
-                    "hardware": {k: v for k, v in manifest.get("hardware", {}).items() if k != "gpus"}
-                    | {"gpus": [g.get("name") for g in manifest.get("hardware", {}).get("gpus", [])]}})
+    if manifest is not None:
+        then = flatten({"versions": manifest.get("versions", {}),
+                        "hardware": {k: v for k, v in manifest.get("hardware", {}).items() if k != "gpus"}
+                        | {"gpus": [g.get("name") for g in manifest.get("hardware", {}).get("gpus", [])]}})
+        keys = set(now) | set(then)
+    else:
+        then = _bench_file_environment(stored)
+        if then is None:
+            raise ValueError("no manifest (a dict with 'versions' and 'hardware') nor a pagedlab bench "
+                             "--json file's 'environment' found in the given results")
+        now["hardware.gpu"] = now_gpus[0] if now_gpus else None
+        keys = set(then)
     return [f"{key}: {then.get(key)!r} then, {now.get(key)!r} now"
-            for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
+            for key in sorted(keys) if now.get(key) != then.get(key)]
+
+
+def _bench_file_environment(stored) -> dict | None:
+    """A ``pagedlab bench --json`` file's ``environment`` under a manifest's flattened names, the
+    GPU it ran on (``torch.cuda.get_device_name()``) as ``hardware.gpu``; None for other JSON."""
+    env = stored.get("environment") if isinstance(stored, dict) else None
+    if not isinstance(env, dict) or "pagedlab" not in env or "torch" not in env:
+        return None
+    then = {f"versions.{name}": env.get(name) for name in ("python", "pagedlab", "torch", "triton",
+                                                            "transformers") if name in env}
+    return then | {"hardware.cuda": env.get("cuda"), "hardware.gpu": env.get("gpu")}
 
 
 def find_manifest(obj):
