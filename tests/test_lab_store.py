@@ -112,6 +112,10 @@ def test_export_formats(url, tmp_path):
         assert store.export(tmp_path / "r.parquet", manifest=True) == 2
         with pytest.raises(ValueError, match="csv, jsonl or parquet"):
             store.export(tmp_path / "r.xlsx")
+        # --outputs with a table format was ignored without a word
+        with pytest.raises(ValueError, match=r"outputs \(--outputs\) are exported as jsonl only, not csv"):
+            store.export(tmp_path / "o.csv", outputs=True)
+        assert not (tmp_path / "o.csv").exists()
     csv = pd.read_csv(tmp_path / "r.csv")
     assert sorted(csv["bleu"]) == [0.0, 1.0] and json.loads(csv["varied"][0]) == ["x"]
     lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]

@@ -509,14 +509,16 @@ class ResultStore:
         """Write the runs as csv, jsonl or parquet (from the suffix unless ``fmt``); returns the count.
 
         csv/parquet: the ``dataframe()`` table; jsonl: one nested object per run (params, metrics,
-        manifest, telemetry, and the outputs with ``outputs=True``). The file is written beside
-        ``path`` and renamed onto it when complete, so an export that stops part-way leaves no
-        partial file and an earlier export at ``path`` whole (a link such as /dev/stdout, or a pipe,
-        is written as it goes)."""
+        manifest, telemetry, and the outputs with ``outputs=True``, which the tables refuse). The
+        file is written beside ``path`` and renamed onto it when complete, so an export that stops
+        part-way leaves no partial file and an earlier export at ``path`` whole (a link such as
+        /dev/stdout, or a pipe, is written as it goes)."""
         path = Path(path)
         fmt = (fmt or path.suffix.lstrip(".")).lower()
         if fmt not in ("csv", "jsonl", "parquet"):
             raise ValueError(f"export format {fmt!r} is invalid: choose csv, jsonl or parquet")
+        if outputs and fmt != "jsonl":  # a table has one row per run: nowhere to put the outputs
+            raise ValueError(f"outputs (--outputs) are exported as jsonl only, not {fmt}: give a .jsonl file")
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_symlink() or (path.exists() and not path.is_file()):
             return self._write_export(path, fmt, experiment, status, outputs, manifest)
