@@ -72,14 +72,23 @@ def test_bench_takes_engine_flags_given_at_the_engines_default(bench_calls):
                                      "device": "cpu"}
 
 
-@pytest.mark.parametrize("where, message", [("missing/out.json", "is not a writable directory"),
+@pytest.mark.parametrize("where, message", [("a-file/out.json", "cannot be made"),
                                             (".", "is a directory: give a file name")])
 def test_bench_json_that_cannot_be_written_is_refused_before_the_run(where, message, tmp_path, bench_calls,
                                                                      capsys):
+    (tmp_path / "a-file").write_text("")  # a folder cannot be made where a file is
     path = str(tmp_path / where)
     assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", path]) == 2
     assert f"--json/--output-json {path}" in (err := capsys.readouterr().err) and message in err
     assert bench_calls == []
+
+
+def test_bench_json_in_a_missing_folder_makes_it(tmp_path, bench_calls):
+    """`--json results/run1.json` before results/ exists: made, as `results export` makes it (it
+    was refused as 'not a writable directory')."""
+    path = tmp_path / "results" / "nested" / "run1.json"
+    assert main(["bench", "throughput", "--shape", "qwen3-0.6b", "--json", str(path)]) == 0
+    assert path.parent.is_dir() and len(bench_calls) == 1
 
 
 @pytest.mark.parametrize("command", ["throughput", "latency"])

@@ -19,10 +19,11 @@ def runs(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("where, message", [("missing/report.json", "is not a writable directory"),
+@pytest.mark.parametrize("where, message", [("a-file/report.json", "cannot be made"),
                                             (".", "is a directory: give a file name")])
 def test_an_out_file_that_cannot_be_written_is_refused_before_any_check(where, message, tmp_path, runs,
                                                                         capsys):
+    (tmp_path / "a-file").write_text("")  # a folder cannot be made where a file is
     path = str(tmp_path / where)
     assert main([*BASE, "--checks", "batch", "--out", path]) == 2
     err = capsys.readouterr().err

@@ -124,11 +124,15 @@ def non_negative(value: str) -> float:
 
 def check_writable(path: str, flag: str) -> None:
     """A ValueError, before any work, where the results could not be written to ``path`` (the value
-    of ``flag``)."""
+    of ``flag``). A missing folder is made, as ``pagedlab results export`` makes it."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory: give a file name")
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: its folder {folder} cannot be made ({e.strerror})") from None
+    if not os.access(folder, os.W_OK):
         raise ValueError(f"{flag} {path}: {folder} is not a writable directory")
 
 
