@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import pagedlab
 from pagedlab.interrupt import stop_reason
 from pagedlab.stats import describe
-from pagedlab.workloads import WorkloadResult
+from pagedlab.workloads import WorkloadResult, configuration_label
 
 # the percentiles ``vllm bench latency --output-json`` writes
 VLLM_LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -73,7 +72,7 @@ def rows_with_vllm_keys(results: list[WorkloadResult]) -> list[dict]:
 def configuration(row: WorkloadResult) -> tuple[str, str, str]:
     """What the repeats of a run share: its workload, backend and label less the repeat number
     (" #N", which ``--repeats`` above 1 puts in a label)."""
-    return row.workload, row.backend, re.sub(r" #\d+(?= |$)", "", row.label)
+    return row.workload, row.backend, configuration_label(row.label)
 
 
 def vllm_throughput_keys(row: WorkloadResult) -> dict:

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import numbers
+import re
 import statistics
 import tempfile
 import time
@@ -461,8 +462,8 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
             floor, step_floor = _floors(hf_config, w, engine_floor_args(llm, workload_name)) if on_gpu \
                 else (None, None)
             for r in range(repeats):
-                label = (f"{_size_label(w)}{lora_bench.label(w.loras)} {variant}".strip()
-                         + (f" #{r + 1}" if repeats > 1 else ""))
+                label = repeat_label(f"{_size_label(w)}{lora_bench.label(w.loras)} {variant}".strip(), r,
+                                     repeats)
                 profiling = contextlib.nullcontext() if profile_dir is None else \
                     profiled(llm, profile_subdir(profile_dir, label))
                 with profiling as record, gpu_telemetry() as telemetry:  # not the profiler's own work
@@ -472,6 +473,17 @@ def _bench_pagedlab(llm, workload_name: str, workloads: list[Workload], hf_confi
                     results[-1].extra["profile"] = record
                 results[-1].tpot_floor_ms = step_floor * 1e3 if step_floor else None
                 progress(format_row(results[-1]))
+
+
+def repeat_label(label: str, repeat: int, repeats: int) -> str:
+    """The label of the ``repeat``-th (from 0) of ``repeats`` timed runs of one configuration:
+    ``label`` and, where there are several, " #N" (``configuration_label`` takes it off)."""
+    return label + (f" #{repeat + 1}" if repeats > 1 else "")
+
+
+def configuration_label(label: str) -> str:
+    """A row's label less its repeat number (``repeat_label``'s " #N")."""
+    return re.sub(r" #\d+(?= |$)", "", label)
 
 
 def _size_label(w: Workload) -> str:
@@ -522,8 +534,7 @@ def _bench_hf(workload_name: str, workloads: list[Workload], hf_config, repeats:
             break  # the peer of W-prefix is pagedlab with prefix caching off
         _hf_row(peer, fixed, "warm-up", floor)  # untimed: CUDA, cuBLAS and allocator start-up
         for r in range(repeats):
-            label = (f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}"
-                     + (f" #{r + 1}" if repeats > 1 else ""))
+            label = repeat_label(f"bs={len(w.prompts)}{lora_bench.label(w.loras)}{tag}", r, repeats)
             with gpu_telemetry() as telemetry:
                 results.append(_hf_row(peer, fixed, label, floor))
             results[-1].extra.update(telemetry)
