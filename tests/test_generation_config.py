@@ -302,3 +302,57 @@ def test_override_max_new_tokens_caps_what_requests_ask_for(model_dir):
     finally:
         engine.shutdown()
         llm.close()
+
+
+def test_a_request_limit_that_does_not_fit_is_400_though_the_cap_would_fit(model_dir):
+    """vLLM's renderer checks the request's own limit (build_tok_params: max_completion_tokens,
+    else max_tokens) against max_model_len before get_max_tokens applies override_max_tokens: a
+    limit that does not fit beside the prompt is a 400, in vLLM's words, even where the cap (4
+    here) would fit; one that fits is then cut to the cap. A limit over max_model_len itself is
+    TokenizeParams' own 400, naming the field."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
+              override_generation_config={"max_new_tokens": 4})
+    engine = AsyncEngine.from_llm(llm)
+    messages = [{"role": "user", "content": "hi"}]
+    chat_len = len(llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
+
+    def too_long(length, asked):
+        return (f"This model's maximum context length is 64 tokens. However, you requested {asked} output "
+                f"tokens and your prompt contains {length} input tokens, for a total of {length + asked} "
+                "tokens. Please reduce the length of the input prompt or the number of requested output "
+                "tokens.")
+
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            def post(path, **body):
+                return httpx.post(srv.url + path, json={"model": "m", "ignore_eos": True, **body}, timeout=60)
+
+            def error(r):
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                return err["message"], err["param"], err["code"]
+
+            code = "context_length_exceeded"
+            r = post("/v1/completions", prompt=[5] * 10, max_tokens=60)
+            assert error(r) == (too_long(10, 60), "prompt", code)
+            r = post("/v1/chat/completions", messages=messages, max_tokens=64 - chat_len + 1)
+            assert error(r) == (too_long(chat_len, 64 - chat_len + 1), "messages", code)
+            r = post("/v1/chat/completions", messages=messages, max_completion_tokens=60, max_tokens=1)
+            assert error(r) == (too_long(chat_len, 60), "messages", code)
+            over = "{}=100 cannot be greater than max_model_len=64. Please request fewer output tokens."
+            chat = ("/v1/chat/completions", {"messages": messages})
+            for (path, body), field in [(("/v1/completions", {"prompt": [5] * 10}), "max_tokens"),
+                                        (chat, "max_tokens"), (chat, "max_completion_tokens")]:
+                assert error(post(path, **body, **{field: 100})) == (over.format(field), field, code)
+            r = post("/v1/completions", prompt=[5] * 10, max_tokens=54)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+            r = post("/v1/chat/completions", messages=messages, max_tokens=64 - chat_len)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    finally:
+        engine.shutdown()
+        llm.close()

@@ -67,7 +67,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.tools and request.tool_choice != "none" and keeps_markers:
             params = params.clone(skip_special_tokens=False)  # the call markers may be special tokens
         prompt = self.render(request)
-        self.validate_prompt(prompt, params, "messages")  # before the model's max_new_tokens, which fits
+        limit_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        self.validate_prompt(prompt, params, "messages", limit_param)  # before any max_new_tokens
         params = self.with_model_defaults(request, params, prompt)
         self.check_request([prompt], [params])
         await self.compile_grammar(params)

@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.encode({"prompt": p, **special} if isinstance(p, str) else p, "prompt")
                    for p in request.prompt_list()]
         for p in prompts:
-            self.validate_prompt(p, params, "prompt")  # before the model's max_new_tokens, which fits
+            self.validate_prompt(p, params, "prompt")  # before any max_new_tokens, as vLLM
         prompt_params = [self.with_model_defaults(request, params, p) for p in prompts]
         self.check_request(prompts, prompt_params)
         await self.compile_grammar(params)

@@ -205,11 +205,19 @@ class OpenAIServing:
         except (ValueError, TypeError, UnicodeError, OverflowError) as e:  # tokenizers raise all of these
             raise bad_request(f"The {param} could not be tokenized: {e}", param=param) from None
 
-    def validate_prompt(self, prompt: EncodedPrompt, params: SamplingParams, param: str) -> None:
+    def validate_prompt(self, prompt: EncodedPrompt, params: SamplingParams, param: str,
+                        limit_param: str = "max_tokens") -> None:
         """Cut ``prompt`` to ``params.truncate_prompt_tokens``; then a 400 for a prompt the model
         cannot take, or one that leaves no room for ``params.max_tokens``, worded as vLLM's
-        (clients match on "Prompt cannot be empty", "maximum context length", "out of vocabulary")."""
+        (clients match on "Prompt cannot be empty", "maximum context length", "out of vocabulary").
+        ``params.max_tokens`` is the request's own limit (``limit_param`` names its field), checked
+        before any cap lowers it (``with_model_defaults``), as vLLM's renderer checks it before
+        ``get_max_tokens``: a limit that does not fit is a 400 even where the cap would fit."""
         limit, max_tokens = self.engine.max_model_len, params.max_tokens
+        if max_tokens is not None and max_tokens > limit:  # vLLM's TokenizeParams.__post_init__
+            raise bad_request(f"{limit_param}={max_tokens} cannot be greater than max_model_len={limit}. "
+                              "Please request fewer output tokens.", param=limit_param,
+                              code="context_length_exceeded")
         prompt.token_ids = params.truncate_prompt(prompt.token_ids, limit)
         length = len(prompt.token_ids)
         if not length:
@@ -224,11 +232,12 @@ class OpenAIServing:
         if bad is not None:
             raise bad_request(f"Token id {quoted(bad)} is out of vocabulary (ids must be in [0, {vocab})).",
                               param=param)
-        if max_tokens is not None and length + max_tokens > limit:
+        if max_tokens is not None and length + max_tokens > limit:  # vLLM's TokenizeParams._token_len_check
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{length + max_tokens} tokens ({length} in the prompt, {max_tokens} for the completion). "
-                "Please reduce the prompt or max_tokens.", param=param, code="context_length_exceeded")
+                f"{max_tokens} output tokens and your prompt contains {length} input tokens, for a total "
+                f"of {length + max_tokens} tokens. Please reduce the length of the input prompt or the "
+                "number of requested output tokens.", param=param, code="context_length_exceeded")
 
     # ---- running requests -----------------------------------------------------------------
     def add_requests(self, prompts: Sequence[EncodedPrompt], params: Sequence[SamplingParams],
