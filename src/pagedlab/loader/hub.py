@@ -45,24 +45,46 @@ def _has_weights(path: Path) -> bool:
     return all(f.is_file() for f in files) if files is not None else any(path.glob("*.safetensors"))
 
 
-def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None,
-                      weights: bool = True) -> Path:
-    """The snapshot directory of hub model ``repo_id``: from the HF cache (or ``download_dir``) when
-    it holds the files, otherwise downloaded there. ``weights=False`` (dummy weights, a tokenizer)
-    skips the safetensors. A ValueError says why a model cannot be had and what to do instead."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
-
+def _where(revision: str | None, download_dir: str | None, weights: bool) -> dict:
+    """``snapshot_download``'s arguments for the files the engine reads of a revision."""
     patterns = _CONFIG_PATTERNS + (_WEIGHT_PATTERNS if weights else [])
-    where = {"revision": revision, "cache_dir": download_dir, "allow_patterns": patterns,
-             "ignore_patterns": _IGNORE_PATTERNS}
+    return {"revision": revision, "cache_dir": download_dir, "allow_patterns": patterns,
+            "ignore_patterns": _IGNORE_PATTERNS}
+
+
+def cached_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+                     weights: bool = True) -> Path | None:
+    """The snapshot directory of hub model ``repo_id`` that the HF cache (or ``download_dir``)
+    holds for ``revision`` (the commit its ``refs/`` entry names; ``main`` by default), with
+    config.json and, unless ``weights=False``, the whole checkpoint: what ``resolve_hub_model``
+    loads without downloading. Found offline; None when the cache holds no such snapshot."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    where = _where(revision, download_dir, weights)
     try:
         cached = Path(snapshot_download(repo_id, local_files_only=True, **where))
         if (cached / "config.json").is_file() and (_has_weights(cached) or not weights):
             return cached
     except (LocalEntryNotFoundError, OSError):
         pass  # not cached, or only partly (IncompleteSnapshotError is an OSError)
+    return None
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+                      weights: bool = True) -> Path:
+    """The snapshot directory of hub model ``repo_id``: from the HF cache (or ``download_dir``) when
+    it holds the files (``cached_hub_model``), otherwise downloaded there. ``weights=False`` (dummy
+    weights, a tokenizer) skips the safetensors. A ValueError says why a model cannot be had and
+    what to do instead."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    cached = cached_hub_model(repo_id, revision, download_dir, weights)
+    if cached is not None:
+        return cached
+    where = _where(revision, download_dir, weights)
     what = f"{repo_id!r}" + (f" (revision {revision!r})" if revision else "")
     local_hint = ("download it where there is network (`hf download " + repo_id + " --local-dir DIR`) and "
                   "give the directory instead: LLM('DIR') or --model DIR")
