@@ -2,7 +2,8 @@
 rewritten at the same path (a fine-tune saved over its directory, an adapter trained again) make a
 resumed sweep run again, even bytes of the same size under the old mtime, while a touch or a copy
 of the same bytes keeps the run done; a run stored under the key from before the checksums counts
-as done only over the weights its manifest recorded; a plan hashes each file once."""
+as done only over the weights its manifest recorded; a hub model id counts by the snapshot of it
+the HF cache holds; a plan hashes each file once."""
 
 import os
 import shutil
@@ -13,6 +14,9 @@ import pytest
 pytest.importorskip("yaml")
 pytest.importorskip("sqlalchemy")
 
+from huggingface_hub import constants as hub_constants
+
+from hub_fixtures import write_hub_cache
 from pagedlab.lab import manifest
 from pagedlab.lab.experiments import expand_runs, experiment_from_dict, run_experiment
 from pagedlab.lab.manifest import config_hash, files_checksum, weight_files
@@ -110,7 +114,7 @@ def test_a_run_from_before_the_checksums_is_done_only_over_the_weights_it_read(t
     assert [r["run_key"] for r in finished_rows(db)] == [run.legacy_keys[-1], run.run_key]
 
 
-def test_an_adapter_is_keyed_by_its_weights_and_config_and_a_hub_model_keeps_its_key(tmp_path):
+def test_an_adapter_is_keyed_by_its_weights_and_config(tmp_path):
     import torch
 
     from pagedlab.lora.adapter import load_adapter
@@ -131,8 +135,43 @@ def test_an_adapter_is_keyed_by_its_weights_and_config_and_a_hub_model_keeps_its
     rescaled, = expand_runs(spec_of(str(model), lora=[str(adapter)]))
     assert rescaled.weights["lora"]["weights_sha256"] == after.weights["lora"]["weights_sha256"]
     assert rescaled.weights["lora"]["config"]["lora_alpha"] == 3 and rescaled.run_key != after.run_key
-    hub, = expand_runs(spec_of("example-org/tiny-llama"))  # no local files: the key is as before
-    assert hub.weights is None and hub.run_key == hub.legacy_keys[-1]
+
+
+def _model_weights(snapshot: Path) -> dict:
+    return {"config_hash": config_hash(snapshot), "weight_checksum": files_checksum(weight_files(snapshot))}
+
+
+def test_a_hub_model_is_keyed_by_the_snapshot_the_hf_cache_holds(tmp_path, monkeypatch):
+    cache, repo, db = tmp_path / "hub", "example-org/tiny-llama", str(tmp_path / "r.db")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))  # as huggingface_hub read it at import
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    uncached, = expand_runs(spec_of(repo))  # nothing to checksum: the key it has by name
+    assert uncached.weights is None and uncached.run_key == uncached.legacy_keys[-1]
+    first = write_hub_cache(cache, repo, make_tiny_model(tmp_path / "v1"), commit="1" * 40)
+    assert len(run_experiment(spec_of(repo), db=db, quiet=True).finished) == 1
+    run, = expand_runs(spec_of(repo))
+    assert run.weights == {"model": _model_weights(first)} and run.run_key != uncached.run_key
+    assert finished_rows(db)[0]["manifest"]["model"]["path"] == str(first.resolve())  # what the run loaded
+    assert expand_runs(spec_of(repo))[0].run_key == run.run_key  # the same snapshot: the same key
+    assert run_experiment(spec_of(repo), db=db, quiet=True).skipped == 1
+    # stored under the key by name (run before it was cached, or before keys knew hub snapshots): done
+    # over the snapshot it loaded
+    _store_under_the_path_only_key(db, run)
+    assert run_experiment(spec_of(repo), db=db, quiet=True).skipped == 1
+    assert [r["run_key"] for r in finished_rows(db)] == [run.run_key]
+    # a new download: a new commit of main, with other weights
+    second = write_hub_cache(cache, repo, make_tiny_model(tmp_path / "v2", seed=1), commit="2" * 40)
+    new, = expand_runs(spec_of(repo))
+    assert new.weights == {"model": _model_weights(second)} and new.run_key != run.run_key
+    report = run_experiment(spec_of(repo), db=db, quiet=True)
+    assert report.skipped == 0 and len(report.finished) == 1
+    assert finished_rows(db)[1]["manifest"]["model"]["path"] == str(second.resolve())
+    # engine.revision picks the snapshot, as the engine does; dummy weights count by config.json
+    pinned, = expand_runs(spec_of(repo, engine={"revision": "1" * 40}))
+    assert pinned.weights == {"model": _model_weights(first)}
+    dummy, = expand_runs(spec_of(repo, engine={"load_format": "dummy"}))
+    assert dummy.weights == {"model": {"config_hash": config_hash(second)}}
 
 
 def test_dummy_weights_count_by_config_and_a_draft_model_by_its_checksums(tmp_path):

@@ -10,7 +10,15 @@ bytes, not the files' dates: identical weights at one path on two machines that 
 database give one key, a copy of the same bytes over the files or a ``touch`` runs nothing again,
 and new bytes (even of the same size under the old mtime) run again. Each file is hashed once and then
 costs a ``stat`` while it is unchanged (``pagedlab.lab.manifest.file_digest``), and a run's
-manifest takes the digests its key took. A hub model id or an embedded model keeps its key.
+manifest takes the digests its key took.
+
+A hub model id (the model's or the draft's) counts by the snapshot the engine would load: the one
+the HF cache (or ``engine.download_dir``) holds for ``engine.revision``, found offline
+(``pagedlab.loader.hub.cached_hub_model``) and checksummed as a local directory, so a new download
+of the model (a new commit of ``main``) runs again, and the same snapshot keeps the run done. A hub
+model not in the cache yet, and an embedded model, keep the key they have by name; a run stored
+under that key counts as done, once its snapshot is in the cache, over the snapshot it loaded
+(``legacy_renames``).
 
 The manifest records the checksums in the key as ``experiment.weights`` too. A run stored under
 a key from before the checksums (which knew the path alone) still counts as done when the
@@ -24,6 +32,7 @@ from pathlib import Path
 
 from pagedlab.lab.manifest import config_hash, file_digest, files_checksum, weight_files
 from pagedlab.loader.gguf import EMBEDDED_MODELS
+from pagedlab.loader.hub import cached_hub_model, is_hub_id
 from pagedlab.lora.adapter import adapter_weights_file, read_adapter_config
 
 
@@ -31,11 +40,14 @@ def weights_checksums(configs: list[dict]) -> list[dict | None]:
     """For each run config, the checksums of the local weights the run reads, named as in its
     manifest: ``{"model": {"config_hash": ..., "weight_checksum": ...}, "lora": {"config": ...,
     "weights_sha256": ...}, "draft_model": {...}}`` (a GGUF file has its ``weight_checksum``
-    alone); None for a run that reads none (a hub model id or an embedded model, without a local
-    adapter or draft). Each model and adapter is checksummed once however many configs name it."""
+    alone); None for a run that reads none (an embedded model or a hub model id not in the HF
+    cache, without a local adapter or draft). A hub model counts by the snapshot of it the engine
+    would load from the cache. Each model and adapter is checksummed once however many configs
+    name it."""
+    where = functools.cache(_weights_path)
     model = functools.cache(_model_checksums)
     adapter = functools.cache(_adapter_checksums)
-    return [_checksums(config, model, adapter) for config in configs]
+    return [_checksums(config, where, model, adapter) for config in configs]
 
 
 def legacy_renames(store, experiment: str, runs: list) -> dict[str, str]:
@@ -55,16 +67,18 @@ def legacy_renames(store, experiment: str, runs: list) -> dict[str, str]:
     return renames
 
 
-def _checksums(config: dict, model_checksums, adapter_checksums) -> dict | None:
+def _checksums(config: dict, weights_path, model_checksums, adapter_checksums) -> dict | None:
     engine = config.get("engine") or {}
     dummy = engine.get("load_format") == "dummy"  # the draft model's weights are random then too
+    download_dir = engine.get("download_dir")
     checksums = {}
-    model = _local_model(config["model"])
+    model = weights_path(config["model"], engine.get("revision"), download_dir, dummy)
     if model is not None:
         checksums["model"] = model_checksums(model, dummy)
     if config.get("lora") is not None:
         checksums["lora"] = adapter_checksums(config["lora"])
-    draft = _local_model(_draft_model(engine))
+    # the engine loads a draft model at its default revision (``DraftModel.load``)
+    draft = weights_path(_draft_model(engine), None, download_dir, dummy)
     if draft is not None:
         checksums["draft_model"] = model_checksums(draft, dummy)
     return checksums or None
@@ -89,11 +103,17 @@ def _recorded(manifest: dict, weights: dict) -> dict:
             for section, checksums in weights.items()}
 
 
-def _local_model(model: str | None) -> Path | None:
+def _weights_path(model: str | None, revision: str | None, download_dir: str | None,
+                  dummy: bool) -> Path | None:
+    """Where the engine would read ``model`` from without downloading: its local path, or the HF
+    cache's snapshot of a hub model id (config.json alone needed under dummy weights); None for an
+    embedded model and a hub model id not in the cache."""
     if model is None or model in EMBEDDED_MODELS:  # an embedded model comes with pagedlab itself
         return None
     path = Path(model).expanduser()
-    return path if path.exists() else None  # else a hub model id
+    if path.exists():
+        return path
+    return cached_hub_model(model, revision, download_dir, weights=not dummy) if is_hub_id(model) else None
 
 
 def _draft_model(engine: dict) -> str | None:
