@@ -129,8 +129,30 @@ def test_longrope_recompute_in_a_chunk_as_long_as_the_last_step_reads_its_new_bl
     with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32,
              enable_prefix_caching=False) as llm:
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert llm.get_stats().num_preemptions == 1
+        stats = llm.get_stats()
+    assert stats.num_long_rope_recomputes == 1 and stats.num_preemptions == 0
     assert out == hf_greedy(tiny.hf_model, prompt, 12, eos_token_id=None)
+
+
+def test_longrope_switch_is_counted_apart_from_preemptions(tiny_models):
+    """Three sequences growing from 20-30 tokens past the switch at 32: with a KV cache that holds
+    them all, each one's recompute with the long factors counts in ``num_long_rope_recomputes``,
+    and ``num_preemptions`` (memory pressure) stays 0; in a KV cache of 5 blocks (3 per sequence)
+    the same batch is preempted, and counted so, with the same tokens."""
+    tiny = tiny_models("phi3_longrope")
+    prompts = random_prompts(3, min_len=20, max_len=30, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 slots, 2 KV heads of 16, float32
+    runs = {}
+    for name, kv_blocks in (("ample", 256), ("tight", 5)):
+        with LLM(tiny.path, dtype="float32", kv_cache_memory_bytes=kv_blocks * block_bytes, max_model_len=64,
+                 max_num_batched_tokens=16) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[name] = ([o.outputs[0].token_ids for o in outs], llm.get_stats())
+    ample, tight = runs["ample"][1], runs["tight"][1]
+    assert ample.num_preemptions == 0 and ample.num_long_rope_recomputes == 3
+    assert tight.num_preemptions > 0 and 1 <= tight.num_long_rope_recomputes <= 3
+    assert runs["tight"][0] == runs["ample"][0]
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox_sequential", "mixtral"])

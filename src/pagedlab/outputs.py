@@ -118,9 +118,12 @@ class EngineStats:
     kv_tokens_at_peak: int  # filled token slots when the block peak was reached (shared ones once)
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    num_preemptions: int
+    num_preemptions: int  # running sequences freed for want of KV blocks (recomputed later)
     prompt_tokens_computed: int  # prompt and recomputed tokens run through the model
     generation_tokens: int
+    # LongRoPE: running sequences recomputed whole on growing past the switch to the long factors
+    # (no memory pressure: not in num_preemptions; their tokens are in prompt_tokens_computed)
+    num_long_rope_recomputes: int = 0
     # speculative decoding (vLLM's spec_decode counters): proposals verified, their tokens, those accepted
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

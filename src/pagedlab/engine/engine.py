@@ -246,6 +246,7 @@ class LLMEngine:
             kv_tokens_at_peak=counters.tokens_at_peak, prefix_cache_queried_tokens=kv.stats.queried_tokens,
             prefix_cache_hit_tokens=kv.stats.hit_tokens, num_preemptions=counters.num_preemptions,
             prompt_tokens_computed=counters.prompt_tokens, generation_tokens=counters.generation_tokens,
+            num_long_rope_recomputes=counters.num_long_rope_recomputes,
             spec_decode_num_drafts=counters.num_drafts,
             spec_decode_num_draft_tokens=counters.num_draft_tokens,
             spec_decode_num_accepted_tokens=counters.num_accepted_tokens,

@@ -61,7 +61,7 @@ class Request:
     num_released_blocks: int = 0  # leading block_ids handed back already (outside every window)
     rope_position_offset: int = 0  # added to positions given to the model (LongRoPE's long rows)
     num_cached_prompt_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # times its blocks were freed to recompute it (preempted, or LongRoPE's switch)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(init=False)

@@ -18,7 +18,9 @@ running request of the highest is the one preempted.
 
 LongRoPE models (``long_rope``: switch length, position offset) compute a sequence longer than
 the switch with the long factors, at offset positions; a running request that grows past it is
-preempted so that all of its tokens are recomputed in the long regime, as transformers does.
+sent back to the waiting queue as a preemption is, so that all of its tokens are recomputed in the
+long regime, as transformers does. It is counted apart (``num_long_rope_recomputes``), not as a
+preemption: ``num_preemptions`` counts only the requests the KV cache had no room for.
 
 With speculative decoding (``speculative``: n-gram prompt lookup, or a draft model, whose proposals
 the engine fills in after scheduling: ``engine/draft_model.py``), a decode runs its last token
@@ -107,7 +109,8 @@ class SchedulerStats:
 
     peak_blocks: int = 0
     tokens_at_peak: int = 0  # filled token slots when the block peak was reached (shared ones once)
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # running requests freed for want of KV blocks
+    num_long_rope_recomputes: int = 0  # running requests freed on crossing LongRoPE's switch
     prompt_tokens: int = 0  # prompt and recomputed tokens run through the model
     generation_tokens: int = 0
     num_drafts: int = 0  # speculative decoding: proposals verified, their tokens, those accepted
@@ -190,7 +193,8 @@ class Scheduler:
                 i += 1  # finishes once its pending tokens are read back
                 continue
             if self._rope_position_offset(request) != request.rope_position_offset:
-                self._preempt(self.running.pop(i))  # crossed LongRoPE's switch: recompute it all
+                self._recompute(self.running.pop(i))  # crossed LongRoPE's switch: recompute it all
+                self.stats.num_long_rope_recomputes += 1
                 batch.preempted.append(request)
                 continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
@@ -281,12 +285,18 @@ class Scheduler:
         return offset if request.num_tokens_with_pending > switch else 0
 
     def _preempt(self, request: Request) -> None:
+        """Free a running request the KV cache has no room for, to be recomputed later."""
+        self._recompute(request)
+        self.stats.num_preemptions += 1
+
+    def _recompute(self, request: Request) -> None:
+        """Free a running request's blocks and put it at the head of the waiting queue, to run all
+        its tokens again (``Request.num_preemptions`` counts it either way: its blocks are new)."""
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self._enqueue(self.waiting, request, front=True)
-        self.stats.num_preemptions += 1
 
     def _record_batch(self, batch: ScheduledBatch) -> None:
         kv = self.kv_cache
