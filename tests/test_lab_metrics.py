@@ -176,3 +176,17 @@ def test_normalize_answer_is_squads_step_for_step():
     assert normalize_answer("The—end") == "—end" and normalize_answer("the\u2019s cat") == "\u2019s cat"
     assert normalize_answer("  A  cat,\tthe DOG. ") == "cat dog" and normalize_answer("Theory") == "theory"
     assert normalize_answer("the") == normalize_answer(".") == ""
+
+
+def test_memory_metric_reports_long_rope_recomputes_apart_from_preemptions():
+    """The memory group reports LongRoPE's recomputes in their own column, beside the preemptions
+    (memory pressure) that no longer count them."""
+    from types import SimpleNamespace
+
+    from pagedlab.lab.metrics import RunResult
+
+    stats = SimpleNamespace(weight_bytes=100, kv_cache_bytes=64, num_kv_blocks=4, peak_kv_blocks_used=2,
+                            kv_tokens_at_peak=20, fragmentation_at_peak=0.375, num_preemptions=1,
+                            num_long_rope_recomputes=3, prefix_cache_hit_rate=0.0)
+    got = METRICS["memory"].fn(RunResult([], [], 1.0, stats))
+    assert got["num_preemptions"] == 1 and got["num_long_rope_recomputes"] == 3

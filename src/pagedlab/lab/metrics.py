@@ -200,8 +200,8 @@ def memory_efficiency(weight_bytes: int, kv_cache_bytes: int, kv_peak_used_bytes
 
 
 @register_metric("memory", workloads=("dataset", "benchmark"),
-                 doc="weights, KV cache allocated and used at peak, fragmentation, preemptions, memory "
-                     "efficiency")
+                 doc="weights, KV cache allocated and used at peak, fragmentation, preemptions (and "
+                     "LongRoPE's recomputes apart), memory efficiency")
 def memory(res: RunResult) -> dict:
     s = res.stats
     per_block = s.kv_cache_bytes // s.num_kv_blocks if s.num_kv_blocks else 0
@@ -211,7 +211,8 @@ def memory(res: RunResult) -> dict:
             "num_kv_blocks": s.num_kv_blocks,
             "kv_peak_blocks": s.peak_kv_blocks_used, "kv_peak_used_bytes": s.peak_kv_blocks_used * per_block,
             "kv_tokens_at_peak": s.kv_tokens_at_peak, "fragmentation_at_peak": s.fragmentation_at_peak,
-            "num_preemptions": s.num_preemptions, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "num_preemptions": s.num_preemptions, "num_long_rope_recomputes": s.num_long_rope_recomputes,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "peak_allocated_bytes": res.peak_allocated_bytes}
 
 
