@@ -129,6 +129,32 @@ def test_batch_shuffled_runs_two_prompts_in_the_other_order(chat_llm, monkeypatc
     assert r.verdict == "same", r.format()
 
 
+def test_batch_prefix_caching_on_and_off_are_prefix_cache_on_and_full_batch(chat_llm, monkeypatch):
+    """``prefix_cache_off`` ran full_batch's plan (prefix caching off, as every variant but
+    ``prefix_cache_on``) in one pass as full_batch does: the same run under a second name, counted
+    twice among the variants that differ. The on/off pair is ``prefix_cache_on`` and full_batch,
+    whose engines differ in prefix caching alone; no variant but shuffled (its order) runs
+    full_batch's plan, and asking for ``prefix_cache_off`` says it is full_batch."""
+    from pagedlab.lab.repro.batch import _variant_plans
+
+    original = {"enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64}
+    plans = _variant_plans(original, 16, 128)
+    assert [n for n, plan in plans.items() if plan == plans["full_batch"]] == ["full_batch", "shuffled"]
+    caching = []
+    generate = chat_llm.generate
+
+    def recording(prompts, *args, **kwargs):
+        caching.append(chat_llm.get_engine_info().config.enable_prefix_caching)
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(chat_llm, "generate", recording)
+    repro.batch_consistency(chat_llm, PROMPTS[:2], max_tokens=2, variants=["full_batch", "prefix_cache_on"])
+    # batch 1 twice (the reference), full_batch, then prefix_cache_on's warming pass and its own
+    assert caching == [False, False, False, True, True]
+    with pytest.raises(ValueError, match="prefix_cache_off is full_batch"):
+        repro.batch_consistency(chat_llm, PROMPTS[:1], max_tokens=1, variants=["prefix_cache_off"])
+
+
 # ---- seeds ------------------------------------------------------------------------------------------
 def test_cli_seeds_check_samples_as_the_experiments_runs_do(chat_dir, tmp_path):
     """An experiment whose ``sampling:`` sets temperature and max_tokens alone samples its runs with

@@ -4,8 +4,9 @@ Each check runs one cause of "my result differs from the paper" and returns a ``
 with a verdict (``"same"`` or ``"differs"``), the numbers behind it (``metrics``, flat scalars)
 and details (per-variant numbers, examples):
 
-- ``batch_consistency``: greedy at batch 1 vs one full batch, shuffled, prefix caching on/off,
-  chunked prefill on/off: prompts that differ, first diverging position, max logprob difference.
+- ``batch_consistency``: greedy at batch 1 vs one full batch (prefix caching off), shuffled,
+  prefix caching on, chunked prefill on/off: prompts that differ, first diverging position, max
+  logprob difference.
 - ``seed_sensitivity``: sampling params over N seeds: mean, std, 95% interval, min, max of each
   metric; metrics whose relative spread exceeds a threshold are flagged.
 - ``precision_drift``: float32 vs bfloat16, float16, FP8 and AWQ weights: greedy agreement,

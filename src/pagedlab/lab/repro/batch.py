@@ -14,8 +14,9 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
                       logprob_tolerance: float = 1e-3, chunk_tokens: int = 16,
                       variants: Sequence[str] | None = None, progress=None) -> CheckResult:
     """Greedy outputs of ``prompts`` run one at a time (the reference) against: one full batch,
-    the batch shuffled, prefix caching on (cache warmed by a first pass) and off, chunked prefill
-    with a ``chunk_tokens`` budget, and chunked prefill off. A variant differs when any token differs
+    the batch shuffled, prefix caching on (cache warmed by a first pass; off is the full batch, see
+    ``_variant_plans``), chunked prefill with a ``chunk_tokens`` budget, and chunked prefill off.
+    A variant differs when any token differs
     or a chosen-token logprob moves by more than ``logprob_tolerance``; on an engine in
     batch-invariant mode (``batch_invariant=True``), which promises bitwise-equal logprobs, by any
     amount at all. The engine's plan is restored afterwards. ``progress`` (see ``NoProgress``)
@@ -31,11 +32,7 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
                 "max_num_batched_tokens": info.config.max_num_batched_tokens}
     longest = max(len(p) for p in ids) + max_tokens
     all_variants = _variant_plans(original, chunk_tokens, max(longest, info.max_num_batched_tokens))
-    names = list(variants) if variants is not None else list(all_variants)
-    unknown = [n for n in names if n not in all_variants]
-    if unknown or not names:
-        raise ValueError(f"unknown batch variant(s) {unknown or 'none given'}; choose from "
-                         f"{list(all_variants)}")
+    names = _chosen_variants(variants, all_variants)
     details: dict = {}
     progress = progress if progress is not None else NoProgress()
     progress.reset(total=len(ids) + len(names))
@@ -65,13 +62,29 @@ def batch_consistency(llm, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int 
     return result
 
 
+def _chosen_variants(variants: Sequence[str] | None, all_variants: dict) -> list[str]:
+    """The variants asked for (all by default), or a ValueError naming those that do not exist."""
+    names = list(variants) if variants is not None else list(all_variants)
+    if "prefix_cache_off" in names:
+        raise ValueError("batch variant prefix_cache_off is full_batch: every variant but prefix_cache_on "
+                         "runs with prefix caching off, as the reference does; ask for full_batch")
+    unknown = [n for n in names if n not in all_variants]
+    if unknown or not names:
+        raise ValueError(f"unknown batch variant(s) {unknown or 'none given'}; choose from "
+                         f"{list(all_variants)}")
+    return names
+
+
 def _variant_plans(original: dict, chunk_tokens: int, unchunked_budget: int) -> dict[str, dict]:
-    """The plan-level settings of each variant (``set_model_args`` keyword arguments)."""
+    """The plan-level settings of each variant (``set_model_args`` keyword arguments). Every
+    variant but ``prefix_cache_on`` runs with prefix caching off, as the batch-1 reference does,
+    so that each differs from the reference in one thing; prefix caching off is therefore
+    ``full_batch`` itself, ``prefix_cache_on``'s counterpart (a ``prefix_cache_off`` variant ran
+    that same plan the same way, and counted the full batch twice)."""
     return {
         "full_batch": dict(original, enable_prefix_caching=False),
         "shuffled": dict(original, enable_prefix_caching=False),
         "prefix_cache_on": dict(original, enable_prefix_caching=True),
-        "prefix_cache_off": dict(original, enable_prefix_caching=False),
         "chunked_prefill": dict(original, enable_prefix_caching=False, enable_chunked_prefill=True,
                                 max_num_batched_tokens=chunk_tokens),
         "no_chunked_prefill": dict(original, enable_prefix_caching=False, enable_chunked_prefill=False,
