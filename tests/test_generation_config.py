@@ -235,10 +235,9 @@ def test_the_generation_configs_other_eos_ids_stop_with_their_id(model_dir, tmp_
 
 
 def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
-    """vLLM's get_max_tokens: a chat without max_tokens, or a completion whose max_tokens is null
-    (vLLM's Optional[int] = 16: null is None there, not 16), runs to the model's max_new_tokens or
-    to max_model_len, whichever comes first; it is no 400 when prompt + max_new_tokens is too long.
-    Each prompt of a completion runs to its own room, not to the longest prompt's. A limit the
+    """vLLM's get_max_tokens: a chat without max_tokens or max_completion_tokens (left out or null:
+    vLLM's chat fields default to None) runs to the model's max_new_tokens or to max_model_len,
+    whichever comes first; it is no 400 when prompt + max_new_tokens is too long. A limit the
     request sets is still checked against max_model_len."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
@@ -254,20 +253,45 @@ def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
     try:
         with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
             body = {"model": "m", "messages": messages, "ignore_eos": True}
-            r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == room
-            assert r.json()["choices"][0]["finish_reason"] == "length"
+            for nulls in ({}, {"max_tokens": None, "max_completion_tokens": None}):
+                r = httpx.post(srv.url + "/v1/chat/completions", json={**body, **nulls}, timeout=60)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == room
+                assert r.json()["choices"][0]["finish_reason"] == "length"
             r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-            body = {"model": "m", "prompt": [5] * 10, "max_tokens": None, "ignore_eos": True}
-            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 64 - 10
-            body = {**body, "prompt": [[5] * 10, [5] * 40], "return_token_ids": True}
-            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert [len(c["token_ids"]) for c in r.json()["choices"]] == [64 - 10, 64 - 40]
+    finally:
+        engine.shutdown()
+        llm.close()
+
+
+def test_completion_null_max_tokens_is_the_default_16(model_dir):
+    """vLLM's CompletionRequest.normalize_null_max_tokens rewrites "max_tokens": null to the
+    field's default, 16: each prompt of a completion gets 16 tokens, as if max_tokens were left
+    out, not the room under max_model_len or the model's max_new_tokens; and a prompt with no room
+    for 16 is the same 400 as with max_tokens left out."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
+              override_generation_config={"max_new_tokens": 60})
+    engine = AsyncEngine.from_llm(llm)
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            def post(**body):
+                body = {"model": "m", "ignore_eos": True, "return_token_ids": True, **body}
+                return httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+
+            for limit in ({"max_tokens": None}, {}):
+                r = post(prompt=[[5] * 10, [5] * 40], **limit)
+                assert r.status_code == 200, r.text
+                assert [len(c["token_ids"]) for c in r.json()["choices"]] == [16, 16]
+                assert r.json()["usage"]["completion_tokens"] == 32
+                r = post(prompt=[5] * 50, **limit)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                assert "you requested 16 output tokens" in r.json()["error"]["message"]
     finally:
         engine.shutdown()
         llm.close()

@@ -144,7 +144,7 @@ def test_tool_choice_none_needs_no_tools():
 
 
 def test_lenient_where_openai_is():
-    """Integral floats are integers, null is the default (save a completion's max_tokens), unknown
+    """Integral floats are integers, null is the default (a completion's max_tokens too), unknown
     fields are ignored."""
     body = {"prompt": "hi", "n": 2.0, "max_tokens": 8.0, "temperature": None, "user": "someone",
             "no_such_field": [1, 2]}
@@ -156,10 +156,17 @@ def test_lenient_where_openai_is():
     tiny = parse_request(ChatCompletionRequest, {"messages": CHAT, "temperature": 0.001})
     assert tiny.to_sampling_params().temperature == 0.01  # vLLM's floor for a sampled temperature
     assert not parse_request(ChatCompletionRequest, {"messages": CHAT, "echo": False, "documents": None}).echo
-    # but a completion's max_tokens: vLLM's Optional[int] = 16, where null is no limit
-    unlimited = parse_request(CompletionRequest, {"prompt": "hi", "max_tokens": None})
-    assert unlimited.max_tokens is None and unlimited.to_sampling_params().max_tokens is None
+    # a completion's max_tokens too: vLLM's normalize_null_max_tokens makes null its default, 16
+    explicit_null = parse_request(CompletionRequest, {"prompt": "hi", "max_tokens": None})
+    assert explicit_null.max_tokens == 16 and explicit_null.to_sampling_params().max_tokens == 16
     assert parse_request(CompletionRequest, {"prompt": "hi"}).max_tokens == 16
+    # chat's limits stay None (no limit) left out or null, as vLLM's fields default to None
+    chat = parse_request(ChatCompletionRequest, {"messages": CHAT, "max_tokens": None,
+                                                 "max_completion_tokens": None})
+    assert chat.completion_limit is None and chat.to_sampling_params().max_tokens is None
+    chat = parse_request(ChatCompletionRequest, {"messages": CHAT, "max_completion_tokens": None,
+                                                 "max_tokens": 5})
+    assert chat.to_sampling_params().max_tokens == 5
 
 
 def test_completion_to_sampling_params_maps_every_field():

@@ -1,8 +1,8 @@
 """The OpenAI API's bodies as pydantic models: requests, responses, stream chunks and errors.
 
 Requests validate strictly, as the API is typed: ``"yes"`` is no boolean and ``"10"`` no integer,
-but an integral float is an integer (``"n": 2.0``) and ``null`` means the field's default
-(except in a request's ``nullable`` fields: a completion's ``max_tokens``, as in vLLM).
+but an integral float is an integer (``"n": 2.0``) and ``null`` means the field's default (a
+completion's ``"max_tokens": null`` is 16, as vLLM's ``normalize_null_max_tokens`` makes it).
 Unknown fields are ignored, as OpenAI's and vLLM's servers do. ``parse_request`` turns a
 validation error into a 400 ``APIError`` whose ``param`` names the field and whose message says
 what the field takes. Ranges that ``SamplingParams`` checks (temperature, top_p, penalties, ...)
@@ -99,18 +99,16 @@ LogprobCount = Annotated[Integer, AfterValidator(_within_max_logprobs)]
 
 
 class OpenAIRequest(BaseModel):
-    """A request body: strict types, unknown fields ignored, ``null`` meaning the default (in the
-    fields of ``nullable``, None)."""
+    """A request body: strict types, unknown fields ignored, ``null`` meaning the default."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    nullable: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {k: v for k, v in data.items() if v is not None or k in cls.nullable}
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class StreamOptions(OpenAIRequest):
@@ -233,17 +231,16 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[int] | list[str | list[int]], expecting(PROMPT_FORMS)]
     echo: bool = False
     add_special_tokens: bool = True  # vLLM's: False tokenizes text prompts without BOS and the like
-    # 0 with echo: score the prompt, generate nothing. vLLM's field is Optional[int] = 16: left out
-    # it is 16, null is no limit (up to max_model_len, or the model's max_new_tokens)
-    nullable: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
-    max_tokens: Integer | None = Field(16, ge=0)
+    # 0 with echo: score the prompt, generate nothing. Left out or null it is 16: vLLM's field is
+    # Optional[int] = 16 and its normalize_null_max_tokens rewrites null to that default
+    max_tokens: Integer = Field(16, ge=0)
     logprobs: LogprobCount | None = None
     prompt_logprobs: LogprobCount | None = None
     suffix: Annotated[str | None, refused("suffix is not supported by this server")] = None
 
     @field_validator("max_tokens")
     @classmethod
-    def _zero_only_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+    def _zero_only_with_echo(cls, value: int, info: ValidationInfo) -> int:
         if value == 0 and not info.data.get("echo"):
             raise ValueError("max_tokens=0 needs echo=true (the prompt echoed and scored, nothing "
                              "generated); otherwise give max_tokens >= 1")
@@ -272,8 +269,7 @@ class CompletionRequest(SamplingRequest):
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         # one token is generated (the engine always samples) and left out of the response
-        max_tokens = None if self.max_tokens is None else max(self.max_tokens, 1)
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max(self.max_tokens, 1), self.logprobs, prompt_logprobs)
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------

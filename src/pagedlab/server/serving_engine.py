@@ -156,9 +156,9 @@ class OpenAIServing:
         """``params`` for ``prompt``, as vLLM's server builds them: the fields the request left unset
         taken from the model's generation config (``EngineConfig.generation_config``: its
         recommended temperature, top_p, ...), and the token limit of vLLM's ``get_max_tokens``: the
-        request's own (a completion's is 16 when left out), or where it has none (a chat request
-        without one, a completion whose max_tokens is null) the model's max_new_tokens, capped by
-        the room ``prompt`` leaves under max_model_len (each prompt of a request its own) and by the
+        request's own (a completion's is 16 when left out or null), or where it has none (a chat
+        request without one: only chat can) the model's max_new_tokens, capped by the room
+        ``prompt`` leaves under max_model_len (each prompt of a request its own) and by the
         engine's ``max_tokens_cap``, which caps a limit the request sets as well. So a limit the
         model recommends never makes a request too long; only one the request sets can (a 400 from
         ``validate_prompt``)."""
