@@ -132,6 +132,26 @@ def test_logit_bias_and_allowed_token_ids_match_hf_generate(tiny_llama):
         assert r.outputs[0].token_ids == hf_greedy(hf, p, 10, prefix_allowed_tokens_fn=lambda *_: allowed)
 
 
+def test_logit_bias_takes_biases_beyond_openais_range_as_vllm_does(tiny_llama):
+    """vLLM's offline SamplingParams adds any bias (only its server clamps to [-100, 100]): scripts
+    ban a token with -1e9 or -inf and force one with a large bias. Each bans or forces as a bias of
+    -100 or +100 does on this model's small logits, greedy and sampled, without a NaN."""
+    prompts = random_prompts(2, max_len=20, seed=6)
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        def run(bias, **kwargs):
+            params = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=bias, **kwargs)
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+        greedy = run(None, temperature=0)
+        banned = sorted({t for ids in greedy for t in ids})
+        for ban in (-1e9, float("-inf")):
+            assert run(dict.fromkeys(banned, ban), temperature=0) == run(dict.fromkeys(banned, -100.0),
+                                                                          temperature=0)
+            sampled = run(dict.fromkeys(banned, ban), temperature=1.0, top_p=0.9, seed=3)
+            assert not set(banned) & {t for ids in sampled for t in ids}
+        assert run({42: 1e6}, temperature=0.7, seed=1) == [[42] * 8, [42] * 8]
+
+
 def test_unknown_argument_names_the_closest_field():
     with pytest.raises(UnknownArgumentError,
                        match=r"unknown argument 'temprature'; did you mean 'temperature'\?"):
@@ -141,8 +161,9 @@ def test_unknown_argument_names_the_closest_field():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(logit_bias={5: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
-    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias={5: 1e39}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(extra_args=[1]), "extra_args"),
 ])
 def test_bad_logits_controls(kwargs, field):

@@ -18,6 +18,7 @@ from pagedlab.scalars import is_value_list, python_numbers, python_scalar
 logger = logging.getLogger(__name__)
 
 _GREEDY_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38  # a larger logit bias is inf in the float32 logits
 _MIN_TEMPERATURE = 0.01  # vLLM's floor for a sampled temperature
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer (the noise's Philox key)
 
@@ -141,10 +142,11 @@ class SamplingParams:
     -1 (vLLM's) returns the whole vocabulary's.
     Log-probabilities are those of the raw model distribution, before penalties and temperature.
 
-    vLLM's logits controls: ``logit_bias`` ({token id: bias}, added to the logits, bias in
-    [-100, 100]) and ``allowed_token_ids`` (only these may be sampled). ``extra_args`` carries
-    whatever a caller wants to keep with the request; the engine ignores it. A misspelt keyword
-    raises ``UnknownArgumentError`` naming the closest field.
+    vLLM's logits controls: ``logit_bias`` ({token id: bias}, added to the logits: any finite bias,
+    as vLLM's, and -inf bans the token; the server keeps OpenAI's [-100, 100]) and
+    ``allowed_token_ids`` (only these may be sampled). ``extra_args`` carries whatever a caller
+    wants to keep with the request; the engine ignores it. A misspelt keyword raises
+    ``UnknownArgumentError`` naming the closest field.
 
     ``bad_words``: strings never generated (vLLM's rule: each word is tokenized with and without a
     leading space; the last token of such a sequence is banned wherever the output so far ends
@@ -269,10 +271,13 @@ class SamplingParams:
 
     def _validate_logits_controls(self) -> None:
         if self.logit_bias is not None:
+            # any bias, as vLLM's offline SamplingParams (only its server clamps to OpenAI's [-100, 100]):
+            # -1e9 or -inf bans a token; NaN and +inf (a float32 inf) would make the softmax NaN
             _check(isinstance(self.logit_bias, dict) and all(
-                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and math.isfinite(b)
-                and -100 <= b <= 100 for t, b in self.logit_bias.items()),
-                "logit_bias", self.logit_bias, "a dict of non-negative token ids to biases in [-100, 100]")
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                and (b == -math.inf or abs(b) <= _FLOAT32_MAX) for t, b in self.logit_bias.items()),
+                "logit_bias", self.logit_bias,
+                "a dict of non-negative token ids to biases (finite float32 numbers, or -inf to ban a token)")
         if self.allowed_token_ids is not None:
             _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),

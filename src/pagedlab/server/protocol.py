@@ -179,6 +179,9 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
         if bad is not None:
             raise ValueError(f"logit_bias key {quoted(bad)} is invalid: keys must be token ids (non-negative "
                              "integers written as strings)")
+        out_of_range = next((b for b in value.values() if not -100 <= b <= 100), None)
+        if out_of_range is not None:  # OpenAI's range; offline, SamplingParams takes any bias, as vLLM's
+            raise ValueError(f"logit_bias bias {out_of_range!r} is invalid: biases in [-100, 100]")
         return {int(k): v for k, v in value.items()}
 
     @field_validator("prompt_logprobs", check_fields=False)
