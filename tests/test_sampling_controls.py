@@ -172,11 +172,23 @@ def test_bad_logits_controls(kwargs, field):
 
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
-def test_boolean_logprobs_are_refused_naming_the_field(field):
-    """OpenAI's chat ``logprobs=True`` is no count: refused here, not a TypeError from torch's topk
-    in the engine step, which failed every request of the batch."""
-    with pytest.raises(ValueError, match=rf"^{field}=True is invalid: {field} must be None, an integer"):
-        SamplingParams(**{field: True})
+def test_boolean_logprobs_true_is_one_and_false_is_refused(field):
+    """vLLM's ``SamplingParams.__post_init__`` makes ``logprobs=True`` (and ``prompt_logprobs=True``)
+    1, so a vLLM script writing True runs; False is refused naming the field (vLLM would read it as
+    0), not a TypeError from torch's topk in the engine step, which failed every request of the
+    batch."""
+    assert getattr(SamplingParams(**{field: True}), field) == 1
+    with pytest.raises(ValueError, match=rf"^{field}=False is invalid: {field} must be None, True \(as 1\)"):
+        SamplingParams(**{field: False})
+
+
+def test_logprobs_true_returns_the_top_one_and_the_sampled_token(tiny_llama):
+    prompt = random_prompts(1, seed=5)[0]
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=True,
+                                                    prompt_logprobs=True), use_tqdm=False)[0]
+    assert [len(position) for position in out.outputs[0].logprobs] == [1, 1, 1]  # greedy: the top one
+    assert out.prompt_logprobs[0] is None and all(1 <= len(p) <= 2 for p in out.prompt_logprobs[1:])
 
 
 def test_out_of_vocabulary_ids_are_refused_before_queueing(tiny_llama):

@@ -214,6 +214,9 @@ class SamplingParams:
             self.top_k = 0
         if self.seed == -1 and isinstance(self.seed, int):  # vLLM's (and OpenAI's) spelling of "no seed"
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's __post_init__: True asks for one
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self._validate()
         if 0.0 < self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature=%r is below %r, which risks inf and NaN in logits / temperature: "
@@ -246,9 +249,10 @@ class SamplingParams:
                    f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            # a bool (OpenAI's chat ``logprobs=True``) is an int to Python but no count to torch's topk
+            # True was made 1 above (vLLM's); False is an int to Python but no count to torch's topk, and
+            # vLLM would read it as 0 (the sampled token's logprob), seldom what False meant
             _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= -1),
-                   name, value, "None, an integer >= 0 or -1 (the whole vocabulary)")
+                   name, value, "None, True (as 1), an integer >= 0 or -1 (the whole vocabulary)")
         if isinstance(self.logits_processors, tuple):
             self.logits_processors = list(self.logits_processors)
         _check(self.logits_processors is None or (isinstance(self.logits_processors, list)
