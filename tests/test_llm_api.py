@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import numpy as np
@@ -168,3 +169,47 @@ def test_chat_joins_openai_content_parts_as_vllm(chat_llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
     with pytest.raises(ValueError, match=r"content part .* is not supported: pagedlab serves text-only"):
         chat_llm.chat(image, greedy, use_tqdm=False)
+
+
+def test_tokenization_kwargs_truncate_and_tokenize_as_vllm(chat_llm, caplog):
+    """vLLM's ``tokenization_kwargs`` of generate, generate_as_completed and chat, its route to
+    truncate a prompt since vLLM 0.17 dropped ``SamplingParams.truncate_prompt_tokens``: the
+    prompt's last k tokens are kept (text or ids), ``max_length`` alone refuses a longer prompt,
+    ``add_special_tokens`` is honoured; a request's own truncate_prompt_tokens wins, padding is
+    refused, and a key vLLM ignores is ignored with a warning."""
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    text = "hello world, how are you today? the quick brown fox"
+    ids = chat_llm.get_tokenizer()(text).input_ids
+
+    def run(prompt, kwargs, params=greedy):
+        return chat_llm.generate(prompt, params, use_tqdm=False, tokenization_kwargs=kwargs)[0]
+
+    assert run(text, None).prompt_token_ids == ids and ids[0] == 1  # the tokenizer's BOS
+    direct = run(ids[-5:], None).outputs[0].token_ids
+    for kwargs in ({"truncate_prompt_tokens": 5}, {"truncation": True, "max_length": 5}):
+        for prompt in (text, {"prompt_token_ids": ids}):
+            out = run(prompt, kwargs)
+            assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids[-5:], direct)
+    _, out = next(chat_llm.generate_as_completed(text, greedy, use_tqdm=False,
+                                                 tokenization_kwargs={"truncate_prompt_tokens": 5}))
+    assert out.prompt_token_ids == ids[-5:]
+    assert run(text, {"add_special_tokens": False}).prompt_token_ids == ids[1:]
+    assert run(text, {"truncate_prompt_tokens": 4}, greedy.clone(truncate_prompt_tokens=6)).prompt_token_ids \
+        == ids[-6:]
+    too_long = f"has {len(ids)} tokens, more than tokenization_kwargs' max_length=5"
+    for kwargs, says in (({"max_length": 5}, too_long),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens=0 is invalid"),
+                         ({"truncate_prompt_tokens": 600}, r"at most max_model_len \(512\)"),
+                         ({"padding": "max_length"}, "does not pad")):
+        with pytest.raises(ValueError, match=says):
+            run(text, kwargs)
+    with caplog.at_level(logging.WARNING, logger="pagedlab.inputs"):
+        assert run(text, {"return_tensors": "pt"}).prompt_token_ids == ids
+    assert "['return_tensors'] are not supported and are ignored" in caplog.text
+    chat = [{"role": "user", "content": "hi there"}]
+    rendered = chat_llm.chat(chat, greedy, use_tqdm=False)[0].prompt_token_ids
+    assert rendered[0] != 1  # the template's text, no BOS added
+    for kwargs, want in (({"truncate_prompt_tokens": 4}, rendered[-4:]),
+                         ({"add_special_tokens": True}, [1] + rendered)):
+        out = chat_llm.chat(chat, greedy, use_tqdm=False, tokenization_kwargs=kwargs)[0]
+        assert out.prompt_token_ids == want

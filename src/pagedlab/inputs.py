@@ -9,11 +9,14 @@ numpy integers, a 1-D numpy array or a torch tensor; they become Python ints her
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
 from pagedlab.scalars import is_1d_array, is_value_list, python_numbers, python_scalar
+
+logger = logging.getLogger(__name__)
 
 
 class _TextPromptRequired(TypedDict):
@@ -59,8 +62,90 @@ def require_tokenizer(tokenizer, what: str, model: str):
     return tokenizer
 
 
-def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
-    """Token ids (and text) of one prompt; text is tokenized with ``tokenizer``."""
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """vLLM's ``tokenization_kwargs`` of ``LLM.generate`` and ``LLM.chat`` (``tokenize_options``
+    reads them): ``add_special_tokens`` for text prompts (None: the call's own default; a prompt
+    dict's key wins), ``truncate_prompt_tokens`` (keep the prompt's last k tokens, the left
+    truncation of vLLM's generate runner), ``max_length`` (a longer prompt is refused) and
+    ``do_lower_case`` (the text is lower-cased before it is tokenized)."""
+
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    max_length: int | None = None
+    do_lower_case: bool = False
+
+    def apply(self, token_ids: list[int], params, max_model_len: int) -> list[int]:
+        """``token_ids`` truncated, then checked against ``max_length``. A ``truncate_prompt_tokens``
+        of the request's ``params`` wins over these options' (vLLM merges it over them)."""
+        if params.truncate_prompt_tokens is not None:
+            token_ids = params.truncate_prompt(token_ids, max_model_len)
+        elif self.truncate_prompt_tokens is not None and len(token_ids) > self.truncate_prompt_tokens:
+            token_ids = list(token_ids[-self.truncate_prompt_tokens:])
+        if self.max_length is not None and len(token_ids) > self.max_length:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than tokenization_kwargs' "
+                             f"max_length={self.max_length}: shorten it, or truncate it (truncation=True)")
+        return token_ids
+
+
+def tokenize_options(kwargs: Mapping | None, max_model_len: int) -> TokenizeOptions:
+    """``TokenizeOptions`` from vLLM's ``tokenization_kwargs`` (vLLM's ``TokenizeParams.with_kwargs``):
+    ``truncation=True`` (or "longest_first") truncates to ``max_length``, False (or
+    "do_not_truncate") not at all; ``truncate_prompt_tokens`` -1 keeps as many as ``max_length``,
+    else ``max_model_len`` - 1, allow (room for one token). Padding is refused (pagedlab pads no
+    prompt); other keys are ignored with a warning, as vLLM ignores them."""
+    if kwargs is None:
+        return TokenizeOptions()
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"tokenization_kwargs={kwargs!r:.200} is invalid: give a dict, e.g. "
+                         "{'truncate_prompt_tokens': 512}")
+    rest = dict(kwargs)
+    max_length = python_scalar(rest.pop("max_length", None))
+    keep = _truncation(rest, python_scalar(rest.pop("truncate_prompt_tokens", None)), max_length)
+    add_special, lower = rest.pop("add_special_tokens", None), rest.pop("do_lower_case", False)
+    padding, pad_tokens = rest.pop("padding", None), rest.pop("pad_prompt_tokens", None)
+    if padding not in (None, False, "do_not_pad") or pad_tokens is not None:
+        raise ValueError(f"tokenization_kwargs padding={padding!r}, pad_prompt_tokens={pad_tokens!r} is not "
+                         "supported: pagedlab does not pad generation prompts")
+    if rest:
+        logger.warning("tokenization_kwargs %s are not supported and are ignored (as vLLM ignores them)",
+                       sorted(rest))
+    _check_option(max_length is None or (type(max_length) is int and max_length >= 1), "max_length",
+                  max_length, "None or an integer >= 1")
+    _check_option(keep is None or (type(keep) is int and (keep >= 1 or keep == -1)), "truncate_prompt_tokens",
+                  keep, "None, an integer >= 1 (keep the prompt's last k tokens) or -1")
+    cap, cap_name = (max_model_len, "max_model_len") if max_length is None else (max_length, "max_length")
+    _check_option(keep is None or keep <= cap, "truncate_prompt_tokens", keep, f"at most {cap_name} ({cap})")
+    if keep == -1:
+        keep = min(cap, max_model_len - 1)
+    return TokenizeOptions(None if add_special is None else bool(add_special), keep, max_length, bool(lower))
+
+
+def _truncation(rest: dict, keep, max_length):
+    """The tokens to keep once ``truncation`` (popped from ``rest``) has its say: True truncates to
+    ``max_length`` (-1, as many as fit, without one), False not at all; any other value stays in
+    ``rest`` for the warning, as vLLM leaves it."""
+    truncation = rest.pop("truncation", None)
+    if truncation in (True, "longest_first"):
+        return -1 if max_length is None else max_length
+    if truncation in (False, "do_not_truncate"):
+        return None
+    if truncation is not None:
+        rest["truncation"] = truncation
+    return keep
+
+
+def _check_option(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"tokenization_kwargs {name}={value!r} is invalid: it must be {allowed}")
+
+
+def encode_prompt(prompt: PromptType, tokenizer, model: str,
+                  options: TokenizeOptions | None = None) -> EncodedPrompt:
+    """Token ids (and text) of one prompt; text is tokenized with ``tokenizer`` (``options``:
+    ``tokenization_kwargs``' add_special_tokens and do_lower_case; truncation is ``options.apply``'s)."""
+    options = options or TokenizeOptions()
+    default_special = True if options.add_special_tokens is None else options.add_special_tokens
     if isinstance(prompt, dict):
         unsupported = [k for k in _UNSUPPORTED_PROMPT_KEYS if k in prompt]
         if unsupported:
@@ -72,16 +157,17 @@ def encode_prompt(prompt: PromptType, tokenizer, model: str) -> EncodedPrompt:
         if "prompt" not in prompt:
             raise ValueError(f"prompt {prompt!r} is invalid: a dict prompt needs 'prompt' or "
                              "'prompt_token_ids'")
-        text, add_special = prompt["prompt"], prompt.get("add_special_tokens", True)
+        text, add_special = prompt["prompt"], prompt.get("add_special_tokens", default_special)
     elif isinstance(prompt, str):
-        text, add_special = prompt, True
+        text, add_special = prompt, default_special
     elif isinstance(prompt, (list, tuple)) or is_1d_array(prompt):
         return EncodedPrompt(_token_ids(prompt))
     else:
         raise ValueError(f"prompt {prompt!r} is invalid: a prompt is a string, a list of token ids, or a "
                          "dict with 'prompt' or 'prompt_token_ids'")
     tokenizer = require_tokenizer(tokenizer, "text prompts", model)
-    return EncodedPrompt(tokenizer(text, add_special_tokens=add_special).input_ids, text)
+    ids = tokenizer(text.lower() if options.do_lower_case else text, add_special_tokens=add_special).input_ids
+    return EncodedPrompt(ids, text)
 
 
 def _token_ids(ids) -> list[int]:

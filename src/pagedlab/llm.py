@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from pagedlab.config import PLAN_FIELDS, WEIGHT_FIELDS, EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
 from pagedlab.engine.profiling import EngineProfiler, ProfileSummary
-from pagedlab.inputs import (EncodedPrompt, PromptType, as_conversation_list, as_prompt_list, chat_prompt,
-                             encode_prompt)
+from pagedlab.inputs import (EncodedPrompt, PromptType, TokenizeOptions, as_conversation_list, as_prompt_list,
+                             chat_prompt, encode_prompt, tokenize_options)
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import BeamSearchOutput, BeamSearchSequence, EngineStats, RequestOutput
 from pagedlab.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
@@ -71,7 +71,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Complete each prompt; returns one RequestOutput per prompt, in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -79,23 +80,31 @@ class LLM:
         ``lora_request`` (with ``enable_lora=True``): one LoRA adapter for every prompt, or a list
         of one per prompt (None: the base model); one batch serves them all. ``priority`` (with
         ``scheduling_policy="priority"``): one integer per prompt, lower admitted first and
-        preempted last.
+        preempted last. ``tokenization_kwargs`` (vLLM's): ``{"truncate_prompt_tokens": k}`` keeps
+        each prompt's last k tokens (-1: as many as fit), ``{"truncation": True, "max_length": k}``
+        the same, ``max_length`` alone refuses longer prompts, ``add_special_tokens``, ``do_lower_case``
+        (see ``pagedlab.inputs.tokenize_options``).
         """
-        return self._run(*self._prepare(prompts, sampling_params, lora_request, priority), use_tqdm)
+        prepared = self._prepare(prompts, sampling_params, lora_request, priority, tokenization_kwargs)
+        return self._run(*prepared, use_tqdm)
 
     def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
                               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                               use_tqdm: bool = True,
                               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                              priority: Sequence[int] | None = None) -> Iterator[tuple[int, RequestOutput]]:
+                              priority: Sequence[int] | None = None,
+                              tokenization_kwargs: dict | None = None) -> Iterator[tuple[int, RequestOutput]]:
         """As ``generate`` (one batch, the same outputs), but yields ``(index, output)`` for each
         prompt as soon as it finishes, so a long run can save what is done as it goes; leaving
         the loop early aborts the prompts not finished. The loop's body may call ``generate`` or
         ``chat`` itself (a judge on each output): the outer prompts it finishes wait for this loop."""
-        return self._as_completed(*self._prepare(prompts, sampling_params, lora_request, priority), use_tqdm)
+        return self._as_completed(*self._prepare(prompts, sampling_params, lora_request, priority,
+                                                 tokenization_kwargs), use_tqdm)
 
-    def _prepare(self, prompts, sampling_params, lora_request, priority) -> tuple[list, list, list, list]:
-        """The encoded prompts, their SamplingParams, LoRA requests and priorities, each checked."""
+    def _prepare(self, prompts, sampling_params, lora_request, priority,
+                 tokenization_kwargs=None) -> tuple[list, list, list, list]:
+        """The encoded prompts (truncated as ``tokenization_kwargs`` and their SamplingParams ask),
+        their SamplingParams, LoRA requests and priorities, each checked."""
         prompt_list = as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params if sampling_params is not None
                                     else self.get_default_sampling_params(), len(prompt_list))
@@ -108,10 +117,12 @@ class LLM:
                              "prompt")
         for p in priorities:
             self.llm_engine.validate_priority(p)
-        encoded = [self._encode(p) for p in prompt_list]
         engine = self.llm_engine
+        options = tokenize_options(tokenization_kwargs, engine.max_model_len)
+        encoded = [self._encode(p, options) for p in prompt_list]
         for prompt, p in zip(encoded, params):
-            engine.validate_prompt(p.truncate_prompt(prompt.token_ids, engine.max_model_len))
+            prompt.token_ids = options.apply(prompt.token_ids, p, engine.max_model_len)
+            engine.validate_prompt(prompt.token_ids)
         for lora in dict.fromkeys(loras):
             self.llm_engine.validate_lora_request(lora)
         return encoded, params, loras, priorities
@@ -121,7 +132,7 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (the
         tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
         continues the last (assistant) message instead of starting a new turn (set
@@ -130,12 +141,19 @@ class LLM:
         name, as in vLLM; ``lora_request`` as in ``generate``; ``tools`` (OpenAI tool objects) go
         to the template's ``tools``, as vLLM's ``LLM.chat`` passes them (the reply is text: parse
         any tool calls in it yourself, or use the server's tool calling). A message's ``content`` is
-        a string or OpenAI's list of text parts, joined by newlines as vLLM joins them."""
+        a string or OpenAI's list of text parts, joined by newlines as vLLM joins them.
+        ``tokenization_kwargs`` as in ``generate``, on the rendered conversation (which gets no
+        special tokens unless they set ``add_special_tokens``, as in vLLM)."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
                                continue_final_message, chat_template_kwargs, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+        add_special = (tokenization_kwargs or {}).get("add_special_tokens") if isinstance(
+            tokenization_kwargs, Mapping) else None
+        for prompt in prompts if add_special is not None else ():
+            prompt["add_special_tokens"] = bool(add_special)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False,
@@ -194,8 +212,8 @@ class LLM:
         return results
 
     # ---- helpers --------------------------------------------------------------------------
-    def _encode(self, prompt: PromptType) -> EncodedPrompt:
-        return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model)
+    def _encode(self, prompt: PromptType, options: TokenizeOptions | None = None) -> EncodedPrompt:
+        return encode_prompt(prompt, self.llm_engine.tokenizer, self.llm_engine.config.model, options)
 
     def _run(self, encoded: list[EncodedPrompt], params: list[SamplingParams],
              loras: list[LoRARequest | None] | None, priorities: list[int] | None,
