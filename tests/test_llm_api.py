@@ -213,3 +213,23 @@ def test_tokenization_kwargs_truncate_and_tokenize_as_vllm(chat_llm, caplog):
                          ({"add_special_tokens": True}, [1] + rendered)):
         out = chat_llm.chat(chat, greedy, use_tqdm=False, tokenization_kwargs=kwargs)[0]
         assert out.prompt_token_ids == want
+
+
+def test_chat_template_content_format_as_vllm(chat_llm):
+    """vLLM's ``chat_template_content_format`` of LLM.chat: "openai" hands the template each
+    message's content as a list of text parts (a string as one part), for templates that iterate
+    over them; "string" (and "auto", pagedlab's reading of it) the parts joined by newlines."""
+    template = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}S:{{ m['content'] }}"
+                "{% else %}{% for p in m['content'] %}P:{{ p['text'] }};{% endfor %}{% endif %}{% endfor %}")
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    chat = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello"}, "world"]}]
+
+    def prompt(content_format):
+        return chat_llm.chat(chat, greedy, use_tqdm=False, chat_template=template,
+                             chat_template_content_format=content_format)[0].prompt
+
+    assert prompt("openai") == "[system]P:be brief;[user]P:hello;P:world;"
+    assert prompt("string") == prompt("auto") == "[system]S:be brief[user]S:hello\nworld"
+    with pytest.raises(ValueError, match=r"chat_template_content_format='jinja' is invalid: give one"):
+        prompt("jinja")

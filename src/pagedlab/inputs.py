@@ -203,13 +203,21 @@ def as_conversation_list(messages) -> list[list]:
 
 def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, model: str = "", continue_final_message: bool = False,
-                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> dict:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                content_format: str = "auto") -> dict:
     """A conversation rendered through the chat template, as a prompt that adds no special tokens
     (the template already holds them). ``continue_final_message`` leaves the last (assistant)
     message open for the model to continue, as vLLM does; ``chat_template_kwargs`` are extra
     variables for the template (e.g. ``enable_thinking=False``), and win over the arguments of
-    the same name, as vLLM's; ``tools`` (OpenAI's tool objects) go to the template's ``tools``."""
+    the same name, as vLLM's; ``tools`` (OpenAI's tool objects) go to the template's ``tools``.
+    ``content_format`` is vLLM's ``chat_template_content_format``: "string" gives the template
+    each message's text parts joined by newlines, "openai" a list of ``{"type": "text", "text":
+    ...}`` parts (a string content as one part); "auto" is "string" (vLLM's "auto" reads the
+    template to choose)."""
     tokenizer = require_tokenizer(tokenizer, "chat conversations", model)
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format={content_format!r} is invalid: give one of "
+                         f"{', '.join(CONTENT_FORMATS)}")
     template_args = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                      "tools": tools,
                      "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
@@ -221,17 +229,23 @@ def chat_prompt(tokenizer, conversation: list[dict], chat_template: str | None =
     if continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
         raise ValueError("continue_final_message=True needs a conversation whose last message is the "
                          "assistant's (the text to continue)")
-    conversation = [_with_text_content(m) for m in conversation]
+    conversation = [_with_text_content(m, content_format == "openai") for m in conversation]
     text = tokenizer.apply_chat_template(conversation, tokenize=False, **template_args)
     return {"prompt": text, "add_special_tokens": False}
 
 
-def _with_text_content(message: dict) -> dict:
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _with_text_content(message: dict, as_parts: bool = False) -> dict:
     """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}, ...]``, or
     bare strings) joined into one string by newlines, as vLLM gives them to a template that takes
     string content (and as the server does): rendered as they are, a template would print the
-    list's Python repr into the prompt."""
+    list's Python repr into the prompt. ``as_parts`` (vLLM's "openai" content format): the texts
+    as a list of ``{"type": "text", "text": ...}`` parts instead, a string content as one."""
     content = message.get("content")
+    if as_parts and isinstance(content, str):
+        content = [content]
     if not isinstance(content, (list, tuple)):
         return message
     texts = []
@@ -242,4 +256,6 @@ def _with_text_content(message: dict) -> dict:
             raise ValueError(f"message content part {part!r:.200} is not supported: pagedlab serves "
                              "text-only models; a part is a string or {'type': 'text', 'text': ...}")
         texts.append(part)
+    if as_parts:
+        return {**message, "content": [{"type": "text", "text": text} for text in texts]}
     return {**message, "content": "\n".join(texts)}

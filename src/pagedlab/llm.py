@@ -132,7 +132,8 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-             tools: list[dict] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, tokenization_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (the
         tokenizer's, or ``chat_template``), with vLLM's arguments: ``continue_final_message``
         continues the last (assistant) message instead of starting a new turn (set
@@ -143,11 +144,15 @@ class LLM:
         any tool calls in it yourself, or use the server's tool calling). A message's ``content`` is
         a string or OpenAI's list of text parts, joined by newlines as vLLM joins them.
         ``tokenization_kwargs`` as in ``generate``, on the rendered conversation (which gets no
-        special tokens unless they set ``add_special_tokens``, as in vLLM)."""
+        special tokens unless they set ``add_special_tokens``, as in vLLM).
+        ``chat_template_content_format`` (vLLM's): "string" (content as one string), "openai"
+        (content as a list of text parts, for templates that iterate over them) or "auto", which
+        is "string" here (vLLM reads the template to choose)."""
         conversations = as_conversation_list(messages)
         engine = self.llm_engine
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
-                               continue_final_message, chat_template_kwargs, tools) for c in conversations]
+                               continue_final_message, chat_template_kwargs, tools,
+                               content_format=chat_template_content_format) for c in conversations]
         add_special = (tokenization_kwargs or {}).get("add_special_tokens") if isinstance(
             tokenization_kwargs, Mapping) else None
         for prompt in prompts if add_special is not None else ():
