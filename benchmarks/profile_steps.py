@@ -6,7 +6,9 @@ prompt tokens only, as ``pagedlab.engine.profiling.step_kind`` labels them):
 
 - ``steps`` and ``wall_ms``: the engine's ``pagedlab.step`` ranges, their count and summed length;
 - ``busy_ms``: how long the GPU ran any kernel inside the steps' wall time, and
-  ``host_gap_ms`` = wall - busy: how long it sat idle while the host ran those steps;
+  ``host_gap_ms`` = wall - busy: how long it sat idle while the host ran those steps (under the
+  profiler, which slows the host about 2x: W-nano's 5% here was no idle at all in a timed run,
+  BENCHMARKS.md session 57);
 - ``gpu``, on the GPU's clock: the steps' forward passes (``forward_ms``: each the span the
   profiler draws for the step's kind range, from its first kernel to its last, CUDA-graph replays
   included: ``pagedlab.engine.profiling.forward_spans``), the time of the kernels inside those
