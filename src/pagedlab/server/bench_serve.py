@@ -38,27 +38,8 @@ from pathlib import Path
 
 from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
+from pagedlab.server.bench_metrics import METRICS, RequestResult, compute_metrics, format_report
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
-from pagedlab.stats import describe, percentile_label
-
-METRICS = ("ttft", "tpot", "itl", "e2el")
-METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-
-
-@dataclass
-class RequestResult:
-    success: bool = False
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every streamed chunk
-    start_time: float = 0.0
-    generated_text: str = ""
-    error: str = ""
-
 
 @dataclass
 class BenchmarkState:
@@ -231,95 +212,6 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
             if progress is not None:
                 progress.close()
     return state.results, state.end - state.start
-
-
-def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
-                    selected=METRICS) -> dict:
-    """vLLM's ``bench serve`` figures, in its key names (times in ms)."""
-    ok = [r for r in results if r.success]
-    total_in = sum(r.prompt_len for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
-    series = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-        "itl": [x for r in ok for x in r.itl],
-        "e2el": [r.latency for r in ok],
-    }
-    m: dict = {
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": total_out / duration if duration else 0.0,
-        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
-    }
-    # Peak output tokens per second and peak requests in flight, over 1 s buckets.
-    if ok:
-        t0 = min(r.start_time for r in ok)
-        buckets: dict[int, int] = {}
-        for r in ok:
-            times = r.chunk_times
-            per_chunk = r.output_tokens / len(times) if times else 0
-            for t in times:
-                buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + per_chunk
-        m["max_output_tokens_per_s"] = max(buckets.values()) if buckets else 0.0
-        events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
-        live = peak = 0
-        for _, d in events:
-            live += d
-            peak = max(peak, live)
-        m["max_concurrent_requests"] = peak
-    for name in selected:
-        described = describe([x * 1000.0 for x in series[name]], percentiles)
-        for stat in ("mean", "median", "std"):
-            m[f"{stat}_{name}_ms"] = described[stat]
-        for p in percentiles:
-            m[f"p{percentile_label(p)}_{name}_ms"] = described[percentile_label(p)]
-    m["input_lens"] = [r.prompt_len for r in results]
-    m["output_lens"] = [r.output_tokens for r in results]
-    m["ttfts"] = [r.ttft for r in results]
-    m["itls"] = [r.itl for r in results]
-    m["generated_texts"] = [r.generated_text for r in results]
-    m["errors"] = [r.error for r in results]
-    return m
-
-
-def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concurrency=None,
-                  request_rate=None) -> str:
-    w = 50
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
-
-    def row(label, value, fmt="{:<10.2f}"):
-        lines.append(f"{label:<40} {fmt.format(value) if not isinstance(value, str) else value}")
-
-    row("Successful requests:", m["completed"], "{:<10}")
-    row("Failed requests:", m["failed"], "{:<10}")
-    if max_concurrency is not None:
-        row("Maximum request concurrency:", max_concurrency, "{:<10}")
-    if request_rate is not None:
-        row("Request rate configured (RPS):", request_rate,
-            "{:<10.2f}" if request_rate != float("inf") else "{}")
-    row("Benchmark duration (s):", m["duration"])
-    row("Total input tokens:", m["total_input_tokens"], "{:<10}")
-    row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
-    row("Request throughput (req/s):", m["request_throughput"])
-    row("Output token throughput (tok/s):", m["output_throughput"])
-    if "max_output_tokens_per_s" in m:
-        row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
-        row("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
-    row("Total Token throughput (tok/s):", m["total_token_throughput"])
-    for name in selected:
-        title = METRIC_TITLES[name]
-        lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
-        upper = name.upper()
-        row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"])
-        row(f"Median {upper} (ms):", m[f"median_{name}_ms"])
-        for p in percentiles:
-            row(f"P{percentile_label(p)} {upper} (ms):", m[f"p{percentile_label(p)}_{name}_ms"])
-    lines.append("=" * w)
-    return "\n".join(lines)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
