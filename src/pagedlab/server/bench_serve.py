@@ -1,8 +1,9 @@
 """``pagedlab bench serve``: load-test an OpenAI-compatible server the way ``vllm bench serve`` does.
 
 Requests go out at ``--request-rate`` per second (Poisson arrivals, or gamma with
-``--burstiness``; ``inf`` sends them all at once), at most ``--max-concurrency`` in flight, and
-stream their tokens back. The report and the ``--json`` file use vLLM's names:
+``--burstiness``, on vLLM's seeded schedule: ``pagedlab.server.bench_traffic``; ``inf`` sends
+them all at once), at most ``--max-concurrency`` in flight, and stream their tokens back. The
+report and the ``--json`` file use vLLM's names:
 
 - request throughput (req/s), output and total token throughput (tok/s);
 - TTFT: time to the first streamed chunk; TPOT: (latency - TTFT) / (output tokens - 1), per
@@ -28,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import sys
 import time
 import traceback
@@ -40,6 +40,7 @@ from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
 from pagedlab.server.bench_metrics import METRICS, RequestResult, compute_metrics, format_report
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
+from pagedlab.server.bench_traffic import arrival_times, check_arrivals, send_times
 
 @dataclass
 class BenchmarkState:
@@ -136,23 +137,6 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
 
 
 # ---- the run --------------------------------------------------------------------------------
-async def _arrivals(count: int, rate: float, burstiness: float, rng: random.Random):
-    """Yield request indices at Poisson (burstiness 1) or gamma-distributed intervals."""
-    for i in range(count):
-        yield i
-        if rate == float("inf") or i == count - 1:
-            continue
-        theta = 1.0 / (rate * burstiness)
-        await asyncio.sleep(rng.gammavariate(burstiness, theta))
-
-
-def _check_arrivals(request_rate: float, burstiness: float) -> None:
-    if not burstiness > 0:  # NaN too
-        raise ValueError(f"--burstiness={burstiness} is invalid: it must be > 0")
-    if not request_rate > 0:
-        raise ValueError(f"--request-rate={request_rate} is invalid: it must be > 0 (or inf)")
-
-
 async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
                         endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
@@ -164,7 +148,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     has of a run that raised or was cancelled part-way (the requests in flight then are cancelled)."""
     import httpx
 
-    _check_arrivals(request_rate, burstiness)
+    times = arrival_times(len(specs), request_rate, burstiness, seed)
     state = state if state is not None else BenchmarkState()
     sampling = sampling or argparse.Namespace(ignore_eos=False)
     url = base_url.rstrip("/") + endpoint
@@ -199,7 +183,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
         state.start = time.perf_counter()
         tasks = []
         try:
-            async for i in _arrivals(len(specs), request_rate, burstiness, random.Random(seed)):
+            async for i in send_times(times):
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)
         except BaseException:  # Ctrl-C cancels this task; an error would leave the others running
@@ -228,7 +212,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
     p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival intervals: 1 = Poisson, < 1 burstier, > 1 steadier")
+                   help="gamma shape of the arrival intervals: 1 = Poisson, < 1 burstier, > 1 steadier, "
+                        "inf = a constant 1/rate")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once (default, or 0: no cap, as vLLM's)")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
@@ -301,7 +286,7 @@ def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
                                ("--random-prefix-len", args.random_prefix_len, 0)):
         if value is not None and value < least:
             raise ValueError(f"{flag} {value} is invalid: it must be at least {least}")
-    _check_arrivals(args.request_rate, args.burstiness)
+    check_arrivals(args.request_rate, args.burstiness)
     check_range_ratio(args.random_range_ratio)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
