@@ -5,11 +5,18 @@ one definition on synthetic timings against values worked out by hand."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import pytest
+import test_bench_serve
 
-from pagedlab.server.bench_traffic import arrival_times, send_times
+from pagedlab.server import bench_serve
+from pagedlab.server.bench_traffic import (RampUp, RpsChanges, arrival_times, ramp_up_from_flags,
+                                           request_rates, send_times)
+
+fake_server = test_bench_serve.fake_server  # the stand-in server (a fixture)
 
 
 def test_arrival_times_are_vllms_seeded_gamma_schedule_scaled_to_n_over_rate():
@@ -42,3 +49,46 @@ def test_requests_go_at_their_times_from_the_start_however_slow_the_loop():
 
     times = asyncio.run(sent_at())
     assert times == pytest.approx([0.05, 0.10, 0.15, 0.20], abs=0.025)
+
+
+def test_ramp_up_rates_are_vllms_and_their_gaps_are_not_rescaled():
+    """vLLM's _get_current_request_rate over progress i / (n - 1): linear 2 -> 6 over five
+    requests is 2, 3, 4, 5, 6 req/s, exponential 1 -> 16 is 1, 2, 4, 8, 16. At burstiness inf the
+    gaps are 1/rate, summed and left unscaled (vLLM rescales only without a ramp): 0.5, 0.8333,
+    1.0833, 1.2833, 1.45."""
+    linear, exponential = RampUp("linear", 2, 6), RampUp("exponential", 1, 16)
+    assert request_rates(5, float("inf"), linear) == pytest.approx([2, 3, 4, 5, 6])
+    assert request_rates(5, float("inf"), exponential) == pytest.approx([1, 2, 4, 8, 16])
+    assert arrival_times(5, float("inf"), float("inf"), ramp_up=linear) == pytest.approx(
+        [0.5, 0.5 + 1 / 3, 0.5 + 1 / 3 + 0.25, 1.2833333, 1.45])
+    changes = RpsChanges()
+    changes.start(linear)
+    for rate in (2.0, 3.5, 5.2):
+        changes.sent(rate)
+    assert [e["rps"] for e in changes.events] == [2, 3, 4, 5]  # each whole rate once, when first reached
+
+
+@pytest.mark.parametrize("flags, error", [
+    (("linear", 2, 6, 4.0), "leave out --request-rate"),
+    (("linear", 2, None, float("inf")), "needs both --ramp-up-start-rps and --ramp-up-end-rps"),
+    (("linear", 7, 6, float("inf")), "--ramp-up-start-rps 7 is invalid"),
+    (("exponential", 0, 6, float("inf")), "--ramp-up-start-rps 0 is invalid"),
+    (("linear", 0, 6, float("inf")), "--ramp-up-start-rps 0 is invalid"),
+])
+def test_ramp_up_flags_are_refused_where_vllm_refuses_them(flags, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        ramp_up_from_flags(*flags)
+
+
+def test_a_ramp_up_run_saves_vllms_ramp_keys_and_rate_changes(fake_server, tmp_path):
+    """Three requests ramped linearly 20 -> 40 req/s go at 20, 30 and 40: the record has vLLM's
+    ramp_up_* keys and an rps_change_events entry for each whole rate from 20 to 40."""
+    out = tmp_path / "ramp.json"
+    assert bench_serve.main(["--base-url", fake_server(answered=99, interrupt=None), "--num-prompts", "3",
+                             "--input-len", "4", "--output-len", "2", "--disable-tqdm", "--json", str(out),
+                             "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "20",
+                             "--ramp-up-end-rps", "40"]) == 0
+    record = json.loads(out.read_text())
+    assert [record[f"ramp_up_{k}"] for k in ("strategy", "start_rps", "end_rps")] == ["linear", 20, 40]
+    assert [e["rps"] for e in record["rps_change_events"]] == list(range(20, 41))
+    assert record["request_rate"] == "inf" and record["completed"] == 3

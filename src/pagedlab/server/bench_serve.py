@@ -40,7 +40,8 @@ from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
 from pagedlab.server.bench_metrics import METRICS, RequestResult, compute_metrics, format_report
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
-from pagedlab.server.bench_traffic import arrival_times, check_arrivals, send_times
+from pagedlab.server.bench_traffic import (RAMP_UP_STRATEGIES, RampUp, RpsChanges, arrival_times,
+                                           check_arrivals, ramp_up_from_flags, request_rates, send_times)
 
 @dataclass
 class BenchmarkState:
@@ -51,6 +52,7 @@ class BenchmarkState:
     results: list[RequestResult | None] = field(default_factory=list)
     start: float | None = None
     end: float | None = None
+    rps_changes: RpsChanges = field(default_factory=RpsChanges)
 
     def finished(self) -> list[RequestResult]:
         """The finished requests' results (successes and failures), in spec order."""
@@ -137,18 +139,42 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
 
 
 # ---- the run --------------------------------------------------------------------------------
+async def _send_all(state: BenchmarkState, times: list[float], rates: list[float], ramp_up: RampUp | None,
+                    one) -> None:
+    """Start request ``i`` (``one(i)``) at ``times[i]`` and wait for them all; on a stop (Ctrl-C
+    cancels this task; an error would leave the others running) the requests in flight are
+    cancelled. ``state`` gets the timed part's start and end, and a ramp's rate changes."""
+    state.rps_changes.start(ramp_up)
+    state.start = time.perf_counter()
+    tasks = []
+    try:
+        async for i in send_times(times):
+            state.rps_changes.sent(rates[i])
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        state.end = time.perf_counter()
+
+
 async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
                         endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
                         max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 1,
                         seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None,
-                        state: BenchmarkState | None = None) -> tuple[list[RequestResult], float]:
+                        state: BenchmarkState | None = None, ramp_up: RampUp | None = None
+                        ) -> tuple[list[RequestResult], float]:
     """Send every request; returns the results (in spec order) and the benchmark duration (s).
     ``state`` (a ``BenchmarkState``) receives each result as its request finishes: what a caller
     has of a run that raised or was cancelled part-way (the requests in flight then are cancelled)."""
     import httpx
 
-    times = arrival_times(len(specs), request_rate, burstiness, seed)
+    times = arrival_times(len(specs), request_rate, burstiness, seed, ramp_up)
+    rates = request_rates(len(specs), request_rate, ramp_up)
     state = state if state is not None else BenchmarkState()
     sampling = sampling or argparse.Namespace(ignore_eos=False)
     url = base_url.rstrip("/") + endpoint
@@ -158,7 +184,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     if max_concurrency is not None and max_concurrency < 0:
         raise ValueError(f"--max-concurrency={max_concurrency} is invalid: it must be >= 0 (0 or None: no "
                          "cap)")
-    max_concurrency = max_concurrency or None  # 0 caps nothing, as in vLLM (a pool of 0 connections hung)
+    max_concurrency = max_concurrency or None  # 0 caps nothing (a pool of 0 connections hung)
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
         for i in range(num_warmups):
@@ -180,19 +206,9 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
             if progress is not None:
                 progress.update(1)
 
-        state.start = time.perf_counter()
-        tasks = []
         try:
-            async for i in send_times(times):
-                tasks.append(asyncio.create_task(one(i)))
-            await asyncio.gather(*tasks)
-        except BaseException:  # Ctrl-C cancels this task; an error would leave the others running
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            await _send_all(state, times, rates, ramp_up, one)
         finally:
-            state.end = time.perf_counter()
             if progress is not None:
                 progress.close()
     return state.results, state.end - state.start
@@ -214,6 +230,11 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival intervals: 1 = Poisson, < 1 burstier, > 1 steadier, "
                         "inf = a constant 1/rate")
+    p.add_argument("--ramp-up-strategy", choices=RAMP_UP_STRATEGIES, default=None,
+                   help="move the request rate from --ramp-up-start-rps to --ramp-up-end-rps over the run "
+                        "(vLLM's; instead of --request-rate)")
+    p.add_argument("--ramp-up-start-rps", type=int, default=None)
+    p.add_argument("--ramp-up-end-rps", type=int, default=None)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once (default, or 0: no cap, as vLLM's)")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
@@ -270,9 +291,18 @@ def _server_token_counter(base_url: str, model: str, api_key: str | None):
         yield count_tokens
 
 
-def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
-    """The percentiles and metrics to report; a ValueError naming a bad flag before any request
-    (a --json path that cannot be written too: its folder is made, the file written after the run)."""
+@dataclass
+class _Checked:
+    """What the flags ask for, checked: the percentiles and metrics to report, and the ramp."""
+
+    percentiles: list[float]
+    selected: list[str]
+    ramp_up: RampUp | None
+
+
+def _checked_flags(args: argparse.Namespace) -> _Checked:
+    """What the flags ask for; a ValueError naming a bad flag before any request (a --json path
+    that cannot be written too: its folder is made, the file written after the run)."""
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     unknown = [m for m in selected if m not in METRICS]
@@ -287,11 +317,13 @@ def _checked_flags(args: argparse.Namespace) -> tuple[list[float], list[str]]:
         if value is not None and value < least:
             raise ValueError(f"{flag} {value} is invalid: it must be at least {least}")
     check_arrivals(args.request_rate, args.burstiness)
+    ramp_up = ramp_up_from_flags(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps,
+                                 args.request_rate)
     check_range_ratio(args.random_range_ratio)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         check_writable(args.json, "--json")
-    return percentiles, selected
+    return _Checked(percentiles, selected, ramp_up)
 
 
 def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, list[RequestSpec]]:
@@ -326,15 +358,17 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     stopped = None
     try:
         with sigterm_as_interrupt():
-            percentiles, selected = _checked_flags(args)
+            checked = _checked_flags(args)
             model, specs = _requests(args, base_url)
+            ramp = checked.ramp_up
+            rate = f"{ramp.strategy} ramp {ramp.start_rps}-{ramp.end_rps}" if ramp else args.request_rate
             print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
-                  f"rate {args.request_rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
+                  f"rate {rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
             asyncio.run(run_benchmark(
                 base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
                 burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
                 num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
-                disable_tqdm=args.disable_tqdm, sampling=args, state=state))
+                disable_tqdm=args.disable_tqdm, sampling=args, state=state, ramp_up=checked.ramp_up))
     except (Exception, KeyboardInterrupt) as e:
         if state.finished():
             stopped = e
@@ -347,6 +381,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             return 2
         else:
             raise
+    percentiles, selected = checked.percentiles, checked.selected
     metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected)
     if stopped is not None:
         if not isinstance(stopped, KeyboardInterrupt):
@@ -358,14 +393,14 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if failures:
         print(f"{len(failures)} requests failed; first error: {failures[0]}", file=sys.stderr)
     if args.json:
-        _save(args, base_url, model, metrics, stopped)
+        _save(args, base_url, model, metrics, stopped, state.rps_changes.events)
     if stopped is not None:
         return interrupted_exit(stopped) if isinstance(stopped, KeyboardInterrupt) else 1
     return 0 if metrics["completed"] else 1
 
 
-def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, stopped: BaseException | None
-          ) -> None:
+def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, stopped: BaseException | None,
+          rps_change_events: list[dict]) -> None:
     """Write the ``--json`` record: the run's settings and figures (vLLM's keys); for a run stopped
     part-way, ``"partial": true`` and why it stopped (``"interrupted"``)."""
     record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
@@ -373,7 +408,13 @@ def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, st
               "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
               "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
-              "output_len": args.output_len, **metrics}
+              "output_len": args.output_len}
+    if args.ramp_up_strategy is not None:
+        record.update(ramp_up_strategy=args.ramp_up_strategy, ramp_up_start_rps=args.ramp_up_start_rps,
+                      ramp_up_end_rps=args.ramp_up_end_rps)
+    record.update(metrics)
+    if rps_change_events:
+        record["rps_change_events"] = rps_change_events
     if stopped is not None:
         record.update(partial=True, interrupted=stop_reason(stopped),
                       finished_requests=metrics["completed"] + metrics["failed"])
