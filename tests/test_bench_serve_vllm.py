@@ -13,6 +13,7 @@ import pytest
 import test_bench_serve
 
 from pagedlab.server import bench_serve
+from pagedlab.server.bench_metrics import RequestResult, compute_metrics
 from pagedlab.server.bench_traffic import (RampUp, RpsChanges, arrival_times, ramp_up_from_flags,
                                            request_rates, send_times)
 
@@ -92,3 +93,23 @@ def test_a_ramp_up_run_saves_vllms_ramp_keys_and_rate_changes(fake_server, tmp_p
     assert [record[f"ramp_up_{k}"] for k in ("strategy", "start_rps", "end_rps")] == ["linear", 20, 40]
     assert [e["rps"] for e in record["rps_change_events"]] == list(range(20, 41))
     assert record["request_rate"] == "inf" and record["completed"] == 3
+
+
+def _result(start: float, ttft: float, itl: list[float], tokens: int, prompt: int = 10) -> RequestResult:
+    return RequestResult(True, prompt, tokens, ttft, ttft + sum(itl), list(itl), start_time=start)
+
+
+def test_peak_output_throughput_counts_chunks_as_vllm_and_peak_concurrency_is_half_open():
+    """vLLM counts each streamed chunk (start + TTFT + its ITLs) as one token in 1 s buckets from
+    the first start. A: start 0, chunks at 0.2, 0.5, 0.8, 1.1, 8 tokens (2 a chunk); B: start 0.5,
+    chunks at 0.6, 0.8; C: start 0.8 (as B ends), chunks at 0.9, 1.3, 2 tokens; D: start 1.1 (as A
+    ends), a chunk at 1.3. Bucket 0 holds 3 + 2 + 1 = 6 chunks, bucket 1 three: peak 6.0
+    (pagedlab spread each request's tokens over its chunks: 3 * 2 + 2 + 1 = 9). In flight: A and
+    B, A and C, then C and D: an end and a start at the same time do not overlap (A, C and D
+    would be 3), so the peak is 2."""
+    results = [_result(0.0, 0.2, [0.3, 0.3, 0.3], 8), _result(0.5, 0.1, [0.2], 2),
+               _result(0.8, 0.1, [0.4], 2), _result(1.1, 0.2, [], 1)]
+    m = compute_metrics(results, 2.0)
+    assert m["max_output_tokens_per_s"] == 6.0 and m["max_concurrent_requests"] == 2
+    none = compute_metrics([RequestResult(False, 10, error="HTTP 500")], 1.0)
+    assert (none["max_output_tokens_per_s"], none["max_concurrent_requests"]) == (0.0, 0)  # keys kept

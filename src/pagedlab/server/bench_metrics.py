@@ -21,11 +21,33 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every streamed chunk
     start_time: float = 0.0
     generated_text: str = ""
     error: str = ""
 
+
+
+def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
+    """vLLM's peak output token throughput and peak concurrent requests (0.0 and 0 for no
+    successful request). The first is the most streamed chunks in one 1-second bucket from the
+    first request's start, each chunk at start + TTFT + its ITLs counted as one token, as vLLM
+    counts them (a chunk of several tokens counts one). The second is the most requests in flight
+    at once, each over [start, start + latency): one ending as another starts does not overlap it."""
+    if not ok:
+        return 0.0, 0
+    t0 = min(r.start_time for r in ok)
+    buckets: dict[int, int] = {}
+    for r in ok:
+        t = r.start_time + r.ttft
+        for gap in [0.0, *r.itl]:
+            t += gap
+            buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + 1
+    events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
+    live = peak = 0
+    for _, change in events:  # an end (-1) sorts before a start (+1) at the same time
+        live += change
+        peak = max(peak, live)
+    return float(max(buckets.values())), peak
 
 
 def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
@@ -50,22 +72,7 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles=(
         "output_throughput": total_out / duration if duration else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
     }
-    # Peak output tokens per second and peak requests in flight, over 1 s buckets.
-    if ok:
-        t0 = min(r.start_time for r in ok)
-        buckets: dict[int, int] = {}
-        for r in ok:
-            times = r.chunk_times
-            per_chunk = r.output_tokens / len(times) if times else 0
-            for t in times:
-                buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + per_chunk
-        m["max_output_tokens_per_s"] = max(buckets.values()) if buckets else 0.0
-        events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
-        live = peak = 0
-        for _, d in events:
-            live += d
-            peak = max(peak, live)
-        m["max_concurrent_requests"] = peak
+    m["max_output_tokens_per_s"], m["max_concurrent_requests"] = _peaks(ok)
     for name in selected:
         described = describe([x * 1000.0 for x in series[name]], percentiles)
         for stat in ("mean", "median", "std"):
@@ -101,9 +108,8 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
     row("Request throughput (req/s):", m["request_throughput"])
     row("Output token throughput (tok/s):", m["output_throughput"])
-    if "max_output_tokens_per_s" in m:
-        row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
-        row("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
+    row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
+    row("Peak concurrent requests:", m["max_concurrent_requests"])
     row("Total Token throughput (tok/s):", m["total_token_throughput"])
     for name in selected:
         title = METRIC_TITLES[name]

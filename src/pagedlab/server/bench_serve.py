@@ -117,7 +117,6 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
-                    result.chunk_times.append(now)
                     last = now
                     chunks += 1
                     c = choices[0]
