@@ -4,6 +4,7 @@ exit codes of such stops."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -39,6 +40,41 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+async def run_until_sigterm(awaitable) -> bool:
+    """Await ``awaitable`` on the running loop; a SIGTERM cancels it, as ``asyncio.run`` cancels
+    its task on Ctrl-C, and gives True (the caller raises ``Terminated`` once out of the loop).
+    Within ``sigterm_as_interrupt`` the loop takes SIGTERM from its handler for the while: raised
+    from the handler, ``Terminated`` could land in a finalizer (an HTTP client's stream closed
+    during the cancel), which swallows it ("Exception ignored in ..."), and the run went on. The
+    first SIGTERM gives the next back to the handler from before the block, as that handler does;
+    without one set by Python (SIG_DFL, SIG_IGN) nothing changes."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler):
+        await awaitable
+        return False
+    loop, task, hit = asyncio.get_running_loop(), asyncio.current_task(), []
+
+    def on_sigterm() -> None:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, handler)
+        with contextlib.suppress(KeyboardInterrupt):
+            handler(signal.SIGTERM, None)  # sigterm_as_interrupt's: restores the handler from before
+        hit.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        await awaitable
+    except asyncio.CancelledError:
+        if not hit:
+            raise
+    finally:
+        if not hit:
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, handler)
+    return bool(hit)
 
 
 def stop_reason(error: BaseException) -> str:

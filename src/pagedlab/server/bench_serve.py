@@ -37,7 +37,8 @@ from datetime import datetime
 from pathlib import Path
 
 from pagedlab.cli.engine_args import check_writable
-from pagedlab.interrupt import interrupted_exit, sigterm_as_interrupt, stop_reason
+from pagedlab.interrupt import (Terminated, interrupted_exit, run_until_sigterm, sigterm_as_interrupt,
+                                stop_reason)
 from pagedlab.server.bench_metrics import METRICS, RequestResult, compute_metrics, format_report
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
 from pagedlab.server.bench_traffic import (RAMP_UP_STRATEGIES, RampUp, RpsChanges, arrival_times,
@@ -363,11 +364,12 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             rate = f"{ramp.strategy} ramp {ramp.start_rps}-{ramp.end_rps}" if ramp else args.request_rate
             print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
                   f"rate {rate}, max concurrency {args.max_concurrency}", file=sys.stderr)
-            asyncio.run(run_benchmark(
-                base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
-                burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
-                num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
-                disable_tqdm=args.disable_tqdm, sampling=args, state=state, ramp_up=checked.ramp_up))
+            if asyncio.run(run_until_sigterm(run_benchmark(
+                    base_url, specs, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
+                    burstiness=args.burstiness, max_concurrency=args.max_concurrency, api_key=args.api_key,
+                    num_warmups=args.num_warmups, seed=args.seed, timeout=args.timeout,
+                    disable_tqdm=args.disable_tqdm, sampling=args, state=state, ramp_up=checked.ramp_up))):
+                raise Terminated("SIGTERM")
     except (Exception, KeyboardInterrupt) as e:
         if state.finished():
             stopped = e
