@@ -13,7 +13,7 @@ import pytest
 import test_bench_serve
 
 from pagedlab.server import bench_serve
-from pagedlab.server.bench_metrics import RequestResult, compute_metrics
+from pagedlab.server.bench_metrics import RequestResult, compute_metrics, parse_goodput
 from pagedlab.server.bench_traffic import (RampUp, RpsChanges, arrival_times, ramp_up_from_flags,
                                            request_rates, send_times)
 
@@ -113,3 +113,28 @@ def test_peak_output_throughput_counts_chunks_as_vllm_and_peak_concurrency_is_ha
     assert m["max_output_tokens_per_s"] == 6.0 and m["max_concurrent_requests"] == 2
     none = compute_metrics([RequestResult(False, 10, error="HTTP 500")], 1.0)
     assert (none["max_output_tokens_per_s"], none["max_concurrent_requests"]) == (0.0, 0)  # keys kept
+
+
+def test_goodput_counts_the_requests_meeting_every_objective_as_vllm():
+    """vLLM's goodput over 2 s with --goodput ttft:200 tpot:50: A (TTFT 0.1, latency 0.5, 5
+    tokens: TPOT 0.1) misses the TPOT objective; B (TTFT 0.15, one token: TPOT 0 for goodput)
+    meets both; C (TTFT 0.2, exactly the objective, 3 tokens over 0.28 s: TPOT 0.04) meets both
+    (an objective is met at equality); D fails. 2 good requests / 2 s = 1.0 req/s. Without
+    objectives the key is None, as vLLM saves it."""
+    results = [_result(0.0, 0.1, [0.1] * 4, 5), _result(0.0, 0.15, [], 1), _result(0.0, 0.2, [0.04, 0.04], 3),
+               RequestResult(False, 10, error="HTTP 500")]
+    def goodput(*pairs: str) -> float | None:
+        return compute_metrics(results, 2.0, goodput=parse_goodput(list(pairs)))["request_goodput"]
+
+    assert goodput("ttft:200", "tpot:50") == 1.0 and goodput("e2el:300") == 1.0  # B and C both times
+    assert compute_metrics(results, 2.0)["request_goodput"] is None
+    report = bench_serve.format_report(compute_metrics(results, 2.0, goodput={"ttft": 200.0}))
+    assert "Request goodput (req/s):                 1.50" in report
+
+
+@pytest.mark.parametrize("pairs, error", [(["ttft=200"], "KEY:VALUE"), (["ttft:2:0"], "KEY:VALUE"),
+                                          (["itl:20"], "the metric is ttft, tpot or e2el"),
+                                          (["tpot:-1"], "must not be negative")])
+def test_goodput_objectives_are_refused_where_vllm_refuses_them(pairs, error):
+    with pytest.raises(ValueError, match=error):
+        parse_goodput(pairs)

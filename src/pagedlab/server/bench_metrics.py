@@ -50,9 +50,41 @@ def _peaks(ok: list[RequestResult]) -> tuple[float, int]:
     return float(max(buckets.values())), peak
 
 
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """``--goodput ttft:200 tpot:50`` as vLLM's ``parse_goodput`` and ``check_goodput_args`` read
+    it: service-level objectives in ms, of ``ttft``, ``tpot`` and ``e2el``, none negative."""
+    slos: dict[str, float] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition(":")
+        try:
+            slo = float(value) if sep else float("nan")
+        except ValueError:
+            slo = float("nan")
+        if slo != slo:  # NaN: no number
+            raise ValueError(f"--goodput {pair!r} is invalid: give KEY:VALUE pairs, the value in ms")
+        if name not in GOODPUT_METRICS:
+            raise ValueError(f"--goodput {pair!r} is invalid: the metric is ttft, tpot or e2el")
+        if slo < 0:
+            raise ValueError(f"--goodput {pair!r} is invalid: the objective must not be negative")
+        slos[name] = slo
+    return slos
+
+
+def _good(r: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a successful request meets every objective (ms), as vLLM's goodput counts it: its
+    TPOT is 0 where it has one output token or none."""
+    tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+    values = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+    return all(slo / 1000.0 >= values[name] for name, slo in slos.items())
+
+
 def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
-                    selected=METRICS) -> dict:
-    """vLLM's ``bench serve`` figures, in its key names (times in ms)."""
+                    selected=METRICS, goodput: dict[str, float] | None = None) -> dict:
+    """vLLM's ``bench serve`` figures, in its key names (times in ms); ``request_goodput`` (the
+    successful requests meeting every ``goodput`` objective, per second) None without objectives."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -69,6 +101,8 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles=(
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration if duration else 0.0,
+        "request_goodput": (sum(_good(r, goodput) for r in ok) / duration if duration else 0.0) if goodput
+        else None,
         "output_throughput": total_out / duration if duration else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
     }
@@ -107,6 +141,8 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     row("Total input tokens:", m["total_input_tokens"], "{:<10}")
     row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
     row("Request throughput (req/s):", m["request_throughput"])
+    if m.get("request_goodput") is not None:
+        row("Request goodput (req/s):", m["request_goodput"])
     row("Output token throughput (tok/s):", m["output_throughput"])
     row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
     row("Peak concurrent requests:", m["max_concurrent_requests"])

@@ -39,7 +39,8 @@ from pathlib import Path
 from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import (Terminated, interrupted_exit, run_until_sigterm, sigterm_as_interrupt,
                                 stop_reason)
-from pagedlab.server.bench_metrics import METRICS, RequestResult, compute_metrics, format_report
+from pagedlab.server.bench_metrics import (METRICS, RequestResult, compute_metrics, format_report,
+                                           parse_goodput)
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
 from pagedlab.server.bench_traffic import (RAMP_UP_STRATEGIES, RampUp, RpsChanges, arrival_times,
                                            check_arrivals, ramp_up_from_flags, request_rates, send_times)
@@ -254,6 +255,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--percentile-metrics", default=",".join(METRICS), help="of ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default="50,90,99",
                    help="percentiles to report (default: 50,90,99)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:VALUE",
+                   help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:200 tpot:50: report "
+                        "request goodput, the requests per second meeting them all (vLLM's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results (vLLM's keys) here")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="per-request timeout in seconds")
     p.add_argument("--disable-tqdm", action="store_true")
@@ -298,6 +302,7 @@ class _Checked:
     percentiles: list[float]
     selected: list[str]
     ramp_up: RampUp | None
+    goodput: dict[str, float]
 
 
 def _checked_flags(args: argparse.Namespace) -> _Checked:
@@ -323,7 +328,7 @@ def _checked_flags(args: argparse.Namespace) -> _Checked:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         check_writable(args.json, "--json")
-    return _Checked(percentiles, selected, ramp_up)
+    return _Checked(percentiles, selected, ramp_up, parse_goodput(args.goodput))
 
 
 def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, list[RequestSpec]]:
@@ -383,7 +388,8 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         else:
             raise
     percentiles, selected = checked.percentiles, checked.selected
-    metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected)
+    metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected,
+                              checked.goodput)
     if stopped is not None:
         if not isinstance(stopped, KeyboardInterrupt):
             traceback.print_exception(stopped, file=sys.stderr)
