@@ -138,3 +138,15 @@ def test_goodput_counts_the_requests_meeting_every_objective_as_vllm():
 def test_goodput_objectives_are_refused_where_vllm_refuses_them(pairs, error):
     with pytest.raises(ValueError, match=error):
         parse_goodput(pairs)
+
+
+def test_metric_percentiles_0_and_100_are_the_least_and_the_most_as_numpys_are_in_vllm(capsys):
+    """vLLM passes --metric-percentiles straight to np.percentile, where 100 is the largest value
+    (a P100 TTFT: the worst request); pagedlab refused anything outside (0, 100)."""
+    m = compute_metrics([_result(0.0, t, [], 1) for t in (0.1, 0.4, 0.2)], 1.0, (0, 100), ["ttft"])
+    assert (m["p0_ttft_ms"], m["p100_ttft_ms"]) == pytest.approx((100.0, 400.0))
+    assert bench_serve.main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm",
+                             "--metric-percentiles", "0,50,100"]) == 2
+    assert "could not reach" in capsys.readouterr().err  # the flags passed; only the server is missing
+    assert bench_serve.main(["--base-url", "http://127.0.0.1:9", "--metric-percentiles", "100.5"]) == 2
+    assert "--metric-percentiles must lie in [0, 100]" in capsys.readouterr().err

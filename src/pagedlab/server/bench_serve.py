@@ -313,8 +313,8 @@ def _checked_flags(args: argparse.Namespace) -> _Checked:
     unknown = [m for m in selected if m not in METRICS]
     if unknown:
         raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from {list(METRICS)}")
-    if any(not 0 < p < 100 for p in percentiles):
-        raise ValueError("--metric-percentiles must lie in (0, 100)")
+    if any(not 0 <= p <= 100 for p in percentiles):  # 0 and 100: the least and the most, as numpy's
+        raise ValueError("--metric-percentiles must lie in [0, 100]")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
                                ("--output-len", args.output_len, 1), ("--num-warmups", args.num_warmups, 0),
                                ("--max-concurrency", args.max_concurrency, 0),
