@@ -150,3 +150,46 @@ def test_metric_percentiles_0_and_100_are_the_least_and_the_most_as_numpys_are_i
     assert "could not reach" in capsys.readouterr().err  # the flags passed; only the server is missing
     assert bench_serve.main(["--base-url", "http://127.0.0.1:9", "--metric-percentiles", "100.5"]) == 2
     assert "--metric-percentiles must lie in [0, 100]" in capsys.readouterr().err
+
+
+def _streamed(chunks: list[dict]) -> RequestResult:
+    """``send_request`` against a stand-in stream of these chunks (then [DONE])."""
+    import httpx
+
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def run() -> RequestResult:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench_serve.send_request(client, "http://x/v1/completions", {}, {}, False, 4)
+
+    return asyncio.run(run())
+
+
+def test_output_tokens_without_usage_are_the_texts_token_count_as_vllm_counts_them():
+    """vLLM takes usage.completion_tokens, and where a server gives none tokenizes the generated
+    text without special tokens; pagedlab counted the streamed chunks (2 here, where the text
+    "Hello world again" is 3 tokens of one word each). Chunks remain the count only where the
+    server's /tokenize fails. A count the server did give stays."""
+    no_usage = [{"choices": [{"text": "Hello world"}]}, {"choices": [{"text": " again"}]}]
+    with_usage = no_usage + [{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7}}]
+    results = [_streamed(no_usage), _streamed(with_usage), _streamed(no_usage)]
+    assert [r.success for r in results] == [True] * 3 and results[0].generated_text == "Hello world again"
+    assert bench_serve.count_unreported_output_tokens(results[:2], lambda text: len(text.split())) == 0
+
+    def no_tokenize(text: str) -> int:
+        raise ValueError("the server's /tokenize failed: 404")
+
+    assert bench_serve.count_unreported_output_tokens(results[2:], no_tokenize) == 1
+    assert [r.output_tokens for r in results] == [3, 7, 2]
+    m = compute_metrics(results[:1], 1.0)
+    assert m["total_output_tokens"] == 3 and m["mean_tpot_ms"] == pytest.approx(results[0].itl[0] * 1000 / 2)
+
+
+def test_sharegpt_requests_keep_the_prompt_length_vllm_gives_them(tmp_path):
+    """vLLM's ShareGPT sample carries the prompt's token count, the input length of a request
+    whose server gives no usage (and of a failed one in input_lens); pagedlab's had None (0)."""
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"conversations": [{"value": "w " * 5}, {"value": "r " * 7}]}]))
+    spec, = bench_serve.load_dataset(str(data), 1, None, count_tokens=lambda text: len(text.split()))
+    assert (spec.prompt_len, spec.output_len) == (5, 7)

@@ -16,7 +16,7 @@ class RequestSpec:
     its output length."""
 
     prompt: str | list[int]
-    prompt_len: int | None  # known for token-id prompts
+    prompt_len: int | None  # known for token-id prompts and ShareGPT's (counted by the server)
     output_len: int | None
 
 
@@ -59,7 +59,7 @@ def sharegpt_spec(record: dict, output_len: int | None, count_tokens) -> Request
     out = output_len if output_len is not None else count_tokens(turns[1].get("value", ""))
     if prompt_len < 4 or (output_len is None and out < 4) or prompt_len > 1024 or prompt_len + out > 2048:
         return None
-    return RequestSpec(prompt, None, out)
+    return RequestSpec(prompt, prompt_len, out)  # vLLM's prompt_len, kept where the server gives no usage
 
 
 def load_dataset(path: str, num_prompts: int, output_len: int | None, seed: int = 0, shuffle: bool = True,

@@ -16,7 +16,8 @@ server's ``/v1/models``), or a ``--dataset`` file: JSON/JSONL records with ``pro
 token ids) or ``prompt_token_ids``, optional ``output_len``/``max_tokens``; ShareGPT files
 (``conversations``) are sampled as vLLM's ShareGPT dataset (``sharegpt_spec``), their turns
 tokenized by the server's ``/tokenize`` (``pagedlab.server.bench_prompts``). Input and output
-token counts are the server's ``usage``.
+token counts are the server's ``usage``; an output it gives none for is its text's token count
+by ``/tokenize`` (``count_unreported_output_tokens``), as vLLM tokenizes it.
 
 A run stopped part-way (Ctrl-C, SIGTERM, an error) still reports the requests that finished,
 and writes them to ``--json`` marked ``"partial": true``, with the reason in ``"interrupted"``.
@@ -125,11 +126,9 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
                     texts.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
         result.latency = last - start
         result.generated_text = "".join(texts)
-        if usage is not None:
+        if usage is not None:  # else 0, for count_unreported_output_tokens after the run, as vLLM
             result.output_tokens = int(usage.get("completion_tokens") or 0)
             result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
-        else:
-            result.output_tokens = chunks
         if chunks == 0:
             result.error = "the stream carried no tokens"
             return result
@@ -276,23 +275,53 @@ def _server_model(client_url: str, api_key: str | None) -> tuple[str, dict]:
 
 
 @contextlib.contextmanager
-def _server_token_counter(base_url: str, model: str, api_key: str | None):
+def _server_token_counter(base_url: str, model: str, api_key: str | None, add_special_tokens: bool = True):
     """``count_tokens(text)``: the token count of ``text`` by the server's ``/tokenize`` (its
-    model's tokenizer, special tokens added as vLLM's ShareGPT sampling counts them)."""
+    model's tokenizer; with special tokens added, as vLLM's ShareGPT sampling counts a prompt, or
+    without, as vLLM counts an output); a ValueError when ``/tokenize`` fails."""
     import httpx
 
     headers = _auth_headers(api_key)
     with httpx.Client(base_url=base_url, headers=headers, timeout=30.0) as client:
         def count_tokens(text: str) -> int:
             try:
-                resp = client.post("/tokenize", json={"model": model, "prompt": text})
+                resp = client.post("/tokenize", json={"model": model, "prompt": text,
+                                                      "add_special_tokens": add_special_tokens})
                 resp.raise_for_status()
-            except httpx.HTTPError as e:
-                raise ValueError(f"ShareGPT turns are sized by the server's /tokenize, which failed: {e}") \
-                    from None
-            return int(resp.json()["count"])
+                return int(resp.json()["count"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"the server's /tokenize (which sizes ShareGPT turns, and outputs "
+                                 f"it gave no usage for) failed: {e}") from None
 
         yield count_tokens
+
+
+def count_unreported_output_tokens(results: list[RequestResult], count_tokens) -> int:
+    """Give each successful request whose server reported no output tokens (no ``usage``, or 0)
+    the token count of its text, ``count_tokens(text)``, as vLLM's calculate_metrics tokenizes
+    ``generated_text`` without special tokens; where that fails (a server without ``/tokenize``),
+    its number of streamed chunks. Returns how many requests were counted by chunks."""
+    by_chunks = 0
+    for r in results:
+        if r.success and not r.output_tokens:
+            try:
+                r.output_tokens = count_tokens(r.generated_text)
+            except ValueError:
+                r.output_tokens, by_chunks = len(r.itl) + 1, by_chunks + 1
+    return by_chunks
+
+
+def _count_outputs_without_usage(results: list[RequestResult], base_url: str, model: str,
+                                 api_key: str | None) -> None:
+    """``count_unreported_output_tokens`` by the server's ``/tokenize``, saying so on stderr."""
+    missing = sum(r.success and not r.output_tokens for r in results)
+    if not missing:
+        return
+    with _server_token_counter(base_url, model, api_key, add_special_tokens=False) as count_tokens:
+        by_chunks = count_unreported_output_tokens(results, count_tokens)
+    print(f"bench serve: the server reported no output tokens (usage) for {missing} requests: counted "
+          + (f"their streamed chunks ({by_chunks}), as /tokenize failed" if by_chunks else
+             "their text by its /tokenize"), file=sys.stderr)
 
 
 @dataclass
@@ -387,6 +416,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             return 2
         else:
             raise
+    _count_outputs_without_usage(state.finished(), base_url, model, args.api_key)
     percentiles, selected = checked.percentiles, checked.selected
     metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected,
                               checked.goodput)
