@@ -193,3 +193,41 @@ def test_sharegpt_requests_keep_the_prompt_length_vllm_gives_them(tmp_path):
     data.write_text(json.dumps([{"conversations": [{"value": "w " * 5}, {"value": "r " * 7}]}]))
     spec, = bench_serve.load_dataset(str(data), 1, None, count_tokens=lambda text: len(text.split()))
     assert (spec.prompt_len, spec.output_len) == (5, 7)
+
+
+def test_client_queue_metrics_and_per_request_keys_are_vllms():
+    """With --max-concurrency vLLM also has client_queue_time (start - arrival, the wait for the
+    cap) and, at a finite rate, e2el_including_client_queue, when asked for by
+    --percentile-metrics. A: latency 0.5, queued 0; B: latency 0.4, queued 0.3; C failed. Queue:
+    mean 150 ms; with the queue: 500 and 700 ms, mean 600. Without a cap neither is there, at
+    rate inf only the first. latencies, start_times and queue_times cover every request, and a
+    failed one's output length is 0."""
+    a, b = _result(1.0, 0.1, [0.4], 2), _result(1.0, 0.1, [0.3], 2)
+    b.client_queue_time = 0.3
+    failed = RequestResult(False, 10, 3, start_time=2.0, error="HTTP 500")
+    results, both = [a, b, failed], ["client_queue_time", "e2el_including_client_queue"]
+    m = compute_metrics(results, 1.0, (99,), both, max_concurrency=1, request_rate=4.0)
+    assert (m["mean_client_queue_time_ms"], m["p99_client_queue_time_ms"]) == pytest.approx((150, 297))
+    assert m["mean_e2el_including_client_queue_ms"] == pytest.approx(600)
+    assert "mean_client_queue_time_ms" not in compute_metrics(results, 1.0, (99,), both)
+    at_once = compute_metrics(results, 1.0, (99,), both, max_concurrency=1)
+    assert "mean_client_queue_time_ms" in at_once and "mean_e2el_including_client_queue_ms" not in at_once
+    assert (m["latencies"], m["start_times"]) == ([0.5, 0.4, 0.0], [1.0, 1.0, 2.0])
+    assert m["queue_times"] == [0.0, 0.3, 0.0]
+    assert m["output_lens"] == [2, 2, 0] and m["rtfx"] == 0.0
+    report = bench_serve.format_report(m, (99,), both)
+    assert "Mean Client Queue Time (ms):             150.00" in report
+    assert "P99 E2EL incl. Client Queue (ms):" in report
+
+
+def test_a_request_waiting_for_the_cap_is_timed_from_its_start_and_its_wait_is_its_queue_time(fake_server):
+    """Three requests at once under --max-concurrency 1: each starts once the one before has
+    finished, so its queue time is at least the latency before it; TTFT and E2EL start at the
+    send, as vLLM's start_time does."""
+    specs = bench_serve.random_requests(3, 4, 2, 50)
+    results, _ = asyncio.run(bench_serve.run_benchmark(fake_server(answered=99, interrupt=None), specs,
+                                                       model="fake", max_concurrency=1, num_warmups=0,
+                                                       disable_tqdm=True))
+    queue = [r.client_queue_time for r in results]
+    assert 0 <= queue[0] < queue[1] < queue[2] and queue[1] >= results[0].latency
+    assert results[2].start_time >= results[1].start_time + results[1].latency

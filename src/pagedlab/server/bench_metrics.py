@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 from pagedlab.stats import describe, percentile_label
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+QUEUE_METRICS = ("client_queue_time", "e2el_including_client_queue")  # vLLM's, with --max-concurrency
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency",
+                 "client_queue_time": "Client-side Queueing",
+                 "e2el_including_client_queue": "Queue-inclusive End-to-end Latency"}
+METRIC_LABELS = {"client_queue_time": "Client Queue Time",
+                 "e2el_including_client_queue": "E2EL incl. Client Queue"}
 
 
 @dataclass
@@ -24,6 +29,7 @@ class RequestResult:
     start_time: float = 0.0
     generated_text: str = ""
     error: str = ""
+    client_queue_time: float = 0.0  # from its arrival to its start: the wait for --max-concurrency
 
 
 
@@ -81,44 +87,57 @@ def _good(r: RequestResult, slos: dict[str, float]) -> bool:
     return all(slo / 1000.0 >= values[name] for name, slo in slos.items())
 
 
-def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
-                    selected=METRICS, goodput: dict[str, float] | None = None) -> dict:
-    """vLLM's ``bench serve`` figures, in its key names (times in ms); ``request_goodput`` (the
-    successful requests meeting every ``goodput`` objective, per second) None without objectives."""
-    ok = [r for r in results if r.success]
-    total_in = sum(r.prompt_len for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
+def _series(ok: list[RequestResult], max_concurrency: int | None, request_rate: float) -> dict[str, list]:
+    """Each metric's values (s) over the successful requests; the queue metrics only where vLLM
+    has them: with a concurrency cap, and the queue-inclusive latency at a finite rate too."""
     series = {
         "ttft": [r.ttft for r in ok],
         "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
         "itl": [x for r in ok for x in r.itl],
         "e2el": [r.latency for r in ok],
     }
+    if max_concurrency is not None:
+        series["client_queue_time"] = [r.client_queue_time for r in ok]
+        if request_rate != float("inf"):
+            series["e2el_including_client_queue"] = [r.latency + r.client_queue_time for r in ok]
+    return series
+
+
+def compute_metrics(results: list[RequestResult], duration: float, percentiles=(50, 90, 99),
+                    selected=METRICS, goodput: dict[str, float] | None = None,
+                    max_concurrency: int | None = None, request_rate: float = float("inf")) -> dict:
+    """vLLM's ``bench serve`` figures, in its key names (times in ms); ``request_goodput`` (the
+    successful requests meeting every ``goodput`` objective, per second) None without objectives.
+    A ``selected`` queue metric is left out where vLLM leaves it out (``_series``)."""
+    ok = [r for r in results if r.success]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+
+    def per_s(count: float) -> float:
+        return count / duration if duration else 0.0
+
     m: dict = {
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "request_goodput": (sum(_good(r, goodput) for r in ok) / duration if duration else 0.0) if goodput
-        else None,
-        "output_throughput": total_out / duration if duration else 0.0,
-        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": per_s(len(ok)),
+        "request_goodput": per_s(sum(_good(r, goodput) for r in ok)) if goodput else None,
+        "output_throughput": per_s(total_out), "total_token_throughput": per_s(total_in + total_out),
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens if r.success else 0 for r in results],
+        "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+        "latencies": [r.latency for r in results], "start_times": [r.start_time for r in results],
+        "queue_times": [r.client_queue_time for r in results],
+        "generated_texts": [r.generated_text for r in results], "errors": [r.error for r in results],
     }
     m["max_output_tokens_per_s"], m["max_concurrent_requests"] = _peaks(ok)
-    for name in selected:
+    m["rtfx"] = 0.0  # vLLM's inverse real-time factor of audio input: none here
+    series = _series(ok, max_concurrency, request_rate)
+    for name in (n for n in selected if n in series):
         described = describe([x * 1000.0 for x in series[name]], percentiles)
         for stat in ("mean", "median", "std"):
             m[f"{stat}_{name}_ms"] = described[stat]
         for p in percentiles:
             m[f"p{percentile_label(p)}_{name}_ms"] = described[percentile_label(p)]
-    m["input_lens"] = [r.prompt_len for r in results]
-    m["output_lens"] = [r.output_tokens for r in results]
-    m["ttfts"] = [r.ttft for r in results]
-    m["itls"] = [r.itl for r in results]
-    m["generated_texts"] = [r.generated_text for r in results]
-    m["errors"] = [r.error for r in results]
     return m
 
 
@@ -147,10 +166,10 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
     row("Peak concurrent requests:", m["max_concurrent_requests"])
     row("Total Token throughput (tok/s):", m["total_token_throughput"])
-    for name in selected:
+    for name in (n for n in selected if f"mean_{n}_ms" in m):
         title = METRIC_TITLES[name]
         lines.append("{s:{c}^{n}}".format(s=title, n=w, c="-"))
-        upper = name.upper()
+        upper = METRIC_LABELS.get(name, name.upper())
         row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:

@@ -40,8 +40,8 @@ from pathlib import Path
 from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import (Terminated, interrupted_exit, run_until_sigterm, sigterm_as_interrupt,
                                 stop_reason)
-from pagedlab.server.bench_metrics import (METRICS, RequestResult, compute_metrics, format_report,
-                                           parse_goodput)
+from pagedlab.server.bench_metrics import (METRICS, QUEUE_METRICS, RequestResult, compute_metrics,
+                                           format_report, parse_goodput)
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
 from pagedlab.server.bench_traffic import (RAMP_UP_STRATEGIES, RampUp, RpsChanges, arrival_times,
                                            check_arrivals, ramp_up_from_flags, request_rates, send_times)
@@ -141,7 +141,7 @@ async def send_request(client, url: str, headers: dict, body: dict, chat: bool, 
 # ---- the run --------------------------------------------------------------------------------
 async def _send_all(state: BenchmarkState, times: list[float], rates: list[float], ramp_up: RampUp | None,
                     one) -> None:
-    """Start request ``i`` (``one(i)``) at ``times[i]`` and wait for them all; on a stop (Ctrl-C
+    """Start request ``i`` (``one(i, arrival)``) at ``times[i]`` and wait for them all; on a stop (Ctrl-C
     cancels this task; an error would leave the others running) the requests in flight are
     cancelled. ``state`` gets the timed part's start and end, and a ramp's rate changes."""
     state.rps_changes.start(ramp_up)
@@ -150,7 +150,7 @@ async def _send_all(state: BenchmarkState, times: list[float], rates: list[float
     try:
         async for i in send_times(times):
             state.rps_changes.sent(rates[i])
-            tasks.append(asyncio.create_task(one(i)))
+            tasks.append(asyncio.create_task(one(i, time.perf_counter())))
         await asyncio.gather(*tasks)
     except BaseException:
         for task in tasks:
@@ -199,10 +199,11 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         state.results = [None] * len(specs)
 
-        async def one(i: int) -> None:
+        async def one(i: int, arrival: float) -> None:
             async with semaphore or contextlib.nullcontext():
-                state.results[i] = await send_request(client, url, headers, bodies[i], chat,
-                                                      specs[i].prompt_len)
+                result = await send_request(client, url, headers, bodies[i], chat, specs[i].prompt_len)
+            result.client_queue_time = result.start_time - arrival  # vLLM's: its wait for the cap
+            state.results[i] = result
             if progress is not None:
                 progress.update(1)
 
@@ -251,7 +252,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent first (default: 1)")
-    p.add_argument("--percentile-metrics", default=",".join(METRICS), help="of ttft,tpot,itl,e2el")
+    p.add_argument("--percentile-metrics", default=",".join(METRICS),
+                   help="of ttft,tpot,itl,e2el and, with --max-concurrency, client_queue_time and (at a "
+                        "finite --request-rate) e2el_including_client_queue (default: the first four)")
     p.add_argument("--metric-percentiles", default="50,90,99",
                    help="percentiles to report (default: 50,90,99)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:VALUE",
@@ -339,9 +342,10 @@ def _checked_flags(args: argparse.Namespace) -> _Checked:
     that cannot be written too: its folder is made, the file written after the run)."""
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
-    unknown = [m for m in selected if m not in METRICS]
+    unknown = [m for m in selected if m not in METRICS + QUEUE_METRICS]
     if unknown:
-        raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from {list(METRICS)}")
+        raise ValueError(f"--percentile-metrics has unknown {unknown}: choose from "
+                         f"{list(METRICS + QUEUE_METRICS)}")
     if any(not 0 <= p <= 100 for p in percentiles):  # 0 and 100: the least and the most, as numpy's
         raise ValueError("--metric-percentiles must lie in [0, 100]")
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--input-len", args.input_len, 1),
@@ -419,7 +423,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     _count_outputs_without_usage(state.finished(), base_url, model, args.api_key)
     percentiles, selected = checked.percentiles, checked.selected
     metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected,
-                              checked.goodput)
+                              checked.goodput, args.max_concurrency or None, args.request_rate)
     if stopped is not None:
         if not isinstance(stopped, KeyboardInterrupt):
             traceback.print_exception(stopped, file=sys.stderr)
