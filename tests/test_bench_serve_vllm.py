@@ -4,8 +4,10 @@ one definition on synthetic timings against values worked out by hand."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import re
 import time
 
@@ -14,6 +16,7 @@ import test_bench_serve
 
 from pagedlab.server import bench_serve
 from pagedlab.server.bench_metrics import RequestResult, compute_metrics, parse_goodput
+from pagedlab.server.bench_results import DETAILED_KEYS, result_filename
 from pagedlab.server.bench_traffic import (RampUp, RpsChanges, arrival_times, ramp_up_from_flags,
                                            request_rates, send_times)
 
@@ -231,3 +234,52 @@ def test_a_request_waiting_for_the_cap_is_timed_from_its_start_and_its_wait_is_i
     queue = [r.client_queue_time for r in results]
     assert 0 <= queue[0] < queue[1] < queue[2] and queue[1] >= results[0].latency
     assert results[2].start_time >= results[1].start_time + results[1].latency
+
+
+VLLM_RESULT_KEYS = {  # vllm/benchmarks/serve.py main_async's result_json without --save-detailed
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "latencies", "queue_times", "max_output_tokens_per_s",
+    "max_concurrent_requests", "rtfx",
+    *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl"))}
+
+
+def test_save_result_writes_vllms_file_name_and_keys(fake_server, tmp_path):
+    """--save-result with vLLM's defaults (--percentile-metrics ttft,tpot,itl, --metric-percentiles
+    99): {label}-{rate}qps-concurrency{C}-{model}-{date}.json in --result-dir, holding vLLM's keys
+    (and --metadata's) and no per-request lists; --append-result adds a line; --save-detailed keeps
+    the lists. pagedlab had only --json."""
+    url, out = fake_server(answered=99, interrupt=None), tmp_path / "results"
+    flags = ["--base-url", url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+             "--disable-tqdm", "--request-rate", "50", "--max-concurrency", "2", "--percentile-metrics",
+             "ttft,tpot,itl", "--metric-percentiles", "99", "--goodput", "ttft:60000", "--result-dir",
+             str(out), "--label", "lab"]
+    assert bench_serve.main([*flags, "--save-result", "--metadata", "gpu=h100", "tp=1"]) == 0
+    path, = out.glob("lab-50.0qps-concurrency2-fake-*.json")
+    record = json.loads(path.read_text())
+    assert set(record) == VLLM_RESULT_KEYS | {"gpu", "tp"}
+    assert [record[k] for k in ("backend", "label", "model_id", "gpu")] == ["openai", "lab", "fake", "h100"]
+    assert record["request_goodput"] == pytest.approx(2 / record["duration"])
+    assert bench_serve.main([*flags, "--append-result", "--save-detailed", "--result-filename",
+                             path.name]) == 0
+    first, second = (json.loads(line) for line in path.read_text().splitlines())
+    assert first == record and set(second) == VLLM_RESULT_KEYS | set(DETAILED_KEYS)
+
+
+def test_result_file_names_and_backend_are_vllms():
+    """compute_result_filename's two forms, and --backend openai-chat for the chat endpoint."""
+    args = argparse.Namespace(max_concurrency=None, label=None, endpoint="/v1/chat/completions",
+                              ramp_up_strategy="linear", ramp_up_start_rps=1, ramp_up_end_rps=8,
+                              request_rate=float("inf"), result_filename=None, result_dir="d")
+    assert result_filename(args, "org/Model-8B", "20250101-000000") == os.path.join(
+        "d", "openai-chat-ramp-up-linear-1qps-8qps-Model-8B-20250101-000000.json")
+    args.ramp_up_strategy, args.endpoint, args.max_concurrency = None, "/v1/completions", 16
+    assert result_filename(args, "Model", "D") == os.path.join("d",
+                                                               "openai-infqps-concurrency16-Model-D.json")
+
+
+def test_a_bad_metadata_item_is_refused_before_any_request(capsys):
+    """vLLM refuses it after the whole run, losing the results; here before the server is reached."""
+    assert bench_serve.main(["--base-url", "http://127.0.0.1:9", "--save-result", "--metadata", "gpu"]) == 2
+    assert "--metadata 'gpu' is invalid: give KEY=VALUE pairs" in capsys.readouterr().err

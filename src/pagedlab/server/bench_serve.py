@@ -34,14 +34,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 
-from pagedlab.cli.engine_args import check_writable
 from pagedlab.interrupt import (Terminated, interrupted_exit, run_until_sigterm, sigterm_as_interrupt,
                                 stop_reason)
 from pagedlab.server.bench_metrics import (METRICS, QUEUE_METRICS, RequestResult, compute_metrics,
                                            format_report, parse_goodput)
+from pagedlab.server.bench_results import add_result_args, check_result_paths, save_results
 from pagedlab.server.bench_prompts import RequestSpec, check_range_ratio, load_dataset, random_requests
 from pagedlab.server.bench_traffic import (RAMP_UP_STRATEGIES, RampUp, RpsChanges, arrival_times,
                                            check_arrivals, ramp_up_from_flags, request_rates, send_times)
@@ -260,9 +258,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:VALUE",
                    help="service-level objectives in ms (ttft, tpot, e2el), e.g. ttft:200 tpot:50: report "
                         "request goodput, the requests per second meeting them all (vLLM's)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results (vLLM's keys) here")
     p.add_argument("--timeout", type=float, default=6 * 3600, help="per-request timeout in seconds")
     p.add_argument("--disable-tqdm", action="store_true")
+    add_result_args(p)
 
 
 def _server_model(client_url: str, api_key: str | None) -> tuple[str, dict]:
@@ -358,37 +356,37 @@ def _checked_flags(args: argparse.Namespace) -> _Checked:
     ramp_up = ramp_up_from_flags(args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps,
                                  args.request_rate)
     check_range_ratio(args.random_range_ratio)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        check_writable(args.json, "--json")
+    check_result_paths(args)
     return _Checked(percentiles, selected, ramp_up, parse_goodput(args.goodput))
 
 
-def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, list[RequestSpec]]:
-    """The model to name and the requests to send; a ValueError says why there are none."""
+def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, str, list[RequestSpec]]:
+    """The model to name in requests, the model id to record (vLLM's: ``--model``, else the
+    server's first model's root) and the requests to send; a ValueError says why there are none."""
     try:
-        model_id, card = _server_model(base_url, args.api_key)
+        served, card = _server_model(base_url, args.api_key)
     except Exception as e:
         raise ValueError(f"could not reach {base_url}/v1/models: {e}") from None
-    model = args.model or model_id
+    model = args.model or served
+    model_id = args.model or card.get("root") or served
     if args.dataset:
         with _server_token_counter(base_url, model, args.api_key) as count_tokens:
-            return model, load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
-                                       count_tokens=count_tokens)
+            return model, model_id, load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
+                                                 count_tokens=count_tokens)
     vocab = card.get("vocab_size")
     if not vocab:
         raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
                          "not give 'vocab_size': use --dataset")
-    return model, random_requests(args.num_prompts, args.input_len,
-                                  128 if args.output_len is None else args.output_len, int(vocab),
-                                  args.random_range_ratio, args.random_prefix_len, args.seed)
+    return model, model_id, random_requests(args.num_prompts, args.input_len,
+                                            128 if args.output_len is None else args.output_len, int(vocab),
+                                            args.random_range_ratio, args.random_prefix_len, args.seed)
 
 
 def bench_serve_command(args: argparse.Namespace) -> int:
-    """Run, report and save (``--json``) a serving benchmark. A run stopped part-way (Ctrl-C,
-    SIGTERM, an error) reports and saves the requests that finished, marked partial. Exit code: 0,
-    1 when no request succeeded or an error stopped the run, 2 for bad input or an unreachable
-    server, 130 on Ctrl-C, 143 on SIGTERM."""
+    """Run, report and save (``--json``, ``--save-result``) a serving benchmark. A run stopped
+    part-way (Ctrl-C, SIGTERM, an error) reports and saves the requests that finished, marked
+    partial. Exit code: 0, 1 when no request succeeded or an error stopped the run, 2 for bad
+    input or an unreachable server, 130 on Ctrl-C, 143 on SIGTERM."""
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if base_url.endswith("/v1") and args.endpoint.startswith("/v1/"):
         base_url = base_url[:-3]
@@ -397,7 +395,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             checked = _checked_flags(args)
-            model, specs = _requests(args, base_url)
+            model, model_id, specs = _requests(args, base_url)
             ramp = checked.ramp_up
             rate = f"{ramp.strategy} ramp {ramp.start_rps}-{ramp.end_rps}" if ramp else args.request_rate
             print(f"bench serve: {len(specs)} requests to {base_url}{args.endpoint} (model {model!r}), "
@@ -420,6 +418,13 @@ def bench_serve_command(args: argparse.Namespace) -> int:
             return 2
         else:
             raise
+    return _report(args, checked, state, len(specs), stopped, base_url, model, model_id)
+
+
+def _report(args: argparse.Namespace, checked: _Checked, state: BenchmarkState, num_requests: int,
+            stopped: BaseException | None, base_url: str, model: str, model_id: str) -> int:
+    """Figure, print and save the finished requests of a run (``stopped`` part-way, or not);
+    returns the command's exit code."""
     _count_outputs_without_usage(state.finished(), base_url, model, args.api_key)
     percentiles, selected = checked.percentiles, checked.selected
     metrics = compute_metrics(state.finished(), state.end - state.start, percentiles, selected,
@@ -428,39 +433,16 @@ def bench_serve_command(args: argparse.Namespace) -> int:
         if not isinstance(stopped, KeyboardInterrupt):
             traceback.print_exception(stopped, file=sys.stderr)
         print(f"bench serve stopped ({stop_reason(stopped)}): the figures below cover the "
-              f"{len(state.finished())} of {len(specs)} requests that finished", flush=True)
+              f"{len(state.finished())} of {num_requests} requests that finished", flush=True)
     print(format_report(metrics, percentiles, selected, args.max_concurrency, args.request_rate))
     failures = [e for e in metrics["errors"] if e]
     if failures:
         print(f"{len(failures)} requests failed; first error: {failures[0]}", file=sys.stderr)
-    if args.json:
-        _save(args, base_url, model, metrics, stopped, state.rps_changes.events)
+    for path in save_results(args, base_url, model_id, metrics, stopped, state.rps_changes.events):
+        print(f"{'partial ' if stopped is not None else ''}results written to {path}", file=sys.stderr)
     if stopped is not None:
         return interrupted_exit(stopped) if isinstance(stopped, KeyboardInterrupt) else 1
     return 0 if metrics["completed"] else 1
-
-
-def _save(args: argparse.Namespace, base_url: str, model: str, metrics: dict, stopped: BaseException | None,
-          rps_change_events: list[dict]) -> None:
-    """Write the ``--json`` record: the run's settings and figures (vLLM's keys); for a run stopped
-    part-way, ``"partial": true`` and why it stopped (``"interrupted"``)."""
-    record = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
-              "endpoint": args.endpoint, "model_id": model, "num_prompts": args.num_prompts,
-              "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-              "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-              "input_len": None if args.dataset else args.input_len, "dataset": args.dataset,
-              "output_len": args.output_len}
-    if args.ramp_up_strategy is not None:
-        record.update(ramp_up_strategy=args.ramp_up_strategy, ramp_up_start_rps=args.ramp_up_start_rps,
-                      ramp_up_end_rps=args.ramp_up_end_rps)
-    record.update(metrics)
-    if rps_change_events:
-        record["rps_change_events"] = rps_change_events
-    if stopped is not None:
-        record.update(partial=True, interrupted=stop_reason(stopped),
-                      finished_requests=metrics["completed"] + metrics["failed"])
-    Path(args.json).write_text(json.dumps(record, indent=2))
-    print(f"{'partial ' if stopped is not None else ''}results written to {args.json}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
