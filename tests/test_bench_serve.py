@@ -83,7 +83,8 @@ def test_sharegpt_records_are_sampled_as_vllm_samples_them(tmp_path):
 class _Handler(BaseHTTPRequestHandler):
     """A stand-in for an OpenAI-compatible server: ``/v1/models`` names "fake"; its first
     ``answered`` completions stream 2 tokens at once; the next one sends this process the signal
-    ``interrupt`` (SIGINT: Ctrl-C; None: none); later ones are held open until the server stops."""
+    ``interrupt`` (SIGINT: Ctrl-C; None: none); later ones are held open until the server stops.
+    The server keeps each request's body in ``bodies``."""
 
     def log_message(self, *args):
         pass
@@ -92,8 +93,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, "application/json", json.dumps({"data": [{"id": "fake", "vocab_size": 50}]}).encode())
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
         server = self.server
+        server.bodies.append(json.loads(body))
         with server.lock:
             n, server.count = server.count, server.count + 1
         self._send(200, "text/event-stream", b"")
@@ -124,7 +126,7 @@ def fake_server():
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         server.daemon_threads = True
         server.count, server.answered, server.interrupt = 0, answered, interrupt
-        server.lock, server.released = threading.Lock(), threading.Event()
+        server.lock, server.released, server.bodies = threading.Lock(), threading.Event(), []
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_port}"

@@ -283,3 +283,19 @@ def test_a_bad_metadata_item_is_refused_before_any_request(capsys):
     """vLLM refuses it after the whole run, losing the results; here before the server is reached."""
     assert bench_serve.main(["--base-url", "http://127.0.0.1:9", "--save-result", "--metadata", "gpu"]) == 2
     assert "--metadata 'gpu' is invalid: give KEY=VALUE pairs" in capsys.readouterr().err
+
+
+def test_random_prompts_ignore_eos_as_vllms_random_dataset(fake_server, tmp_path):
+    """vLLM's main_async: 'when using random datasets, default to ignoring EOS so generation runs
+    to the requested length'. pagedlab sent random prompts without ignore_eos unless asked, so a
+    sampled EOS cut outputs short of --output-len and the two tools measured other workloads. A
+    --dataset run still leaves EOS to the flag."""
+    url = fake_server(answered=99, interrupt=None)
+    common = ["--base-url", url, "--num-prompts", "2", "--output-len", "2", "--disable-tqdm"]
+    assert bench_serve.main([*common, "--input-len", "4"]) == 0
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "a b c"}))
+    assert bench_serve.main([*common, "--dataset", str(data)]) == 0
+    bodies = fake_server.servers[-1].bodies
+    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], list)] == [True] * 3  # + warm-up
+    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], str)] == [None] * 3

@@ -243,7 +243,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="random prompts: lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--random-prefix-len", type=int, default=0, help="random prompts: shared prefix tokens")
     p.add_argument("--dataset", default=None, help="JSON/JSONL prompts file instead of random prompts")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly the output length (always, as in vLLM, for random prompts)")
     p.add_argument("--temperature", type=float, default=None, help="(default: the server's, 1.0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -373,6 +374,7 @@ def _requests(args: argparse.Namespace, base_url: str) -> tuple[str, str, list[R
         with _server_token_counter(base_url, model, args.api_key) as count_tokens:
             return model, model_id, load_dataset(args.dataset, args.num_prompts, args.output_len, args.seed,
                                                  count_tokens=count_tokens)
+    args.ignore_eos = True  # as vLLM's random dataset: each request runs to its length
     vocab = card.get("vocab_size")
     if not vocab:
         raise ValueError("random prompts need the vocabulary size, and the server's /v1/models does "
