@@ -148,7 +148,7 @@ for part in "$@"; do
            for pair in 1:40 4:100 16:200 inf:256; do
              python3 -m pagedlab.cli bench serve --base-url http://127.0.0.1:8000 --num-prompts "${pair#*:}" \
                  --request-rate "${pair%%:*}" --input-len 512 --output-len 128 --ignore-eos --temperature 0 \
-                 --seed 0 --disable-tqdm --json "$OUT/serve_rate_${pair%%:*}.json"
+                 --seed 0 --num-warmups 1 --disable-tqdm --json "$OUT/serve_rate_${pair%%:*}.json"
            done
            kill $server ;;
     *) echo "unknown part $part"; exit 2 ;;

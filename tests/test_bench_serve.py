@@ -140,7 +140,7 @@ def fake_server():
 
 
 BENCH_ARGS = ["--num-prompts", "6", "--input-len", "4", "--output-len", "2", "--max-concurrency", "1",
-              "--disable-tqdm"]
+              "--num-warmups", "1", "--disable-tqdm"]
 
 
 def _bench(url: str, out) -> int:
@@ -256,7 +256,7 @@ def test_a_run_that_raises_leaves_no_request_running_and_its_state_holds_the_fin
         state = bench_serve.BenchmarkState()
         with pytest.raises(RuntimeError, match="client broke"):
             await bench_serve.run_benchmark(fake_server(answered=99, interrupt=None), specs, model="fake",
-                                            max_concurrency=1, disable_tqdm=True, state=state)
+                                            max_concurrency=1, num_warmups=1, disable_tqdm=True, state=state)
         assert asyncio.all_tasks() == {asyncio.current_task()}  # the requests after it were cancelled
         return state
 

@@ -297,5 +297,21 @@ def test_random_prompts_ignore_eos_as_vllms_random_dataset(fake_server, tmp_path
     data.write_text(json.dumps({"prompt": "a b c"}))
     assert bench_serve.main([*common, "--dataset", str(data)]) == 0
     bodies = fake_server.servers[-1].bodies
-    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], list)] == [True] * 3  # + warm-up
-    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], str)] == [None] * 3
+    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], list)] == [True] * 2
+    assert [b.get("ignore_eos") for b in bodies if isinstance(b["prompt"], str)] == [None] * 2
+
+
+def test_warm_ups_are_none_by_default_and_each_repeats_the_first_requests_input(fake_server):
+    """vLLM's --num-warmups is 0 by default, and each warm-up sends input_requests[0]; pagedlab
+    sent one by default and cycled through the requests, so with --num-warmups 3 requests 1 and
+    2 went to the server (and its prefix cache) before they were timed."""
+    url = fake_server(answered=99, interrupt=None)
+    common = ["--base-url", url, "--num-prompts", "3", "--input-len", "4", "--output-len", "2",
+              "--max-concurrency", "1", "--disable-tqdm"]
+    assert bench_serve.main(common) == 0
+    bodies = fake_server.servers[-1].bodies
+    assert len(bodies) == 3  # no warm-up
+    del bodies[:]
+    assert bench_serve.main([*common, "--num-warmups", "3"]) == 0
+    warm, timed = bodies[:3], bodies[3:]
+    assert len(timed) == 3 and warm == [timed[0]] * 3 and timed[1] != timed[0]

@@ -162,7 +162,7 @@ async def _send_all(state: BenchmarkState, times: list[float], rates: list[float
 async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
                         endpoint: str = "/v1/completions",
                         request_rate: float = float("inf"), burstiness: float = 1.0,
-                        max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 1,
+                        max_concurrency: int | None = None, api_key: str | None = None, num_warmups: int = 0,
                         seed: int = 0, timeout: float = 6 * 3600, disable_tqdm: bool = False, sampling=None,
                         state: BenchmarkState | None = None, ramp_up: RampUp | None = None
                         ) -> tuple[list[RequestResult], float]:
@@ -185,8 +185,13 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
     max_concurrency = max_concurrency or None  # 0 caps nothing (a pool of 0 connections hung)
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
-        for i in range(num_warmups):
-            r = await send_request(client, url, headers, bodies[i % len(bodies)], chat, specs[0].prompt_len)
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def warm_up() -> RequestResult:  # vLLM's: the first request's input, under the cap
+            async with semaphore or contextlib.nullcontext():
+                return await send_request(client, url, headers, bodies[0], chat, specs[0].prompt_len)
+
+        for r in await asyncio.gather(*(warm_up() for _ in range(num_warmups))):
             if not r.success:
                 raise RuntimeError(f"the warm-up request to {url} failed: {r.error}")
         progress = None
@@ -194,7 +199,6 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str,
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(specs), desc="bench serve", unit="req", dynamic_ncols=True)
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         state.results = [None] * len(specs)
 
         async def one(i: int, arrival: float) -> None:
@@ -250,7 +254,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent first (default: 1)")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="untimed requests sent first, all at once under --max-concurrency, each with the "
+                        "first request's input (default: 0, as vLLM's)")
     p.add_argument("--percentile-metrics", default=",".join(METRICS),
                    help="of ttft,tpot,itl,e2el and, with --max-concurrency, client_queue_time and (at a "
                         "finite --request-rate) e2el_including_client_queue (default: the first four)")
