@@ -315,3 +315,11 @@ def test_warm_ups_are_none_by_default_and_each_repeats_the_first_requests_input(
     assert bench_serve.main([*common, "--num-warmups", "3"]) == 0
     warm, timed = bodies[:3], bodies[3:]
     assert len(timed) == 3 and warm == [timed[0]] * 3 and timed[1] != timed[0]
+
+
+def test_the_report_prints_a_configured_rate_only_when_finite_as_vllm():
+    """vLLM prints "Request rate configured (RPS):" only for a finite rate; pagedlab printed
+    "inf" in its place, so the two reports differed line for line."""
+    m = compute_metrics([_result(0.0, 0.1, [0.1], 2)], 1.0)
+    assert "Request rate configured" not in bench_serve.format_report(m, request_rate=float("inf"))
+    assert "Request rate configured (RPS):           4.00" in bench_serve.format_report(m, request_rate=4.0)

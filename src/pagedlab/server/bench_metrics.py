@@ -153,9 +153,8 @@ def format_report(m: dict, percentiles=(50, 90, 99), selected=METRICS, max_concu
     row("Failed requests:", m["failed"], "{:<10}")
     if max_concurrency is not None:
         row("Maximum request concurrency:", max_concurrency, "{:<10}")
-    if request_rate is not None:
-        row("Request rate configured (RPS):", request_rate,
-            "{:<10.2f}" if request_rate != float("inf") else "{}")
+    if request_rate is not None and request_rate != float("inf"):  # vLLM leaves out an unlimited rate
+        row("Request rate configured (RPS):", request_rate)
     row("Benchmark duration (s):", m["duration"])
     row("Total input tokens:", m["total_input_tokens"], "{:<10}")
     row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
