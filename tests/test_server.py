@@ -496,8 +496,9 @@ def test_bench_serve_refuses_a_bad_flag_before_any_request(flags, error, capsys)
     assert error in capsys.readouterr().err
 
 
-def test_bench_serve_max_concurrency_0_caps_nothing_as_in_vllm(served):
-    """--max-concurrency 0 made httpx's pool hold no connection, and the run waited forever."""
+def test_bench_serve_max_concurrency_0_caps_nothing(served):
+    """--max-concurrency 0 made httpx's pool hold no connection, and the run waited forever. (vLLM
+    main refuses 0; pagedlab keeps it as no cap, as older vLLM read it.)"""
     from pagedlab.server.bench_serve import random_requests, run_benchmark
 
     specs = random_requests(3, 4, 2, 100)

@@ -8,7 +8,12 @@ report and the ``--json`` file use vLLM's names:
 - request throughput (req/s), output and total token throughput (tok/s);
 - TTFT: time to the first streamed chunk; TPOT: (latency - TTFT) / (output tokens - 1), per
   request; ITL: the gaps between streamed chunks; E2EL: request latency, all in ms with mean,
-  median, std and the ``--metric-percentiles`` (default 50, 90, 99).
+  median, std and the ``--metric-percentiles`` (default 50, 90, 99, and E2EL reported too: a
+  superset of vLLM's default 99 over TTFT, TPOT and ITL, its keys included with its values);
+- goodput (``--goodput``), peaks, and the queue metrics under ``--max-concurrency``
+  (``pagedlab.server.bench_metrics``); the result files (``pagedlab.server.bench_results``).
+
+Where pagedlab differs from ``vllm bench serve`` on purpose, docs/server.md says so and why.
 
 Prompts are random token ids (``--input-len``, ``--output-len``, ``--random-range-ratio``,
 ``--random-prefix-len``: exact lengths, no tokenizer needed; the vocabulary size comes from the
@@ -239,7 +244,7 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ramp-up-start-rps", type=int, default=None)
     p.add_argument("--ramp-up-end-rps", type=int, default=None)
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight at once (default, or 0: no cap, as vLLM's)")
+                   help="most requests in flight at once (default, or 0: no cap; vLLM refuses 0)")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: input tokens (default: 1024)")
     p.add_argument("--output-len", type=int, default=None,
                    help="output tokens per request, over the dataset's (default: its output_len, else 128)")
