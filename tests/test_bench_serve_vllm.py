@@ -323,3 +323,10 @@ def test_the_report_prints_a_configured_rate_only_when_finite_as_vllm():
     m = compute_metrics([_result(0.0, 0.1, [0.1], 2)], 1.0)
     assert "Request rate configured" not in bench_serve.format_report(m, request_rate=float("inf"))
     assert "Request rate configured (RPS):           4.00" in bench_serve.format_report(m, request_rate=4.0)
+
+
+def test_an_error_event_fails_the_request_on_purpose_where_vllm_skips_it():
+    """Deliberately not vLLM's: its client skips a chunk without choices or usage, so a stream
+    that sent a token and then an error event counts as successful there; here it is failed."""
+    result = _streamed([{"choices": [{"text": "a"}]}, {"error": {"message": "engine died"}}])
+    assert not result.success and "engine died" in result.error
