@@ -6,6 +6,7 @@ ignores it. References: HF's greedy tokens and the file's own values."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 from types import SimpleNamespace
@@ -21,6 +22,34 @@ from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 PROMPT = "The quick brown fox"
 RECOMMENDED = {"temperature": 0.0, "top_k": 20, "max_new_tokens": 3, "do_sample": True, "top_p": None}
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@contextlib.contextmanager
+def capped_server(model_dir, cap: int, **engine_args):
+    """A server over the tiny model whose override_generation_config's max_new_tokens is ``cap``;
+    yields ``post(path, **body)`` (the body with model "m" and ignore_eos) and the token count of
+    ``MESSAGES``' chat prompt (taken before the server runs)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from pagedlab.server.app import ServerThread, build_app
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES,
+              override_generation_config={"max_new_tokens": cap}, **engine_args)
+    engine = AsyncEngine.from_llm(llm)
+    chat_len = len(llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
+    try:
+        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+            def post(path, **body):
+                return httpx.post(srv.url + path, json={"model": "m", "ignore_eos": True, **body}, timeout=60)
+
+            yield post, chat_len
+    finally:
+        engine.shutdown()
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -239,30 +268,16 @@ def test_no_limit_fits_the_models_max_new_tokens_to_the_prompt(model_dir):
     vLLM's chat fields default to None) runs to the model's max_new_tokens or to max_model_len,
     whichever comes first; it is no 400 when prompt + max_new_tokens is too long. A limit the
     request sets is still checked against max_model_len."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    from pagedlab.server.app import ServerThread, build_app
-
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
-              override_generation_config={"max_new_tokens": 60})
-    engine = AsyncEngine.from_llm(llm)
-    messages = [{"role": "user", "content": "hi"}]
-    room = 64 - len(llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
-    assert room < 60
-    try:
-        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
-            body = {"model": "m", "messages": messages, "ignore_eos": True}
-            for nulls in ({}, {"max_tokens": None, "max_completion_tokens": None}):
-                r = httpx.post(srv.url + "/v1/chat/completions", json={**body, **nulls}, timeout=60)
-                assert r.status_code == 200, r.text
-                assert r.json()["usage"]["completion_tokens"] == room
-                assert r.json()["choices"][0]["finish_reason"] == "length"
-            r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    finally:
-        engine.shutdown()
-        llm.close()
+    with capped_server(model_dir, 60, max_model_len=64) as (post, chat_len):
+        room = 64 - chat_len
+        assert room < 60
+        for nulls in ({}, {"max_tokens": None, "max_completion_tokens": None}):
+            r = post("/v1/chat/completions", messages=MESSAGES, **nulls)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == room
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = post("/v1/chat/completions", messages=MESSAGES, max_tokens=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_completion_null_max_tokens_is_the_default_16(model_dir):
@@ -270,62 +285,33 @@ def test_completion_null_max_tokens_is_the_default_16(model_dir):
     field's default, 16: each prompt of a completion gets 16 tokens, as if max_tokens were left
     out, not the room under max_model_len or the model's max_new_tokens; and a prompt with no room
     for 16 is the same 400 as with max_tokens left out."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    from pagedlab.server.app import ServerThread, build_app
-
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
-              override_generation_config={"max_new_tokens": 60})
-    engine = AsyncEngine.from_llm(llm)
-    try:
-        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
-            def post(**body):
-                body = {"model": "m", "ignore_eos": True, "return_token_ids": True, **body}
-                return httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-
-            for limit in ({"max_tokens": None}, {}):
-                r = post(prompt=[[5] * 10, [5] * 40], **limit)
-                assert r.status_code == 200, r.text
-                assert [len(c["token_ids"]) for c in r.json()["choices"]] == [16, 16]
-                assert r.json()["usage"]["completion_tokens"] == 32
-                r = post(prompt=[5] * 50, **limit)
-                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-                assert "you requested 16 output tokens" in r.json()["error"]["message"]
-    finally:
-        engine.shutdown()
-        llm.close()
+    with capped_server(model_dir, 60, max_model_len=64) as (post, _):
+        for limit in ({"max_tokens": None}, {}):
+            r = post("/v1/completions", prompt=[[5] * 10, [5] * 40], return_token_ids=True, **limit)
+            assert r.status_code == 200, r.text
+            assert [len(c["token_ids"]) for c in r.json()["choices"]] == [16, 16]
+            assert r.json()["usage"]["completion_tokens"] == 32
+            r = post("/v1/completions", prompt=[5] * 50, **limit)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "you requested 16 output tokens" in r.json()["error"]["message"]
 
 
 def test_override_max_new_tokens_caps_what_requests_ask_for(model_dir):
     """vLLM's override_max_tokens: override_generation_config's max_new_tokens caps a limit a
     request sets (either chat name, a completion's default of 16) as well as one it leaves out;
     a lower limit of the request's own stays."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    from pagedlab.server.app import ServerThread, build_app
+    with capped_server(model_dir, 4) as (post, _):
+        def completion_tokens(path, **body):
+            r = post(path, **body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"]
 
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES,
-              override_generation_config={"max_new_tokens": 4})
-    engine = AsyncEngine.from_llm(llm)
-    try:
-        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
-            def completion_tokens(path, **body):
-                r = httpx.post(srv.url + path, json={"model": "m", "ignore_eos": True, **body}, timeout=60)
-                assert r.status_code == 200, r.text
-                return r.json()["usage"]["completion_tokens"]
-
-            messages = [{"role": "user", "content": "hi"}]
-            assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=10) == 4
-            assert completion_tokens("/v1/completions", prompt=PROMPT) == 4
-            assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=2) == 2
-            assert completion_tokens("/v1/chat/completions", messages=messages, max_completion_tokens=10) == 4
-            assert completion_tokens("/v1/chat/completions", messages=messages, max_tokens=10) == 4
-            assert completion_tokens("/v1/chat/completions", messages=messages) == 4
-    finally:
-        engine.shutdown()
-        llm.close()
+        assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=10) == 4
+        assert completion_tokens("/v1/completions", prompt=PROMPT) == 4
+        assert completion_tokens("/v1/completions", prompt=PROMPT, max_tokens=2) == 2
+        assert completion_tokens("/v1/chat/completions", messages=MESSAGES, max_completion_tokens=10) == 4
+        assert completion_tokens("/v1/chat/completions", messages=MESSAGES, max_tokens=10) == 4
+        assert completion_tokens("/v1/chat/completions", messages=MESSAGES) == 4
 
 
 def test_a_request_limit_that_does_not_fit_is_400_though_the_cap_would_fit(model_dir):
@@ -334,49 +320,31 @@ def test_a_request_limit_that_does_not_fit_is_400_though_the_cap_would_fit(model
     limit that does not fit beside the prompt is a 400, in vLLM's words, even where the cap (4
     here) would fit; one that fits is then cut to the cap. A limit over max_model_len itself is
     TokenizeParams' own 400, naming the field."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    from pagedlab.server.app import ServerThread, build_app
-
-    llm = LLM(model_dir, kv_cache_memory_bytes=TINY_KV_BYTES, max_model_len=64,
-              override_generation_config={"max_new_tokens": 4})
-    engine = AsyncEngine.from_llm(llm)
-    messages = [{"role": "user", "content": "hi"}]
-    chat_len = len(llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids)
-
     def too_long(length, asked):
         return (f"This model's maximum context length is 64 tokens. However, you requested {asked} output "
                 f"tokens and your prompt contains {length} input tokens, for a total of {length + asked} "
                 "tokens. Please reduce the length of the input prompt or the number of requested output "
                 "tokens.")
 
-    try:
-        with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
-            def post(path, **body):
-                return httpx.post(srv.url + path, json={"model": "m", "ignore_eos": True, **body}, timeout=60)
+    def error(r):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        return err["message"], err["param"], err["code"]
 
-            def error(r):
-                assert r.status_code == 400, r.text
-                err = r.json()["error"]
-                return err["message"], err["param"], err["code"]
-
-            code = "context_length_exceeded"
-            r = post("/v1/completions", prompt=[5] * 10, max_tokens=60)
-            assert error(r) == (too_long(10, 60), "prompt", code)
-            r = post("/v1/chat/completions", messages=messages, max_tokens=64 - chat_len + 1)
-            assert error(r) == (too_long(chat_len, 64 - chat_len + 1), "messages", code)
-            r = post("/v1/chat/completions", messages=messages, max_completion_tokens=60, max_tokens=1)
-            assert error(r) == (too_long(chat_len, 60), "messages", code)
-            over = "{}=100 cannot be greater than max_model_len=64. Please request fewer output tokens."
-            chat = ("/v1/chat/completions", {"messages": messages})
-            for (path, body), field in [(("/v1/completions", {"prompt": [5] * 10}), "max_tokens"),
-                                        (chat, "max_tokens"), (chat, "max_completion_tokens")]:
-                assert error(post(path, **body, **{field: 100})) == (over.format(field), field, code)
-            r = post("/v1/completions", prompt=[5] * 10, max_tokens=54)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-            r = post("/v1/chat/completions", messages=messages, max_tokens=64 - chat_len)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-    finally:
-        engine.shutdown()
-        llm.close()
+    code = "context_length_exceeded"
+    with capped_server(model_dir, 4, max_model_len=64) as (post, chat_len):
+        r = post("/v1/completions", prompt=[5] * 10, max_tokens=60)
+        assert error(r) == (too_long(10, 60), "prompt", code)
+        r = post("/v1/chat/completions", messages=MESSAGES, max_tokens=64 - chat_len + 1)
+        assert error(r) == (too_long(chat_len, 64 - chat_len + 1), "messages", code)
+        r = post("/v1/chat/completions", messages=MESSAGES, max_completion_tokens=60, max_tokens=1)
+        assert error(r) == (too_long(chat_len, 60), "messages", code)
+        over = "{}=100 cannot be greater than max_model_len=64. Please request fewer output tokens."
+        chat = ("/v1/chat/completions", {"messages": MESSAGES})
+        for (path, body), field in [(("/v1/completions", {"prompt": [5] * 10}), "max_tokens"),
+                                    (chat, "max_tokens"), (chat, "max_completion_tokens")]:
+            assert error(post(path, **body, **{field: 100})) == (over.format(field), field, code)
+        r = post("/v1/completions", prompt=[5] * 10, max_tokens=54)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        r = post("/v1/chat/completions", messages=MESSAGES, max_tokens=64 - chat_len)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
