@@ -33,6 +33,8 @@ def llm(tiny_llama):
     (dict(min_tokens=9, max_tokens=4), "min_tokens"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),  # 0 * inf: a NaN logit
+    (dict(temperature=float("inf")), "temperature"),  # -inf / inf: a NaN logit
     (dict(logprobs=-2), "logprobs"),
     (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(stop=[""]), "stop"),

@@ -29,7 +29,7 @@ def _error(request_type, body: dict) -> APIError:
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"prompt": "hi", "temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"prompt": "hi", "temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "in (0, 1]"),
     ({"prompt": "hi", "n": 0}, "n", "0 is not valid for 'n': input should be greater than or equal to 1"),
     ({"prompt": "hi", "n": 2.5}, "n", "input should be a valid integer"),

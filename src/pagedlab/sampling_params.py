@@ -232,8 +232,11 @@ class SamplingParams:
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
                "in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        # finite, as vLLM requires: inf would turn a 0 or -inf logit into NaN
+        _check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty", self.repetition_penalty,
+               "a finite number > 0")
+        _check(0.0 <= self.temperature < math.inf, "temperature", self.temperature,
+               "a finite number >= 0 (0 means greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 0 (0 or -1 means all tokens)")
