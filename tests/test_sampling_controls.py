@@ -219,9 +219,10 @@ def test_max_logprobs_caps_what_a_request_may_ask(tiny_llama):
 
 
 def test_stop_ids_beyond_the_vocabulary_are_accepted_and_never_stop(tiny_llama):
-    """vLLM checks allowed ids, biases and logprob ids against the vocabulary, not stop ids (its
-    multi-LoRA example stops on an adapter's added token, 32003, past Llama-2's 32,000): such an id
-    can never be sampled, so the tokens are HF's greedy ones, with min_tokens banning the others."""
+    """Allowed ids, biases and logprob ids are checked against the vocabulary, stop ids not (older
+    vLLM's rule: its multi-LoRA example stopped on an adapter's added token, 32003, past Llama-2's
+    32,000; vLLM main refuses them): such an id can never be sampled, so the tokens are HF's greedy
+    ones, with min_tokens banning the others."""
     vocab = tiny_llama.hf_model.config.vocab_size
     prompt = random_prompts(1, seed=3)[0]
     want = hf_greedy(tiny_llama.hf_model, prompt, 6, eos_token_id=None)

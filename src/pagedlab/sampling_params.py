@@ -28,7 +28,7 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {name} must be {allowed}")
 
 
-# ids checked against the vocabulary (stop ids beyond it are accepted, as vLLM: ``for_vocabulary``)
+# ids checked against the vocabulary (stop ids beyond it are dropped, not refused: ``for_vocabulary``)
 _TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids")
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
@@ -334,8 +334,9 @@ class SamplingParams:
     def for_vocabulary(self, vocab_size: int) -> SamplingParams:
         """These parameters for a vocabulary of ``vocab_size``: a ``logprobs`` or ``prompt_logprobs``
         of -1 (vLLM's: the whole vocabulary) as ``vocab_size``, and without the stop ids beyond the
-        vocabulary, which no step can sample (vLLM accepts them: its multi-LoRA example stops on an
-        adapter's added token); themselves when nothing changes."""
+        vocabulary, which no step can sample (older vLLM accepted them, and its multi-LoRA example
+        stopped on an adapter's added token; vLLM main refuses them in ``_validate_stop_token_ids``,
+        pagedlab keeps them harmless); themselves when nothing changes."""
         changes = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
         if any(t >= vocab_size for t in self.stop_token_ids):
             changes["stop_token_ids"] = [t for t in self.stop_token_ids if t < vocab_size]
