@@ -244,3 +244,11 @@ def test_clone_changes_structured_outputs_under_either_name():
     assert params.clone(temperature=0.5).structured_outputs is old
     with pytest.raises(ValueError, match="guided_decoding"):
         params.clone(structured_outputs=new, guided_decoding=old)
+
+
+def test_repeated_stop_ids_and_bad_words_are_one_as_in_vllm():
+    """vLLM's __post_init__ keeps the first of each repeated stop id and bad word, in order: the
+    parameters (and what the lab keys a run by) are those of the list without repeats."""
+    params = SamplingParams(stop_token_ids=[5, 3, 5, 7, 3], bad_words=["ab", "cd", "ab"])
+    assert params.stop_token_ids == [5, 3, 7] and params.bad_words == ["ab", "cd"]
+    assert params.to_dict() == SamplingParams(stop_token_ids=[5, 3, 7], bad_words=["ab", "cd"]).to_dict()

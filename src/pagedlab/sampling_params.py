@@ -218,6 +218,10 @@ class SamplingParams:
             if getattr(self, name) is True:
                 setattr(self, name, 1)
         self._validate()
+        # vLLM's __post_init__ drops repeats: [5, 5] and [5] are one request (and one lab run key)
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
         if 0.0 < self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature=%r is below %r, which risks inf and NaN in logits / temperature: "
                            "sampling at %r instead (as vLLM; 0 is greedy)", self.temperature,
