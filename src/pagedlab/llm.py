@@ -153,10 +153,11 @@ class LLM:
         prompts = [chat_prompt(engine.tokenizer, c, chat_template, add_generation_prompt, engine.config.model,
                                continue_final_message, chat_template_kwargs, tools,
                                content_format=chat_template_content_format) for c in conversations]
-        add_special = (tokenization_kwargs or {}).get("add_special_tokens") if isinstance(
-            tokenization_kwargs, Mapping) else None
-        for prompt in prompts if add_special is not None else ():
-            prompt["add_special_tokens"] = bool(add_special)
+        special = tokenization_kwargs.get("add_special_tokens") if isinstance(tokenization_kwargs, Mapping) \
+            else None
+        if special is not None:  # the rendered template gets no special tokens unless asked
+            for prompt in prompts:
+                prompt["add_special_tokens"] = bool(special)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
 

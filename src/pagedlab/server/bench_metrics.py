@@ -79,11 +79,16 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def _tpot(r: RequestResult) -> float | None:
+    """A request's time per output token after the first (s); None with one output token or none."""
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
+
+
 def _good(r: RequestResult, slos: dict[str, float]) -> bool:
     """Whether a successful request meets every objective (ms), as vLLM's goodput counts it: its
     TPOT is 0 where it has one output token or none."""
-    tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-    values = {"ttft": r.ttft, "tpot": tpot, "e2el": r.latency}
+    tpot = _tpot(r)
+    values = {"ttft": r.ttft, "tpot": 0.0 if tpot is None else tpot, "e2el": r.latency}
     return all(slo / 1000.0 >= values[name] for name, slo in slos.items())
 
 
@@ -92,7 +97,7 @@ def _series(ok: list[RequestResult], max_concurrency: int | None, request_rate: 
     has them: with a concurrency cap, and the queue-inclusive latency at a finite rate too."""
     series = {
         "ttft": [r.ttft for r in ok],
-        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "tpot": [tpot for r in ok if (tpot := _tpot(r)) is not None],
         "itl": [x for r in ok for x in r.itl],
         "e2el": [r.latency for r in ok],
     }
