@@ -197,3 +197,15 @@ def test_one_dataset_file_spelled_differently_keeps_its_key(tmp_path, capsys):
     assert run_experiment(spec, db=db, quiet=True, llm_factory=_never_loaded).skipped == 1
     with ResultStore(db) as store:
         assert store.finished_keys("d") == {run.run_key}
+
+
+def test_repetition_detection_keeps_earlier_keys():
+    """The field came with a default: a spec without it (or with it null) keeps the key it had
+    before (computed at 47bfd7c), and one that sets it (as YAML does, a mapping) is another run."""
+    sampling = {"max_tokens": 4, "temperature": 0.5, "stop": ["x"]}
+    assert keys(dataset_spec(sampling)) == ["d:998c13c91aa370dce8aeb314"]
+    assert keys(dataset_spec({**sampling, "repetition_detection": None})) == ["d:998c13c91aa370dce8aeb314"]
+    looping = {**sampling, "repetition_detection": {"max_pattern_size": 4, "min_count": 3}}
+    assert keys(dataset_spec(looping)) != ["d:998c13c91aa370dce8aeb314"]
+    with pytest.raises(ExperimentError, match="min_count=1 is invalid"):
+        keys(dataset_spec({**sampling, "repetition_detection": {"max_pattern_size": 4, "min_count": 1}}))

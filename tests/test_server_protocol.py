@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pydantic")
 
 from pagedlab import SamplingParams
-from pagedlab.sampling_params import StructuredOutputsParams
+from pagedlab.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 from pagedlab.server.errors import APIError
 from pagedlab.server.protocol import (MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
                                       CompletionResponseChoice, CompletionStreamResponse, DeltaMessage,
@@ -60,6 +60,19 @@ def _error(request_type, body: dict) -> APIError:
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "y"}},
      "stream_options.include_usage", "valid boolean"),
     ({"prompt": "hi", "min_tokens": 20}, "min_tokens", "<= max_tokens (16)"),
+    # vLLM's object: RepetitionDetectionParams' rules, the error naming the field
+    ({"prompt": "hi", "repetition_detection": {"max_pattern_size": 4, "min_count": 1}},
+     "repetition_detection",
+     "repetition_detection={'max_pattern_size': 4, 'min_count': 1} is invalid: min_count=1 is invalid"),
+    ({"prompt": "hi", "repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}},
+     "repetition_detection", "min_pattern_size=3 is invalid: min_pattern_size must be in [0, max_pattern_"),
+    ({"prompt": "hi", "repetition_detection": {"max_pattern_size": -1}}, "repetition_detection",
+     "max_pattern_size=-1 is invalid"),
+    ({"prompt": "hi", "repetition_detection": {"max_pattern_size": 4, "min_cout": 2}}, "repetition_detection",
+     "unknown argument 'min_cout'; did you mean 'min_count'?"),
+    ({"prompt": "hi", "repetition_detection": {"max_pattern_size": "4", "min_count": 2}},
+     "repetition_detection.max_pattern_size", "valid integer"),
+    ({"prompt": "hi", "repetition_detection": 4}, "repetition_detection", "valid dictionary"),
     ({}, "prompt", "'prompt' is required"),
     ({"prompt": []}, "prompt", "not empty"),
     ({"prompt": [[1], []]}, "prompt", "not empty"),
@@ -177,7 +190,8 @@ def test_completion_to_sampling_params_maps_every_field():
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
             "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
             "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"],
-            "truncate_prompt_tokens": 30}
+            "truncate_prompt_tokens": 30,
+            "repetition_detection": {"max_pattern_size": 8, "min_pattern_size": 2, "min_count": 3.0}}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
                           stop_token_ids=[3, 4], ignore_eos=True, max_tokens=40, min_tokens=5, logprobs=3,
@@ -185,7 +199,8 @@ def test_completion_to_sampling_params_maps_every_field():
                           spaces_between_special_tokens=False, logit_bias={7: -2.5, 9: 1.0},
                           allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"}, bad_words=["no"],
                           logprob_token_ids=[5, 6], truncate_prompt_tokens=30,
-                          structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+                          structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
+                          repetition_detection=RepetitionDetectionParams(8, 2, 3))
     default = SamplingParams()
     # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry
     not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors")
@@ -203,9 +218,11 @@ def test_completion_to_sampling_params_maps_every_field():
 def test_chat_to_sampling_params():
     body = {"messages": CHAT, "n": 3, "temperature": 0.7, "top_p": 0.8, "seed": 5, "stop": "x",
             "max_tokens": 50, "max_completion_tokens": 12, "logprobs": True, "top_logprobs": 4,
-            "min_tokens": 2, "top_k": 9, "repetition_penalty": 1.1, "ignore_eos": True}
+            "min_tokens": 2, "top_k": 9, "repetition_penalty": 1.1, "ignore_eos": True,
+            "repetition_detection": {"max_pattern_size": 5, "min_count": 4}}
     want = SamplingParams(n=3, temperature=0.7, top_p=0.8, seed=5, stop=["x"], max_tokens=12, logprobs=4,
-                          min_tokens=2, top_k=9, repetition_penalty=1.1, ignore_eos=True)
+                          min_tokens=2, top_k=9, repetition_penalty=1.1, ignore_eos=True,
+                          repetition_detection=RepetitionDetectionParams(max_pattern_size=5, min_count=4))
     assert parse_request(ChatCompletionRequest, body).to_sampling_params() == want
     plain = parse_request(ChatCompletionRequest, {"messages": CHAT, "max_tokens": 50, "logprobs": True})
     assert plain.to_sampling_params() == SamplingParams(max_tokens=50, logprobs=0)

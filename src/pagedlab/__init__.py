@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "pagedlab.llm",
     "SamplingParams": "pagedlab.sampling_params",
     "BeamSearchParams": "pagedlab.sampling_params",
+    "RepetitionDetectionParams": "pagedlab.sampling_params",
     "RequestOutput": "pagedlab.outputs",
     "CompletionOutput": "pagedlab.outputs",
     "Logprob": "pagedlab.outputs",
@@ -29,9 +30,9 @@ _EXPORTS = {
     "LoRARequest": "pagedlab.lora.request",
 }
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestMetrics", "EngineStats", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig",
-           "EngineInfo", "EngineArgs", "LLMEngine",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RepetitionDetectionParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "RequestMetrics", "EngineStats", "BeamSearchOutput",
+           "BeamSearchSequence", "EngineConfig", "EngineInfo", "EngineArgs", "LLMEngine",
            "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
 
 

@@ -47,8 +47,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort" | None while running
+    # the stop string or stop token id that ended it ("repetition_detected" with "repetition")
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended (its ``finish_reason`` is set)."""

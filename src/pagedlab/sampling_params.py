@@ -128,6 +128,29 @@ GuidedDecodingParams = StructuredOutputsParams
 
 @_reject_unknown_arguments
 @dataclass
+class RepetitionDetectionParams:
+    """End a completion once its output tokens end in an n-gram of ``min_pattern_size`` (0 means 1) to
+    ``max_pattern_size`` tokens (0: no detection) repeated ``min_count`` times in a row (vLLM's; the
+    check: ``pagedlab.engine.repetition``); finish_reason "repetition", stop_reason "repetition_detected"."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        _python_values(self, ("max_pattern_size", "min_pattern_size", "min_count"), ())
+        for name, value in dataclasses.asdict(self).items():
+            _check(type(value) is int, name, value, "an integer")
+        big = self.max_pattern_size
+        _check(big >= 0, "max_pattern_size", big, ">= 0 (0 disables detection)")
+        _check(0 <= self.min_pattern_size <= big, "min_pattern_size", self.min_pattern_size,
+               f"in [0, max_pattern_size] = [0, {big}] (0 means 1)")
+        _check(big == 0 or self.min_count >= 2, "min_count", self.min_count,
+               ">= 2 when max_pattern_size > 0 (max_pattern_size=0 disables detection)")
+
+
+@_reject_unknown_arguments
+@dataclass
 class SamplingParams:
     """How to sample one request's completion(s).
 
@@ -155,6 +178,7 @@ class SamplingParams:
     returned beside the sampled token's in ``CompletionOutput.logprobs``. ``output_kind``: see
     ``RequestOutputKind``. ``structured_outputs`` (or its older name ``guided_decoding``)
     constrains the completion to a grammar: see ``StructuredOutputsParams``; it needs xgrammar.
+    ``repetition_detection`` (a ``RepetitionDetectionParams`` or a dict of its fields) ends looping output.
 
     ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
     constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
@@ -195,6 +219,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -314,6 +339,11 @@ class SamplingParams:
         structured = self.structured_outputs
         _check(structured is None or isinstance(structured, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        repetition = self.repetition_detection
+        if isinstance(repetition, dict):
+            self.repetition_detection = repetition = RepetitionDetectionParams(**repetition)
+        _check(repetition is None or isinstance(repetition, RepetitionDetectionParams),
+               "repetition_detection", repetition, "None or a RepetitionDetectionParams")
         _check(self.detokenize or not self.stop, "stop", self.stop,
                "empty with detokenize=False (stop strings are found in the text; use stop_token_ids)")
 

@@ -53,7 +53,7 @@ class StatsListener(Protocol):
         """After every step and command batch: the engine's current stats."""
 
     def on_request_finished(self, output: RequestOutput) -> None:
-        """Once per request, with its final output (finish_reason stop, length or abort)."""
+        """Once per request, with its final output (finish_reason stop, length, repetition or abort)."""
 
 
 class _Stream:

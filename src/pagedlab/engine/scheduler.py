@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pagedlab.config import SpeculativeConfig
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.ngram_proposer import propose_ngram_drafts
+from pagedlab.engine.repetition import ends_in_repetition
 from pagedlab.engine.request import Request, RequestStatus
 
 
@@ -388,6 +389,11 @@ class Scheduler:
             return self.finish_request(request, "length")
         if request.num_tokens >= self.max_model_len:
             return self.finish_request(request, "length")
+        # vLLM's order: EOS, stop ids and the length limits come first, and min_tokens holds this off too
+        repetition = params.repetition_detection
+        if (repetition is not None and request.num_output_tokens >= params.min_tokens
+                and ends_in_repetition(request.all_token_ids, repetition, request.num_prompt_tokens)):
+            return self.finish_request(request, "repetition", stop_reason="repetition_detected")
         return None
 
     def drop_last_tokens(self, request: Request, count: int) -> None:
@@ -401,10 +407,11 @@ class Scheduler:
     def finish_request(self, request: Request, reason: str, stop_reason: int | str | None = None,
                        replace: bool = False) -> None:
         """Finish a request (stopped, at its length limit, or aborted): take it out of the queues
-        and free its blocks. A stop string found in its text overrides a "length" finish, and any
-        finish with ``replace`` (the token that finished it was dropped: ``drop_last_tokens``)."""
+        and free its blocks. A stop string found in its text overrides a "length" or "repetition"
+        finish (as vLLM's), and any finish with ``replace`` (the token that finished it was dropped:
+        ``drop_last_tokens``)."""
         if request.is_finished:
-            if reason == "stop" and (request.finish_reason == "length" or replace):
+            if reason == "stop" and (request.finish_reason in ("length", "repetition") or replace):
                 request.finish_reason, request.stop_reason = reason, stop_reason
             return
         if request.status == RequestStatus.RUNNING:

@@ -20,7 +20,7 @@ from pagedlab import SamplingParams
 from pagedlab.inputs import as_prompt_list
 from pagedlab.server.errors import bad_request, param_of
 from pagedlab.server.protocol_tools import DeltaToolCall, ToolCall, ToolFields
-from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting, refused
+from pagedlab.server.protocol_vllm import VLLMOutputFields, expecting, refused, repetition_detection_params
 
 MAX_LOGPROBS = 20  # logprobs / top_logprobs a request may ask for without --max-logprobs (OpenAI's, vLLM's)
 MAX_N = 128  # OpenAI's limit for n (and best_of)
@@ -152,6 +152,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:{id}"; None: the server's
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
+    repetition_detection: dict[str, Integer] | None = None  # RepetitionDetectionParams' fields
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
     use_beam_search: Annotated[bool, refused("use_beam_search is not supported by this server: leave it out "
                                              "or set it to false (sampled or greedy decoding)")] = False
@@ -218,7 +219,8 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
                 logprob_token_ids=self.logprob_token_ids, structured_outputs=self.structured_outputs_params(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                truncate_prompt_tokens=self.truncate_prompt_tokens)
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                repetition_detection=repetition_detection_params(self.repetition_detection))
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 

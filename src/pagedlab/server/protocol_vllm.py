@@ -1,4 +1,5 @@
-"""vLLM's request fields for structured outputs and output controls, shared by completions and chat.
+"""vLLM's request fields for structured outputs and output controls, shared by completions and chat
+(``repetition_detection``'s object is read by ``repetition_detection_params``).
 
 Structured outputs come in the three spellings vLLM's clients use: OpenAI's ``response_format``
 (``json_object``, ``json_schema``), vLLM's older ``guided_json`` / ``guided_regex`` /
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
-from pagedlab.sampling_params import StructuredOutputsParams
+from pagedlab.sampling_params import RepetitionDetectionParams, StructuredOutputsParams
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -80,8 +81,9 @@ class VLLMOutputFields(BaseModel):
             if unknown:
                 raise ValueError(f"structured_outputs={_short(self.structured_outputs)} is invalid: unknown "
                                  f"key {unknown[0]!r} (allowed: {', '.join(_STRUCTURED_KEYS)})")
-            return _params(name, **{k: v for k, v in self.structured_outputs.items() if v is not None})
-        return _params(name, **{_GUIDED_FIELDS[name]: getattr(self, name)})
+            return _params(StructuredOutputsParams, name,
+                           **{k: v for k, v in self.structured_outputs.items() if v is not None})
+        return _params(StructuredOutputsParams, name, **{_GUIDED_FIELDS[name]: getattr(self, name)})
 
     def _response_format_kind(self) -> str:
         kind = (self.response_format or {}).get("type", "text")
@@ -92,18 +94,26 @@ class VLLMOutputFields(BaseModel):
 
     def _from_response_format(self) -> StructuredOutputsParams:
         if self._response_format_kind() == "json_object":
-            return _params("response_format", json_object=True)
+            return _params(StructuredOutputsParams, "response_format", json_object=True)
         spec = self.response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ValueError(f"response_format={_short(self.response_format)} is invalid: a 'json_schema' "
                              "response format needs json_schema.schema, a JSON schema object")
-        return _params("response_format", json=schema)
+        return _params(StructuredOutputsParams, "response_format", json=schema)
 
 
-def _params(field: str, **kwargs: Any) -> StructuredOutputsParams:
+def repetition_detection_params(fields: dict | None) -> RepetitionDetectionParams | None:
+    """A request's ``repetition_detection`` object (vLLM's: ``max_pattern_size``,
+    ``min_pattern_size``, ``min_count``) as ``RepetitionDetectionParams``, None when absent; an
+    unknown key or a value vLLM refuses is a ValueError naming the field."""
+    return None if fields is None else _params(RepetitionDetectionParams, "repetition_detection", **fields)
+
+
+def _params(params_type: type, field: str, **kwargs: Any):
+    """``params_type(**kwargs)``, its error a ValueError naming the request's ``field``."""
     try:
-        return StructuredOutputsParams(**kwargs)
+        return params_type(**kwargs)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{field}={_short(kwargs)} is invalid: {e}") from None
 
