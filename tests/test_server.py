@@ -189,6 +189,29 @@ def test_stop_strings_stream_and_not(served, client):
     assert streamed == cut
 
 
+def test_repetition_detection_ends_a_loop(served, client):
+    """vLLM's ``repetition_detection`` object: an output forced to one token ends where it has come
+    ``min_count`` times, with finish_reason "repetition" and stop_reason "repetition_detected",
+    streamed or not, and ``/metrics`` counts the request under that reason."""
+    a, = served["tokenizer"].encode("a", add_special_tokens=False)
+    extra = {"allowed_token_ids": [a], "repetition_detection": {"max_pattern_size": 2, "min_count": 5}}
+    before = wait_idle(served)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS_64[3], max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={**extra, "return_token_ids": True})
+    c = r.choices[0]
+    assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == ("aaaaa", [a] * 5, "repetition",
+                                                                      "repetition_detected")
+    assert r.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "aaaaa"
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == (
+        "repetition", "repetition_detected")
+    after = wait_idle(served)
+    key = 'pagedlab:request_success_total{finished_reason="repetition",model_name="tiny"}'
+    assert after[key] - before[key] == 2
+
+
 # ---- streaming ------------------------------------------------------------------------------------
 def test_streaming_completion_and_chat(served, client):
     want = served["expected"]["texts"][6]

@@ -90,14 +90,15 @@ class ServerMetrics:
         self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Speculative tokens accepted at each position of a proposal.",
                                              ["position"])
-        self.request_success = counter("request_success", "Requests finished by a stop condition or length.",
+        self.request_success = counter("request_success",
+                                       "Requests finished by a stop condition, length or repetition.",
                                        ["finished_reason"])
         self.request_aborted = counter("request_aborted", "Requests aborted (client disconnected, error).")
         for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                   self.preemptions, self.request_aborted, self.spec_drafts, self.spec_draft_tokens,
                   self.spec_accepted):
             c.labels(**self._labels)
-        for reason in ("stop", "length"):
+        for reason in ("stop", "length", "repetition"):
             self.request_success.labels(finished_reason=reason, **self._labels)
 
         self._add_histograms(Histogram, labels)
@@ -166,7 +167,7 @@ class ServerMetrics:
         if "abort" in reasons:
             self.request_aborted.labels(**self._labels).inc()
         else:
-            reason = "length" if "length" in reasons else "stop"
+            reason = next((r for r in ("length", "repetition") if r in reasons), "stop")
             self.request_success.labels(finished_reason=reason, **self._labels).inc()
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
