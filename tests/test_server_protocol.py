@@ -202,12 +202,20 @@ def test_completion_to_sampling_params_maps_every_field():
                           structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
                           repetition_detection=RepetitionDetectionParams(8, 2, 3))
     default = SamplingParams()
-    # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry
-    not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors")
+    # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry;
+    # fixed-token prompt scoring is offline only, as vLLM's OpenAI endpoints leave it out (its
+    # /inference/v1/generate takes it, an endpoint pagedlab does not serve)
+    offline_only = ("prompt_logprob_token_ids", "prompt_logprob_start")
+    not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors", *offline_only)
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
                 if getattr(want, f.name) == getattr(default, f.name) and f.name not in not_request_fields]
     assert unmapped == []  # the body sets every field away from its default
     assert parse_request(CompletionRequest, body).to_sampling_params() == want
+    # unknown to the server, so ignored as any unknown field (vLLM's server ignores them too)
+    scoring = {"prompt_logprob_token_ids": [5, 6], "prompt_logprob_start": 1}
+    assert parse_request(CompletionRequest, {**body, **scoring}).to_sampling_params() == want
+    assert parse_request(ChatCompletionRequest, {"messages": CHAT, **scoring}).to_sampling_params() == \
+        SamplingParams(max_tokens=None)
     # echo with logprobs asks for the prompt's logprobs too, at least as many
     echoed = parse_request(CompletionRequest, {**body, "echo": True, "prompt_logprobs": None})
     assert echoed.to_sampling_params() == dataclasses.replace(want, prompt_logprobs=3)

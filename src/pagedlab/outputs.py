@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -58,7 +62,10 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt, in vLLM's shape."""
+    """All completions of one prompt, in vLLM's shape. ``prompt_token_id_logprobs``: with
+    ``SamplingParams.prompt_logprob_token_ids``, a float32 CPU tensor whose ``[i, j]`` is the
+    logprob of the j-th id at prompt row ``prompt_logprob_start + i`` (predicting prompt token
+    ``prompt_logprob_start + i + 1``), once every row is computed (with ``DELTA``, in one output)."""
 
     request_id: str
     prompt: str | None
@@ -68,12 +75,16 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_token_id_logprobs: torch.Tensor | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """Merge a later delta output (``RequestOutputKind.DELTA``) into this one, in place: text,
-        token ids, logprobs and prompt logprobs are appended, the rest is taken from ``later``."""
+        token ids, logprobs and prompt logprobs are appended, the rest is taken from ``later``
+        (``prompt_token_id_logprobs`` where it has them)."""
         if self.prompt_logprobs is not None and later.prompt_logprobs is not None:
             self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
+        if later.prompt_token_id_logprobs is not None:
+            self.prompt_token_id_logprobs = later.prompt_token_id_logprobs
         for mine, theirs in zip(self.outputs, later.outputs):
             mine.text += theirs.text
             mine.token_ids = mine.token_ids + theirs.token_ids

@@ -29,11 +29,11 @@ def _check(cond: bool, name: str, value, allowed: str) -> None:
 
 
 # ids checked against the vocabulary (stop ids beyond it are dropped, not refused: ``for_vocabulary``)
-_TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids")
+_TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids", "prompt_logprob_token_ids")
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
-                                  "prompt_logprobs", "truncate_prompt_tokens")
+                                  "prompt_logprobs", "truncate_prompt_tokens", "prompt_logprob_start")
 
 
 def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) -> None:
@@ -175,7 +175,12 @@ class SamplingParams:
     leading space; the last token of such a sequence is banned wherever the output so far ends
     with the tokens before it). ``logprob_token_ids``: at every generated position, the logprobs
     of these token ids (the labels of a classification or multiple-choice evaluation) are
-    returned beside the sampled token's in ``CompletionOutput.logprobs``. ``output_kind``: see
+    returned beside the sampled token's in ``CompletionOutput.logprobs``. ``prompt_logprob_token_ids``
+    (vLLM's fixed-token prompt scoring, e.g. a distillation teacher's): the logprobs of these
+    distinct ids at every prompt row from ``prompt_logprob_start`` (default 0; row ``i`` predicts
+    prompt token ``i + 1``), in ``RequestOutput.prompt_token_id_logprobs``: a float32
+    ``[max(len(prompt) - 1 - start, 0), len(ids)]`` tensor once the prompt is computed (the start
+    without the ids does nothing, as in vLLM). ``output_kind``: see
     ``RequestOutputKind``. ``structured_outputs`` (or its older name ``guided_decoding``)
     constrains the completion to a grammar: see ``StructuredOutputsParams``; it needs xgrammar.
     ``repetition_detection`` (a ``RepetitionDetectionParams`` or a dict of its fields) ends looping output.
@@ -214,6 +219,8 @@ class SamplingParams:
     extra_args: dict | None = None
     bad_words: list[str] | None = None
     logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
     truncate_prompt_tokens: int | None = None
     logits_processors: list[Callable] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -226,7 +233,8 @@ class SamplingParams:
             _check(self.structured_outputs is None or self.structured_outputs is self.guided_decoding,
                    "guided_decoding", self.guided_decoding, "None when structured_outputs is set")
             self.structured_outputs = self.guided_decoding
-        _python_values(self, _NUMBER_FIELDS, ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"))
+        _python_values(self, _NUMBER_FIELDS, ("stop_token_ids", "allowed_token_ids", "logprob_token_ids",
+                                              "prompt_logprob_token_ids"))
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {python_scalar(t): python_scalar(b) for t, b in self.logit_bias.items()}
         if isinstance(self.stop, str):
@@ -334,6 +342,16 @@ class SamplingParams:
                    and all(isinstance(t, int) and t >= 0 for t in self.logprob_token_ids),
                    "logprob_token_ids", self.logprob_token_ids, "a non-empty list of non-negative token ids")
             self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids))
+        ids = self.prompt_logprob_token_ids
+        if ids is not None:  # repeats are an error, as in vLLM: each id is a column of the result
+            _check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(isinstance(t, int) and t >= 0
+                                                                           for t in ids)
+                   and len(set(ids)) == len(ids), "prompt_logprob_token_ids", ids,
+                   "a non-empty list of distinct non-negative token ids (one set for every row)")
+            self.prompt_logprob_token_ids = list(ids)
+        start = self.prompt_logprob_start
+        _check(start is None or (isinstance(start, int) and not isinstance(start, bool) and start >= 0),
+               "prompt_logprob_start", start, "None or an integer >= 0 (the first prompt row to score)")
         _check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         structured = self.structured_outputs
@@ -364,6 +382,9 @@ class SamplingParams:
             if count is not None and max_logprobs not in (None, -1):
                 _check((vocab_size if count == -1 else count) <= max_logprobs, name, count,
                        f"at most the engine's max_logprobs ({max_logprobs}; -1 is the whole vocabulary)")
+        ids = self.prompt_logprob_token_ids or ()
+        _check(max_logprobs in (None, -1) or len(ids) <= max_logprobs, "prompt_logprob_token_ids", ids,
+               f"at most the engine's max_logprobs ({max_logprobs}) ids")
 
     def for_vocabulary(self, vocab_size: int) -> SamplingParams:
         """These parameters for a vocabulary of ``vocab_size``: a ``logprobs`` or ``prompt_logprobs``
@@ -390,6 +411,15 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """Whether each generated position gets a logprobs record (top-N or label ids)."""
         return self.logprobs is not None or self.logprob_token_ids is not None
+
+    @property
+    def first_scored_prompt_row(self) -> int | None:
+        """The first prompt row whose logits are asked: 0 with ``prompt_logprobs``, else the
+        ``prompt_logprob_start`` of ``prompt_logprob_token_ids``; None without either. Such a request
+        reads no prefix cache (vLLM's ``skip_reading_prefix_cache`` default), so each row is computed."""
+        if self.prompt_logprobs is not None:
+            return 0
+        return None if self.prompt_logprob_token_ids is None else self.prompt_logprob_start or 0
 
     @property
     def has_penalties(self) -> bool:

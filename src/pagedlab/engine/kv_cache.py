@@ -112,7 +112,7 @@ class KVCacheManager:
         request gets logits to sample from.
         """
         hit = PrefixHit()
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or request.scores_prompt:
             return hit
         tokens = request.all_token_ids
         for i in range((len(tokens) - 1) // self.block_size):

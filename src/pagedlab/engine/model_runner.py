@@ -2,7 +2,8 @@
 
 Owns the weights, the KV cache tensors, the decode CUDA graphs and the sampler; the engine gives
 it a plan (``configure``) and one batch per step (``launch``). Logits are computed only for the
-positions that sample, plus every prompt position of requests that asked for prompt logprobs.
+positions that sample, plus the prompt rows requests score (``prompt_logprobs`` and
+``prompt_logprob_token_ids``: ``prompt_scores``).
 
 ``launch`` queues a step's work and returns without waiting for the GPU: the sampled ids stay on
 the device (the next step may read its pending input ids from there) and are copied to pinned
@@ -29,14 +30,15 @@ from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.profiling import StepRanges
 from pagedlab.engine.weight_update import WeightPairs, update_weights
-from pagedlab.engine.step_outputs import LaunchedStep, PromptLogprobsChunk
+from pagedlab.engine.prompt_scores import score_prompt_rows, top_to_host
+from pagedlab.engine.step_outputs import LaunchedStep
 from pagedlab.engine.step_inputs import (DeviceInputs, HostToDevice, StepInputs, build_sampling_metadata,
                                          prepare_step_inputs, stage_forward_inputs)
 from pagedlab.layers.attention import (AttentionBackend, AttentionMetadata, BatchLayout, forward_context,
                                        get_attention_backend)
-from pagedlab.layers.batch_invariant import batch_invariant_mode, log_softmax
+from pagedlab.layers.batch_invariant import batch_invariant_mode
 from pagedlab.kernels.sampling import warm_up_sampling
-from pagedlab.layers.sampler import Sampler, SamplingMetadata, TopLogprobs, gather_logprobs
+from pagedlab.layers.sampler import Sampler, SamplingMetadata
 from pagedlab.loader import ModelSource, load_model
 from pagedlab.lora.manager import LoRAManager
 
@@ -393,11 +395,6 @@ class ModelRunner:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
 
-    def _top_to_host(self, top: TopLogprobs) -> TopLogprobs:
-        return TopLogprobs(*(self._to_host(t) if t is not None else None for t in (
-            top.token_logprob, top.token_rank, top.top_ids, top.top_logprobs, top.label_logprobs,
-            top.label_ranks)))
-
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling (when a request has a grammar, sampling
         waits for ``finish_sampling`` and then this method's next call). A request whose input
@@ -437,8 +434,8 @@ class ModelRunner:
                 logits = self.model.compute_logits(self._logit_hidden(hidden, staged, len(rows)))
         step = LaunchedStep(batch, inputs.sampled)
         if rows:
-            step.prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sample_rows):], batch,
-                                                         inputs.prompt_chunks)
+            step.prompt_logprobs = score_prompt_rows(logits[len(inputs.sample_rows):], batch.requests,
+                                                     inputs.prompt_chunks, self.to_device, self._to_host)
         step.unsampled = (inputs, logits if rows else None)
         if not any(r.grammar is not None for r in inputs.sampled):
             self.finish_sampling(step)
@@ -476,7 +473,7 @@ class ModelRunner:
                 out = self.sampler(logits[:len(inputs.sample_rows)], meta)
                 step.sampled_token_ids = out.token_ids
                 step.host_token_ids = self._to_host(out.token_ids)
-                step.logprobs = self._top_to_host(out.logprobs) if out.logprobs is not None else None
+                step.logprobs = top_to_host(out.logprobs, self._to_host) if out.logprobs is not None else None
             if self.device.type == "cuda":
                 step.done = torch.cuda.Event()
                 step.done.record()
@@ -553,15 +550,3 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record()
             self.to_device.end_step(done)
-
-    def _prompt_logprobs(self, logits, batch, prompt_rows) -> dict[str, PromptLogprobsChunk]:
-        result = {}
-        by_id = {r.request_id: r for r in batch.requests}
-        for request_id, (first, count, start) in prompt_rows.items():
-            request = by_id[request_id]
-            targets = request.prompt_token_ids[start + 1:start + 1 + count]
-            logprobs = log_softmax(logits[first:first + count])
-            top = gather_logprobs(logprobs, self.to_device(targets, torch.int64),
-                                  request.sampling_params.prompt_logprobs)
-            result[request_id] = PromptLogprobsChunk(start + 1, targets, self._top_to_host(top))
-        return result

@@ -14,6 +14,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedlab.engine.step_outputs import PromptLogprobsChunk, StepOutput
 from pagedlab.engine.request import Request
@@ -35,9 +37,44 @@ class CompletionState:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_ready: int = 1  # leading prompt positions recorded (position 0 has none)
+    token_id_logprobs: PromptTokenIdLogprobs | None = None  # with prompt_logprob_token_ids
     sent_tokens: int = 0  # with RequestOutputKind.DELTA: how much earlier outputs already carried
     sent_text: int = 0
     sent_prompt_logprobs: int = 0
+
+
+@dataclass
+class PromptTokenIdLogprobs:
+    """A request's ``prompt_token_id_logprobs`` as its prompt's chunks fill them, rows in order. A
+    prefill redone after a preemption rewrites the rows it has until the last row is in; from then
+    on they are left as they are (as outputs carry them), whatever a later recompute gives."""
+
+    scores: torch.Tensor  # [rows, len(prompt_logprob_token_ids)] float32
+    ready: int = 0  # leading rows recorded
+    sent: bool = False  # with RequestOutputKind.DELTA: an output carried them
+
+    @classmethod
+    def for_request(cls, request: Request) -> PromptTokenIdLogprobs:
+        params = request.sampling_params
+        rows = max(request.num_prompt_tokens - 1 - (params.prompt_logprob_start or 0), 0)
+        return cls(torch.empty(rows, len(params.prompt_logprob_token_ids), dtype=torch.float32))
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= len(self.scores)
+
+    def record(self, chunk: PromptLogprobsChunk) -> None:
+        if chunk.token_id_logprobs is not None and not self.complete:
+            end = chunk.token_id_row + len(chunk.token_id_logprobs)
+            self.scores[chunk.token_id_row:end] = chunk.token_id_logprobs
+            self.ready = max(self.ready, end)
+
+    def output(self, delta: bool) -> torch.Tensor | None:
+        """The scores an output carries: all of them once complete (with ``delta``, only once)."""
+        if not self.complete or (delta and self.sent):
+            return None
+        self.sent = self.sent or delta
+        return self.scores
 
 
 @dataclass
@@ -104,6 +141,8 @@ class OutputProcessor:
                 state.logprobs = []
             if params.prompt_logprobs is not None:
                 state.prompt_logprobs = [None] * child.num_prompt_tokens
+            if params.prompt_logprob_token_ids is not None:
+                state.token_id_logprobs = PromptTokenIdLogprobs.for_request(child)
             parent.completions.append(state)
             self._completions[child.request_id] = state
         parent.shown = parent.progress
@@ -169,6 +208,10 @@ class OutputProcessor:
             chunk, state = chunks.get(request.request_id), self._completions.get(request.request_id)
             if chunk is None or state is None or state.request is not request:
                 continue  # aborted (its id perhaps reused) while the step that computed the chunk ran
+            if state.token_id_logprobs is not None:
+                state.token_id_logprobs.record(chunk)
+            if chunk.logprobs is None:
+                continue
             params = request.sampling_params
             records = state.prompt_logprobs
             for j, token in enumerate(chunk.token_ids):
@@ -224,7 +267,9 @@ class OutputProcessor:
             request_id=request_id, prompt=parent.prompt, prompt_token_ids=first.request.prompt_token_ids,
             prompt_logprobs=_prompt_logprobs_output(first, delta),
             outputs=[_completion_output(state, delta) for state in parent.completions], finished=finished,
-            metrics=first.request.metrics, num_cached_tokens=first.request.num_cached_prompt_tokens)
+            metrics=first.request.metrics, num_cached_tokens=first.request.num_cached_prompt_tokens,
+            prompt_token_id_logprobs=(first.token_id_logprobs.output(delta)
+                                      if first.token_id_logprobs is not None else None))
 
     def clear(self) -> None:
         self._parents.clear()

@@ -119,5 +119,7 @@ class Request:
                 or any(len(w) > 1 for w in self.bad_words_token_ids))
 
     @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None
+    def scores_prompt(self) -> bool:
+        """Some prompt rows need their logits (``SamplingParams.first_scored_prompt_row``): no
+        prefix cache is read for it, so every prefill computes them."""
+        return self.sampling_params.first_scored_prompt_row is not None

@@ -34,8 +34,9 @@ class StepInputs:
     sampled: list[Request] = field(default_factory=list)
     sample_positions: list[int] = field(default_factory=list)  # output tokens before each sampled one
     sample_proposed: dict[int, list[int]] = field(default_factory=dict)  # sampled row -> proposals before it
-    prompt_rows: list[int] = field(default_factory=list)  # token indices whose prompt logprobs are wanted
-    prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (row, count, start)
+    prompt_rows: list[int] = field(default_factory=list)  # token indices of the prompt rows scored
+    # request id -> (its first row among prompt_rows, row count, prompt position of the first row)
+    prompt_chunks: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
@@ -81,10 +82,7 @@ def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int]
         else:
             inputs.input_ids.extend(request.all_token_ids[start:start + n - len(drafts)] + drafts)
         add_positions(inputs, request, start, n, block_size)
-        if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
-            count = min(start + n, request.num_prompt_tokens - 1) - start
-            inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), count, start)
-            inputs.prompt_rows.extend(range(offset, offset + count))
+        add_prompt_rows(inputs, request, start, n, offset)
         first = n - batch.num_samples(i)
         for j in range(first, n):
             if j > first:  # a row after proposed tokens sees them in its history
@@ -93,6 +91,19 @@ def prepare_step_inputs(batch: ScheduledBatch, previous_rows: dict[Request, int]
             inputs.sample_rows.append(offset + j)
             inputs.sample_positions.append(start + j + 1 - request.num_prompt_tokens)
     return inputs
+
+
+def add_prompt_rows(inputs: StepInputs, request: Request, start: int, count: int, offset: int) -> None:
+    """Mark the prompt rows among ``request``'s tokens [``start``, ``start + count``) (from token
+    index ``offset`` of the step) whose logits it asks for: each from its
+    ``first_scored_prompt_row`` up to the last but one (the last predicts the first output token)."""
+    first = request.sampling_params.first_scored_prompt_row
+    if first is None:
+        return
+    first, end = max(start, first), min(start + count, request.num_prompt_tokens - 1)
+    if first < end:
+        inputs.prompt_chunks[request.request_id] = (len(inputs.prompt_rows), end - first, first)
+        inputs.prompt_rows.extend(range(offset + first - start, offset + end - start))
 
 
 @dataclass

@@ -15,11 +15,15 @@ from pagedlab.layers.sampler import TopLogprobs
 
 @dataclass
 class PromptLogprobsChunk:
-    """Prompt logprobs for positions ``start..start+len`` of one request (of the token at each)."""
+    """One step's scores of a request's prompt: ``prompt_logprobs`` for positions
+    ``start..start+len(token_ids)`` (of the token at each), and the ``prompt_logprob_token_ids``
+    rows of its ``prompt_token_id_logprobs`` from row ``token_id_row`` on."""
 
     start: int
     token_ids: list[int]
-    logprobs: TopLogprobs  # CPU tensors
+    logprobs: TopLogprobs | None  # CPU tensors; None without prompt_logprobs
+    token_id_logprobs: torch.Tensor | None = None  # [rows, len(ids)] float32 on the CPU
+    token_id_row: int = 0
 
 
 @dataclass
