@@ -13,7 +13,7 @@ import torch
 from conftest import KV_BYTES, hf_greedy, random_prompts
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.async_engine import AsyncEngine
-from pagedlab.engine.step_inputs import bad_word_bans
+from pagedlab.engine.bad_words import bad_word_bans, bad_words_token_ids
 from pagedlab.sampling_params import RequestOutputKind
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
@@ -71,7 +71,7 @@ def test_bad_words_match_hf_bad_words_ids(chat_model, async_scheduling):
         i, word_two, word_one = _words_from(tokenizer, plain)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word_two, word_one])
         got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
-        banned = llm.llm_engine._bad_words_token_ids([word_two, word_one])
+        banned = bad_words_token_ids(tokenizer, [word_two, word_one], llm.llm_engine.hf_config.vocab_size)
     expected = vllm_bad_word_ids(tokenizer, word_two) + vllm_bad_word_ids(tokenizer, word_one)
     assert banned == expected and len(banned) >= 3 and any(len(w) == 2 for w in banned)
     assert prompt_ids[-1] not in [w[0] for w in banned if len(w) > 1]  # HF also matches across the prompt

@@ -29,6 +29,7 @@ from pagedlab.config import (EngineConfig, EngineInfo, attention_windows, cpu_kv
 from pagedlab.distributed.parallel_state import destroy_tensor_parallel
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.layers.rotary import long_rope_switch
+from pagedlab.engine.bad_words import bad_words_token_ids
 from pagedlab.engine.draft_model import DraftModel
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
@@ -324,7 +325,8 @@ class LLMEngine:
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "
                                  "none; use stop_token_ids / allowed_token_ids")
-        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
+        bad_words = (bad_words_token_ids(self.tokenizer, params.bad_words, self.hf_config.vocab_size)
+                     if params.bad_words else [])
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)  # a bad grammar fails before queueing
         arrival_time = arrival_time or time.time()
@@ -341,23 +343,6 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt, children)
         for child in children:
             self.scheduler.add_request(child)
-
-    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
-        """vLLM's tokenization of bad words: each word as it starts a text, and after a space where
-        that gives a different first token and as many tokens (a word mid-sentence)."""
-        sequences = []
-        for word in bad_words:
-            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            sequences.append(bare)
-            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                sequences.append(spaced)
-        vocab = self.hf_config.vocab_size
-        bad = next((t for ids in sequences for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"bad_words={bad_words!r} is invalid: it tokenizes to id {bad}, out of "
-                             f"vocabulary (ids must be in [0, {vocab}))")
-        return sequences
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedlab.engine.bad_words import bad_word_bans
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.structured_output import grammar_bitmask
@@ -397,17 +398,6 @@ def _bans(requests: list[Request], positions: list[int], history: Callable[[int]
         return None
     # device index tensors: indexing with host lists would wait for the GPU
     return to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64)
-
-
-def bad_word_bans(bad_words: list[list[int]], output_token_ids: list[int]) -> list[int]:
-    """vLLM's rule: a bad word's last token is banned when the output ends with its other tokens
-    (a one-token bad word always)."""
-    banned = []
-    for word in bad_words:
-        prefix = word[:-1]
-        if not prefix or (len(prefix) <= len(output_token_ids) and output_token_ids[-len(prefix):] == prefix):
-            banned.append(word[-1])
-    return banned
 
 
 def _logits_controls(params: list, to_device: HostToDevice):
