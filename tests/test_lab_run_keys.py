@@ -221,3 +221,15 @@ def test_repetition_detection_keeps_earlier_keys():
     assert keys(dataset_spec(looping)) != ["d:998c13c91aa370dce8aeb314"]
     with pytest.raises(ExperimentError, match="min_count=1 is invalid"):
         keys(dataset_spec({**sampling, "repetition_detection": {"max_pattern_size": 4, "min_count": 1}}))
+
+
+def test_new_settings_left_at_their_defaults_keep_earlier_keys():
+    """A field added with a default (``thinking_token_budget``, ``reasoning_config``) changes no key
+    of a spec written before it, spelt out or not (the key computed before they existed)."""
+    spec = dataset_spec({"max_tokens": 4, "temperature": 0.5})
+    assert keys(spec) == ["d:f60c293d044eb3897d66b56a"]
+    spelt = dataset_spec({"max_tokens": 4, "temperature": 0.5, "thinking_token_budget": None},
+                         {"reasoning_config": None})
+    assert keys(spelt) == keys(spec)
+    assert keys(dataset_spec({"max_tokens": 4, "temperature": 0.5, "thinking_token_budget": 8},
+                             {"reasoning_config": {"reasoning_parser": "qwen3"}})) != keys(spec)

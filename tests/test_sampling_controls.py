@@ -27,7 +27,7 @@ class _Row:
         self.sampling_params, self.seed = params, None
         self.output_token_ids, self.prompt_token_ids, self.eos_token_ids = [], [1], []
         self.num_output_tokens = self.num_pending_tokens = 0
-        self.bad_words_token_ids, self.grammar = [], None
+        self.bad_words_token_ids, self.grammar, self.thinking = [], None, None
 
 
 def test_logits_controls_match_torch_reference():

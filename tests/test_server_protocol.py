@@ -204,9 +204,11 @@ def test_completion_to_sampling_params_maps_every_field():
     default = SamplingParams()
     # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry;
     # fixed-token prompt scoring is offline only, as vLLM's OpenAI endpoints leave it out (its
-    # /inference/v1/generate takes it, an endpoint pagedlab does not serve)
+    # /inference/v1/generate takes it, an endpoint pagedlab does not serve); a thinking budget takes no
+    # grammar (the grammar would cover the thinking too): it comes below
     offline_only = ("prompt_logprob_token_ids", "prompt_logprob_start")
-    not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors", *offline_only)
+    not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors",
+                          "thinking_token_budget", *offline_only)
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
                 if getattr(want, f.name) == getattr(default, f.name) and f.name not in not_request_fields]
     assert unmapped == []  # the body sets every field away from its default
@@ -216,6 +218,9 @@ def test_completion_to_sampling_params_maps_every_field():
     assert parse_request(CompletionRequest, {**body, **scoring}).to_sampling_params() == want
     assert parse_request(ChatCompletionRequest, {"messages": CHAT, **scoring}).to_sampling_params() == \
         SamplingParams(max_tokens=None)
+    budgeted = {**{k: v for k, v in body.items() if k != "guided_choice"}, "thinking_token_budget": 64}
+    assert parse_request(CompletionRequest, budgeted).to_sampling_params() == dataclasses.replace(
+        want, structured_outputs=None, thinking_token_budget=64)
     # echo with logprobs asks for the prompt's logprobs too, at least as many
     echoed = parse_request(CompletionRequest, {**body, "echo": True, "prompt_logprobs": None})
     assert echoed.to_sampling_params() == dataclasses.replace(want, prompt_logprobs=3)
@@ -227,10 +232,11 @@ def test_chat_to_sampling_params():
     body = {"messages": CHAT, "n": 3, "temperature": 0.7, "top_p": 0.8, "seed": 5, "stop": "x",
             "max_tokens": 50, "max_completion_tokens": 12, "logprobs": True, "top_logprobs": 4,
             "min_tokens": 2, "top_k": 9, "repetition_penalty": 1.1, "ignore_eos": True,
-            "repetition_detection": {"max_pattern_size": 5, "min_count": 4}}
+            "repetition_detection": {"max_pattern_size": 5, "min_count": 4}, "thinking_token_budget": 0}
     want = SamplingParams(n=3, temperature=0.7, top_p=0.8, seed=5, stop=["x"], max_tokens=12, logprobs=4,
                           min_tokens=2, top_k=9, repetition_penalty=1.1, ignore_eos=True,
-                          repetition_detection=RepetitionDetectionParams(max_pattern_size=5, min_count=4))
+                          repetition_detection=RepetitionDetectionParams(max_pattern_size=5, min_count=4),
+                          thinking_token_budget=0)
     assert parse_request(ChatCompletionRequest, body).to_sampling_params() == want
     plain = parse_request(ChatCompletionRequest, {"messages": CHAT, "max_tokens": 50, "logprobs": True})
     assert plain.to_sampling_params() == SamplingParams(max_tokens=50, logprobs=0)

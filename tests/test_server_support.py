@@ -57,3 +57,35 @@ def build_tiny_chat_model(directory: Path, seed: int = 0, max_position_embedding
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(directory)
     return str(directory)
+
+
+THINKING_TEMPLATE = (  # Qwen3's layout; the generation prompt opens the thinking section, as Qwen3-2507's
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+def build_tiny_thinking_model(directory: Path, seed: int = 0) -> str:
+    """A tiny random Qwen3 whose byte-level BPE tokenizer has ``<think>`` and ``</think>`` as
+    single special tokens, with ``THINKING_TEMPLATE`` as its chat template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import build_tiny_model
+
+    directory = Path(directory)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+    fast.chat_template = THINKING_TEMPLATE
+    fast.save_pretrained(directory)
+    build_tiny_model(directory, "qwen3", seed=seed, vocab_size=tok.get_vocab_size())
+    return str(directory)

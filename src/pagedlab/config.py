@@ -169,6 +169,11 @@ class EngineConfig:
     max_loras: int = _setting(1, "adapters one step can run (GPU slots, least recently used evicted)")
     max_lora_rank: int = _setting(16, "largest adapter rank accepted (the slots' size)")
     max_cpu_loras: int | None = _setting(None, "adapters kept read in CPU memory (default: max_loras)")
+    reasoning_config: dict | None = _setting(
+        None, "the thinking markers of SamplingParams.thinking_token_budget, vLLM's dict: "
+              "{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": \"</think>\"} (the end may "
+              "carry a phrase forced with it), or {\"reasoning_parser\": \"qwen3\"} for that parser's tags "
+              "(pagedlab serve's --reasoning-parser fills it in)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy numbers from a sweep's table as Python ones

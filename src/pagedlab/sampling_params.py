@@ -33,7 +33,8 @@ _TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids", "pro
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
-                                  "prompt_logprobs", "truncate_prompt_tokens", "prompt_logprob_start")
+                                  "prompt_logprobs", "truncate_prompt_tokens", "prompt_logprob_start",
+                                  "thinking_token_budget")
 
 
 def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) -> None:
@@ -184,6 +185,9 @@ class SamplingParams:
     ``RequestOutputKind``. ``structured_outputs`` (or its older name ``guided_decoding``)
     constrains the completion to a grammar: see ``StructuredOutputsParams``; it needs xgrammar.
     ``repetition_detection`` (a ``RepetitionDetectionParams`` or a dict of its fields) ends looping output.
+    ``thinking_token_budget`` (vLLM's): at most this many tokens inside each thinking section of a
+    reasoning model, after which the engine forces its end marker (``engine/thinking_budget.py``;
+    the engine needs ``reasoning_config``); None or -1 is unlimited.
 
     ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
     constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
@@ -227,6 +231,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -250,6 +255,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):  # vLLM's __post_init__: True asks for one
             if getattr(self, name) is True:
                 setattr(self, name, 1)
+        if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:  # vLLM's "unlimited"
+            self.thinking_token_budget = None
         self._validate()
         # vLLM's __post_init__ drops repeats: [5, 5] and [5] are one request (and one lab run key)
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
@@ -364,6 +371,11 @@ class SamplingParams:
                "repetition_detection", repetition, "None or a RepetitionDetectionParams")
         _check(self.detokenize or not self.stop, "stop", self.stop,
                "empty with detokenize=False (stop strings are found in the text; use stop_token_ids)")
+        budget = self.thinking_token_budget
+        _check(budget is None or (type(budget) is int and budget >= 0), "thinking_token_budget", budget,
+               "None, -1 (unlimited) or an integer >= 0")
+        _check(budget is None or structured is None, "thinking_token_budget", budget,
+               "None with structured_outputs (its grammar covers the whole output, thinking included)")
 
     def verify_vocabulary(self, vocab_size: int, max_logprobs: int | None = None) -> None:
         """ValueError naming the field when a token id the parameters name is out of vocabulary, or

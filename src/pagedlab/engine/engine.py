@@ -41,6 +41,7 @@ from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.sleep_mode import (EngineAsleepError, RankSleep, SleepStateError, check_sleep_level,
                                         check_wake_up_tags)
 from pagedlab.engine.structured_output import GrammarCompiler
+from pagedlab.engine.thinking_budget import new_thinking_budget, thinking_markers
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.weight_update import check_updatable, weight_pairs
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
@@ -110,6 +111,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
         self.tokenizer_path = resolve_tokenizer_path(config.tokenizer, self.source.path, config.download_dir)
         self.tokenizer = load_tokenizer(self.tokenizer_path, config.tokenizer_mode)
+        self.thinking_markers = thinking_markers(config.reasoning_config, self.tokenizer,
+                                                 self.hf_config.vocab_size)
         try:
             generation_config = GenerationConfig.from_pretrained(str(self.source.path))
         except OSError:
@@ -336,6 +339,7 @@ class LLMEngine:
                     index=index, parent_id=request_id,
                     arrival_time=arrival_time, priority=priority, lora_request=lora_request,
                     bad_words_token_ids=bad_words,
+                    thinking=new_thinking_budget(params, self.thinking_markers, len(prompt_token_ids)),
                     grammar=(self.grammar_compiler.matcher(params.structured_outputs, params.stop_token_ids)
                              if params.structured_outputs is not None else None),
                     seed=params.seed + index if params.seed is not None else None)

@@ -396,10 +396,10 @@ class ModelRunner:
         return host.copy_(tensor, non_blocking=True)
 
     def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's forward pass and sampling (when a request has a grammar, sampling
-        waits for ``finish_sampling`` and then this method's next call). A request whose input
-        token is still pending takes it from ``previous``'s sampled ids on the device, without a
-        round trip to the host."""
+        """Queue the step's forward pass and sampling (when a request's sampling needs its pending
+        tokens, ``Request.samples_after_read_back``, it waits for ``finish_sampling`` and then this
+        method's next call). A request whose input token is still pending takes it from
+        ``previous``'s sampled ids on the device, without a round trip to the host."""
         try:
             return self._launch(batch, previous)
         except RuntimeError as e:
@@ -437,7 +437,7 @@ class ModelRunner:
             step.prompt_logprobs = score_prompt_rows(logits[len(inputs.sample_rows):], batch.requests,
                                                      inputs.prompt_chunks, self.to_device, self._to_host)
         step.unsampled = (inputs, logits if rows else None)
-        if not any(r.grammar is not None for r in inputs.sampled):
+        if not any(r.samples_after_read_back for r in inputs.sampled):
             self.finish_sampling(step)
             step.queue_sampler()
         return step
@@ -445,10 +445,11 @@ class ModelRunner:
     @torch.inference_mode()
     def finish_sampling(self, step: LaunchedStep) -> None:
         """Sample a launched step that ``launch`` left unsampled (a batch with grammar rows, whose
-        bitmask needs the tokens of the step before, just read back). Its sampling inputs are
-        built and staged now, while the device runs its forward pass; the sampler itself is queued
-        by the next ``launch``, after that step's host preparation, so the device does not wait
-        for it (or by ``result()``, whichever comes first)."""
+        bitmask needs the tokens of the step before, just read back; or a row a thinking budget may
+        force, depending on them). Its sampling inputs are built and staged now, while the device
+        runs its forward pass; the sampler itself is queued by the next ``launch``, after that
+        step's host preparation, so the device does not wait for it (or by ``result()``,
+        whichever comes first)."""
         if step.unsampled is None:
             return
         (inputs, logits), step.unsampled = step.unsampled, None

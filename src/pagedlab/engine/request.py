@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedlab.engine.structured_output import RequestGrammar
+from pagedlab.engine.thinking_budget import ThinkingBudget
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class Request:
     lora_request: LoRARequest | None = None  # the adapter it runs with, None for the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
     grammar: RequestGrammar | None = None  # structured outputs: a RequestGrammar fed every kept token
+    thinking: ThinkingBudget | None = None  # SamplingParams.thinking_token_budget's count
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
@@ -117,6 +119,14 @@ class Request:
         logits processors)."""
         return (self.sampling_params.has_penalties or bool(self.sampling_params.logits_processors)
                 or any(len(w) > 1 for w in self.bad_words_token_ids))
+
+    @property
+    def samples_after_read_back(self) -> bool:
+        """Its next row's sampling inputs need the tokens still pending on the device: its grammar's
+        bitmask does, and its thinking budget's forced token may (``ModelRunner.finish_sampling``)."""
+        return self.grammar is not None or (
+            self.thinking is not None and self.thinking.needs_pending_tokens(self.all_token_ids,
+                                                                             self.num_pending_tokens))
 
     @property
     def scores_prompt(self) -> bool:

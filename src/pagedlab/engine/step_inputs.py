@@ -275,10 +275,10 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     """The sampler's settings for one row per request (temperature, seeds, top-k/p, min-p,
     penalties with the token history, the ids that ``min_tokens`` and ``bad_words`` ban, the
     grammar bitmask of structured outputs, the label ids of ``logprob_token_ids``, the logits
-    processors with each row's token ids). ``positions``:
+    processors with each row's token ids, the tokens thinking budgets force). ``positions``:
     how many output tokens each request sampled before this one; ``step_seed``: see ``row_seeds``;
     ``proposed``: a row's proposed tokens before it (speculative decoding), part of its history
-    for penalties, bad words and logits processors."""
+    for penalties, bad words, logits processors and thinking budgets."""
     params = [r.sampling_params for r in requests]
 
     def history(row: int) -> list[int]:  # the output tokens sampling at ``row`` reads
@@ -303,6 +303,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     if any(p.logits_processors for p in params):
         meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), history(i))
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
+    if any(r.thinking is not None for r in requests):
+        meta.forced_token_ids = _forced_tokens(requests, to_device, proposed or {})
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
     if any(p.logprob_token_ids for p in params):
@@ -398,6 +400,20 @@ def _bans(requests: list[Request], positions: list[int], history: Callable[[int]
         return None
     # device index tensors: indexing with host lists would wait for the GPU
     return to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64)
+
+
+def _forced_tokens(requests: list[Request], to_device: HostToDevice,
+                   proposed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) of the rows a thinking budget forces, a row after proposed tokens counting
+    them. Built where each request's tokens are all on the host, or where none of those still
+    pending could make its row forced (``Request.samples_after_read_back``)."""
+    rows, ids = [], []
+    for row, r in enumerate(requests):
+        token = r.thinking.forced_token(r.all_token_ids, proposed.get(row, ())) if r.thinking else None
+        if token is not None:
+            rows.append(row)
+            ids.append(token)
+    return (to_device(rows, torch.int64), to_device(ids, torch.int64)) if rows else None
 
 
 def _logits_controls(params: list, to_device: HostToDevice):

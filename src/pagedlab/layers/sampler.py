@@ -3,7 +3,8 @@ seeds.
 
 The order follows vLLM: allowed token ids and logit bias, the grammar bitmask of structured
 outputs, min-tokens and bad-words masking, penalties, then (for sampled rows) temperature, min-p
-and top-k/top-p. Log-probabilities are those of the raw logits.
+and top-k/top-p; last, a thinking budget's forced token overrides them all. Log-probabilities
+are those of the raw logits.
 
 Every row is drawn by Gumbel-max (``kernels/sampling.py``): ``argmax(x / T + g)`` with Gumbel
 noise ``g`` from Philox keyed by the row's 64-bit seed, which equals sampling from
@@ -56,6 +57,8 @@ class SamplingMetadata:
     label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
     # (row, SamplingParams.logits_processors, prompt ids, output ids so far) of the rows with any
     logits_processors: list[tuple[int, list, tuple[int, ...], list[int]]] | None = None
+    # (rows, ids): each row samples its id, whatever the rest allow (thinking_token_budget's end marker)
+    forced_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -217,13 +220,23 @@ class Sampler:
             logits = apply_penalties(logits, meta)
         if meta.filtered_rows is not None:
             logits = apply_filters(logits, meta)
+        if meta.forced_token_ids is not None:
+            logits = apply_forced_tokens(logits, *meta.forced_token_ids)
         return logits
 
 
 def _rewrites_logits(meta: SamplingMetadata) -> bool:
     return any(x is not None for x in (
         meta.logits_processors, meta.logit_bias, meta.allowed_token_ids, meta.grammar_bitmask,
-        meta.banned_token_ids, meta.repetition_penalty, meta.filtered_rows))
+        meta.banned_token_ids, meta.repetition_penalty, meta.filtered_rows, meta.forced_token_ids))
+
+
+def apply_forced_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each of ``rows`` keeps only its forced id (0, every other -inf), in place: the draw, greedy or
+    sampled at any temperature, takes it."""
+    logits.index_fill_(0, rows, float("-inf"))
+    logits[rows, ids] = 0.0
+    return logits
 
 
 def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

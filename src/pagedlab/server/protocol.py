@@ -153,6 +153,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     truncate_prompt_tokens: Integer | None = Field(None, ge=-1)
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
     repetition_detection: dict[str, Integer] | None = None  # RepetitionDetectionParams' fields
+    thinking_token_budget: Integer | None = None  # -1 unlimited; needs the engine's reasoning_config
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
     use_beam_search: Annotated[bool, refused("use_beam_search is not supported by this server: leave it out "
                                              "or set it to false (sampled or greedy decoding)")] = False
@@ -220,7 +221,8 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
-                repetition_detection=repetition_detection_params(self.repetition_detection))
+                repetition_detection=repetition_detection_params(self.repetition_detection),
+                thinking_token_budget=self.thinking_token_budget)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 

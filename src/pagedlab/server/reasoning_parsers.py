@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 START, END = "<think>", "</think>"
 
@@ -32,6 +33,9 @@ class ReasoningParser:
 
     name: str
     implicit_start: bool
+    # vLLM's names for the tags: the markers thinking_token_budget counts between (engine/thinking_budget.py)
+    reasoning_start_str: ClassVar[str] = START
+    reasoning_end_str: ClassVar[str] = END
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None where there is none."""
