@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from pagedlab.config import EngineConfig, EngineInfo
 from pagedlab.engine.engine import LLMEngine
+from pagedlab.engine.thinking_budget import check_thinking_budget
 from pagedlab.inputs import PromptType, encode_prompt
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import EngineStats, RequestOutput
@@ -266,6 +267,7 @@ class AsyncEngine:
             raise EngineDeadError(self._dead_message())
         params = SamplingParams(**self.default_sampling_args) if params is None else params
         check_sampling_params(params, "params")
+        check_thinking_budget(params, self.engine.thinking_markers)
         self.engine.validate_priority(priority)
         self.engine.check_awake()  # the engine thread checks again: a sleep may come between
         encoded = encode_prompt(prompt, self.tokenizer, self.model_name)

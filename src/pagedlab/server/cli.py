@@ -40,7 +40,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split chat output into message.reasoning and content at </think>: deepseek_r1 "
                         "(DeepSeek-R1, QwQ: reasoning until </think>) or qwen3 (reasoning only inside a "
-                        "leading <think> block)")
+                        "leading <think> block); its tags are thinking_token_budget's markers unless "
+                        "--reasoning-config names others")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='keep the tools of a tool_choice "none" request out of the chat template '
                         "(default: the template gets them, as vLLM's)")
@@ -129,6 +130,7 @@ def serve_command(args: argparse.Namespace) -> int:
         lora_modules = lora_modules_from_args(args)
         config = engine_config_from_args(args)
         config.enable_lora = config.enable_lora or bool(lora_modules)
+        config.reasoning_config = reasoning_config_from_args(args)
         engine = AsyncEngine.from_engine_config(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -203,6 +205,14 @@ def tool_calling_from_args(args: argparse.Namespace) -> dict:
             "enable_auto_tool_choice": args.enable_auto_tool_choice,
             "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
             "reasoning_parser": args.reasoning_parser}
+
+
+def reasoning_config_from_args(args: argparse.Namespace) -> dict | None:
+    """``--reasoning-config``, with ``--reasoning-parser`` as its ``reasoning_parser`` where it names
+    none: as in vLLM, the parser alone gives ``thinking_token_budget`` its markers."""
+    if args.reasoning_parser is None:
+        return args.reasoning_config
+    return {"reasoning_parser": args.reasoning_parser, **(args.reasoning_config or {})}
 
 
 def register(subparsers) -> None:
