@@ -12,7 +12,7 @@ import pytest
 
 from pagedlab import LLM
 from pagedlab.engine.async_engine import AsyncEngine
-from pagedlab.server.reasoning_parsers import REASONING_PARSERS, ReasoningStream, reasoning_parser_named
+from pagedlab.reasoning_parsers import REASONING_PARSERS, ReasoningStream, reasoning_parser_named
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model
 
 httpx = pytest.importorskip("httpx")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pagedlab.sampling_params import SamplingParams
-from pagedlab.server.reasoning_parsers import REASONING_PARSERS
+from pagedlab.reasoning_parsers import REASONING_PARSERS
 
 REASONING_CONFIG_KEYS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from pagedlab.cli.engine_args import add_engine_args, engine_config_from_args
 from pagedlab.lora.request import LoRARequest
 from pagedlab.server.limits import ServerLimits
-from pagedlab.server.reasoning_parsers import REASONING_PARSERS
+from pagedlab.reasoning_parsers import REASONING_PARSERS
 from pagedlab.server.tool_parsers import TOOL_PARSERS, tool_parser_named
 
 

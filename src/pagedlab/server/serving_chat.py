@@ -19,7 +19,7 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                       ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo)
 from pagedlab.server.protocol_tools import template_messages
-from pagedlab.server.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
+from pagedlab.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
                                             token_string, usage_info)
