@@ -1,0 +1,73 @@
+"""vLLM's newer sampling features on the GPU path: decode and mixed-step CUDA graphs, the
+asynchronous step loop and the GPU sampler, each in one batch of many requests. A thinking budget
+forces its end marker after exactly B tokens (counted from the output ids) that are the unlimited
+run's own; repetition detection cuts each forced cycle where the brute-force reference first finds
+it; fixed-token prompt scores match HF transformers' float32 log-softmax at every scored row."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from pagedlab import LLM, SamplingParams
+from test_prompt_token_id_logprobs import IDS, assert_scores
+from test_repetition_detection import PROMPT, _follow, first_repetition, rd
+from test_server_support import TINY_KV_BYTES, build_tiny_chat_model, build_tiny_thinking_model
+from test_thinking_budget import QWEN3, greedy, ids_of, sections
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GPU = dict(device="cuda", kv_cache_memory_bytes=TINY_KV_BYTES, cuda_graph_mixed_steps=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_thinking_budgets_in_one_batch(tmp_path, dtype):
+    with LLM(build_tiny_thinking_model(tmp_path), dtype=dtype, reasoning_config=QWEN3, **GPU) as llm:
+        assert llm.get_engine_info().cuda_graphs
+        think, end = ids_of(llm, "<think>"), ids_of(llm, "</think>")
+        prompt = ids_of(llm, "Why is the sky blue?") + think
+        budgets = [None, 0, 1, 2, 5, 9, 17] * 4
+        outs = llm.generate([{"prompt_token_ids": prompt}] * len(budgets),
+                            [greedy(24, thinking_token_budget=b) for b in budgets], use_tqdm=False)
+    free = outs[0].outputs[0].token_ids
+    assert not sections(free, think, end)  # the model alone never closes the section
+    for budget, out in zip(budgets, outs):
+        tokens = out.outputs[0].token_ids
+        if budget is None:
+            assert tokens == free
+            continue
+        (first, closed), = sections(prompt + tokens, think, end)
+        assert closed - first == budget and tokens[:budget] == free[:budget], budget
+
+
+def test_repetition_detection_cuts_every_cycle(tmp_path):
+    prefixes = {1: [30], 2: [30, 31], 3: [31, 30, 31], 4: [33, 30, 31, 32]}
+    cases = list(itertools.product(range(1, 5), range(1, 5), (2, 3)))
+    sequences = [prefixes[n] + list(range(50, 50 + n)) * 20 for n, _, _ in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, logits_processors=[_follow(seq)],
+                             repetition_detection=rd(largest, count))
+              for seq, (_, largest, count) in zip(sequences, cases)]
+    with LLM(build_tiny_chat_model(tmp_path), dtype="bfloat16", **GPU) as llm:
+        outs = [o.outputs[0] for o in llm.generate([PROMPT] * len(cases), params, use_tqdm=False)]
+    for out, seq, (cycle, largest, count) in zip(outs, sequences, cases):
+        keep = first_repetition(seq[:30], rd(largest, count))
+        assert out.token_ids == seq[:keep or 30], (cycle, largest, count)
+        assert out.finish_reason == ("length" if keep is None else "repetition")
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 48])
+def test_prompt_token_id_scores_match_hf(tiny_llama, max_num_batched_tokens):
+    prompts = random_prompts(12, min_len=12, max_len=90, seed=11)
+    starts = [0, 3, 11, 40] * 3
+    params = [SamplingParams(temperature=0, max_tokens=4, prompt_logprob_token_ids=IDS,
+                             prompt_logprob_start=s) for s in starts]
+    args = {**GPU, "kv_cache_memory_bytes": 64 << 20}
+    if max_num_batched_tokens:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
+    with LLM(tiny_llama.path, dtype="float32", **args) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, start in zip(outs, starts):
+        assert_scores(out, tiny_llama, start)
