@@ -278,6 +278,10 @@ def _follow(sequence: list[int]):
 
 
 def test_cycles_of_every_size_are_cut_in_one_batch(chat_llm):
+    assert_cycles_cut(chat_llm)
+
+
+def assert_cycles_cut(llm) -> None:
     """Cycles of 1..4 tokens after a prefix, against sizes 1..4 and counts 2..3, in one batch: each
     is cut where the brute-force reference first finds a repetition in its own output."""
     prefixes = {1: [30], 2: [30, 31], 3: [31, 30, 31], 4: [33, 30, 31, 32]}
@@ -286,7 +290,7 @@ def test_cycles_of_every_size_are_cut_in_one_batch(chat_llm):
     params = [SamplingParams(temperature=0.0, max_tokens=30, logits_processors=[_follow(seq)],
                              repetition_detection=rd(largest, count))
               for seq, (_, largest, count) in zip(sequences, cases)]
-    outs = [o.outputs[0] for o in chat_llm.generate([PROMPT] * len(cases), params, use_tqdm=False)]
+    outs = [o.outputs[0] for o in llm.generate([PROMPT] * len(cases), params, use_tqdm=False)]
     for out, seq, (cycle, largest, count) in zip(outs, sequences, cases):
         keep = first_repetition(seq[:30], rd(largest, count))
         assert out.token_ids == seq[:keep or 30], (cycle, largest, count)

@@ -6,15 +6,13 @@ it; fixed-token prompt scores match HF transformers' float32 log-softmax at ever
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from conftest import random_prompts
 from pagedlab import LLM, SamplingParams
 from test_prompt_token_id_logprobs import IDS, assert_scores
-from test_repetition_detection import PROMPT, _follow, first_repetition, rd
+from test_repetition_detection import assert_cycles_cut
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model, build_tiny_thinking_model
 from test_thinking_budget import QWEN3, greedy, ids_of, sections
 
@@ -44,18 +42,8 @@ def test_thinking_budgets_in_one_batch(tmp_path, dtype):
 
 
 def test_repetition_detection_cuts_every_cycle(tmp_path):
-    prefixes = {1: [30], 2: [30, 31], 3: [31, 30, 31], 4: [33, 30, 31, 32]}
-    cases = list(itertools.product(range(1, 5), range(1, 5), (2, 3)))
-    sequences = [prefixes[n] + list(range(50, 50 + n)) * 20 for n, _, _ in cases]
-    params = [SamplingParams(temperature=0.0, max_tokens=30, logits_processors=[_follow(seq)],
-                             repetition_detection=rd(largest, count))
-              for seq, (_, largest, count) in zip(sequences, cases)]
     with LLM(build_tiny_chat_model(tmp_path), dtype="bfloat16", **GPU) as llm:
-        outs = [o.outputs[0] for o in llm.generate([PROMPT] * len(cases), params, use_tqdm=False)]
-    for out, seq, (cycle, largest, count) in zip(outs, sequences, cases):
-        keep = first_repetition(seq[:30], rd(largest, count))
-        assert out.token_ids == seq[:keep or 30], (cycle, largest, count)
-        assert out.finish_reason == ("length" if keep is None else "repetition")
+        assert_cycles_cut(llm)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 48])
