@@ -205,8 +205,9 @@ def test_completion_to_sampling_params_maps_every_field():
     # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry;
     # fixed-token prompt scoring is offline only, as vLLM's OpenAI endpoints leave it out (its
     # /inference/v1/generate takes it, an endpoint pagedlab does not serve); a thinking budget takes no
-    # grammar (the grammar would cover the thinking too): it comes below
-    offline_only = ("prompt_logprob_token_ids", "prompt_logprob_start")
+    # grammar (the grammar would cover the thinking too): it comes below; skip_reading_prefix_cache is
+    # offline too (vLLM's CompletionRequest and ChatCompletionRequest have no such field)
+    offline_only = ("prompt_logprob_token_ids", "prompt_logprob_start", "skip_reading_prefix_cache")
     not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors",
                           "thinking_token_budget", *offline_only)
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
@@ -214,7 +215,8 @@ def test_completion_to_sampling_params_maps_every_field():
     assert unmapped == []  # the body sets every field away from its default
     assert parse_request(CompletionRequest, body).to_sampling_params() == want
     # unknown to the server, so ignored as any unknown field (vLLM's server ignores them too)
-    scoring = {"prompt_logprob_token_ids": [5, 6], "prompt_logprob_start": 1}
+    scoring = {"prompt_logprob_token_ids": [5, 6], "prompt_logprob_start": 1,
+               "skip_reading_prefix_cache": False}
     assert parse_request(CompletionRequest, {**body, **scoring}).to_sampling_params() == want
     assert parse_request(ChatCompletionRequest, {"messages": CHAT, **scoring}).to_sampling_params() == \
         SamplingParams(max_tokens=None)

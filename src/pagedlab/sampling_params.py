@@ -188,6 +188,10 @@ class SamplingParams:
     ``thinking_token_budget`` (vLLM's): at most this many tokens inside each thinking section of a
     reasoning model, after which the engine forces its end marker (``engine/thinking_budget.py``;
     the engine needs ``reasoning_config``); None or -1 is unlimited.
+    ``skip_reading_prefix_cache``
+    (vLLM's): True computes the whole prompt, reading no cached prefix (its blocks still fill the cache);
+    None is True where the prompt is scored (``prompt_logprobs``, ``prompt_logprob_token_ids``), else
+    False; False with those is an error (rows read from the cache have no logits: vLLM's are unset memory).
 
     ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
     constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
@@ -232,6 +236,7 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None
     thinking_token_budget: int | None = None
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -258,6 +263,7 @@ class SamplingParams:
         if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:  # vLLM's "unlimited"
             self.thinking_token_budget = None
         self._validate()
+        self._resolve_prefix_cache_read()
         # vLLM's __post_init__ drops repeats: [5, 5] and [5] are one request (and one lab run key)
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.bad_words is not None:
@@ -377,6 +383,17 @@ class SamplingParams:
         _check(budget is None or structured is None, "thinking_token_budget", budget,
                "None with structured_outputs (its grammar covers the whole output, thinking included)")
 
+    def _resolve_prefix_cache_read(self) -> None:
+        """vLLM's default: None skips reading the prefix cache exactly when the prompt is scored."""
+        skip, first = self.skip_reading_prefix_cache, self.first_scored_prompt_row
+        _check(skip is None or type(skip) is bool, "skip_reading_prefix_cache", skip, "None, True or False")
+        if skip is None:
+            self.skip_reading_prefix_cache = first is not None
+        scorer = "prompt_logprobs" if self.prompt_logprobs is not None else "prompt_logprob_token_ids"
+        _check(skip is not False or first is None, "skip_reading_prefix_cache", skip,
+               f"True or None with {scorer}={getattr(self, scorer)!r}: rows read from the prefix cache "
+               "have no logits to score")
+
     def verify_vocabulary(self, vocab_size: int, max_logprobs: int | None = None) -> None:
         """ValueError naming the field when a token id the parameters name is out of vocabulary, or
         when they ask for more logprobs a position than the vocabulary has or ``max_logprobs``
@@ -428,7 +445,7 @@ class SamplingParams:
     def first_scored_prompt_row(self) -> int | None:
         """The first prompt row whose logits are asked: 0 with ``prompt_logprobs``, else the
         ``prompt_logprob_start`` of ``prompt_logprob_token_ids``; None without either. Such a request
-        reads no prefix cache (vLLM's ``skip_reading_prefix_cache`` default), so each row is computed."""
+        reads no prefix cache (``skip_reading_prefix_cache``), so each row is computed."""
         if self.prompt_logprobs is not None:
             return 0
         return None if self.prompt_logprob_token_ids is None else self.prompt_logprob_start or 0
@@ -448,7 +465,10 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         """A copy with ``changes`` applied (validated as the constructor validates). ``guided_decoding``
-        and ``structured_outputs`` name one field: a change to either is a change to both."""
+        and ``structured_outputs`` name one field: a change to either is a change to both. A False
+        ``skip_reading_prefix_cache`` (only ever the default's) is derived anew for the copy."""
+        if self.skip_reading_prefix_cache is False:
+            changes = {"skip_reading_prefix_cache": None, **changes}
         named = [n for n in ("structured_outputs", "guided_decoding") if n in changes]
         if len(named) == 1:
             changes = {**changes, "structured_outputs": changes[named[0]], "guided_decoding": None}

@@ -43,7 +43,8 @@ class KVBlock:
 @dataclass
 class PrefixCacheStats:
     """Tokens new requests looked up in the prefix cache and found there; as vLLM's hit rate, a
-    preempted request's lookup of its own recomputed tokens is not counted."""
+    preempted request's lookup of its own recomputed tokens is not counted, nor a request that reads
+    no cache (``skip_reading_prefix_cache``, or prefix caching off): it looks nothing up."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
@@ -104,6 +105,11 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether ``request`` looks its prompt up in the prefix cache (vLLM's
+        ``prefix_cache_lookup_enabled``): prefix caching is on and the request does not skip it."""
+        return self.enable_prefix_caching and not request.skips_reading_prefix_cache
+
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """Blocks already holding a prefix of ``request``'s tokens (for a request holding no
         block), and their hashes; nothing changes until ``allocate_slots`` takes them.
@@ -112,7 +118,7 @@ class KVCacheManager:
         request gets logits to sample from.
         """
         hit = PrefixHit()
-        if not self.enable_prefix_caching or request.scores_prompt:
+        if not self.reads_prefix_cache(request):
             return hit
         tokens = request.all_token_ids
         for i in range((len(tokens) - 1) // self.block_size):
@@ -161,7 +167,7 @@ class KVCacheManager:
         num_cached_free = sum(1 for b in hit.block_ids if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - num_cached_free:
             return False
-        if is_first_allocation and not request.num_preemptions:
+        if is_first_allocation and not request.num_preemptions and self.reads_prefix_cache(request):
             self.stats.queried_tokens += request.num_tokens
             self.stats.hit_tokens += hit.num_tokens(self.block_size)
         for block_id in hit.block_ids:

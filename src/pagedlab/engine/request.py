@@ -129,7 +129,7 @@ class Request:
                                                                              self.num_pending_tokens))
 
     @property
-    def scores_prompt(self) -> bool:
-        """Some prompt rows need their logits (``SamplingParams.first_scored_prompt_row``): no
-        prefix cache is read for it, so every prefill computes them."""
-        return self.sampling_params.first_scored_prompt_row is not None
+    def skips_reading_prefix_cache(self) -> bool:
+        """``SamplingParams.skip_reading_prefix_cache`` (True for a request that scores its prompt):
+        every prefill computes its whole prompt; its blocks still fill the prefix cache for others."""
+        return self.sampling_params.skip_reading_prefix_cache is True
