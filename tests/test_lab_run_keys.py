@@ -233,3 +233,18 @@ def test_new_settings_left_at_their_defaults_keep_earlier_keys():
     assert keys(spelt) == keys(spec)
     assert keys(dataset_spec({"max_tokens": 4, "temperature": 0.5, "thinking_token_budget": 8},
                              {"reasoning_config": {"reasoning_parser": "qwen3"}})) != keys(spec)
+
+
+def test_stream_interval_and_skip_reading_prefix_cache_keep_earlier_keys():
+    """Both came with defaults (SamplingParams' ``stream_interval`` and ``skip_reading_prefix_cache``,
+    None; the engine's ``stream_interval``, 1): spelt out, a spec keeps the key computed before they
+    existed; set, it is another run."""
+    sampling = {"max_tokens": 4, "temperature": 0.5}
+    spec = dataset_spec(sampling)
+    assert keys(spec) == ["d:f60c293d044eb3897d66b56a"]
+    spelt = {**sampling, "stream_interval": None, "skip_reading_prefix_cache": None}
+    assert keys(dataset_spec(spelt, {"stream_interval": 1})) == keys(spec)
+    assert keys(dataset_spec({**sampling, "skip_reading_prefix_cache": True})) != keys(spec)
+    assert keys(dataset_spec(sampling, {"stream_interval": 4})) != keys(spec)
+    with pytest.raises(ExperimentError, match="stream_interval=0 is invalid"):
+        keys(dataset_spec({**sampling, "stream_interval": 0}))

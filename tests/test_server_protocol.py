@@ -53,6 +53,8 @@ def _error(request_type, body: dict) -> APIError:
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
     ({"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids", "expected an array of token ids"),
     ({"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ({"prompt": "hi", "stream": True, "stream_interval": 0}, "stream_interval",
+     "0 is not valid for 'stream_interval': input should be greater than or equal to 1"),
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
     ({"prompt": "hi", "guided_json": 5}, "guided_json", "expected a JSON schema (an object or a string)"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
@@ -190,7 +192,7 @@ def test_completion_to_sampling_params_maps_every_field():
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
             "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
             "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"],
-            "truncate_prompt_tokens": 30,
+            "truncate_prompt_tokens": 30, "stream_interval": 4,
             "repetition_detection": {"max_pattern_size": 8, "min_pattern_size": 2, "min_count": 3.0}}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
@@ -200,7 +202,7 @@ def test_completion_to_sampling_params_maps_every_field():
                           allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"}, bad_words=["no"],
                           logprob_token_ids=[5, 6], truncate_prompt_tokens=30,
                           structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
-                          repetition_detection=RepetitionDetectionParams(8, 2, 3))
+                          repetition_detection=RepetitionDetectionParams(8, 2, 3), stream_interval=4)
     default = SamplingParams()
     # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry;
     # fixed-token prompt scoring is offline only, as vLLM's OpenAI endpoints leave it out (its

@@ -105,6 +105,9 @@ class EngineConfig:
         "fcfs", "which waiting request runs first and which running one is preempted when the KV cache "
                 "runs out: fcfs (arrival order) or priority (a request's priority, lower first, then "
                 "arrival; vLLM's)", plan=True)
+    stream_interval: int = _setting(
+        1, "new tokens batched into each streamed output of a request, vLLM's --stream-interval (a request's "
+           "stream_interval may raise it); its first and final outputs go out at once", plan=True)
     speculative_config: dict | None = _setting(
         None, "speculative decoding, vLLM's dict: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
               "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m} proposes up to k tokens that followed the "
@@ -203,6 +206,8 @@ class EngineConfig:
             bad("max_num_seqs", "an integer >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             bad("max_num_batched_tokens", "an integer >= 1 or None")
+        if self.stream_interval < 1:
+            bad("stream_interval", "an integer >= 1 (new tokens batched into each streamed output)")
         if self.max_logprobs is not None and self.max_logprobs < -1:
             bad("max_logprobs", "an integer >= 0, -1 (no cap) or None")
         if self.chunked_prefill_size is not None:

@@ -34,7 +34,7 @@ _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", 
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
                                   "prompt_logprobs", "truncate_prompt_tokens", "prompt_logprob_start",
-                                  "thinking_token_budget")
+                                  "thinking_token_budget", "stream_interval")
 
 
 def _python_values(params, numbers: tuple[str, ...], id_lists: tuple[str, ...]) -> None:
@@ -188,7 +188,8 @@ class SamplingParams:
     ``thinking_token_budget`` (vLLM's): at most this many tokens inside each thinking section of a
     reasoning model, after which the engine forces its end marker (``engine/thinking_budget.py``;
     the engine needs ``reasoning_config``); None or -1 is unlimited.
-    ``skip_reading_prefix_cache``
+    ``stream_interval`` (vLLM's): new tokens batched into each streamed output, at least the engine's
+    ``stream_interval``; the first and the final output go out at once. ``skip_reading_prefix_cache``
     (vLLM's): True computes the whole prompt, reading no cached prefix (its blocks still fill the cache);
     None is True where the prompt is scored (``prompt_logprobs``, ``prompt_logprob_token_ids``), else
     False; False with those is an error (rows read from the cache have no logits: vLLM's are unset memory).
@@ -236,6 +237,7 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None
     thinking_token_budget: int | None = None
+    stream_interval: int | None = None
     skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
@@ -382,6 +384,9 @@ class SamplingParams:
                "None, -1 (unlimited) or an integer >= 0")
         _check(budget is None or structured is None, "thinking_token_budget", budget,
                "None with structured_outputs (its grammar covers the whole output, thinking included)")
+        interval = self.stream_interval
+        _check(interval is None or (type(interval) is int and interval >= 1), "stream_interval", interval,
+               "None or an integer >= 1 (new tokens batched into each streamed output)")
 
     def _resolve_prefix_cache_read(self) -> None:
         """vLLM's default: None skips reading the prefix cache exactly when the prompt is scored."""

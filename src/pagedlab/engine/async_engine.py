@@ -288,8 +288,10 @@ class AsyncEngine:
                        request_id: str | None = None, arrival_time: float | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's output (cumulative, or as ``params.output_kind`` says) after every
-        step that changed it; the last one has ``finished=True``. Closing the generator early
-        aborts the request. A structured-output grammar is compiled in a worker thread first."""
+        step that changed it, or with a stream interval k (the engine's ``stream_interval``, raised by
+        ``params.stream_interval``) after its first token, then every k tokens; the last one has
+        ``finished=True``. Closing the generator early aborts the request. A structured-output
+        grammar is compiled in a worker thread first."""
         if params is not None and params.structured_outputs is not None:
             await asyncio.to_thread(self.grammar_compiler.compile, params.structured_outputs)
         stream = self.add_request(prompt, params, request_id, arrival_time, priority=priority)

@@ -344,7 +344,7 @@ class LLMEngine:
                              if params.structured_outputs is not None else None),
                     seed=params.seed + index if params.seed is not None else None)
             for index in range(params.n)]
-        self.output_processor.add_request(request_id, prompt, children)
+        self.output_processor.add_request(request_id, prompt, children, self.config.stream_interval)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -410,9 +410,9 @@ class LLMEngine:
 
     # ---- the step loop --------------------------------------------------------------------
     def step(self, stream: bool = True) -> list[RequestOutput]:
-        """Launch one forward pass and read back the one before it (with asynchronous scheduling)
-        or this one; return the current output of every request that changed, or with
-        ``stream=False`` only of those that finished (cheaper when nobody watches tokens arrive)."""
+        """Launch one forward pass and read back the one before it (with asynchronous scheduling) or
+        this one; return the current output of every request that changed (as its stream interval
+        allows), or with ``stream=False`` only of those that finished (cheaper when nobody watches)."""
         with self.ranges.range(STEP_NAME):
             changed: list[Request] = []
             previous, self._in_flight = self._in_flight, None

@@ -6,6 +6,13 @@ output processor keeps each child's text (detokenized incrementally), logprobs a
 logprobs, finds stop strings (the scheduler then finishes those requests), advances each
 request's grammar by the tokens it keeps, and turns a parent's state into a ``RequestOutput``
 (everything so far, only what is new, or only the final one, as its ``output_kind`` says).
+
+A stream interval k (the engine's ``stream_interval``, raised by a request's own) batches tokens
+as vLLM's output processor does, per completion: an unfinished parent's output goes out when one
+of its completions has shown no token yet, has k tokens no output carried, or finished; so the
+first token goes out at once, then every k-th, and the final output whatever it holds. Unlike
+vLLM's, whose offset moves only in DELTA mode (a CUMULATIVE stream gets every step's output there),
+it batches cumulative outputs too: the server streams those.
 """
 
 from __future__ import annotations
@@ -38,9 +45,14 @@ class CompletionState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_ready: int = 1  # leading prompt positions recorded (position 0 has none)
     token_id_logprobs: PromptTokenIdLogprobs | None = None  # with prompt_logprob_token_ids
-    sent_tokens: int = 0  # with RequestOutputKind.DELTA: how much earlier outputs already carried
+    sent_tokens: int = 0  # output tokens the last output carried (DELTA outputs: what is not new)
     sent_text: int = 0
     sent_prompt_logprobs: int = 0
+
+    @property
+    def unsent_tokens(self) -> int:
+        """Output tokens no output carried yet."""
+        return self.request.num_output_tokens - self.sent_tokens
 
 
 @dataclass
@@ -83,6 +95,7 @@ class ParentState:
     prompt: str | None
     completions: list[CompletionState] = field(default_factory=list)
     shown: tuple[int, int] = (0, 0)  # the ``progress`` the last output showed
+    stream_interval: int = 1  # new tokens a completion batches into one streamed output
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -95,6 +108,15 @@ class ParentState:
     @property
     def finished(self) -> bool:
         return all(c.request.is_finished for c in self.completions)
+
+    @property
+    def stream_due(self) -> bool:
+        """Whether the stream interval lets an output go out now (vLLM's rule, per completion): one
+        has shown no token yet, has ``stream_interval`` tokens no output carried, or finished with
+        tokens none carried."""
+        k = self.stream_interval
+        return k == 1 or any(c.sent_tokens == 0 or c.unsent_tokens >= k
+                             or (c.request.is_finished and c.unsent_tokens > 0) for c in self.completions)
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -128,8 +150,12 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return [c.request for c in parent.completions] if parent is not None else []
 
-    def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
-        parent = ParentState(request_id, prompt)
+    def add_request(self, request_id: str, prompt: str | None, children: list[Request],
+                    stream_interval: int = 1) -> None:
+        """Track a parent's ``children``; ``stream_interval``: the engine's, which the request's own
+        ``SamplingParams.stream_interval`` may raise (vLLM's clamp)."""
+        own = children[0].sampling_params.stream_interval
+        parent = ParentState(request_id, prompt, stream_interval=max(own or 1, stream_interval))
         for child in children:
             params = child.sampling_params
             detokenizer = None
@@ -238,17 +264,17 @@ class OutputProcessor:
     # ---- outputs --------------------------------------------------------------------------
     def make_outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
         """The output of each parent of ``changed`` that finished or came further (new tokens, or
-        new prompt logprobs) since its last output: as vLLM, a prefill chunk or a preemption that
-        gave it nothing new makes no output. With ``finished_only``, or for a request whose
-        ``output_kind`` is FINAL_ONLY, only those that finished. A finished parent is forgotten
-        once its output is built."""
+        new prompt logprobs) since its last output, as its stream interval allows (``stream_due``):
+        as vLLM, a prefill chunk or a preemption that gave it nothing new makes no output. With
+        ``finished_only``, or for a request whose ``output_kind`` is FINAL_ONLY, only those that
+        finished. A finished parent is forgotten once its output is built."""
         outputs = []
         for parent_id in dict.fromkeys(r.parent_id for r in changed):
             parent = self._parents.get(parent_id)
             if parent is None:
                 continue
             final_only = finished_only or parent.output_kind == RequestOutputKind.FINAL_ONLY
-            if parent.finished or (not final_only and parent.progress != parent.shown):
+            if parent.finished or (not final_only and parent.progress != parent.shown and parent.stream_due):
                 outputs.append(self.make_output(parent_id))
         return outputs
 
@@ -303,7 +329,8 @@ def _completion_output(state: CompletionState, delta: bool = False) -> Completio
         shown = len(text)
         tokens, text = tokens[state.sent_tokens:], text[state.sent_text:]
         logprobs = logprobs[state.sent_tokens:] if logprobs is not None else None
-        state.sent_tokens, state.sent_text = request.num_output_tokens, max(state.sent_text, shown)
+        state.sent_text = max(state.sent_text, shown)
+    state.sent_tokens = request.num_output_tokens
     return CompletionOutput(
         index=request.index, text=text, token_ids=tokens,
         cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,

@@ -154,6 +154,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
     vllm_xargs: dict | None = None  # SamplingParams.extra_args
     repetition_detection: dict[str, Integer] | None = None  # RepetitionDetectionParams' fields
     thinking_token_budget: Integer | None = None  # -1 unlimited; needs the engine's reasoning_config
+    stream_interval: Integer | None = Field(None, ge=1)  # tokens per streamed chunk, >= --stream-interval
     priority: Integer = 0  # the engine's scheduling_policy="priority": lower runs first
     use_beam_search: Annotated[bool, refused("use_beam_search is not supported by this server: leave it out "
                                              "or set it to false (sampled or greedy decoding)")] = False
@@ -222,7 +223,7 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 repetition_detection=repetition_detection_params(self.repetition_detection),
-                thinking_token_budget=self.thinking_token_budget)
+                thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
