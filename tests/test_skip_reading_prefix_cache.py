@@ -21,10 +21,13 @@ def test_none_is_true_exactly_where_the_prompt_is_scored():
     assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache is True
     assert SamplingParams(prompt_logprob_token_ids=[3]).skip_reading_prefix_cache is True
     assert SamplingParams(skip_reading_prefix_cache=True).skip_reading_prefix_cache is True
-    # a copy that starts scoring derives the default anew (False was the default's), an explicit True stays
+    # a copy derives anew a value equal to the default's: one that starts scoring skips the cache, one
+    # that stops scoring reads it; a True set against the default (no scoring) stays
     assert SamplingParams().clone(prompt_logprobs=2).skip_reading_prefix_cache is True
-    cold = SamplingParams(skip_reading_prefix_cache=True, prompt_logprobs=1)
-    assert cold.clone(prompt_logprobs=None).skip_reading_prefix_cache is True
+    assert SamplingParams(prompt_logprobs=1).clone(prompt_logprobs=None).skip_reading_prefix_cache is False
+    cold = SamplingParams(skip_reading_prefix_cache=True)
+    assert cold.clone(max_tokens=3).skip_reading_prefix_cache is True
+    assert cold.clone(prompt_logprobs=1).clone(max_tokens=3).skip_reading_prefix_cache is True
 
 
 @pytest.mark.parametrize("fields, says", [

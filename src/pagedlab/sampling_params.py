@@ -470,9 +470,10 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         """A copy with ``changes`` applied (validated as the constructor validates). ``guided_decoding``
-        and ``structured_outputs`` name one field: a change to either is a change to both. A False
-        ``skip_reading_prefix_cache`` (only ever the default's) is derived anew for the copy."""
-        if self.skip_reading_prefix_cache is False:
+        and ``structured_outputs`` name one field: a change to either is a change to both. A
+        ``skip_reading_prefix_cache`` equal to what None gives is derived anew for the copy (which may
+        score its prompt where this one did not, or not where it did); one set against it is kept."""
+        if self.skip_reading_prefix_cache == (self.first_scored_prompt_row is not None):
             changes = {"skip_reading_prefix_cache": None, **changes}
         named = [n for n in ("structured_outputs", "guided_decoding") if n in changes]
         if len(named) == 1:
