@@ -248,3 +248,11 @@ def test_stream_interval_and_skip_reading_prefix_cache_keep_earlier_keys():
     assert keys(dataset_spec(sampling, {"stream_interval": 4})) != keys(spec)
     with pytest.raises(ExperimentError, match="stream_interval=0 is invalid"):
         keys(dataset_spec({**sampling, "stream_interval": 0}))
+
+
+def test_trace_decode_token_ids_keeps_earlier_keys():
+    """SamplingParams' ``trace_decode_token_ids`` came with a default (None): spelt out, a spec keeps
+    the key computed before it existed; set, it is another run."""
+    sampling, before = {"max_tokens": 4, "temperature": 0.5}, ["d:f60c293d044eb3897d66b56a"]
+    assert keys(dataset_spec({**sampling, "trace_decode_token_ids": None})) == before
+    assert keys(dataset_spec({**sampling, "trace_decode_token_ids": [3, 4]})) != before

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pagedlab.sampling_types import (STRUCTURED_KINDS, GuidedDecodingParams, RepetitionDetectionParams,
                                      RequestOutputKind, StructuredOutputsParams, UnknownArgumentError,
-                                     _check, _python_values, _reject_unknown_arguments, quoted_ids)
+                                     _check, _python_values, _reject_unknown_arguments,
+                                     check_trace_decode_token_ids, quoted_ids)
 from pagedlab.scalars import python_scalar
 
 __all__ = ["STRUCTURED_KINDS", "BeamSearchParams", "GuidedDecodingParams", "RepetitionDetectionParams",
@@ -28,7 +29,8 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a 64-bit integer
 
 
 # ids checked against the vocabulary (stop ids beyond it are dropped, not refused: ``for_vocabulary``)
-_TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids", "prompt_logprob_token_ids")
+_TOKEN_ID_FIELDS = ("allowed_token_ids", "logit_bias", "logprob_token_ids", "prompt_logprob_token_ids",
+                    "trace_decode_token_ids")
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
@@ -79,6 +81,9 @@ class SamplingParams:
     (vLLM's): True computes the whole prompt, reading no cached prefix (its blocks still fill the cache);
     None is True where the prompt is scored (``prompt_logprobs``, ``prompt_logprob_token_ids``), else
     False; False with those is an error (rows read from the cache have no logits: vLLM's are unset memory).
+    ``trace_decode_token_ids`` (vLLM's trace replay, for RL and numerics checks): the completion is these
+    tokens, forced one a step through the decode path, with the logprobs, ranks and top-``logprobs``
+    alternatives of the raw distribution at each; see ``engine/trace_replay.py``.
 
     ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
     constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
@@ -125,6 +130,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     stream_interval: int | None = None
     skip_reading_prefix_cache: bool | None = None
+    trace_decode_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -132,7 +138,7 @@ class SamplingParams:
                    "guided_decoding", self.guided_decoding, "None when structured_outputs is set")
             self.structured_outputs = self.guided_decoding
         _python_values(self, _NUMBER_FIELDS, ("stop_token_ids", "allowed_token_ids", "logprob_token_ids",
-                                              "prompt_logprob_token_ids"))
+                                              "prompt_logprob_token_ids", "trace_decode_token_ids"))
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {python_scalar(t): python_scalar(b) for t, b in self.logit_bias.items()}
         if isinstance(self.stop, str):
@@ -273,6 +279,7 @@ class SamplingParams:
         interval = self.stream_interval
         _check(interval is None or (type(interval) is int and interval >= 1), "stream_interval", interval,
                "None or an integer >= 1 (new tokens batched into each streamed output)")
+        check_trace_decode_token_ids(self)
 
     def _resolve_prefix_cache_read(self) -> None:
         """vLLM's default: None skips reading the prefix cache exactly when the prompt is scored."""

@@ -129,3 +129,33 @@ class RepetitionDetectionParams:
                f"in [0, max_pattern_size] = [0, {big}] (0 means 1)")
         _check(big == 0 or self.min_count >= 2, "min_count", self.min_count,
                ">= 2 when max_pattern_size > 0 (max_pattern_size=0 disables detection)")
+
+
+# the fields a trace replay refuses (vLLM's ``_validate_trace_replay``): what each would do to a forced trace
+_TRACE_CONFLICTS = (
+    ("prompt_logprobs", "the replay scores the trace's decode steps, not the prompt"),
+    ("structured_outputs", "a grammar would mask the tokens the trace forces"),
+    ("repetition_detection", "it could end the replay before the trace does"),
+    ("thinking_token_budget", "its end marker would compete with the trace for the same rows"),
+    ("bad_words", "it would ban tokens the trace forces"),
+)
+
+
+def check_trace_decode_token_ids(params) -> None:
+    """``SamplingParams.trace_decode_token_ids``: None, or a non-empty list of token ids (ints >= 0;
+    ``verify_vocabulary`` bounds them) replayed by one completion (n=1), without the fields it
+    conflicts with; normalized to a list."""
+    ids = params.trace_decode_token_ids
+    if ids is None:
+        return
+    _check(isinstance(ids, (list, tuple)) and len(ids) > 0
+           and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids),
+           "trace_decode_token_ids", quoted_ids(ids) if isinstance(ids, (list, tuple)) else ids,
+           "None or a non-empty list of non-negative token ids (the decode tokens to replay)")
+    params.trace_decode_token_ids = list(ids)
+    _check(params.n == 1, "trace_decode_token_ids", quoted_ids(ids),
+           f"None with n={params.n!r}: a trace replays one completion (n=1)")
+    for name, why in _TRACE_CONFLICTS:
+        value = getattr(params, name)
+        _check(value is None or value == [], "trace_decode_token_ids", quoted_ids(ids),
+               f"None with {name}={value!r}: {why}")

@@ -42,6 +42,7 @@ from pagedlab.engine.sleep_mode import (EngineAsleepError, RankSleep, SleepState
                                         check_wake_up_tags)
 from pagedlab.engine.structured_output import GrammarCompiler
 from pagedlab.engine.thinking_budget import new_thinking_budget, thinking_markers
+from pagedlab.engine.trace_replay import trace_replay_params
 from pagedlab.engine.ray_executor import RayWorkers
 from pagedlab.engine.weight_update import check_updatable, weight_pairs
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
@@ -324,6 +325,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_vocabulary(self.hf_config.vocab_size, self.config.max_logprobs)
         params = params.for_vocabulary(self.hf_config.vocab_size)
+        params = trace_replay_params(params, self.scheduler.speculative)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "

@@ -14,6 +14,7 @@ from pagedlab.engine.bad_words import bad_word_bans
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import ScheduledBatch
 from pagedlab.engine.structured_output import grammar_bitmask
+from pagedlab.engine.trace_replay import trace_token
 from pagedlab.kernels.paged_attention import decode_order
 from pagedlab.layers.sampler import SamplingMetadata
 
@@ -303,8 +304,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
     if any(p.logits_processors for p in params):
         meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), history(i))
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
-    if any(r.thinking is not None for r in requests):
-        meta.forced_token_ids = _forced_tokens(requests, to_device, proposed or {})
+    if any(r.thinking is not None or p.trace_decode_token_ids is not None for r, p in zip(requests, params)):
+        meta.forced_token_ids = _forced_tokens(requests, positions, to_device, proposed or {})
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
     if any(p.logprob_token_ids for p in params):
@@ -402,14 +403,17 @@ def _bans(requests: list[Request], positions: list[int], history: Callable[[int]
     return to_device(banned_rows, torch.int64), to_device(banned_ids, torch.int64)
 
 
-def _forced_tokens(requests: list[Request], to_device: HostToDevice,
+def _forced_tokens(requests: list[Request], positions: list[int], to_device: HostToDevice,
                    proposed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) of the rows a thinking budget forces, a row after proposed tokens counting
-    them. Built where each request's tokens are all on the host, or where none of those still
-    pending could make its row forced (``Request.samples_after_read_back``)."""
+    """(rows, token ids) of the rows a trace replay (its token at the row's output position) or a
+    thinking budget forces, a row after proposed tokens counting them. A thinking budget's are built
+    where each request's tokens are all on the host, or where none of those still pending could make
+    its row forced (``Request.samples_after_read_back``); a trace's need only the position."""
     rows, ids = [], []
-    for row, r in enumerate(requests):
-        token = r.thinking.forced_token(r.all_token_ids, proposed.get(row, ())) if r.thinking else None
+    for row, (r, position) in enumerate(zip(requests, positions)):
+        token = trace_token(r.sampling_params, position)
+        if token is None and r.thinking is not None:
+            token = r.thinking.forced_token(r.all_token_ids, proposed.get(row, ()))
         if token is not None:
             rows.append(row)
             ids.append(token)

@@ -3,8 +3,8 @@ seeds.
 
 The order follows vLLM: allowed token ids and logit bias, the grammar bitmask of structured
 outputs, min-tokens and bad-words masking, penalties, then (for sampled rows) temperature, min-p
-and top-k/top-p; last, a thinking budget's forced token overrides them all. Log-probabilities
-are those of the raw logits.
+and top-k/top-p; last, a forced token (a trace replay's or a thinking budget's) overrides them
+all. Log-probabilities are those of the raw logits.
 
 Every row is drawn by Gumbel-max (``kernels/sampling.py``): ``argmax(x / T + g)`` with Gumbel
 noise ``g`` from Philox keyed by the row's 64-bit seed, which equals sampling from
@@ -57,7 +57,7 @@ class SamplingMetadata:
     label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
     # (row, SamplingParams.logits_processors, prompt ids, output ids so far) of the rows with any
     logits_processors: list[tuple[int, list, tuple[int, ...], list[int]]] | None = None
-    # (rows, ids): each row samples its id, whatever the rest allow (thinking_token_budget's end marker)
+    # (rows, ids): each row samples its id, whatever the rest allow (trace_decode_token_ids, thinking budgets)
     forced_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
