@@ -2,7 +2,8 @@
 asynchronous step loop and the GPU sampler, each in one batch of many requests. A thinking budget
 forces its end marker after exactly B tokens (counted from the output ids) that are the unlimited
 run's own; repetition detection cuts each forced cycle where the brute-force reference first finds
-it; fixed-token prompt scores match HF transformers' float32 log-softmax at every scored row."""
+it; fixed-token prompt scores and trace replay's logprobs match HF transformers' float32
+log-softmax."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_prompt_token_id_logprobs import IDS, assert_scores
 from test_repetition_detection import assert_cycles_cut
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model, build_tiny_thinking_model
 from test_thinking_budget import QWEN3, greedy, ids_of, sections
+from test_trace_replay import assert_replayed, traced_params, traces
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,3 +61,13 @@ def test_prompt_token_id_scores_match_hf(tiny_llama, max_num_batched_tokens):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, start in zip(outs, starts):
         assert_scores(out, tiny_llama, start)
+
+
+def test_trace_replay_matches_hf(tiny_llama):
+    prompts = random_prompts(6, min_len=4, max_len=30, seed=11)
+    given = traces() * 2
+    params = [p.clone(trace_decode_token_ids=t) for p, t in zip(traced_params() * 2, given)]
+    with LLM(tiny_llama.path, dtype="float32", **GPU) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, trace in zip(outs, given):
+        assert_replayed(out, tiny_llama, trace)
