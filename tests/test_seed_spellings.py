@@ -107,7 +107,7 @@ ABLATION_PARAMS = [
     {"enable_prefix_caching": False}, {"enable_chunked_prefill": False}, {"chunked_prefill_size": 32},
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
     {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
-    {"cuda_graph_mixed_steps": False}, {"scheduling_policy": "priority"},
+    {"cuda_graph_mixed_steps": False}, {"scheduling_policy": "priority"}, {"stream_interval": 3},
     {"speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                             "method": "ngram"}},
 ]
@@ -173,6 +173,13 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
     elif field == "speculative_config":  # a repeating prompt's continuation is proposed and checked
         llm.generate([[4, 5, 6, 7] * 8], GREEDY, use_tqdm=False)
         assert llm.get_stats().spec_decode_num_drafts > 0
+    elif field == "stream_interval":  # a stream's outputs: its first token, then every k-th, the last
+        engine, shown = llm.llm_engine, []
+        engine.add_request("interval", [4] * 20, GREEDY)
+        while engine.has_unfinished_requests():
+            shown += [len(o.outputs[0].token_ids) for o in engine.step()]
+        total = shown[-1]
+        assert shown == sorted(set(range(1, total, value)) | {total}) and total > value
     elif field == "scheduling_policy":  # priorities are taken (refused under FCFS)
         assert llm.generate([[4] * 20, [5] * 20], GREEDY, use_tqdm=False, priority=[1, 0])
     elif field == "enable_prefix_caching":
