@@ -16,7 +16,8 @@ _EXPORTS = {
     "RepetitionDetectionParams": "pagedlab.sampling_params",
     "RequestOutput": "pagedlab.outputs",
     "CompletionOutput": "pagedlab.outputs",
-    "Logprob": "pagedlab.outputs",
+    "Logprob": "pagedlab.logprobs",
+    "FlatLogprobs": "pagedlab.logprobs",
     "RequestMetrics": "pagedlab.outputs",
     "EngineStats": "pagedlab.outputs",
     "BeamSearchOutput": "pagedlab.outputs",
@@ -31,7 +32,7 @@ _EXPORTS = {
 }
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RepetitionDetectionParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "RequestMetrics", "EngineStats", "BeamSearchOutput",
+           "CompletionOutput", "Logprob", "FlatLogprobs", "RequestMetrics", "EngineStats", "BeamSearchOutput",
            "BeamSearchSequence", "EngineConfig", "EngineInfo", "EngineArgs", "LLMEngine",
            "TextPrompt", "TokensPrompt", "LoRARequest", "__version__"]
 

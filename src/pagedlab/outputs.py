@@ -5,23 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedlab.logprobs import Logprob, PositionLogprobs, PromptLogprobs, SampleLogprobs
+
 if TYPE_CHECKING:
     import torch
 
-
-@dataclass
-class Logprob:
-    """Log-probability of one token, its rank in the distribution and its text. As in vLLM the rank
-    is how many tokens are at least as likely (1 = most likely; tied tokens all rank at the end of
-    their tie), except that the top-N alternatives of a position rank 1..N."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None = None
-
-
-# One entry per position: token id -> Logprob (the top-N plus the chosen token).
-PositionLogprobs = dict[int, Logprob]
+__all__ = ["BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EngineStats", "Logprob",
+           "PositionLogprobs", "RequestMetrics", "RequestOutput"]
 
 
 @dataclass
@@ -50,7 +40,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[PositionLogprobs] | None
+    logprobs: SampleLogprobs | None  # a FlatLogprobs with SamplingParams.flat_logprobs
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort" | None while running
     # the stop string or stop token id that ended it ("repetition_detected" with "repetition")
     stop_reason: int | str | None = None
@@ -70,7 +60,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[PositionLogprobs | None] | None
+    prompt_logprobs: PromptLogprobs | None  # likewise
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
