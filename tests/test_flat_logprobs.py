@@ -1,6 +1,6 @@
 """``FlatLogprobs`` (vLLM's ``vllm.logprobs.FlatLogprobs``) as a container: its columns written out
 by hand for each append, and every read (index, iteration, slices of any step, ``+``) checked
-against the list of dicts it stands for."""
+against the list of dicts it stands for; and ``SamplingParams.flat_logprobs``, which asks for it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 import pagedlab
-from pagedlab import FlatLogprobs, Logprob, RequestOutput
+from pagedlab import FlatLogprobs, Logprob, RequestOutput, SamplingParams
 from pagedlab.outputs import CompletionOutput
 
 # four positions as a list of dicts: none (prompt position 0), two entries, one, three
@@ -132,3 +132,14 @@ def test_exported_beside_logprob():
     assert pagedlab.FlatLogprobs is logprobs.FlatLogprobs and "FlatLogprobs" in pagedlab.__all__
     assert pagedlab.Logprob is logprobs.Logprob is outputs.Logprob
 
+
+def test_the_sampling_field_is_a_bool_defaulting_to_false():
+    """vLLM's default (False: lists of dicts); a value other than True or False (a string such as
+    "no" would read as true) is a ValueError naming the field; clone() and equality see it."""
+    assert SamplingParams().flat_logprobs is False
+    flat = SamplingParams(logprobs=1, flat_logprobs=True)
+    assert flat.clone() == flat != SamplingParams(logprobs=1) == flat.clone(flat_logprobs=False)
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError,
+                           match=f"flat_logprobs={bad!r} is invalid: flat_logprobs must be True or False"):
+            SamplingParams(flat_logprobs=bad)

@@ -48,14 +48,16 @@ def test_equivalent_specs_share_a_key():
 
 def test_new_sampling_fields_leave_existing_keys_alone():
     """SamplingParams fields added later (here prompt_logprob_token_ids / prompt_logprob_start,
-    default None) change no key of a spec written before them: the key pagedlab gave this spec
-    before they existed, computed at commit 47bfd7c, and their defaults spelled out say the same."""
+    default None, and flat_logprobs, default False) change no key of a spec written before them:
+    the key pagedlab gave this spec before they existed, computed at commit 47bfd7c, and their
+    defaults spelled out say the same."""
     sampling = {"max_tokens": 4, "temperature": 0.5, "prompt_logprobs": 2}
     before = ["d:361bbbf3cdfbb7e5da2cbf5e"]
     assert keys(dataset_spec(sampling)) == before
-    defaults = {"prompt_logprob_token_ids": None, "prompt_logprob_start": None}
+    defaults = {"prompt_logprob_token_ids": None, "prompt_logprob_start": None, "flat_logprobs": False}
     assert keys(dataset_spec({**sampling, **defaults})) == before
     assert keys(dataset_spec({**sampling, "prompt_logprob_token_ids": [5]})) != before
+    assert keys(dataset_spec({**sampling, "flat_logprobs": True})) != before
 
 
 def test_runs_equal_up_to_spelling_are_duplicates():

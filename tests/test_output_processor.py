@@ -259,3 +259,27 @@ def test_unstreamed_steps_return_finished_parents_only(tokenizer):
     assert outs[0]["short"].finished and outs[0]["short"].outputs[0].token_ids == [a]
     assert outs[2]["long"].finished and outs[2]["long"].outputs[0].token_ids == [a] * 3  # none sent before
     assert engine.processor.num_unfinished == 0
+
+
+def test_flat_prompt_logprobs_keep_the_first_recording_of_a_redone_prefill(tokenizer):
+    """A prefill redone after a preemption scores the prompt's rows again: a list takes the new
+    records, a ``FlatLogprobs`` (flat_logprobs=True) keeps those it holds and appends the rest in
+    order. Here the redone chunk over positions 1..3 scores each -10 lower."""
+    prompt, a = "abcdefgh", tokenizer.encode("a", add_special_tokens=False)[0]
+    finals = {}
+    for flat in (False, True):
+        engine = Engine(tokenizer, token_budget=3)
+        engine.add("r", SamplingParams(max_tokens=2, prompt_logprobs=1, flat_logprobs=flat), prompt=prompt)
+        first, second, third = _prompt_chunks(engine, prompt, 3)
+        chunk = first["r"]
+        redone = PromptLogprobsChunk(chunk.start, chunk.token_ids, TopLogprobs(
+            chunk.logprobs.token_logprob - 10, chunk.logprobs.token_rank, chunk.logprobs.top_ids,
+            chunk.logprobs.top_logprobs, None, None))
+        for chunks in (first, {"r": redone}, second, third):
+            out = engine.step({"r": a}, prompt_logprobs=chunks)
+        finals[flat] = out["r"].prompt_logprobs
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    logprobs = {flat: [pos[t].logprob for pos, t in zip(finals[flat][1:], ids[1:])] for flat in finals}
+    assert logprobs[True] == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0]
+    assert logprobs[False] == [-11.0, -12.0, -13.0, -4.0, -5.0, -6.0, -7.0]
+    assert finals[True][0] == {} and finals[False][0] is None and len(finals[True]) == len(ids)

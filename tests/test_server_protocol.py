@@ -209,9 +209,10 @@ def test_completion_to_sampling_params_maps_every_field():
     # /inference/v1/generate takes it, an endpoint pagedlab does not serve); a thinking budget takes no
     # grammar (the grammar would cover the thinking too): it comes below; skip_reading_prefix_cache is
     # offline too (vLLM's CompletionRequest and ChatCompletionRequest have no such field), and so is
-    # trace replay (vLLM's is for offline debugging and RL: no OpenAI request field)
+    # trace replay (vLLM's is for offline debugging and RL: no OpenAI request field), and so is
+    # flat_logprobs (vLLM's requests have no such field: its responses are JSON either way)
     offline_only = ("prompt_logprob_token_ids", "prompt_logprob_start", "skip_reading_prefix_cache",
-                    "trace_decode_token_ids")
+                    "trace_decode_token_ids", "flat_logprobs")
     not_request_fields = ("detokenize", "output_kind", "guided_decoding", "logits_processors",
                           "thinking_token_budget", *offline_only)
     unmapped = [f.name for f in dataclasses.fields(SamplingParams)
@@ -220,7 +221,7 @@ def test_completion_to_sampling_params_maps_every_field():
     assert parse_request(CompletionRequest, body).to_sampling_params() == want
     # unknown to the server, so ignored as any unknown field (vLLM's server ignores them too)
     scoring = {"prompt_logprob_token_ids": [5, 6], "prompt_logprob_start": 1,
-               "skip_reading_prefix_cache": False, "trace_decode_token_ids": [5]}
+               "skip_reading_prefix_cache": False, "trace_decode_token_ids": [5], "flat_logprobs": True}
     assert parse_request(CompletionRequest, {**body, **scoring}).to_sampling_params() == want
     assert parse_request(ChatCompletionRequest, {"messages": CHAT, **scoring}).to_sampling_params() == \
         SamplingParams(max_tokens=None)

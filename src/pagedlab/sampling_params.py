@@ -53,6 +53,8 @@ class SamplingParams:
     generated token; ``prompt_logprobs=N`` does the same for every prompt token but the first;
     -1 (vLLM's) returns the whole vocabulary's.
     Log-probabilities are those of the raw model distribution, before penalties and temperature.
+    ``flat_logprobs=True`` (vLLM's) returns both as a ``FlatLogprobs`` (``pagedlab.logprobs``): the
+    same positions in a few flat lists instead of a list of dicts, for long scoring runs.
 
     vLLM's logits controls: ``logit_bias`` ({token id: bias}, added to the logits: any finite bias,
     as vLLM's, and -inf bans the token; the server keeps OpenAI's [-100, 100]) and
@@ -131,6 +133,7 @@ class SamplingParams:
     stream_interval: int | None = None
     skip_reading_prefix_cache: bool | None = None
     trace_decode_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -276,6 +279,7 @@ class SamplingParams:
                "None, -1 (unlimited) or an integer >= 0")
         _check(budget is None or structured is None, "thinking_token_budget", budget,
                "None with structured_outputs (its grammar covers the whole output, thinking included)")
+        _check(type(self.flat_logprobs) is bool, "flat_logprobs", self.flat_logprobs, "True or False")
         interval = self.stream_interval
         _check(interval is None or (type(interval) is int and interval >= 1), "stream_interval", interval,
                "None or an integer >= 1 (new tokens batched into each streamed output)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +28,8 @@ from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedlab.engine.step_outputs import PromptLogprobsChunk, StepOutput
 from pagedlab.engine.request import Request
 from pagedlab.layers.sampler import TopLogprobs
-from pagedlab.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedlab.logprobs import FlatLogprobs, Logprob, PositionLogprobs, PromptLogprobs, SampleLogprobs
+from pagedlab.outputs import CompletionOutput, RequestOutput
 from pagedlab.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -41,8 +43,9 @@ class CompletionState:
     detokenizer: IncrementalDetokenizer | None
     text: str = ""
     cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    logprobs: SampleLogprobs | None = None
+    # a list of every prompt position (None until recorded), or a FlatLogprobs of those recorded
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_ready: int = 1  # leading prompt positions recorded (position 0 has none)
     token_id_logprobs: PromptTokenIdLogprobs | None = None  # with prompt_logprob_token_ids
     sent_tokens: int = 0  # output tokens the last output carried (DELTA outputs: what is not new)
@@ -53,6 +56,15 @@ class CompletionState:
     def unsent_tokens(self) -> int:
         """Output tokens no output carried yet."""
         return self.request.num_output_tokens - self.sent_tokens
+
+
+class PositionColumns(NamedTuple):
+    """One position's logprob record as columns (``FlatLogprobs.append_fast``'s arguments)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    decoded_tokens: list[str | None]
 
 
 @dataclass
@@ -164,9 +176,9 @@ class OutputProcessor:
                                                      child.prompt_token_ids)
             state = CompletionState(child, detokenizer)
             if params.wants_logprobs:
-                state.logprobs = []
+                state.logprobs = FlatLogprobs() if params.flat_logprobs else []
             if params.prompt_logprobs is not None:
-                state.prompt_logprobs = [None] * child.num_prompt_tokens
+                state.prompt_logprobs = _prompt_records(params.flat_logprobs, child.num_prompt_tokens)
             if params.prompt_logprob_token_ids is not None:
                 state.token_id_logprobs = PromptTokenIdLogprobs.for_request(child)
             parent.completions.append(state)
@@ -197,7 +209,7 @@ class OutputProcessor:
                 logger.warning("request %s: token %d does not fit its grammar", request.request_id, token)
             if state.logprobs is not None:
                 params = request.sampling_params
-                state.logprobs.append(self._position_logprobs(
+                _append_position(state.logprobs, self._position_columns(
                     output.logprobs, row, token, params.logprobs or 0, params.detokenize,
                     params.logprob_token_ids))
                 state.cumulative_logprob += float(output.logprobs.token_logprob[row])
@@ -238,28 +250,40 @@ class OutputProcessor:
                 state.token_id_logprobs.record(chunk)
             if chunk.logprobs is None:
                 continue
-            params = request.sampling_params
-            records = state.prompt_logprobs
-            for j, token in enumerate(chunk.token_ids):
-                records[chunk.start + j] = self._position_logprobs(
-                    chunk.logprobs, j, token, params.prompt_logprobs, params.detokenize)
-            state.prompt_logprobs_ready = max(state.prompt_logprobs_ready,
-                                              chunk.start + len(chunk.token_ids))
+            self._record_prompt_positions(state, chunk)
 
-    def _position_logprobs(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool,
-                           label_ids: list[int] | None = None) -> PositionLogprobs:
-        """The sampled token's logprob, then those of ``label_ids`` (``logprob_token_ids``), then the
-        top ``num``, ranked 1..num (as vLLM: a token among them takes its top-``num`` rank, which
-        differs from its vocabulary rank only where it ties with others)."""
+    def _record_prompt_positions(self, state: CompletionState, chunk: PromptLogprobsChunk) -> None:
+        """Record a chunk's prompt positions: in a list each at its index (a prefill redone after a
+        preemption writes them again), in a ``FlatLogprobs`` (which the rows, scored in order from
+        the first, reach in order) those past the ones it holds: those stay as first recorded."""
+        params, records = state.request.sampling_params, state.prompt_logprobs
+        first = max(len(records) - chunk.start, 0) if isinstance(records, FlatLogprobs) else 0
+        for j in range(first, len(chunk.token_ids)):
+            columns = self._position_columns(chunk.logprobs, j, chunk.token_ids[j], params.prompt_logprobs,
+                                             params.detokenize)
+            if isinstance(records, FlatLogprobs):
+                records.append_fast(*columns)
+            else:
+                records[chunk.start + j] = _position_dict(columns)
+        state.prompt_logprobs_ready = max(state.prompt_logprobs_ready, chunk.start + len(chunk.token_ids))
+
+    def _position_columns(self, top: TopLogprobs, row: int, token: int, num: int, decode: bool,
+                          label_ids: list[int] | None = None) -> PositionColumns:
+        """One position's record: the sampled token's logprob, then those of ``label_ids``
+        (``logprob_token_ids``), then the top ``num``, ranked 1..num (as vLLM: a token among them
+        takes its top-``num`` rank, which differs from its vocabulary rank only where it ties with
+        others); each token id once."""
         entries = {token: (float(top.token_logprob[row]), int(top.token_rank[row]))}
         for j, tid in enumerate(label_ids or ()):
             entries.setdefault(tid, (float(top.label_logprobs[row, j]), int(top.label_ranks[row, j])))
         top_ids, top_logprobs = top.top_ids[row, :num].tolist(), top.top_logprobs[row, :num].tolist()
         for rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
             entries[tid] = (lp, rank)
-        decode = decode and self.tokenizer is not None
-        return {tid: Logprob(lp, rank, self.tokenizer.decode([tid]) if decode else None)
-                for tid, (lp, rank) in entries.items()}
+        ids = list(entries)
+        texts = [self.tokenizer.decode([tid]) for tid in ids] if decode and self.tokenizer is not None \
+            else [None] * len(ids)
+        values = entries.values()
+        return PositionColumns(ids, [lp for lp, _ in values], [rank for _, rank in values], texts)
 
     # ---- outputs --------------------------------------------------------------------------
     def make_outputs(self, changed: list[Request], finished_only: bool = False) -> list[RequestOutput]:
@@ -302,14 +326,36 @@ class OutputProcessor:
         self._completions.clear()
 
 
-def _prompt_logprobs_output(state: CompletionState, delta: bool) -> list[PositionLogprobs | None] | None:
-    """The prompt logprobs an output carries: all positions (those not computed yet are None), or
-    with ``delta`` the positions recorded since the last output (as vLLM, an empty list once all
-    were sent), so that chunked prefill's pieces add up to the prompt's list."""
+def _prompt_records(flat: bool, num_prompt_tokens: int) -> PromptLogprobs:
+    """A request's prompt logprobs before any is computed: every position None in a list, or
+    position 0 alone (with none) in a ``FlatLogprobs``."""
+    if not flat:
+        return [None] * num_prompt_tokens
+    records = FlatLogprobs()
+    records.append(None)
+    return records
+
+
+def _append_position(records: SampleLogprobs, columns: PositionColumns) -> None:
+    if isinstance(records, FlatLogprobs):
+        records.append_fast(*columns)
+    else:
+        records.append(_position_dict(columns))
+
+
+def _position_dict(columns: PositionColumns) -> PositionLogprobs:
+    return {tid: Logprob(lp, rank, text) for tid, lp, rank, text in zip(*columns)}
+
+
+def _prompt_logprobs_output(state: CompletionState, delta: bool) -> PromptLogprobs | None:
+    """The prompt logprobs an output carries (a copy): all positions (in a list those not computed
+    yet are None; a ``FlatLogprobs`` holds those recorded, as vLLM's), or with ``delta`` the
+    positions recorded since the last output (as vLLM, none once all were sent), so that chunked
+    prefill's pieces add up to the prompt's."""
     if state.prompt_logprobs is None:
         return None
     if not delta:
-        return list(state.prompt_logprobs)
+        return state.prompt_logprobs[:]
     ready = min(state.prompt_logprobs_ready, len(state.prompt_logprobs))
     new = state.prompt_logprobs[state.sent_prompt_logprobs:ready]
     state.sent_prompt_logprobs = max(state.sent_prompt_logprobs, ready)
@@ -334,5 +380,5 @@ def _completion_output(state: CompletionState, delta: bool = False) -> Completio
     return CompletionOutput(
         index=request.index, text=text, token_ids=tokens,
         cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-        logprobs=list(logprobs) if logprobs is not None else None,
+        logprobs=logprobs[:] if logprobs is not None else None,
         finish_reason=request.finish_reason, stop_reason=request.stop_reason)
