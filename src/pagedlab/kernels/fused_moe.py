@@ -54,15 +54,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def moe_torch(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE MLP, looping over the experts that have tokens (the reference)."""
+              top_k: int, renormalize: bool, routes: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE MLP, looping over the experts that have tokens (the reference); ``routes`` as in
+    ``fused_moe_triton``."""
     weights, experts = select_experts(router_logits, top_k, renormalize, x.dtype)
+    record_routes(routes, experts)
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():
         token, slot = torch.where(experts == expert)
         gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
         out.index_add_(0, token, F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None])
     return out
+
+
+def record_routes(routes: torch.Tensor | None, experts: torch.Tensor) -> None:
+    """Copy each token's experts (``[tokens, top_k]``, the ones its output is computed with) into
+    the first rows of ``routes`` (``[rows >= tokens, top_k]``, any integer dtype), where given."""
+    if routes is not None:
+        routes[:experts.shape[0]].copy_(experts)
 
 
 class ExpertRouting(NamedTuple):
@@ -332,12 +341,14 @@ def moe_down_gemv_triton(activated: torch.Tensor, w2: torch.Tensor, weights: tor
 
 
 def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     top_k: int, renormalize: bool,
-                     config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
+                     top_k: int, renormalize: bool, config: MoeConfig | MoeGemvConfig | None = None,
+                     routes: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE MLP, the same result as ``moe_torch``: the grouped path (five launches) for a
     ``MoeConfig``, the GEMV path (two) for a ``MoeGemvConfig``. ``config`` defaults to
     ``fused_moe_configs.moe_gemv_config`` for this shape and token count where it has one, else
-    ``fused_moe_configs.moe_config``."""
+    ``fused_moe_configs.moe_config``. ``routes`` (``enable_return_routed_experts``): each token's
+    experts are copied into its rows, those the kernels chose (the route kernel's, or the GEMV
+    path's own routing), one copy launch more; None adds nothing."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -354,6 +365,8 @@ def fused_moe_triton(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     if isinstance(config, MoeGemvConfig):
         activated, weights, experts = moe_gate_up_gemv_triton(x, router_logits.contiguous(), w13, top_k,
                                                               renormalize, config.gate_up)
+        record_routes(routes, experts)
         return moe_down_gemv_triton(activated, w2, weights, experts, config.down)
     routing = route_and_align(router_logits, top_k, renormalize, config.block_m, x.dtype)
+    record_routes(routes, routing.experts)
     return moe_down_triton(moe_gate_up_triton(x, w13, routing, config.gate_up), w2, routing, config.down)

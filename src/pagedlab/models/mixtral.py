@@ -82,6 +82,9 @@ class SparseMoeBlock(nn.Module):
     # a norm folded into the router's GEMV (``layers.norm.RMSNorm.fold_into``) writes the normalized
     # input the experts read
     takes_normed_copy = True
+    # enable_return_routed_experts: this layer's ``[tokens, top_k]`` column of the capture buffer
+    # (``engine.routed_experts``), into which every forward writes the experts its tokens ran
+    routes: torch.Tensor | None = None
 
     def folds_norm(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` takes ``x``'s RMSNorm as a ``FoldedRMSNorm``: the router's Triton GEMV
@@ -93,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         router_logits = dense_linear(x, self.gate.weight)
         if isinstance(x, FoldedRMSNorm):
             x = x.normed
-        out = experts(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
+        out = experts(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize, routes=self.routes)
         return out if self.tp_size == 1 else tensor_parallel_all_reduce(out)
 
 
