@@ -192,7 +192,7 @@ def test_completion_to_sampling_params_maps_every_field():
             "skip_special_tokens": False, "spaces_between_special_tokens": False,
             "logit_bias": {"7": -2.5, "9": 1}, "allowed_token_ids": [7, 9, 11], "vllm_xargs": {"tag": "x"},
             "bad_words": ["no"], "logprob_token_ids": [5, 6], "guided_choice": ["a", "b"],
-            "truncate_prompt_tokens": 30, "stream_interval": 4,
+            "truncate_prompt_tokens": 30, "stream_interval": 4, "routed_experts_prompt_start": 1,
             "repetition_detection": {"max_pattern_size": 8, "min_pattern_size": 2, "min_count": 3.0}}
     want = SamplingParams(n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, presence_penalty=0.3,
                           frequency_penalty=-0.4, repetition_penalty=1.2, seed=11, stop=["a", "bc"],
@@ -202,7 +202,8 @@ def test_completion_to_sampling_params_maps_every_field():
                           allowed_token_ids=[7, 9, 11], extra_args={"tag": "x"}, bad_words=["no"],
                           logprob_token_ids=[5, 6], truncate_prompt_tokens=30,
                           structured_outputs=StructuredOutputsParams(choice=["a", "b"]),
-                          repetition_detection=RepetitionDetectionParams(8, 2, 3), stream_interval=4)
+                          repetition_detection=RepetitionDetectionParams(8, 2, 3), stream_interval=4,
+                          routed_experts_prompt_start=1)
     default = SamplingParams()
     # output_kind follows "stream"; logits processors are Python callables, which JSON cannot carry;
     # fixed-token prompt scoring is offline only, as vLLM's OpenAI endpoints leave it out (its

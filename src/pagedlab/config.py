@@ -140,6 +140,9 @@ class EngineConfig:
         False, "bitwise-identical logprobs for a prompt whatever else is in the batch, its place in it, "
                "prefix caching and chunked prefill: fixed-order matmuls, norms, softmax and attention "
                "(docs/repro.md: costs and limits)", plan=True)
+    enable_return_routed_experts: bool = _setting(
+        False, "MoE models: each completion's final output returns the experts every layer chose for each "
+               "token (CompletionOutput.routed_experts; vLLM's, for routing replay in RL)", plan=True)
     load_format: str = _setting("auto", "auto, safetensors, gguf or dummy (random weights from config.json)")
     trust_remote_code: bool = _setting(
         False, "accepted for vLLM scripts; pagedlab never runs a model repository's own code (an "

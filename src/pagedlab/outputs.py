@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from pagedlab.logprobs import Logprob, PositionLogprobs, PromptLogprobs, SampleLogprobs
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = ["BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "EngineStats", "Logprob",
@@ -34,7 +35,11 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One sampled completion of a request."""
+    """One sampled completion of a request. ``routed_experts`` (vLLM's, with the engine's
+    ``enable_return_routed_experts``): in its final output, the experts every layer chose for each
+    token it ran, ``[seq_len, layer_num, topk]`` for the prompt positions from
+    ``SamplingParams.routed_experts_prompt_start`` and every output token but the last (never run),
+    uint8 up to 256 experts (uint16 up to 65,536, else int32); None before then, and when aborted."""
 
     index: int
     text: str
@@ -44,6 +49,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "repetition" | "abort" | None while running
     # the stop string or stop token id that ended it ("repetition_detected" with "repetition")
     stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None  # [seq_len, layer_num, topk]
 
     def finished(self) -> bool:
         """Whether this completion has ended (its ``finish_reason`` is set)."""
@@ -70,7 +76,7 @@ class RequestOutput:
     def add(self, later: RequestOutput) -> RequestOutput:
         """Merge a later delta output (``RequestOutputKind.DELTA``) into this one, in place: text,
         token ids, logprobs and prompt logprobs are appended, the rest is taken from ``later``
-        (``prompt_token_id_logprobs`` where it has them)."""
+        (``prompt_token_id_logprobs`` and a completion's ``routed_experts`` where it has them)."""
         if self.prompt_logprobs is not None and later.prompt_logprobs is not None:
             self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
         if later.prompt_token_id_logprobs is not None:
@@ -82,6 +88,8 @@ class RequestOutput:
                 mine.logprobs = mine.logprobs + theirs.logprobs
             mine.cumulative_logprob = theirs.cumulative_logprob
             mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+            if theirs.routed_experts is not None:
+                mine.routed_experts = theirs.routed_experts
         self.finished, self.metrics = later.finished, later.metrics
         return self
 

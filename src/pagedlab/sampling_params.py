@@ -35,7 +35,7 @@ _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", 
                  "min_p")
 _NUMBER_FIELDS = _FLOAT_FIELDS + ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
                                   "prompt_logprobs", "truncate_prompt_tokens", "prompt_logprob_start",
-                                  "thinking_token_budget", "stream_interval")
+                                  "thinking_token_budget", "stream_interval", "routed_experts_prompt_start")
 
 
 @_reject_unknown_arguments
@@ -86,6 +86,9 @@ class SamplingParams:
     ``trace_decode_token_ids`` (vLLM's trace replay, for RL and numerics checks): the completion is these
     tokens, forced one a step through the decode path, with the logprobs, ranks and top-``logprobs``
     alternatives of the raw distribution at each; see ``engine/trace_replay.py``.
+    ``routed_experts_prompt_start`` (vLLM's, with the engine's ``enable_return_routed_experts``): the
+    final output's ``CompletionOutput.routed_experts`` leaves out the prompt positions before it (a
+    multi-turn rollout asks only for what earlier turns did not return); at most the prompt's length.
 
     ``logits_processors`` (vLLM V0's, for decoding research: watermarks, contrastive or
     constrained decoding): callables ``fn(output_token_ids, logits)`` or ``fn(prompt_token_ids,
@@ -134,6 +137,7 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
     trace_decode_token_ids: list[int] | None = None
     flat_logprobs: bool = False
+    routed_experts_prompt_start: int = 0
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -284,6 +288,9 @@ class SamplingParams:
         _check(interval is None or (type(interval) is int and interval >= 1), "stream_interval", interval,
                "None or an integer >= 1 (new tokens batched into each streamed output)")
         check_trace_decode_token_ids(self)
+        start = self.routed_experts_prompt_start
+        _check(type(start) is int and start >= 0, "routed_experts_prompt_start", start,
+               "an integer >= 0 (the first prompt position whose routed experts are returned)")
 
     def _resolve_prefix_cache_read(self) -> None:
         """vLLM's default: None skips reading the prefix cache exactly when the prompt is scored."""

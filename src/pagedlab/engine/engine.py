@@ -37,6 +37,7 @@ from pagedlab.engine.step_outputs import LaunchedStep
 from pagedlab.engine.output_processor import OutputProcessor
 from pagedlab.engine.profiling import STEP_NAME, StepRanges
 from pagedlab.engine.request import Request
+from pagedlab.engine.routed_experts import check_prompt_start, plan_routed_experts
 from pagedlab.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from pagedlab.engine.sleep_mode import (EngineAsleepError, RankSleep, SleepStateError, check_sleep_level,
                                         check_wake_up_tags)
@@ -134,6 +135,7 @@ class LLMEngine:
         self.scheduler: Scheduler | None = None
         self.kv_cache: KVCacheManager | None = None
         self.draft: DraftModel | None = None  # speculative_config's draft model
+        self.routes = None  # enable_return_routed_experts: the plan's RoutedExperts (routed_experts)
         self.build_plan()
 
     def _load_runner(self) -> ModelRunner:
@@ -203,8 +205,10 @@ class LLMEngine:
             batch_invariant=cfg.batch_invariant)
         if self.draft is not None:
             plan = self.draft.share_of_target_plan(plan)
+        self.routes = plan_routed_experts(cfg.enable_return_routed_experts, self.runner,
+                                          self.max_num_batched_tokens, cfg.max_num_seqs)
         num_blocks = self.runner.configure(plan)
-        window = kv_release_window(self.hf_config)
+        window = kv_release_window(self.hf_config) if self.routes is None else None  # routes stay in blocks
         if self.draft is not None:
             self.draft.configure(plan, num_blocks, self.runner.extra_kv_storage)
             window = self.draft.release_window(window)
@@ -214,7 +218,7 @@ class LLMEngine:
                                    self.max_model_len, cfg.enable_chunked_prefill,
                                    None if switch is None else (switch, model_max_len(self.hf_config)),
                                    max_loras=cfg.max_loras if cfg.enable_lora else None,
-                                   policy=cfg.scheduling_policy, speculative=speculative)
+                                   policy=cfg.scheduling_policy, speculative=speculative, routes=self.routes)
         _freeze_heap()
 
     def _load_draft_model(self, speculative) -> None:
@@ -320,6 +324,7 @@ class LLMEngine:
             prompt_token_ids, prompt = encoded.token_ids, encoded.text if encoded.text is not None else prompt
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         self.validate_prompt(prompt_token_ids)
+        check_prompt_start(params, len(prompt_token_ids))
         self.validate_lora_request(lora_request)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -457,6 +462,8 @@ class LLMEngine:
         """Wait for a launched step and apply what it sampled; returns the requests it ran."""
         with self.ranges.range("process_output"):
             output = step.result()
+            if self.routes is not None:
+                self.routes.record(step.routes)
             batch = step.batch
             drafts = batch.drafts_by_request() if self.scheduler.speculative is not None else {}
             appended = self.scheduler.update_from_output(output.sampled_requests, output.sampled_token_ids,

@@ -120,6 +120,7 @@ class ModelRunner:
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' processes
         self.memory_baseline: MemoryBaseline | None = None  # on a GPU, set by load_model_runner
         self.lora: LoRAManager | None = None  # with enable_lora
+        self.routes = None  # enable_return_routed_experts: the plan's RoutedExpertsCapture (routed_experts)
         self.ranges = StepRanges()  # the engine's, once it owns this runner
         # the last step's block table and each request's (row, block count, preemptions) in it
         self._block_table = np.zeros((0, 0), dtype=np.int32)
@@ -433,6 +434,8 @@ class ModelRunner:
             if rows:
                 logits = self.model.compute_logits(self._logit_hidden(hidden, staged, len(rows)))
         step = LaunchedStep(batch, inputs.sampled)
+        if self.routes is not None:  # the forward's experts, to the host behind the step's event
+            step.routes = self.routes.read_step(len(inputs.input_ids), inputs.slots, self._to_host)
         if rows:
             step.prompt_logprobs = score_prompt_rows(logits[len(inputs.sample_rows):], batch.requests,
                                                      inputs.prompt_chunks, self.to_device, self._to_host)

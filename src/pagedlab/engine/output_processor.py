@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pagedlab.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -51,6 +52,7 @@ class CompletionState:
     sent_tokens: int = 0  # output tokens the last output carried (DELTA outputs: what is not new)
     sent_text: int = 0
     sent_prompt_logprobs: int = 0
+    sent_routed_experts: bool = False  # with RequestOutputKind.DELTA: an output carried them
 
     @property
     def unsent_tokens(self) -> int:
@@ -381,4 +383,16 @@ def _completion_output(state: CompletionState, delta: bool = False) -> Completio
         index=request.index, text=text, token_ids=tokens,
         cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
         logprobs=logprobs[:] if logprobs is not None else None,
-        finish_reason=request.finish_reason, stop_reason=request.stop_reason)
+        finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+        routed_experts=_routed_experts_output(state, delta))
+
+
+def _routed_experts_output(state: CompletionState, delta: bool) -> np.ndarray | None:
+    """The completion's routed experts once it finished (taken at the finish, ``engine.routed_experts``),
+    as vLLM's final output carries them; with ``delta`` in one output. Tokens dropped after the
+    finish (those after a stop string that the same step appended) drop their rows."""
+    request, rows = state.request, state.request.routed_experts
+    if rows is None or (delta and state.sent_routed_experts):
+        return None
+    state.sent_routed_experts = delta
+    return rows[:request.num_tokens - 1 - request.sampling_params.routed_experts_prompt_start]

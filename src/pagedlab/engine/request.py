@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedlab.engine.structured_output import RequestGrammar
 from pagedlab.engine.thinking_budget import ThinkingBudget
 from pagedlab.lora.request import LoRARequest
 from pagedlab.outputs import RequestMetrics
 from pagedlab.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class RequestStatus(enum.Enum):
@@ -66,6 +70,7 @@ class Request:
     num_preemptions: int = 0  # times its blocks were freed to recompute it (preempted, or LongRoPE's switch)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    routed_experts: np.ndarray | None = None  # enable_return_routed_experts: its rows, taken at its finish
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

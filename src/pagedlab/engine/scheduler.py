@@ -124,8 +124,11 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  long_rope: tuple[int, int] | None = None, max_loras: int | None = None,
-                 policy: str = "fcfs", speculative: SpeculativeConfig | None = None):
+                 policy: str = "fcfs", speculative: SpeculativeConfig | None = None, routes=None):
         self.kv_cache = kv_cache
+        self.routes = routes  # enable_return_routed_experts: the engine's RoutedExperts, its store sized here
+        if routes is not None:
+            routes.allocate(kv_cache.num_blocks, kv_cache.block_size)
         self.speculative = speculative
         self.long_rope = long_rope
         self.max_loras = max_loras  # most distinct LoRA adapters among the running requests
@@ -293,6 +296,8 @@ class Scheduler:
     def _recompute(self, request: Request) -> None:
         """Free a running request's blocks and put it at the head of the waiting queue, to run all
         its tokens again (``Request.num_preemptions`` counts it either way: its blocks are new)."""
+        if self.routes is not None:
+            self.routes.preempted(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -423,6 +428,8 @@ class Scheduler:
         request.metrics.finished_time = time.time()
         if request.needs_host_tokens:
             self._num_needing_host_tokens -= 1
+        if self.routes is not None:
+            self.routes.finish(request, reason)
         self.kv_cache.free(request)
 
 

@@ -1,5 +1,6 @@
 """What one step gives back: the sampled tokens, their logprobs and prompt logprobs, on the host
-(``StepOutput``), and a step whose work is still queued on the device (``LaunchedStep``)."""
+(``StepOutput``), its routed experts (``StepRoutes``), and a step whose work is still queued on
+the device (``LaunchedStep``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ class PromptLogprobsChunk:
 
 
 @dataclass
+class StepRoutes:
+    """One step's routed experts (``enable_return_routed_experts``) on their way to the engine's
+    store: ``rows[i]`` (``[layers, top_k]``) is the step's token ``i``'s, in KV slot ``slots[i]``.
+    On CUDA, pinned memory an asynchronous copy fills: read it once the step's ``done`` event passed."""
+
+    rows: torch.Tensor
+    slots: list[int]
+
+
+@dataclass
 class StepOutput:
     """What one forward pass produced, on the host: one sampled token per sampling request."""
 
@@ -49,6 +60,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # recorded after the copies; None where work is synchronous
     unsampled: tuple | None = None  # (inputs, logits) until ModelRunner.finish_sampling
     pending_sampler: Callable[[], None] | None = None  # queues the sampler (see finish_sampling)
+    routes: StepRoutes | None = None  # enable_return_routed_experts: the forward's experts, host-bound
 
     def sample_rows(self) -> dict[Request, int]:
         return {request: row for row, request in enumerate(self.sampled_requests)}

@@ -223,7 +223,8 @@ class SamplingRequest(OpenAIRequest, VLLMOutputFields):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 truncate_prompt_tokens=self.truncate_prompt_tokens,
                 repetition_detection=repetition_detection_params(self.repetition_detection),
-                thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval)
+                thinking_token_budget=self.thinking_token_budget, stream_interval=self.stream_interval,
+                routed_experts_prompt_start=self.routed_experts_prompt_start)
         except ValueError as e:
             raise bad_request(str(e), param=param_of(e)) from None
 
@@ -428,7 +429,7 @@ PromptLogprobs = list[dict[int, LogprobEntry] | None]
 class CompletionResponseChoice(OpenAIResponse):
     """A choice of a completion, or its new part in a stream chunk."""
 
-    omitted_when_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
+    omitted_when_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs", "routed_experts"})
 
     index: int
     text: str
@@ -438,6 +439,7 @@ class CompletionResponseChoice(OpenAIResponse):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    routed_experts: str | None = None  # --enable-return-routed-experts, not streamed (server.routed_experts)
 
 
 class CompletionResponse(BaseModel):
@@ -502,7 +504,7 @@ class ChatMessage(OpenAIResponse):
 class ChatCompletionResponseChoice(OpenAIResponse):
     """A choice of a chat completion."""
 
-    omitted_when_none = frozenset({"token_ids"})
+    omitted_when_none = frozenset({"token_ids", "routed_experts"})
 
     index: int
     message: ChatMessage
@@ -510,6 +512,7 @@ class ChatCompletionResponseChoice(OpenAIResponse):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    routed_experts: str | None = None  # as CompletionResponseChoice's
 
 
 class ChatCompletionResponse(OpenAIResponse):

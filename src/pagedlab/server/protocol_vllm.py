@@ -46,9 +46,10 @@ def refused(message: str) -> AfterValidator:
 
 
 class VLLMOutputFields(BaseModel):
-    """``response_format``, ``guided_*``, ``structured_outputs``, ``bad_words`` and
+    """``response_format``, ``guided_*``, ``structured_outputs``, ``bad_words``,
     ``logprob_token_ids`` (the logprobs of these label ids at every generated position, returned
-    with the response's logprobs)."""
+    with the response's logprobs) and ``routed_experts_prompt_start`` (the first prompt position
+    whose routed experts a choice returns, with ``--enable-return-routed-experts``)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -60,6 +61,7 @@ class VLLMOutputFields(BaseModel):
     structured_outputs: dict | None = None
     bad_words: list[str] | None = None
     logprob_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The grammar this request asks for, or None; a ValueError naming the field when it is

@@ -20,6 +20,7 @@ from pagedlab.server.protocol import (ChatCompletionLogprob, ChatCompletionLogpr
                                       ChatCompletionTopLogprob, ChatMessage, DeltaMessage, UsageInfo)
 from pagedlab.server.protocol_tools import template_messages
 from pagedlab.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
+from pagedlab.server.routed_experts import encode_routed_experts
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
                                             choice_usage, merge_streams, prompt_logprobs_body, sse_events,
                                             token_string, usage_info)
@@ -155,7 +156,7 @@ class _ChatRun:
             choice = ChatCompletionResponseChoice(
                 index=c.index, message=message,
                 logprobs=self._logprobs(c.logprobs or [], c.token_ids), finish_reason=finish_reason,
-                stop_reason=c.stop_reason)
+                stop_reason=c.stop_reason, routed_experts=encode_routed_experts(c.routed_experts))
             if self.return_token_ids:
                 choice.token_ids = c.token_ids
             choices.append(choice)

@@ -16,6 +16,7 @@ from pagedlab.outputs import CompletionOutput, PositionLogprobs
 from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, CompletionResponse,
                                       CompletionResponseChoice, CompletionStreamResponse, PromptLogprobs,
                                       UsageInfo)
+from pagedlab.server.routed_experts import encode_routed_experts
 from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, choice_usage,
                                             merge_streams, prompt_logprobs_body, sse_events,
                                             token_string, usage_info)
@@ -150,6 +151,7 @@ class _CompletionRun:
                                       token_ids)
                 if self.prompt_logprobs is not None:
                     choice.prompt_logprobs = self._prompt_logprobs(out)
+                choice.routed_experts = encode_routed_experts(c.routed_experts)
                 choices.append(choice)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=usage_info(self.prompts, outputs))
