@@ -566,8 +566,7 @@ class LLMEngine:
         """Drop every request, the KV cache and the weights."""
         self._finish_in_flight()
         self.output_processor.clear()
-        self.scheduler = None
-        self.kv_cache = None
+        self.scheduler = self.kv_cache = self.routes = None
         if self.draft is not None:
             self.draft.close()
         self.runner.close()

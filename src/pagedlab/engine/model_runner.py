@@ -237,7 +237,7 @@ class ModelRunner:
             self.workers.close()
             self.workers = None
         self.free_kv_cache()
-        self.model = None
+        self.model = self.routes = None
 
     def _build_block_table(self, requests: list[Request]) -> np.ndarray:
         """``[num_seqs, max_blocks]`` block ids. A request's ids only grow until it is preempted
