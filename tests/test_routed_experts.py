@@ -81,6 +81,16 @@ def test_prefix_cache_hits_prompt_start_and_two_completions(tiny_models):
     assert_hf_routes(tiny.hf_model, two)
 
 
+def _preempting_prompts(cfg) -> tuple[list[list[int]], int]:
+    """Five prompts of about 50 tokens, three sharing a 36-token prefix (test_model_families'), and
+    the bytes of a 16-token float32 KV block: eight blocks make them preempt each other."""
+    prefix = random_prompts(1, min_len=36, max_len=36, seed=7)[0]
+    prompts = [prefix + p for p in random_prompts(3, min_len=2, max_len=16, seed=8)] + random_prompts(
+        2, min_len=30, max_len=50, seed=9)
+    return prompts, 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * (
+        cfg.hidden_size // cfg.num_attention_heads) * 4
+
+
 def test_preempted_requests_keep_every_row_with_the_loop_running_ahead(tiny_models, monkeypatch):
     """Eight blocks of 16, 16-token steps, the step loop scheduling each step before the last is
     read back: five sequences of about 50 tokens are preempted and recomputed; then of four, the
@@ -94,11 +104,7 @@ def test_preempted_requests_keep_every_row_with_the_loop_running_ahead(tiny_mode
         finish(self, request, reason)
     monkeypatch.setattr(RoutedExperts, "finish", noting)
     tiny = tiny_models("mixtral")
-    prefix = random_prompts(1, min_len=36, max_len=36, seed=7)[0]
-    prompts = [prefix + p for p in random_prompts(3, min_len=2, max_len=16, seed=8)] + random_prompts(
-        2, min_len=30, max_len=50, seed=9)
-    cfg = tiny.hf_model.config
-    block_bytes = 2 * cfg.num_hidden_layers * 16 * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    prompts, block_bytes = _preempting_prompts(tiny.hf_model.config)
     with LLM(tiny.path, **{**ROUTES, "kv_cache_memory_bytes": 8 * block_bytes}, max_model_len=128,
              max_num_batched_tokens=16, async_scheduling=True) as llm:
         outs = llm.generate(prompts, GREEDY.clone(max_tokens=12), use_tqdm=False)
@@ -249,6 +255,38 @@ def test_fused_kernels_record_the_experts_they_ran(config, dtype):
     assert torch.equal(buffer[:4, 2].long(), torch.topk(torch.softmax(logits.float(), -1), 2).indices)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", ["grouped", "gemv"])
+def test_fused_kernels_record_their_experts_inside_a_cuda_graph(config):
+    """Qwen3-30B-A3B's experts in bf16 at a 4-token decode batch (the GEMV path's measured config,
+    or the grouped path's), captured once into a layer's column of a uint8 buffer and replayed on
+    new bf16 logits, rows of ties then random ones: each replay leaves the kernels' choice (the
+    lowest index first among equal logits) in the buffer, and nothing else."""
+    from test_fused_moe import _activations, _lowest_index_first, _moe_inputs, _tie_logits
+
+    from pagedlab.kernels.fused_moe import fused_moe_triton
+    from pagedlab.kernels.fused_moe_configs import MOE_GEMV_CONFIGS, moe_config
+
+    hidden, inter, num_experts, top_k = 2048, 768, 128, 8
+    x, _, w13, w2 = _moe_inputs(4, hidden, inter, num_experts, torch.bfloat16)
+    logits = torch.zeros(4, num_experts, dtype=torch.bfloat16, device="cuda")
+    choice = (MOE_GEMV_CONFIGS[(num_experts, hidden, inter, top_k, 4)] if config == "gemv"
+              else moe_config(4, num_experts, hidden, inter, top_k, 132))
+    buffer = torch.zeros(16, 4, top_k, dtype=torch.uint8, device="cuda")
+    fused_moe_triton(x, logits, w13, w2, top_k, True, choice, routes=buffer[:, 2])  # compiles outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_triton(x, logits, w13, w2, top_k, True, choice, routes=buffer[:, 2])
+    random_logits = _activations(4, hidden, num_experts, torch.float32)[1]
+    for new_logits in (_tie_logits(num_experts, top_k), random_logits):
+        logits.copy_(new_logits.to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buffer[:4, 2].long(), _lowest_index_first(logits.float(), top_k))
+    assert not buffer[4:].any() and not buffer[:, [0, 1, 3]].any()
+
+
 def test_expert_id_dtypes_are_the_narrowest():
     assert [expert_id_dtype(n) for n in (8, 256, 257, 65536, 65537)] == [
         np.uint8, np.uint8, np.uint16, np.uint16, np.int32]
@@ -351,13 +389,11 @@ def test_cuda_graphs_and_the_triton_kernels_route_as_hf_on_gpu(tiny_models, arch
     inside them), the Triton kernels, the asynchronous step loop, chunked prefill, a prefix-cache
     hit and preemption, every row HF's; and the same rows from an eager engine."""
     tiny = tiny_models(arch)
-    prefix = random_prompts(1, min_len=36, max_len=36, seed=7)[0]
-    prompts = [prefix + p for p in random_prompts(3, min_len=2, max_len=16, seed=8)] + random_prompts(
-        4, min_len=3, max_len=50, seed=9)
+    prompts, block_bytes = _preempting_prompts(tiny.hf_model.config)
     rows = {}
     for eager in (False, True):
-        with LLM(tiny.path, **{**ROUTES, "kv_cache_memory_bytes": 1 << 16}, device="cuda",
-                 attention_backend="triton", enforce_eager=eager, max_num_batched_tokens=32,
+        with LLM(tiny.path, **{**ROUTES, "kv_cache_memory_bytes": 8 * block_bytes}, device="cuda",
+                 attention_backend="triton", enforce_eager=eager, max_num_batched_tokens=16,
                  max_model_len=128) as llm:
             outs = llm.generate(prompts, GREEDY.clone(max_tokens=12), use_tqdm=False)
             stats = llm.get_stats()
