@@ -67,7 +67,7 @@ def test_trace_replay_matches_hf(tiny_llama):
     prompts = random_prompts(6, min_len=4, max_len=30, seed=11)
     given = traces() * 2
     params = [p.clone(trace_decode_token_ids=t) for p, t in zip(traced_params() * 2, given)]
-    with LLM(tiny_llama.path, dtype="float32", **GPU) as llm:
+    with LLM(tiny_llama.path, dtype="float32", enable_trace_replay=True, **GPU) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, trace in zip(outs, given):
         assert_replayed(out, tiny_llama, trace)

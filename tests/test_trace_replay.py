@@ -70,7 +70,7 @@ def test_trace_replays_with_hf_logprobs_alone_and_among_free_requests(tiny_llama
     free = [SamplingParams(temperature=0, max_tokens=7, logprobs=TOP),
             SamplingParams(temperature=0.9, seed=5, max_tokens=5, logprobs=TOP)]
     params = [p.clone(trace_decode_token_ids=t) for p, t in zip(traced_params(), traces())]
-    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, **engine_args) as llm:
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_trace_replay=True, **engine_args) as llm:
         alone = [run(llm, [p], [sp])[0] for p, sp in zip(prompts, params + free)]
         mixed = run(llm, prompts, params + free)
     for out, trace in zip(alone, traces()):
@@ -100,12 +100,21 @@ def test_conflicting_fields_are_refused_naming_both(changes, field):
         SamplingParams(**{"trace_decode_token_ids": [4, 5], **changes})
 
 
-def test_engine_refuses_out_of_vocabulary_ids_and_speculative_decoding(tiny_llama):
+def test_engine_refuses_out_of_vocabulary_ids_speculative_decoding_and_no_gate(tiny_llama):
+    """As vLLM: a trace needs enable_trace_replay=True (the refusal names the flag, and the engine
+    then serves other requests), ids within the vocabulary, and no speculative decoding."""
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    with (LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm,
+    with LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES) as llm:
+        with pytest.raises(ValueError, match=r"trace_decode_token_ids=\[4, 5\] is invalid here: .*"
+                                             r"enable_trace_replay=True \(--enable-trace-replay\)"):
+            llm.generate(prompt, SamplingParams(trace_decode_token_ids=[4, 5]), use_tqdm=False)
+        served = run(llm, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0]
+        assert len(served.outputs[0].token_ids) == 3
+    with (LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_trace_replay=True) as llm,
           pytest.raises(ValueError, match=r"trace_decode_token_ids=\[4, 1000\] is invalid: token id 1000")):
         llm.generate(prompt, SamplingParams(trace_decode_token_ids=[4, 1000]), use_tqdm=False)
-    with (LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, speculative_config=spec) as llm,
+    with (LLM(tiny_llama.path, kv_cache_memory_bytes=KV_BYTES, enable_trace_replay=True,
+              speculative_config=spec) as llm,
           pytest.raises(ValueError, match=r"trace_decode_token_ids=.* is invalid: .*speculative_config")):
         llm.generate(prompt, SamplingParams(trace_decode_token_ids=[4, 5]), use_tqdm=False)

@@ -180,6 +180,9 @@ class EngineConfig:
               "{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": \"</think>\"} (the end may "
               "carry a phrase forced with it), or {\"reasoning_parser\": \"qwen3\"} for that parser's tags "
               "(pagedlab serve's --reasoning-parser fills it in)")
+    enable_trace_replay: bool = _setting(
+        False, "accept SamplingParams.trace_decode_token_ids (vLLM's gate on forcing a request's tokens; "
+               "a trace on an engine without it is refused)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # numpy numbers from a sweep's table as Python ones

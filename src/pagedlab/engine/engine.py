@@ -330,7 +330,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params.verify_vocabulary(self.hf_config.vocab_size, self.config.max_logprobs)
         params = params.for_vocabulary(self.hf_config.vocab_size)
-        params = trace_replay_params(params, self.scheduler.speculative)
+        params = trace_replay_params(params, self.config.enable_trace_replay, self.scheduler.speculative)
         for name in ("stop", "bad_words"):
             if getattr(params, name) and self.tokenizer is None:
                 raise ValueError(f"{name}={getattr(params, name)!r} needs a tokenizer, and this model has "

@@ -5,7 +5,8 @@ run under other numerics) through the same decode path, with the logprobs of its
 As in vLLM (``EngineCore.apply_trace_replay``), the engine replays the whole trace and stops there:
 ``max_tokens`` becomes the trace's length (finish_reason "length"), and EOS, ``stop_token_ids`` and
 ``min_tokens`` are switched off, so a trace holding EOS or a stop id goes on past it. Stop strings
-still end it (vLLM's are matched in the text, after the engine core). Speculative decoding is refused.
+still end it (vLLM's are matched in the text, after the engine core). Speculative decoding is refused,
+and so is every trace unless the engine was built with ``enable_trace_replay=True`` (vLLM's gate).
 
 The forcing is the sampler's one per-row override (``SamplingMetadata.forced_token_ids``, shared with
 thinking budgets): the row of output position ``p`` keeps only ``trace[p]``, after the logprobs of the
@@ -19,13 +20,17 @@ from collections.abc import Sequence
 from pagedlab.sampling_params import SamplingParams
 
 
-def trace_replay_params(params: SamplingParams, speculative) -> SamplingParams:
+def trace_replay_params(params: SamplingParams, enabled: bool, speculative) -> SamplingParams:
     """``params`` as the engine runs them: for a trace replay, its length as ``max_tokens``, with
-    EOS, stop ids and ``min_tokens`` off; otherwise unchanged. ValueError with ``speculative`` (the
-    engine's speculative decoding, None without)."""
+    EOS, stop ids and ``min_tokens`` off; otherwise unchanged. ValueError unless ``enabled`` (the
+    engine's ``enable_trace_replay``, vLLM's gate), and with ``speculative`` (the engine's
+    speculative decoding, None without)."""
     trace = params.trace_decode_token_ids
     if trace is None:
         return params
+    if not enabled:
+        raise ValueError(f"trace_decode_token_ids={trace[:8]!r} is invalid here: trace replay is off; start "
+                         "the engine with enable_trace_replay=True (--enable-trace-replay), as vLLM asks")
     if speculative is not None:
         raise ValueError(f"trace_decode_token_ids={trace[:8]!r} is invalid: trace replay needs an engine "
                          "without speculative_config (proposals would not be the trace's tokens)")
