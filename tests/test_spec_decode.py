@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, random_prompts
 from pagedlab import LLM, SamplingParams
-from pagedlab.config import EngineConfig, resolve_speculative_config
+from pagedlab.config import EngineConfig
+from pagedlab.speculative_config import resolve_speculative_config
 from pagedlab.engine.ngram_proposer import propose_ngram_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -382,7 +383,7 @@ def test_on_the_gpu_verification_steps_give_hf_tokens(tiny_models, mixed_graphs)
 def test_proposals_take_only_what_plain_decoding_leaves():
     """Scheduler alone: proposals come after every running decode and admitted prompt, from the
     budget and blocks left: they never preempt a request, nor keep a prompt waiting."""
-    from pagedlab.config import SpeculativeConfig
+    from pagedlab.speculative_config import SpeculativeConfig
     from pagedlab.engine.kv_cache import KVCacheManager
     from pagedlab.engine.request import Request
     from pagedlab.engine.scheduler import Scheduler
@@ -431,7 +432,7 @@ def test_a_step_runs_ahead_only_between_steps_that_propose_nothing():
     that may propose (K above 0 for the running requests), is read back first; otherwise the next
     step runs ahead, and a request whose last token is still on the device gets no proposal even
     where the batch it lands in allows one."""
-    from pagedlab.config import SpeculativeConfig
+    from pagedlab.speculative_config import SpeculativeConfig
     from pagedlab.engine.kv_cache import KVCacheManager
     from pagedlab.engine.request import Request
     from pagedlab.engine.scheduler import ScheduledBatch, Scheduler

@@ -18,7 +18,8 @@ import torch
 from conftest import KV_BYTES, assert_hf_tokens_and_logprobs, build_tiny_model, hf_greedy, random_prompts
 from test_spec_decode import record_launches
 from pagedlab import LLM, SamplingParams
-from pagedlab.config import EngineConfig, resolve_speculative_config
+from pagedlab.config import EngineConfig
+from pagedlab.speculative_config import resolve_speculative_config
 from pagedlab.engine.sleep_mode import SleepStateError
 
 MAX_TOKENS = 32

@@ -38,8 +38,7 @@ import logging
 
 import torch
 
-from pagedlab.config import (DraftModelInfo, EngineConfig, SpeculativeConfig, attention_windows,
-                             kv_release_window, model_max_len)
+from pagedlab.config import DraftModelInfo, EngineConfig, attention_windows, kv_release_window, model_max_len
 from pagedlab.engine.model_runner import ModelRunner, RunnerPlan, load_model_runner
 from pagedlab.engine.request import Request
 from pagedlab.engine.scheduler import DraftProgress, ScheduledBatch
@@ -47,6 +46,7 @@ from pagedlab.engine.step_inputs import StepInputs, add_positions
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.loader import ModelSource, resolve_model_source
 from pagedlab.models.registry import check_config_file
+from pagedlab.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 

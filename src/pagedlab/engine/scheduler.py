@@ -50,7 +50,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedlab.config import SpeculativeConfig
+from pagedlab.speculative_config import SpeculativeConfig
 from pagedlab.engine.kv_cache import KVCacheManager
 from pagedlab.engine.ngram_proposer import propose_ngram_drafts
 from pagedlab.engine.repetition import ends_in_repetition
