@@ -22,8 +22,8 @@ from pagedlab.server.protocol_tools import template_messages
 from pagedlab.reasoning_parsers import ReasoningParser, ReasoningStream, reasoning_parser_named
 from pagedlab.server.routed_experts import encode_routed_experts
 from pagedlab.server.serving_engine import (Admission, EventStream, OpenAIServing, StreamedChoice,
-                                            choice_usage, merge_streams, prompt_logprobs_body, sse_events,
-                                            token_string, usage_info)
+                                            choice_usage, json_logprob, merge_streams, prompt_logprobs_body,
+                                            sse_events, token_string, usage_info)
 from pagedlab.server.serving_models import OpenAIServingModels
 from pagedlab.server.serving_tools import ToolCalling, ToolStream
 from pagedlab.server.tool_parsers import tool_parser_named
@@ -136,7 +136,8 @@ class _ChatRun:
     def _entry(self, token_id: int, lp: Logprob) -> ChatCompletionTopLogprob:
         """A token's logprob entry: its text (or ``token_id:{id}``) and that text's UTF-8 bytes."""
         token = token_string(token_id, lp.decoded_token, self.as_ids)
-        return ChatCompletionTopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
+        return ChatCompletionTopLogprob(token=token, logprob=json_logprob(lp.logprob),
+                                        bytes=list(token.encode("utf-8")))
 
     def _split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, the rest) of a whole output; the reasoning None where not asked for."""

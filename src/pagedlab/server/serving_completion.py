@@ -18,7 +18,7 @@ from pagedlab.server.protocol import (CompletionLogprobs, CompletionRequest, Com
                                       UsageInfo)
 from pagedlab.server.routed_experts import encode_routed_experts
 from pagedlab.server.serving_engine import (EventStream, OpenAIServing, StreamedChoice, choice_usage,
-                                            merge_streams, prompt_logprobs_body, sse_events,
+                                            json_logprob, merge_streams, prompt_logprobs_body, sse_events,
                                             token_string, usage_info)
 
 
@@ -77,13 +77,13 @@ def _add_positions(logprobs: CompletionLogprobs, positions: Sequence[PositionLog
         else:
             chosen = pos[token]
             text = token_string(token, chosen.decoded_token, as_ids)
-            logprobs.token_logprobs.append(chosen.logprob)
+            logprobs.token_logprobs.append(json_logprob(chosen.logprob))
             entries: dict[str, float] = {}
             if num is not None:
                 pos = _cut(pos, token, num)
             for tid, lp in sorted(pos.items(), key=lambda kv: kv[1].rank):
                 # tokens that decode alike share an entry (the best one's) unless as_ids
-                entries.setdefault(token_string(tid, lp.decoded_token, as_ids), lp.logprob)
+                entries.setdefault(token_string(tid, lp.decoded_token, as_ids), json_logprob(lp.logprob))
             logprobs.top_logprobs.append(entries)
         logprobs.tokens.append(text)
 

@@ -310,12 +310,18 @@ def token_string(token_id: int, decoded: str | None, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else decoded or ""
 
 
+def json_logprob(value: float) -> float:
+    """A logprob as vLLM's server writes it: minus infinity (a token top-k, top-p or min-p dropped,
+    under ``logprobs_mode="processed_logprobs"``) as -9999.0, which JSON can hold."""
+    return max(value, -9999.0)
+
+
 def prompt_logprobs_body(positions: Sequence[PositionLogprobs | None] | None) -> PromptLogprobs | None:
     """An engine output's prompt logprobs as vLLM returns them (minus infinity as -9999.0)."""
     if positions is None:
         return None
     return [None if pos is None else
-            {tid: LogprobEntry(logprob=max(lp.logprob, -9999.0), rank=lp.rank, decoded_token=lp.decoded_token)
+            {tid: LogprobEntry(logprob=json_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
              for tid, lp in pos.items()}
             for pos in positions]
 
