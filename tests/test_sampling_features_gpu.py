@@ -3,7 +3,7 @@ asynchronous step loop and the GPU sampler, each in one batch of many requests. 
 forces its end marker after exactly B tokens (counted from the output ids) that are the unlimited
 run's own; repetition detection cuts each forced cycle where the brute-force reference first finds
 it; fixed-token prompt scores and trace replay's logprobs match HF transformers' float32
-log-softmax."""
+log-softmax, and each ``logprobs_mode``'s values a reference built from it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from conftest import random_prompts
 from pagedlab import LLM, SamplingParams
+from test_logprobs_mode import MODES, assert_mode_in_one_batch
 from test_prompt_token_id_logprobs import IDS, assert_scores
 from test_repetition_detection import assert_cycles_cut
 from test_server_support import TINY_KV_BYTES, build_tiny_chat_model, build_tiny_thinking_model
@@ -71,3 +72,12 @@ def test_trace_replay_matches_hf(tiny_llama):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, trace in zip(outs, given):
         assert_replayed(out, tiny_llama, trace)
+
+
+def test_logprobs_modes_match_hf(tiny_llama):
+    """Each logprobs_mode (switched by set_model_args) on the GPU sampler and its Gumbel kernel:
+    the values of a mixed greedy / filtered / tempered batch against HF float32's reference."""
+    with LLM(tiny_llama.path, dtype="float32", **GPU) as llm:
+        for mode in MODES:
+            llm.set_model_args(logprobs_mode=mode)
+            assert_mode_in_one_batch(llm, tiny_llama, mode)

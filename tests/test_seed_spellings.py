@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 
 import pytest
@@ -108,7 +109,7 @@ ABLATION_PARAMS = [
     {"kv_cache_dtype": "fp8"}, {"enforce_eager": True}, {"async_scheduling": True},
     {"enable_cascade_attention": False}, {"disable_log_stats": False}, {"batch_invariant": True},
     {"cuda_graph_mixed_steps": False}, {"scheduling_policy": "priority"}, {"stream_interval": 3},
-    {"enable_return_routed_experts": True},
+    {"enable_return_routed_experts": True}, {"logprobs_mode": "processed_logprobs"},
     {"speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                             "method": "ngram"}},
 ]
@@ -176,6 +177,11 @@ def _check_effect(llm, field: str, value, default_blocks: int) -> None:
             logger.removeHandler(handler)
             logger.setLevel(level)
         assert "KV cache" in records[-1].getMessage()
+    elif field == "logprobs_mode":  # a top-2 row's logprobs: its two tokens share all the mass
+        params = SamplingParams(temperature=0.5, top_k=2, seed=1, max_tokens=1, logprobs=3)
+        step = llm.generate([[4] * 20], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        values = sorted((lp.logprob for lp in step.values()), reverse=True)
+        assert values[2] == float("-inf") and math.exp(values[0]) + math.exp(values[1]) == pytest.approx(1.0)
     elif field == "speculative_config":  # a repeating prompt's continuation is proposed and checked
         llm.generate([[4, 5, 6, 7] * 8], GREEDY, use_tqdm=False)
         assert llm.get_stats().spec_decode_num_drafts > 0

@@ -33,10 +33,12 @@ QUANTIZATIONS = (None, "awq", "fp8")  # quantization.formats resolves each again
 TOKENIZER_MODES = ("auto", "slow")
 EXECUTOR_BACKENDS = ("mp", "ray")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 # the settings that name one of a few choices (checked before their type: the list is the better hint)
 _CHOICES = {"tokenizer_mode": TOKENIZER_MODES, "kv_cache_dtype": KV_CACHE_DTYPES, "load_format": LOAD_FORMATS,
             "attention_backend": ATTENTION_BACKENDS, "distributed_executor_backend": EXECUTOR_BACKENDS,
-            "quantization": QUANTIZATIONS, "scheduling_policy": SCHEDULING_POLICIES}
+            "quantization": QUANTIZATIONS, "scheduling_policy": SCHEDULING_POLICIES,
+            "logprobs_mode": LOGPROBS_MODES}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # a step's token budget with chunked prefill, unless set
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -165,6 +167,11 @@ class EngineConfig:
     max_logprobs: int | None = _setting(
         None, "most logprobs / prompt_logprobs a request may ask for, -1 for no cap (vLLM's; its default is "
               "20, pagedlab's None: up to the vocabulary offline, 20 in `pagedlab serve`)")
+    logprobs_mode: str = _setting(
+        "raw_logprobs", "what logprobs hold (vLLM's): raw_logprobs (log_softmax of the model's logits), "
+                        "raw_logits, processed_logprobs (of the distribution sampled from: after logit_bias, "
+                        "allowed ids, bad words, penalties, temperature, min-p, top-k, top-p) or "
+                        "processed_logits; prompt logprobs stay raw", plan=True)
     disable_log_stats: bool = _setting(True, "no periodic throughput/KV-cache log lines from LLM.generate "
                                              "(--no-disable-log-stats logs one every 5 s)", plan=True)
     quantization: str | None = _setting(

@@ -170,10 +170,12 @@ class LLM:
         ``beam_width``; a beam that ends in EOS among the best is set aside as finished, and one
         that fills ``max_model_len`` ends there (finish_reason "length", as at ``max_tokens``).
         ``lora_request`` as in ``generate``: every beam of a prompt runs with the prompt's adapter.
+        Beams are scored by the engine's logprobs: see ``_check_beam_logprobs``.
         """
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r:.200} is invalid: beam_search takes a BeamSearchParams "
                              "(beam_width, max_tokens, ...)")
+        _check_beam_logprobs(self.llm_engine.config.logprobs_mode)
         encoded = [self._encode(p).token_ids for p in as_prompt_list(prompts)]
         for ids in encoded:
             self.llm_engine.validate_prompt(ids)
@@ -449,6 +451,16 @@ def _next_beams(candidates: list[BeamSearchSequence], done: list[BeamSearchSeque
             _score(b, params, prompt_len) for b in done):
         return []
     return live
+
+
+def _check_beam_logprobs(mode: str) -> None:
+    """Beam search adds up the logprobs of its greedy steps, where the raw and processed ones
+    agree; an engine whose ``logprobs_mode`` returns logits is refused (vLLM would add the logits
+    up as if they were logprobs)."""
+    if mode.endswith("_logits"):
+        raise ValueError(f"logprobs_mode={mode!r} is invalid for beam_search: beams are scored by summed "
+                         "log-probabilities, and this engine returns logits; start it with "
+                         "logprobs_mode='raw_logprobs' or 'processed_logprobs'")
 
 
 def _score(beam: BeamSearchSequence, params: BeamSearchParams, prompt_len: int) -> float:

@@ -202,7 +202,7 @@ class LLMEngine:
             cuda_graphs=self.device.type == "cuda" and not cfg.enforce_eager,
             mixed_cuda_graphs=cfg.cuda_graph_mixed_steps,
             kv_cache_dtype=resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.dtype),
-            batch_invariant=cfg.batch_invariant)
+            batch_invariant=cfg.batch_invariant, logprobs_mode=cfg.logprobs_mode)
         if self.draft is not None:
             plan = self.draft.share_of_target_plan(plan)
         self.routes = plan_routed_experts(cfg.enable_return_routed_experts, self.runner,

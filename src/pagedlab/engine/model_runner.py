@@ -60,6 +60,7 @@ class RunnerPlan:
     kv_cache_dtype: torch.dtype  # the model's dtype, or torch.float8_e4m3fn (half the bytes of bf16)
     batch_invariant: bool = False  # every step runs in pagedlab.layers.batch_invariant's mode
     mixed_cuda_graphs: bool = False  # with cuda_graphs: steps with prefill tokens replay graphs too
+    logprobs_mode: str = "raw_logprobs"  # what the sampler's logprobs hold (EngineConfig.logprobs_mode)
     extra_bytes_per_block: int = 0  # another cache on the same block ids (a draft model's) shares the memory
     extra_memory_bytes: int = 0  # what another model keeps beside both caches (a draft's graph pool)
 
@@ -141,6 +142,7 @@ class ModelRunner:
     def _configure(self, plan: RunnerPlan, kv_storage: torch.Tensor | None) -> int:
         self.free_kv_cache()
         self.plan = plan
+        self.sampler = Sampler(plan.logprobs_mode)
         if self.lora is not None:  # before the memory profile, whose forward runs without adapters
             self.lora.allocate_mapping(max(plan.max_num_batched_tokens, capture_sizes(plan.max_num_seqs)[-1]))
         with self.numerics():  # the memory profile and the graphs run what the steps will

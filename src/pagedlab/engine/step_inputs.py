@@ -286,9 +286,11 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         before = proposed.get(row) if proposed else None
         return requests[row].output_token_ids + before if before else requests[row].output_token_ids
 
+    temperatures = [0.0 if p.greedy else p.temperature for p in params]
     meta = SamplingMetadata(
-        temperature=to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32),
-        seeds=to_device(row_seeds([r.seed for r in requests], positions, step_seed), torch.int64))
+        temperature=to_device(temperatures, torch.float32),
+        seeds=to_device(row_seeds([r.seed for r in requests], positions, step_seed), torch.int64),
+        tempered=any(t not in (0.0, 1.0) for t in temperatures))
     _filters(meta, params, to_device, vocab_size)
     if any(p.has_penalties for p in params):
         meta.presence_penalty = to_device([p.presence_penalty for p in params], torch.float32)
@@ -305,7 +307,8 @@ def build_sampling_metadata(requests: list[Request], to_device: HostToDevice, vo
         meta.logits_processors = [(i, p.logits_processors, tuple(r.prompt_token_ids), history(i))
                                   for i, (r, p) in enumerate(zip(requests, params)) if p.logits_processors]
     if any(r.thinking is not None or p.trace_decode_token_ids is not None for r, p in zip(requests, params)):
-        meta.forced_token_ids = _forced_tokens(requests, positions, to_device, proposed or {})
+        meta.forced_token_ids, meta.replayed_token_ids = _forced_tokens(requests, positions, to_device,
+                                                                        proposed or {})
     wanted = [p.logprobs or 0 for p in params if p.wants_logprobs]
     meta.max_num_logprobs = max(wanted) if wanted else None
     if any(p.logprob_token_ids for p in params):
@@ -404,20 +407,23 @@ def _bans(requests: list[Request], positions: list[int], history: Callable[[int]
 
 
 def _forced_tokens(requests: list[Request], positions: list[int], to_device: HostToDevice,
-                   proposed: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) of the rows a trace replay (its token at the row's output position) or a
-    thinking budget forces, a row after proposed tokens counting them. A thinking budget's are built
-    where each request's tokens are all on the host, or where none of those still pending could make
-    its row forced (``Request.samples_after_read_back``); a trace's need only the position."""
-    rows, ids = [], []
+                   proposed: dict[int, list[int]]) -> tuple[tuple | None, tuple | None]:
+    """The (rows, token ids) a thinking budget forces, and those a trace replays (its token at the
+    row's output position; a trace wins over a budget), each None without such rows; a row after
+    proposed tokens counts them. A thinking budget's are built where each request's tokens are all
+    on the host, or where none of those still pending could make its row forced
+    (``Request.samples_after_read_back``); a trace's need only the position."""
+    forced: tuple[list[int], list[int]] = ([], [])
+    replayed: tuple[list[int], list[int]] = ([], [])
     for row, (r, position) in enumerate(zip(requests, positions)):
-        token = trace_token(r.sampling_params, position)
+        token, into = trace_token(r.sampling_params, position), replayed
         if token is None and r.thinking is not None:
-            token = r.thinking.forced_token(r.all_token_ids, proposed.get(row, ()))
+            token, into = r.thinking.forced_token(r.all_token_ids, proposed.get(row, ())), forced
         if token is not None:
-            rows.append(row)
-            ids.append(token)
-    return (to_device(rows, torch.int64), to_device(ids, torch.int64)) if rows else None
+            into[0].append(row)
+            into[1].append(token)
+    return tuple((to_device(rows, torch.int64), to_device(ids, torch.int64)) if rows else None
+                 for rows, ids in (forced, replayed))
 
 
 def _logits_controls(params: list, to_device: HostToDevice):

@@ -8,10 +8,12 @@ As in vLLM (``EngineCore.apply_trace_replay``), the engine replays the whole tra
 still end it (vLLM's are matched in the text, after the engine core). Speculative decoding is refused,
 and so is every trace unless the engine was built with ``enable_trace_replay=True`` (vLLM's gate).
 
-The forcing is the sampler's one per-row override (``SamplingMetadata.forced_token_ids``, shared with
-thinking budgets): the row of output position ``p`` keeps only ``trace[p]``, after the logprobs of the
-raw logits are taken, so each token's logprob, rank and top-``logprobs`` alternatives are the model's.
-``p`` comes from the schedule, so the asynchronous step loop never waits for a read-back."""
+As in vLLM (``TraceReplayState.apply_trace``), the row of output position ``p`` draws as usual and its
+token is then replaced by ``trace[p]`` (``SamplingMetadata.replayed_token_ids``), so each token's
+logprob, rank and top-``logprobs`` alternatives are those of the row's own distribution: the model's
+under the default ``logprobs_mode``, the processed one (temperature, top-k, ...; -inf where they drop
+the token) under ``processed_logprobs``. ``p`` comes from the schedule, so the asynchronous step loop
+never waits for a read-back."""
 
 from __future__ import annotations
 

@@ -3,8 +3,17 @@ seeds.
 
 The order follows vLLM: allowed token ids and logit bias, the grammar bitmask of structured
 outputs, min-tokens and bad-words masking, penalties, then (for sampled rows) temperature, min-p
-and top-k/top-p; last, a forced token (a trace replay's or a thinking budget's) overrides them
-all. Log-probabilities are those of the raw logits.
+and top-k/top-p; last, a thinking budget's forced token overrides them all. A trace replay's token
+(``trace_decode_token_ids``) replaces the drawn one afterwards, as in vLLM, so its logprobs are
+those of the distribution it was forced over.
+
+What the logprobs hold is the engine's ``logprobs_mode`` (vLLM's): ``raw_logprobs`` (the default),
+``log_softmax`` of the model's logits, taken before anything rewrites them; ``raw_logits``, those
+logits; ``processed_logprobs``, ``log_softmax`` of the logits the row was drawn from (every rewrite
+above, and ``1 / T`` on a sampled row: a token min-p, top-k or top-p dropped is -inf, a greedy row
+unscaled), and ``processed_logits``, those logits. Each mode ranks, picks the top alternatives and
+reads ``logprob_token_ids`` in the same values, with one pass over the vocabulary for the values
+(none in ``raw_logits`` without rewrites) and no other work in ``raw_logprobs``.
 
 Every row is drawn by Gumbel-max (``kernels/sampling.py``): ``argmax(x / T + g)`` with Gumbel
 noise ``g`` from Philox keyed by the row's 64-bit seed, which equals sampling from
@@ -36,6 +45,7 @@ class SamplingMetadata:
 
     temperature: torch.Tensor  # [N] float32, 0.0 for greedy rows
     seeds: torch.Tensor  # [N] int64: each row's noise seed (pagedlab.kernels.sampling)
+    tempered: bool = False  # some row samples at a temperature other than 1 (processed logprobs scale)
     # the sampled rows [R] with top-k, top-p or min-p, and their settings; None without such rows
     filtered_rows: torch.Tensor | None = None
     top_k: torch.Tensor | None = None  # [R] int64, vocab size where unused; None if no row uses it
@@ -57,8 +67,10 @@ class SamplingMetadata:
     label_token_ids: torch.Tensor | None = None  # [N, L] logprob_token_ids per row (padded by repeats)
     # (row, SamplingParams.logits_processors, prompt ids, output ids so far) of the rows with any
     logits_processors: list[tuple[int, list, tuple[int, ...], list[int]]] | None = None
-    # (rows, ids): each row samples its id, whatever the rest allow (trace_decode_token_ids, thinking budgets)
+    # (rows, ids): each row samples its id, whatever the rest allow (thinking budgets)
     forced_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, ids): each row's drawn token replaced by its id (trace_decode_token_ids), its logprobs kept
+    replayed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -193,18 +205,32 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 class Sampler:
-    """The sampler of a model runner: one token id per row, and the logprobs the rows ask for."""
+    """The sampler of a model runner: one token id per row, and the logprobs the rows ask for, in
+    ``logprobs_mode`` (see the module docstring; ``pagedlab.config.LOGPROBS_MODES``)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw_logprobs = log_softmax(logits) if meta.max_num_logprobs is not None else None
-        if _rewrites_logits(meta):
+        wanted, rewrites = meta.max_num_logprobs is not None, _rewrites_logits(meta)
+        processed = self.logprobs_mode.startswith("processed_")
+        as_logits = self.logprobs_mode.endswith("_logits")
+        scores = None
+        if wanted and not processed:  # before the rewrites, which may write into the logits
+            scores = logits.to(torch.float32, copy=rewrites) if as_logits else log_softmax(logits)
+        if rewrites:
             logits = self._rewrite(logits.float(), meta)
         token_ids = sample_tokens(logits, meta.temperature, meta.seeds)
+        if wanted and processed:
+            scores = processed_scores(logits, meta, as_logits)
+        if meta.replayed_token_ids is not None:
+            rows, ids = meta.replayed_token_ids
+            token_ids[rows] = ids
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs)
+        if scores is not None:
+            logprobs = gather_logprobs(scores, token_ids, meta.max_num_logprobs)
             if meta.label_token_ids is not None:
-                gather_label_logprobs(raw_logprobs, logprobs, meta.label_token_ids)
+                gather_label_logprobs(scores, logprobs, meta.label_token_ids)
         return SamplerOutput(token_ids, logprobs)
 
     def _rewrite(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -229,6 +255,15 @@ def _rewrites_logits(meta: SamplingMetadata) -> bool:
     return any(x is not None for x in (
         meta.logits_processors, meta.logit_bias, meta.allowed_token_ids, meta.grammar_bitmask,
         meta.banned_token_ids, meta.repetition_penalty, meta.filtered_rows, meta.forced_token_ids))
+
+
+def processed_scores(logits: torch.Tensor, meta: SamplingMetadata, as_logits: bool) -> torch.Tensor:
+    """The float32 logits each row was drawn from (``logits`` as rewritten, times ``1 / T`` on
+    sampled rows, as the draw scales them; greedy rows as they are), or their ``log_softmax``."""
+    if meta.tempered:
+        inverse = torch.where(meta.temperature > 0, meta.temperature.reciprocal(), 1.0)
+        logits = logits * inverse.unsqueeze(1)  # float32 whatever the logits' dtype
+    return logits.float() if as_logits else log_softmax(logits)
 
 
 def apply_forced_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
