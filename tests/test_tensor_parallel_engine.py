@@ -193,8 +193,8 @@ def test_a_worker_that_dies_before_the_rendezvous_is_an_error_naming_it(tiny_lla
 
     start_workers = engine.start_tensor_parallel_workers
 
-    def start_then_kill_rank1(config, device):
-        workers = start_workers(config, device)
+    def start_then_kill_rank1(config, hf_config, device):
+        workers = start_workers(config, hf_config, device)
         os.kill(workers.processes[0].pid, signal.SIGKILL)
         workers.processes[0].join()
         return workers

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedlab.hf_overrides import check_hf_overrides, describe_hf_overrides
 from pagedlab.names import did_you_mean
 from pagedlab.scalars import python_scalar
 from pagedlab.speculative_config import resolve_speculative_config
@@ -55,6 +57,7 @@ _KINDS = {
     "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "dict": (lambda v: isinstance(v, dict), "a dict"),
     "torch.dtype": (lambda v: type(v).__module__ == "torch", "a torch.dtype"),
+    "Callable": (callable, "a callable"),
 }
 
 
@@ -85,6 +88,12 @@ class EngineConfig:
         None, "values over (or, with generation_config=vllm, instead of) the generation config's, "
               "e.g. {\"temperature\": 0.5}: temperature, top_p, top_k, min_p, repetition_penalty, "
               "max_new_tokens (which, set here, caps every server request, as vLLM's)")
+    hf_overrides: dict | Callable | None = _setting(
+        None, "changes to the model's HF config before it is built, vLLM's: a dict such as "
+              "{\"num_hidden_layers\": 4} or {\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0}, "
+              "\"max_position_embeddings\": 65536} (nested dicts merge into sub-configs), or (LLM(...) only) "
+              "a callable taking and returning the PretrainedConfig; max_model_len and the KV cache follow "
+              "the changed config, the tokenizer and generation config stay as they are")
     dtype: str | torch.dtype = _setting("auto", "auto, float32, bfloat16 or float16 (auto: the checkpoint's "
                                                 "on a GPU, float32 on the CPU)")
     seed: int | None = _setting(0, "seed of the engine's sampler (requests without their own seed) and of "
@@ -225,6 +234,7 @@ class EngineConfig:
             bad("max_logprobs", "an integer >= 0, -1 (no cap) or None")
         if self.chunked_prefill_size is not None:
             self._check_chunked_prefill_size()
+        check_hf_overrides(self.hf_overrides)
         speculative = resolve_speculative_config(self.speculative_config)
         if speculative is not None and speculative.model is not None and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config={self.speculative_config!r} is invalid with "
@@ -275,6 +285,7 @@ class EngineConfig:
         """The config as plain values, ``dtype`` by name (``resolved_settings`` starts from it)."""
         d = dataclasses.asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
+        d["hf_overrides"] = describe_hf_overrides(self.hf_overrides)  # a callable by its name
         return d
 
     @classmethod

@@ -45,7 +45,7 @@ from pagedlab.engine.scheduler import DraftProgress, ScheduledBatch
 from pagedlab.engine.step_inputs import StepInputs, add_positions
 from pagedlab.layers.rotary import long_rope_switch
 from pagedlab.loader import ModelSource, resolve_model_source
-from pagedlab.models.registry import check_config_file
+from pagedlab.loader.hf_config import load_hf_config
 from pagedlab.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,12 @@ class DraftModel:
              dtype: torch.dtype) -> DraftModel:
         """Load ``spec.model`` on ``device`` in ``dtype`` (the target's; its own checkpoint's weight
         format, no LoRA), after checking that it can propose for ``target_hf_config``."""
-        from transformers import AutoConfig
-
         source = resolve_model_source(spec.model, config.load_format, None, config.download_dir)
-        check_config_file(source.path)
-        hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
+        hf_config = load_hf_config(source.path)  # the target's hf_overrides are not the draft's, as in vLLM
         check_draft_config(spec.model, hf_config, target_hf_config)
         draft_config = dataclasses.replace(config, model=spec.model, revision=None, quantization=None,
                                            dtype=str(dtype).removeprefix("torch."), enable_lora=False,
-                                           tensor_parallel_size=1, speculative_config=None)
+                                           tensor_parallel_size=1, speculative_config=None, hf_overrides=None)
         logger.info("loading the draft model %s", spec.model)
         return cls(load_model_runner(draft_config, source, hf_config, device), spec.model, source, hf_config,
                    target_hf_config)

@@ -49,25 +49,27 @@ from pagedlab.engine.weight_update import check_updatable, weight_pairs
 from pagedlab.engine.tensor_parallel import (TensorParallelExecutor, TensorParallelWorkers,
                                              join_tensor_parallel, rank_device)
 from pagedlab.loader import resolve_model_source, resolve_tokenizer_path
+from pagedlab.loader.hf_config import load_hf_config
 from pagedlab.lora.request import LoRARequest
-from pagedlab.models.registry import check_config_file
 from pagedlab.outputs import EngineStats, RequestOutput
 from pagedlab.sampling_params import SamplingParams, generation_config_defaults
 
 logger = logging.getLogger(__name__)
 
 
-def start_tensor_parallel_workers(config: EngineConfig, device: torch.device) -> TensorParallelExecutor:
+def start_tensor_parallel_workers(config: EngineConfig, hf_config,
+                                  device: torch.device) -> TensorParallelExecutor:
     """Ranks 1..N-1 under ``config.distributed_executor_backend``: processes of this host ("mp",
-    one GPU each, so this host must have N) or Ray actors ("ray", placed anywhere in the cluster)."""
+    one GPU each, so this host must have N) or Ray actors ("ray", placed anywhere in the cluster),
+    each building its shard from ``hf_config`` (rank 0's, ``hf_overrides`` applied)."""
     world_size = config.tensor_parallel_size
     if config.distributed_executor_backend == "ray":
-        return RayWorkers(config, world_size)
+        return RayWorkers(config, hf_config, world_size)
     if device.type == "cuda" and world_size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={world_size} is invalid: only "
                          f"{torch.cuda.device_count()} GPUs are visible (distributed_executor_backend='ray' "
                          "can place ranks on other nodes)")
-    return TensorParallelWorkers(config, world_size)
+    return TensorParallelWorkers(config, hf_config, world_size)
 
 
 def load_tokenizer(path, tokenizer_mode: str = "auto", **overrides):
@@ -94,7 +96,7 @@ class LLMEngine:
     ``step()`` advances every request."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         config.validate()
         self.config = config
@@ -103,11 +105,7 @@ class LLMEngine:
             self.device = rank_device(config.device, 0)
         self.source = resolve_model_source(config.model, config.load_format, config.revision,
                                            config.download_dir)
-        check_config_file(self.source.path)
-        try:  # never the repository's own code, whatever trust_remote_code says
-            self.hf_config = AutoConfig.from_pretrained(str(self.source.path), trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"config.json in {self.source.path} could not be read: {e}") from None
+        self.hf_config = load_hf_config(self.source.path, config.hf_overrides)  # before all derived from it
         self.quantization = resolve_quantization(config.quantization, self.hf_config)  # fails before loading
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.hf_config)
@@ -144,7 +142,7 @@ class LLMEngine:
         world_size = self.config.tensor_parallel_size
         if world_size == 1:
             return load_model_runner(self.config, self.source, self.hf_config, self.device)
-        workers = start_tensor_parallel_workers(self.config, self.device)
+        workers = start_tensor_parallel_workers(self.config, self.hf_config, self.device)
         try:
             baseline = join_tensor_parallel(world_size, 0, self.device, workers.init_method,
                                             not self.config.disable_custom_all_reduce, workers)

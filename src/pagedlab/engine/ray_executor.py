@@ -15,7 +15,7 @@ import os
 
 from pagedlab.config import EngineConfig
 from pagedlab.engine.tensor_parallel import (REPLY_POLL_S, TensorParallelExecutor, TensorParallelWorker,
-                                             death_error, free_port, rank_device)
+                                             config_for_workers, death_error, free_port, rank_device)
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -24,8 +24,8 @@ class RayWorkerActor:
     """One rank in a Ray actor (wrapped by ``ray.remote`` when the backend starts). On a GPU node
     Ray makes the bundle's GPU the only visible one, so the rank's device is index 0."""
 
-    def start(self, rank: int, world_size: int, init_method: str, config: EngineConfig) -> int:
-        self.worker = TensorParallelWorker(rank, world_size, init_method, config,
+    def start(self, rank: int, world_size: int, init_method: str, config: EngineConfig, hf_config) -> int:
+        self.worker = TensorParallelWorker(rank, world_size, init_method, config, hf_config,
                                            rank_device(config.device, 0))
         return os.getpid()
 
@@ -39,7 +39,7 @@ class RayWorkerActor:
 class RayWorkers(TensorParallelExecutor):
     """Ranks 1..N-1 as Ray actors, seen from rank 0."""
 
-    def __init__(self, config: EngineConfig, world_size: int):
+    def __init__(self, config: EngineConfig, hf_config, world_size: int):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -70,7 +70,8 @@ class RayWorkers(TensorParallelExecutor):
             actor = actor_class.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
                                         scheduling_strategy=strategy).remote()
             self.actors.append(actor)
-            self._replies.append((rank, actor.start.remote(rank, world_size, self.init_method, config)))
+            self._replies.append((rank, actor.start.remote(rank, world_size, self.init_method,
+                                                           config_for_workers(config), hf_config)))
         self._starting = True
 
     def send(self, kind: str, payload=None) -> None:

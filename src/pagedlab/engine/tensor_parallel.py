@@ -160,15 +160,16 @@ def death_error(rank: int, where: str, reason: str = "") -> RuntimeError:
 class TensorParallelWorkers(TensorParallelExecutor):
     """The "mp" backend: ranks 1..N-1 as spawned processes of this host, each behind a pipe."""
 
-    def __init__(self, config: EngineConfig, world_size: int):
+    def __init__(self, config: EngineConfig, hf_config, world_size: int):
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        config = config_for_workers(config)
         context = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.process.BaseProcess] = []
         self.connections: list[Connection] = []
         for rank in range(1, world_size):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=run_worker, name=f"pagedlab-tp-rank{rank}", daemon=True,
-                                      args=(rank, world_size, self.init_method, config, child_end))
+                                      args=(rank, world_size, self.init_method, config, hf_config, child_end))
             process.start()
             child_end.close()
             self.processes.append(process)
@@ -247,12 +248,12 @@ class TensorParallelWorker:
     # the commands whose result rank 0 collects
     REPLIED = frozenset({"configure", "load_weights", "sleep", "wake_weights"})
 
-    def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
+    def __init__(self, rank: int, world_size: int, init_method: str, config: EngineConfig, hf_config,
                  device: torch.device):
         baseline = join_tensor_parallel(world_size, rank, device, init_method,
                                         not config.disable_custom_all_reduce)
         try:
-            self.runner = load_worker_runner(config, device, baseline)
+            self.runner = load_worker_runner(config, hf_config, device, baseline)
         except BaseException:
             destroy_tensor_parallel()
             raise
@@ -280,14 +281,15 @@ class TensorParallelWorker:
         destroy_tensor_parallel()
 
 
-def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfig,
+def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfig, hf_config,
                connection: Connection) -> None:
     """A worker process's whole life: start, then serve rank 0's commands until told to close or
     until rank 0 is gone (its pipe closes). Ctrl-C is rank 0's to handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = None
     try:
-        worker = TensorParallelWorker(rank, world_size, init_method, config, rank_device(config.device, rank))
+        worker = TensorParallelWorker(rank, world_size, init_method, config, hf_config,
+                                      rank_device(config.device, rank))
         connection.send(("ok", None))
         _serve(worker, connection)
     except EOFError:
@@ -300,13 +302,17 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
             worker.close()
 
 
-def load_worker_runner(config: EngineConfig, device: torch.device,
+def load_worker_runner(config: EngineConfig, hf_config, device: torch.device,
                        memory_baseline: MemoryBaseline | None = None) -> ModelRunner:
-    from transformers import AutoConfig
-
+    """This rank's shard, built from rank 0's ``hf_config`` (so every rank builds the same model)."""
     source = resolve_model_source(config.model, config.load_format, config.revision, config.download_dir)
-    hf_config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)  # never repository code
     return load_model_runner(config, source, hf_config, device, memory_baseline)
+
+
+def config_for_workers(config: EngineConfig) -> EngineConfig:
+    """``config`` as the workers get it: its ``hf_overrides`` are already in the HF config they get
+    with it (rank 0's), and a callable one (a lambda) could not be pickled to them."""
+    return dataclasses.replace(config, hf_overrides=None)
 
 
 def _serve(worker: TensorParallelWorker, connection: Connection) -> None:

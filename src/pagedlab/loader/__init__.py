@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,10 +11,13 @@ import torch
 
 from pagedlab.loader.dummy import init_dummy_weights
 from pagedlab.loader.gguf import EMBEDDED_MODELS, convert_gguf, embedded_model_path
+from pagedlab.loader.hf_config import layers_kept, without_layers_from
 from pagedlab.loader.hub import is_hub_id, resolve_hub_model
 from pagedlab.loader.safetensors import iterate_safetensors
 from pagedlab.models.checkpoint import some_names
 from pagedlab.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,7 +100,13 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, device: torch
     if source.load_format == "dummy":
         init_dummy_weights(model, seed, dtype=dtype)
     else:
-        loaded = model.load_weights(iterate_safetensors(source.path))
+        weights = iterate_safetensors(source.path)
+        kept = layers_kept(hf_config, source.path)
+        if kept is not None:
+            logger.info("hf_overrides keeps the first %d layers of %s: the others' weights are not read",
+                        kept, source.path)
+            weights = without_layers_from(weights, kept)
+        loaded = model.load_weights(weights)
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
             raise ValueError(f"the checkpoint in {source.path} lacks weights for: {some_names(missing)}")

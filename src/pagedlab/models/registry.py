@@ -51,15 +51,17 @@ def architecture_of(architectures: list[str] | None, model_type: str | None) -> 
         "a model repository's code: trust_remote_code=True is accepted and adds no architecture")
 
 
-def check_config_file(model_dir) -> None:
+def check_config_file(model_dir, overrides: dict | None = None) -> None:
     """Refuse an unsupported architecture from ``config.json`` itself, before transformers reads it
-    (a model type transformers does not know would otherwise ask for the repository's code)."""
+    (a model type transformers does not know would otherwise ask for the repository's code), with
+    the ``architectures`` / ``model_type`` that ``overrides`` (``hf_overrides``) give it."""
     path = Path(model_dir) / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return  # a missing or malformed file gets the loader's own error
     if isinstance(config, dict):
+        config.update({k: v for k, v in (overrides or {}).items() if k in ("architectures", "model_type")})
         architecture_of(config.get("architectures"), config.get("model_type"))
 
 
