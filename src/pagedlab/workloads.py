@@ -28,6 +28,7 @@ from pagedlab.config import model_max_len
 from pagedlab.family_shapes import FAMILY_SHAPES
 from pagedlab.lab.monitor import THROTTLING_REASONS, GPUMonitor, telemetry_metrics
 from pagedlab.lab.profile import profile_subdir, profiled
+from pagedlab.loader.hf_config import load_hf_config
 from pagedlab.llm import LLM
 from pagedlab.lora import bench as lora_bench
 from pagedlab.lora.request import LoRARequest
@@ -389,8 +390,6 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     row into a directory of its own there (``pagedlab.lab.profile``; the row's ``extra["profile"]``);
     ``lora`` writes random adapters for the model and spreads them over each batch's requests
     (the row's ``extra["lora"]``; on HF through PEFT, unmerged)."""
-    from transformers import AutoConfig
-
     unknown = set(backends) - {"pagedlab", "hf"}
     if unknown:
         raise ValueError(f"backend {sorted(unknown)} is unknown; choose from pagedlab, hf")
@@ -408,7 +407,7 @@ def run_bench(workload_name: str, batch_sizes: list[int], input_len: int, output
     if model is None:
         model = shape_dir(shape or DEFAULT_SHAPES[workload_name])
         engine_args = {"load_format": "dummy", **(engine_args or {})}
-    hf_config = AutoConfig.from_pretrained(model)
+    hf_config = load_hf_config(model, (engine_args or {}).get("hf_overrides"))  # the HF peer's too
     workloads = [make_workload(workload_name, hf_config.vocab_size, bs or 1, input_len, output_len,
                                num_prompts)
                  for bs in sizes]

@@ -337,7 +337,8 @@ def _padding_check(args, prompts, bar) -> repro.CheckResult:
     source = resolve_model_source(args.model, args.load_format, args.revision, args.download_dir)
     return repro.padding_check(str(source.path), hf_prompts,
                                max_tokens=args.max_tokens, attention_mask=args.padding_mask,
-                               logprob_tolerance=args.logprob_tolerance, progress=bar)
+                               logprob_tolerance=args.logprob_tolerance, progress=bar,
+                               hf_overrides=args.hf_overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from pagedlab.lab.repro.common import (DEFAULT_PROMPTS, CheckResult, NoProgress,
 from pagedlab.lab.repro.compare import (check_limit, check_top_k, compare_outputs, first_divergence,
                                         logprob_diff, teacher_forced, top1)
 from pagedlab.loader import resolve_model_source
+from pagedlab.loader.hf_config import load_hf_config
 
 
 def hf_torch_dtype(dtype: str):
@@ -25,9 +26,10 @@ def hf_torch_dtype(dtype: str):
     return getattr(torch, DTYPE_NAMES[dtype])
 
 
-def load_hf_model(model, dtype: str = "float32", device=None):
+def load_hf_model(model, dtype: str = "float32", device=None, hf_overrides=None):
     """A loaded HF model as it is, or one loaded from a pagedlab model name/path (GGUF/embedded
-    models through their converted directory) in ``dtype`` (see ``hf_torch_dtype``)."""
+    models through their converted directory) in ``dtype`` (see ``hf_torch_dtype``), its config
+    changed by ``hf_overrides`` as the engine's is (``EngineConfig.hf_overrides``)."""
     if not isinstance(model, (str, Path)):
         return model
     import torch
@@ -35,8 +37,9 @@ def load_hf_model(model, dtype: str = "float32", device=None):
 
     torch_dtype = hf_torch_dtype(dtype)
     path = resolve_model_source(str(model)).path
+    config = load_hf_config(path, hf_overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype, attn_implementation="sdpa").eval()
+        str(path), config=config, dtype=torch_dtype, attn_implementation="sdpa").eval()
     if device is None or device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return hf.to(device)
@@ -136,17 +139,17 @@ def hf_eos_ids(model) -> set[int]:
 
 def padding_check(model, prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 16,
                   attention_mask: str = "correct", logprob_tolerance: float = 1e-3, dtype: str = "float32",
-                  pad_token_id: int | None = None, progress=None) -> CheckResult:
+                  pad_token_id: int | None = None, progress=None, hf_overrides=None) -> CheckResult:
     """HF transformers ``generate`` (plain greedy, as ``plain_greedy``) on all prompts in one
     left-padded batch vs one prompt at a time. ``attention_mask``: "correct" (zeros on padding)
     or "ones" (the common mistake: padding attended to). Compares greedy tokens (up to EOS) and
     the log-softmax of each step's scores (``max |Δ logprob|`` of the chosen tokens while the
     outputs agree). ``progress`` (see ``NoProgress``) counts the one-at-a-time prompts and the
-    batch."""
+    batch. ``hf_overrides`` changes the model's config first (``EngineConfig.hf_overrides``)."""
     if attention_mask not in ("correct", "ones"):
         raise ValueError(f"attention_mask={attention_mask!r} is invalid: 'correct' or 'ones'")
     check_limit("logprob_tolerance", logprob_tolerance)
-    hf = load_hf_model(model, dtype)
+    hf = load_hf_model(model, dtype, hf_overrides=hf_overrides)
     ids = hf_token_ids(hf, prompts)
     if pad_token_id is None:
         pad_token_id = hf.generation_config.pad_token_id
@@ -238,7 +241,8 @@ def hf_parity(llm, prompts: Sequence = DEFAULT_PROMPTS, hf_model=None, max_token
     check_top_k(k)
     check_limit("logprob_tolerance", logprob_tolerance)
     info = llm.get_engine_info()
-    hf = load_hf_model(hf_model if hf_model is not None else info.model_path, hf_dtype, device=info.device)
+    hf = load_hf_model(hf_model if hf_model is not None else info.model_path, hf_dtype, device=info.device,
+                       hf_overrides=info.config.hf_overrides)  # the engine's model: its config as changed
     ids = encode_all(llm, prompts)
     eos = hf_eos_ids(hf)
     progress = progress if progress is not None else NoProgress()

@@ -23,8 +23,9 @@ def lora_parity(llm, adapter: str, prompts: Sequence = DEFAULT_PROMPTS, max_toke
 
     path = str(Path(adapter).expanduser().resolve())
     request = lora_request(path)
-    hf = PeftModel.from_pretrained(load_hf_model(llm.get_engine_info().model_path, "float32", device="cpu"),
-                                   path).eval()
+    info = llm.get_engine_info()
+    hf = PeftModel.from_pretrained(load_hf_model(info.model_path, "float32", device="cpu",
+                                                 hf_overrides=info.config.hf_overrides), path).eval()
     ids = encode_all(llm, prompts)
     eos = hf_eos_ids(hf)
     progress = progress if progress is not None else NoProgress()
