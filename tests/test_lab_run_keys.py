@@ -258,3 +258,13 @@ def test_trace_decode_token_ids_keeps_earlier_keys():
     sampling, before = {"max_tokens": 4, "temperature": 0.5}, ["d:f60c293d044eb3897d66b56a"]
     assert keys(dataset_spec({**sampling, "trace_decode_token_ids": None})) == before
     assert keys(dataset_spec({**sampling, "trace_decode_token_ids": [3, 4]})) != before
+
+
+def test_hf_overrides_keeps_earlier_keys():
+    """EngineConfig's ``hf_overrides`` came with a default (None): spelt out, a spec keeps the key
+    computed before it existed; set, it is another run."""
+    sampling, before = {"max_tokens": 4, "temperature": 0.5}, ["d:f60c293d044eb3897d66b56a"]
+    assert keys(dataset_spec(sampling, {"hf_overrides": None})) == before
+    assert keys(dataset_spec(sampling, {"hf_overrides": {"num_hidden_layers": 1}})) != before
+    with pytest.raises(ExperimentError, match="hf_overrides=5 is invalid"):
+        keys(dataset_spec(sampling, {"hf_overrides": 5}))

@@ -59,6 +59,18 @@ def test_ray_workers_give_one_process_mp_and_hf_tokens(local_ray, tiny_llama):
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
 
 
+def test_ray_workers_build_the_overridden_model(local_ray, tiny_llama):
+    """hf_overrides reach the actor's shard (rank 0's changed config goes to it): the tokens of one
+    process with the same overrides (HF's: test_hf_overrides), not the checkpoint's."""
+    prompts = random_prompts(2, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cut = {"num_hidden_layers": 1}
+    on_ray = _tokens(tiny_llama.path, prompts, params, tensor_parallel_size=2,
+                     distributed_executor_backend="ray", hf_overrides=cut)
+    assert on_ray == _tokens(tiny_llama.path, prompts, params, hf_overrides=cut)
+    assert on_ray != _tokens(tiny_llama.path, prompts, params)
+
+
 def test_a_killed_ray_worker_is_an_error_naming_it_and_close_leaves_no_actor(local_ray, tiny_llama):
     llm = LLM(tiny_llama.path, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=KV_BYTES,
               distributed_executor_backend="ray")
@@ -100,8 +112,8 @@ def test_a_ray_worker_that_dies_before_the_rendezvous_is_an_error_naming_it(loca
 
     start_workers = engine.start_tensor_parallel_workers
 
-    def start_then_kill_rank1(config, device):
-        workers = start_workers(config, device)
+    def start_then_kill_rank1(config, hf_config, device):
+        workers = start_workers(config, hf_config, device)
         ray.kill(workers.actors[0])
         return workers
 
