@@ -114,7 +114,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._profiled_peaks: dict[tuple, tuple[int, int]] = {}
-        self.sampler = Sampler()
+        self.sampler: Sampler | None = None  # the plan's (its logprobs_mode), set by configure
         # one seed per sampling step for the rows of requests without their own (step_inputs.row_seeds)
         self.step_seeds = np.random.Generator(np.random.PCG64(seed % (1 << 64)))
         self.to_device = HostToDevice(device)
